@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs the checks and the test suite: bootstrap, then ruff + mypy on src/, then pytest.
+# Arguments go to pytest, e.g.  scripts/test.sh -m "not slow" tests/unit -x
+# Works from any directory. SKIP_LINT=1 skips ruff and mypy.
+# Exit status: pytest's when it fails (5 = no tests collected), else 1 if a lint failed.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+bash scripts/bootstrap.sh
+
+VPY="$ROOT/.venv/bin/python"
+lint_failed=()
+
+run_lint() { # run_lint NAME CMD...: run one checker, remember a failure
+    local name=$1 t0=$SECONDS
+    shift
+    if "$@"; then
+        printf 'test.sh: %s ok (%ds)\n' "$name" $((SECONDS - t0)) >&2
+    else
+        printf 'test.sh: %s FAILED (%ds)\n' "$name" $((SECONDS - t0)) >&2
+        lint_failed+=("$name")
+    fi
+}
+
+if [ "${SKIP_LINT:-0}" = 1 ]; then
+    echo "test.sh: lint skipped (SKIP_LINT=1)" >&2
+elif [ -d src ]; then
+    run_lint "ruff check" "$VPY" -m ruff check src
+    run_lint "ruff format" "$VPY" -m ruff format --check src
+    run_lint "mypy" "$VPY" -m mypy src
+else
+    echo "test.sh: no src/ yet; lint skipped" >&2
+fi
+
+rc=0
+"$VPY" -m pytest -p no:cacheprovider "$@" || rc=$?
+
+if [ "$rc" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests (exit 5)" >&2
+fi
+if [ "$rc" -ne 0 ]; then
+    [ "${#lint_failed[@]}" -eq 0 ] || echo "test.sh: also failed: ${lint_failed[*]}" >&2
+    exit "$rc"
+fi
+if [ "${#lint_failed[@]}" -ne 0 ]; then
+    echo "test.sh: tests passed, but failed: ${lint_failed[*]}" >&2
+    exit 1
+fi

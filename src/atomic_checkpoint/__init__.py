@@ -1,0 +1,72 @@
+"""atomic-checkpoint: atomic, race-free, verifiable checkpoints for distributed training.
+
+Importing this package imports no framework (no torch, no fsspec): they are imported
+only when a feature that needs them is used.
+"""
+
+from ._version import __version__
+from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitError,
+    CoordinationTimeoutError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    FencedError,
+    LockError,
+    LockHeldError,
+    RankFailure,
+    ReadOnlyError,
+    ResumeError,
+    SerializationError,
+    StorageError,
+    StorageFullError,
+    StoragePermissionError,
+    UnsafeCheckpointError,
+    UnsupportedSchemaError,
+)
+from .manager import CheckpointManager
+from .manifest import CheckpointInfo
+from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, Pin, RetentionPolicy
+from .storage import LocalStorage, MemoryStorage, Storage, StorageCapabilities
+
+__all__ = [
+    "AnyOf",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "CoordinationTimeoutError",
+    "Coordinator",
+    "CorruptCheckpointError",
+    "DistributedCheckpointError",
+    "FencedError",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "LocalStorage",
+    "LockError",
+    "LockHeldError",
+    "MemoryStorage",
+    "Pin",
+    "RankFailure",
+    "ReadOnlyError",
+    "ResumeError",
+    "RetentionPolicy",
+    "SerializationError",
+    "SingleProcessCoordinator",
+    "Storage",
+    "StorageCapabilities",
+    "StorageError",
+    "StorageFullError",
+    "StoragePermissionError",
+    "TorchDistributedCoordinator",
+    "UnsafeCheckpointError",
+    "UnsupportedSchemaError",
+    "__version__",
+]

@@ -1,0 +1,196 @@
+"""What is committed under a root: discovery and validation of checkpoints.
+
+A name is a checkpoint only if it parses as ``checkpoint-<step>`` (strict) and its
+manifest opens, parses and validates, and every listed file exists with its listed
+size. "Committed?" is decided by *opening* the manifest, never by ``exists()``: on
+network filesystems a renamed-away or deleted name keeps passing ``stat()`` for many
+seconds on other clients, but ``open()`` asks the server (seen on sshfs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
+from .layout import (
+    MANIFEST_NAME,
+    META_DIR,
+    PENDING_DIR,
+    TRASH_DIR,
+    checkpoint_name,
+    parse_checkpoint_name,
+    parse_pending_name,
+)
+from .manifest import Hasher, Manifest
+from .storage.base import Storage
+
+log = logging.getLogger("atomic_checkpoint")
+
+_VERIFY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a root, as ``atomic-checkpoint list`` shows it.
+
+    ``status`` is ``ok`` (a valid checkpoint of this run, or of any run when no run is
+    given), ``corrupt`` (ours, but fails validation), ``pending`` (a save in progress or
+    abandoned), or ``foreign`` (a name or a run we do not own: never counted, never
+    deleted).
+    """
+
+    name: str
+    step: int | None
+    status: str
+    manifest: Manifest | None = None
+    problem: str | None = None
+
+
+def read_manifest(storage: Storage, rel: str) -> Manifest:
+    """Open and parse the manifest of checkpoint directory ``rel``.
+
+    Raises:
+        CheckpointNotFoundError: no manifest (not committed).
+        CorruptCheckpointError: the manifest does not parse or validate.
+    """
+    where = storage.url(rel)
+    data = storage.read_bytes(f"{rel}/{MANIFEST_NAME}")
+    manifest = Manifest.from_json_bytes(data, where=where)
+    expected = parse_checkpoint_name(rel.rsplit("/", 1)[-1])
+    if expected is not None and expected != manifest.step:
+        raise CorruptCheckpointError(
+            f"{where}: manifest says step {manifest.step} but the directory is step {expected}"
+        )
+    return manifest
+
+
+def check_inside(storage: Storage, rel: str, file_rel: str) -> None:
+    """Refuse files that resolve outside their checkpoint (symlinks pointing out)."""
+    base = storage.local_path(rel)
+    if base is None:
+        return
+    target = os.path.realpath(os.path.join(base, *file_rel.split("/")))
+    if os.path.commonpath([os.path.realpath(base), target]) != os.path.realpath(base):
+        raise UnsafeCheckpointError(
+            f"{storage.url(rel)}: file {file_rel!r} resolves outside the checkpoint "
+            f"({target}); refusing to read it"
+        )
+
+
+def validate(
+    storage: Storage,
+    rel: str,
+    manifest: Manifest,
+    *,
+    full: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Check every listed file: inside the checkpoint, present, right size; with
+    ``full``, recompute checksums. ``progress`` is called with bytes verified so far.
+
+    Raises:
+        CorruptCheckpointError: naming the file and what differs.
+    """
+    where = storage.url(rel)
+    done = 0
+    buf = bytearray(_VERIFY_CHUNK) if full else None
+    for entry in manifest.files:
+        check_inside(storage, rel, entry.path)
+        size = storage.size(f"{rel}/{entry.path}")
+        if size is None:
+            raise CorruptCheckpointError(f"{where}: file {entry.path!r} is missing")
+        if size != entry.size_bytes:
+            raise CorruptCheckpointError(
+                f"{where}: file {entry.path!r} is {size} bytes, manifest says {entry.size_bytes}"
+            )
+        if buf is None:
+            continue
+        h = Hasher(manifest.checksum_algorithm)
+        view = memoryview(buf)
+        with storage.open_read(f"{rel}/{entry.path}") as f:
+            while True:
+                n = f.readinto(view)
+                if not n:
+                    break
+                h.update(view[:n])
+                done += n
+                if progress is not None:
+                    progress(done)
+        if h.hexdigest() != entry.checksum:
+            raise CorruptCheckpointError(
+                f"{where}: file {entry.path!r} checksum {h.hexdigest()} does not match the "
+                f"manifest ({entry.checksum}): the file is corrupt"
+            )
+
+
+def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manifest:
+    """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint."""
+    rel = checkpoint_name(step)
+    manifest = read_manifest(storage, rel)
+    validate(storage, rel, manifest, full=full)
+    return manifest
+
+
+def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> list[Entry]:
+    """Every entry of the root with its status, checkpoints ascending by step first."""
+    entries: list[Entry] = []
+    for name in storage.listdir(""):
+        if name in (PENDING_DIR, TRASH_DIR, META_DIR):
+            continue
+        step = parse_checkpoint_name(name)
+        if step is None:
+            entries.append(Entry(name, None, "foreign", problem="not a checkpoint name"))
+            continue
+        try:
+            manifest = read_manifest(storage, name)
+        except CheckpointNotFoundError:
+            entries.append(Entry(name, step, "foreign", problem="no manifest"))
+            continue
+        except CheckpointError as exc:
+            entries.append(Entry(name, step, "corrupt", problem=str(exc)))
+            continue
+        if run_id is not None and manifest.run_id != run_id:
+            entries.append(
+                Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
+            )
+            continue
+        try:
+            validate(storage, name, manifest, full=full)
+        except CheckpointError as exc:
+            entries.append(Entry(name, step, "corrupt", manifest, str(exc)))
+            continue
+        entries.append(Entry(name, step, "ok", manifest))
+    for name in storage.listdir(PENDING_DIR):
+        parsed = parse_pending_name(name)
+        entries.append(
+            Entry(
+                f"{PENDING_DIR}/{name}",
+                parsed[0] if parsed else None,
+                "pending",
+                problem="not committed",
+            )
+        )
+    entries.sort(
+        key=lambda e: (e.status == "pending", e.step if e.step is not None else -1, e.name)
+    )
+    return entries
+
+
+def committed(storage: Storage, *, run_id: str | None, warn: bool = True) -> list[Manifest]:
+    """This run's valid checkpoints, ascending by step; invalid ones are skipped with a
+    warning that says what is wrong (DESIGN invariant 6)."""
+    out = []
+    for e in scan(storage, run_id=run_id):
+        if e.status == "ok" and e.manifest is not None:
+            out.append(e.manifest)
+        elif e.status == "corrupt" and warn:
+            log.warning("skipping %s: %s", storage.url(e.name), e.problem)
+    return out

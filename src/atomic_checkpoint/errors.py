@@ -1,0 +1,220 @@
+"""The exception tree of atomic-checkpoint.
+
+Every error the library raises derives from :class:`CheckpointError`; low-level
+``OSError``\\ s and backend errors are mapped at the storage boundary and chained
+(``raise StorageError(...) from exc``), so callers never need to catch ``OSError``.
+Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still works::
+
+    CheckpointError(Exception)
+    ├── CheckpointNotFoundError(CheckpointError, FileNotFoundError)
+    ├── CheckpointExistsError(CheckpointError, FileExistsError)
+    ├── CorruptCheckpointError(CheckpointError)
+    │   └── UnsafeCheckpointError        path escapes, pickle not allowed
+    ├── UnsupportedSchemaError(CorruptCheckpointError)
+    ├── SerializationError(CheckpointError, TypeError)
+    ├── StorageError(CheckpointError, OSError)
+    │   ├── StorageFullError             ENOSPC, EDQUOT
+    │   └── StoragePermissionError(StorageError, PermissionError)   EACCES, EPERM, EROFS
+    ├── CommitError(CheckpointError)
+    ├── CoordinationTimeoutError(CheckpointError, TimeoutError)
+    ├── DistributedCheckpointError(CheckpointError)   carries every rank's failure
+    ├── LockError(CheckpointError)
+    │   ├── LockHeldError                another live job owns ROOT
+    │   └── FencedError                  this job's token is stale (a zombie)
+    ├── ResumeError(CheckpointError)     asked to resume, nothing valid
+    └── ReadOnlyError(CheckpointError, PermissionError)
+
+All errors are picklable: they cross ranks inside :class:`DistributedCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+from dataclasses import dataclass
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CommitError",
+    "CoordinationTimeoutError",
+    "CorruptCheckpointError",
+    "DistributedCheckpointError",
+    "FencedError",
+    "LockError",
+    "LockHeldError",
+    "RankFailure",
+    "ReadOnlyError",
+    "ResumeError",
+    "SerializationError",
+    "StorageError",
+    "StorageFullError",
+    "StoragePermissionError",
+    "UnsafeCheckpointError",
+    "UnsupportedSchemaError",
+]
+
+
+class CheckpointError(Exception):
+    """Root of every error raised by atomic-checkpoint."""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def,unused-ignore]
+        # Subclasses that take keyword arguments still unpickle: rebuild from args and
+        # restore the instance dict.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls, args, state):  # type: ignore[no-untyped-def,unused-ignore]
+    obj = cls.__new__(cls)
+    Exception.__init__(obj, *args)
+    obj.__dict__.update(state)
+    return obj
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The requested checkpoint (or any checkpoint) does not exist."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A checkpoint for this step is already committed (pass ``overwrite=True``)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint does not match its manifest, or the manifest is invalid."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """Loading would read outside the checkpoint or execute code from it."""
+
+
+class UnsupportedSchemaError(CorruptCheckpointError):
+    """The manifest was written by a newer version of atomic-checkpoint."""
+
+
+class SerializationError(CheckpointError, TypeError):
+    """The state holds an object that cannot be saved safely."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A storage operation failed; ``errno`` and ``filename`` are kept from the cause."""
+
+    def __init__(self, message: str, *, errno: int | None = None, path: str | None = None):
+        CheckpointError.__init__(self, message)
+        self.errno = errno
+        self.filename = path
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):  # type: ignore[no-untyped-def,unused-ignore]
+        # OSError keeps errno/filename in C slots, not in __dict__: pass them explicitly.
+        return (_rebuild_storage, (type(self), str(self), self.errno, self.path))
+
+
+def _rebuild_storage(cls, message, code, path):  # type: ignore[no-untyped-def,unused-ignore]
+    return cls(message, errno=code, path=path)
+
+
+class StorageFullError(StorageError):
+    """No space left (ENOSPC) or quota exceeded (EDQUOT)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """Permission denied, or the filesystem is read-only."""
+
+
+class CommitError(CheckpointError):
+    """The commit could not be completed; the previous checkpoints are untouched."""
+
+
+class CoordinationTimeoutError(CheckpointError, TimeoutError):
+    """Ranks did not arrive at a barrier within the timeout."""
+
+    def __init__(self, message: str, *, missing_ranks: tuple[int, ...] = (), key: str = ""):
+        super().__init__(message)
+        self.missing_ranks = tuple(missing_ranks)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank: shipped to every rank inside the distributed error."""
+
+    rank: int
+    phase: str
+    error_type: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} in phase {self.phase!r}: {self.error_type}: {self.message}"
+
+
+class DistributedCheckpointError(CheckpointError):
+    """One or more ranks failed; every rank raises this same error.
+
+    Attributes:
+        failures: one :class:`RankFailure` per failing rank, ordered by rank.
+        step: the step being saved, when known.
+    """
+
+    def __init__(
+        self, failures: list[RankFailure] | tuple[RankFailure, ...], *, step: int | None = None
+    ):
+        self.failures = tuple(sorted(failures, key=lambda f: f.rank))
+        self.step = step
+        what = f"checkpoint step {step}" if step is not None else "checkpoint operation"
+        lines = "; ".join(str(f) for f in self.failures)
+        super().__init__(
+            f"{what} failed on {len(self.failures)} rank(s): {lines}. "
+            "No partial checkpoint is visible; the previous checkpoints are intact."
+        )
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        return tuple(f.rank for f in self.failures)
+
+
+class LockError(CheckpointError):
+    """Problems with the run lock on ROOT."""
+
+
+class LockHeldError(LockError):
+    """Another live job holds the run lock on ROOT."""
+
+
+class FencedError(LockError):
+    """This job's fencing token is stale: another job took over ROOT."""
+
+
+class ResumeError(CheckpointError):
+    """Asked to resume, but no valid checkpoint was found."""
+
+
+class ReadOnlyError(CheckpointError, PermissionError):
+    """A write was attempted through a read-only manager."""
+
+
+_FULL = {_errno.ENOSPC, getattr(_errno, "EDQUOT", -1)}
+_PERM = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
+
+
+def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
+    """Map an OSError raised by ``action`` on ``path`` to the project's error tree."""
+    code = exc.errno
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if code in _FULL:
+        return StorageFullError(
+            f"{action} {path!r} failed: {reason} (errno {code}). Free space on the "
+            "checkpoint storage or lower retention, then save again.",
+            errno=code,
+            path=path,
+        )
+    if code in _PERM:
+        return StoragePermissionError(
+            f"{action} {path!r} failed: {reason} (errno {code}). Check that the "
+            "checkpoint root is writable by this user and not mounted read-only.",
+            errno=code,
+            path=path,
+        )
+    return StorageError(f"{action} {path!r} failed: {reason} (errno {code})", errno=code, path=path)

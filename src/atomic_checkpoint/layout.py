@@ -1,0 +1,112 @@
+"""Names of checkpoint and pending locations (pure: no I/O).
+
+Layout under a checkpoint root::
+
+    ROOT/
+      checkpoint-<step>/                    a committed checkpoint (rename strategy)
+        checkpoint.manifest.json            the commit record, written last
+        rank-00000.safetensors              per-rank state (or replicated.safetensors)
+        ...                                 files written through ``saving()``
+      .pending/checkpoint-<step>.<attempt>/ a save in progress (never a checkpoint)
+      .trash/checkpoint-<step>.<token>/     un-committed, being deleted
+      .atomic-checkpoint/                   run identity and lock
+
+Steps are parsed with a strict regex: ``checkpoint-007`` and ``checkpoint-1.5`` are not
+ours, and ordering is always by the integer step, never by string or mtime
+(FAILURE_MODES B1, B2).
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+MANIFEST_NAME = "checkpoint.manifest.json"
+PENDING_DIR = ".pending"
+TRASH_DIR = ".trash"
+META_DIR = ".atomic-checkpoint"
+CHECKPOINT_PREFIX = "checkpoint-"
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})$")
+_PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})$")
+
+
+def validate_step(step: object) -> int:
+    """Return ``step`` as an int, or raise TypeError/ValueError saying what is wrong.
+
+    numpy and torch integer scalars are accepted when they convert exactly; bools,
+    floats and strings are not (``"10"`` and ``10.0`` are almost always bugs).
+    """
+    if isinstance(step, (bool, float, str, bytes)):
+        raise TypeError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
+    try:
+        value = int(step)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"step must be a non-negative int, got {type(step).__name__} {step!r}"
+        ) from None
+    if value != step:
+        raise TypeError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
+    if value < 0:
+        raise ValueError(f"step must be a non-negative int, got {value}")
+    if value >= 10**19:
+        raise ValueError(f"step {value} is too large (at most 19 digits)")
+    return value
+
+
+def checkpoint_name(step: int) -> str:
+    """``checkpoint-<step>``, the name the Hugging Face Trainer also resumes from."""
+    return f"{CHECKPOINT_PREFIX}{validate_step(step)}"
+
+
+def parse_checkpoint_name(name: str) -> int | None:
+    """The step of a committed-checkpoint directory name, or None if the name is not ours."""
+    m = _CHECKPOINT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def new_attempt_token() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def pending_name(step: int, attempt: str) -> str:
+    """Name (inside ``.pending/``) of one save attempt of ``step``: unique per attempt."""
+    return f"{checkpoint_name(step)}.{attempt}"
+
+
+def parse_pending_name(name: str) -> tuple[int, str] | None:
+    m = _PENDING_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def rank_state_file(rank: int) -> str:
+    # State files sit at the top of the checkpoint, next to the manifest, so one fsync of
+    # the checkpoint directory makes every entry durable (no per-subdirectory fsyncs).
+    return f"rank-{rank:05d}.safetensors"
+
+
+REPLICATED_STATE_FILE = "replicated.safetensors"
+
+
+def validate_relative_path(path: object) -> str:
+    """Check that a path listed in a manifest stays inside its checkpoint.
+
+    Raises:
+        ValueError: absolute paths, ``..``, backslashes, empty or ``.`` components, NUL.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"file path must be a non-empty string, got {path!r}")
+    if "\x00" in path or "\\" in path:
+        raise ValueError(f"file path {path!r} contains a NUL or a backslash")
+    if path.startswith("/") or re.match(r"^[A-Za-z]:", path):
+        raise ValueError(f"file path {path!r} is absolute")
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise ValueError(f"file path {path!r} has a {part or 'empty'!r} component")
+    return path
+
+
+def join(*parts: str) -> str:
+    """Join storage paths with '/' (storage paths are always '/'-separated)."""
+    return "/".join(p.strip("/") for p in parts if p not in ("", "/"))

@@ -1,0 +1,1393 @@
+"""A training state <-> one safetensors file, exactly and without executing code.
+
+A *state* is a tree of dicts, lists and tuples whose leaves are torch tensors, numpy
+arrays and plain Python values: ``model.state_dict()``, ``optimizer.state_dict()`` (int
+keys), scheduler state, and RNG states (``torch.get_rng_state()``, ``random.getstate()``,
+``numpy.random.get_state()``) in one dict. It is written as one file in the real
+safetensors format, so ``safetensors.safe_open(path, "pt")`` reads every tensor::
+
+    [8 bytes]  little-endian u64 N: length of the JSON header
+    [N bytes]  JSON header, padded with spaces to a multiple of 8:
+               {"__metadata__": {"format": "pt",
+                                 "atomic_checkpoint.format_version": "1",
+                                 "atomic_checkpoint.tree": "<the tree, as JSON>"},
+                "model.fc.weight": {"dtype": "F32", "shape": [4, 3],
+                                    "data_offsets": [0, 48]},
+                ...}
+    [data]     every tensor's bytes, contiguous, in data_offsets order
+
+Tensors are ordered by item size, largest first, so every tensor starts at an offset
+aligned to its item size (safetensors' own rule; ``safe_open`` needs it to view the
+mapped bytes as the dtype). Tensor names are the dotted tree paths
+(``optimizer.state.0.exp_avg``), made unique with a ``#2`` suffix where two paths print
+alike.
+
+The tree (``__metadata__["atomic_checkpoint.tree"]``) is JSON in which every JSON object
+is a tagged node, so nothing is ambiguous::
+
+    null, true, false, "str", 12          None, bool, str, int with |n| < 2**63
+    [node, ...]                           list
+    {"tuple": [node, ...]}                tuple
+    {"dict": [[key, node], ...]}          dict, insertion order kept, any key type below
+    {"odict": [[key, node], ...],         collections.OrderedDict; "attrs" (optional)
+     "attrs": [["name", node], ...]}      keeps instance attributes such as the
+                                          ``_metadata`` of ``Module.state_dict()``
+    {"int": "-0x1f"}                      any other int (hex: exact at any size)
+    {"float": "0x1.8p+1"}                 float via float.hex (nan, inf, -0.0 exact)
+    {"bytes": "<base64>"}                 bytes (and "bytearray")
+    {"size": [2, 3]}                      torch.Size
+    {"dtype": "bfloat16"}                 torch.dtype
+    {"device": "cuda:0"}                  torch.device
+    {"tensor": "<name>"}                  a torch.Tensor stored as entry <name>
+    {"ndarray": "<name>"}                 a numpy.ndarray (+ "byteorder": ">" if big-endian)
+    {"npscalar": "<name>"}                a numpy scalar such as numpy.float32(1.5)
+    {"pickle": "<name>"}                  a pickled object (U8 entry); only written with
+                                          ``allow_pickle=True``, only read with it too
+
+Saving is two-phase so the caller owns I/O and checksums: :func:`plan_state` walks the
+tree without copying data and knows the exact file size; :meth:`StatePlan.iter_chunks`
+then yields the header and zero-copy memoryviews of each tensor's memory. Loading
+(:func:`load_state`) validates the header strictly, then reads each tensor with
+``readinto`` straight into its final memory, or into the caller's existing tensors
+(``into=``), which is the fast path for resume.
+
+Neither torch nor numpy is imported by this module; they are used only when the state
+(or the file) holds their objects.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import math
+import pickle
+import struct
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .errors import (
+    CorruptCheckpointError,
+    SerializationError,
+    UnsafeCheckpointError,
+    UnsupportedSchemaError,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "FORMAT_VERSION",
+    "TREE_METADATA_KEY",
+    "CheckpointHeader",
+    "StatePlan",
+    "load_state",
+    "plan_state",
+    "read_header",
+]
+
+FORMAT_VERSION = 1
+TREE_METADATA_KEY = "atomic_checkpoint.tree"
+VERSION_METADATA_KEY = "atomic_checkpoint.format_version"
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+# safetensors refuses headers above 100 MB (MAX_HEADER_SIZE in its Rust reader); a
+# larger length field is garbage, not a header, and must not drive an allocation.
+MAX_HEADER_BYTES = 100_000_000
+MAX_RANK = 64
+# Real states nest fewer than ten levels; the bound keeps hostile or runaway trees far
+# from Python's recursion limit on both save and load.
+MAX_DEPTH = 200
+# int values inside this range are stored as JSON numbers, others as hex strings:
+# Python 3.11+ refuses to print or parse decimal ints of more than 4300 digits.
+_JSON_INT_LIMIT = 1 << 63
+# Tensors smaller than this are coalesced: one write (or read) syscall per tiny
+# optimizer "step" tensor would dominate the time of a state with thousands of them.
+_SMALL_ENTRY_BYTES = 1 << 16
+_SMALL_BATCH_BYTES = 1 << 20
+
+# safetensors dtype code -> (item size, torch dtype name, numpy dtype name or None).
+# bfloat16 and the float8 formats have no numpy dtype: their bytes are moved through
+# uint8 views and never converted.
+_DTYPES: dict[str, tuple[int, str, str | None]] = {
+    "F64": (8, "float64", "float64"),
+    "F32": (4, "float32", "float32"),
+    "F16": (2, "float16", "float16"),
+    "BF16": (2, "bfloat16", None),
+    "I64": (8, "int64", "int64"),
+    "I32": (4, "int32", "int32"),
+    "I16": (2, "int16", "int16"),
+    "I8": (1, "int8", "int8"),
+    "U64": (8, "uint64", "uint64"),
+    "U32": (4, "uint32", "uint32"),
+    "U16": (2, "uint16", "uint16"),
+    "U8": (1, "uint8", "uint8"),
+    "BOOL": (1, "bool", "bool"),
+    "F8_E4M3": (1, "float8_e4m3fn", None),
+    "F8_E5M2": (1, "float8_e5m2", None),
+    "F8_E4M3FNUZ": (1, "float8_e4m3fnuz", None),
+    "F8_E5M2FNUZ": (1, "float8_e5m2fnuz", None),
+}
+# numpy (kind, item size) -> dtype code; avoids importing numpy to build the table.
+_NUMPY_CODES: dict[tuple[str, int], str] = {
+    ("f", 8): "F64",
+    ("f", 4): "F32",
+    ("f", 2): "F16",
+    ("i", 8): "I64",
+    ("i", 4): "I32",
+    ("i", 2): "I16",
+    ("i", 1): "I8",
+    ("u", 8): "U64",
+    ("u", 4): "U32",
+    ("u", 2): "U16",
+    ("u", 1): "U8",
+    ("b", 1): "BOOL",
+}
+_TORCH_CODES: dict[Any, str] = {}  # torch.dtype -> code, filled on first use
+
+_CONVERT_HINT = (
+    "Convert it to a supported type (torch.Tensor or numpy.ndarray of a supported dtype, "
+    "int, float, bool, str, bytes, None, torch.dtype/device/Size, or a dict/list/tuple "
+    "of these), or pass allow_pickle=True to pickle it (loading then needs "
+    "allow_pickle=True too)"
+)
+
+_MISSING: Any = object()
+
+# One step of a path through the tree: (is_index, key). Lists and tuples give indices,
+# dicts give keys.
+_PathPart = tuple[bool, Any]
+_Path = tuple[_PathPart, ...]
+
+
+def _format_path(path: _Path) -> str:
+    """Render a path the way a user would index the state: ``state['opt'][0]``."""
+    return "state" + "".join(f"[{v}]" if is_index else f"[{v!r}]" for is_index, v in path)
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(
+            "this checkpoint holds torch tensors but torch is not installed: "
+            "pip install 'atomic-checkpoint[torch]'"
+        ) from exc
+    return torch
+
+
+def _import_numpy() -> Any:
+    try:
+        import numpy
+    except ImportError as exc:
+        raise ImportError(
+            "reading or writing tensor bytes needs numpy: pip install 'atomic-checkpoint[torch]'"
+        ) from exc
+    return numpy
+
+
+def _torch_codes(torch: Any) -> dict[Any, str]:
+    if not _TORCH_CODES:
+        for code, (_, torch_name, _) in _DTYPES.items():
+            dtype = getattr(torch, torch_name, None)
+            if dtype is not None:
+                _TORCH_CODES[dtype] = code
+    return _TORCH_CODES
+
+
+def _torch_dtype(torch: Any, code: str) -> Any:
+    dtype = getattr(torch, _DTYPES[code][1], None)
+    if dtype is None:
+        raise CorruptCheckpointError(
+            f"dtype {code} is not available in the installed torch {torch.__version__}; "
+            "upgrade torch to load this checkpoint"
+        )
+    return dtype
+
+
+def _numpy_code(dtype: Any) -> str | None:
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return None
+    return _NUMPY_CODES.get((dtype.kind, dtype.itemsize))
+
+
+def _is_big_endian(dtype: Any) -> bool:
+    return dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder == "big")
+
+
+def _torch_problem(torch: Any, t: Any) -> str | None:
+    """Why tensor ``t`` cannot be stored as raw bytes, or None if it can."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return (
+            f"{type(t).__module__}.{type(t).__qualname__} (a torch.Tensor subclass) is not "
+            "supported; save a plain tensor (e.g. DTensor.full_tensor() or its local shard)"
+        )
+    if t.is_meta:
+        return "a meta tensor holds no data"
+    if t.is_nested or t.layout != torch.strided:
+        return f"a tensor with layout {t.layout} is not supported (call .to_dense())"
+    if t.is_quantized:
+        return f"a quantized tensor ({t.dtype}) is not supported (call .dequantize())"
+    if t.dtype not in _torch_codes(torch):
+        hint = " (use torch.view_as_real())" if t.dtype.is_complex else ""
+        return f"a tensor of dtype {t.dtype} is not supported{hint}"
+    return None
+
+
+def _torch_bytes(torch: Any, t: Any) -> Any:
+    """A 1-D uint8 numpy array over ``t``'s bytes: its own memory when it can be."""
+    t = t.detach()
+    if t.is_neg():
+        t = t.resolve_neg()
+    # Make it contiguous where it lives (a device-side copy for GPU tensors), then bring
+    # it to the host: one temporary per tensor, never one for the whole state.
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return _flat_bytes(torch, t).numpy()
+
+
+def _flat_bytes(torch: Any, t: Any) -> Any:
+    """A 1-D uint8 view of contiguous tensor ``t``'s memory."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # A one-element tensor counts as contiguous whatever its stride (e.g.
+        # ``x[::5][:1]``), and its flat view keeps that stride, which view() rejects.
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
+
+
+def _numpy_bytes(np: Any, a: Any) -> Any:
+    """A 1-D uint8 numpy array over ``a``'s bytes, little-endian, C order."""
+    a = np.asarray(a)
+    if _is_big_endian(a.dtype):
+        a = a.astype(a.dtype.newbyteorder("<"))
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(np.uint8)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One data entry of the file: a tensor, an array or a pickle blob."""
+
+    name: str
+    code: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    kind: str  # "torch" | "numpy" | "blob"
+    source: Any
+
+    @property
+    def size_bytes(self) -> int:
+        return self.end - self.begin
+
+
+def _describe_array(x: Any, where: str) -> tuple[str, str, tuple[int, ...]]:
+    """(kind, dtype code, shape) of a torch tensor or numpy array/scalar, or raise."""
+    mod = type(x).__module__
+    torch = sys.modules.get("torch")
+    if torch is not None and mod.startswith("torch") and isinstance(x, torch.Tensor):
+        problem = _torch_problem(torch, x)
+        if problem is not None:
+            raise SerializationError(f"{where}: {problem}")
+        return "torch", _torch_codes(torch)[x.dtype], tuple(int(d) for d in x.shape)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(x, (np.ndarray, np.generic)):
+        code = _numpy_code(x.dtype)
+        if code is None:
+            raise SerializationError(f"{where}: numpy dtype {x.dtype} is not supported")
+        return "numpy", code, tuple(int(d) for d in x.shape)
+    raise SerializationError(
+        f"{where}: expected a torch.Tensor or numpy.ndarray, got {mod}.{type(x).__qualname__}"
+    )
+
+
+class StatePlan:
+    """A state laid out as one safetensors file, ready to stream. Built by :func:`plan_state`.
+
+    The plan holds references to the state's tensors, not copies: bytes are read from
+    them when :meth:`iter_chunks` runs, so the tensors must not change in between (an
+    async save swaps in its snapshot copies with :meth:`with_tensors`).
+
+    Attributes:
+        total_size_bytes: exact size of the file :meth:`iter_chunks` produces.
+        header_size_bytes: size of the length prefix plus the padded JSON header.
+        tensor_count: number of tensor and array entries (pickle blobs not included).
+    """
+
+    __slots__ = ("_entries", "_header", "header_size_bytes", "tensor_count", "total_size_bytes")
+
+    def __init__(self, header: bytes, entries: tuple[_Entry, ...]):
+        self._header = header
+        self._entries = entries
+        self.header_size_bytes = len(header)
+        self.total_size_bytes = len(header) + (entries[-1].end if entries else 0)
+        self.tensor_count = sum(1 for e in entries if e.kind != "blob")
+
+    def __repr__(self) -> str:
+        return (
+            f"StatePlan(tensor_count={self.tensor_count}, total_size_bytes={self.total_size_bytes})"
+        )
+
+    def tensors(self) -> list[tuple[str, Any]]:
+        """The tensor and array leaves as ``(name, tensor)``, in file order.
+
+        Tied tensors appear once. Pickle blobs are not listed: they were serialized when
+        the plan was made and cannot change.
+        """
+        return [(e.name, e.source) for e in self._entries if e.kind != "blob"]
+
+    def with_tensors(self, replacements: Mapping[str, Any] | Sequence[Any]) -> StatePlan:
+        """A plan with the same header that writes the bytes of ``replacements`` instead.
+
+        Args:
+            replacements: either a mapping from entry name (as in :meth:`tensors`) to a
+                replacement, which may cover only some entries, or a sequence with one
+                replacement per entry of :meth:`tensors`, in that order. A replacement
+                is a torch tensor or numpy array with the same dtype and shape as the
+                entry it replaces; it may live anywhere (pinned host memory, GPU) and
+                need not be contiguous.
+
+        Returns:
+            A new plan; this one is unchanged.
+
+        Raises:
+            SerializationError: a name is unknown, the count is wrong, or a replacement's
+                dtype or shape differs from the entry's.
+        """
+        entries = list(self._entries)
+        index = {e.name: i for i, e in enumerate(entries) if e.kind != "blob"}
+        if isinstance(replacements, Mapping):
+            pairs = list(replacements.items())
+        else:
+            seq = list(replacements)
+            if len(seq) != len(index):
+                raise SerializationError(
+                    f"with_tensors() got {len(seq)} replacements for {len(index)} tensors"
+                )
+            pairs = list(zip(index, seq, strict=True))
+        for name, new in pairs:
+            i = index.get(name)
+            if i is None:
+                raise SerializationError(f"with_tensors(): the plan has no tensor {name!r}")
+            old = entries[i]
+            kind, code, shape = _describe_array(new, f"with_tensors()[{name!r}]")
+            if code != old.code or shape != old.shape:
+                raise SerializationError(
+                    f"with_tensors()[{name!r}]: replacement is {code} of shape {shape}, "
+                    f"the plan has {old.code} of shape {old.shape}"
+                )
+            entries[i] = replace(old, kind=kind, source=new)
+        return StatePlan(self._header, tuple(entries))
+
+    def _entry_bytes(self, entry: _Entry) -> memoryview:
+        if entry.kind == "blob":
+            return memoryview(entry.source)
+        where = f"tensor {entry.name!r}"
+        kind, code, shape = _describe_array(entry.source, where)
+        if code != entry.code or shape != entry.shape:
+            raise SerializationError(
+                f"{where} changed after plan_state(): it is now {code} of shape {shape}, "
+                f"planned as {entry.code} of shape {entry.shape}; plan again after "
+                "changing the state"
+            )
+        np = _import_numpy()
+        if kind == "torch":
+            arr = _torch_bytes(sys.modules["torch"], entry.source)
+        else:
+            arr = _numpy_bytes(np, entry.source)
+        view = memoryview(arr)
+        if view.nbytes != entry.size_bytes:  # pragma: no cover - guarded by the shape check
+            raise SerializationError(f"{where}: {view.nbytes} bytes, planned {entry.size_bytes}")
+        return view
+
+    def iter_chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes | memoryview]:
+        """Yield the whole file, in order, as chunks of at most ``chunk_bytes`` bytes.
+
+        The header comes first, then each tensor's bytes. A contiguous CPU tensor's
+        chunks are zero-copy memoryviews of its memory; a GPU, non-contiguous or
+        big-endian one is copied to a contiguous host temporary first, one tensor at a
+        time. Tensors under 64 KiB are joined into one ``bytes`` chunk so that a state
+        of many tiny tensors does not cost one write per tensor. Each chunk stays valid
+        after the next one is produced (nothing is reused), but chunks that view a
+        tensor's memory change if the tensor does.
+
+        Args:
+            chunk_bytes: upper bound on the size of each chunk; at least 1.
+
+        Raises:
+            ValueError: ``chunk_bytes`` is below 1.
+            SerializationError: a tensor changed dtype or shape since the plan was made.
+        """
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        small_limit = min(chunk_bytes, _SMALL_ENTRY_BYTES)
+        pending: list[memoryview] = []
+        pending_size = 0
+
+        def flush() -> bytes | memoryview:
+            nonlocal pending, pending_size
+            out: bytes | memoryview = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending = []
+            pending_size = 0
+            return out
+
+        def pieces() -> Iterator[memoryview]:
+            yield memoryview(self._header)
+            for entry in self._entries:
+                if entry.size_bytes:
+                    yield self._entry_bytes(entry)
+
+        for piece in pieces():
+            size = piece.nbytes
+            if size < small_limit:
+                if pending_size + size > chunk_bytes:
+                    yield flush()
+                pending.append(piece)
+                pending_size += size
+                continue
+            if pending:
+                yield flush()
+            for start in range(0, size, chunk_bytes):
+                yield piece[start : start + chunk_bytes]
+        if pending:
+            yield flush()
+
+
+class _Planner:
+    """Walks a state once, encoding the tree and collecting the data entries."""
+
+    def __init__(self, *, allow_pickle: bool):
+        self.allow_pickle = allow_pickle
+        self.entries: list[_Entry] = []
+        self.names: set[str] = {"__metadata__"}
+        self.by_id: dict[int, str] = {}  # id of a leaf in the state -> entry name
+        self.by_view: dict[tuple[Any, ...], str] = {}  # identical views -> entry name
+        self.active: set[int] = set()  # containers on the current path (cycle check)
+        self.has_torch = False
+
+    # -- leaves ------------------------------------------------------------------------
+
+    def _name(self, path: _Path) -> str:
+        parts = []
+        for is_index, value in path:
+            plain = is_index or type(value) is str or type(value) is int
+            parts.append(str(value) if plain else repr(value))
+        base = ".".join(parts) or "state"
+        # Lone surrogates cannot appear in a header that serde_json (safetensors' reader)
+        # accepts, so they are written as their backslash escapes.
+        base = base.encode("utf-8", "backslashreplace").decode("utf-8")
+        name, n = base, 1
+        while name in self.names:
+            n += 1
+            name = f"{base}#{n}"
+        self.names.add(name)
+        return name
+
+    def _add(self, path: _Path, code: str, shape: tuple[int, ...], kind: str, src: Any) -> str:
+        size = math.prod(shape) * _DTYPES[code][0]
+        name = self._name(path)
+        self.entries.append(_Entry(name, code, shape, 0, size, kind, src))
+        return name
+
+    def _pickle(self, x: Any, path: _Path, what: str) -> dict[str, Any]:
+        try:
+            blob = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise SerializationError(
+                f"cannot save {_format_path(path)}: {what} is not supported and pickling "
+                f"it failed ({type(exc).__name__}: {exc}); convert it to a supported type"
+            ) from exc
+        return {"pickle": self._add(path, "U8", (len(blob),), "blob", blob)}
+
+    def _unsupported(
+        self, x: Any, path: _Path, what: str, name_path: _Path | None = None
+    ) -> dict[str, Any]:
+        if self.allow_pickle:
+            return self._pickle(x, path if name_path is None else name_path, what)
+        raise SerializationError(
+            f"cannot save {_format_path(path)}: {what} is not supported. {_CONVERT_HINT}."
+        )
+
+    def _tensor(self, torch: Any, x: Any, path: _Path) -> dict[str, Any]:
+        name = self.by_id.get(id(x))
+        if name is not None:
+            return {"tensor": name}
+        problem = _torch_problem(torch, x)
+        if problem is not None:
+            return self._unsupported(x, path, problem)
+        self.has_torch = True
+        key = None
+        if x.numel() > 0:
+            # Distinct empty tensors all report data_ptr 0; they are never merged.
+            key = ("torch", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x.is_neg())
+            name = self.by_view.get(key)
+        if name is None:
+            code = _torch_codes(torch)[x.dtype]
+            name = self._add(path, code, tuple(int(d) for d in x.shape), "torch", x)
+            if key is not None:
+                self.by_view[key] = name
+        self.by_id[id(x)] = name
+        return {"tensor": name}
+
+    def _numpy(self, np: Any, x: Any, path: _Path) -> dict[str, Any] | None:
+        is_array = type(x) is np.ndarray or isinstance(x, np.memmap)
+        if not is_array and not isinstance(x, np.generic):
+            return None
+        tag = "ndarray" if is_array else "npscalar"
+        node: dict[str, Any] = {tag: ""}
+        if is_array and _is_big_endian(x.dtype):
+            node["byteorder"] = ">"
+        name = self.by_id.get(id(x))
+        if name is None:
+            code = _numpy_code(x.dtype)
+            if code is None:
+                what = f"numpy.{type(x).__name__} of dtype {x.dtype}"
+                return self._unsupported(x, path, what)
+            key = None
+            if is_array and x.size > 0:
+                iface = x.__array_interface__
+                key = ("numpy", iface["data"][0], x.shape, x.strides, x.dtype.str)
+                name = self.by_view.get(key)
+            if name is None:
+                name = self._add(path, code, tuple(int(d) for d in x.shape), "numpy", x)
+                if key is not None:
+                    self.by_view[key] = name
+            self.by_id[id(x)] = name
+        node[tag] = name
+        return node
+
+    # -- tree --------------------------------------------------------------------------
+
+    def encode(self, x: Any, path: _Path, depth: int) -> Any:
+        t = type(x)
+        if x is None or t is bool or t is str:
+            return x
+        if t is int:
+            return x if -_JSON_INT_LIMIT < x < _JSON_INT_LIMIT else {"int": hex(x)}
+        if t is float:
+            return {"float": x.hex()}
+        if t is bytes:
+            return {"bytes": base64.b64encode(x).decode("ascii")}
+        if t is bytearray:
+            return {"bytearray": base64.b64encode(x).decode("ascii")}
+        if t is list or t is tuple or t is dict or t is collections.OrderedDict:
+            return self._container(x, path, depth)
+        mod = t.__module__
+        if mod.startswith("torch"):
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                if isinstance(x, torch.Tensor):
+                    return self._tensor(torch, x, path)
+                if t is torch.Size:
+                    return {"size": [int(d) for d in x]}
+                if t is torch.dtype:
+                    return {"dtype": str(x).removeprefix("torch.")}
+                if t is torch.device:
+                    return {"device": str(x)}
+        elif mod == "numpy" or mod.startswith("numpy."):
+            np = sys.modules.get("numpy")
+            if np is not None:
+                node = self._numpy(np, x, path)
+                if node is not None:
+                    return node
+        return self._unsupported(x, path, f"an object of type {mod}.{t.__qualname__}")
+
+    def _container(self, x: Any, path: _Path, depth: int) -> Any:
+        if depth >= MAX_DEPTH:
+            raise SerializationError(
+                f"cannot save {_format_path(path)}: the state nests deeper than {MAX_DEPTH} "
+                "levels; flatten it"
+            )
+        if id(x) in self.active:
+            raise SerializationError(
+                f"cannot save {_format_path(path)}: the {type(x).__name__} contains itself "
+                "(a reference cycle); break the cycle"
+            )
+        self.active.add(id(x))
+        try:
+            if type(x) is list:
+                return [self.encode(v, (*path, (True, i)), depth + 1) for i, v in enumerate(x)]
+            if type(x) is tuple:
+                items = [self.encode(v, (*path, (True, i)), depth + 1) for i, v in enumerate(x)]
+                return {"tuple": items}
+            pairs = [
+                [self._key(k, path), self.encode(v, (*path, (False, k)), depth + 1)]
+                for k, v in x.items()
+            ]
+            if type(x) is dict:
+                return {"dict": pairs}
+            node: dict[str, Any] = {"odict": pairs}
+            attrs = getattr(x, "__dict__", None)
+            if attrs:
+                node["attrs"] = [
+                    [self._attr_name(a, path), self.encode(v, (*path, (False, a)), depth + 1)]
+                    for a, v in attrs.items()
+                ]
+            return node
+        finally:
+            self.active.discard(id(x))
+
+    def _key(self, k: Any, path: _Path) -> Any:
+        t = type(k)
+        if k is None or t in (bool, str, int, float, bytes):
+            return self.encode(k, path, 0)
+        if t is tuple:
+            return {"tuple": [self._key(e, path) for e in k]}
+        what = f"a dict key of type {t.__module__}.{t.__qualname__} ({k!r:.60})"
+        return self._unsupported(k, path, what, (*path, (True, "key")))
+
+    @staticmethod
+    def _attr_name(name: Any, path: _Path) -> str:
+        if not _is_safe_attr(name):
+            raise SerializationError(
+                f"cannot save {_format_path(path)}: OrderedDict attribute {name!r} cannot be "
+                "restored safely; delete it or convert the OrderedDict to a dict"
+            )
+        return str(name)
+
+
+def _is_safe_attr(name: Any) -> bool:
+    # Restoring an attribute must never shadow an OrderedDict method or touch a dunder
+    # (``__class__``): only plain data attributes such as ``_metadata`` round-trip.
+    return (
+        type(name) is str
+        and name.isidentifier()
+        and not name.startswith("__")
+        and not hasattr(collections.OrderedDict, name)
+    )
+
+
+def plan_state(state: Any, *, allow_pickle: bool = False) -> StatePlan:
+    """Lay out ``state`` as one safetensors file without copying any tensor data.
+
+    Args:
+        state: the tree to save: dicts (any key of type str, int, float, bool, None,
+            bytes or tuple), OrderedDicts, lists and tuples of torch tensors, numpy
+            arrays and scalars, int, float, bool, None, str, bytes, torch.dtype,
+            torch.device and torch.Size. The same tensor object, or two tensors that are
+            the same view of the same memory, are stored once and loaded as one object.
+        allow_pickle: pickle objects that are otherwise unsupported into a blob entry,
+            instead of raising. The file then needs ``allow_pickle=True`` to load.
+
+    Returns:
+        The plan; stream it with :meth:`StatePlan.iter_chunks`.
+
+    Raises:
+        SerializationError: the state holds something that cannot be saved safely (its
+            message names the path, e.g. ``state['optimizer']['param_groups'][0]['foo']``,
+            and the type), nests too deeply, contains a cycle, or its structure
+            needs a header larger than safetensors allows (100 MB).
+    """
+    planner = _Planner(allow_pickle=allow_pickle)
+    tree = planner.encode(state, (), 0)
+    # Largest item size first keeps every tensor aligned to its item size, because all
+    # earlier tensors' byte lengths are multiples of it (and the header is padded to 8).
+    ordered = sorted(planner.entries, key=lambda e: -_DTYPES[e.code][0])
+    header_doc: dict[str, Any] = {
+        "__metadata__": {
+            "format": "pt" if planner.has_torch else "np",
+            VERSION_METADATA_KEY: str(FORMAT_VERSION),
+            TREE_METADATA_KEY: json.dumps(tree, separators=(",", ":"), allow_nan=False),
+        }
+    }
+    entries = []
+    offset = 0
+    for e in ordered:
+        entries.append(replace(e, begin=offset, end=offset + e.size_bytes))
+        header_doc[e.name] = {
+            "dtype": e.code,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.size_bytes],
+        }
+        offset += e.size_bytes
+    raw = json.dumps(header_doc, separators=(",", ":")).encode("ascii")
+    raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise SerializationError(
+            f"the state's structure needs a {len(raw)}-byte header, above the "
+            f"{MAX_HEADER_BYTES}-byte safetensors limit; store large non-tensor data "
+            "(e.g. long lists of numbers) as tensors or arrays"
+        )
+    return StatePlan(struct.pack("<Q", len(raw)) + raw, tuple(entries))
+
+
+# -- loading ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointHeader:
+    """The validated header of a state file, as :func:`read_header` returns it.
+
+    Attributes:
+        tensors: entry name -> (safetensors dtype code such as ``"BF16"``, shape), in
+            file order. Pickle blobs are ``U8`` entries referenced by ``pickle`` nodes.
+        tree: the state's structure in the tagged JSON form described in this module's
+            docstring, or None for a safetensors file written by another tool.
+        metadata: the other ``__metadata__`` entries (str -> str).
+        header_size_bytes: the length prefix plus the JSON header.
+        data_size_bytes: bytes of tensor data after the header.
+    """
+
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+    tree: Any
+    metadata: dict[str, str]
+    header_size_bytes: int
+    data_size_bytes: int
+
+
+@dataclass(frozen=True)
+class _Header:
+    entries: tuple[_Entry, ...]  # file order; source unused
+    metadata: dict[str, str]
+    tree: Any
+    data_start: int
+
+
+def _strict_json(text: str, what: str) -> Any:
+    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ValueError(f"duplicate key {key!r:.80}")
+            out[key] = value
+        return out
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs_hook, parse_constant=no_constants)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{what} is not valid JSON: {exc}") from exc
+
+
+def _read_upto(f: Any, n: int) -> bytes:
+    parts = []
+    while n > 0:
+        got = f.read(n)
+        if not got:
+            break
+        parts.append(got)
+        n -= len(got)
+    return b"".join(parts)
+
+
+def _file_size(f: Any) -> int | None:
+    try:
+        import os
+
+        return int(os.fstat(f.fileno()).st_size)
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        size = int(f.seek(0, 2))
+    except (AttributeError, OSError, ValueError):
+        return None
+    return size
+
+
+def _parse_header(f: Any, size_bytes: int | None) -> _Header:
+    size = _file_size(f) if size_bytes is None else size_bytes
+    f.seek(0)
+    prefix = _read_upto(f, 8)
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(
+            f"truncated: the file has {len(prefix)} bytes, fewer than the 8-byte header length"
+        )
+    (n,) = struct.unpack("<Q", prefix)
+    if n < 2 or n > MAX_HEADER_BYTES:
+        raise CorruptCheckpointError(
+            f"header length {n} is outside 2..{MAX_HEADER_BYTES}: not a safetensors file, "
+            "or its first 8 bytes are corrupt"
+        )
+    if size is not None and 8 + n > size:
+        raise CorruptCheckpointError(
+            f"header length {n} runs past the end of the {size}-byte file: truncated or corrupt"
+        )
+    raw = _read_upto(f, n)
+    if len(raw) < n:
+        raise CorruptCheckpointError(
+            f"truncated: the header should be {n} bytes, the file ends after {len(raw)}"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"header is not UTF-8: {exc}") from exc
+    doc = _strict_json(text, "header")
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"header is a JSON {type(doc).__name__}, not an object")
+    meta = doc.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError("header __metadata__ is not a map of str to str")
+    entries = []
+    for name, info in doc.items():
+        entries.append(_parse_entry(name, info))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    position = 0
+    previous = None
+    for e in entries:
+        if e.begin < position:
+            raise CorruptCheckpointError(
+                f"tensor {e.name!r} data_offsets [{e.begin}, {e.end}] overlap tensor "
+                f"{previous!r}, which ends at {position}"
+            )
+        if e.begin > position:
+            raise CorruptCheckpointError(
+                f"tensor {e.name!r} starts at {e.begin}, leaving a gap after byte {position}: "
+                "safetensors data must be contiguous"
+            )
+        position = e.end
+        previous = e.name
+    data_start = 8 + n
+    if size is not None and data_start + position != size:
+        held = size - data_start
+        if held < position:
+            raise CorruptCheckpointError(
+                f"truncated: the header lists {position} bytes of tensor data, "
+                f"the file holds {held}"
+            )
+        raise CorruptCheckpointError(
+            f"{held - position} unexpected bytes after the tensor data (file of {size} bytes)"
+        )
+    version = meta.get(VERSION_METADATA_KEY)
+    if version is not None:
+        if not version.isdigit():
+            raise CorruptCheckpointError(f"format version {version!r} is not an integer")
+        if int(version) > FORMAT_VERSION:
+            raise UnsupportedSchemaError(
+                f"the state file has format version {version}, this atomic-checkpoint reads "
+                f"up to {FORMAT_VERSION}; upgrade atomic-checkpoint to load it"
+            )
+    tree_json = meta.pop(TREE_METADATA_KEY, None)
+    tree = None if tree_json is None else _strict_json(tree_json, "the state tree")
+    return _Header(tuple(entries), meta, tree, data_start)
+
+
+def _parse_entry(name: str, info: Any) -> _Entry:
+    where = f"tensor {name!r}"
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise CorruptCheckpointError(
+            f"{where}: entry must be an object with exactly dtype, shape and data_offsets"
+        )
+    code = info["dtype"]
+    if not isinstance(code, str) or code not in _DTYPES:
+        raise CorruptCheckpointError(f"{where}: unknown dtype {code!r}")
+    shape = info["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise CorruptCheckpointError(f"{where}: shape must be a list of at most {MAX_RANK} sizes")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise CorruptCheckpointError(f"{where}: shape {shape} must hold non-negative ints")
+    offsets = info["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: data_offsets {offsets} must be [begin, end] with 0 <= begin <= end"
+        )
+    begin, end = offsets
+    expected = math.prod(shape) * _DTYPES[code][0]
+    if expected != end - begin:
+        raise CorruptCheckpointError(
+            f"{where}: shape {shape} of {code} needs {expected} bytes but data_offsets "
+            f"[{begin}, {end}] span {end - begin}"
+        )
+    return _Entry(name, code, tuple(shape), begin, end, "", None)
+
+
+class _Loader:
+    """Decodes a tree and reads its entries.
+
+    The tree is walked twice: ``collect`` validates every node, matches tensor leaves
+    with ``into`` and records where each entry's bytes go, so the data can then be read
+    in one sequential pass in file order; ``build`` constructs the state.
+    """
+
+    def __init__(self, header: _Header, *, allow_pickle: bool, device: Any, for_load: bool):
+        self.entries = {e.name: e for e in header.entries}
+        self.allow_pickle = allow_pickle
+        self.device = device
+        self.for_load = for_load  # False: only validate (read_header), import nothing
+        self.building = False
+        self.kinds: dict[str, tuple[str, bool]] = {}  # name -> (leaf tag, big-endian)
+        self.targets: dict[str, list[Any]] = {}  # name -> into tensors, in walk order
+        self.leaf_targets: list[Any] = []  # per tensor leaf, in walk order
+        self.leaf_index = 0
+        self.values: dict[str, Any] = {}  # name -> loaded object
+        self.torch: Any = None
+        self.np: Any = None
+
+    def walk(self, node: Any, into: Any) -> None:
+        self.building = False
+        self.walk_node(node, into, (), 0)
+
+    def build(self, node: Any, into: Any) -> Any:
+        self.building = True
+        self.leaf_index = 0
+        return self.walk_node(node, into, (), 0)
+
+    # -- nodes -------------------------------------------------------------------------
+
+    def corrupt(self, path: _Path, message: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"state tree at {_format_path(path)}: {message}")
+
+    def walk_node(self, node: Any, into: Any, path: _Path, depth: int) -> Any:
+        t = type(node)
+        if node is None or t is bool or t is str or t is int:
+            return node
+        if depth >= MAX_DEPTH:
+            raise self.corrupt(path, f"nests deeper than {MAX_DEPTH} levels")
+        if t is list:
+            return self.sequence(node, into, path, depth, list)
+        if t is not dict or not node:
+            raise self.corrupt(path, f"unexpected JSON {t.__name__} {node!r:.60}")
+        tag = next(iter(node))
+        allowed = {"ndarray": {"ndarray", "byteorder"}, "odict": {"odict", "attrs"}}
+        if not set(node) <= allowed.get(tag, {tag}):
+            raise self.corrupt(path, f"unexpected fields {sorted(node)} in a {tag!r} node")
+        value = node[tag]
+        if tag == "tuple":
+            return self.sequence(self.expect(value, list, path, tag), into, path, depth, tuple)
+        if tag in ("dict", "odict"):
+            return self.mapping(node, tag, into, path, depth)
+        if tag in ("tensor", "ndarray", "npscalar", "pickle"):
+            return self.leaf(node, tag, into, path)
+        return self.scalar(tag, value, path)
+
+    def expect(self, value: Any, t: type, path: _Path, tag: str) -> Any:
+        if type(value) is not t:
+            raise self.corrupt(path, f"a {tag!r} node needs a JSON {t.__name__}, got {value!r:.60}")
+        return value
+
+    def scalar(self, tag: str, value: Any, path: _Path) -> Any:
+        try:
+            if tag == "int":
+                return int(self.expect(value, str, path, tag), 16)
+            if tag == "float":
+                return float.fromhex(self.expect(value, str, path, tag))
+            if tag in ("bytes", "bytearray"):
+                data = base64.b64decode(self.expect(value, str, path, tag), validate=True)
+                return data if tag == "bytes" else bytearray(data)
+        except ValueError as exc:  # binascii.Error is a ValueError
+            raise self.corrupt(path, f"bad {tag!r} value {value!r:.60}: {exc}") from exc
+        if tag == "size":
+            dims = self.expect(value, list, path, tag)
+            if not all(type(d) is int for d in dims):
+                raise self.corrupt(path, f"torch.Size {dims!r:.60} must hold ints")
+            return self.torch_value(lambda torch: torch.Size(dims))
+        if tag == "dtype":
+            name = self.expect(value, str, path, tag)
+
+            def to_dtype(torch: Any) -> Any:
+                dtype = getattr(torch, name, None)
+                if not isinstance(dtype, torch.dtype):
+                    raise self.corrupt(path, f"{name!r} is not a torch dtype")
+                return dtype
+
+            return self.torch_value(to_dtype)
+        if tag == "device":
+            spec = self.expect(value, str, path, tag)
+
+            def to_device(torch: Any) -> Any:
+                try:
+                    return torch.device(spec)
+                except (RuntimeError, ValueError) as exc:
+                    raise self.corrupt(path, f"bad torch device {spec!r:.60}") from exc
+
+            return self.torch_value(to_device)
+        raise self.corrupt(path, f"unknown node tag {tag!r:.60}")
+
+    def torch_value(self, make: Any) -> Any:
+        # Validation alone (read_header) must work without torch; only a load that
+        # builds a torch object needs it.
+        if not self.for_load:
+            return None
+        if self.torch is None:
+            self.torch = _import_torch()
+        return make(self.torch)
+
+    def sequence(self, items: list[Any], into: Any, path: _Path, depth: int, t: type) -> Any:
+        has_into = isinstance(into, (list, tuple))
+        out = []
+        for i, item in enumerate(items):
+            sub = into[i] if has_into and i < len(into) else _MISSING
+            out.append(self.walk_node(item, sub, (*path, (True, i)), depth + 1))
+        return t(out) if self.building else None
+
+    def pairs(self, value: Any, path: _Path, tag: str) -> list[Any]:
+        self.expect(value, list, path, tag)
+        for pair in value:
+            if type(pair) is not list or len(pair) != 2:
+                raise self.corrupt(path, f"{tag!r} items must be [key, value] pairs")
+        return value
+
+    def mapping(self, node: dict[str, Any], tag: str, into: Any, path: _Path, depth: int) -> Any:
+        out: dict[Any, Any] = {} if tag == "dict" else collections.OrderedDict()
+        has_into = isinstance(into, Mapping)
+        for raw_key, raw_value in self.pairs(node[tag], path, tag):
+            key = self.key(raw_key, path)
+            try:
+                sub = into.get(key, _MISSING) if has_into else _MISSING
+                duplicate = key in out
+            except TypeError as exc:
+                raise self.corrupt(path, f"dict key {key!r:.60} is not hashable") from exc
+            if duplicate:
+                raise self.corrupt(path, f"dict key {key!r:.60} appears twice")
+            out[key] = self.walk_node(raw_value, sub, (*path, (False, key)), depth + 1)
+        if "attrs" in node:
+            for name, raw_value in self.pairs(node["attrs"], path, "attrs"):
+                if not _is_safe_attr(name):
+                    raise self.corrupt(path, f"OrderedDict attribute {name!r:.60} is not allowed")
+                sub = getattr(into, name, _MISSING) if has_into else _MISSING
+                value = self.walk_node(raw_value, sub, (*path, (False, name)), depth + 1)
+                if self.building:
+                    setattr(out, name, value)
+        return out if self.building else None
+
+    def key(self, raw: Any, path: _Path) -> Any:
+        t = type(raw)
+        if raw is None or t in (bool, str, int):
+            return raw
+        if t is dict and len(raw) == 1:
+            tag, value = next(iter(raw.items()))
+            if tag == "tuple":
+                return tuple(self.key(k, path) for k in self.expect(value, list, path, tag))
+            if tag in ("int", "float", "bytes"):
+                return self.scalar(tag, value, path)
+            if tag == "pickle":
+                if self.building:
+                    return self.leaf(raw, tag, _MISSING, path)
+                # Validate now; a unique placeholder keeps distinct pickled keys apart.
+                self.leaf(raw, tag, _MISSING, path)
+                return object()
+        raise self.corrupt(path, f"unsupported dict key {raw!r:.60}")
+
+    # -- leaves ------------------------------------------------------------------------
+
+    def leaf(self, node: dict[str, Any], tag: str, into: Any, path: _Path) -> Any:
+        name = node[tag]
+        entry = self.entries.get(name) if type(name) is str else None
+        if entry is None:
+            raise self.corrupt(path, f"refers to entry {name!r:.80}, which the header lacks")
+        if self.building:
+            return self.built_leaf(tag, name, into)
+        big = node.get("byteorder") == ">"
+        if node.get("byteorder", ">") != ">":
+            raise self.corrupt(path, f"unknown byteorder {node['byteorder']!r:.20}")
+        if self.kinds.setdefault(name, (tag, big)) != (tag, big):
+            raise self.corrupt(path, f"entry {name!r} is referenced as two different kinds")
+        if tag == "pickle":
+            if entry.code != "U8" or len(entry.shape) != 1:
+                raise self.corrupt(path, f"pickle entry {name!r} must be 1-D U8")
+            if self.for_load and not self.allow_pickle:
+                raise UnsafeCheckpointError(
+                    f"{_format_path(path)} is a pickled object (entry {name!r}); unpickling "
+                    "can run arbitrary code from the file, so it is refused. Pass "
+                    "allow_pickle=True only if you trust where this checkpoint came from"
+                )
+            return None
+        if tag != "tensor" and _DTYPES[entry.code][2] is None:
+            raise self.corrupt(path, f"entry {name!r} of {entry.code} cannot be a numpy array")
+        if tag == "npscalar" and entry.shape:
+            raise self.corrupt(path, f"numpy scalar entry {name!r} must have shape []")
+        target = None
+        if self.for_load:
+            if tag == "tensor" and self.torch is None:
+                self.torch = _import_torch()
+            if tag != "tensor" and self.np is None:
+                self.np = _import_numpy()
+            if tag != "npscalar" and into is not _MISSING:
+                target = self.match(tag, entry, big, into, path)
+            if target is not None:
+                self.targets.setdefault(name, []).append(target)
+        self.leaf_targets.append(target)
+        return None
+
+    def built_leaf(self, tag: str, name: str, into: Any) -> Any:
+        if tag == "pickle":
+            try:
+                return pickle.loads(self.values[name])
+            except Exception as exc:
+                raise CorruptCheckpointError(
+                    f"unpickling entry {name!r} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+        target = self.leaf_targets[self.leaf_index]
+        self.leaf_index += 1
+        return self.values[name] if target is None else target
+
+    def match(self, tag: str, entry: _Entry, big: bool, into: Any, path: _Path) -> Any:
+        """The ``into`` array to fill for this leaf, None to allocate, or raise."""
+        torch = sys.modules.get("torch")
+        np = sys.modules.get("numpy")
+        is_tensor = torch is not None and isinstance(into, torch.Tensor)
+        is_array = np is not None and isinstance(into, np.ndarray)
+        if not is_tensor and not is_array:
+            return None
+        if is_array and not into.flags.writeable:
+            return None  # e.g. an array over bytes: cannot be filled, so load a new one
+        want = (
+            f"{entry.code} {'tensor' if tag == 'tensor' else 'numpy array'} of shape {entry.shape}"
+        )
+        if is_tensor:
+            ok = (
+                tag == "tensor"
+                and _torch_problem(torch, into) is None
+                and into.dtype == _torch_dtype(torch, entry.code)
+                and tuple(into.shape) == entry.shape
+            )
+            have = f"a tensor of {into.dtype} and shape {tuple(into.shape)}"
+        else:
+            ok = (
+                tag == "ndarray"
+                and _numpy_code(into.dtype) == entry.code
+                and _is_big_endian(into.dtype) == big
+                and tuple(into.shape) == entry.shape
+            )
+            have = f"a numpy array of {into.dtype} and shape {tuple(into.shape)}"
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{_format_path(path)}: the checkpoint holds a {want} but into= has {have}; "
+                "load into a state of the same structure (same model and optimizer "
+                "configuration), or load without into="
+            )
+        return into
+
+    # -- data --------------------------------------------------------------------------
+
+    def allocate(self, tag: str, entry: _Entry, big: bool) -> Any:
+        if tag == "tensor":
+            torch = self.torch
+            device = self.device if self.device is not None else "cpu"
+            return torch.empty(entry.shape, dtype=_torch_dtype(torch, entry.code), device=device)
+        dtype = self.np.dtype(_DTYPES[entry.code][2])
+        if big:
+            dtype = dtype.newbyteorder(">")
+        return self.np.empty(entry.shape, dtype=dtype)
+
+    def direct_view(self, dest: Any) -> memoryview | None:
+        """A writable byte view of ``dest``'s memory, if bytes can be read straight in."""
+        torch = self.torch
+        if torch is not None and isinstance(dest, torch.Tensor):
+            if dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_neg():
+                return None
+            return memoryview(_flat_bytes(torch, dest).numpy())
+        if dest.flags.c_contiguous and not _is_big_endian(dest.dtype):
+            return memoryview(dest.reshape(-1).view(self.np.uint8))
+        return None
+
+    def store(self, entry: _Entry, fill: Any) -> None:
+        """Put the entry's bytes, produced by ``fill(view)``, where they belong."""
+        if entry.name not in self.kinds:  # not referenced by the tree: skip its bytes
+            fill(None)
+            return
+        tag, big = self.kinds[entry.name]
+        if tag == "pickle":
+            buf = bytearray(entry.size_bytes)
+            fill(memoryview(buf))
+            self.values[entry.name] = buf
+            return
+        targets = self.targets.get(entry.name, [])
+        dest = targets[0] if targets else self.allocate(tag, entry, big)
+        if entry.size_bytes:
+            view = self.direct_view(dest)
+            if view is not None:
+                fill(view)
+            else:
+                # GPU, non-contiguous or big-endian destinations: read into a host
+                # temporary of this one tensor, then let torch/numpy copy it over.
+                tmp = self.allocate(tag, entry, False) if tag != "tensor" else None
+                if tmp is None:
+                    tmp = self.torch.empty(entry.shape, dtype=dest.dtype)
+                fill(self.direct_view(tmp))
+                self.assign(dest, tmp)
+        for other in targets[1:]:
+            if not _same_memory(other, dest):
+                self.assign(other, dest)
+        self.values[entry.name] = dest[()] if tag == "npscalar" else dest
+
+    def assign(self, dest: Any, src: Any) -> None:
+        torch = self.torch
+        if torch is not None and isinstance(dest, torch.Tensor):
+            with torch.no_grad():
+                dest.copy_(src)
+        else:
+            dest[...] = src
+
+    def read_data(self, f: Any, header: _Header) -> None:
+        entries = header.entries
+        position = header.data_start
+        f.seek(position)
+        i = 0
+        while i < len(entries):
+            entry = entries[i]
+            if entry.size_bytes >= _SMALL_ENTRY_BYTES:
+                if entry.name not in self.kinds:
+                    i += 1
+                    continue
+                start = header.data_start + entry.begin
+                if position != start:
+                    f.seek(start)
+                self.store(entry, lambda view, e=entry: _readinto_exact(f, view, e, header))
+                position = header.data_start + entry.end
+                i += 1
+                continue
+            # A run of small entries: one read into a scratch buffer, then copies.
+            j = i
+            total = 0
+            while (
+                j < len(entries)
+                and entries[j].size_bytes < _SMALL_ENTRY_BYTES
+                and total + entries[j].size_bytes <= _SMALL_BATCH_BYTES
+            ):
+                total += entries[j].size_bytes
+                j += 1
+            start = header.data_start + entry.begin
+            if position != start:
+                f.seek(start)
+            scratch = memoryview(bytearray(total))
+            _readinto_exact(f, scratch, entry, header)
+            position = start + total
+            for e in entries[i:j]:
+                chunk = scratch[e.begin - entry.begin : e.end - entry.begin]
+                self.store(e, lambda view, c=chunk: None if view is None else _copy_into(view, c))
+            i = j
+
+
+def _copy_into(view: memoryview, chunk: memoryview) -> None:
+    view[:] = chunk
+
+
+def _readinto_exact(f: Any, view: memoryview | None, entry: _Entry, header: _Header) -> None:
+    if view is None:
+        return
+    done = 0
+    total = view.nbytes
+    while done < total:
+        got = f.readinto(view[done:])
+        if not got:
+            at = header.data_start + entry.begin + done
+            raise CorruptCheckpointError(
+                f"truncated: the file ends at byte {at}, inside tensor {entry.name!r} "
+                f"(data_offsets [{entry.begin}, {entry.end}])"
+            )
+        done += got
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if type(a).__module__.startswith("torch") and type(b).__module__.startswith("torch"):
+        return bool(
+            a.device == b.device
+            and a.data_ptr() == b.data_ptr()
+            and a.stride() == b.stride()
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+        )
+    if hasattr(a, "__array_interface__") and hasattr(b, "__array_interface__"):
+        ia, ib = a.__array_interface__, b.__array_interface__
+        return bool(
+            ia["data"] == ib["data"]
+            and a.shape == b.shape
+            and a.strides == b.strides
+            and a.dtype == b.dtype
+        )
+    return False
+
+
+def _flat_tree(header: _Header) -> Any:
+    # A safetensors file from another writer: load it as a flat dict of tensors (numpy
+    # arrays when torch is missing and the dtype allows).
+    use_torch = True
+    try:
+        _import_torch()
+    except ImportError:
+        use_torch = False
+    pairs = []
+    for e in header.entries:
+        tag = "tensor" if use_torch or _DTYPES[e.code][2] is None else "ndarray"
+        pairs.append([e.name, {tag: e.name}])
+    return {"dict": pairs}
+
+
+def read_header(fileobj: Any, *, size_bytes: int | None = None) -> CheckpointHeader:
+    """Read and validate a state file's header without reading tensor data.
+
+    Imports neither torch nor numpy; meant for ``atomic-checkpoint inspect``.
+
+    Args:
+        fileobj: a binary file object with ``read`` and ``seek``, positioned anywhere.
+        size_bytes: the file's size, if known (e.g. from the manifest); otherwise it is
+            taken from ``fstat`` or by seeking to the end.
+
+    Returns:
+        The tensors, tree and metadata of the file.
+
+    Raises:
+        CorruptCheckpointError: the header or tree is malformed or inconsistent.
+        UnsupportedSchemaError: the file was written by a newer format version.
+    """
+    header = _parse_header(fileobj, size_bytes)
+    if header.tree is not None:
+        _Loader(header, allow_pickle=True, device=None, for_load=False).walk(header.tree, _MISSING)
+    return CheckpointHeader(
+        tensors={e.name: (e.code, e.shape) for e in header.entries},
+        tree=header.tree,
+        metadata=dict(header.metadata),
+        header_size_bytes=header.data_start,
+        data_size_bytes=header.entries[-1].end if header.entries else 0,
+    )
+
+
+def load_state(
+    fileobj: Any,
+    *,
+    allow_pickle: bool = False,
+    into: Any = None,
+    device: Any = None,
+    size_bytes: int | None = None,
+) -> Any:
+    """Load a state written through :func:`plan_state`, exactly as it was saved.
+
+    The header is validated before any data is read. Every tensor is allocated once
+    (``torch.empty``/``numpy.empty``) and filled with ``readinto`` directly into its
+    memory, in one sequential pass over the file. Tensors that were one object (or the
+    same view) when saved are one object again. A plain safetensors file from another
+    writer loads as a flat dict of tensors.
+
+    Args:
+        fileobj: a binary file object with ``readinto``, ``read`` and ``seek``, the
+            state file starting at offset 0; an unbuffered ``open(path, "rb",
+            buffering=0)`` is fastest. ``OSError`` from it propagates unchanged.
+        allow_pickle: unpickle objects that were saved with ``allow_pickle=True``.
+            Unpickling runs code from the file: only for files you trust.
+        into: an existing state of the same structure (e.g. ``{"model":
+            model.state_dict(), ...}``). Each saved tensor whose path holds a tensor or
+            array in ``into`` is read straight into it, in place, and that object is
+            returned at that path; this is the fast path for resuming. Paths that are
+            missing from ``into`` get new tensors.
+        device: where new torch tensors are placed (e.g. ``"cuda:0"``); bytes are read
+            through a host temporary of one tensor at a time. Tensors filled through
+            ``into`` stay where they are.
+        size_bytes: the file's size, if known, to bound the header before reading it.
+
+    Returns:
+        The state: new containers in the saved structure, holding the loaded tensors.
+
+    Raises:
+        CorruptCheckpointError: the file is truncated, malformed or inconsistent, or a
+            tensor in ``into`` has a different dtype or shape (the message names the path).
+        UnsafeCheckpointError: the file holds a pickled object and ``allow_pickle`` is False.
+        UnsupportedSchemaError: the file was written by a newer format version.
+        ImportError: the file holds torch tensors and torch is not installed.
+    """
+    header = _parse_header(fileobj, size_bytes)
+    tree = header.tree if header.tree is not None else _flat_tree(header)
+    loader = _Loader(header, allow_pickle=allow_pickle, device=device, for_load=True)
+    root_into = _MISSING if into is None else into
+    loader.walk(tree, root_into)
+    loader.read_data(fileobj, header)
+    return loader.build(tree, root_into)

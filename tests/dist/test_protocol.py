@@ -1,0 +1,141 @@
+"""The commit protocol across real processes with real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from atomic_checkpoint import CheckpointManager, catalog
+from atomic_checkpoint._faults import SAVE_PHASES
+from atomic_checkpoint.layout import PENDING_DIR
+from tests.dist import workers
+from tests.dist.launcher import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+
+
+def _assert_all_ok(results):
+    for r in results:
+        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
+
+
+def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_ranks(workers.w_roundtrip, 4, str(root), [10, 20, 30], tmp_dir=str(tmp_path))
+    _assert_all_ok(results)
+    values = [r.value for r in results]
+    # Every rank returns the same CheckpointInfo for every step.
+    assert all(v["infos"] == values[0]["infos"] for v in values)
+    assert [i[0] for i in values[0]["infos"]] == [10, 20, 30]
+    assert [i[4] for i in values[0]["infos"]] == [1, 2, 3]  # commit sequence numbers
+    assert all(v["restore_ok"] and v["replicated_ok"] for v in values)
+    assert all(v["latest"] == 31 for v in values)
+    # Phase timings are reported.
+    assert {"write", "fsync", "gather", "commit", "total"} <= set(values[0]["timings"][0])
+    # On disk: 4 rank files per per-rank checkpoint, one file for the replicated one.
+    reader = CheckpointManager(root, read_only=True)
+    steps = [c.step for c in reader.checkpoints()]
+    assert steps == [10, 20, 30, 31]
+    assert sorted(os.listdir(root / "checkpoint-10")) == [
+        "checkpoint.manifest.json", *[f"rank-{r:05d}.safetensors" for r in range(4)]]
+    assert sorted(os.listdir(root / "checkpoint-31")) == [
+        "checkpoint.manifest.json", "replicated.safetensors"]
+    assert os.listdir(root / PENDING_DIR) == []
+    for s in steps:
+        reader.verify(s)
+
+
+def test_files_mode_collects_files_of_every_rank(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_ranks(workers.w_files_mode, 3, str(root), 5, tmp_dir=str(tmp_path))
+    _assert_all_ok(results)
+    assert {r.value["path"] for r in results} == {str(root / "checkpoint-5")}
+    # The block ran in the pending directory, never in the final one.
+    assert all(PENDING_DIR in r.value["pending"] for r in results)
+    m = catalog.load_checkpoint(CheckpointManager(root, read_only=True).storage, 5, full=True)
+    assert sorted(f.path for f in m.files) == [
+        "config.json", "shard-0.bin", "shard-1.bin", "shard-2.bin", "sub/nested.txt"]
+    assert (root / "checkpoint-5" / "shard-2.bin").read_bytes() == bytes([2]) * 1002
+
+
+@pytest.mark.parametrize("bad_rank", [0, 2])
+def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
+    root = tmp_path / "ckpt"
+    results = run_ranks(workers.w_bad_state_on, 4, str(root), bad_rank, 8, tmp_dir=str(tmp_path))
+    _assert_all_ok(results)
+    values = [r.value for r in results]
+    assert {v["error_type"] for v in values} == {"DistributedCheckpointError"}
+    assert all(v["failed_ranks"] == (bad_rank,) for v in values)
+    assert len({v["message"] for v in values}) == 1
+    msg = values[0]["message"]
+    assert f"rank {bad_rank}" in msg and "prepare" in msg and "weird" in msg
+    # The previous checkpoint is intact and nothing of the failed save is listed.
+    assert all(v["listed"] == [7] for v in values)
+    assert os.listdir(root / PENDING_DIR) == []
+
+
+def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
+    root = tmp_path / "ckpt"
+    env = {"ATOMIC_CHECKPOINT_FAULTS": "before_write@3=hang:5"}
+    results = run_ranks(workers.w_hang_one, 4, str(root), 5, 3.0, tmp_dir=str(tmp_path),
+                        env=env, timeout_s=12)
+    assert results[3].exitcode is None  # still hanging at the deadline: killed by us
+    for r in results[:3]:
+        assert r.ok, r.error_text
+        assert r.value["error_type"] == "CoordinationTimeoutError"
+        assert r.value["missing"] == (3,)
+        assert "did not arrive" in r.value["message"]
+        assert r.value["elapsed"] < 3.0 + 5.0
+    reader = CheckpointManager(root, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [4]
+    assert os.listdir(root / PENDING_DIR) == []
+
+
+def _kill_trial(tmp_path, phase: str, rank: int, world: int = 4):
+    root = tmp_path / f"ckpt-{phase}-{rank}"
+    env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@{rank}=kill:3"}
+    results = run_ranks(workers.w_save_steps, world, str(root), [1, 2, 3, 4], None, 4.0,
+                        tmp_dir=str(tmp_path), env=env, timeout_s=40)
+    assert results[rank].killed, f"rank {rank} was not killed at {phase}"
+    # No surviving rank may report success for step 3.
+    for r in results:
+        if r.rank != rank and r.ok:
+            pytest.fail(f"rank {r.rank} completed all saves although rank {rank} died")
+    return root
+
+
+# (phase, rank): the coordinator passes every phase; other ranks only those they run.
+KILL_POINTS = [(p, 0) for p in SAVE_PHASES] + [
+    (p, r) for r in (1, 3) for p in ("before_write", "mid_write", "after_write", "during_broadcast")
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("phase", "rank"), KILL_POINTS, ids=[f"{p}@{r}" for p, r in KILL_POINTS])
+def test_sigkill_at_every_phase_leaves_only_complete_checkpoints(tmp_path, phase, rank):
+    from atomic_checkpoint.layout import checkpoint_name, rank_state_file
+    from atomic_checkpoint.serialization import load_state
+
+    root = _kill_trial(tmp_path, phase, rank)
+    # Whatever is discoverable right after the crash is complete.
+    for e in catalog.scan(CheckpointManager(root, read_only=True).storage):
+        assert e.status in ("ok", "pending"), e
+    # The restarted job's coordinator sweeps pending data; latest() restores exactly.
+    mgr = CheckpointManager(root)
+    assert os.listdir(root / PENDING_DIR) == []
+    steps = [c.step for c in mgr.checkpoints()]
+    # The commit of step 3 happens at the rename: a kill before it loses step 3 (and
+    # only step 3), a kill after it does not.
+    committed_3 = phase in ("after_rename", "during_broadcast")
+    assert steps == ([1, 2, 3] if committed_3 else [1, 2])
+    latest = mgr.latest()
+    assert latest is not None and latest.step == steps[-1]
+    mgr.verify(latest.step)
+    for r in range(4):
+        with mgr.storage.open_read(f"{checkpoint_name(latest.step)}/{rank_state_file(r)}") as f:
+            state = load_state(f)
+        assert workers.states_equal(state, workers.make_state(latest.step, r, big_elems=1 << 15))
+    # And the job goes on: the next save of the killed step commits.
+    mgr.save(3, {"x": 1}, overwrite=committed_3)
+    assert mgr.latest().step == 3

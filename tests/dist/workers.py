@@ -1,0 +1,136 @@
+"""Functions that run inside each rank of a test job (see ``launcher.run_ranks``).
+
+States are deterministic functions of (step, rank), so any process can rebuild what a
+checkpoint must contain and compare it bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from atomic_checkpoint import CheckpointManager, KeepLast
+
+
+def make_state(step: int, rank: int, *, n_big: int = 2, big_elems: int = 1 << 16) -> dict[str, Any]:
+    """A model + optimizer + scheduler + RNG shaped state, unique per (step, rank)."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    model = {f"layer{i}.weight": torch.randn(big_elems, generator=g) for i in range(n_big)}
+    model["emb.weight"] = torch.randn(64, 8, generator=g).to(torch.bfloat16)
+    model["mask"] = torch.rand(17, generator=g) > 0.5
+    model["counts"] = torch.randint(0, 1 << 40, (5,), generator=g, dtype=torch.int64)
+    optim = {
+        "state": {i: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(4, generator=g)}
+                  for i in range(3)},
+        "param_groups": [{"lr": 0.001 * (rank + 1), "betas": (0.9, 0.999), "params": [0, 1, 2]}],
+    }
+    rng = random.Random(step * 7 + rank)
+    return {
+        "model": model,
+        "optimizer": optim,
+        "scheduler": {"last_epoch": step, "_last_lr": [0.001]},
+        "rng": {"python": rng.getstate(), "torch": g.get_state()},
+        "step": step,
+        "rank": rank,
+        "name": f"rank{rank}-step{step}",
+    }
+
+
+def replicated_state(step: int) -> dict[str, Any]:
+    return {"config": {"hidden": 8, "step": step}, "w": torch.arange(step + 10, dtype=torch.float32)}
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a.keys()) == list(b.keys()) and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def w_roundtrip(rank: int, world: int, root: str, steps: list[int]) -> dict[str, Any]:
+    """Save per-rank and replicated checkpoints; restore and compare each."""
+    mgr = CheckpointManager(root, timeout_s=30)
+    infos = []
+    for s in steps:
+        info = mgr.save(s, make_state(s, rank), metrics={"loss": 1.0 / (s + 1)})
+        infos.append(info)
+    rep = mgr.save(max(steps) + 1, replicated_state(max(steps) + 1), replicated=True)
+    ok = all(states_equal(mgr.restore(s), make_state(s, rank)) for s in steps)
+    rep_ok = states_equal(mgr.restore(rep.step), replicated_state(rep.step))
+    latest = mgr.latest()
+    mgr.close()
+    return {
+        "infos": [(i.step, i.path, i.size_bytes, i.run_id, i.commit_seq) for i in infos],
+        "timings": [dict(i.timings_s) for i in infos],
+        "restore_ok": ok,
+        "replicated_ok": rep_ok,
+        "latest": latest.step if latest else None,
+    }
+
+
+def w_files_mode(rank: int, world: int, root: str, step: int) -> dict[str, Any]:
+    """Every rank writes its own files into the pending directory of ``saving()``."""
+    mgr = CheckpointManager(root, timeout_s=30)
+    with mgr.saving(step, metrics={"eval_loss": 0.5}) as d:
+        (d / f"shard-{rank}.bin").write_bytes(bytes([rank]) * (1000 + rank))
+        if rank == 0:
+            (d / "config.json").write_text('{"a": 1}')
+            (d / "sub").mkdir()
+            (d / "sub" / "nested.txt").write_text("hello")
+        seen_pending = str(d)
+    info = mgr.last_saved
+    mgr.close()
+    return {"step": info.step if info else None, "path": info.path if info else None,
+            "pending": seen_pending}
+
+
+def w_save_steps(rank: int, world: int, root: str, steps: list[int], keep_last: int | None,
+                 timeout_s: float) -> dict[str, Any]:
+    """Save ``steps`` in order (used with fault injection); report what completed."""
+    mgr = CheckpointManager(root, timeout_s=timeout_s,
+                            retention=KeepLast(keep_last) if keep_last else None)
+    done = []
+    for s in steps:
+        mgr.save(s, make_state(s, rank, n_big=2, big_elems=1 << 15))
+        done.append(s)
+    mgr.close()
+    return {"done": done}
+
+
+def w_bad_state_on(rank: int, world: int, root: str, bad_rank: int, step: int) -> dict[str, Any]:
+    """One rank holds an unsupported object: every rank must raise the same error."""
+    mgr = CheckpointManager(root, timeout_s=20)
+    mgr.save(step - 1, make_state(step - 1, rank, big_elems=64))
+    state = make_state(step, rank, big_elems=64)
+    if rank == bad_rank:
+        state["optimizer"]["weird"] = object()
+    try:
+        mgr.save(step, state)
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc),
+                "failed_ranks": getattr(exc, "failed_ranks", None),
+                "listed": [c.step for c in mgr.checkpoints()]}
+    return {"error_type": None}
+
+
+def w_hang_one(rank: int, world: int, root: str, step: int, timeout_s: float) -> dict[str, Any]:
+    """Run with ATOMIC_CHECKPOINT_FAULTS=before_write@<r>=hang: the others must time out."""
+    mgr = CheckpointManager(root, timeout_s=timeout_s)
+    mgr.save(step - 1, make_state(step - 1, rank, big_elems=64))
+    import time
+
+    t = time.monotonic()
+    try:
+        mgr.save(step, make_state(step, rank, big_elems=64))
+    except Exception as exc:
+        return {"error_type": type(exc).__name__, "message": str(exc),
+                "missing": getattr(exc, "missing_ranks", None), "elapsed": time.monotonic() - t}
+    return {"error_type": None}

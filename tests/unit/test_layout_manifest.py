@@ -1,0 +1,198 @@
+"""Pure pieces: names, steps, manifest schema, error tree."""
+
+from __future__ import annotations
+
+import errno
+import json
+import pickle
+
+import pytest
+
+from atomic_checkpoint import errors
+from atomic_checkpoint.layout import (
+    checkpoint_name,
+    parse_checkpoint_name,
+    parse_pending_name,
+    pending_name,
+    validate_relative_path,
+    validate_step,
+)
+from atomic_checkpoint.manifest import FileEntry, Hasher, Manifest, check_metrics
+
+
+@pytest.mark.parametrize(
+    "name,step",
+    [
+        ("checkpoint-0", 0),
+        ("checkpoint-9", 9),
+        ("checkpoint-10", 10),
+        ("checkpoint-100000", 100000),
+    ],
+)
+def test_checkpoint_names_parse(name, step):
+    assert parse_checkpoint_name(name) == step
+    assert checkpoint_name(step) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "checkpoint-007",
+        "checkpoint-1.5",
+        "checkpoint--1",
+        "checkpoint-",
+        "tmp-checkpoint-5",
+        "checkpoint-5.tmp",
+        "Checkpoint-5",
+        "checkpoint-5 ",
+        "checkpoint-1e3",
+        "checkpoint-٣",
+    ],
+)
+def test_foreign_names_are_not_checkpoints(name):
+    assert parse_checkpoint_name(name) is None
+
+
+def test_pending_names_round_trip_and_are_unique_per_attempt():
+    a, b = pending_name(5, "0123456789abcdef"), pending_name(5, "fedcba9876543210")
+    assert a != b
+    assert parse_pending_name(a) == (5, "0123456789abcdef")
+    assert parse_checkpoint_name(a) is None  # a pending name is never a checkpoint
+
+
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (-1, ValueError),
+        (1.0, TypeError),
+        ("10", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+        (10**19, ValueError),
+        (2.5, TypeError),
+    ],
+)
+def test_bad_steps_are_rejected_clearly(bad, exc):
+    with pytest.raises(exc, match="step"):
+        validate_step(bad)
+
+
+def test_numpy_and_torch_integer_steps_are_accepted():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    assert validate_step(np.int64(7)) == 7
+    assert validate_step(torch.tensor(8)) == 8
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "../x",
+        "/etc/passwd",
+        "a/../../b",
+        "a//b",
+        "./a",
+        "a\\b",
+        "C:/x",
+        "",
+        "a/\x00",
+        "a/./b",
+    ],
+)
+def test_manifest_paths_that_escape_are_rejected(path):
+    with pytest.raises(ValueError):
+        validate_relative_path(path)
+
+
+def _manifest(**kw):
+    base = dict(
+        step=3,
+        run_id="r",
+        commit_seq=1,
+        world_size=2,
+        files=(FileEntry("rank-00000.safetensors", 10, "ab", 0),),
+        state_kind="per_rank",
+        metrics={"loss": 0.5},
+        metadata={"k": [1, 2]},
+    )
+    base.update(kw)
+    return Manifest(**base)
+
+
+def test_manifest_round_trips():
+    m = _manifest()
+    back = Manifest.from_json_bytes(m.to_json_bytes())
+    assert back == m
+    assert back.size_bytes == 10
+
+
+def _mutate(fn):
+    doc = json.loads(_manifest().to_json_bytes())
+    fn(doc)
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    "mutation,exc,match",
+    [
+        (lambda d: d.update(schema_version=99), errors.UnsupportedSchemaError, "newer"),
+        (lambda d: d.pop("files"), errors.CorruptCheckpointError, "files"),
+        (
+            lambda d: d["files"][0].update(path="../../etc/passwd"),
+            errors.UnsafeCheckpointError,
+            "refusing",
+        ),
+        (lambda d: d["files"][0].update(path="/abs"), errors.UnsafeCheckpointError, "absolute"),
+        (lambda d: d["files"][0].update(size=1 << 60), errors.CorruptCheckpointError, "absurd"),
+        (lambda d: d["files"][0].update(size=-1), errors.CorruptCheckpointError, "absurd"),
+        (lambda d: d["files"].append(dict(d["files"][0])), errors.CorruptCheckpointError, "twice"),
+        (lambda d: d.update(format="other"), errors.CorruptCheckpointError, "not an atomic"),
+        (lambda d: d.update(step="3"), errors.CorruptCheckpointError, "step"),
+        (lambda d: d.update(checksum_algorithm="md5"), errors.UnsupportedSchemaError, "md5"),
+        (lambda d: d["metrics"].update(loss="low"), errors.CorruptCheckpointError, "metric"),
+        (lambda d: d.update(world_size=0), errors.CorruptCheckpointError, "world_size"),
+    ],
+)
+def test_invalid_manifests_raise_precise_errors(mutation, exc, match):
+    with pytest.raises(exc, match=match):
+        Manifest.from_json_bytes(_mutate(mutation))
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"[]", b"\xff\xfe", b"null"])
+def test_garbage_manifests_are_corrupt(data):
+    with pytest.raises(errors.CorruptCheckpointError):
+        Manifest.from_json_bytes(data)
+
+
+def test_hashers_are_streaming_and_distinct():
+    a, b = Hasher("xxh3_64"), Hasher("xxh3_64")
+    a.update(b"hello world")
+    b.update(b"hello ")
+    b.update(memoryview(b"world"))
+    assert a.hexdigest() == b.hexdigest()
+    c = Hasher("crc32")
+    c.update(b"hello world")
+    assert c.hexdigest() == "0d4a1185"
+
+
+def test_metrics_must_be_finite_numbers():
+    assert check_metrics({"a": 1}) == {"a": 1.0}
+    with pytest.raises(ValueError, match="finite"):
+        check_metrics({"a": float("nan")})
+    with pytest.raises(TypeError, match="number"):
+        check_metrics({"a": "x"})
+
+
+def test_errors_pickle_and_keep_their_fields():
+    failure = errors.RankFailure(2, "write", "StorageFullError", "disk full")
+    e = errors.DistributedCheckpointError([failure], step=5)
+    back = pickle.loads(pickle.dumps(e))
+    assert back.failures == (failure,) and back.step == 5 and str(back) == str(e)
+    t = errors.CoordinationTimeoutError("late", missing_ranks=(3,), key="k")
+    assert pickle.loads(pickle.dumps(t)).missing_ranks == (3,)
+    s = errors.map_os_error(OSError(errno.ENOSPC, "No space left on device"), "write", "/x")
+    assert isinstance(s, errors.StorageFullError) and isinstance(s, OSError)
+    back_s = pickle.loads(pickle.dumps(s))
+    assert back_s.errno == errno.ENOSPC and back_s.path == "/x"
+    assert isinstance(errors.map_os_error(OSError(errno.EROFS, "ro"), "w", "/x"), PermissionError)
+    assert isinstance(errors.CheckpointNotFoundError("x"), FileNotFoundError)

@@ -1,0 +1,834 @@
+"""State <-> safetensors file: exact round trips, safety, and strict header validation.
+
+A resume that silently changes a value (an int key turned into a str, a tuple into a
+list, a NaN into None, tied weights untied) or that loads a torn file is the failure
+this module exists to prevent; each test pins one of those down.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import math
+import pickle
+import random
+import struct
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from atomic_checkpoint.errors import (
+    CorruptCheckpointError,
+    SerializationError,
+    UnsafeCheckpointError,
+    UnsupportedSchemaError,
+)
+from atomic_checkpoint.serialization import (
+    TREE_METADATA_KEY,
+    StatePlan,
+    load_state,
+    plan_state,
+    read_header,
+)
+
+safetensors = pytest.importorskip("safetensors")
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def save(path: Path, state: Any, **kwargs: Any) -> StatePlan:
+    plan = plan_state(state, **kwargs)
+    with open(path, "wb", buffering=0) as f:
+        for chunk in plan.iter_chunks():
+            f.write(chunk)
+    assert path.stat().st_size == plan.total_size_bytes
+    return plan
+
+
+def load(path: Path, **kwargs: Any) -> Any:
+    with open(path, "rb", buffering=0) as f:
+        return load_state(f, **kwargs)
+
+
+def roundtrip(state: Any, **kwargs: Any) -> Any:
+    plan = plan_state(state, allow_pickle=kwargs.pop("allow_pickle_save", False))
+    buf = io.BytesIO()
+    for chunk in plan.iter_chunks(chunk_bytes=kwargs.pop("chunk_bytes", 1 << 20)):
+        buf.write(chunk)
+    assert buf.tell() == plan.total_size_bytes
+    buf.seek(0)
+    return load_state(buf, **kwargs)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return bytes(t.detach().clone().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    """Strict structural equality: same types, same container kinds, same bits."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape}"
+        assert tensor_bytes(a) == tensor_bytes(b), f"{path}: tensor bytes differ"
+    elif isinstance(a, (np.ndarray, np.generic)):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{a.shape}"
+        assert a.tobytes() == b.tobytes(), f"{path}: array bytes differ"
+    elif isinstance(a, float):
+        assert a.hex() == b.hex(), f"{path}: {a!r} != {b!r}"
+    elif isinstance(a, dict):
+        assert len(a) == len(b), f"{path}: {len(a)} keys != {len(b)} keys"
+        for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True):
+            assert_same(ka, kb, f"{path} key")
+            assert_same(va, vb, f"{path}[{ka!r}]")
+        if isinstance(a, collections.OrderedDict):
+            assert_same(dict(vars(a)), dict(vars(b)), f"{path} attributes")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def training_state() -> tuple[dict[str, Any], torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        model(torch.randn(5, 8)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    cuda_rng = (
+        torch.cuda.get_rng_state_all()
+        if torch.cuda.is_available()
+        else [torch.get_rng_state().clone(), torch.get_rng_state().clone()]
+    )
+    state = {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cuda": cuda_rng,
+        },
+        "step": 2,
+    }
+    return state, model, opt
+
+
+# -- import hygiene --------------------------------------------------------------------
+
+
+def test_import_does_not_import_torch_or_numpy() -> None:
+    code = (
+        "import sys, atomic_checkpoint.serialization\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": SRC},
+        timeout=60,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_numpy_only_state_round_trips_without_torch(tmp_path: Path) -> None:
+    # sys.modules["torch"] = None makes "import torch" fail as if it were not installed.
+    code = f"""
+import sys
+sys.modules["torch"] = None
+import io, numpy as np
+from atomic_checkpoint.serialization import plan_state, load_state, read_header
+state = {{"w": np.arange(6, dtype=np.float32).reshape(2, 3), "n": np.int64(7), 1: (1.5, None)}}
+plan = plan_state(state)
+path = {str(tmp_path / "s.safetensors")!r}
+with open(path, "wb") as f:
+    for chunk in plan.iter_chunks():
+        f.write(chunk)
+with open(path, "rb", buffering=0) as f:
+    out = load_state(f)
+    header = read_header(f)
+assert out["w"].tolist() == state["w"].tolist() and out["w"].dtype == np.float32
+assert type(out["n"]) is np.int64 and out["n"] == 7 and out[1] == (1.5, None)
+assert header.metadata["format"] == "np"
+print("ok", "torch" in sys.modules and sys.modules["torch"] is not None)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": SRC},
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok False"
+
+
+# -- exact round trips -----------------------------------------------------------------
+
+
+def test_training_state_round_trips_exactly(tmp_path: Path) -> None:
+    state, model, _ = training_state()
+    save(tmp_path / "s.safetensors", state)
+    out = load(tmp_path / "s.safetensors")
+
+    assert_same(state, out)
+    assert list(out["optimizer"]["state"]) == [0, 1, 2, 3, 4, 5]  # int keys stay int
+    assert out["optimizer"]["state"][0]["step"].shape == ()  # step tensors are 0-dim
+    assert type(out["optimizer"]["param_groups"][0]["betas"]) is tuple
+    assert type(out["model"]) is collections.OrderedDict
+    assert out["model"]._metadata == state["model"]._metadata  # BatchNorm version info
+    assert type(out["rng"]["python"][1]) is tuple and len(out["rng"]["python"][1]) == 625
+
+    # The loaded state drives a real resume: same weights, same next random numbers.
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    model2.load_state_dict(out["model"])
+    opt2.load_state_dict(out["optimizer"])
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(p, q)
+    random.setstate(state["rng"]["python"])
+    expected = random.random()
+    random.setstate(out["rng"]["python"])
+    assert random.random() == expected
+    np.random.set_state(out["rng"]["numpy"])
+    first = np.random.rand()
+    np.random.set_state(state["rng"]["numpy"])
+    assert np.random.rand() == first
+    torch.set_rng_state(out["rng"]["torch"])
+    first_t = torch.rand(3)
+    torch.set_rng_state(state["rng"]["torch"])
+    assert torch.equal(torch.rand(3), first_t)
+
+
+TORCH_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random bits of ``dtype``: every byte pattern, including NaN and subnormal floats."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (math.prod(shape) * itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2).bool().reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_every_dtype_round_trips_bit_exactly(dtype: torch.dtype) -> None:
+    t = random_tensor(dtype, (3, 5))
+    out = roundtrip({"t": t, "scalar": random_tensor(dtype, ()), "empty": t[:0]})
+    assert_same({"t": t, "scalar": t.reshape(-1)[0].clone(), "empty": t[:0]}["t"], out["t"])
+    assert out["scalar"].shape == () and out["scalar"].dtype == dtype
+    assert out["empty"].shape == (0, 5) and out["empty"].dtype == dtype
+
+
+def test_zero_dim_and_empty_tensors() -> None:
+    state = {
+        "zero_dim": torch.tensor(3.25),
+        "empty": torch.empty(0),
+        "empty_2d": torch.empty(4, 0, dtype=torch.bfloat16),
+        "empty_int": torch.zeros(0, 3, dtype=torch.int64),
+        "other_empty": torch.empty(0),
+    }
+    out = roundtrip(state)
+    assert_same(state, out)
+    assert out["zero_dim"].item() == 3.25
+    # Distinct empty tensors share data_ptr 0; they must not collapse into one object.
+    assert out["empty"] is not out["other_empty"]
+
+
+def test_non_contiguous_tensors_are_written_contiguous() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    state = {
+        "transposed": base.T,
+        "strided": base[:, ::2],
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),  # stride 0
+        "negated": torch._neg_view(base),
+        "bf16_t": base.to(torch.bfloat16).T,
+        # One element: "contiguous" whatever its stride, so its flat view has stride 5.
+        "one_strided": torch.arange(10.0)[::5][:1].reshape(1, 1),
+    }
+    plan = plan_state(state)
+    assert plan.total_size_bytes == plan.header_size_bytes + (24 + 12 + 6 + 24 + 1) * 4 + 24 * 2
+    out = roundtrip(state)
+    for key, value in state.items():
+        assert out[key].is_contiguous()
+        assert torch.equal(out[key], value.resolve_neg().contiguous()), key
+
+
+def test_tied_weights_are_stored_once_and_restored_tied() -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    sd = Tied().state_dict()
+    # state_dict() returns two distinct tensor objects viewing the same memory.
+    assert sd["embed.weight"] is not sd["head.weight"]
+    w = torch.randn(6, 6)
+    state = {
+        "model": sd,
+        "same_object": [w, w],
+        "overlapping": (w[:3], w[1:4]),  # overlapping but different views: two copies
+    }
+    plan = plan_state(state)
+    names = [name for name, _ in plan.tensors()]
+    assert names == [
+        "model.embed.weight",
+        "same_object.0",
+        "overlapping.0",
+        "overlapping.1",
+    ]
+    out = roundtrip(state)
+    assert out["model"]["embed.weight"] is out["model"]["head.weight"]
+    assert out["same_object"][0] is out["same_object"][1]
+    assert out["overlapping"][0] is not out["overlapping"][1]
+    assert torch.equal(out["overlapping"][1], w[1:4])
+
+
+def test_numpy_arrays_and_scalars_round_trip() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((3, 4))
+    state = {
+        "f64": a,
+        "f32_fortran": np.asfortranarray(a.astype(np.float32)),
+        "strided": a[:, ::2],
+        "big_endian": a.astype(">f4"),
+        "ints": [np.arange(5, dtype=dt) for dt in ("i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8")],
+        "bool": rng.random(7) > 0.5,
+        "f16_0d": np.array(1.5, dtype=np.float16),
+        "scalars": (np.float32(0.1), np.int64(-3), np.bool_(True), np.uint8(255)),
+        "same": [a, a],
+        "empty": np.zeros((0, 2), dtype=np.int32),
+    }
+    out = roundtrip(state)
+    assert_same(state, out)
+    assert out["same"][0] is out["same"][1]
+    assert out["big_endian"].dtype.str == ">f4"
+
+
+def test_python_values_round_trip_exactly() -> None:
+    state = {
+        "floats": [math.nan, math.inf, -math.inf, -0.0, 0.0, 5e-324, 1 / 3, 1e308],
+        "ints": [0, -1, 2**63 - 1, 2**63, -(2**63), 2**64 + 1, -(10**5000), 10**5000],
+        "bools_are_not_ints": [True, False, 1, 0],
+        "text": ["", "ünïcödé ✓", "\ud800 lone surrogate", "line\nbreak", '"quoted"'],
+        "bytes": [b"", b"\x00\xff" * 10, bytearray(b"abc")],
+        "torch_values": [torch.bfloat16, torch.device("cpu"), torch.Size([2, 0, 3])],
+        "keys": {
+            0: "int",
+            "0": "str",
+            1.5: "float",
+            None: "none",
+            True: "bool",
+            (1, "a", (2.0, None)): "tuple",
+            b"k": "bytes",
+            -(2**70): "big int",
+        },
+        "nested": ((), [], {}, collections.OrderedDict(), [[[()]]]),
+    }
+    out = roundtrip(state)
+    assert_same(state, out)
+    assert list(out["keys"])[:2] == [0, "0"]
+
+
+def test_safetensors_safe_open_reads_our_tensors(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    # Mixed item sizes in tree order: the writer must still align every tensor.
+    state = {
+        f"{i}_{dtype}".replace("torch.", ""): random_tensor(dtype, (i + 1, 3), seed=i)
+        for i, dtype in enumerate(reversed(TORCH_DTYPES))
+    }
+    state["nested"] = {"x": torch.randn(2, 2).T, "rng": torch.get_rng_state()}
+    save(tmp_path / "s.safetensors", state)
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert keys == {*[k for k in state if k != "nested"], "nested.x", "nested.rng"}
+        for key, value in state.items():
+            if key != "nested":
+                assert tensor_bytes(f.get_tensor(key)) == tensor_bytes(value), key
+        assert torch.equal(f.get_tensor("nested.x"), state["nested"]["x"])
+        assert torch.equal(f.get_tensor("nested.rng"), state["nested"]["rng"])
+        assert f.metadata()["format"] == "pt"
+
+
+def test_plain_safetensors_file_loads_as_flat_dict(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.randn(3), "b": torch.arange(4, dtype=torch.int16)}
+    save_file(tensors, str(tmp_path / "plain.safetensors"))
+    out = load(tmp_path / "plain.safetensors")
+    assert set(out) == {"a", "b"}
+    assert torch.equal(out["a"], tensors["a"]) and torch.equal(out["b"], tensors["b"])
+
+
+# -- safety ----------------------------------------------------------------------------
+
+
+class Custom:
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Custom) and other.value == self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def test_unsupported_object_names_its_path_and_the_fix() -> None:
+    state = {"optimizer": {"param_groups": [{"lr": 0.1, "foo": Custom(1)}]}}
+    with pytest.raises(SerializationError) as info:
+        plan_state(state)
+    message = str(info.value)
+    assert "state['optimizer']['param_groups'][0]['foo']" in message
+    assert "Custom" in message and "allow_pickle=True" in message and "Convert" in message
+    assert isinstance(info.value, TypeError)
+
+
+def quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized creation is deprecated
+        return torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.quint8)
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda: torch.zeros(2, dtype=torch.complex64), "complex64"),
+        (lambda: torch.zeros(2, 2).to_sparse(), "layout"),
+        (lambda: torch.empty(2, device="meta"), "meta"),
+        (quantized, "quantized"),
+        (lambda: np.zeros(2, dtype=np.complex128), "complex128"),
+        (lambda: np.array(["a"], dtype=object), "object"),
+        (lambda: collections.defaultdict(list), "defaultdict"),
+        (lambda: frozenset([1]), "frozenset"),
+        (lambda: {Custom(1)}, "set"),
+    ],
+    ids=[
+        "complex",
+        "sparse",
+        "meta",
+        "quantized",
+        "np-complex",
+        "np-object",
+        "defaultdict",
+        "frozenset",
+        "set",
+    ],
+)
+def test_unsupported_values_raise_serialization_error(make: Any, fragment: str) -> None:
+    with pytest.raises(SerializationError, match=fragment) as info:
+        plan_state({"a": [make()]})
+    assert "state['a'][0]" in str(info.value)
+
+
+def test_unsupported_key_and_cycle_raise() -> None:
+    with pytest.raises(SerializationError, match=r"dict key of type .*Custom"):
+        plan_state({"a": {Custom(1): 1}})
+    loop: list[Any] = [1]
+    loop.append(loop)
+    with pytest.raises(SerializationError, match=r"state\['x'\]\[1\].*cycle"):
+        plan_state({"x": loop})
+
+
+def test_pickle_is_refused_on_load_unless_allowed(tmp_path: Path) -> None:
+    state = {"cfg": {"obj": Custom(7), Custom(3): "key"}, "w": torch.ones(2)}
+    save(tmp_path / "s.safetensors", state, allow_pickle=True)
+
+    with pytest.raises(UnsafeCheckpointError, match=r"allow_pickle=True") as info:
+        load(tmp_path / "s.safetensors")
+    assert "state['cfg']" in str(info.value)
+    # Inspecting never unpickles.
+    with open(tmp_path / "s.safetensors", "rb") as f:
+        header = read_header(f)
+    assert header.tensors["cfg.obj"][0] == "U8"
+
+    out = load(tmp_path / "s.safetensors", allow_pickle=True)
+    assert out["cfg"]["obj"] == Custom(7)
+    assert list(out["cfg"].values()) == [Custom(7), "key"]
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_complex_tensor_can_be_pickled_explicitly() -> None:
+    state = {"c": torch.tensor([1 + 2j])}
+    out = roundtrip(state, allow_pickle_save=True, allow_pickle=True)
+    assert torch.equal(out["c"], state["c"])
+
+
+# -- corrupt files ---------------------------------------------------------------------
+
+
+def build_file(header: dict[str, Any], data: bytes, *, length: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def good_file() -> bytes:
+    buf = io.BytesIO()
+    for chunk in plan_state({"a": torch.arange(4.0), "b": torch.arange(2)}).iter_chunks():
+        buf.write(chunk)
+    return buf.getvalue()
+
+
+def tree_meta(tree: Any) -> dict[str, str]:
+    return {TREE_METADATA_KEY: json.dumps(tree)}
+
+
+F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+CORRUPT_FILES = {
+    "empty file": (b"", "fewer than the 8-byte"),
+    "cut inside header": (good_file()[:20], "runs past the end"),
+    "cut inside data": (good_file()[:-3], "truncated"),
+    "trailing bytes": (good_file() + b"xx", "unexpected bytes"),
+    "huge header length": (struct.pack("<Q", 1 << 60) + b"{}", "outside 2.."),
+    "header length past end": (build_file({}, b"", length=4096), "runs past the end"),
+    "bad json": (struct.pack("<Q", 8) + b"{nope!!}", "not valid JSON"),
+    "not utf-8": (struct.pack("<Q", 8) + b"\xff" * 8, "not UTF-8"),
+    "json array": (build_file([], b""), "not an object"),  # type: ignore[arg-type]
+    "duplicate key": (
+        struct.pack("<Q", 16) + b'{"a":1 , "a":2 }',
+        "duplicate key",
+    ),
+    "unknown dtype": (build_file({"a": {**F32_4, "dtype": "F128"}}, b"\0" * 16), "unknown dtype"),
+    "shape vs offsets": (
+        build_file({"a": {**F32_4, "shape": [5]}}, b"\0" * 16),
+        "needs 20 bytes",
+    ),
+    "offsets past data": (
+        build_file({"a": {**F32_4, "data_offsets": [0, 32], "shape": [8]}}, b"\0" * 16),
+        "truncated",
+    ),
+    "overlapping": (
+        build_file(
+            {"a": F32_4, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
+            b"\0" * 16,
+        ),
+        "overlap",
+    ),
+    "gap": (
+        build_file({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, b"\0" * 16),
+        "gap",
+    ),
+    "reversed offsets": (
+        build_file({"a": {**F32_4, "data_offsets": [16, 0]}}, b"\0" * 16),
+        "begin <= end",
+    ),
+    "negative shape": (build_file({"a": {**F32_4, "shape": [-4]}}, b"\0" * 16), "non-negative"),
+    "absurd rank": (build_file({"a": {**F32_4, "shape": [1] * 65}}, b"\0" * 16), "at most 64"),
+    "extra field": (build_file({"a": {**F32_4, "x": 1}}, b"\0" * 16), "exactly dtype"),
+    "metadata not str": (build_file({"__metadata__": {"k": 1}}, b""), "str to str"),
+    "tree bad json": (build_file({"__metadata__": {TREE_METADATA_KEY: "[1,"}}, b""), "tree"),
+    "tree missing entry": (
+        build_file({"__metadata__": tree_meta({"tensor": "zz"})}, b""),
+        "header lacks",
+    ),
+    "tree unknown tag": (
+        build_file({"__metadata__": tree_meta({"evil": "os.system"})}, b""),
+        "unknown node tag",
+    ),
+    "tree raw float": (build_file({"__metadata__": tree_meta([1.5])}, b""), "unexpected JSON"),
+    "tree bad dict": (
+        build_file({"__metadata__": tree_meta({"dict": [[1]]})}, b""),
+        "pairs",
+    ),
+    "tree duplicate dict key": (
+        build_file({"__metadata__": tree_meta({"dict": [[1, 2], [1, 3]]})}, b""),
+        "appears twice",
+    ),
+    "tree deep nesting": (
+        build_file({"__metadata__": {TREE_METADATA_KEY: "[" * 5000 + "]" * 5000}}, b""),
+        "nests deeper|not valid JSON",
+    ),
+    "tree unsafe attr": (
+        build_file({"__metadata__": tree_meta({"odict": [], "attrs": [["__class__", 1]]})}, b""),
+        "not allowed",
+    ),
+    "numpy view of bf16": (
+        build_file(
+            {
+                "__metadata__": tree_meta({"ndarray": "a"}),
+                "a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]},
+            },
+            b"\0" * 4,
+        ),
+        "cannot be a numpy array",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT_FILES))
+def test_corrupt_files_raise_corrupt_checkpoint_error(case: str) -> None:
+    data, fragment = CORRUPT_FILES[case]
+    with pytest.raises(CorruptCheckpointError, match=fragment):
+        load_state(io.BytesIO(data))
+    with pytest.raises(CorruptCheckpointError, match=fragment):
+        read_header(io.BytesIO(data))
+
+
+def test_header_length_is_bounded_by_given_size_bytes() -> None:
+    data = good_file()
+    with pytest.raises(CorruptCheckpointError, match="runs past the end"):
+        load_state(io.BytesIO(data), size_bytes=12)
+    assert torch.equal(load_state(io.BytesIO(data), size_bytes=len(data))["a"], torch.arange(4.0))
+
+
+def test_newer_format_version_is_reported() -> None:
+    data = build_file({"__metadata__": {"atomic_checkpoint.format_version": "99"}}, b"")
+    with pytest.raises(UnsupportedSchemaError, match="upgrade atomic-checkpoint"):
+        load_state(io.BytesIO(data))
+
+
+# -- loading into existing tensors -----------------------------------------------------
+
+
+def test_into_fills_existing_tensors_in_place(tmp_path: Path) -> None:
+    state, _, _ = training_state()
+    save(tmp_path / "s.safetensors", state)
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    into = {"model": model.state_dict(), "optimizer": opt.state_dict()}  # no optimizer state yet
+    ptrs = {k: v.data_ptr() for k, v in into["model"].items()}
+    out = load(tmp_path / "s.safetensors", into=into)
+
+    for key, tensor in out["model"].items():
+        assert tensor is into["model"][key]
+        assert tensor.data_ptr() == ptrs[key]
+        assert torch.equal(tensor, state["model"][key])
+    for p, key in zip(model.parameters(), ["0.weight", "0.bias"], strict=False):
+        assert torch.equal(p, state["model"][key])  # the live model sees the values
+    assert_same(state["optimizer"], out["optimizer"])  # absent in into: loaded fresh
+
+
+def test_into_handles_non_contiguous_and_tied_targets() -> None:
+    w = torch.randn(3, 4)
+    state = {"t": w.T.contiguous(), "a": w, "b": w}
+    target_t = torch.zeros(4, 3).T.contiguous().T  # non-contiguous (4, 3)... as a view
+    assert not target_t.is_contiguous()
+    a, b = torch.zeros(3, 4), torch.zeros(3, 4)
+    one = torch.zeros(10)[::5][:1]  # one element with stride 5: filled through a flat view
+    state["one"] = torch.tensor([7.0])
+    out = roundtrip(state, into={"t": target_t, "a": a, "b": b, "one": one})
+    assert out["one"] is one and one.item() == 7.0
+    assert out["t"] is target_t and torch.equal(target_t, state["t"])
+    assert out["a"] is a and out["b"] is b
+    assert torch.equal(a, w) and torch.equal(b, w)
+
+
+def test_into_rejects_shape_and_dtype_mismatch() -> None:
+    state = {"model": {"fc.weight": torch.randn(4, 3), "fc.bias": torch.randn(4)}}
+    with pytest.raises(CorruptCheckpointError, match=r"state\['model'\]\['fc.weight'\].*\(3, 4\)"):
+        roundtrip(state, into={"model": {"fc.weight": torch.zeros(3, 4)}})
+    with pytest.raises(CorruptCheckpointError, match=r"state\['model'\]\['fc.bias'\].*float16"):
+        roundtrip(state, into={"model": {"fc.bias": torch.zeros(4, dtype=torch.float16)}})
+    with pytest.raises(CorruptCheckpointError, match="numpy array"):
+        roundtrip(state, into={"model": {"fc.bias": np.zeros(4, dtype=np.float32)}})
+
+
+def test_into_fills_numpy_arrays_in_place() -> None:
+    state = {"rng": np.random.get_state(), "be": np.arange(3, dtype=">i4")}
+    target = np.zeros(624, dtype=np.uint32)
+    be = np.zeros(3, dtype=">i4")
+    out = roundtrip(state, into={"rng": ("x", target), "be": be})
+    assert out["rng"][1] is target and np.array_equal(target, state["rng"][1])
+    assert out["be"] is be and be.tolist() == [0, 1, 2]
+
+
+def test_device_argument_places_new_tensors() -> None:
+    out = roundtrip({"w": torch.randn(3), "n": np.ones(2)}, device=torch.device("cpu"))
+    assert out["w"].device.type == "cpu" and isinstance(out["n"], np.ndarray)
+
+
+# -- the two-phase write API -----------------------------------------------------------
+
+
+def test_iter_chunks_are_bounded_zero_copy_and_complete() -> None:
+    big = torch.randn(1 << 18)  # 1 MiB
+    small = [torch.tensor(float(i)) for i in range(100)]
+    plan = plan_state({"big": big, "small": small, "name": "x"})
+    assert plan.tensor_count == 101
+    for chunk_bytes in (1, 4096, 100_000, 8 << 20):
+        chunks = list(plan.iter_chunks(chunk_bytes=chunk_bytes))
+        assert all(0 < len(c) <= chunk_bytes for c in chunks)
+        data = b"".join(chunks)
+        assert len(data) == plan.total_size_bytes
+        assert_same(load_state(io.BytesIO(data))["big"], big)
+    # The big tensor's chunks are views of its memory: a later change shows through.
+    views = [c for c in plan.iter_chunks(chunk_bytes=1 << 20) if len(c) == 1 << 20]
+    assert len(views) == 1 and isinstance(views[0], memoryview)
+    big[0] = 123.0
+    assert np.frombuffer(views[0], dtype=np.float32)[0] == 123.0
+    with pytest.raises(ValueError):
+        next(plan.iter_chunks(chunk_bytes=0))
+
+
+def test_with_tensors_writes_replacements_under_the_same_header() -> None:
+    state = {"a": torch.randn(3), "b": [torch.arange(4)], "p": {"k": 1}}
+    plan = plan_state(state)
+    assert [n for n, _ in plan.tensors()] == ["b.0", "a"]  # I64 before F32: alignment
+    snapshot = plan.with_tensors([t.clone() + 1 for _, t in plan.tensors()])
+    assert snapshot.total_size_bytes == plan.total_size_bytes
+    out = load_state(io.BytesIO(b"".join(snapshot.iter_chunks())))
+    assert torch.equal(out["a"], state["a"] + 1) and torch.equal(out["b"][0], state["b"][0] + 1)
+    partial = plan.with_tensors({"a": np.zeros(3, dtype=np.float32)})
+    assert torch.equal(load_state(io.BytesIO(b"".join(partial.iter_chunks())))["a"], torch.zeros(3))
+    with pytest.raises(SerializationError, match="shape"):
+        plan.with_tensors({"a": torch.zeros(4)})
+    with pytest.raises(SerializationError, match="F32"):
+        plan.with_tensors({"a": torch.zeros(3, dtype=torch.float64)})
+    with pytest.raises(SerializationError, match="no tensor"):
+        plan.with_tensors({"zz": torch.zeros(3)})
+
+
+def test_tensor_changed_after_plan_is_detected() -> None:
+    t = torch.zeros(4)
+    plan = plan_state({"t": t})
+    t.resize_(8)
+    with pytest.raises(SerializationError, match="changed after plan_state"):
+        b"".join(plan.iter_chunks())
+
+
+def test_read_header_describes_the_file(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "opt": {0: {"step": torch.tensor(1.0)}}}
+    plan = save(tmp_path / "s.safetensors", state)
+    with open(tmp_path / "s.safetensors", "rb", buffering=0) as f:
+        header = read_header(f)
+    assert header.tensors == {"opt.0.step": ("F32", ()), "w": ("BF16", (2, 3))}
+    assert header.tree == {
+        "dict": [
+            ["w", {"tensor": "w"}],
+            ["opt", {"dict": [[0, {"dict": [["step", {"tensor": "opt.0.step"}]]}]]}],
+        ]
+    }
+    assert header.header_size_bytes == plan.header_size_bytes
+    assert header.header_size_bytes + header.data_size_bytes == plan.total_size_bytes
+    assert header.header_size_bytes % 8 == 0
+
+
+# -- property test ---------------------------------------------------------------------
+
+ARRAY_DTYPES = ["f8", "f4", "f2", "i8", "i4", "i2", "i1", "u8", "u4", "u2", "u1", "?"]
+
+arrays = hnp.arrays(
+    dtype=st.sampled_from(ARRAY_DTYPES),
+    shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
+)
+
+
+def to_bf16(a: np.ndarray) -> torch.Tensor:
+    with np.errstate(over="ignore"):  # float64 -> float32 may overflow to inf: fine here
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+
+
+def reversed_view(a: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(a.copy())
+    return t.permute(tuple(reversed(range(t.dim()))))  # non-contiguous for 2+ dims
+
+
+tensors = st.one_of(
+    arrays.map(lambda a: torch.from_numpy(a.copy())),
+    arrays.filter(lambda a: a.dtype.kind == "f").map(to_bf16),
+    arrays.map(reversed_view),
+)
+leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    arrays,
+    tensors,
+    st.sampled_from([torch.float32, torch.bfloat16, torch.device("cpu"), np.float32(2.5)]),
+)
+keys = st.one_of(
+    st.text(max_size=4),
+    st.integers(),
+    st.floats(),
+    st.booleans(),
+    st.none(),
+    st.tuples(st.integers(), st.text(max_size=2)),
+)
+
+
+def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(keys, children, max_size=4),
+        st.dictionaries(st.text(max_size=4), children, max_size=4).map(collections.OrderedDict),
+    )
+
+
+trees = st.recursive(leaves, containers, max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=trees, chunk_bytes=st.sampled_from([1, 7, 64, 1 << 20]))
+def test_property_any_supported_tree_round_trips_exactly(tree: Any, chunk_bytes: int) -> None:
+    out = roundtrip({"state": tree}, chunk_bytes=chunk_bytes)
+    assert_same({"state": tree}, out)
+    # And the bytes are a valid file for the reference reader.
+    data = b"".join(plan_state({"state": tree}).iter_chunks())
+    loaded = safetensors.deserialize(data)
+    assert len(loaded) == plan_state({"state": tree}).tensor_count
+
+
+def test_pickle_blob_is_a_plain_pickle() -> None:
+    # The blob entry holds an ordinary pickle, so other tools can inspect it knowingly.
+    plan = plan_state({"x": Custom(5)}, allow_pickle=True)
+    data = b"".join(plan.iter_chunks())
+    header = read_header(io.BytesIO(data))
+    blob = data[header.header_size_bytes :]
+    assert pickle.loads(blob) == Custom(5)
