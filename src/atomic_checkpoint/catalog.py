@@ -165,6 +165,10 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
         try:
             validate(storage, name, manifest, full=full)
         except CheckpointError as exc:
+            if _vanished(storage, name):
+                # Rotation un-committed it between our manifest read and the file checks
+                # (a reader racing a live job): it is gone, not corrupt.
+                continue
             entries.append(Entry(name, step, "corrupt", manifest, str(exc)))
             continue
         entries.append(Entry(name, step, "ok", manifest))
@@ -182,6 +186,16 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
         key=lambda e: (e.status == "pending", e.step if e.step is not None else -1, e.name)
     )
     return entries
+
+
+def _vanished(storage: Storage, rel: str) -> bool:
+    try:
+        read_manifest(storage, rel)
+    except CheckpointNotFoundError:
+        return True
+    except CheckpointError:
+        return False
+    return False
 
 
 def committed(storage: Storage, *, run_id: str | None, warn: bool = True) -> list[Manifest]:

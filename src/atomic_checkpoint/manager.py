@@ -215,6 +215,7 @@ class CheckpointManager:
                 "n_corrupt": 0,
             }
         self.storage.makedirs(META_DIR)
+        self.storage.makedirs(PENDING_DIR)
         if not os.access(local, os.W_OK) if local is not None else False:
             raise StorageError(
                 f"checkpoint root {local!r} is not writable by this user", path=local
@@ -503,6 +504,7 @@ class CheckpointManager:
         device: Any = None,
         verify: bool = True,
         allow_pickle: bool | None = None,
+        rank: int | None = None,
     ) -> Any:
         """Load this rank's state of checkpoint ``step`` (default: the newest valid).
         Collective.
@@ -513,6 +515,7 @@ class CheckpointManager:
             device: move loaded tensors there (e.g. ``"cuda:0"``).
             verify: check the checksum of every byte read (cheap: hashed while reading).
             allow_pickle: override the manager's setting for this call.
+            rank: read this rank's state instead of the calling rank's (tools, readers).
         """
         from .serialization import load_state
 
@@ -527,6 +530,13 @@ class CheckpointManager:
             )
         if manifest.state_kind == "replicated":
             file_rel = REPLICATED_STATE_FILE
+        elif rank is not None:
+            if not 0 <= rank < manifest.world_size:
+                raise ValueError(
+                    f"rank {rank} is out of range: checkpoint step {manifest.step} was saved "
+                    f"by {manifest.world_size} rank(s)"
+                )
+            file_rel = rank_state_file(rank)
         else:
             if manifest.world_size != self.world_size:
                 raise CheckpointError(
@@ -724,7 +734,7 @@ def _write_plan(
             h.update(chunk)
             w.write(chunk)
             size += len(chunk) if isinstance(chunk, bytes) else memoryview(chunk).nbytes
-            if i == 1:
+            if i == 0:  # some bytes written, the rest not, nothing fsync'd
                 fault_point("mid_write", rank, step)
         t_write = time.perf_counter() - t
         t = time.perf_counter()

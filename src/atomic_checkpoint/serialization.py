@@ -223,7 +223,7 @@ def _torch_problem(torch: Any, t: Any) -> str | None:
             "supported; save a plain tensor (e.g. DTensor.full_tensor() or its local shard)"
         )
     if t.is_meta:
-        return "a meta tensor holds no data"
+        return "a meta tensor holds no data and cannot be saved"
     if t.is_nested or t.layout != torch.strided:
         return f"a tensor with layout {t.layout} is not supported (call .to_dense())"
     if t.is_quantized:
@@ -497,7 +497,7 @@ class _Planner:
             blob = pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise SerializationError(
-                f"cannot save {_format_path(path)}: {what} is not supported and pickling "
+                f"cannot save {_format_path(path)}: {what}, and pickling "
                 f"it failed ({type(exc).__name__}: {exc}); convert it to a supported type"
             ) from exc
         return {"pickle": self._add(path, "U8", (len(blob),), "blob", blob)}
@@ -507,9 +507,7 @@ class _Planner:
     ) -> dict[str, Any]:
         if self.allow_pickle:
             return self._pickle(x, path if name_path is None else name_path, what)
-        raise SerializationError(
-            f"cannot save {_format_path(path)}: {what} is not supported. {_CONVERT_HINT}."
-        )
+        raise SerializationError(f"cannot save {_format_path(path)}: {what}. {_CONVERT_HINT}.")
 
     def _tensor(self, torch: Any, x: Any, path: _Path) -> dict[str, Any]:
         name = self.by_id.get(id(x))
@@ -544,7 +542,7 @@ class _Planner:
         if name is None:
             code = _numpy_code(x.dtype)
             if code is None:
-                what = f"numpy.{type(x).__name__} of dtype {x.dtype}"
+                what = f"numpy.{type(x).__name__} of dtype {x.dtype} is not supported"
                 return self._unsupported(x, path, what)
             key = None
             if is_array and x.size > 0:
@@ -593,7 +591,8 @@ class _Planner:
                 node = self._numpy(np, x, path)
                 if node is not None:
                     return node
-        return self._unsupported(x, path, f"an object of type {mod}.{t.__qualname__}")
+        what = f"an object of type {mod}.{t.__qualname__} is not supported"
+        return self._unsupported(x, path, what)
 
     def _container(self, x: Any, path: _Path, depth: int) -> Any:
         if depth >= MAX_DEPTH:
@@ -636,7 +635,7 @@ class _Planner:
             return self.encode(k, path, 0)
         if t is tuple:
             return {"tuple": [self._key(e, path) for e in k]}
-        what = f"a dict key of type {t.__module__}.{t.__qualname__} ({k!r:.60})"
+        what = f"a dict key of type {t.__module__}.{t.__qualname__} ({k!r:.60}) is not supported"
         return self._unsupported(k, path, what, (*path, (True, "key")))
 
     @staticmethod
@@ -922,7 +921,7 @@ class _Loader:
         self.torch: Any = None
         self.np: Any = None
 
-    def walk(self, node: Any, into: Any) -> None:
+    def collect(self, node: Any, into: Any) -> None:
         self.building = False
         self.walk_node(node, into, (), 0)
 
@@ -1332,7 +1331,9 @@ def read_header(fileobj: Any, *, size_bytes: int | None = None) -> CheckpointHea
     """
     header = _parse_header(fileobj, size_bytes)
     if header.tree is not None:
-        _Loader(header, allow_pickle=True, device=None, for_load=False).walk(header.tree, _MISSING)
+        _Loader(header, allow_pickle=True, device=None, for_load=False).collect(
+            header.tree, _MISSING
+        )
     return CheckpointHeader(
         tensors={e.name: (e.code, e.shape) for e in header.entries},
         tree=header.tree,
@@ -1388,6 +1389,6 @@ def load_state(
     tree = header.tree if header.tree is not None else _flat_tree(header)
     loader = _Loader(header, allow_pickle=allow_pickle, device=device, for_load=True)
     root_into = _MISSING if into is None else into
-    loader.walk(tree, root_into)
+    loader.collect(tree, root_into)
     loader.read_data(fileobj, header)
     return loader.build(tree, root_into)

@@ -27,8 +27,15 @@ def _context() -> Any:
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "atomic_checkpoint",
-                                     "atomic_checkpoint.serialization", "tests.dist.workers"])
+        _CTX.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "atomic_checkpoint",
+                "atomic_checkpoint.serialization",
+                "tests.dist.workers",
+            ]
+        )
     return _CTX
 
 
@@ -49,15 +56,24 @@ class RankResult:
         return self.exitcode is not None and self.exitcode < 0
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_path: str,
-           env: dict[str, str], pg_timeout_s: float, args: tuple[Any, ...]) -> None:
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out_path: str,
+    env: dict[str, str],
+    pg_timeout_s: float,
+    args: tuple[Any, ...],
+) -> None:
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=pg_timeout_s))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=pg_timeout_s)
+    )
     result: dict[str, Any]
     try:
         result = {"value": fn(rank, world, *args)}
@@ -75,8 +91,15 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, out_path: s
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, tmp_dir: str, timeout_s: float = 60.0,
-              env: dict[str, str] | None = None, pg_timeout_s: float = 10.0) -> list[RankResult]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    tmp_dir: str,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    pg_timeout_s: float = 10.0,
+) -> list[RankResult]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return per-rank results.
 
     Every process is killed at the deadline; its result then has ``exitcode=None``.
@@ -84,12 +107,18 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, tmp_dir: str, time
     import torch.distributed as dist
 
     ctx = _context()
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world + 1, True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     outs = [os.path.join(tmp_dir, f"rank{r}.{time.monotonic_ns()}.pkl") for r in range(world)]
-    procs = [ctx.Process(target=_child, args=(fn, r, world, store.port, outs[r], dict(env or {}),
-                                              pg_timeout_s, args), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world, store.port, outs[r], dict(env or {}), pg_timeout_s, args),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

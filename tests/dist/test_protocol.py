@@ -38,9 +38,13 @@ def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
     steps = [c.step for c in reader.checkpoints()]
     assert steps == [10, 20, 30, 31]
     assert sorted(os.listdir(root / "checkpoint-10")) == [
-        "checkpoint.manifest.json", *[f"rank-{r:05d}.safetensors" for r in range(4)]]
+        "checkpoint.manifest.json",
+        *[f"rank-{r:05d}.safetensors" for r in range(4)],
+    ]
     assert sorted(os.listdir(root / "checkpoint-31")) == [
-        "checkpoint.manifest.json", "replicated.safetensors"]
+        "checkpoint.manifest.json",
+        "replicated.safetensors",
+    ]
     assert os.listdir(root / PENDING_DIR) == []
     for s in steps:
         reader.verify(s)
@@ -55,7 +59,12 @@ def test_files_mode_collects_files_of_every_rank(tmp_path):
     assert all(PENDING_DIR in r.value["pending"] for r in results)
     m = catalog.load_checkpoint(CheckpointManager(root, read_only=True).storage, 5, full=True)
     assert sorted(f.path for f in m.files) == [
-        "config.json", "shard-0.bin", "shard-1.bin", "shard-2.bin", "sub/nested.txt"]
+        "config.json",
+        "shard-0.bin",
+        "shard-1.bin",
+        "shard-2.bin",
+        "sub/nested.txt",
+    ]
     assert (root / "checkpoint-5" / "shard-2.bin").read_bytes() == bytes([2]) * 1002
 
 
@@ -78,8 +87,9 @@ def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
 def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
     root = tmp_path / "ckpt"
     env = {"ATOMIC_CHECKPOINT_FAULTS": "before_write@3=hang:5"}
-    results = run_ranks(workers.w_hang_one, 4, str(root), 5, 3.0, tmp_dir=str(tmp_path),
-                        env=env, timeout_s=12)
+    results = run_ranks(
+        workers.w_hang_one, 4, str(root), 5, 3.0, tmp_dir=str(tmp_path), env=env, timeout_s=12
+    )
     assert results[3].exitcode is None  # still hanging at the deadline: killed by us
     for r in results[:3]:
         assert r.ok, r.error_text
@@ -95,8 +105,17 @@ def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
 def _kill_trial(tmp_path, phase: str, rank: int, world: int = 4):
     root = tmp_path / f"ckpt-{phase}-{rank}"
     env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@{rank}=kill:3"}
-    results = run_ranks(workers.w_save_steps, world, str(root), [1, 2, 3, 4], None, 4.0,
-                        tmp_dir=str(tmp_path), env=env, timeout_s=40)
+    results = run_ranks(
+        workers.w_save_steps,
+        world,
+        str(root),
+        [1, 2, 3, 4],
+        None,
+        4.0,
+        tmp_dir=str(tmp_path),
+        env=env,
+        timeout_s=40,
+    )
     assert results[rank].killed, f"rank {rank} was not killed at {phase}"
     # No surviving rank may report success for step 3.
     for r in results:

@@ -22,8 +22,10 @@ def make_state(step: int, rank: int, *, n_big: int = 2, big_elems: int = 1 << 16
     model["mask"] = torch.rand(17, generator=g) > 0.5
     model["counts"] = torch.randint(0, 1 << 40, (5,), generator=g, dtype=torch.int64)
     optim = {
-        "state": {i: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(4, generator=g)}
-                  for i in range(3)},
+        "state": {
+            i: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(4, generator=g)}
+            for i in range(3)
+        },
         "param_groups": [{"lr": 0.001 * (rank + 1), "betas": (0.9, 0.999), "params": [0, 1, 2]}],
     }
     rng = random.Random(step * 7 + rank)
@@ -39,13 +41,20 @@ def make_state(step: int, rank: int, *, n_big: int = 2, big_elems: int = 1 << 16
 
 
 def replicated_state(step: int) -> dict[str, Any]:
-    return {"config": {"hidden": 8, "step": step}, "w": torch.arange(step + 10, dtype=torch.float32)}
+    return {
+        "config": {"hidden": 8, "step": step},
+        "w": torch.arange(step + 10, dtype=torch.float32),
+    }
 
 
 def states_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a, b))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if type(a) is not type(b):
         return False
     if isinstance(a, dict):
@@ -88,15 +97,20 @@ def w_files_mode(rank: int, world: int, root: str, step: int) -> dict[str, Any]:
         seen_pending = str(d)
     info = mgr.last_saved
     mgr.close()
-    return {"step": info.step if info else None, "path": info.path if info else None,
-            "pending": seen_pending}
+    return {
+        "step": info.step if info else None,
+        "path": info.path if info else None,
+        "pending": seen_pending,
+    }
 
 
-def w_save_steps(rank: int, world: int, root: str, steps: list[int], keep_last: int | None,
-                 timeout_s: float) -> dict[str, Any]:
+def w_save_steps(
+    rank: int, world: int, root: str, steps: list[int], keep_last: int | None, timeout_s: float
+) -> dict[str, Any]:
     """Save ``steps`` in order (used with fault injection); report what completed."""
-    mgr = CheckpointManager(root, timeout_s=timeout_s,
-                            retention=KeepLast(keep_last) if keep_last else None)
+    mgr = CheckpointManager(
+        root, timeout_s=timeout_s, retention=KeepLast(keep_last) if keep_last else None
+    )
     done = []
     for s in steps:
         mgr.save(s, make_state(s, rank, n_big=2, big_elems=1 << 15))
@@ -115,9 +129,12 @@ def w_bad_state_on(rank: int, world: int, root: str, bad_rank: int, step: int) -
     try:
         mgr.save(step, state)
     except Exception as exc:
-        return {"error_type": type(exc).__name__, "message": str(exc),
-                "failed_ranks": getattr(exc, "failed_ranks", None),
-                "listed": [c.step for c in mgr.checkpoints()]}
+        return {
+            "error_type": type(exc).__name__,
+            "message": str(exc),
+            "failed_ranks": getattr(exc, "failed_ranks", None),
+            "listed": [c.step for c in mgr.checkpoints()],
+        }
     return {"error_type": None}
 
 
@@ -131,6 +148,10 @@ def w_hang_one(rank: int, world: int, root: str, step: int, timeout_s: float) ->
     try:
         mgr.save(step, make_state(step, rank, big_elems=64))
     except Exception as exc:
-        return {"error_type": type(exc).__name__, "message": str(exc),
-                "missing": getattr(exc, "missing_ranks", None), "elapsed": time.monotonic() - t}
+        return {
+            "error_type": type(exc).__name__,
+            "message": str(exc),
+            "missing": getattr(exc, "missing_ranks", None),
+            "elapsed": time.monotonic() - t,
+        }
     return {"error_type": None}

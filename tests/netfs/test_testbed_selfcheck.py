@@ -5,6 +5,10 @@ Each test prints one ``OBSERVED:`` line (shown with ``pytest -rA``) with the
 timings and errnos seen, so a run doubles as a record of the environment.
 """
 
+# Fixtures are imported from tests.testbed.pytest_fixtures and requested by
+# parameter name, which pyflakes reads as redefinitions of the imports.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import errno
@@ -102,7 +106,7 @@ def test_probes_report_every_facility() -> None:
 @pytest.mark.timeout(10)
 def test_wait_until_names_what_did_not_happen() -> None:
     start = time.monotonic()
-    with pytest.raises(TestbedTimeout, match="the flag flipping did not happen within 0.2s"):
+    with pytest.raises(TestbedTimeout, match=r"the flag flipping did not happen within 0\.2s"):
         wait_until(lambda: False, 0.2, "the flag flipping")
     assert time.monotonic() - start < 2.0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import tempfile
 from pathlib import Path
 from types import TracebackType
 
@@ -37,8 +38,8 @@ class SmallDisk:
         """Validates arguments; the filesystem is made on ``__enter__``.
 
         Args:
-            base_dir: Scratch directory; the mount point (and the image file
-                for ext4/xfs) go inside it.
+            base_dir: Scratch directory; a fresh mount point (and the image
+                file for ext4/xfs) is made inside it.
             size_mb: Size in MiB (xfs needs at least 16).
             kind: ``"tmpfs"``, ``"ext4"`` or ``"xfs"``.
 
@@ -52,7 +53,7 @@ class SmallDisk:
         self.base_dir = Path(base_dir)
         self.size_mb = size_mb
         self.kind = kind
-        self.path = self.base_dir / f"{kind}-disk"
+        self.path = self.base_dir / f"{kind}-disk"  # Made unique in create().
         self.image: Path | None = None
         self._mounted = False
 
@@ -75,7 +76,10 @@ class SmallDisk:
             TestbedError: mkfs or mount failed.
         """
         self.base_dir.mkdir(parents=True, exist_ok=True)
-        self.path = resolve_mountpoint(self.path)
+        # A fresh directory per disk: several disks can share one base_dir.
+        self.path = resolve_mountpoint(
+            tempfile.mkdtemp(prefix=f"{self.kind}-disk-", dir=self.base_dir)
+        )
         mount = require_binary("mount")
         try:
             if self.kind == "tmpfs":
@@ -108,7 +112,7 @@ class SmallDisk:
         return st.f_bavail * st.f_frsize
 
     def _make_image(self) -> Path:
-        image = self.base_dir / f"{self.kind}-disk.img"
+        image = self.path.with_name(self.path.name + ".img")
         with open(image, "wb") as f:
             f.truncate(self.size_mb * 1024 * 1024)  # Sparse: costs no disk space.
         if self.kind == "ext4":

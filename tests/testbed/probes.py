@@ -18,6 +18,7 @@ from pathlib import Path
 from ._util import TestbedError, run, which
 from .fiu_tools import fiu_available
 from .s3 import moto_server_path
+from .sshfs import PRIVSEP_DIR
 
 Probe = tuple[bool, str]
 
@@ -29,6 +30,15 @@ def _missing_binaries(*names: str) -> Probe:
     missing = [n for n in names if which(n) is None]
     if missing:
         return False, f"not installed: {', '.join(missing)}"
+    return _OK
+
+
+def _first_failure(*probes: Callable[[], Probe]) -> Probe:
+    """Runs probes in order and returns the first failure, else success."""
+    for probe in probes:
+        ok, why = probe()
+        if not ok:
+            return ok, why
     return _OK
 
 
@@ -64,14 +74,18 @@ def fuse_available() -> Probe:
 @functools.cache
 def sshfs_available() -> Probe:
     """Checks for sshd, ssh, ssh-keygen, sshfs and FUSE."""
-    for probe in (
-        lambda: _missing_binaries("sshd", "ssh", "ssh-keygen", "sshfs"),
+    return _first_failure(
+        functools.partial(_missing_binaries, "sshd", "ssh", "ssh-keygen", "sshfs"),
         fuse_available,
-    ):
-        ok, why = probe()
-        if not ok:
-            return ok, why
-    return _OK
+        _sshd_privsep_dir,
+    )
+
+
+def _sshd_privsep_dir() -> Probe:
+    """sshd needs /run/sshd; only root can create it when it is missing."""
+    if Path(PRIVSEP_DIR).is_dir() or os.geteuid() == 0:
+        return _OK
+    return False, f"{PRIVSEP_DIR} missing and not root to create it"
 
 
 @functools.cache
@@ -155,11 +169,9 @@ def s3fs_python_available() -> Probe:
 @functools.cache
 def s3fs_fuse_available() -> Probe:
     """Checks for the s3fs-fuse binary, FUSE and moto."""
-    for probe in (lambda: _missing_binaries("s3fs"), fuse_available, moto_available):
-        ok, why = probe()
-        if not ok:
-            return ok, why
-    return _OK
+    return _first_failure(
+        functools.partial(_missing_binaries, "s3fs"), fuse_available, moto_available
+    )
 
 
 #: Every facility by name, for a summary or a CI gate.
@@ -175,7 +187,7 @@ PROBES: dict[str, Callable[[], Probe]] = {
     "moto": moto_available,
     "s3fs_python": s3fs_python_available,
     "s3fs_fuse": s3fs_fuse_available,
-    "fiu": fiu_available,
+    "fiu": functools.cache(fiu_available),
 }
 
 

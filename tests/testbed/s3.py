@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -109,7 +110,7 @@ class S3Server:
             proc = ManagedProcess([binary, "-H", self.host, "-p", str(self.port)], self._log_path())
             try:
                 wait_until(
-                    lambda p=proc: self._ready(p),
+                    functools.partial(self._ready, proc),
                     self.startup_timeout_s,
                     f"moto_server HTTP on {self.endpoint_url}",
                     interval_s=0.1,

@@ -18,8 +18,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import getpass
 import os
+import pwd
 import signal
 import time
 from collections.abc import Sequence
@@ -49,6 +49,9 @@ COHERENT_OPTS = ("dir_cache=no", "attr_timeout=0", "entry_timeout=0", "negative_
 #: ssh options that make a mount notice a dead link within about 3 s; without
 #: them a partitioned link blocks sshfs operations for minutes (TCP retries).
 FAST_FAIL_OPTS = ("ServerAliveInterval=1", "ServerAliveCountMax=2")
+
+#: Privilege-separation directory compiled into Debian's sshd.
+PRIVSEP_DIR = "/run/sshd"
 
 _HOST_ALIAS = "testbed-export"
 _START_ATTEMPTS = 5
@@ -163,7 +166,8 @@ class SshfsExport:
         self.ssh_config = self.base_dir / "ssh_config"
         self.sshd_config = self.base_dir / "sshd_config"
         self.port = 0
-        self.user = getpass.getuser()
+        # The effective user, not $USER: sshd checks keys of the account it logs into.
+        self.user = pwd.getpwuid(os.geteuid()).pw_name
         self._sshd: ManagedProcess | None = None
         self._mounts: list[SshfsMount] = []
 
@@ -191,7 +195,10 @@ class SshfsExport:
         self.export.mkdir(exist_ok=True)
         self._make_keys()
         # sshd refuses to start without its privilege-separation directory.
-        Path("/run/sshd").mkdir(mode=0o755, parents=True, exist_ok=True)
+        try:
+            Path(PRIVSEP_DIR).mkdir(mode=0o755, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TestbedError(f"cannot create sshd's {PRIVSEP_DIR}: {exc}") from exc
         errors = []
         for _ in range(_START_ATTEMPTS):
             # A port free now may be taken before sshd binds: retry on a new one.

@@ -1,0 +1,409 @@
+"""One save in flight: snapshot into reused host buffers, then write and commit in the
+background, and raise a failure exactly once.
+
+``CheckpointManager.save_async`` is built from the three pieces of this module::
+
+    training thread                         background thread ("atomic-checkpoint-save")
+    ---------------                         ------------------------------------------
+    save_async(step, state)
+      wait for the previous save (raise
+        its failure if nobody saw it yet)
+      plan_state(state)
+      SnapshotPool.snapshot(plan)  <- the only time training is blocked
+      AsyncSaver.submit(run) ---------------> commit protocol on a cloned coordinator
+    return SaveHandle                          (own store connection and key namespace,
+    ... training mutates the state ...          never the training's collective stream)
+                                               write + fsync from the snapshot
+                                               manifest, rename, retention afterwards
+    handle.result() / mgr.wait() / next save <-- CheckpointInfo or the failure (once)
+
+The snapshot is one flat host buffer laid out tensor after tensor, allocated on the
+first save and reused by every later one: on these VMs memory that was freed and
+touched again can cost up to 15x a copy into already-resident memory, and a save must
+never allocate its state size afresh. When any source tensor lives on a GPU the buffer
+is pinned (page-locked), so the device-to-host copies are DMA transfers that overlap;
+the snapshot waits for them before ``save_async`` returns, so later in-place updates of
+the parameters cannot leak into the checkpoint.
+
+At interpreter exit an in-flight save is finished (bounded by the manager's
+``timeout_s``) or abandoned; both are logged. An abandoned save is never committed by
+this process: the write stops at its next chunk and the coordinator refuses the commit,
+so its pending data is never discoverable, and the next start of a writing manager
+removes it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CheckpointError
+from .manifest import CheckpointInfo
+
+__all__ = ["AsyncSaver", "SaveAbandonedError", "SaveHandle", "SnapshotPool"]
+
+log = logging.getLogger("atomic_checkpoint")
+
+# Every snapshot starts on a 64-byte boundary: aligned for every dtype's view and for
+# the vector loops of memcpy.
+_ALIGN = 64
+
+
+class SaveAbandonedError(CheckpointError):
+    """An in-flight async save was given up (manager closed or interpreter exiting
+    before it could finish); nothing of it was committed by this process."""
+
+
+class SaveHandle:
+    """The future of one ``save_async``: ``done()``, ``result()``.
+
+    A failure is reported exactly once to the program: by ``result()`` if it is called,
+    otherwise by the manager's next ``save``/``save_async``/``wait``/``close``.
+    ``result()`` may be called any number of times (it raises the same error each
+    time); once it has raised, the manager no longer raises that failure.
+    """
+
+    def __init__(self, step: int):
+        self.step = step
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+        self._reported = False
+        self.blocked_s = 0.0
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self._error else "committed")
+        return f"SaveHandle(step={self.step}, {state})"
+
+    def done(self) -> bool:
+        """True once the save committed or failed. Never blocks."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        """Wait until the checkpoint is committed and durable; return it.
+
+        Args:
+            timeout: seconds to wait; None waits for as long as the save runs (each of
+                its waits on other ranks is bounded by the manager's ``timeout_s``).
+
+        Raises:
+            TimeoutError: the save is still running after ``timeout`` seconds (it goes
+                on; call again).
+            CheckpointError: the save failed (the same error on every rank); the
+                previous checkpoints are intact.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(
+                f"async save of step {self.step} still running after {timeout:g} s"
+                if timeout is not None
+                else f"async save of step {self.step} still running"
+            )
+        with self._lock:
+            if self._error is not None:
+                self._reported = True
+                raise self._error
+        if self._info is None:  # pragma: no cover - _finish always sets one of them
+            raise CheckpointError(f"async save of step {self.step} ended without a result")
+        return self._info
+
+    def _finish(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
+        with self._lock:
+            self._info, self._error = info, error
+        self._done.set()
+
+    def _take_error(self) -> BaseException | None:
+        """The failure, if the program has not been told yet; marks it told."""
+        with self._lock:
+            if self._error is None or self._reported:
+                return None
+            self._reported = True
+            return self._error
+
+
+class AsyncSaver:
+    """Runs at most one save in the background.
+
+    Only the training thread calls ``submit``, ``wait`` and ``close``; each background
+    save runs in its own daemon thread (so a hung storage call cannot keep the
+    interpreter from exiting once the exit hook gave up on it).
+    """
+
+    def __init__(self) -> None:
+        self.cancel = threading.Event()  # set: the running save stops and fails
+        self._handle: SaveHandle | None = None
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    @property
+    def in_flight(self) -> SaveHandle | None:
+        """The handle of the save not yet waited for, if any."""
+        return self._handle
+
+    def submit(self, step: int, fn: Callable[[], CheckpointInfo]) -> SaveHandle:
+        """Start ``fn`` (write + commit of ``step``) in the background.
+
+        The caller has waited for the previous save (``wait``) before snapshotting.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise CheckpointError(  # pragma: no cover - the manager waits first
+                f"an async save of step {self._handle.step if self._handle else '?'} is "
+                "still running; wait() for it first"
+            )
+        handle = SaveHandle(step)
+        self.cancel.clear()
+
+        def run() -> None:
+            info: CheckpointInfo | None = None
+            error: BaseException | None = None
+            try:
+                info = fn()
+            except BaseException as exc:  # reported once, by the handle or the manager
+                error = exc
+            handle._finish(info, error)
+
+        self._handle = handle
+        self._thread = threading.Thread(target=run, name="atomic-checkpoint-save", daemon=True)
+        self._thread.start()
+        return handle
+
+    def join(self, timeout_s: float | None) -> bool:
+        """Wait for the running save; True if it has ended."""
+        handle = self._handle
+        if handle is None:
+            return True
+        return handle._done.wait(timeout_s)
+
+    def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        """Wait for the in-flight save; raise its failure if not yet reported.
+
+        Returns:
+            The committed checkpoint, None if no save was in flight or it failed and
+            its failure was already reported through ``SaveHandle.result``.
+
+        Raises:
+            TimeoutError: still running after ``timeout_s``.
+            CheckpointError: the save failed (raised once).
+        """
+        handle = self._handle
+        if handle is None:
+            return None
+        if not self.join(timeout_s):
+            raise TimeoutError(
+                f"async save of step {handle.step} still running after {timeout_s:g} s"
+            )
+        if self._thread is not None:
+            self._thread.join()
+        self._handle = None
+        self._thread = None
+        error = handle._take_error()
+        if error is not None:
+            raise error
+        return handle._info
+
+    def finish_or_abandon(self, timeout_s: float, why: str) -> BaseException | None:
+        """At close or exit: let the running save finish within ``timeout_s``, else
+        abandon it. Logs which. Returns its failure if nobody was told yet."""
+        handle = self._handle
+        if handle is None:
+            return None
+        if os.getpid() != self._pid:  # a forked child: the thread does not exist here
+            self._handle = None
+            return None
+        t = time.monotonic()
+        if not handle.done():
+            log.info("%s: waiting for the in-flight async save of step %d", why, handle.step)
+        if self.join(timeout_s):
+            try:
+                info = self.wait(0)
+            except BaseException as exc:
+                log.error(
+                    "%s: the in-flight async save of step %d failed: %s (nothing of it is "
+                    "visible; the previous checkpoints are intact)",
+                    why,
+                    handle.step,
+                    exc,
+                )
+                return exc
+            if info is not None:
+                log.info(
+                    "%s: finished the in-flight async save of step %d (committed at %s, "
+                    "waited %.3f s)",
+                    why,
+                    handle.step,
+                    info.path,
+                    time.monotonic() - t,
+                )
+            return None
+        self.cancel.set()
+        # The write stops at its next chunk and the coordinator refuses to commit; give
+        # the protocol a moment to discard the pending data (the next start removes
+        # whatever remains).
+        self.join(5.0)
+        log.warning(
+            "%s: abandoned the in-flight async save of step %d after %.1f s: it is NOT a "
+            "checkpoint; its pending data is never discoverable and is removed at the next "
+            "start. The previous checkpoints are intact.",
+            why,
+            handle.step,
+            time.monotonic() - t,
+        )
+        self._handle = None
+        err = handle._take_error()
+        return (
+            SaveAbandonedError(
+                f"async save of step {handle.step} was abandoned ({why}); it was not committed"
+            )
+            if err is None
+            else err
+        )
+
+
+class SnapshotPool:
+    """Host memory that async saves copy their state into, allocated once and reused.
+
+    One flat byte buffer holds every tensor of a snapshot, 64-byte aligned, in the
+    plan's file order. It grows only when a state needs more bytes than it holds (for
+    example when the optimizer creates its state after the first step); it never
+    shrinks while the manager lives. Only the training thread calls ``snapshot``, and
+    only when no save is writing from the buffer.
+    """
+
+    def __init__(self) -> None:
+        self._torch_buf: Any = None  # torch uint8 tensor, when torch is in use
+        self._np_buf: Any = None  # numpy uint8 view of the same memory
+        self._pinned = False
+        self.allocations = 0  # how many times memory was (re)allocated
+
+    @property
+    def capacity_bytes(self) -> int:
+        return 0 if self._np_buf is None else int(self._np_buf.nbytes)
+
+    @property
+    def data_ptr(self) -> int:
+        """Address of the buffer (0 before the first snapshot)."""
+        return 0 if self._np_buf is None else int(self._np_buf.ctypes.data)
+
+    def release(self) -> None:
+        """Drop the buffer (at close)."""
+        self._torch_buf = self._np_buf = None
+
+    def _ensure(self, nbytes: int, *, use_torch: bool, pin: bool) -> None:
+        have = self.capacity_bytes
+        if (
+            have >= nbytes
+            and (self._torch_buf is not None or not use_torch)
+            and (self._pinned or not pin)
+        ):
+            return
+        self.release()  # free the old buffer before allocating the new one
+        size = max(nbytes, 1)
+        if use_torch:
+            import torch
+
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self._torch_buf = buf
+            self._np_buf = buf.numpy()
+        else:
+            import numpy as np
+
+            self._np_buf = np.empty(size, dtype=np.uint8)
+        self._pinned = pin
+        self.allocations += 1
+        log.debug("snapshot buffer: %d bytes (pinned=%s)", size, pin)
+
+    def snapshot(self, plan: Any) -> Any:
+        """Copy every tensor of ``plan`` into the buffer; return the plan over the copies.
+
+        Blocks until every byte is copied (device-to-host copies included), so the
+        caller may change the state as soon as this returns.
+
+        Args:
+            plan: a ``serialization.StatePlan``.
+
+        Returns:
+            ``plan.with_tensors(copies)``: the same file, written from the snapshot.
+        """
+        items = plan.tensors()
+        torch = sys.modules.get("torch")
+        layout = []
+        offset = 0
+        on_gpu = False
+        for _name, src in items:
+            is_torch = torch is not None and isinstance(src, torch.Tensor)
+            nbytes = src.numel() * src.element_size() if is_torch else int(src.nbytes)
+            if is_torch and src.device.type == "cuda":
+                on_gpu = True
+            layout.append((offset, nbytes, is_torch))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+        use_torch = torch is not None and any(t for _, _, t in layout)
+        self._ensure(offset, use_torch=use_torch, pin=on_gpu)
+        copies = []
+        devices = set()
+        if use_torch:
+            assert torch is not None
+            flat = self._torch_buf
+            with torch.no_grad():
+                for (_name, src), (off, nbytes, is_torch) in zip(items, layout, strict=True):
+                    if is_torch:
+                        dst = flat[off : off + nbytes].view(src.dtype).view(src.shape)
+                        if src.device.type != "cpu":
+                            devices.add(src.device)
+                            # A pinned destination makes this an asynchronous DMA; the
+                            # synchronize below waits for all of them at once.
+                            dst.copy_(src.detach(), non_blocking=True)
+                        else:
+                            dst.copy_(src.detach())
+                    else:
+                        dst = self._numpy_copy(src, off, nbytes)
+                    copies.append(dst)
+            for dev in devices:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+        else:
+            for (_name, src), (off, nbytes, _t) in zip(items, layout, strict=True):
+                copies.append(self._numpy_copy(src, off, nbytes))
+        return plan.with_tensors(copies)
+
+    def _numpy_copy(self, src: Any, off: int, nbytes: int) -> Any:
+        import numpy as np
+
+        dst = self._np_buf[off : off + nbytes].view(src.dtype).reshape(src.shape)
+        np.copyto(dst, src, casting="no")
+        return dst
+
+
+# -- interpreter exit ----------------------------------------------------------------
+
+_exit_lock = threading.Lock()
+_exit_managers: weakref.WeakSet[Any] = weakref.WeakSet()
+_exit_registered = False
+
+
+def register_exit(manager: Any) -> None:
+    """Have ``manager._close_at_exit()`` run at interpreter exit (held weakly)."""
+    global _exit_registered
+    with _exit_lock:
+        _exit_managers.add(manager)
+        if not _exit_registered:
+            # Registered after ``logging`` was imported, so it runs before logging's own
+            # exit hook (atexit runs handlers last-in, first-out) and its lines appear.
+            atexit.register(_at_exit)
+            _exit_registered = True
+
+
+def _at_exit() -> None:
+    with _exit_lock:
+        managers = list(_exit_managers)
+    for mgr in managers:
+        try:
+            mgr._close_at_exit()
+        except Exception as exc:  # at exit there is no caller left to raise to
+            log.error("closing %r at exit failed: %s", mgr, exc)

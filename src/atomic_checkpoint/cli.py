@@ -1,0 +1,1242 @@
+"""The ``atomic-checkpoint`` command line: list, verify, clean, inspect and prune a root.
+
+Also runs as ``python -m atomic_checkpoint``. Every command takes ROOT, a checkpoint
+root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
+``file://`` URL is accepted)::
+
+    atomic-checkpoint list ROOT [--json] [--all-runs]
+    atomic-checkpoint verify ROOT [STEP] [--json] [--quiet] [--progress | --no-progress]
+    atomic-checkpoint clean ROOT [--dry-run] [--force] [--json]
+    atomic-checkpoint inspect ROOT STEP [--json]
+    atomic-checkpoint prune ROOT [--keep-last N] [--keep-best K [--metric NAME]
+                            [--mode min|max]] [--keep-every K] [--pin STEP ...]
+                            [--run-id RUN] [--dry-run] [--force] [--json]
+
+``list``, ``verify`` and ``inspect`` only read: they take no lock and are safe while a
+job trains and saves into ROOT. ``clean`` and ``prune`` delete, and refuse while a live
+job holds the run lock on ROOT (``--force`` overrides, with a warning); their
+``--dry-run`` changes nothing and never refuses.
+
+The run whose checkpoints are "ours" is the one recorded in
+``ROOT/.atomic-checkpoint/run.json``. Checkpoints of other runs are shown as
+``foreign`` and never verified (unless ``--all-runs``) or deleted. A root without a
+recorded run (written by hand, or its run file was removed) is read as if every run
+were ours; ``prune`` then needs ``--run-id``.
+
+Exit status:
+    0  success. ``list`` exits 0 even when some entries are corrupt: it is
+       informational; use ``verify`` in scripts.
+    1  a problem was found: a checkpoint failed verification, the requested step is
+       not a valid checkpoint, nothing was there to verify, or a delete failed.
+    2  usage or environment error: bad arguments, ROOT missing or not a directory,
+       ROOT unreadable, a prune with no recorded run and no ``--run-id``.
+    3  refused: a live job holds the run lock on ROOT (``clean``/``prune``).
+    130 interrupted (Ctrl-C).
+
+Errors print one line on stderr, ``atomic-checkpoint: error: <what, where, why, what
+to do>``, never a traceback (``-vv`` adds one for internal errors).
+
+JSON output (``--json``) goes to stdout as one document and is stable: keys are only
+ever added, never renamed or removed, and ``schema_version`` is bumped if a meaning
+changes. Sizes are integers in bytes, times are unix seconds (floats), problems are
+strings or null. ``list --json``::
+
+    {"schema_version": 1, "command": "list", "root": "/ckpt/run1",
+     "run_id": "run-20240501-120000-1a2b3c4d",
+     "entries": [
+      {"name": "checkpoint-200", "step": 200, "status": "ok", "problem": null,
+       "run_id": "run-20240501-120000-1a2b3c4d", "created_unix": 1714564800.25,
+       "size_bytes": 1048712, "metrics": {"eval_loss": 0.31}, "commit_seq": 2,
+       "path": "/ckpt/run1/checkpoint-200"},
+      {"name": ".pending/checkpoint-300.5f0c9e2a1b3d4c6e", "step": 300,
+       "status": "pending", "problem": "not committed", "run_id": null,
+       "created_unix": null, "size_bytes": 524288, "metrics": {}, "commit_seq": null,
+       "path": "/ckpt/run1/.pending/checkpoint-300.5f0c9e2a1b3d4c6e"}]}
+
+``status`` is ``ok``, ``corrupt``, ``pending`` or ``foreign``. The other documents:
+
+- ``verify``: ``{"schema_version", "command": "verify", "root", "run_id", "ok": bool,
+  "checkpoints": [{"name", "step", "status": "ok" | "corrupt" | "error", "problem",
+  "run_id", "size_bytes", "verified_bytes", "seconds"}], "skipped": [{"name", "step",
+  "status", "problem"}]}``; ``error`` means the files could not be read (permissions,
+  I/O), not that they differ.
+- ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
+  "lock": <lock> | null, "removed": [{"name", "kind": "pending" | "trash",
+  "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
+  "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed.
+- ``inspect``: ``{"schema_version", "command": "inspect", "root", "name", "path",
+  "status", "problem", "manifest": {"step", "run_id", "commit_seq", "created_unix",
+  "world_size", "state_kind", "strategy", "checksum_algorithm", "schema_version",
+  "library_version", "size_bytes", "metrics", "metadata"}, "files": [{"path",
+  "size_bytes", "checksum", "rank", "tensors": [{"name", "dtype", "shape"}] | null,
+  "problem"}]}``; ``tensors`` is null for files that are not ``.safetensors``.
+- ``prune``: ``{"schema_version", "command": "prune", "root", "run_id", "policy",
+  "dry_run", "forced", "lock": <lock> | null, "checkpoints": [{"name", "step",
+  "size_bytes", "created_unix", "metrics", "kept": bool, "reason", "deleted": bool}],
+  "failed": [{"name", "step", "problem"}], "skipped": [{"name", "step", "status",
+  "problem"}], "freed_bytes"}``.
+- ``<lock>`` is ``{"run_id", "host", "pid", "acquired_unix", "expires_unix",
+  "is_live"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TextIO
+
+from . import catalog
+from ._version import __version__
+from .coordination import SingleProcessCoordinator
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    LockHeldError,
+    StorageError,
+)
+from .layout import (
+    META_DIR,
+    PENDING_DIR,
+    TRASH_DIR,
+    checkpoint_name,
+    parse_checkpoint_name,
+    validate_step,
+)
+from .manifest import CheckpointInfo, Manifest
+from .storage.base import Storage
+from .storage.local import LocalStorage
+
+__all__ = ["EXIT_LOCKED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
+
+PROG = "atomic-checkpoint"
+JSON_SCHEMA_VERSION = 1
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+EXIT_LOCKED = 3
+EXIT_INTERRUPTED = 130
+
+RUN_FILE = f"{META_DIR}/run.json"
+# The progress bar appears on its own (stderr a terminal) only for checkpoints that
+# take noticeably long to hash; --progress shows it for every checkpoint.
+_AUTO_PROGRESS_MIN_BYTES = 32 << 20
+
+log = logging.getLogger("atomic_checkpoint")
+
+_EPILOG = """\
+examples:
+  atomic-checkpoint list /ckpt/run1                 table of every entry under the root
+  atomic-checkpoint list /ckpt/run1 --json | jq '.entries[] | select(.status != "ok")'
+  atomic-checkpoint verify /ckpt/run1               full checksum check; exit 1 if corrupt
+  atomic-checkpoint verify /ckpt/run1 4000 --quiet && upload /ckpt/run1/checkpoint-4000
+  atomic-checkpoint inspect /ckpt/run1 4000         manifest, files, tensor shapes
+  atomic-checkpoint clean /ckpt/run1 --dry-run      what crashed saves left behind
+  atomic-checkpoint prune /ckpt/run1 --keep-last 3 --keep-best 1 --metric eval_loss --dry-run
+
+exit status: 0 ok, 1 problem found, 2 usage or environment error,
+             3 refused because a live job holds the run lock, 130 interrupted.
+list, verify and inspect never write and are safe while a job is saving.
+"""
+
+
+class CliError(Exception):
+    """A failure the command line reports as one line and an exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_PROBLEM):
+        super().__init__(message)
+        self.code = code
+
+
+def _error_line(message: str) -> None:
+    # One line, whatever the message holds: scripts grep stderr line by line.
+    text = " ".join(str(message).split())
+    sys.stderr.write(f"{PROG}: error: {text}\n")
+    sys.stderr.flush()
+
+
+def _warn(message: str) -> None:
+    sys.stderr.write(f"{PROG}: warning: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------- formatting
+def _human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _local_time(t: float | None) -> str:
+    if t is None or not math.isfinite(t):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _metrics_text(metrics: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in metrics.items()) or "-"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def line(cells: Sequence[str]) -> str:
+        out = []
+        for i, cell in enumerate(cells):
+            last = i == len(cells) - 1
+            if i in right:
+                out.append(cell.rjust(widths[i]))
+            else:
+                out.append(cell if last else cell.ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in rows)])
+
+
+def _short_problem(storage: Storage, name: str, problem: str | None) -> str | None:
+    """Drop the ``<path of the checkpoint>: `` prefix catalog puts on its messages: a
+    table row already names the checkpoint."""
+    if problem is None:
+        return None
+    prefix = f"{storage.url(name)}: "
+    return problem[len(prefix) :] if problem.startswith(prefix) else problem
+
+
+def _emit_json(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+# ---------------------------------------------------------------------- the root
+def _open_root(text: str) -> LocalStorage:
+    """The storage of ROOT, or a CliError (exit 2) saying why it cannot be read."""
+    path = text[len("file://") :] if text.startswith("file://") else text
+    if "://" in path:
+        raise CliError(
+            f"{text!r} is a URL; the command line reads mounted filesystems only. Mount "
+            "the bucket (s3fs, gcsfuse) and pass the mount point",
+            EXIT_USAGE,
+        )
+    if not path:
+        raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
+    if not os.path.lexists(path):
+        raise CliError(
+            f"checkpoint root {path!r} does not exist (check the path, and that its "
+            "filesystem is mounted)",
+            EXIT_USAGE,
+        )
+    if not os.path.isdir(path):
+        raise CliError(
+            f"checkpoint root {path!r} is not a directory: pass the directory that holds "
+            "checkpoint-<step>/ entries",
+            EXIT_USAGE,
+        )
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise CliError(f"checkpoint root {path!r} is not readable by this user", EXIT_USAGE)
+    return LocalStorage(path)
+
+
+def _recorded_run_id(storage: Storage) -> str | None:
+    """The run recorded in ``ROOT/.atomic-checkpoint/run.json`` (what a read-only
+    ``CheckpointManager`` uses), or None when there is none.
+
+    Raises:
+        CorruptCheckpointError: the run file exists but cannot be parsed.
+    """
+    try:
+        data = storage.read_bytes(RUN_FILE)
+    except CheckpointNotFoundError:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} is not valid JSON ({exc})") from exc
+    rid = doc.get("run_id") if isinstance(doc, dict) else None
+    if not isinstance(rid, str) or not rid:
+        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} holds no run_id")
+    return rid
+
+
+def _run_id_for_reading(storage: Storage) -> str | None:
+    """The recorded run, or None (every run) with a warning if the run file is bad."""
+    try:
+        return _recorded_run_id(storage)
+    except CheckpointError as exc:
+        _warn(f"{exc}; showing the checkpoints of every run")
+        return None
+
+
+def _tree_size(storage: Storage, rel: str) -> int:
+    """Bytes under ``rel`` without following symlinks (a link is its own size)."""
+    local = storage.local_path(rel)
+    if local is None:
+        return sum(size for _, size in storage.walk_files(rel))
+    try:
+        st = os.lstat(local)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        from .errors import map_os_error
+
+        raise map_os_error(exc, "stat", local) from exc
+    if not os.path.isdir(local) or os.path.islink(local):
+        return st.st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(local):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                continue  # removed under us by a concurrent cleaner
+    return total
+
+
+# ---------------------------------------------------------------------- the run lock
+def _lock_holder(storage: Storage) -> Any | None:
+    """Who holds the run lock on ROOT (live or not), or None when nobody does."""
+    try:
+        from .lock import read_lock_holder  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    return read_lock_holder(storage)
+
+
+def _is_live(holder: Any) -> bool:
+    live = getattr(holder, "is_live", False)
+    return bool(live() if callable(live) else live)
+
+
+def _lock_doc(holder: Any | None) -> dict[str, Any] | None:
+    if holder is None:
+        return None
+    return {
+        "run_id": getattr(holder, "run_id", None),
+        "host": getattr(holder, "host", None),
+        "pid": getattr(holder, "pid", None),
+        "acquired_unix": getattr(holder, "acquired_unix", None),
+        "expires_unix": getattr(holder, "expires_unix", None),
+        "is_live": _is_live(holder),
+    }
+
+
+def _describe_holder(holder: Any) -> str:
+    d = _lock_doc(holder) or {}
+    return (
+        f"run {d.get('run_id')!r} (pid {d.get('pid')} on host {d.get('host')}, since "
+        f"{_local_time(d.get('acquired_unix'))}, lease until {_local_time(d.get('expires_unix'))})"
+    )
+
+
+def _check_lock(storage: Storage, what: str, *, force: bool, dry_run: bool) -> Any | None:
+    """Refuse (exit 3) while a live job holds the run lock, unless forced or dry-run.
+
+    Returns the holder (live or not), or None.
+    """
+    holder = _lock_holder(storage)
+    if holder is None:
+        return None
+    if not _is_live(holder):
+        log.info("the run lock on %s is held by %s, which is gone", storage.url(), holder)
+        return holder
+    who = _describe_holder(holder)
+    if dry_run:
+        _warn(
+            f"{who} holds the run lock on {storage.url()}: this is a dry run; {what} "
+            "without --dry-run would refuse while that job is live"
+        )
+        return holder
+    if not force:
+        raise CliError(
+            f"refusing to {what} {storage.url()}: {who} holds the run lock and may be "
+            "saving right now. Stop that job first, or pass --force if you are sure it "
+            "is gone",
+            EXIT_LOCKED,
+        )
+    _warn(
+        f"--force: {what} {storage.url()} although {who} holds the run lock; if that "
+        "job is alive, a save or rotation it has in progress will fail"
+    )
+    return holder
+
+
+# ---------------------------------------------------------------------- list
+def _entry_doc(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
+    m = e.manifest
+    size: int | None
+    if m is not None:
+        size = m.size_bytes
+    elif e.status == "pending":
+        size = _tree_size(storage, e.name)
+    else:
+        size = None
+    return {
+        "name": e.name,
+        "step": e.step,
+        "status": e.status,
+        "problem": _short_problem(storage, e.name, e.problem),
+        "run_id": m.run_id if m is not None else None,
+        "created_unix": m.created_unix if m is not None else None,
+        "size_bytes": size,
+        "metrics": dict(m.metrics) if m is not None else {},
+        "commit_seq": m.commit_seq if m is not None else None,
+        "path": storage.url(e.name),
+    }
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    storage = _open_root(args.root)
+    run_id = None if args.all_runs else _run_id_for_reading(storage)
+    docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "list",
+                "root": storage.url(),
+                "run_id": run_id,
+                "entries": docs,
+            }
+        )
+        return EXIT_OK
+    if not docs:
+        print(f"{storage.url()}: no checkpoints, pending saves or other entries")
+        return EXIT_OK
+    headers = ["NAME", "STEP", "COMMITTED", "SIZE", "METRICS", "STATUS"]
+    if args.all_runs:
+        headers.insert(5, "RUN")
+    rows = []
+    for d in docs:
+        status = d["status"] if d["problem"] is None else f"{d['status']}: {d['problem']}"
+        row = [
+            d["name"],
+            "-" if d["step"] is None else str(d["step"]),
+            _local_time(d["created_unix"]),
+            _human_bytes(d["size_bytes"]),
+            _metrics_text(d["metrics"]),
+            status,
+        ]
+        if args.all_runs:
+            row.insert(5, d["run_id"] or "-")
+        rows.append(row)
+    print(_table(headers, rows, right={1, 3}))
+    counts: dict[str, int] = {}
+    for d in docs:
+        counts[d["status"]] = counts.get(d["status"], 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    print(f"\n{storage.url()}: {summary}" + (f" (run {run_id})" if run_id else ""))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- verify
+class _Progress:
+    """Progress of one checkpoint's verification on stderr: a redrawn bar on a
+    terminal, else (``--progress`` into a file or pipe) a line every second."""
+
+    def __init__(self, stream: TextIO, label: str, total: int, *, tty: bool):
+        self.stream, self.label, self.total, self.tty = stream, label, total, tty
+        self.t0 = time.monotonic()
+        self.last = -math.inf
+        self.done = 0
+        self.drawn = False
+
+    def rate(self) -> float:
+        elapsed = time.monotonic() - self.t0
+        return self.done / elapsed if elapsed > 0 else 0.0
+
+    def __call__(self, done: int) -> None:
+        self.done = done
+        now = time.monotonic()
+        if now - self.last < (0.1 if self.tty else 1.0):
+            return
+        self.last = now
+        frac = min(1.0, done / self.total) if self.total else 1.0
+        counts = f"{_human_bytes(done)} / {_human_bytes(self.total)}"
+        speed = f"{_human_bytes(self.rate())}/s"
+        if self.tty:
+            bar = "#" * int(frac * 30)
+            self.stream.write(
+                f"\r{self.label} [{bar:<30}] {frac * 100:5.1f}%  {counts}  {speed}\x1b[K"
+            )
+        else:
+            self.stream.write(f"{self.label}: {frac * 100:5.1f}%  {counts}  {speed}\n")
+        self.drawn = True
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.tty:
+            if self.drawn:
+                self.stream.write("\r\x1b[K")  # erase the bar; the result line follows
+        else:
+            elapsed = time.monotonic() - self.t0
+            self.stream.write(
+                f"{self.label}: verified {_human_bytes(self.done)} in {elapsed:.2f} s "
+                f"({_human_bytes(self.rate())}/s)\n"
+            )
+        self.stream.flush()
+
+
+def _progress_for(args: argparse.Namespace, label: str, total: int) -> _Progress | None:
+    tty = sys.stderr.isatty()
+    if args.progress is False:
+        return None
+    if args.progress is None and not (tty and total >= _AUTO_PROGRESS_MIN_BYTES):
+        return None
+    return _Progress(sys.stderr, label, total, tty=tty)
+
+
+def _verify_one(
+    storage: Storage, name: str, manifest: Manifest, args: argparse.Namespace
+) -> dict[str, Any]:
+    progress = _progress_for(args, name, manifest.size_bytes)
+    t0 = time.monotonic()
+    status, problem = "ok", None
+    try:
+        catalog.validate(storage, name, manifest, full=True, progress=progress)
+    except CorruptCheckpointError as exc:
+        status, problem = "corrupt", str(exc)
+    except CheckpointError as exc:  # unreadable (permissions, I/O): not proven corrupt
+        status, problem = "error", str(exc)
+    finally:
+        if progress is not None:
+            progress.finish()
+    seconds = time.monotonic() - t0
+    return {
+        "name": name,
+        "step": manifest.step,
+        "status": status,
+        "problem": _short_problem(storage, name, problem),
+        "run_id": manifest.run_id,
+        "size_bytes": manifest.size_bytes,
+        "verified_bytes": progress.done if progress is not None else None,
+        "seconds": seconds,
+    }
+
+
+def _broken(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "step": e.step,
+        "status": "corrupt",
+        "problem": _short_problem(storage, e.name, e.problem),
+        "run_id": e.manifest.run_id if e.manifest is not None else None,
+        "size_bytes": e.manifest.size_bytes if e.manifest is not None else None,
+        "verified_bytes": 0,
+        "seconds": 0.0,
+    }
+
+
+def _single_target(storage: Storage, step: int) -> catalog.Entry:
+    """The catalog entry of ``checkpoint-<step>``, or a CliError (exit 1) saying why
+    there is no such checkpoint."""
+    name = checkpoint_name(step)
+    if not storage.is_dir(name):
+        steps = sorted(
+            s for s in (parse_checkpoint_name(n) for n in storage.listdir("")) if s is not None
+        )
+        have = ", ".join(map(str, steps[-10:])) if steps else "none"
+        raise CliError(
+            f"no checkpoint step {step} in {storage.url()} (checkpoint steps there: {have}; "
+            f"see `{PROG} list`)"
+        )
+    try:
+        manifest = catalog.read_manifest(storage, name)
+    except CheckpointNotFoundError:
+        raise CliError(
+            f"{storage.url(name)} has no manifest: it was never committed (a crashed save "
+            "or another tool wrote it) or its manifest was deleted; resume ignores it"
+        ) from None
+    except CheckpointError as exc:
+        return catalog.Entry(name, step, "corrupt", problem=str(exc))
+    return catalog.Entry(name, step, "ok", manifest)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = _open_root(args.root)
+    run_id = None if args.all_runs else _run_id_for_reading(storage)
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+
+    def report(r: dict[str, Any]) -> None:
+        results.append(r)
+        if args.json:
+            return
+        if r["status"] == "ok":
+            if not args.quiet:
+                n = len(manifest_files.get(r["name"], ()))
+                rate = r["size_bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0
+                print(
+                    f"{r['name']}: ok ({_human_bytes(r['size_bytes'])} in {n} file(s), "
+                    f"{r['seconds']:.2f} s, {_human_bytes(rate)}/s)",
+                    flush=True,
+                )
+        else:
+            word = "CORRUPT" if r["status"] == "corrupt" else "ERROR"
+            print(f"{r['name']}: {word}: {r['problem']}", flush=True)
+
+    manifest_files: dict[str, tuple[Any, ...]] = {}
+    if args.step is not None:
+        targets = [_single_target(storage, args.step)]
+    else:
+        targets = []
+        for e in catalog.scan(storage, run_id=run_id):
+            if e.status in ("ok", "corrupt"):
+                targets.append(e)
+            else:
+                skipped.append(
+                    {
+                        "name": e.name,
+                        "step": e.step,
+                        "status": e.status,
+                        "problem": _short_problem(storage, e.name, e.problem),
+                    }
+                )
+    for e in targets:
+        if e.status == "ok" and e.manifest is not None:
+            manifest_files[e.name] = e.manifest.files
+            report(_verify_one(storage, e.name, e.manifest, args))
+        else:
+            report(_broken(storage, e))
+    bad = [r for r in results if r["status"] != "ok"]
+    ok = bool(results) and not bad
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "verify",
+                "root": storage.url(),
+                "run_id": run_id,
+                "ok": ok,
+                "checkpoints": results,
+                "skipped": skipped,
+            }
+        )
+    elif not args.quiet:
+        extra = f", {len(skipped)} skipped (pending or foreign: see `{PROG} list`)"
+        print(
+            f"{storage.url()}: {len(results) - len(bad)} ok, {len(bad)} failed"
+            + (extra if skipped else "")
+        )
+    if not results:
+        whose = f" of run {run_id!r}" if run_id else ""
+        raise CliError(f"nothing to verify: {storage.url()} holds no checkpoint{whose}")
+    if bad:
+        names = ", ".join(r["name"] for r in bad)
+        first = bad[0]
+        raise CliError(
+            f"{len(bad)} of {len(results)} checkpoint(s) failed verification ({names}); "
+            f"{first['name']}: {first['problem']}"
+        )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- clean
+def _remove(storage: Storage, rel: str) -> None:
+    local = storage.local_path(rel)
+    if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
+        storage.delete_file(rel)  # a stray file or link: unlink it, never follow it
+    else:
+        storage.delete_tree(rel)
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    storage = _open_root(args.root)
+    holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)
+    removed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for directory, kind in ((PENDING_DIR, "pending"), (TRASH_DIR, "trash")):
+        for name in storage.listdir(directory):
+            rel = f"{directory}/{name}"
+            item: dict[str, Any] = {"name": rel, "kind": kind, "size_bytes": 0}
+            try:
+                item["size_bytes"] = _tree_size(storage, rel)
+                if not args.dry_run:
+                    _remove(storage, rel)
+                    log.info("removed %s", storage.url(rel))
+            except CheckpointError as exc:
+                failed.append({**item, "problem": str(exc)})
+                continue
+            removed.append(item)
+    freed = sum(i["size_bytes"] for i in removed)
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "clean",
+                "root": storage.url(),
+                "dry_run": args.dry_run,
+                "forced": bool(args.force),
+                "lock": _lock_doc(holder),
+                "removed": removed,
+                "failed": failed,
+                "freed_bytes": freed,
+            }
+        )
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for i in removed:
+            print(f"{verb} {i['name']} ({i['kind']}, {_human_bytes(i['size_bytes'])})")
+        for i in failed:
+            print(f"FAILED {i['name']}: {i['problem']}")
+        if not removed and not failed:
+            print(f"{storage.url()}: nothing to clean (no abandoned pending or trash data)")
+        else:
+            what = "would free" if args.dry_run else "freed"
+            print(f"{storage.url()}: {what} {_human_bytes(freed)} in {len(removed)} entr(ies)")
+    if failed:
+        raise CliError(
+            f"could not remove {len(failed)} entr(ies) under {storage.url()}: "
+            f"{failed[0]['name']}: {failed[0]['problem']}"
+        )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- inspect
+def _file_tensors(storage: Storage, name: str, entry: Any) -> tuple[list[Any] | None, str | None]:
+    """Tensor names, dtypes and shapes of one ``.safetensors`` file, read from its
+    header only: no tensor data is read, nothing is unpickled, torch is not imported."""
+    from .serialization import read_header
+
+    if not entry.path.endswith(".safetensors"):
+        return None, None
+    rel = f"{name}/{entry.path}"
+    try:
+        catalog.check_inside(storage, name, entry.path)
+        size = storage.size(rel)
+        if size is None:
+            return None, "missing"
+        with storage.open_read(rel) as f:
+            header = read_header(f, size_bytes=size)
+    except CheckpointError as exc:
+        return None, _short_problem(storage, name, str(exc))
+    tensors = [
+        {"name": t, "dtype": dtype, "shape": list(shape)}
+        for t, (dtype, shape) in header.tensors.items()
+    ]
+    return tensors, None
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    storage = _open_root(args.root)
+    run_id = _run_id_for_reading(storage)
+    target = _single_target(storage, args.step)
+    name = target.name
+    if target.manifest is None:
+        raise CliError(f"checkpoint step {args.step} is corrupt: {target.problem}")
+    m = target.manifest
+    status, problem = "ok", None
+    try:
+        catalog.validate(storage, name, m)
+    except CheckpointError as exc:
+        status, problem = "corrupt", _short_problem(storage, name, str(exc))
+    if status == "ok" and run_id is not None and m.run_id != run_id:
+        status, problem = "foreign", f"belongs to run {m.run_id!r}, not {run_id!r}"
+    files = []
+    for f in m.files:
+        tensors, file_problem = _file_tensors(storage, name, f)
+        files.append(
+            {
+                "path": f.path,
+                "size_bytes": f.size_bytes,
+                "checksum": f.checksum,
+                "rank": f.rank,
+                "tensors": tensors,
+                "problem": file_problem,
+            }
+        )
+    manifest_doc = {
+        "step": m.step,
+        "run_id": m.run_id,
+        "commit_seq": m.commit_seq,
+        "created_unix": m.created_unix,
+        "world_size": m.world_size,
+        "state_kind": m.state_kind,
+        "strategy": m.strategy,
+        "checksum_algorithm": m.checksum_algorithm,
+        "schema_version": m.schema_version,
+        "library_version": m.library_version,
+        "size_bytes": m.size_bytes,
+        "metrics": dict(m.metrics),
+        "metadata": dict(m.metadata),
+    }
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "inspect",
+                "root": storage.url(),
+                "name": name,
+                "path": storage.url(name),
+                "status": status,
+                "problem": problem,
+                "manifest": manifest_doc,
+                "files": files,
+            }
+        )
+    else:
+        _print_inspect(storage, name, status, problem, m, files)
+    if status == "corrupt":
+        raise CliError(f"{storage.url(name)} is corrupt: {problem}")
+    return EXIT_OK
+
+
+def _print_inspect(
+    storage: Storage,
+    name: str,
+    status: str,
+    problem: str | None,
+    m: Manifest,
+    files: list[dict[str, Any]],
+) -> None:
+    fields = [
+        ("path", storage.url(name)),
+        ("status", status if problem is None else f"{status}: {problem}"),
+        ("step", str(m.step)),
+        ("run id", m.run_id),
+        ("commit seq", str(m.commit_seq)),
+        ("created", f"{_local_time(m.created_unix)} ({m.created_unix:.3f})"),
+        ("world size", str(m.world_size)),
+        ("state kind", m.state_kind),
+        ("strategy", m.strategy),
+        ("checksums", m.checksum_algorithm),
+        ("schema", f"{m.schema_version} (atomic-checkpoint {m.library_version or '?'})"),
+        ("size", f"{_human_bytes(m.size_bytes)} ({m.size_bytes} bytes) in {len(m.files)} file(s)"),
+        ("metrics", _metrics_text(dict(m.metrics))),
+        ("metadata", json.dumps(dict(m.metadata), sort_keys=True) if m.metadata else "-"),
+    ]
+    print(name)
+    for key, value in fields:
+        print(f"  {key + ':':<12} {value}")
+    print("\nfiles:")
+    rows = [
+        [
+            f["path"],
+            _human_bytes(f["size_bytes"]),
+            f["checksum"],
+            "-" if f["rank"] is None else str(f["rank"]),
+        ]
+        for f in files
+    ]
+    print(_indent(_table(["PATH", "SIZE", "CHECKSUM", "RANK"], rows, right={1, 3})))
+    for f in files:
+        if f["tensors"] is None and f["problem"] is None:
+            continue
+        print(f"\n{f['path']}:")
+        if f["problem"] is not None:
+            print(f"  cannot read its header: {f['problem']}")
+            continue
+        tensors = f["tensors"]
+        elements = sum(math.prod(t["shape"]) for t in tensors)
+        print(f"  {len(tensors)} tensor(s), {elements:,} element(s)")
+        if tensors:
+            rows = [[t["name"], t["dtype"], str(t["shape"])] for t in tensors]
+            print(_indent(_table(["TENSOR", "DTYPE", "SHAPE"], rows, right=set())))
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------- prune
+def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    from .retention import AnyOf, KeepBest, KeepEvery, KeepLast, Pin
+
+    if args.keep_best is None and (args.metric is not None or args.mode is not None):
+        parser.error("--metric and --mode go with --keep-best K")
+    policies: list[Any] = []
+    if args.keep_last is not None:
+        policies.append(KeepLast(args.keep_last))
+    if args.keep_best is not None:
+        policies.append(
+            KeepBest(args.keep_best, metric=args.metric or "eval_loss", mode=args.mode or "min")
+        )
+    if args.keep_every is not None:
+        policies.append(KeepEvery(args.keep_every))
+    if args.pin:
+        policies.append(Pin(args.pin))
+    if not policies:
+        parser.error(
+            "say what to keep: --keep-last N, --keep-best K, --keep-every K and/or --pin STEP"
+        )
+    return policies[0] if len(policies) == 1 else AnyOf(*policies)
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from .manager import CheckpointManager
+    from .retention import KeepBest, describe_plan, plan_deletions
+
+    policy = _policy(args, args.parser)
+    storage = _open_root(args.root)
+    run_id = args.run_id or _recorded_run_id(storage)
+    if run_id is None:
+        raise CliError(
+            f"{storage.url()} records no run ({RUN_FILE} is missing), so it is not known "
+            "whose checkpoints to prune: pass --run-id RUN (see the RUN column of "
+            f"`{PROG} list --all-runs`)",
+            EXIT_USAGE,
+        )
+    holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
+    entries = catalog.scan(storage, run_id=run_id)
+    manifests = [e.manifest for e in entries if e.status == "ok" and e.manifest is not None]
+    skipped = [
+        {
+            "name": e.name,
+            "step": e.step,
+            "status": e.status,
+            "problem": _short_problem(storage, e.name, e.problem),
+        }
+        for e in entries
+        if e.status != "ok"
+    ]
+    infos: list[CheckpointInfo] = [m.info(storage.url(checkpoint_name(m.step))) for m in manifests]
+    parts = getattr(policy, "policies", (policy,))
+    for p in parts:
+        if isinstance(p, KeepBest) and infos and not any(p.metric in i.metrics for i in infos):
+            recorded = sorted({k for i in infos for k in i.metrics})
+            raise CliError(
+                f"no checkpoint of run {run_id!r} records metric {p.metric!r} (recorded: "
+                f"{', '.join(recorded) or 'none'}), so --keep-best would keep nothing: "
+                "check --metric",
+                EXIT_USAGE,
+            )
+    plan = describe_plan(policy, infos)
+    victims = {i.step for i in plan_deletions(policy, infos)}
+    failed: list[dict[str, Any]] = []
+    deleted: set[int] = set()
+    if victims and not args.dry_run:
+        # A read-only manager never sweeps, locks or saves; its _delete_checkpoint
+        # un-commits (renames into .trash/) before deleting, as rotation does.
+        mgr = CheckpointManager(
+            storage, read_only=True, run_id=run_id, coordinator=SingleProcessCoordinator()
+        )
+        try:
+            for step in sorted(victims):
+                try:
+                    mgr._delete_checkpoint(step)
+                except CheckpointError as exc:
+                    failed.append(
+                        {"name": checkpoint_name(step), "step": step, "problem": str(exc)}
+                    )
+                    continue
+                deleted.add(step)
+        finally:
+            mgr.close()
+    rows = []
+    for info, kept, reason in plan:
+        rows.append(
+            {
+                "name": checkpoint_name(info.step),
+                "step": info.step,
+                "size_bytes": info.size_bytes,
+                "created_unix": info.created_unix,
+                "metrics": dict(info.metrics),
+                "kept": kept,
+                "reason": reason,
+                "deleted": info.step in deleted,
+            }
+        )
+    sizes = {i.step: i.size_bytes for i in infos}
+    freed = sum(sizes[s] for s in (victims if args.dry_run else deleted))
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "prune",
+                "root": storage.url(),
+                "run_id": run_id,
+                "policy": repr(policy),
+                "dry_run": args.dry_run,
+                "forced": bool(args.force),
+                "lock": _lock_doc(holder),
+                "checkpoints": rows,
+                "failed": failed,
+                "skipped": skipped,
+                "freed_bytes": freed,
+            }
+        )
+    else:
+        _print_prune(storage, run_id, policy, rows, failed, skipped, freed, args.dry_run)
+    if failed:
+        raise CliError(
+            f"could not delete {len(failed)} checkpoint(s): {failed[0]['name']}: "
+            f"{failed[0]['problem']} (the others were handled; run prune again)"
+        )
+    return EXIT_OK
+
+
+def _print_prune(
+    storage: Storage,
+    run_id: str,
+    policy: Any,
+    rows: list[dict[str, Any]],
+    failed: list[dict[str, Any]],
+    skipped: list[dict[str, Any]],
+    freed: int,
+    dry_run: bool,
+) -> None:
+    print(f"{storage.url()}: run {run_id}, policy {policy!r}")
+    if not rows:
+        print("no committed checkpoint of this run: nothing to prune")
+    failed_steps = {f["step"] for f in failed}
+    table = []
+    for r in rows:
+        if r["kept"]:
+            action = "keep"
+        elif dry_run:
+            action = "would delete"
+        elif r["step"] in failed_steps:
+            action = "FAILED"
+        else:
+            action = "deleted"
+        table.append(
+            [str(r["step"]), action, _human_bytes(r["size_bytes"]), _metrics_text(r["metrics"]),
+             r["reason"]]
+        )  # fmt: skip
+    if table:
+        print(_table(["STEP", "ACTION", "SIZE", "METRICS", "REASON"], table, right={0, 2}))
+    for s in skipped:
+        print(f"not considered: {s['name']} ({s['status']}: {s['problem']})")
+    n = sum(1 for r in rows if not r["kept"]) if dry_run else sum(r["deleted"] for r in rows)
+    verb = "would delete" if dry_run else "deleted"
+    print(f"{verb} {n} checkpoint(s), {'would free' if dry_run else 'freed'} {_human_bytes(freed)}")
+
+
+# ---------------------------------------------------------------------- arguments
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (and exit 2), like every
+    other error of this command."""
+
+    def error(self, message: str) -> NoReturn:
+        _error_line(f"{self.prog}: {message} (see `{self.prog} --help`)")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _step_arg(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"invalid step {text!r}: a non-negative integer")
+    try:
+        return validate_step(int(text))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count_arg(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: an integer >= 1")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``atomic-checkpoint`` (also used for the docs)."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Inspect and maintain an atomic-checkpoint root: list, verify, clean, inspect "
+            "and prune checkpoints."
+        ),
+        epilog=_EPILOG,
+        formatter_class=fmt,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    verbosity = _Parser(add_help=False)
+    verbosity.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=argparse.SUPPRESS,
+        help="log what the library does (-vv: debug, and tracebacks for internal errors)",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="log what the library does (-vv: debug, and tracebacks for internal errors)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=description,
+            parents=[verbosity],
+            formatter_class=fmt,
+        )
+        p.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+        return p
+
+    p = command(
+        "list",
+        "table of checkpoints, pending saves and foreign entries",
+        "Show every entry of ROOT: step, commit time (local), size, metrics, and status "
+        "(ok, corrupt, pending, foreign) with the problem of each non-ok entry. Checks "
+        "presence and sizes, not checksums (use verify). Exits 0 even when entries are "
+        "corrupt.\n\nexample:\n  atomic-checkpoint list /ckpt/run1 --json",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument(
+        "--all-runs",
+        action="store_true",
+        help="validate and show the checkpoints of every run, not only ROOT's recorded run",
+    )
+    p.set_defaults(func=cmd_list)
+
+    p = command(
+        "verify",
+        "recompute every checksum; exit 1 on any problem",
+        "Read every byte of every checkpoint of the run (or only STEP) and compare "
+        "sizes and checksums with the manifest. Prints a line per checkpoint, ok or "
+        "CORRUPT: <problem>; exits 1 if any checkpoint fails (or there is none), 2 if "
+        "ROOT does not exist.\n\nexamples:\n  atomic-checkpoint verify /ckpt/run1\n"
+        "  atomic-checkpoint verify /ckpt/run1 4000 --quiet",
+    )
+    p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg, help="only this step")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only problems")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress with bytes/s on stderr (default: a bar when stderr is a terminal, "
+        f"for checkpoints of {_human_bytes(_AUTO_PROGRESS_MIN_BYTES)} or more)",
+    )
+    p.add_argument(
+        "--all-runs", action="store_true", help="verify the checkpoints of every run in ROOT"
+    )
+    p.set_defaults(func=cmd_verify)
+
+    p = command(
+        "clean",
+        "remove abandoned pending and trash data",
+        "Remove what crashed saves and interrupted deletions left: everything under "
+        "ROOT/.pending/ and ROOT/.trash/. Committed checkpoints are never touched. "
+        "Refuses (exit 3) while a live job holds the run lock on ROOT.\n\nexample:\n"
+        "  atomic-checkpoint clean /ckpt/run1 --dry-run",
+    )
+    p.add_argument("--dry-run", action="store_true", help="show what would be removed")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="clean even though a live job holds the run lock (its save in progress fails)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_clean)
+
+    p = command(
+        "inspect",
+        "manifest, files and tensor shapes of one checkpoint",
+        "Show the manifest of checkpoint STEP (step, run, commit sequence, time, world "
+        "size, state kind, metrics, metadata), its files (size, checksum, rank), and "
+        "the tensor names, dtypes and shapes of its .safetensors files, read from their "
+        "headers (no tensor data is read, no code from the checkpoint runs). Exits 1 if "
+        "the checkpoint is corrupt.\n\nexample:\n  atomic-checkpoint inspect /ckpt/run1 4000",
+    )
+    p.add_argument("step", metavar="STEP", type=_step_arg, help="the checkpoint's step")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_inspect)
+
+    p = command(
+        "prune",
+        "apply a retention policy by hand",
+        "Delete this run's committed checkpoints that no given policy keeps (a "
+        "checkpoint is kept if any policy keeps it); the newest is never deleted, "
+        "corrupt and foreign entries are never touched. Each deletion un-commits first "
+        "(renames into ROOT/.trash/), then deletes. Refuses (exit 3) while a live job "
+        "holds the run lock.\n\nexamples:\n"
+        "  atomic-checkpoint prune /ckpt/run1 --keep-last 3 --dry-run\n"
+        "  atomic-checkpoint prune /ckpt/run1 --keep-last 2 --keep-best 1 "
+        "--metric eval_loss --mode min --pin 10000",
+    )
+    p.add_argument("--keep-last", type=_count_arg, metavar="N", help="keep the N newest")
+    p.add_argument("--keep-best", type=_count_arg, metavar="K", help="keep the K best by --metric")
+    p.add_argument("--metric", metavar="NAME", help="metric for --keep-best (eval_loss)")
+    p.add_argument(
+        "--mode", choices=("min", "max"), help="min: lower is better (default); max: higher"
+    )
+    p.add_argument(
+        "--keep-every", type=_count_arg, metavar="K", help="keep steps that are multiples of K"
+    )
+    p.add_argument(
+        "--pin", type=_step_arg, nargs="+", metavar="STEP", default=[], help="keep these steps"
+    )
+    p.add_argument("--run-id", metavar="RUN", help="prune this run (default: ROOT's run)")
+    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+    p.add_argument(
+        "--force", action="store_true", help="prune even though a live job holds the run lock"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_prune, parser=p)
+    return parser
+
+
+def _setup_logging(verbose: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    log.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    verbose = int(getattr(args, "verbose", 0) or 0)
+    _setup_logging(verbose)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except SystemExit as exc:  # parser.error from inside a command
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    except CliError as exc:
+        _error_line(str(exc))
+        return exc.code
+    except LockHeldError as exc:
+        _error_line(str(exc))
+        return EXIT_LOCKED
+    except StorageError as exc:
+        _error_line(str(exc))
+        return EXIT_USAGE
+    except CheckpointError as exc:
+        _error_line(str(exc))
+        return EXIT_PROBLEM
+    except KeyboardInterrupt:
+        _error_line("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout went away (`... | head`): stop quietly, and keep Python
+        # from complaining again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PROBLEM
+    except OSError as exc:
+        _error_line(f"{type(exc).__name__}: {exc}")
+        return EXIT_USAGE
+    except Exception as exc:
+        if verbose >= 2:
+            traceback.print_exc()
+        _error_line(
+            f"internal error: {type(exc).__name__}: {exc} (a bug in atomic-checkpoint "
+            f"{__version__}; run with -vv for the traceback and report it)"
+        )
+        return EXIT_PROBLEM

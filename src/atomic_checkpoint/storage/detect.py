@@ -1,0 +1,182 @@
+"""What filesystem a local path lives on, from the kernel's mount table.
+
+The commit strategy depends on it: a FUSE mount of an object store (s3fs-fuse,
+gcsfuse, mountpoint-s3, goofys, ...) looks like a directory, but its directory rename
+is a per-object copy followed by a delete (or is refused outright), so a crash in the
+middle leaves files under both names and observers see both prefixes at once
+(FAILURE_MODES D2). Such mounts get the marker strategy. Network filesystems (sshfs,
+NFS, SMB) keep atomic directory rename but are not coherent between clients, so
+readers poll with a bound after a change (FAILURE_MODES D1).
+
+The table is ``/proc/self/mountinfo`` (Linux); the entry whose mount point is the
+longest prefix of the resolved path wins, and of several mounts stacked on one mount
+point the last one listed (the one on top). Elsewhere (macOS, Windows) nothing is
+detected and the path is treated as a local disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+from .base import StorageCapabilities
+
+log = logging.getLogger("atomic_checkpoint")
+
+MOUNTINFO = "/proc/self/mountinfo"
+
+#: FUSE filesystem names (the part after ``fuse.`` in the type, or the mount source
+#: for a plain ``fuse`` type) of object-store mounts whose directory rename is
+#: copy+delete or unsupported. JuiceFS and s3backer are absent on purpose: they keep
+#: their own metadata and rename atomically.
+COPY_DELETE_FUSE = frozenset(
+    {
+        "s3fs",  # s3fs-fuse: rename = CopyObject per key, then DeleteObject
+        "gcsfuse",  # gcsfuse: directory rename off by default, else copy+delete
+        "mountpoint-s3",  # mountpoint-s3: refuses directory rename
+        "goofys",
+        "geesefs",
+        "rclone",  # rclone mount over S3/GCS/Azure remotes: server-side copy + delete
+        "blobfuse",
+        "blobfuse2",
+        "ossfs",
+        "cosfs",
+        "obsfs",
+    }
+)
+
+#: Network filesystems: rename is atomic on the server, but each client caches names
+#: and attributes, so a change made through one client shows up late on another.
+_NETWORK = {
+    "fuse.sshfs": "sshfs",
+    "nfs": "nfs",
+    "nfs4": "nfs",
+    "cifs": "smb",
+    "smb3": "smb",
+    "9p": "9p",
+}
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    """One line of the mount table.
+
+    Attributes:
+        mount_point: where it is mounted.
+        fstype: the filesystem type as the kernel lists it (``ext4``, ``fuse.s3fs``).
+        source: the mounted thing (a device, ``host:/export``, a bucket name).
+    """
+
+    mount_point: str
+    fstype: str
+    source: str
+
+    @property
+    def fuse_name(self) -> str | None:
+        """The FUSE filesystem's name (``s3fs`` for ``fuse.s3fs``), else None."""
+        if self.fstype.startswith("fuse."):
+            return self.fstype[len("fuse.") :]
+        if self.fstype in ("fuse", "fuseblk"):
+            # Old libfuse versions list no subtype; the source then names the daemon.
+            return os.path.basename(self.source) or None
+        return None
+
+    @property
+    def is_copy_delete(self) -> bool:
+        """True for object-store FUSE mounts whose directory rename is not atomic."""
+        return self.fuse_name in COPY_DELETE_FUSE
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as \040, \011, \012, \134.
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def parse_mountinfo(text: str) -> list[MountInfo]:
+    """Parse the text of ``/proc/<pid>/mountinfo`` (see proc(5)); bad lines are skipped.
+
+    Each line: ``id parent major:minor root mount_point options [optional...] - fstype
+    source super_options``; the optional fields end at the lone ``-``.
+    """
+    out = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        try:
+            sep = fields.index("-", 6)
+            mount_point = _unescape(fields[4])
+            fstype = _unescape(fields[sep + 1])
+            source = _unescape(fields[sep + 2]) if len(fields) > sep + 2 else ""
+        except (ValueError, IndexError):
+            continue
+        out.append(MountInfo(mount_point, fstype, source))
+    return out
+
+
+def _existing_ancestor(path: str) -> str:
+    # A root that does not exist yet lives on the mount of its nearest existing parent.
+    p = os.path.realpath(path)
+    for _ in range(p.count(os.sep) + 1):
+        if os.path.exists(p):
+            return p
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> MountInfo | None:
+    """The mount that holds ``path`` (resolved through symlinks), or None if unknown.
+
+    Args:
+        path: any local path; it need not exist yet.
+        table: mountinfo text to use instead of ``/proc/self/mountinfo`` (tests).
+    """
+    if table is None:
+        try:
+            with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
+                table = f.read()
+        except OSError:
+            return None  # not Linux, or /proc not mounted: nothing to detect
+    target = _existing_ancestor(os.fspath(path))
+    best: MountInfo | None = None
+    for entry in parse_mountinfo(table):
+        mp = entry.mount_point
+        inside = target == mp or target.startswith(mp.rstrip("/") + "/") or mp == "/"
+        # ">=": a later mount on the same point is stacked on top of the earlier one.
+        if inside and (best is None or len(mp) >= len(best.mount_point)):
+            best = entry
+    return best
+
+
+def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
+    """Capabilities of a ``LocalStorage`` rooted at ``path``, from its mount.
+
+    - object-store FUSE (``fuse.s3fs``, ``fuse.gcsfuse``, ...): no atomic directory
+      rename (so the marker strategy), no exclusive create across clients (O_EXCL and
+      mkdir do not exclude between two s3fs mounts), not coherent (s3fs caches stat
+      results; other clients see a 0-byte file until the writer's close).
+    - sshfs: not coherent (directory fsync there is a silent no-op, but harmless).
+    - NFS, SMB, 9p: not coherent.
+    - everything else (ext4, xfs, tmpfs, btrfs, Lustre, ...): a coherent local disk.
+    """
+    mount = mount_of(path)
+    dir_fsync = os.name != "nt"
+    if mount is None:
+        return StorageCapabilities(name="local", dir_fsync=dir_fsync)
+    if mount.is_copy_delete:
+        return StorageCapabilities(
+            name=mount.fstype,
+            atomic_dir_rename=False,
+            dir_fsync=False,
+            exclusive_create=False,
+            coherent=False,
+        )
+    network = _NETWORK.get(mount.fstype)
+    if network is not None:
+        return StorageCapabilities(name=network, dir_fsync=dir_fsync, coherent=False)
+    return StorageCapabilities(name="local", dir_fsync=dir_fsync)

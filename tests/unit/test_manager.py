@@ -1,0 +1,342 @@
+"""CheckpointManager in one process on a real local filesystem: the user-facing rules."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from atomic_checkpoint import (
+    CheckpointExistsError,
+    CheckpointManager,
+    CheckpointNotFoundError,
+    CommitError,
+    CorruptCheckpointError,
+    KeepLast,
+    ReadOnlyError,
+    ResumeError,
+    SerializationError,
+    StorageError,
+    StoragePermissionError,
+    UnsafeCheckpointError,
+)
+from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def state(step: int = 1):
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(256, generator=g),
+        "opt": {0: {"step": torch.tensor(float(step))}},
+        "hp": (0.9, 0.999),
+        "step": step,
+    }
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_save_restore_latest_checkpoints(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    for s in (5, 10, 100, 9):  # not in order: ordering is by integer step
+        mgr.save(s, state(s), metrics={"loss": 1.0 / s})
+    assert [c.step for c in mgr.checkpoints()] == [5, 9, 10, 100]
+    assert mgr.latest().step == 100
+    assert same(mgr.restore(), state(100))
+    assert same(mgr.restore(9), state(9))
+    info = mgr.latest()
+    assert info.metrics == {"loss": 0.01} and info.path == str(tmp_path / "checkpoint-100")
+    assert info.run_id and info.size_bytes > 1024
+
+
+def test_restore_into_existing_tensors_fills_them_in_place(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state(1))
+    target = state(2)
+    ptr = target["w"].data_ptr()
+    out = mgr.restore(1, into=target)
+    assert out["w"].data_ptr() == ptr and torch.equal(out["w"], state(1)["w"])
+
+
+def test_saving_an_existing_step_is_an_error_unless_overwrite(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(3, state(3))
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        mgr.save(3, state(4))
+    assert same(mgr.restore(3), state(3))  # nothing lost
+    mgr.save(3, state(4), overwrite=True)
+    assert same(mgr.restore(3), state(4))
+    assert [c.step for c in mgr.checkpoints()] == [3]
+    assert os.listdir(tmp_path / PENDING_DIR) == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "7", None, True])
+def test_bad_steps_are_rejected_before_anything_is_written(tmp_path, bad):
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises((TypeError, ValueError), match="step"):
+        mgr.save(bad, state())
+    assert mgr.checkpoints() == [] and os.listdir(tmp_path / PENDING_DIR) == []
+
+
+def test_unsupported_objects_name_their_path_and_write_nothing(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state(1))
+    with pytest.raises(SerializationError, match=r"opt.*weird"):
+        mgr.save(2, {"opt": {"weird": object()}})
+    assert [c.step for c in mgr.checkpoints()] == [1]
+    assert os.listdir(tmp_path / PENDING_DIR) == []
+
+
+def test_pickle_needs_explicit_permission_both_ways(tmp_path):
+    class Thing:
+        pass
+
+    mgr = CheckpointManager(tmp_path, allow_pickle=True)
+    mgr.save(1, {"thing": Thing.__name__, "obj": {1, 2, 3}})
+    reader = CheckpointManager(tmp_path, read_only=True)
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle"):
+        reader.restore(1)
+    assert reader.restore(1, allow_pickle=True)["obj"] == {1, 2, 3}
+
+
+def test_root_that_is_a_file(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(StorageError, match="is a file"):
+        CheckpointManager(f)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
+def test_read_only_filesystem_gives_a_permission_error(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
+    try:
+        with pytest.raises(StoragePermissionError, match="writable|read-only"):
+            CheckpointManager(ro / "ckpt")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_unwritable_root_for_a_normal_user(tmp_path):
+    # Root ignores permission bits, so this runs the check as an unprivileged user.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user")
+    root = tmp_path / "locked"
+    root.mkdir(mode=0o555)
+    os.chmod(tmp_path, 0o755)
+    code = (
+        "import os, sys\n"
+        # Import first: the interpreter's own files may not be readable by that user.
+        "from atomic_checkpoint import CheckpointManager, StoragePermissionError\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        f"try:\n    CheckpointManager({str(root)!r})\n"
+        "except StoragePermissionError as e:\n    print('OK', e); sys.exit(0)\n"
+        "sys.exit(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Permission denied" in proc.stdout or "writable" in proc.stdout
+
+
+def _corrupt_cases():
+    def truncate(d):
+        f = d / "rank-00000.safetensors"
+        f.write_bytes(f.read_bytes()[:-10])
+
+    def flip(d):
+        f = d / "rank-00000.safetensors"
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0x01
+        f.write_bytes(bytes(data))
+
+    def delete_file(d):
+        (d / "rank-00000.safetensors").unlink()
+
+    def delete_manifest(d):
+        (d / MANIFEST_NAME).unlink()
+
+    def mangle_manifest(d):
+        (d / MANIFEST_NAME).write_text("{not json")
+
+    def escape(d):
+        doc = json.loads((d / MANIFEST_NAME).read_text())
+        doc["files"][0]["path"] = "../../outside.safetensors"
+        (d / MANIFEST_NAME).write_text(json.dumps(doc))
+
+    def symlink_out(d):
+        outside = d.parent.parent / "outside.bin"
+        outside.write_bytes((d / "rank-00000.safetensors").read_bytes())
+        (d / "rank-00000.safetensors").unlink()
+        (d / "rank-00000.safetensors").symlink_to(outside)
+
+    def future_schema(d):
+        doc = json.loads((d / MANIFEST_NAME).read_text())
+        doc["schema_version"] = 999
+        (d / MANIFEST_NAME).write_text(json.dumps(doc))
+
+    return {
+        "truncate": (truncate, "bytes"),
+        "flip": (flip, "checksum"),
+        "delete_file": (delete_file, "missing"),
+        "delete_manifest": (delete_manifest, None),
+        "mangle_manifest": (mangle_manifest, "JSON"),
+        "escape": (escape, "refusing"),
+        "symlink_out": (symlink_out, "outside"),
+        "future_schema": (future_schema, "newer"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_corrupt_cases()))
+def test_corrupt_newest_checkpoint_is_skipped_and_named(tmp_path, case, caplog):
+    fn, problem = _corrupt_cases()[case]
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(1, state(1))
+    mgr.save(2, state(2))
+    fn(root / "checkpoint-2")
+    if case == "flip":
+        # Sizes still match: discovery accepts it, verification and verified restore do not.
+        assert mgr.latest().step == 2
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            mgr.verify(2)
+        with pytest.raises(CorruptCheckpointError, match="checksum"):
+            mgr.restore(2)
+        return
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        latest = mgr.latest()
+    assert latest.step == 1  # resume falls back to the newest valid one
+    assert same(mgr.restore(), state(1))
+    if problem is not None:
+        assert any(
+            problem in r.getMessage() and "checkpoint-2" in r.getMessage() for r in caplog.records
+        ), [r.getMessage() for r in caplog.records]
+        with pytest.raises(CorruptCheckpointError, match=problem):
+            mgr.restore(2)
+    else:
+        with pytest.raises(CheckpointNotFoundError):
+            mgr.restore(2)
+
+
+def test_resume_modes(tmp_path):
+    with pytest.raises(ResumeError, match="no valid checkpoint"):
+        CheckpointManager(tmp_path / "a", resume="must")
+    mgr = CheckpointManager(tmp_path / "b")
+    mgr.save(1, state(1))
+    mgr.close()
+    with pytest.raises(ResumeError, match="already has 1 checkpoint"):
+        CheckpointManager(tmp_path / "b", resume="never")
+    assert CheckpointManager(tmp_path / "b", resume="must").latest().step == 1
+    # Checkpoints exist but none is valid: never a silent fresh start.
+    (tmp_path / "b" / "checkpoint-1" / "rank-00000.safetensors").unlink()
+    with pytest.raises(ResumeError, match="none is valid"):
+        CheckpointManager(tmp_path / "b")
+
+
+def test_restarted_job_continues_its_run_and_ignores_other_runs(tmp_path):
+    a = CheckpointManager(tmp_path, run_id="run-a")
+    a.save(1000, state(1))
+    a.close()
+    b = CheckpointManager(tmp_path, run_id="run-b", retention=KeepLast(1))
+    assert b.latest() is None  # another run's checkpoint is not ours to resume
+    b.save(1, state(1))
+    b.save(2, state(2))
+    b.close()
+    assert (tmp_path / "checkpoint-1000").is_dir()  # foreign: never deleted
+    assert [c.step for c in CheckpointManager(tmp_path, run_id="run-b").checkpoints()] == [2]
+    # Without an explicit run id, a restarted job adopts the run recorded in the root.
+    first = CheckpointManager(tmp_path / "c")
+    first.save(1, state(1))
+    again = CheckpointManager(tmp_path / "c")
+    assert again.run_id == first.run_id and again.latest().step == 1
+
+
+def test_read_only_manager_never_writes(tmp_path):
+    mgr = CheckpointManager(tmp_path / "r")
+    mgr.save(1, state(1))
+    before = sorted(str(p) for p in (tmp_path / "r").rglob("*"))
+    ro = CheckpointManager(tmp_path / "r", read_only=True)
+    assert ro.latest().step == 1 and same(ro.restore(), state(1))
+    with pytest.raises(ReadOnlyError):
+        ro.save(2, state(2))
+    assert sorted(str(p) for p in (tmp_path / "r").rglob("*")) == before
+
+
+def test_on_commit_sees_only_committed_paths(tmp_path):
+    seen = []
+
+    def hook(info):
+        # The hook runs after the commit is durable: the manifest is there.
+        seen.append(
+            (info.step, info.path, (tmp_path / f"checkpoint-{info.step}" / MANIFEST_NAME).exists())
+        )
+
+    mgr = CheckpointManager(tmp_path, on_commit=hook)
+    mgr.save(1, state(1))
+    with mgr.saving(2) as d:
+        (d / "x.txt").write_text("x")
+    assert seen == [
+        (1, str(tmp_path / "checkpoint-1"), True),
+        (2, str(tmp_path / "checkpoint-2"), True),
+    ]
+
+
+def test_saving_block_that_raises_discards_everything(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"), mgr.saving(1) as d:
+        (d / "half.bin").write_bytes(b"x" * 100)
+        raise RuntimeError("boom")
+    assert mgr.checkpoints() == [] and os.listdir(tmp_path / PENDING_DIR) == []
+    assert not (tmp_path / "checkpoint-1").exists()
+
+
+def test_foreign_directory_under_a_checkpoint_name_is_not_overwritten(tmp_path):
+    (tmp_path / "checkpoint-5").mkdir(parents=True)
+    (tmp_path / "checkpoint-5" / "pytorch_model.bin").write_bytes(b"theirs")
+    mgr = CheckpointManager(tmp_path)
+    with pytest.raises(CommitError, match="not a committed checkpoint"):
+        mgr.save(5, state(5))
+    assert (tmp_path / "checkpoint-5" / "pytorch_model.bin").read_bytes() == b"theirs"
+
+
+def test_one_log_line_per_commit(tmp_path, caplog):
+    mgr = CheckpointManager(tmp_path)
+    with caplog.at_level(logging.INFO, logger="atomic_checkpoint"):
+        info = mgr.save(1, state(1))
+    lines = [r.getMessage() for r in caplog.records if "committed" in r.getMessage()]
+    assert len(lines) == 1 and "checkpoint-1" in lines[0] and "/s" in lines[0]
+    assert set(info.timings_s) >= {"prepare", "write", "fsync", "gather", "commit", "total"}
+
+
+def test_crashed_save_leftovers_are_swept_at_start(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state(1))
+    (tmp_path / PENDING_DIR / "checkpoint-2.0123456789abcdef").mkdir()
+    (
+        tmp_path / PENDING_DIR / "checkpoint-2.0123456789abcdef" / "rank-00000.safetensors"
+    ).write_bytes(b"x")
+    assert [c.step for c in mgr.checkpoints()] == [1]  # pending data is never a checkpoint
+    CheckpointManager(tmp_path)
+    assert os.listdir(tmp_path / PENDING_DIR) == []
+
+
+def test_import_does_not_import_frameworks():
+    code = "import sys, atomic_checkpoint; print(sorted(m for m in ('torch','fsspec','numpy','transformers','lightning') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
