@@ -8,7 +8,9 @@ processes launched by torchrun can be killed at exact moments::
 
 Format: ``phase@rank=action[:step]``, comma-separated; rank ``*`` means every rank.
 Actions: ``kill`` (SIGKILL self), ``raise`` (an injected OSError EIO), ``hang`` (sleep
-far beyond any timeout), ``exit`` (``os._exit(1)`` without cleanup).
+far beyond any timeout), ``exit`` (``os._exit(1)`` without cleanup), ``delay`` (sleep
+one second, then go on: entries run in order, so ``delay`` before ``kill`` at the same
+point lets other ranks get ahead first).
 
 Save phases, in order: ``before_write``, ``mid_write``, ``after_write``,
 ``after_manifest``, ``after_rename``, ``during_broadcast``. Rotation phases:
@@ -52,7 +54,7 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
             raise ValueError(f"{ENV}: cannot parse {item!r}; expected phase@rank=action[:step]")
         if phase not in SAVE_PHASES + ROTATION_PHASES:
             raise ValueError(f"{ENV}: unknown phase {phase!r}")
-        if action not in ("kill", "raise", "hang", "exit"):
+        if action not in ("kill", "raise", "hang", "exit", "delay"):
             raise ValueError(f"{ENV}: unknown action {action!r}")
         out.setdefault(phase, []).append((rank, action, step))
     return out
@@ -78,5 +80,7 @@ def fault_point(phase: str, rank: int, step: int | None = None) -> None:
             os._exit(1)
         elif action == "hang":
             time.sleep(3600)
+        elif action == "delay":
+            time.sleep(1.0)
         else:
             raise OSError(errno.EIO, f"injected fault at {phase} on rank {rank}")

@@ -61,6 +61,17 @@ class SaveAbandonedError(CheckpointError):
     before it could finish); nothing of it was committed by this process."""
 
 
+def _lower_priority(nice: int) -> None:
+    """Lower the CPU priority of the calling thread only (Linux)."""
+    if not sys.platform.startswith("linux") or nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # e.g. a seccomp filter: run at normal priority
+        log.debug("could not lower the priority of the async save thread: %s", exc)
+
+
 class SaveHandle:
     """The future of one ``save_async``: ``done()``, ``result()``.
 
@@ -136,6 +147,12 @@ class AsyncSaver:
     interpreter from exiting once the exit hook gave up on it).
     """
 
+    # Background saves run this much nicer than the training thread (Linux: nice is
+    # per thread, and threads the save starts inherit it): on a machine with few cores
+    # the training loop keeps its CPU, the save takes what is left. Waiting for a save
+    # (result(), wait()) leaves the CPU to it anyway.
+    nice = 10
+
     def __init__(self) -> None:
         self.cancel = threading.Event()  # set: the running save stops and fails
         self._handle: SaveHandle | None = None
@@ -163,6 +180,7 @@ class AsyncSaver:
         def run() -> None:
             info: CheckpointInfo | None = None
             error: BaseException | None = None
+            _lower_priority(self.nice)
             try:
                 info = fn()
             except BaseException as exc:  # reported once, by the handle or the manager
@@ -266,13 +284,129 @@ class AsyncSaver:
         )
 
 
+class _CopyProgress:
+    """How many tensors of a snapshot are copied; the background writer waits on it,
+    so it can stream tensor ``i`` while the training thread still copies ``i + 1``."""
+
+    def __init__(self, cancel: threading.Event | None):
+        self._cond = threading.Condition()
+        self._done = 0
+        self._error: BaseException | None = None
+        self._waiting = False
+        self._cancel = cancel
+
+    def advance(self, done: int) -> None:
+        with self._cond:
+            self._done = done
+            if self._waiting:
+                self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def wait_for(self, index: int, timeout_s: float = 600.0) -> None:
+        """Block until tensor ``index`` is copied (called by the writer)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._done <= index:
+                if self._error is not None:
+                    raise CheckpointError(
+                        f"the snapshot copy failed: {type(self._error).__name__}: {self._error}"
+                    ) from self._error
+                if self._cancel is not None and self._cancel.is_set():
+                    raise SaveAbandonedError("the async save was abandoned during its snapshot")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(
+                        f"the snapshot copy did not reach tensor {index} within {timeout_s:g} s"
+                    )
+                self._waiting = True
+                self._cond.wait(min(left, 1.0))
+                self._waiting = False
+
+
+class Snapshot:
+    """One state's snapshot: destination views in the pool's buffer, and the plan the
+    background writer streams from them.
+
+    ``copy()`` fills the views on the training thread; the writer's
+    ``plan.iter_chunks()`` waits for each tensor before it reads it. Until ``copy()``
+    returns, the source state must not change.
+    """
+
+    def __init__(
+        self, plan: Any, sources: list[Any], dests: list[Any], progress: _CopyProgress
+    ):
+        self._sources = sources
+        self._dests = dests
+        self._progress = progress
+        self._plan = plan
+        self.copy_s = 0.0
+        self.total_size_bytes = plan.total_size_bytes
+
+    def iter_chunks(self, chunk_bytes: int | None = None) -> Any:
+        """The file, streamed from the snapshot as its tensors become ready."""
+        kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        return self._plan.iter_chunks(before_tensor=self._progress.wait_for, **kwargs)
+
+    def copy(self) -> None:
+        """Copy every source tensor into its view; blocks until all bytes are copied
+        (device-to-host copies included). On failure the writer fails with it."""
+        t = time.perf_counter()
+        try:
+            self._copy()
+        except BaseException as exc:
+            self._progress.fail(exc)
+            raise
+        finally:
+            self.copy_s = time.perf_counter() - t
+
+    def _copy(self) -> None:
+        torch = sys.modules.get("torch")
+        progress = self._progress
+        pairs = list(zip(self._sources, self._dests, strict=True))
+        if torch is None:
+            for i, (src, dst) in enumerate(pairs):
+                _numpy_copy(dst, src)
+                progress.advance(i + 1)
+            return
+        devices = set()
+        with torch.no_grad():
+            for i, (src, dst) in enumerate(pairs):
+                if not isinstance(src, torch.Tensor):
+                    _numpy_copy(dst, src)
+                elif src.device.type == "cpu":
+                    dst.copy_(src.detach())
+                else:
+                    devices.add(src.device)
+                    # Into pinned memory this is an asynchronous DMA; they all overlap
+                    # and the synchronize below waits for them at once.
+                    dst.copy_(src.detach(), non_blocking=True)
+                if not devices:  # device copies are ready only after the synchronize
+                    progress.advance(i + 1)
+        for dev in devices:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            else:
+                getattr(torch, dev.type).synchronize()
+        progress.advance(len(pairs))
+
+
+def _numpy_copy(dst: Any, src: Any) -> None:
+    import numpy as np
+
+    np.copyto(dst, src, casting="no")
+
+
 class SnapshotPool:
     """Host memory that async saves copy their state into, allocated once and reused.
 
     One flat byte buffer holds every tensor of a snapshot, 64-byte aligned, in the
     plan's file order. It grows only when a state needs more bytes than it holds (for
     example when the optimizer creates its state after the first step); it never
-    shrinks while the manager lives. Only the training thread calls ``snapshot``, and
+    shrinks while the manager lives. Only the training thread calls ``prepare``, and
     only when no save is writing from the buffer.
     """
 
@@ -292,7 +426,8 @@ class SnapshotPool:
         return 0 if self._np_buf is None else int(self._np_buf.ctypes.data)
 
     def release(self) -> None:
-        """Drop the buffer (at close)."""
+        """Drop the buffer (at close). Views still held by a running write keep their
+        memory alive until that write ends."""
         self._torch_buf = self._np_buf = None
 
     def _ensure(self, nbytes: int, *, use_torch: bool, pin: bool) -> None:
@@ -319,17 +454,12 @@ class SnapshotPool:
         self.allocations += 1
         log.debug("snapshot buffer: %d bytes (pinned=%s)", size, pin)
 
-    def snapshot(self, plan: Any) -> Any:
-        """Copy every tensor of ``plan`` into the buffer; return the plan over the copies.
-
-        Blocks until every byte is copied (device-to-host copies included), so the
-        caller may change the state as soon as this returns.
+    def prepare(self, plan: Any, *, cancel: threading.Event | None = None) -> Snapshot:
+        """Lay out ``plan``'s tensors in the buffer (growing it if needed); copy nothing.
 
         Args:
             plan: a ``serialization.StatePlan``.
-
-        Returns:
-            ``plan.with_tensors(copies)``: the same file, written from the snapshot.
+            cancel: when set, a writer waiting for the copy gives up.
         """
         items = plan.tensors()
         torch = sys.modules.get("torch")
@@ -345,39 +475,21 @@ class SnapshotPool:
             offset += -(-nbytes // _ALIGN) * _ALIGN
         use_torch = torch is not None and any(t for _, _, t in layout)
         self._ensure(offset, use_torch=use_torch, pin=on_gpu)
-        copies = []
-        devices = set()
-        if use_torch:
-            assert torch is not None
-            flat = self._torch_buf
-            with torch.no_grad():
-                for (_name, src), (off, nbytes, is_torch) in zip(items, layout, strict=True):
-                    if is_torch:
-                        dst = flat[off : off + nbytes].view(src.dtype).view(src.shape)
-                        if src.device.type != "cpu":
-                            devices.add(src.device)
-                            # A pinned destination makes this an asynchronous DMA; the
-                            # synchronize below waits for all of them at once.
-                            dst.copy_(src.detach(), non_blocking=True)
-                        else:
-                            dst.copy_(src.detach())
-                    else:
-                        dst = self._numpy_copy(src, off, nbytes)
-                    copies.append(dst)
-            for dev in devices:
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-        else:
-            for (_name, src), (off, nbytes, _t) in zip(items, layout, strict=True):
-                copies.append(self._numpy_copy(src, off, nbytes))
-        return plan.with_tensors(copies)
+        dests = []
+        for (_name, src), (off, nbytes, is_torch) in zip(items, layout, strict=True):
+            if is_torch:
+                dst = self._torch_buf[off : off + nbytes].view(src.dtype).view(src.shape)
+            else:
+                dst = self._np_buf[off : off + nbytes].view(src.dtype).reshape(src.shape)
+            dests.append(dst)
+        progress = _CopyProgress(cancel)
+        return Snapshot(plan.with_tensors(dests), [s for _, s in items], dests, progress)
 
-    def _numpy_copy(self, src: Any, off: int, nbytes: int) -> Any:
-        import numpy as np
-
-        dst = self._np_buf[off : off + nbytes].view(src.dtype).reshape(src.shape)
-        np.copyto(dst, src, casting="no")
-        return dst
+    def snapshot(self, plan: Any) -> Any:
+        """``prepare`` then ``copy``: a plan over a complete, consistent snapshot."""
+        snap = self.prepare(plan)
+        snap.copy()
+        return snap._plan
 
 
 # -- interpreter exit ----------------------------------------------------------------

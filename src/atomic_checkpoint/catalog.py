@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,12 +30,72 @@ from .layout import (
     parse_checkpoint_name,
     parse_pending_name,
 )
-from .manifest import Hasher, Manifest
+from .manifest import FileEntry, Hasher, Manifest
 from .storage.base import Storage
 
 log = logging.getLogger("atomic_checkpoint")
 
 _VERIFY_CHUNK = 8 << 20
+
+# Marker strategy (commit.MarkerStrategy) names inside ``checkpoint-<step>/``: a save
+# writes its in-progress marker first, its data under ``attempt-<token>/``, and the
+# manifest last. A directory with a marker and no manifest is a save in progress or an
+# abandoned one: "pending", never a checkpoint, and ours to sweep.
+MARKER_PREFIX = "checkpoint.pending-"
+MARKER_SUFFIX = ".json"
+ATTEMPT_PREFIX = "attempt-"
+_MARKER_RE = re.compile(r"^checkpoint\.pending-([0-9a-f]{8,32})\.json$")
+_ATTEMPT_RE = re.compile(r"^attempt-([0-9a-f]{8,32})$")
+
+
+def marker_name(attempt: str) -> str:
+    """The in-progress marker of one marker-strategy save attempt."""
+    return f"{MARKER_PREFIX}{attempt}{MARKER_SUFFIX}"
+
+
+def attempt_dir_name(attempt: str) -> str:
+    """The directory, inside ``checkpoint-<step>/``, that one attempt writes its data to."""
+    return f"{ATTEMPT_PREFIX}{attempt}"
+
+
+def parse_marker_name(name: str) -> str | None:
+    """The attempt token of a marker file name, or None if the name is not a marker."""
+    m = _MARKER_RE.match(name)
+    return m.group(1) if m else None
+
+
+def parse_attempt_dir(name: str) -> str | None:
+    """The attempt token of an ``attempt-<token>`` directory name, or None."""
+    m = _ATTEMPT_RE.match(name)
+    return m.group(1) if m else None
+
+
+def pending_markers(storage: Storage, rel: str) -> list[str]:
+    """Attempt tokens of the in-progress markers inside checkpoint directory ``rel``."""
+    return [a for a in map(parse_marker_name, storage.listdir(rel)) if a is not None]
+
+
+def state_file(manifest: Manifest, name: str) -> FileEntry:
+    """The entry of state file ``name`` (e.g. ``rank-00000.safetensors``): at the top of
+    the checkpoint (rename strategy) or under the committed attempt's directory
+    (marker strategy: ``attempt-<token>/rank-00000.safetensors``).
+
+    Raises:
+        CorruptCheckpointError: the manifest lists no such file.
+    """
+    found = [
+        f
+        for f in manifest.files
+        if f.path == name
+        or (
+            f.path.count("/") == 1
+            and f.path.endswith(f"/{name}")
+            and parse_attempt_dir(f.path.split("/", 1)[0])
+        )
+    ]
+    if len(found) == 1:
+        return found[0]
+    return manifest.file(name)  # raises, naming the missing file
 
 
 @dataclass(frozen=True)
@@ -105,6 +166,11 @@ def validate(
     for entry in manifest.files:
         check_inside(storage, rel, entry.path)
         size = storage.size(f"{rel}/{entry.path}")
+        if size != entry.size_bytes and not storage.capabilities.coherent:
+            # sshfs: a path deleted and re-created through another client (a step saved
+            # again) keeps its old size in this client's cache until it is refreshed.
+            storage.refresh(f"{rel}/{entry.path}")
+            size = storage.size(f"{rel}/{entry.path}")
         if size is None:
             raise CorruptCheckpointError(f"{where}: file {entry.path!r} is missing")
         if size != entry.size_bytes:
@@ -152,7 +218,12 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
         try:
             manifest = read_manifest(storage, name)
         except CheckpointNotFoundError:
-            entries.append(Entry(name, step, "foreign", problem="no manifest"))
+            if pending_markers(storage, name):
+                entries.append(
+                    Entry(name, step, "pending", problem="not committed (marker, no manifest)")
+                )
+            else:
+                entries.append(Entry(name, step, "foreign", problem="no manifest"))
             continue
         except CheckpointError as exc:
             entries.append(Entry(name, step, "corrupt", problem=str(exc)))

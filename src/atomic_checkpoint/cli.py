@@ -19,17 +19,22 @@ job holds the run lock on ROOT (``--force`` overrides, with a warning); their
 
 The run whose checkpoints are "ours" is the one recorded in
 ``ROOT/.atomic-checkpoint/run.json``. Checkpoints of other runs are shown as
-``foreign`` and never verified (unless ``--all-runs``) or deleted. A root without a
-recorded run (written by hand, or its run file was removed) is read as if every run
-were ours; ``prune`` then needs ``--run-id``.
+``foreign``, verified only on request (``verify --all-runs``, or ``verify ROOT STEP``)
+and never deleted. A root without a recorded run (written by hand, or its run file
+was removed) is read as if every run were ours; ``prune`` then needs ``--run-id``.
+``clean --force`` also removes the run lock: the way to free a root whose job is
+known to be dead before its lease runs out (a job that is alive after all is fenced:
+it can no longer commit or delete).
 
 Exit status:
     0  success. ``list`` exits 0 even when some entries are corrupt: it is
        informational; use ``verify`` in scripts.
     1  a problem was found: a checkpoint failed verification, the requested step is
-       not a valid checkpoint, nothing was there to verify, or a delete failed.
+       not a valid checkpoint, nothing was there to verify, or a delete failed (also
+       internal errors, which are bugs: ``-vv`` shows their traceback).
     2  usage or environment error: bad arguments, ROOT missing or not a directory,
-       ROOT unreadable, a prune with no recorded run and no ``--run-id``.
+       ROOT unreadable, a storage error, a prune with no recorded run and no
+       ``--run-id``, or ``--keep-best`` on a metric that no checkpoint records.
     3  refused: a live job holds the run lock on ROOT (``clean``/``prune``).
     130 interrupted (Ctrl-C).
 
@@ -61,22 +66,29 @@ strings or null. ``list --json``::
   "status", "problem"}]}``; ``error`` means the files could not be read (permissions,
   I/O), not that they differ.
 - ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
-  "lock": <lock> | null, "removed": [{"name", "kind": "pending" | "trash",
-  "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
+  "lock": <lock> | null, "lock_removed": bool, "removed": [{"name", "kind": "pending" |
+  "trash", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
   "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed.
 - ``inspect``: ``{"schema_version", "command": "inspect", "root", "name", "path",
-  "status", "problem", "manifest": {"step", "run_id", "commit_seq", "created_unix",
-  "world_size", "state_kind", "strategy", "checksum_algorithm", "schema_version",
-  "library_version", "size_bytes", "metrics", "metadata"}, "files": [{"path",
+  "status": "ok" | "corrupt" | "foreign", "problem", "manifest": {"step", "run_id",
+  "commit_seq", "created_unix", "world_size", "state_kind", "strategy",
+  "checksum_algorithm", "schema_version", "library_version", "size_bytes", "metrics",
+  "metadata", "domain_count", "domain_ranks"} | null, "files": [{"path",
   "size_bytes", "checksum", "rank", "tensors": [{"name", "dtype", "shape"}] | null,
-  "problem"}]}``; ``tensors`` is null for files that are not ``.safetensors``.
+  "problem"}]}``. ``tensors`` is null for files that are not ``.safetensors`` or whose
+  header cannot be read (``problem`` says why); ``manifest`` is null (and ``files``
+  empty) when the manifest itself is unreadable. ``domain_count`` > 1 (node-local
+  storage): this copy holds the files of the ranks in ``domain_ranks`` only;
+  otherwise ``domain_ranks`` is null.
 - ``prune``: ``{"schema_version", "command": "prune", "root", "run_id", "policy",
   "dry_run", "forced", "lock": <lock> | null, "checkpoints": [{"name", "step",
   "size_bytes", "created_unix", "metrics", "kept": bool, "reason", "deleted": bool}],
   "failed": [{"name", "step", "problem"}], "skipped": [{"name", "step", "status",
   "problem"}], "freed_bytes"}``.
-- ``<lock>`` is ``{"run_id", "host", "pid", "acquired_unix", "expires_unix",
-  "is_live"}``.
+- ``<lock>`` is the holder of ``ROOT/.atomic-checkpoint/lock.json``: ``{"run_id",
+  "host", "pid", "token", "acquired_unix", "renewed_unix", "expires_unix", "is_live"}``
+  (``is_live`` false: the holder is provably gone, its process dead or its lease
+  expired; the fields other than ``is_live`` are null for an unreadable lock file).
 """
 
 from __future__ import annotations
@@ -87,6 +99,7 @@ import logging
 import math
 import os
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -99,8 +112,10 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    LockError,
     LockHeldError,
     StorageError,
+    map_os_error,
 )
 from .layout import (
     META_DIR,
@@ -291,8 +306,6 @@ def _tree_size(storage: Storage, rel: str) -> int:
     except FileNotFoundError:
         return 0
     except OSError as exc:
-        from .errors import map_os_error
-
         raise map_os_error(exc, "stat", local) from exc
     if not os.path.isdir(local) or os.path.islink(local):
         return st.st_size
@@ -307,71 +320,97 @@ def _tree_size(storage: Storage, rel: str) -> int:
 
 
 # ---------------------------------------------------------------------- the run lock
+class _UnreadableLock:
+    """Stands for a lock file that exists but does not parse: a job may be creating it
+    right now, so it counts as live."""
+
+    run_id = host = pid = acquired_unix = renewed_unix = lease_s = token = None
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def is_live(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return f"an unreadable lock file ({self.message})"
+
+
 def _lock_holder(storage: Storage) -> Any | None:
     """Who holds the run lock on ROOT (live or not), or None when nobody does."""
+    from .lock import read_lock_holder
+
     try:
-        from .lock import read_lock_holder  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
-    return read_lock_holder(storage)
-
-
-def _is_live(holder: Any) -> bool:
-    live = getattr(holder, "is_live", False)
-    return bool(live() if callable(live) else live)
+        return read_lock_holder(storage)
+    except LockError as exc:
+        return _UnreadableLock(str(exc))
 
 
 def _lock_doc(holder: Any | None) -> dict[str, Any] | None:
     if holder is None:
         return None
+    renewed, lease = holder.renewed_unix, holder.lease_s
     return {
-        "run_id": getattr(holder, "run_id", None),
-        "host": getattr(holder, "host", None),
-        "pid": getattr(holder, "pid", None),
-        "acquired_unix": getattr(holder, "acquired_unix", None),
-        "expires_unix": getattr(holder, "expires_unix", None),
-        "is_live": _is_live(holder),
+        "run_id": holder.run_id,
+        "host": holder.host,
+        "pid": holder.pid,
+        "token": holder.token,
+        "acquired_unix": holder.acquired_unix,
+        "renewed_unix": renewed,
+        "expires_unix": None if renewed is None or lease is None else renewed + lease,
+        "is_live": holder.is_live(),
     }
-
-
-def _describe_holder(holder: Any) -> str:
-    d = _lock_doc(holder) or {}
-    return (
-        f"run {d.get('run_id')!r} (pid {d.get('pid')} on host {d.get('host')}, since "
-        f"{_local_time(d.get('acquired_unix'))}, lease until {_local_time(d.get('expires_unix'))})"
-    )
 
 
 def _check_lock(storage: Storage, what: str, *, force: bool, dry_run: bool) -> Any | None:
     """Refuse (exit 3) while a live job holds the run lock, unless forced or dry-run.
 
-    Returns the holder (live or not), or None.
+    Returns the holder (live or not), or None when the lock is free.
     """
     holder = _lock_holder(storage)
     if holder is None:
         return None
-    if not _is_live(holder):
-        log.info("the run lock on %s is held by %s, which is gone", storage.url(), holder)
+    if not holder.is_live():
+        log.info(
+            "the run lock on %s is held by %s, which is gone", storage.url(), holder.describe()
+        )
         return holder
-    who = _describe_holder(holder)
+    who = holder.describe()
     if dry_run:
         _warn(
-            f"{who} holds the run lock on {storage.url()}: this is a dry run; {what} "
-            "without --dry-run would refuse while that job is live"
+            f"this is a dry run, but {what} without --dry-run would refuse: {who} holds "
+            f"the run lock on {storage.url()}"
         )
         return holder
     if not force:
         raise CliError(
-            f"refusing to {what} {storage.url()}: {who} holds the run lock and may be "
-            "saving right now. Stop that job first, or pass --force if you are sure it "
-            "is gone",
+            f"refusing to {what} {storage.url()}: the run lock is held by {who}, which may "
+            "be saving right now. Stop that job first (a dead job's lock frees itself when "
+            "its lease expires), or pass --force once you are sure it is gone",
             EXIT_LOCKED,
         )
     _warn(
-        f"--force: {what} {storage.url()} although {who} holds the run lock; if that "
-        "job is alive, a save or rotation it has in progress will fail"
+        f"--force: going ahead with {what} on {storage.url()} although the run lock is held "
+        f"by {who}; if that job is alive, the save or deletion it has in progress fails"
     )
     return holder
+
+
+def _break_lock(storage: Storage, holder: Any) -> bool:
+    """Remove the lock file ``holder`` was read from, if it is still that holder's
+    (``clean --force``: the documented way to free a root whose job is dead). The old
+    holder, if it is alive after all, is fenced: it can no longer commit or delete."""
+    from .lock import LOCK_FILE
+
+    current = _lock_holder(storage)
+    if current is None:
+        return False
+    if getattr(current, "generation", None) != getattr(holder, "generation", None):
+        _warn(f"the run lock changed hands meanwhile ({current.describe()}): left in place")
+        return False
+    storage.delete_file(LOCK_FILE)
+    _warn(f"--force: removed the run lock {storage.url(LOCK_FILE)} held by {holder.describe()}")
+    return True
 
 
 # ---------------------------------------------------------------------- list
@@ -503,10 +542,17 @@ def _verify_one(
     storage: Storage, name: str, manifest: Manifest, args: argparse.Namespace
 ) -> dict[str, Any]:
     progress = _progress_for(args, name, manifest.size_bytes)
+    verified = [0]
+
+    def on_progress(done: int) -> None:
+        verified[0] = done
+        if progress is not None:
+            progress(done)
+
     t0 = time.monotonic()
     status, problem = "ok", None
     try:
-        catalog.validate(storage, name, manifest, full=True, progress=progress)
+        catalog.validate(storage, name, manifest, full=True, progress=on_progress)
     except CorruptCheckpointError as exc:
         status, problem = "corrupt", str(exc)
     except CheckpointError as exc:  # unreadable (permissions, I/O): not proven corrupt
@@ -522,7 +568,7 @@ def _verify_one(
         "problem": _short_problem(storage, name, problem),
         "run_id": manifest.run_id,
         "size_bytes": manifest.size_bytes,
-        "verified_bytes": progress.done if progress is not None else None,
+        "verified_bytes": verified[0],
         "seconds": seconds,
     }
 
@@ -571,16 +617,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
 
-    def report(r: dict[str, Any]) -> None:
+    def report(r: dict[str, Any], n_files: int) -> None:
         results.append(r)
         if args.json:
             return
         if r["status"] == "ok":
             if not args.quiet:
-                n = len(manifest_files.get(r["name"], ()))
                 rate = r["size_bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0
                 print(
-                    f"{r['name']}: ok ({_human_bytes(r['size_bytes'])} in {n} file(s), "
+                    f"{r['name']}: ok ({_human_bytes(r['size_bytes'])} in {n_files} file(s), "
                     f"{r['seconds']:.2f} s, {_human_bytes(rate)}/s)",
                     flush=True,
                 )
@@ -588,7 +633,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
             word = "CORRUPT" if r["status"] == "corrupt" else "ERROR"
             print(f"{r['name']}: {word}: {r['problem']}", flush=True)
 
-    manifest_files: dict[str, tuple[Any, ...]] = {}
     if args.step is not None:
         targets = [_single_target(storage, args.step)]
     else:
@@ -607,10 +651,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
     for e in targets:
         if e.status == "ok" and e.manifest is not None:
-            manifest_files[e.name] = e.manifest.files
-            report(_verify_one(storage, e.name, e.manifest, args))
+            report(_verify_one(storage, e.name, e.manifest, args), len(e.manifest.files))
         else:
-            report(_broken(storage, e))
+            report(_broken(storage, e), 0)
     bad = [r for r in results if r["status"] != "ok"]
     ok = bool(results) and not bad
     if args.json:
@@ -671,6 +714,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 failed.append({**item, "problem": str(exc)})
                 continue
             removed.append(item)
+    lock_removed = False
+    if holder is not None and args.force and not args.dry_run and not failed:
+        lock_removed = _break_lock(storage, holder)
     freed = sum(i["size_bytes"] for i in removed)
     if args.json:
         _emit_json(
@@ -681,6 +727,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 "dry_run": args.dry_run,
                 "forced": bool(args.force),
                 "lock": _lock_doc(holder),
+                "lock_removed": lock_removed,
                 "removed": removed,
                 "failed": failed,
                 "freed_bytes": freed,
@@ -736,7 +783,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     target = _single_target(storage, args.step)
     name = target.name
     if target.manifest is None:
-        raise CliError(f"checkpoint step {args.step} is corrupt: {target.problem}")
+        problem = _short_problem(storage, name, target.problem)
+        if args.json:
+            _emit_json(
+                {
+                    "schema_version": JSON_SCHEMA_VERSION,
+                    "command": "inspect",
+                    "root": storage.url(),
+                    "name": name,
+                    "path": storage.url(name),
+                    "status": "corrupt",
+                    "problem": problem,
+                    "manifest": None,
+                    "files": [],
+                }
+            )
+        raise CliError(f"{storage.url(name)} is corrupt: {problem}")
     m = target.manifest
     status, problem = "ok", None
     try:
@@ -772,6 +834,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "size_bytes": m.size_bytes,
         "metrics": dict(m.metrics),
         "metadata": dict(m.metadata),
+        "domain_count": m.domain_count,
+        "domain_ranks": None if m.domain_ranks is None else list(m.domain_ranks),
     }
     if args.json:
         _emit_json(
@@ -818,6 +882,9 @@ def _print_inspect(
         ("metrics", _metrics_text(dict(m.metrics))),
         ("metadata", json.dumps(dict(m.metadata), sort_keys=True) if m.metadata else "-"),
     ]
+    if m.domain_count > 1:
+        ranks = ", ".join(map(str, m.domain_ranks or ()))
+        fields.insert(7, ("domains", f"{m.domain_count} (this copy holds ranks {ranks})"))
     print(name)
     for key, value in fields:
         print(f"  {key + ':':<12} {value}")
@@ -881,7 +948,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     policy = _policy(args, args.parser)
     storage = _open_root(args.root)
-    run_id = args.run_id or _recorded_run_id(storage)
+    try:
+        run_id = args.run_id or _recorded_run_id(storage)
+    except CheckpointError as exc:
+        raise CliError(f"{exc}: pass --run-id RUN to say whose checkpoints to prune", EXIT_USAGE)
     if run_id is None:
         raise CliError(
             f"{storage.url()} records no run ({RUN_FILE} is missing), so it is not known "
@@ -973,7 +1043,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     if failed:
         raise CliError(
             f"could not delete {len(failed)} checkpoint(s): {failed[0]['name']}: "
-            f"{failed[0]['problem']} (the others were handled; run prune again)"
+            f"{failed[0]['problem']} (the others were handled; run prune again, and "
+            f"`{PROG} clean` to remove what a failed deletion left in {TRASH_DIR}/)"
         )
     return EXIT_OK
 
@@ -1071,11 +1142,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    def command(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+    def command(name: str, help_text: str, prose: str, *examples: str) -> argparse.ArgumentParser:
+        lines = "\n".join(f"  {PROG} {name} {e}" for e in examples)
+        heading = "example" if len(examples) == 1 else "examples"
         p = sub.add_parser(
             name,
             help=help_text,
-            description=description,
+            description=f"{textwrap.fill(prose, width=79)}\n\n{heading}:\n{lines}",
             parents=[verbosity],
             formatter_class=fmt,
         )
@@ -1088,7 +1161,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Show every entry of ROOT: step, commit time (local), size, metrics, and status "
         "(ok, corrupt, pending, foreign) with the problem of each non-ok entry. Checks "
         "presence and sizes, not checksums (use verify). Exits 0 even when entries are "
-        "corrupt.\n\nexample:\n  atomic-checkpoint list /ckpt/run1 --json",
+        "corrupt.",
+        "/ckpt/run1",
+        "/ckpt/run1 --json",
     )
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument(
@@ -1104,8 +1179,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Read every byte of every checkpoint of the run (or only STEP) and compare "
         "sizes and checksums with the manifest. Prints a line per checkpoint, ok or "
         "CORRUPT: <problem>; exits 1 if any checkpoint fails (or there is none), 2 if "
-        "ROOT does not exist.\n\nexamples:\n  atomic-checkpoint verify /ckpt/run1\n"
-        "  atomic-checkpoint verify /ckpt/run1 4000 --quiet",
+        "ROOT does not exist. Shows a progress bar (bytes/s) on stderr for large "
+        "checkpoints when stderr is a terminal.",
+        "/ckpt/run1",
+        "/ckpt/run1 4000 --quiet",
+        "/ckpt/run1 --json --progress 2>verify.log",
     )
     p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg, help="only this step")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -1127,8 +1205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "remove abandoned pending and trash data",
         "Remove what crashed saves and interrupted deletions left: everything under "
         "ROOT/.pending/ and ROOT/.trash/. Committed checkpoints are never touched. "
-        "Refuses (exit 3) while a live job holds the run lock on ROOT.\n\nexample:\n"
-        "  atomic-checkpoint clean /ckpt/run1 --dry-run",
+        "Refuses (exit 3) while a live job holds the run lock on ROOT. With --force it "
+        "cleans anyway and removes the run lock: the way to free a root whose job is "
+        "known to be dead before its lease runs out (if that job is alive after all, it "
+        "can no longer commit or delete).",
+        "/ckpt/run1 --dry-run",
+        "/ckpt/run1",
     )
     p.add_argument("--dry-run", action="store_true", help="show what would be removed")
     p.add_argument(
@@ -1146,7 +1228,9 @@ def build_parser() -> argparse.ArgumentParser:
         "size, state kind, metrics, metadata), its files (size, checksum, rank), and "
         "the tensor names, dtypes and shapes of its .safetensors files, read from their "
         "headers (no tensor data is read, no code from the checkpoint runs). Exits 1 if "
-        "the checkpoint is corrupt.\n\nexample:\n  atomic-checkpoint inspect /ckpt/run1 4000",
+        "the checkpoint is corrupt.",
+        "/ckpt/run1 4000",
+        "/ckpt/run1 4000 --json",
     )
     p.add_argument("step", metavar="STEP", type=_step_arg, help="the checkpoint's step")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
@@ -1159,10 +1243,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint is kept if any policy keeps it); the newest is never deleted, "
         "corrupt and foreign entries are never touched. Each deletion un-commits first "
         "(renames into ROOT/.trash/), then deletes. Refuses (exit 3) while a live job "
-        "holds the run lock.\n\nexamples:\n"
-        "  atomic-checkpoint prune /ckpt/run1 --keep-last 3 --dry-run\n"
-        "  atomic-checkpoint prune /ckpt/run1 --keep-last 2 --keep-best 1 "
-        "--metric eval_loss --mode min --pin 10000",
+        "holds the run lock.",
+        "/ckpt/run1 --keep-last 3 --dry-run",
+        "/ckpt/run1 --keep-last 2 --keep-best 1 --metric eval_loss --mode min --pin 10000",
     )
     p.add_argument("--keep-last", type=_count_arg, metavar="N", help="keep the N newest")
     p.add_argument("--keep-best", type=_count_arg, metavar="K", help="keep the K best by --metric")
@@ -1174,7 +1257,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep-every", type=_count_arg, metavar="K", help="keep steps that are multiples of K"
     )
     p.add_argument(
-        "--pin", type=_step_arg, nargs="+", metavar="STEP", default=[], help="keep these steps"
+        "--pin",
+        type=_step_arg,
+        nargs="+",
+        action="extend",
+        metavar="STEP",
+        default=[],
+        help="keep these steps (--pin 1000 5000, or --pin 1000 --pin 5000)",
     )
     p.add_argument("--run-id", metavar="RUN", help="prune this run (default: ROOT's run)")
     p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")

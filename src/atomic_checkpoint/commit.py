@@ -37,16 +37,31 @@ rename.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
+import json
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from ._faults import fault_point
 from ._version import __version__
-from .catalog import read_manifest
+from .catalog import (
+    attempt_dir_name,
+    marker_name,
+    parse_attempt_dir,
+    parse_marker_name,
+    pending_markers,
+    read_manifest,
+)
+from .catalog import committed as committed_manifests
 from .coordination import Coordinator
+from .domains import Domain
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -56,6 +71,7 @@ from .errors import (
     CorruptCheckpointError,
     DistributedCheckpointError,
     RankFailure,
+    StorageError,
 )
 from .layout import (
     MANIFEST_NAME,
@@ -63,6 +79,7 @@ from .layout import (
     TRASH_DIR,
     checkpoint_name,
     new_attempt_token,
+    parse_checkpoint_name,
     pending_name,
 )
 from .manifest import FileEntry, Manifest
@@ -100,7 +117,9 @@ class RenameStrategy:
 
     def publish(
         self, storage: Storage, pending: str, manifest: Manifest, *, rank: int, overwrite: bool
-    ) -> None:
+    ) -> Manifest:
+        """Write the manifest into ``pending``, then rename it to its final name.
+        Returns the manifest as written."""
         final = checkpoint_name(manifest.step)
         w = storage.open_write(f"{pending}/{MANIFEST_NAME}")
         try:
@@ -117,7 +136,7 @@ class RenameStrategy:
             if not overwrite:
                 raise
             self._replace(storage, pending, final, rank=rank, step=manifest.step)
-            return
+            return manifest
         fault_point("after_rename", rank, manifest.step)
         try:
             storage.fsync_dir("")
@@ -134,6 +153,7 @@ class RenameStrategy:
                     exc,
                 )
             raise
+        return manifest
 
     def _replace(self, storage: Storage, pending: str, final: str, *, rank: int, step: int) -> None:
         """Overwrite a committed step: the new one is committed before the old one goes."""
@@ -158,6 +178,351 @@ class RenameStrategy:
     def discard(self, storage: Storage, pending: str) -> None:
         storage.delete_tree(pending)
 
+    def is_committed(self, storage: Storage, step: int, pending: str) -> bool:
+        """After a failure: did this attempt's commit land anyway (the coordinator
+        renamed, then a peer timed out)? Then the pending name no longer exists."""
+        return not storage.is_dir(pending)
+
+    def uncommit(self, storage: Storage, step: int) -> str | None:
+        """Take checkpoint ``step`` out of the namespace with one rename into ``.trash/``.
+
+        Called by the coordinator (retention), from the rotation thread. Returns what
+        ``delete`` removes, or None when the checkpoint is already gone.
+        """
+        name = checkpoint_name(step)
+        storage.makedirs(TRASH_DIR)
+        trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
+        try:
+            storage.rename_dir(name, trash)
+        except CheckpointNotFoundError:
+            return None  # already gone: deletes tolerate ENOENT
+        except StorageError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+        storage.fsync_dir("")
+        return trash
+
+    def delete(self, storage: Storage, uncommitted: str) -> None:
+        """Delete what ``uncommit`` took out of the namespace."""
+        storage.delete_tree(uncommitted)
+
+
+class MarkerStrategy:
+    """Write in place under ``checkpoint-<step>/``; the manifest, created once and
+    written last, is the commit. For storages without an atomic directory rename:
+    object stores (``FsspecStorage``) and FUSE mounts whose rename is copy+delete
+    (``fuse.s3fs``, gcsfuse, mountpoint-s3, ...; see ``storage.detect``)::
+
+        during a save                              after the commit
+        ROOT/checkpoint-200/                       ROOT/checkpoint-200/
+          checkpoint.pending-<a>.json  (first)       attempt-<a>/rank-00000.safetensors
+          attempt-<a>/rank-00000.safetensors         attempt-<a>/rank-00001.safetensors
+          attempt-<a>/rank-00001.safetensors         checkpoint.manifest.json  (last, once)
+
+    - The in-progress marker is written before any data, so whatever a crashed save
+      leaves is recognisably ours: ``list`` shows it as pending, the next start of the
+      job sweeps it.
+    - Each attempt writes its data under its own ``attempt-<token>/``, so two writers
+      racing for one step never overwrite each other's files, and the manifest lists
+      only the winner's files: the loser's data cannot corrupt the winner.
+    - The manifest is created with a conditional create where the storage offers one
+      (S3 ``If-None-Match: *``): of two racing writers exactly one commits, the other
+      gets ``CheckpointExistsError`` and discards its own attempt. Without it (FUSE
+      mounts, where O_EXCL does not exclude between clients) the manifest is published
+      whole (temporary name, then a one-file rename) after a check; two writers on two
+      mounts can then both believe they committed, but the manifest that stays lists
+      one attempt's complete files.
+    - Nothing without a valid manifest is a checkpoint. Retention deletes the manifest
+      first (the un-commit, one DELETE), then the data, markers last.
+
+    Fault points: ``after_manifest`` fires just before the manifest is created (all data
+    written, nothing committed) and ``after_rename`` just after (committed), so crash
+    tests mean the same thing under both strategies.
+    """
+
+    name = "marker"
+
+    def pending_location(self, step: int, attempt: str) -> str:
+        return f"{checkpoint_name(step)}/{attempt_dir_name(attempt)}"
+
+    def prepare(self, storage: Storage, step: int, attempt: str) -> str:
+        final = checkpoint_name(step)
+        pending = self.pending_location(step, attempt)
+        storage.makedirs(final)
+        # The marker goes first: from here on, whatever this attempt leaves behind is
+        # ours to sweep rather than an anonymous directory we must not touch.
+        storage.write_bytes_atomic(
+            f"{final}/{marker_name(attempt)}", _marker_doc(step, attempt, "save")
+        )
+        storage.makedirs(pending)
+        storage.fsync_dir(final)
+        return pending
+
+    def publish(
+        self, storage: Storage, pending: str, manifest: Manifest, *, rank: int, overwrite: bool
+    ) -> Manifest:
+        step = manifest.step
+        final, attempt_dir = pending.rsplit("/", 1)
+        written = dataclasses.replace(
+            manifest,
+            files=tuple(
+                dataclasses.replace(f, path=f"{attempt_dir}/{f.path}") for f in manifest.files
+            ),
+        )
+        data = written.to_json_bytes()
+        path = f"{final}/{MANIFEST_NAME}"
+        storage.fsync_dir(pending)
+        fault_point("after_manifest", rank, step)
+        if _create_once(storage, path, data):
+            fault_point("after_rename", rank, step)
+        else:
+            if not overwrite:
+                raise CheckpointExistsError(
+                    f"checkpoint step {step} was committed at {storage.url(final)} by another "
+                    "writer while this save was writing; this attempt's files are discarded "
+                    "and the other writer's checkpoint is untouched. Is a second job using "
+                    "the same root?"
+                )
+            old = _manifest_or_none(storage, final)
+            # One PUT (or a one-file rename on a FUSE mount) swaps the commit record:
+            # readers see the old checkpoint or the new one, both complete.
+            storage.write_bytes_atomic(path, data)
+            fault_point("after_rename", rank, step)
+            if old is not None:
+                _delete_unreferenced(storage, final, old, written)
+        try:
+            storage.fsync_dir(final)
+        except CheckpointError:
+            # The commit may not survive a crash and every rank is about to be told the
+            # save failed: un-commit so no reader builds on it.
+            try:
+                storage.delete_file(path)
+            except CheckpointError as exc:
+                log.warning("could not un-commit step %d after a failed fsync: %s", step, exc)
+            raise
+        attempt = parse_attempt_dir(attempt_dir)
+        if attempt is not None:
+            _drop_marker(storage, final, attempt)
+        return written
+
+    def is_committed(self, storage: Storage, step: int, pending: str) -> bool:
+        """After a failure: is this attempt's manifest the committed one? Only then are
+        its files kept; a manifest that cannot be read keeps them too (the next
+        start's sweep decides), so a committed checkpoint is never discarded."""
+        final, attempt_dir = pending.rsplit("/", 1)
+        try:
+            manifest = read_manifest(storage, final)
+        except CheckpointNotFoundError:
+            return False
+        except CheckpointError as exc:
+            log.warning(
+                "cannot tell whether step %d was committed (%s); keeping %s for the next "
+                "start's sweep",
+                step,
+                exc,
+                storage.url(pending),
+            )
+            return True
+        return not manifest.files or any(
+            f.path.split("/", 1)[0] == attempt_dir for f in manifest.files
+        )
+
+    def discard(self, storage: Storage, pending: str) -> None:
+        final, attempt_dir = pending.rsplit("/", 1)
+        storage.delete_tree(pending)
+        attempt = parse_attempt_dir(attempt_dir)
+        if attempt is not None:
+            storage.delete_file(f"{final}/{marker_name(attempt)}")  # the marker goes last
+        _remove_if_empty(storage, final)
+
+    def uncommit(self, storage: Storage, step: int) -> str | None:
+        """Delete the manifest of checkpoint ``step``: from then on it is not a
+        checkpoint. A marker is written first, so a crash before the data is gone
+        leaves a directory the sweep recognises. Returns what ``delete`` removes, or
+        None when there is no manifest (already gone)."""
+        final = checkpoint_name(step)
+        path = f"{final}/{MANIFEST_NAME}"
+        if storage.size(path) is None:
+            return None
+        attempt = new_attempt_token()
+        storage.write_bytes_atomic(
+            f"{final}/{marker_name(attempt)}", _marker_doc(step, attempt, "delete")
+        )
+        storage.delete_file(path)
+        storage.fsync_dir(final)
+        return final
+
+    def delete(self, storage: Storage, uncommitted: str) -> None:
+        """Delete an un-committed checkpoint directory: data first, markers last, so a
+        crash half way still leaves a marker and the next sweep finishes the job."""
+        for name in storage.listdir(uncommitted):
+            if parse_marker_name(name) is not None:
+                continue
+            if parse_attempt_dir(name) is not None or storage.is_dir(f"{uncommitted}/{name}"):
+                storage.delete_tree(f"{uncommitted}/{name}")
+            else:
+                storage.delete_file(f"{uncommitted}/{name}")
+        storage.delete_tree(uncommitted)
+        _remove_if_empty(storage, uncommitted)
+
+    def sweep(self, storage: Storage) -> list[str]:
+        """Remove what crashed saves and deletes left (coordinator, at start-up, before
+        this job saves). Only directories holding our markers are touched: a committed
+        checkpoint keeps its manifest and the attempt it lists; an uncommitted one is
+        deleted. Returns the locations cleaned."""
+        cleaned = []
+        for name in storage.listdir(""):
+            if parse_checkpoint_name(name) is None:
+                continue
+            markers = pending_markers(storage, name)
+            if not markers:
+                continue
+            try:
+                manifest: Manifest | None = read_manifest(storage, name)
+            except CheckpointNotFoundError:
+                manifest = None
+            except CheckpointError as exc:
+                log.warning("not sweeping %s: %s", storage.url(name), exc)
+                continue
+            if manifest is None:
+                self.delete(storage, name)
+            else:
+                keep = {f.path.split("/", 1)[0] for f in manifest.files}
+                for attempt in markers:
+                    if attempt_dir_name(attempt) not in keep:
+                        storage.delete_tree(f"{name}/{attempt_dir_name(attempt)}")
+                    storage.delete_file(f"{name}/{marker_name(attempt)}")
+            cleaned.append(storage.url(name))
+        return cleaned
+
+
+class CommitStrategy(Protocol):
+    """How a pending save becomes a checkpoint, and how a checkpoint stops being one.
+
+    Every method is called by the coordinator of a storage domain only, and blocks.
+    """
+
+    name: str
+
+    def pending_location(self, step: int, attempt: str) -> str: ...
+
+    def prepare(self, storage: Storage, step: int, attempt: str) -> str: ...
+
+    def publish(
+        self, storage: Storage, pending: str, manifest: Manifest, *, rank: int, overwrite: bool
+    ) -> Manifest: ...
+
+    def is_committed(self, storage: Storage, step: int, pending: str) -> bool: ...
+
+    def discard(self, storage: Storage, pending: str) -> None: ...
+
+    def uncommit(self, storage: Storage, step: int) -> str | None: ...
+
+    def delete(self, storage: Storage, uncommitted: str) -> None: ...
+
+
+STRATEGIES = ("rename", "marker")
+
+
+def choose_strategy(storage: Storage, requested: str | None = None) -> CommitStrategy:
+    """The strategy for ``storage``: rename where directory rename is atomic, else
+    marker; ``requested`` ("rename" or "marker") overrides the choice.
+
+    Raises:
+        ValueError: ``requested`` is not a strategy name.
+    """
+    caps = storage.capabilities
+    if requested is None:
+        return RenameStrategy() if caps.atomic_dir_rename else MarkerStrategy()
+    if requested == "marker":
+        return MarkerStrategy()
+    if requested == "rename":
+        if not caps.atomic_dir_rename:
+            log.warning(
+                "atomic-checkpoint: strategy='rename' on %s (%s), whose directory rename is "
+                "not atomic: a crash during a commit can leave a checkpoint split between "
+                "two names. The marker strategy is safe there",
+                storage.url(""),
+                caps.name,
+            )
+        return RenameStrategy()
+    raise ValueError(f"strategy must be one of {STRATEGIES} or None (automatic), got {requested!r}")
+
+
+def _marker_doc(step: int, attempt: str, purpose: str) -> bytes:
+    doc = {
+        "format": "atomic-checkpoint-marker",
+        "purpose": purpose,
+        "step": step,
+        "attempt": attempt,
+        "created_unix": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    return json.dumps(doc, sort_keys=True).encode("utf-8") + b"\n"
+
+
+def _create_once(storage: Storage, path: str, data: bytes) -> bool:
+    """Create ``path`` with ``data`` unless it exists; True if this call created it."""
+    if storage.capabilities.exclusive_create:
+        return storage.create_exclusive(path, data)
+    # No exclusive create between clients (s3fs-fuse, gcsfuse: O_EXCL is checked only
+    # by this mount). Check, then publish the whole file by a one-file rename: never
+    # created empty and filled later, which another mount could read as a 0-byte file.
+    if storage.size(path) is not None:
+        return False
+    storage.write_bytes_atomic(path, data)
+    return True
+
+
+def _manifest_or_none(storage: Storage, rel: str) -> Manifest | None:
+    try:
+        return read_manifest(storage, rel)
+    except CheckpointError:
+        return None
+
+
+def _delete_unreferenced(storage: Storage, final: str, old: Manifest, new: Manifest) -> None:
+    """After an overwrite: delete the old checkpoint's files the new one does not list."""
+    keep = {f.path for f in new.files}
+    for f in old.files:
+        if f.path in keep:
+            continue
+        try:
+            storage.delete_file(f"{final}/{f.path}")
+        except CheckpointError as exc:
+            log.warning("could not delete replaced file %s: %s", storage.url(final), exc)
+    for name in storage.listdir(final):
+        if parse_attempt_dir(name) is not None and not any(p.startswith(f"{name}/") for p in keep):
+            try:
+                storage.delete_tree(f"{final}/{name}")
+            except CheckpointError as exc:
+                log.warning("could not delete replaced %s/%s: %s", storage.url(final), name, exc)
+
+
+def _drop_marker(storage: Storage, final: str, attempt: str) -> None:
+    # Best effort: a marker next to a valid manifest is harmless (the manifest decides),
+    # and the next start's sweep removes it.
+    _best_effort(lambda: storage.delete_file(f"{final}/{marker_name(attempt)}"), storage, final)
+
+
+def _best_effort(fn: Callable[[], None], storage: Storage, where: str) -> None:
+    try:
+        fn()
+    except CheckpointError as exc:
+        log.warning("cleanup in %s skipped: %s (the next start sweeps it)", storage.url(where), exc)
+
+
+def _remove_if_empty(storage: Storage, rel: str) -> None:
+    """Remove directory ``rel`` if it is empty, atomically (rmdir fails on a non-empty
+    directory, so a racing writer's new files are never touched). Object stores have
+    no empty directories; in-memory storages keep theirs (harmless: no manifest)."""
+    local = storage.local_path(rel)
+    if local is not None:
+        with contextlib.suppress(OSError):
+            os.rmdir(local)
+
 
 @dataclass
 class SaveContext:
@@ -167,14 +532,34 @@ class SaveContext:
     coord: Coordinator
     run_id: str
     timeout_s: float
-    strategy: RenameStrategy
+    strategy: CommitStrategy
     fence: Callable[[], None] = lambda: None
     next_commit_seq: Callable[[], int] = lambda: 0
     visibility_timeout_s: float = 30.0
+    domain: Domain | None = None
+    # Several storage domains: called on every rank after a commit with each domain's
+    # committed steps [(step, metrics, created_unix)], indexed by domain.
+    on_domain_view: Callable[[int, list[Any]], None] | None = None
+
+    @property
+    def leader(self) -> int:
+        """The rank that commits for this rank's storage domain."""
+        return 0 if self.domain is None else self.domain.leader
 
     @property
     def is_coordinator(self) -> bool:
-        return self.coord.rank == 0
+        """True on the rank that commits, rotates and cleans this storage domain."""
+        return self.coord.rank == self.leader
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        if self.domain is None:
+            return tuple(range(self.coord.world_size))
+        return self.domain.members
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return (0,) if self.domain is None else self.domain.leaders
 
 
 def _failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
@@ -230,12 +615,15 @@ def save(
     metadata: Mapping[str, Any],
     overwrite: bool,
     check_input: Callable[[], None] | None = None,
+    collect_files: Callable[[str], RankReport] | None = None,
 ) -> tuple[Manifest, dict[str, float]]:
     """Run the seven steps. Called by every rank with its own ``write_rank_files``.
 
     ``write_rank_files(pending)`` writes this rank's files under ``pending`` (a storage
     path), fsyncs them, and reports them. ``check_input()`` runs on every rank in the
     first phase, so bad input on one rank fails every rank before anything is written.
+    ``collect_files(pending)`` (files written by arbitrary code, ``saving()``) runs on the
+    leader after every rank has finished writing, and reports what is there.
 
     Returns:
         The committed manifest and the per-phase timings, identical on every rank.
@@ -252,25 +640,35 @@ def save(
     pending: str | None = None
     committed: Any = None
     try:
-        # 1. prepare: one decision, broadcast.
-        def prepare() -> str | None:
+        # 1. prepare: one decision per storage domain, shared with every rank.
+        def prepare() -> tuple[str, bool] | None:
             if check_input is not None:
                 check_input()
             if not ctx.is_coordinator:
                 return None
             nonlocal pending
             ctx.fence()
-            if not overwrite:
-                _check_not_committed(storage, step)
+            exists = _is_step_committed(storage, step)
+            if exists and not overwrite and len(ctx.leaders) == 1:
+                _raise_exists(storage, step)
             attempt = new_attempt_token()
             # Known before it exists, so a failure on any rank discards it.
             pending = ctx.strategy.pending_location(step, attempt)
-            return ctx.strategy.prepare(storage, step, attempt)
+            return ctx.strategy.prepare(storage, step, attempt), exists
 
-        pending = run_phase(ctx, step, "prepare", prepare)[0]
-        if pending is None:  # the coordinator either returned it or raised
-            raise CommitError(f"step {step}: the coordinator sent no pending location")
-        staged: str = pending
+        prepared = run_phase(ctx, step, "prepare", prepare)
+        mine = prepared[ctx.leader]
+        if mine is None:  # the leader either returned it or raised
+            raise CommitError(f"step {step}: the domain leader sent no pending location")
+        staged: str = mine[0]
+        pending = staged if ctx.is_coordinator else None
+        exists_in = [prepared[lead][1] for lead in ctx.leaders]  # type: ignore[index]
+        if all(exists_in) and not overwrite:
+            raise _Aborted(_exists_error(storage, step))
+        # Committed in some domains only: the leftover of a save that failed half way
+        # (a node died between the domains' commits). It never counted as a checkpoint;
+        # it is replaced.
+        replace = overwrite or exists_in[ctx.leaders.index(ctx.leader)]
         timings["prepare"] = time.perf_counter() - t0
 
         # 2-3. write, then gather file lists.
@@ -278,6 +676,8 @@ def save(
 
         def write() -> RankReport:
             fault_point("before_write", coord.rank, step)
+            if not ctx.is_coordinator and not storage.capabilities.coherent:
+                _await_dir(storage, staged, ctx.visibility_timeout_s)
             report = write_rank_files(staged)
             fault_point("after_write", coord.rank, step)
             return report
@@ -290,8 +690,9 @@ def save(
         # 4-5. the coordinator commits.
         t = time.perf_counter()
 
-        def commit() -> Manifest:
-            files = _merge(reports)
+        def commit() -> tuple[Manifest, Any]:
+            collected = [collect_files(staged)] if collect_files is not None else []
+            files = _merge([reports[r] for r in ctx.members] + collected)
             _await_files(storage, staged, files, ctx.visibility_timeout_s)
             ctx.fence()
             manifest = Manifest(
@@ -300,22 +701,36 @@ def save(
                 commit_seq=ctx.next_commit_seq(),
                 world_size=coord.world_size,
                 files=files,
+                domain_ranks=None if len(ctx.leaders) == 1 else ctx.members,
+                domain_count=len(ctx.leaders),
                 state_kind=state_kind,
                 metrics=dict(metrics),
                 metadata=dict(metadata),
                 strategy=ctx.strategy.name,
                 library_version=__version__,
             )
-            ctx.strategy.publish(storage, staged, manifest, rank=coord.rank, overwrite=overwrite)
+            # The manifest as written: the marker strategy lists files under their attempt.
+            manifest = ctx.strategy.publish(
+                storage, staged, manifest, rank=coord.rank, overwrite=replace
+            )
+            view = None
+            if len(ctx.leaders) > 1:
+                view = [
+                    (m.step, dict(m.metrics), m.created_unix)
+                    for m in committed_manifests(storage, run_id=ctx.run_id, warn=False)
+                ]
             fault_point("during_broadcast", coord.rank, step)
-            return manifest
+            return manifest, view
 
         def await_result() -> None:
             fault_point("during_broadcast", coord.rank, step)
 
-        committed = run_phase(ctx, step, "commit", commit if ctx.is_coordinator else await_result)[
-            0
-        ]
+        results: list[Any] = run_phase(
+            ctx, step, "commit", commit if ctx.is_coordinator else await_result
+        )
+        committed = results[ctx.leader][0]
+        if len(ctx.leaders) > 1 and ctx.on_domain_view is not None:
+            ctx.on_domain_view(step, [results[lead][1] for lead in ctx.leaders])
         timings["commit"] = time.perf_counter() - t
     except _Aborted as aborted:
         if pending is not None and ctx.is_coordinator and not _is_committed(ctx, step, pending):
@@ -324,7 +739,7 @@ def save(
     except BaseException:
         # KeyboardInterrupt/SystemExit on the coordinator: leave no half-written pending
         # data behind if we can help it; the next start sweeps whatever remains.
-        if pending is not None and ctx.is_coordinator:
+        if pending is not None and ctx.is_coordinator and not _is_committed(ctx, step, pending):
             _discard(ctx, pending, step)
         raise
     if not ctx.is_coordinator and not storage.capabilities.coherent:
@@ -335,29 +750,48 @@ def save(
 
 def _is_committed(ctx: SaveContext, step: int, pending: str) -> bool:
     """After a failure: did our own commit land anyway (e.g. the coordinator renamed,
-    then a peer timed out)? Then the pending name no longer exists and nothing is
-    discarded."""
-    return not ctx.storage.is_dir(pending)
+    then a peer timed out)? Then nothing is discarded."""
+    return ctx.strategy.is_committed(ctx.storage, step, pending)
 
 
-def _check_not_committed(storage: Storage, step: int) -> None:
+def _foreign_entries(storage: Storage, rel: str) -> list[str]:
+    return [
+        n
+        for n in storage.listdir(rel)
+        if parse_marker_name(n) is None and parse_attempt_dir(n) is None
+    ]
+
+
+def _is_step_committed(storage: Storage, step: int) -> bool:
+    """Whether ``checkpoint-<step>`` holds a manifest; a foreign directory there is an
+    error (never replaced without ``overwrite``)."""
     name = checkpoint_name(step)
     try:
         read_manifest(storage, name)
     except CheckpointNotFoundError:
-        if storage.is_dir(name) and storage.listdir(name):
+        # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
+        if storage.is_dir(name) and _foreign_entries(storage, name):
             raise CommitError(
                 f"{storage.url(name)} exists but is not a committed checkpoint (no manifest): "
                 "it was not written by atomic-checkpoint, or by an incomplete in-place save. "
                 "Move it away, or pass overwrite=True to replace it"
             ) from None
-        return
+        return False
     except CorruptCheckpointError:
         pass
-    raise CheckpointExistsError(
-        f"checkpoint step {step} is already committed at {storage.url(name)}; pass "
-        "overwrite=True to replace it atomically, or save under a new step"
+    return True
+
+
+def _exists_error(storage: Storage, step: int) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"checkpoint step {step} is already committed at "
+        f"{storage.url(checkpoint_name(step))}; pass overwrite=True to replace it atomically, "
+        "or save under a new step"
     )
+
+
+def _raise_exists(storage: Storage, step: int) -> None:
+    raise _exists_error(storage, step)
 
 
 def _merge(reports: Sequence[RankReport]) -> tuple[FileEntry, ...]:
@@ -403,6 +837,25 @@ def _await_files(
                 f"expected {f.size_bytes} bytes, seen {size}"
             )
         storage.refresh(pending)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _await_dir(storage: Storage, path: str, timeout_s: float) -> None:
+    """Ranks other than the coordinator, on a network filesystem: wait until the pending
+    directory the coordinator just created is visible here (NFS clients cache negative
+    lookups; a refresh of the parent drops them)."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    while not storage.is_dir(path):
+        if time.monotonic() >= deadline:
+            raise CommitError(
+                f"the pending directory {storage.url(path)} that the coordinator created is "
+                f"not visible from this rank after {timeout_s:g} s: does this rank see the "
+                "same storage under the checkpoint root?"
+            )
+        storage.refresh(parent)
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
 

@@ -125,6 +125,10 @@ class Manifest:
     strategy: str = "rename"
     schema_version: int = SCHEMA_VERSION
     library_version: str = ""
+    # Node-local storage: the ranks whose files this domain's copy holds, and how many
+    # domains must commit the step before it counts (see domains.py).
+    domain_ranks: tuple[int, ...] | None = None
+    domain_count: int = 1
 
     @property
     def size_bytes(self) -> int:
@@ -153,6 +157,8 @@ class Manifest:
             "metadata": dict(self.metadata),
             "files": [f.to_json() for f in self.files],
         }
+        if self.domain_count > 1:
+            doc["domain"] = {"ranks": list(self.domain_ranks or ()), "count": self.domain_count}
         return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
 
     @classmethod
@@ -209,6 +215,17 @@ class Manifest:
             world = _get(doc, "world_size", int, where)
             if world < 1:
                 raise CorruptCheckpointError(f"{where}: world_size must be >= 1")
+            domain_ranks: tuple[int, ...] | None = None
+            domain_count = 1
+            if "domain" in doc:
+                dom = _get(doc, "domain", dict, where)
+                ranks = _get(dom, "ranks", list, where)
+                domain_count = _get(dom, "count", int, where)
+                if domain_count < 1 or not all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in ranks
+                ):
+                    raise CorruptCheckpointError(f"{where}: invalid storage-domain record")
+                domain_ranks = tuple(ranks)
             kind = _get(doc, "state_kind", str, where)
             if kind not in ("per_rank", "replicated", "files"):
                 raise CorruptCheckpointError(f"{where}: unknown state_kind {kind!r}")
@@ -226,6 +243,8 @@ class Manifest:
                 strategy=_get(doc, "strategy", str, where),
                 schema_version=version,
                 library_version=str(doc.get("library_version", "")),
+                domain_ranks=domain_ranks,
+                domain_count=domain_count,
             )
         except (TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: {exc}") from exc

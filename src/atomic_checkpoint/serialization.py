@@ -61,10 +61,11 @@ import base64
 import collections
 import json
 import math
+import os
 import pickle
 import struct
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -403,7 +404,12 @@ class StatePlan:
             raise SerializationError(f"{where}: {view.nbytes} bytes, planned {entry.size_bytes}")
         return view
 
-    def iter_chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes | memoryview]:
+    def iter_chunks(
+        self,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        before_tensor: Callable[[int], None] | None = None,
+    ) -> Iterator[bytes | memoryview]:
         """Yield the whole file, in order, as chunks of at most ``chunk_bytes`` bytes.
 
         The header comes first, then each tensor's bytes. A contiguous CPU tensor's
@@ -416,6 +422,9 @@ class StatePlan:
 
         Args:
             chunk_bytes: upper bound on the size of each chunk; at least 1.
+            before_tensor: called with ``i`` before the bytes of the ``i``-th entry of
+                :meth:`tensors` are first touched; an async save streams its snapshot
+                while it is still being copied, and waits here for tensor ``i``.
 
         Raises:
             ValueError: ``chunk_bytes`` is below 1.
@@ -436,7 +445,12 @@ class StatePlan:
 
         def pieces() -> Iterator[memoryview]:
             yield memoryview(self._header)
+            index = 0
             for entry in self._entries:
+                if entry.kind != "blob":
+                    if before_tensor is not None:
+                        before_tensor(index)
+                    index += 1
                 if entry.size_bytes:
                     yield self._entry_bytes(entry)
 
@@ -776,8 +790,6 @@ def _read_upto(f: Any, n: int) -> bytes:
 
 def _file_size(f: Any) -> int | None:
     try:
-        import os
-
         return int(os.fstat(f.fileno()).st_size)
     except (AttributeError, OSError, ValueError):
         pass

@@ -6,6 +6,7 @@ checkpoint must contain and compare it bit for bit.
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -155,3 +156,55 @@ def w_hang_one(rank: int, world: int, root: str, step: int, timeout_s: float) ->
             "elapsed": time.monotonic() - t,
         }
     return {"error_type": None}
+
+
+def w_node_local(
+    rank: int,
+    world: int,
+    base: str,
+    steps: list[int],
+    keep_last: int | None,
+    resave: int | None = None,
+) -> dict[str, Any]:
+    """Two ranks per "node", each node with its own directory (node-local disks)."""
+    from atomic_checkpoint.domains import HOST_ENV
+
+    node = rank // 2
+    os.environ[HOST_ENV] = f"node{node}"
+    root = os.path.join(base, f"node{node}")
+    mgr = CheckpointManager(
+        root, timeout_s=10, retention=KeepLast(keep_last) if keep_last else None
+    )
+    latest = mgr.latest()
+    restored = None
+    if latest is not None:
+        restored = states_equal(
+            mgr.restore(latest.step), make_state(latest.step, rank, big_elems=256)
+        )
+    done = []
+    for s in steps:
+        mgr.save(s, make_state(s, rank, big_elems=256))
+        done.append(s)
+    if resave is not None:
+        mgr.save(resave, make_state(resave, rank, big_elems=256))
+        done.append(resave)
+    out = {
+        "domain": (mgr.domain.index, mgr.domain.leader, mgr.domain.members, mgr.domain.leaders),
+        "latest": latest.step if latest else None,
+        "restored_ok": restored,
+        "done": done,
+        "listed": [c.step for c in mgr.checkpoints()],
+    }
+    mgr.close()
+    return out
+
+
+def w_shared_two_hosts(rank: int, world: int, root: str) -> tuple[Any, ...]:
+    from atomic_checkpoint.domains import HOST_ENV
+
+    os.environ[HOST_ENV] = f"host{rank // 2}"
+    mgr = CheckpointManager(root, timeout_s=10)
+    mgr.save(1, make_state(1, rank, big_elems=64))
+    d = mgr.domain
+    mgr.close()
+    return (d.index, d.leader, d.members, d.leaders)

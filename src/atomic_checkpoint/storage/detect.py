@@ -47,8 +47,15 @@ COPY_DELETE_FUSE = frozenset(
     }
 )
 
-#: Network filesystems: rename is atomic on the server, but each client caches names
-#: and attributes, so a change made through one client shows up late on another.
+#: Network and cluster filesystems, by mount type: rename is atomic on the server, but
+#: each client caches names and attributes, so a change made through one client shows
+#: up late on another (FAILURE_MODES D1). sshfs keeps a directory listing and a deleted
+#: name's attributes for ~20 s; NFS caches attributes for acregmin/acdirmin seconds and
+#: negative lookups; SMB, JuiceFS and 9p clients cache attributes too. Lustre, GPFS,
+#: BeeGFS and CephFS keep clients coherent through lock managers, but how far is a
+#: mount-time setting (client caches, statahead, NFS re-exports of them are common), and
+#: treating a coherent mount as non-coherent only costs a refresh before each listing
+#: and a bounded poll after each change, while the opposite mistake acts on stale names.
 _NETWORK = {
     "fuse.sshfs": "sshfs",
     "nfs": "nfs",
@@ -56,7 +63,21 @@ _NETWORK = {
     "cifs": "smb",
     "smb3": "smb",
     "9p": "9p",
+    "lustre": "lustre",
+    "gpfs": "gpfs",
+    "beegfs": "beegfs",
+    "ceph": "cephfs",
+    "fuse.ceph-fuse": "cephfs",
+    "fuse.glusterfs": "glusterfs",
+    "fuse.juicefs": "juicefs",
+    "afs": "afs",
+    "orangefs": "orangefs",
 }
+
+#: Network filesystems whose client accepts a directory fsync but cannot pass it on:
+#: sftp has no request for it, so sshfs answers success and syncs nothing. The names
+#: a commit creates are then as durable as the server's own filesystem makes them.
+_NO_DIR_FSYNC = frozenset({"sshfs"})
 
 _OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
 
@@ -160,9 +181,11 @@ def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
       rename (so the marker strategy), no exclusive create across clients (O_EXCL and
       mkdir do not exclude between two s3fs mounts), not coherent (s3fs caches stat
       results; other clients see a 0-byte file until the writer's close).
-    - sshfs: not coherent (directory fsync there is a silent no-op, but harmless).
-    - NFS, SMB, 9p: not coherent.
-    - everything else (ext4, xfs, tmpfs, btrfs, Lustre, ...): a coherent local disk.
+    - sshfs: not coherent; ``dir_fsync`` False, because a directory fsync there is a
+      silent no-op (it succeeds and syncs nothing), so it is not attempted.
+    - NFS, SMB, 9p, Lustre, GPFS, BeeGFS, CephFS, GlusterFS, JuiceFS, AFS, OrangeFS:
+      not coherent (see ``_NETWORK`` for why even the lock-managed ones).
+    - everything else (ext4, xfs, tmpfs, btrfs, ...): a coherent local disk.
     """
     mount = mount_of(path)
     dir_fsync = os.name != "nt"
@@ -178,5 +201,7 @@ def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
         )
     network = _NETWORK.get(mount.fstype)
     if network is not None:
-        return StorageCapabilities(name=network, dir_fsync=dir_fsync, coherent=False)
+        return StorageCapabilities(
+            name=network, dir_fsync=dir_fsync and network not in _NO_DIR_FSYNC, coherent=False
+        )
     return StorageCapabilities(name="local", dir_fsync=dir_fsync)

@@ -23,6 +23,31 @@ Filesystem behaviours handled here, each learned on a real system:
   when the size is known, so a full disk fails before any data is written.
 - Files get the permissions of the umask (0o666 & ~umask), never a temp file's 0o600
   (FAILURE_MODES D7).
+
+Network filesystems (sshfs, NFS, SMB, ...: ``capabilities.coherent`` is False, read from
+the mount table by :mod:`.detect` when no capabilities are given). Each client serves
+names and attributes from its own cache, so another client's change shows up late
+(FAILURE_MODES D1); measured on sshfs with default caching:
+
+- A directory listing stays stale for ~20 s. Any metadata write through the mount on
+  *that* directory drops it (refreshing ROOT does not refresh a subdirectory), so
+  ``listdir`` first touches the directory's times (``refresh``) and lists what the
+  server has.
+- A name deleted or renamed away through another client keeps passing ``stat()`` here
+  for ~20 s, and no refresh drops that; ``open()`` always asks the server. Existence
+  decisions are therefore made from a refreshed listing of the parent, and "is it
+  committed?" (``catalog``) by opening the manifest.
+- A path that was deleted and re-created elsewhere keeps its old size here until a
+  metadata write on the path itself (``refresh(path)``).
+- The loser of an ``O_EXCL`` or ``mkdir`` race gets EPERM, and rename onto a non-empty
+  directory gives EPERM too (ext4 gives EEXIST/ENOTEMPTY, XFS EEXIST).
+- Directory fsync succeeds and syncs nothing: ``dir_fsync`` is False there, so it is
+  skipped; the names are as durable as the server's filesystem makes them.
+- The mount can vanish under a running job: when its ssh transport dies, sshfs exits
+  and unmounts itself, and the mount point becomes the empty local directory beneath,
+  where later writes would silently land. The device of ROOT is recorded at open and
+  checked before every write, namespace change, listing and read: a change raises a
+  ``StorageError`` instead.
 """
 
 from __future__ import annotations
@@ -30,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import sys
@@ -37,8 +63,17 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, StorageError, map_os_error
+from ..errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    StorageError,
+    map_os_error,
+)
 from .base import Reader, StorageCapabilities
+from .detect import local_capabilities, mount_of
+
+log = logging.getLogger("atomic_checkpoint")
 
 _IS_WINDOWS = os.name == "nt"
 _T = TypeVar("_T")
@@ -153,15 +188,79 @@ class _LocalWriter:
             self.abort()
 
 
+def _device_of(path: str) -> int:
+    """``st_dev`` of ``path``, or of its nearest existing ancestor: a root that does not
+    exist yet will be created on its parent's filesystem."""
+    p = path
+    for _ in range(p.count(os.sep) + 2):
+        try:
+            return os.stat(p).st_dev
+        except (FileNotFoundError, NotADirectoryError):
+            parent = os.path.dirname(p)
+            if parent == p:
+                raise
+            p = parent
+    return os.stat(p).st_dev  # pragma: no cover - the loop reaches the top first
+
+
+def _format_device(dev: int) -> str:
+    if hasattr(os, "major"):
+        return f"{os.major(dev)}:{os.minor(dev)}"
+    return str(dev)  # pragma: no cover - Windows: a volume serial number
+
+
 class LocalStorage:
-    """Storage on a mounted filesystem rooted at ``root`` (an OS path)."""
+    """Storage on a mounted filesystem rooted at ``root`` (an OS path).
+
+    Args:
+        root: the checkpoint root; it need not exist yet.
+        capabilities: what the filesystem can do; default: read from the mount table
+            (:func:`.detect.local_capabilities`), so an sshfs or NFS root is known to be
+            non-coherent and an s3fs-fuse root to have no atomic directory rename.
+
+    Raises:
+        StorageError: the filesystem holding ``root`` cannot be examined.
+    """
 
     def __init__(
         self, root: str | os.PathLike[str], *, capabilities: StorageCapabilities | None = None
     ):
         self.root = os.path.abspath(os.fspath(root))
-        self.capabilities = capabilities or StorageCapabilities(
-            name="local", dir_fsync=not _IS_WINDOWS
+        self.capabilities = capabilities or local_capabilities(self.root)
+        self._refresh_failed = False
+        try:
+            self._root_device = _device_of(self.root)
+        except OSError as exc:
+            raise map_os_error(exc, "examine the filesystem of", self.root) from exc
+
+    def check_root(self) -> None:
+        """Raise if ROOT is no longer on the filesystem it was on when opened.
+
+        Called by every rank before each write, namespace change, listing and read (a
+        ``stat`` of ROOT: served from the client's cache on network filesystems).
+
+        Raises:
+            StorageError: the filesystem changed (a network mount went away and the
+                mount point is now a local directory) or cannot be reached.
+        """
+        try:
+            device = _device_of(self.root)
+        except OSError as exc:
+            raise map_os_error(exc, "examine the filesystem of", self.root) from exc
+        if device == self._root_device:
+            return
+        mount = mount_of(self.root)
+        now = f"{mount.fstype} at {mount.mount_point}" if mount is not None else "unknown"
+        raise StorageError(
+            f"the filesystem under checkpoint root {self.root!r} changed since it was "
+            f"opened (device {_format_device(self._root_device)}, "
+            f"{self.capabilities.name}; now device {_format_device(device)}, {now}): the "
+            "mount it was on is gone (sshfs unmounts itself when its ssh connection dies), "
+            "and anything written now would land on the directory underneath the mount "
+            "point, invisible to every other node. Nothing was written. Remount the "
+            "filesystem, then restart the job: it resumes from the last checkpoint",
+            errno=errno.ENODEV,
+            path=self.root,
         )
 
     def __repr__(self) -> str:
@@ -177,6 +276,7 @@ class LocalStorage:
         return self._abs(path)
 
     def makedirs(self, path: str) -> None:
+        self.check_root()
         p = self._abs(path)
         try:
             os.makedirs(p, exist_ok=True)
@@ -195,9 +295,11 @@ class LocalStorage:
             raise map_os_error(exc, "create directory", p) from exc
 
     def open_write(self, path: str, *, size_hint: int | None = None) -> _LocalWriter:
+        self.check_root()
         return _LocalWriter(self, path, size_hint)
 
     def open_read(self, path: str) -> Reader:
+        self.check_root()
         p = self._abs(path)
         try:
             return open(p, "rb", buffering=0)
@@ -214,6 +316,7 @@ class LocalStorage:
                 raise map_os_error(exc, "read", self._abs(path)) from exc
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        self.check_root()
         final = self._abs(path)
         tmp = f"{final}.tmp-{os.getpid()}-{time.monotonic_ns()}"
         w = _LocalWriter(self, os.path.relpath(tmp, self.root).replace(os.sep, "/"), None)
@@ -229,6 +332,7 @@ class LocalStorage:
         self.fsync_dir(os.path.dirname(path.rstrip("/")) if "/" in path else "")
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
+        self.check_root()
         p = self._abs(path)
         try:
             fd = os.open(
@@ -238,7 +342,7 @@ class LocalStorage:
             return False
         except PermissionError as exc:
             # sshfs: the loser of an O_EXCL race often gets EPERM, not EEXIST.
-            if os.path.lexists(p):
+            if self._exists_fresh(p):
                 return False
             raise map_os_error(exc, "create", p) from exc
         except OSError as exc:
@@ -258,7 +362,12 @@ class LocalStorage:
         return True
 
     def listdir(self, path: str) -> list[str]:
+        """Names in directory ``path``, as the server has them on network filesystems
+        (the client's cached listing is dropped first); [] if it does not exist."""
+        self.check_root()
         p = self._abs(path)
+        if not self.capabilities.coherent:
+            self._drop_cached_metadata(p)
         try:
             return sorted(os.listdir(p))
         except (FileNotFoundError, NotADirectoryError):
@@ -293,6 +402,14 @@ class LocalStorage:
         return sorted(out)
 
     def rename_dir(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst``, never replacing ``dst``.
+
+        Raises:
+            CheckpointExistsError: ``dst`` exists.
+            CheckpointNotFoundError: ``src`` does not exist (e.g. deleted by another
+                client: deletes tolerate that).
+        """
+        self.check_root()
         s, d = self._abs(src), self._abs(dst)
         if _renameat2 is not None:
             rc = _renameat2(_AT_FDCWD, os.fsencode(s), _AT_FDCWD, os.fsencode(d), _RENAME_NOREPLACE)
@@ -302,9 +419,9 @@ class LocalStorage:
             if code == errno.EEXIST:
                 raise CheckpointExistsError(f"{d!r} already exists")
             if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-                raise map_os_error(OSError(code, os.strerror(code), s), "rename", f"{s} -> {d}")
+                raise self._rename_error(OSError(code, os.strerror(code), s), s, d)
             # EINVAL: this filesystem (sshfs, some FUSE/NFS) refuses renameat2 flags.
-        if os.path.lexists(d):
+        if self._exists_fresh(d):
             raise CheckpointExistsError(f"{d!r} already exists")
         try:
             _retry_windows(lambda: os.rename(s, d))
@@ -312,14 +429,36 @@ class LocalStorage:
             # ENOTEMPTY/EEXIST (ext4, XFS) or EPERM (sshfs): someone created dst after
             # our check. Never treat it as success.
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) or (
-                exc.errno == errno.EPERM and os.path.lexists(d)
+                exc.errno == errno.EPERM and self._exists_fresh(d)
             ):
                 raise CheckpointExistsError(f"{d!r} already exists") from exc
-            raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
+            raise self._rename_error(exc, s, d) from exc
+
+    def _rename_error(self, exc: OSError, s: str, d: str) -> CheckpointError:
+        # ENOENT: the source is gone (another client deleted or renamed it; on sshfs it
+        # may still stat() here), or the target's parent is missing.
+        if exc.errno == errno.ENOENT and os.path.isdir(os.path.dirname(d)):
+            return CheckpointNotFoundError(f"cannot rename {s!r} to {d!r}: {s!r} does not exist")
+        return map_os_error(exc, "rename", f"{s} -> {d}")
+
+    def _exists_fresh(self, p: str) -> bool:
+        """Whether ``p`` exists on the server, not just in this client's cache."""
+        if self.capabilities.coherent:
+            return os.path.lexists(p)
+        # sshfs: a name deleted or renamed away through another client keeps passing
+        # stat() here for ~20 s and no refresh drops that, but a listing refreshed by a
+        # metadata write on the parent is current.
+        parent, name = os.path.split(p)
+        self._drop_cached_metadata(parent)
+        try:
+            return name in os.listdir(parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def exchange_dirs(self, a: str, b: str) -> bool:
         if _renameat2 is None:
             return False
+        self.check_root()
         pa, pb = self._abs(a), self._abs(b)
         rc = _renameat2(_AT_FDCWD, os.fsencode(pa), _AT_FDCWD, os.fsencode(pb), _RENAME_EXCHANGE)
         if rc == 0:
@@ -348,6 +487,7 @@ class LocalStorage:
             os.close(fd)
 
     def delete_file(self, path: str) -> None:
+        self.check_root()
         p = self._abs(path)
         try:
             _retry_windows(lambda: os.unlink(p))
@@ -357,6 +497,7 @@ class LocalStorage:
             raise map_os_error(exc, "delete", p) from exc
 
     def delete_tree(self, path: str) -> None:
+        self.check_root()
         p = self._abs(path)
         errors: list[OSError] = []
 
@@ -377,10 +518,24 @@ class LocalStorage:
             raise map_os_error(errors[0], "delete", p) from errors[0]
 
     def refresh(self, path: str) -> None:
-        # sshfs/FUSE: any metadata write through a mount drops its cached listing of
-        # that directory, so a stale listing taken before another node's commit is
-        # renewed. utime on the directory is the cheapest such write.
+        """Drop this client's cached metadata of ``path``: the listing of a directory,
+        or the attributes (size) of a file. A no-op on coherent filesystems."""
         if self.capabilities.coherent:
             return
-        with contextlib.suppress(OSError):
-            os.utime(self._abs(path))
+        self.check_root()
+        self._drop_cached_metadata(self._abs(path))
+
+    def _drop_cached_metadata(self, p: str) -> None:
+        # sshfs, NFS: a metadata write through the mount makes the client drop what it
+        # cached for that path (sshfs: the directory listing, or a file's attributes),
+        # so a listing taken before another node's commit is renewed. Touching the
+        # times is the cheapest such write; nothing orders by mtime (layout.py).
+        try:
+            os.utime(p)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:
+            # Read-only mount or not our directory: listings may lag (~20 s on sshfs).
+            if not self._refresh_failed:
+                self._refresh_failed = True
+                log.debug("cannot refresh cached metadata of %s (%s): listings may lag", p, exc)

@@ -1,0 +1,137 @@
+"""Commit overhead across N real processes (a gloo process group, like torchrun).
+
+The parent hosts the TCPStore, as torchrun's agent does; each rank is a process forked
+from a forkserver that imported torch once, so a launch costs well under a second.
+Every rank saves a tiny state several times; the figures are rank 0's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "atomic_checkpoint", "_ranks"])
+    return _CTX
+
+
+def _tiny_state(rank: int, i: int) -> dict[str, Any]:
+    import torch
+
+    return {"w": torch.full((256,), float(rank * 1000 + i)), "step": i, "rank": rank}
+
+
+def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointManager
+    from atomic_checkpoint.layout import checkpoint_name
+
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    result: dict[str, Any] = {}
+    try:
+        mgr = CheckpointManager(root, timeout_s=60)
+        totals, overheads, fsyncs = [], [], []
+        for i in range(saves + 1):  # the first save warms caches and is not counted
+            t = time.perf_counter()
+            info = mgr.save(i, _tiny_state(rank, i))
+            total = time.perf_counter() - t
+            timings = info.timings_s
+            data = float(timings.get("write", 0.0)) + float(timings.get("fsync", 0.0))
+            if i:
+                totals.append(total)
+                overheads.append(total - data)
+                fsyncs.append(float(timings.get("fsync", 0.0)))
+        # Check every save landed, complete: restore our part of each.
+        ok = True
+        for i in range(saves + 1):
+            state = mgr.restore(i)
+            ok = ok and state["step"] == i and float(state["w"][0]) == float(rank * 1000 + i)
+            ok = ok and os.path.isdir(os.path.join(root, checkpoint_name(i)))
+        mgr.close()
+        result = {
+            "total_s": statistics.median(totals),
+            "overhead_s": statistics.median(overheads),
+            "data_fsync_s": statistics.median(fsyncs),
+            "verified": ok,
+        }
+    except BaseException as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(out + ".tmp", "wb") as f:
+        f.write(pickle.dumps(result))
+    os.replace(out + ".tmp", out)
+    os._exit(0)
+
+
+def commit_overhead(world: int, root: str, saves: int, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Launch ``world`` ranks that each save a tiny state ``saves`` times into ``root``;
+    return rank 0's medians (total, overhead = total minus write and fsync of the data)."""
+    import torch.distributed as dist
+
+    ctx = _context()
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world + 1, True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    outs = [os.path.join(root + f".rank{r}.pkl") for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, store.port, root, saves, outs[r]))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    results = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+            raise RuntimeError(f"commit benchmark: rank {r} of {world} still running at deadline")
+        if not os.path.exists(outs[r]):
+            raise RuntimeError(f"commit benchmark: rank {r} of {world} exited {p.exitcode}")
+        with open(outs[r], "rb") as f:
+            results.append(pickle.loads(f.read()))
+        os.unlink(outs[r])
+    del store
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise RuntimeError(f"commit benchmark: rank {r} of {world} failed: {res['error']}")
+    out = dict(results[0])
+    out["verified"] = all(res["verified"] for res in results)
+    return out
+
+
+def small_fsync_s(directory: str, n: int = 5) -> float:
+    """Median time to write 4 KiB into a new file and fsync it: the unit of the
+    commit-overhead target."""
+    times = []
+    data = os.urandom(4096)
+    for i in range(n):
+        path = os.path.join(directory, f"fsync-probe-{i}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            t = time.perf_counter()
+            os.fsync(fd)
+            times.append(time.perf_counter() - t)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+    return statistics.median(times)

@@ -1,0 +1,27 @@
+"""Fault campaigns: the real library, real processes, real faults, invariants checked
+after every trial.
+
+Each campaign module exposes ``run(size, seed, progress, workdir) -> Tally``:
+
+- :mod:`reliability.kill`: SIGKILL a random rank (coordinator included) at a named
+  fault point or at a truly random moment of save, commit or rotation; local disk and
+  sshfs (two mounts: two nodes).
+- :mod:`reliability.iofaults`: libfiu errors (ENOSPC, EIO, EDQUOT, EROFS) on write,
+  fsync, rename, open, mkdir and unlink, on one chosen rank, in each protocol phase,
+  transient and persistent.
+- :mod:`reliability.diskfull`: real full filesystems (tmpfs, ext4 ``-m 0``, xfs).
+- :mod:`reliability.hang`: a hung, a frozen (SIGSTOP) and a slow-storage rank.
+- :mod:`reliability.badinput`: damaged and malicious checkpoints.
+
+``python reliability/run.py --quick|--full`` runs them and prints the summary table;
+``tests/faults/test_campaigns.py`` runs the quick size in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:  # campaigns import tests.dist and tests.testbed
+    sys.path.insert(0, REPO_ROOT)

@@ -1,0 +1,236 @@
+"""The invariants of DESIGN.md, checked from outside the job after every trial.
+
+- :func:`inspect_root` reads a root the way a resuming job would, and more strictly:
+  every discoverable checkpoint must verify fully and restore bit-exactly for every
+  rank (states are deterministic functions of (step, rank): ``tests.dist.workers``).
+- :func:`next_start_leftovers` starts a writing manager (the "next start") and reports
+  any pending or trash data that survived its start-up sweep.
+- :func:`describe_error` turns an exception into plain data that crosses processes;
+  :func:`unclear_reason` decides whether it says what failed.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator, catalog
+from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR, checkpoint_name, rank_state_file
+from atomic_checkpoint.storage.local import LocalStorage
+
+#: Error types a storage fault of each errno must map to (errors.map_os_error).
+STORAGE_TYPES = {
+    errno_mod.ENOSPC: "StorageFullError",
+    errno_mod.EDQUOT: "StorageFullError",
+    errno_mod.EROFS: "StoragePermissionError",
+    errno_mod.EACCES: "StoragePermissionError",
+    errno_mod.EPERM: "StoragePermissionError",
+}
+
+
+def expected_state(step: int, rank: int, size: int) -> Any:
+    """What rank ``rank`` saved at ``step`` in every campaign (``size`` elements per
+    big tensor)."""
+    from tests.dist.workers import make_state
+
+    return make_state(step, rank, n_big=2, big_elems=size)
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    from tests.dist.workers import states_equal as eq
+
+    return bool(eq(a, b))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    """Plain data for one exception: type, base types, message and the attributes that
+    name what failed (errno, path, missing ranks, per-rank failures)."""
+    failures = [
+        {"rank": f.rank, "phase": f.phase, "error_type": f.error_type, "message": f.message}
+        for f in getattr(exc, "failures", ()) or ()
+    ]
+    missing = getattr(exc, "missing_ranks", None)
+    return {
+        "type": type(exc).__name__,
+        "mro": [c.__name__ for c in type(exc).__mro__],
+        "message": str(exc),
+        "errno": getattr(exc, "errno", None),
+        "path": getattr(exc, "path", None) or getattr(exc, "filename", None),
+        "missing_ranks": list(missing) if missing is not None else None,
+        "failures": failures,
+    }
+
+
+def _names_errno(text: str, code: int) -> bool:
+    return f"errno {code}" in text or f"[Errno {code}]" in text
+
+
+def unclear_reason(
+    desc: dict[str, Any],
+    *,
+    errno: int | None = None,
+    victim: int | None = None,
+    dead: Iterable[int] = (),
+) -> str | None:
+    """Why ``desc`` (from :func:`describe_error`) does not say what failed, or None.
+
+    Args:
+        errno: the errno of the injected storage fault: the error must carry it, on
+            the failing rank, with the error type it maps to.
+        victim: the rank the fault was injected on.
+        dead: ranks known to be dead or stuck: a timeout must name one of them.
+    """
+    kind, msg, mro = desc["type"], desc["message"], desc["mro"]
+    if "CheckpointError" not in mro:
+        return f"{kind} is not a CheckpointError: {msg[:200]!r}"
+    if len(msg) < 20:
+        return f"{kind} message too short to say what failed: {msg!r}"
+    dead = set(dead)
+    if kind == "CoordinationTimeoutError":
+        missing = desc["missing_ranks"] or []
+        if not missing:
+            return f"timeout names no rank: {msg[:200]!r}"
+        if any(str(r) not in msg for r in missing):
+            return f"timeout message does not name ranks {missing}: {msg[:200]!r}"
+        if dead and not dead & set(missing):
+            return f"timeout names ranks {missing}, but rank(s) {sorted(dead)} failed"
+        return None
+    if kind == "DistributedCheckpointError":
+        failures = desc["failures"]
+        if not failures:
+            return "distributed error lists no failing rank"
+        for f in failures:
+            if not f["phase"] or not f["error_type"] or len(f["message"]) < 15:
+                return f"rank failure without phase/type/message: {f}"
+        if errno is not None:
+            mine = [f for f in failures if victim is None or f["rank"] == victim]
+            if not mine:
+                return f"the fault was on rank {victim}, but the error names ranks " + str(
+                    [f["rank"] for f in failures]
+                )
+            want = STORAGE_TYPES.get(errno, "StorageError")
+            if not any(_names_errno(f["message"], errno) for f in mine):
+                return f"no failure of rank {victim} names errno {errno}: {failures}"
+            if not any(f["error_type"] == want for f in mine):
+                return f"rank {victim} failed with {[f['error_type'] for f in mine]}, not {want}"
+        return None
+    if "StorageError" in mro:
+        if desc["errno"] is None and errno is not None:
+            return f"{kind} without errno: {msg[:200]!r}"
+        if errno is not None:
+            if desc["errno"] != errno:
+                return f"{kind} has errno {desc['errno']}, the fault was errno {errno}"
+            want = STORAGE_TYPES.get(errno, "StorageError")
+            if kind != want:
+                return f"errno {errno} raised {kind}, not {want}"
+        if not desc["path"] and "'" not in msg and "/" not in msg:
+            return f"{kind} does not name a path: {msg[:200]!r}"
+        return None
+    if errno is not None and not _names_errno(msg, errno):
+        return f"{kind} does not name errno {errno}: {msg[:200]!r}"
+    return None
+
+
+# ---------------------------------------------------------------------------- roots
+
+
+@dataclass
+class RootView:
+    """What a reader finds in a root after a trial.
+
+    Attributes:
+        steps: valid checkpoints (every file verified, every rank restored exactly).
+        torn: descriptions of discoverable checkpoints that are not complete or exact.
+        orphans: ``checkpoint-<step>`` directories without a manifest (not
+            discoverable, but they block a save of that step).
+        pending: entries under ``.pending``.
+        trash: entries under ``.trash``.
+        run_ids: run ids of the valid checkpoints.
+    """
+
+    steps: list[int] = field(default_factory=list)
+    torn: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
+    trash: list[str] = field(default_factory=list)
+    run_ids: set[str] = field(default_factory=set)
+
+    @property
+    def newest(self) -> int | None:
+        return self.steps[-1] if self.steps else None
+
+
+def inspect_root(root: str, *, world: int, size: int) -> RootView:
+    """Everything discoverable under ``root`` must verify and restore bit-exactly."""
+    from atomic_checkpoint.serialization import load_state
+
+    storage = LocalStorage(root)
+    view = RootView()
+    if not os.path.isdir(root):
+        return view
+    for e in catalog.scan(storage):
+        if e.status == "corrupt":
+            view.torn.append(f"{e.name}: {e.problem}")
+        elif e.status == "pending":
+            view.pending.append(e.name)
+        elif e.status == "foreign":
+            if e.step is not None and e.problem == "no manifest":
+                view.orphans.append(f"{e.name} ({sorted(os.listdir(os.path.join(root, e.name)))})")
+        elif e.status == "ok" and e.manifest is not None and e.step is not None:
+            problem = _check_exact(storage, e.step, e.manifest, world, size, load_state)
+            if problem:
+                view.torn.append(f"{e.name}: {problem}")
+            else:
+                view.steps.append(e.step)
+                view.run_ids.add(e.manifest.run_id)
+    view.trash = storage.listdir(TRASH_DIR)
+    view.steps.sort()
+    return view
+
+
+def _check_exact(
+    storage: LocalStorage, step: int, manifest: Any, world: int, size: int, load_state: Any
+) -> str | None:
+    try:
+        catalog.validate(storage, checkpoint_name(step), manifest, full=True)
+    except Exception as exc:
+        return f"does not verify: {exc}"
+    if manifest.world_size != world:
+        return f"world_size {manifest.world_size}, the job had {world}"
+    paths = {f.path for f in manifest.files}
+    for r in range(world):
+        rel = f"{checkpoint_name(step)}/{rank_state_file(r)}"
+        if rank_state_file(r) not in paths:
+            return f"manifest lacks {rank_state_file(r)}"
+        try:
+            with storage.open_read(rel) as f:
+                state = load_state(f)
+        except Exception as exc:
+            return f"rank {r} does not load: {type(exc).__name__}: {exc}"
+        if not states_equal(state, expected_state(step, r, size)):
+            return f"rank {r} restores a different state than it saved"
+    return None
+
+
+def next_start_leftovers(root: str) -> tuple[list[str], str | None]:
+    """Start a writing manager on ``root`` (one process) and close it.
+
+    Returns:
+        The pending and trash entries still there after its start-up sweep, and the
+        error text if the start itself failed.
+    """
+    try:
+        mgr = CheckpointManager(root, coordinator=SingleProcessCoordinator(), timeout_s=30)
+        mgr.close()
+    except Exception as exc:
+        return [], f"{type(exc).__name__}: {exc}"
+    storage = LocalStorage(root)
+    left = [f"{PENDING_DIR}/{n}" for n in storage.listdir(PENDING_DIR)]
+    left += [f"{TRASH_DIR}/{n}" for n in storage.listdir(TRASH_DIR)]
+    return left, None

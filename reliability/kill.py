@@ -1,0 +1,283 @@
+"""Kill campaign: SIGKILL one rank (the coordinator included) in the middle of a job.
+
+Two kinds of trial, alternating:
+
+- **named**: ``ATOMIC_CHECKPOINT_FAULTS=<phase>@<rank>=kill:<step>`` kills the rank at
+  an exact protocol phase (every save phase, and the rotation phases
+  ``before_uncommit``/``after_uncommit``/``mid_delete`` with ``KeepLast(2)``);
+- **random**: the campaign sends SIGKILL to a random rank's pid after a random delay
+  while the job starts, saves, commits and rotates in a loop; the rank's progress slot
+  says where it landed.
+
+After every trial (see :mod:`reliability.checks`): every discoverable checkpoint
+verifies and restores bit-exactly for every rank; the newest checkpoint committed
+before the kill, and every step a surviving rank reported as saved, is there; every
+survivor raised a clear error naming the dead rank within its timeout (no hang); the
+next start removes all pending and trash data; and the next trial's job resumes from the
+newest checkpoint and restores it exactly.
+
+On sshfs, ROOT lives in an sshd export mounted twice (default caching): half the ranks
+use mount A, half mount B, like two nodes sharing a network filesystem; the checks read
+the export directly.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
+
+from .checks import inspect_root, next_start_leftovers, unclear_reason
+from .jobs import ForkJob
+from .tally import Progress, Tally
+from .workers import w_save_loop
+
+#: Phases that only the coordinator passes.
+COORDINATOR_ONLY = ("after_manifest", "after_rename", *ROTATION_PHASES)
+
+#: Where a kill landed, from the victim's last progress record.
+BUCKETS = {
+    "connect": "startup",
+    "startup": "startup",
+    "resume": "startup",
+    "prepare": "prepare",
+    "before_write": "write",
+    "mid_write": "write",
+    "after_write": "commit",
+    "after_manifest": "commit",
+    "after_rename": "commit",
+    "during_broadcast": "commit",
+    "before_uncommit": "rotation",
+    "after_uncommit": "rotation",
+    "mid_delete": "rotation",
+    "close": "close",
+}
+
+KEEP_LAST = 2
+
+
+@dataclass(frozen=True)
+class KillSize:
+    trials: int
+    world: int
+    steps_per_trial: int
+    tensor_elems: int
+    timeout_s: float
+
+
+SIZES = {
+    "local": {
+        "quick": KillSize(trials=24, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=2),
+        "full": KillSize(trials=440, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=2),
+    },
+    "sshfs": {
+        "quick": KillSize(trials=8, world=4, steps_per_trial=2, tensor_elems=1 << 13, timeout_s=4),
+        "full": KillSize(trials=100, world=4, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=4),
+    },
+}
+
+
+class _Where:
+    """The roots the ranks use, where the checks read, and where the next start runs."""
+
+    def __init__(self, rank_roots: list[str], truth: str, restart_root: str):
+        self.rank_roots = rank_roots
+        self.truth = truth
+        self.restart_root = restart_root
+
+
+def run(
+    size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "local"
+) -> Tally:
+    """Run the kill campaign on ``fs`` (``local`` or ``sshfs``)."""
+    cfg = SIZES[fs][size]
+    tally = Tally(f"kill-{fs}")
+    rng = random.Random(seed)
+    base = os.path.join(workdir, f"kill-{fs}")
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(base)
+    if fs == "local":
+        root = os.path.join(base, "root")
+        _campaign(tally, cfg, rng, progress, base, _Where([root] * cfg.world, root, root))
+        return tally.finish()
+    from tests.testbed import SshfsExport
+
+    with SshfsExport(os.path.join(base, "srv")) as exp:
+        mount_a = exp.mount(os.path.join(base, "node-a"))
+        mount_b = exp.mount(os.path.join(base, "node-b"))
+        half = cfg.world // 2
+        roots = [
+            os.path.join(str(mount_a.path if r < half else mount_b.path), "root")
+            for r in range(cfg.world)
+        ]
+        truth = os.path.join(str(exp.export), "root")
+        _campaign(tally, cfg, rng, progress, base, _Where(roots, truth, roots[0]))
+    return tally.finish()
+
+
+def _campaign(
+    tally: Tally, cfg: KillSize, rng: random.Random, progress: Progress, base: str, where: _Where
+) -> None:
+    tmp = os.path.join(base, "jobs")
+    os.makedirs(tmp, exist_ok=True)
+    next_step = 1
+    # Calibration: one job without a fault (it must succeed) gives the loop's duration,
+    # over which random kill delays are spread.
+    next_step = _trial(tally, cfg, rng, where, tmp, next_step, mode="none")
+    duration = max(0.2, tally.stats.pop("last_job_s"))
+    tally.stats["job_duration_s"] = round(duration, 2)
+    named = [(p, r) for p in SAVE_PHASES for r in ("coordinator", "peer")]
+    named = [(p, r) for p, r in named if not (p in COORDINATOR_ONLY and r == "peer")]
+    named += [(p, "coordinator") for p in ROTATION_PHASES]
+    for i in range(cfg.trials):
+        if i % 2 == 0:
+            phase, role = named[(i // 2) % len(named)]
+            next_step = _trial(
+                tally, cfg, rng, where, tmp, next_step, mode="named", phase=phase, role=role
+            )
+        else:
+            next_step = _trial(tally, cfg, rng, where, tmp, next_step, mode="random", delay_max=duration)
+        if (i + 1) % max(1, cfg.trials // 10) == 0 or i + 1 == cfg.trials:
+            progress(
+                f"{tally.name}: {i + 1}/{cfg.trials} trials, {tally.faults} kills landed, "
+                f"{tally.violations} violations"
+            )
+    tally.stats.pop("last_job_s", None)
+
+
+def _trial(
+    tally: Tally,
+    cfg: KillSize,
+    rng: random.Random,
+    where: _Where,
+    tmp: str,
+    next_step: int,
+    *,
+    mode: str,
+    phase: str = "",
+    role: str = "",
+    delay_max: float = 0.0,
+) -> int:
+    tally.trials += 1
+    before = inspect_root(where.truth, world=cfg.world, size=cfg.tensor_elems)
+    steps = list(range(next_step, next_step + cfg.steps_per_trial))
+    env: dict[str, str] = {}
+    victim: int | None = None
+    label = mode
+    if mode == "named":
+        victim = 0 if role == "coordinator" else rng.randrange(1, cfg.world)
+        j = rng.randrange(len(steps))
+        at = steps[j]
+        if phase in ROTATION_PHASES:
+            # KeepLast(2): saving the step at index i of (committed + steps) deletes the
+            # one at index i - 2; aim at the deletion that the j-th save triggers.
+            chain = before.steps + steps
+            idx = len(before.steps) + j
+            at = chain[idx - 2] if idx >= 2 else chain[0]
+        env["ATOMIC_CHECKPOINT_FAULTS"] = f"{phase}@{victim}=kill:{at}"
+        label = f"named {phase}@{victim}:{at}"
+    job = ForkJob(
+        w_save_loop,
+        cfg.world,
+        where.rank_roots,
+        steps,
+        cfg.tensor_elems,
+        cfg.timeout_s,
+        KEEP_LAST,
+        tmp_dir=tmp,
+        env=env,
+    )
+    landed: str | None = None
+    try:
+        started = job.wait_started()
+        t_ready = time.monotonic()
+        if mode == "random" and started:
+            time.sleep(rng.uniform(0.0, delay_max))
+            victim = rng.randrange(cfg.world)
+            landed = job.kill(victim)
+            label = f"random kill of rank {victim} at {landed}"
+        # Survivors must give up within their timeouts; the bound is generous.
+        results = job.wait(timeout_s=30 + cfg.timeout_s * (cfg.steps_per_trial + 3))
+        tally.stats["last_job_s"] = round(time.monotonic() - t_ready, 3)
+    finally:
+        job.close()
+    dead = {r.rank for r in results if r.exitcode == -signal.SIGKILL}
+    if mode == "named" and victim in dead:
+        landed = phase
+    hit = victim in dead and landed not in (None, "finished", "idle")
+    if hit:
+        tally.faults += 1
+        tally.count("landed", BUCKETS.get(landed or "", landed or "?"))
+        tally.count("victim", "coordinator" if victim == 0 else "peer")
+    elif mode != "none":
+        tally.count("missed", mode)
+    _judge(tally, cfg, where, label, before, steps, results, dead)
+    return max(steps) + 1
+
+
+def _judge(
+    tally: Tally,
+    cfg: KillSize,
+    where: _Where,
+    label: str,
+    before: Any,
+    steps: list[int],
+    results: list[Any],
+    dead: set[int],
+) -> None:
+    acked: set[int] = set()
+    for r in results:
+        if r.exitcode is None:
+            tally.violate("hangs", f"{label}: rank {r.rank} still running at the deadline")
+            continue
+        if r.rank in dead:
+            continue
+        if r.error is not None or r.exitcode != 0:
+            tally.violate("unclear", f"{label}: rank {r.rank} crashed: {r.error_text[-300:]}")
+            continue
+        v = r.value
+        acked.update(v["done"])
+        if v["restored"] is False:
+            tally.violate("torn", f"{label}: rank {r.rank} resumed step {v['latest']} inexactly")
+        if before.newest is not None and v["latest"] is not None and v["latest"] != before.newest:
+            tally.violate(
+                "lost", f"{label}: rank {r.rank} resumed step {v['latest']}, newest is {before.newest}"
+            )
+        if v["error"] is not None:
+            if not dead:
+                tally.violate("stuck", f"{label}: rank {r.rank} failed with no fault: {v['error']}")
+                continue
+            reason = unclear_reason(v["error"], dead=dead)
+            if reason:
+                tally.violate("unclear", f"{label}: rank {r.rank}: {reason}")
+            tally.count("survivor_error", v["error"]["type"])
+        elif dead and v["done"] == steps:
+            tally.count("survivor_finished", "all steps")
+    after = inspect_root(where.truth, world=cfg.world, size=cfg.tensor_elems)
+    for problem in after.torn:
+        tally.violate("torn", f"{label}: {problem}")
+    required = max([s for s in [before.newest, *acked] if s is not None], default=None)
+    if required is not None and required not in after.steps:
+        tally.violate("lost", f"{label}: step {required} is gone; found {after.steps}")
+    window = after.steps[-KEEP_LAST:]
+    for s in sorted(acked):
+        if s not in after.steps and (not window or s > window[0]):
+            tally.violate("split", f"{label}: step {s} was reported saved but is not committed")
+    for s in after.steps:
+        if s not in before.steps and s not in steps:
+            tally.violate("torn", f"{label}: step {s} appeared from nowhere")
+    if len(after.steps) > KEEP_LAST + 1:
+        tally.count("over_retention", str(len(after.steps)))
+    if after.orphans:
+        tally.violate("leaks", f"{label}: checkpoint directories without a manifest: {after.orphans}")
+    left, error = next_start_leftovers(where.restart_root)
+    if error:
+        tally.violate("stuck", f"{label}: the next start failed: {error}")
+    if left:
+        tally.violate("leaks", f"{label}: still there after the next start: {left}")

@@ -1,0 +1,139 @@
+"""What the ranks of a :class:`reliability.jobs.ForkJob` run (importable by the
+forkserver's children)."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Any
+
+from atomic_checkpoint import CheckpointManager, KeepLast
+
+from .checks import describe_error, expected_state, states_equal
+from .jobs import mark
+
+
+def w_save_loop(
+    rank: int,
+    world: int,
+    roots: list[str],
+    steps: list[int],
+    size: int,
+    timeout_s: float,
+    keep_last: int,
+) -> dict[str, Any]:
+    """Start (resume from the newest checkpoint, checking it restores exactly), then
+    save ``steps`` in order with ``KeepLast(keep_last)``; report how far it got.
+
+    Every failure is reported as data, so the parent can judge each rank's error.
+    """
+    out: dict[str, Any] = {"done": [], "error": None, "latest": None, "restored": None}
+    try:
+        mark("startup")
+        mgr = CheckpointManager(roots[rank], retention=KeepLast(keep_last), timeout_s=timeout_s)
+        mark("resume")
+        latest = mgr.latest()
+        if latest is not None:
+            out["latest"] = latest.step
+            out["restored"] = states_equal(mgr.restore(), expected_state(latest.step, rank, size))
+        for s in steps:
+            mark("prepare")
+            mgr.save(s, expected_state(s, rank, size))
+            out["done"].append(s)
+        mark("close")
+        mgr.close()
+        mark("idle")
+    except Exception as exc:
+        out["error"] = describe_error(exc)
+        out["traceback"] = traceback.format_exc()
+    return out
+
+
+def w_timed_save(
+    rank: int,
+    world: int,
+    roots: list[str],
+    step: int,
+    size: int,
+    sizes: dict[int, int],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Save ``step - 1`` (all ranks healthy), then ``step`` with rank-specific tensor
+    sizes (``sizes``), timing how long the save of ``step`` takes to return or raise."""
+    out: dict[str, Any] = {"error": None, "elapsed_s": None, "first": None}
+    try:
+        mgr = CheckpointManager(roots[rank], timeout_s=timeout_s)
+        mgr.save(step - 1, expected_state(step - 1, rank, size))
+        out["first"] = step - 1
+        mark("ready")
+        t = time.monotonic()
+        try:
+            mgr.save(step, expected_state(step, rank, sizes.get(rank, size)))
+        except Exception as exc:
+            out["error"] = describe_error(exc)
+        out["elapsed_s"] = time.monotonic() - t
+        mgr.close()
+    except Exception as exc:
+        out["error"] = out["error"] or describe_error(exc)
+        out["setup_error"] = True
+    return out
+
+
+def w_disk_full(
+    rank: int,
+    world: int,
+    root: str,
+    small: int,
+    big: dict[int, int],
+    filler: str,
+    filler_bytes: int,
+) -> dict[str, Any]:
+    """Disk-full sequence on a small filesystem.
+
+    1. save step 1 with ``small`` tensors (fits);
+    2. the coordinator fills the disk with ``filler`` until ``filler_bytes`` are used;
+    3. save step 2 with ``big[rank]`` tensors (does not fit): must fail on every rank;
+    4. the coordinator removes ``filler``; save step 2 again with the same manager:
+       must succeed.
+    """
+    out: dict[str, Any] = {"error": None, "retry_error": None, "free_before": None}
+    mgr = CheckpointManager(root, timeout_s=60)
+    mgr.save(1, expected_state(1, rank, small))
+    if mgr.is_coordinator:
+        _fill(filler, filler_bytes)
+        out["free_before"] = _free(root)
+    mgr.checkpoints()  # collective: nobody saves before the disk is full
+    try:
+        mgr.save(2, expected_state(2, rank, big.get(rank, small)))
+        out["saved_full"] = True
+    except Exception as exc:
+        out["error"] = describe_error(exc)
+    if mgr.is_coordinator:
+        out["free_after"] = _free(root)
+        out["pending_after"] = os.listdir(os.path.join(root, ".pending"))
+        os.unlink(filler)
+    try:
+        mgr.save(2, expected_state(2, rank, big.get(rank, small)))
+        out["retry_ok"] = True
+    except Exception as exc:
+        out["retry_error"] = describe_error(exc)
+    mgr.close()
+    return out
+
+
+def _fill(path: str, n: int) -> None:
+    chunk = b"\0" * (1 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = n
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize

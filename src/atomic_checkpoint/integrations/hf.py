@@ -1,0 +1,350 @@
+"""Atomic checkpoints for the Hugging Face ``Trainer``.
+
+Two lines::
+
+    from atomic_checkpoint.integrations.hf import make_atomic
+
+    trainer = make_atomic(Trainer(model=model, args=args, train_dataset=ds))
+    trainer.train(resume_from_checkpoint=True)  # as before
+
+Works with any ``Trainer`` subclass (``Seq2SeqTrainer``, TRL trainers, yours).
+
+Checkpoints still appear as ``output_dir/checkpoint-<step>`` with exactly the files the
+Trainer writes, but only complete ones ever appear there, so the Trainer's own resume
+(and any script that globs ``checkpoint-*``) only ever finds complete checkpoints::
+
+    output_dir/
+      checkpoint-20/                       committed: model, optimizer.pt, scheduler.pt,
+        ...  checkpoint.manifest.json      rng_state_<rank>.pth, trainer_state.json
+      .pending/checkpoint-30.<attempt>/    the save in progress: never resumed from
+
+How: for the duration of ``_save_checkpoint`` the Trainer's output folder
+(``_get_output_dir``) points into the pending directory of a
+:class:`~atomic_checkpoint.CheckpointManager`; the Trainer writes there exactly what it
+always writes, then one coordinator per storage domain checksums and fsyncs every
+file, writes the manifest last and renames the directory into place. The Trainer's
+internals are touched at three methods that have had the same role and signature
+since transformers 4.3x: ``_save_checkpoint``, ``_get_output_dir`` and
+``_push_from_checkpoint``; ``train`` is wrapped to resolve
+``resume_from_checkpoint=True``.
+
+What the options keep meaning (and what changes):
+
+- ``save_total_limit`` becomes ``KeepLast(save_total_limit)``, applied after the new
+  checkpoint is durable, un-committing before deleting; the newest is never deleted.
+  At the end of training with ``save_total_limit=1`` and ``load_best_model_at_end``
+  the stock Trainer deletes every checkpoint but the best, the newest included; here
+  the newest stays (two checkpoints, as during training).
+- The checkpoint the Trainer tracks as best (``metric_for_best_model``,
+  ``state.best_model_checkpoint``) is never deleted, whatever the retention policy.
+- ``save_on_each_node`` keeps its meaning and is verified against the storage: each
+  node commits its own copy on node-local disks, nodes that share storage commit one
+  copy, and ``save_on_each_node=False`` on storage that other nodes cannot see fails
+  at the first save with an error saying so (FAILURE_MODES A5).
+- ``resume_from_checkpoint=True`` loads the newest checkpoint that is committed and
+  valid on every storage domain (checksums verified); folders torn by a crash are
+  never candidates, and "checkpoints exist but none is valid" is an error.
+- Hub pushes (``push_to_hub``) and ``on_save`` callbacks run after the commit and are
+  given the committed path, never the pending one (FAILURE_MODES A9).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError, ResumeError
+from ..layout import checkpoint_name, parse_checkpoint_name
+from ..manifest import CheckpointInfo
+from ..retention import AnyOf, KeepLast
+from .accelerate import FrameworkRoot
+
+__all__ = ["KeepTrainerBest", "make_atomic"]
+
+log = logging.getLogger("atomic_checkpoint")
+
+_TRAINER_STATE_NAME = "trainer_state.json"
+_ATTR = "_atomic_checkpoint"
+
+
+class KeepTrainerBest:
+    """Keep the checkpoint the Trainer tracks as best (``state.best_model_checkpoint``).
+
+    The Trainer decides what "best" means (``metric_for_best_model``,
+    ``greater_is_better``, first of equals), so this policy asks it rather than
+    re-ranking metrics. ``make_atomic`` always adds it to the retention policy.
+    Called on the coordinator after a commit is durable, while the training thread
+    waits for the next save; it does no I/O.
+
+    Args:
+        trainer: the Trainer whose best checkpoint to keep.
+        run_dir: the directory its checkpoints are committed under.
+    """
+
+    def __init__(self, trainer: Any, run_dir: str):
+        self._trainer = trainer
+        self._run_dir = os.path.normpath(os.path.abspath(run_dir))
+
+    def __repr__(self) -> str:
+        return "KeepTrainerBest()"
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> frozenset[int]:
+        """The step of the Trainer's best checkpoint, if it is among ``checkpoints``.
+
+        Args:
+            checkpoints: this run's committed checkpoints, in any order.
+
+        Returns:
+            At most one step.
+        """
+        best = getattr(getattr(self._trainer, "state", None), "best_model_checkpoint", None)
+        if not best:
+            return frozenset()
+        best = os.path.normpath(os.path.abspath(best))
+        if os.path.dirname(best) != self._run_dir:
+            return frozenset()
+        step = parse_checkpoint_name(os.path.basename(best))
+        if step is None or step not in {c.step for c in checkpoints}:
+            return frozenset()
+        return frozenset({step})
+
+
+def _is_under(path: str, parent: str) -> bool:
+    p, q = os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent))
+    return p == q or p.startswith(q + os.sep)
+
+
+def _eval_metrics(state: Any, step: int) -> dict[str, float]:
+    """The evaluation metrics logged at ``step`` (recorded in the manifest, so that
+    ``KeepBest(metric="eval_loss")`` and ``atomic-checkpoint list`` can use them)."""
+    out: dict[str, float] = {}
+    for entry in getattr(state, "log_history", None) or ():
+        if entry.get("step") != step:
+            continue
+        for key, value in entry.items():
+            if key.startswith("eval_") and isinstance(value, (int, float)):
+                if not isinstance(value, bool) and value == value and abs(value) != float("inf"):
+                    out[key] = float(value)
+    return out
+
+
+class _AtomicTrainer:
+    """The state ``make_atomic`` attaches to one Trainer."""
+
+    def __init__(self, trainer: Any, *, retention: Any, verify_on_resume: bool, timeout_s: float):
+        self.trainer = trainer
+        self.user_retention = retention
+        self.verify_on_resume = verify_on_resume
+        self.timeout_s = timeout_s
+        self.roots: dict[str, FrameworkRoot] = {}
+        self.save_total_limit: int | None = trainer.args.save_total_limit
+        self._orig_save = trainer._save_checkpoint
+        self._orig_output_dir = trainer._get_output_dir
+        self._orig_push = trainer._push_from_checkpoint
+        self._orig_train = trainer.train
+        self._pending: str | None = None
+        self._pushes: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.last_saved: CheckpointInfo | None = None
+
+    # ------------------------------------------------------------------ roots
+    def retention_for(self, run_dir: str) -> Any:
+        limit = self.save_total_limit
+        base = self.user_retention
+        if base is None and limit is not None and limit > 0:
+            base = KeepLast(int(limit))
+        if base is None:
+            return None  # keep everything, as the Trainer does without a limit
+        return AnyOf(base, KeepTrainerBest(self.trainer, run_dir))
+
+    def root(self, run_dir: str) -> FrameworkRoot:
+        key = os.path.abspath(run_dir)
+        opened = self.roots.get(key)
+        if opened is None:
+            args = self.trainer.args
+            opened = FrameworkRoot(
+                key,
+                rank=int(args.process_index),
+                local_rank=int(args.local_process_index),
+                world_size=int(args.world_size),
+                per_node=bool(args.save_on_each_node),
+                retention=self.retention_for(key),
+                label="Trainer",
+                timeout_s=self.timeout_s,
+            )
+            self.roots[key] = opened
+        return opened
+
+    def close(self) -> None:
+        for opened in self.roots.values():
+            opened.close()
+        self.roots.clear()
+
+    # ------------------------------------------------------------------ hooks
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+        """Replaces ``trainer._save_checkpoint(model, trial)``; every rank calls it."""
+        trainer = self.trainer
+        trial = kwargs.get("trial", args[1] if len(args) > 1 else None)
+        run_dir = os.path.abspath(self._orig_output_dir(trial=trial))
+        step = int(trainer.state.global_step)
+        opened = self.root(run_dir)
+        name = checkpoint_name(step)
+        pushes: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+        def write(directory: Path) -> None:
+            pending = str(directory.parent)
+            # The Trainer saves into os.path.join(_get_output_dir(trial), "checkpoint-N"):
+            # point that at the pending directory for this call only.
+            trainer._get_output_dir = lambda *a, **k: pending
+            self._pending, self._pushes = pending, pushes
+            try:
+                self._orig_save(*args, **kwargs)
+            finally:
+                self._pending = None
+                _restore(trainer, "_get_output_dir", self._orig_output_dir)
+            state = trainer.state
+            best = getattr(state, "best_model_checkpoint", None)
+            if best and _is_under(best, pending):
+                # The Trainer recorded the pending path as the best checkpoint; record
+                # where it will be once committed, in memory and in trainer_state.json.
+                state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, pending))
+                state_file = directory / _TRAINER_STATE_NAME
+                if trainer.args.should_save and state_file.is_file():
+                    state.save_to_json(str(state_file))
+
+        info = opened.save(
+            step,
+            write,
+            nested=name,
+            metrics=_eval_metrics(trainer.state, step),
+            metadata={
+                "trainer": {
+                    "global_step": step,
+                    "epoch": float(trainer.state.epoch or 0.0),
+                    "transformers_version": _transformers_version(),
+                }
+            },
+        )
+        self.last_saved = info
+        final = opened.path(step)
+        for rel, a, kw in pushes:
+            # Hub uploads start only now, from the committed directory.
+            self._orig_push(os.path.join(final, rel) if rel != "." else final, *a, **kw)
+
+    def push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> Any:
+        """Replaces ``trainer._push_from_checkpoint``: defers a push of the checkpoint
+        being saved until it is committed, then pushes the committed path."""
+        pending = self._pending
+        if pending is not None and _is_under(checkpoint_folder, pending):
+            inner = os.path.relpath(checkpoint_folder, pending)
+            # inner is "checkpoint-N" (the folder being saved) or a path inside it.
+            parts = inner.split(os.sep)
+            rel = os.path.join(*parts[1:]) if len(parts) > 1 else "."
+            self._pushes.append((rel, args, kwargs))
+            return None
+        return self._orig_push(checkpoint_folder, *args, **kwargs)
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """Replaces ``trainer.train``: resolves ``resume_from_checkpoint=True`` to the
+        newest complete checkpoint, and owns rotation for the duration."""
+        trainer = self.trainer
+        output_dir = trainer.args.output_dir
+        # Rotation is ours for the whole run: with save_total_limit unset the Trainer's
+        # rotate_checkpoints() and its end-of-training deletion do nothing.
+        limit = trainer.args.save_total_limit
+        if limit is not None:
+            self.save_total_limit = limit
+        if resume_from_checkpoint is True:
+            opened = self.root(output_dir)
+            step = opened.resolve(verify=self.verify_on_resume)
+            if step is None:
+                raise ResumeError(
+                    f"resume_from_checkpoint=True but {opened.root} holds no checkpoint; "
+                    "pass resume_from_checkpoint=None to start from scratch"
+                )
+            resume_from_checkpoint = opened.path(step)
+            log.info("Trainer: resuming from %s", resume_from_checkpoint)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.path.abspath(os.fspath(resume_from_checkpoint))
+            step = parse_checkpoint_name(os.path.basename(path))
+            if step is not None and os.path.dirname(path) == os.path.abspath(output_dir):
+                # One of ours: refuse a torn or corrupt one instead of half-loading it.
+                self.root(output_dir).resolve(step, verify=self.verify_on_resume)
+        trainer.args.save_total_limit = None
+        try:
+            return self._orig_train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            trainer.args.save_total_limit = limit
+            self.close()
+
+
+def _restore(obj: Any, name: str, original: Any) -> None:
+    bound_self = getattr(original, "__self__", None)
+    func = getattr(original, "__func__", None)
+    if bound_self is obj and func is not None and getattr(type(obj), name, None) is func:
+        # The original is the class's method: drop the instance override.
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, original)
+
+
+def _transformers_version() -> str:
+    try:
+        import transformers
+
+        return str(transformers.__version__)
+    except ImportError:  # pragma: no cover - make_atomic is only used with transformers
+        return "unknown"
+
+
+def make_atomic(
+    trainer: Any,
+    *,
+    retention: Any = None,
+    verify_on_resume: bool = True,
+    timeout_s: float = 600.0,
+) -> Any:
+    """Make a ``transformers.Trainer``'s checkpoints atomic; returns the same trainer.
+
+    Call it once, on every process, before ``train()``.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (or subclass) instance.
+        retention: a policy such as ``KeepLast(3) | KeepBest(1, metric="eval_loss")``;
+            default ``KeepLast(args.save_total_limit)``, or keep everything. The
+            Trainer's best checkpoint and the newest one are always kept.
+        verify_on_resume: recompute every checksum of the checkpoint that
+            ``resume_from_checkpoint=True`` picks (a corrupt one is skipped).
+        timeout_s: bound on every wait for other processes during a save.
+
+    Returns:
+        ``trainer``, with ``trainer.train``, ``_save_checkpoint`` and
+        ``_push_from_checkpoint`` wrapped.
+
+    Raises:
+        TypeError: ``trainer`` lacks the methods the integration relies on.
+        CheckpointError: ``make_atomic`` was already applied to it.
+    """
+    missing = [
+        m
+        for m in ("_save_checkpoint", "_get_output_dir", "_push_from_checkpoint", "train")
+        if not callable(getattr(trainer, m, None))
+    ]
+    if missing or not hasattr(trainer, "args") or not hasattr(trainer, "state"):
+        raise TypeError(
+            f"make_atomic needs a transformers.Trainer; {type(trainer).__name__} lacks "
+            f"{missing or ['args/state']} (transformers {_transformers_version()}); "
+            "please report this version"
+        )
+    if getattr(trainer, _ATTR, None) is not None:
+        raise CheckpointError("make_atomic was already applied to this Trainer")
+    integration = _AtomicTrainer(
+        trainer, retention=retention, verify_on_resume=verify_on_resume, timeout_s=timeout_s
+    )
+    setattr(trainer, _ATTR, integration)
+    trainer._save_checkpoint = integration.save_checkpoint
+    trainer._push_from_checkpoint = integration.push_from_checkpoint
+    trainer.train = integration.train
+    return trainer

@@ -1,0 +1,921 @@
+"""PyTorch Lightning and Lightning Fabric: atomic, fsync'd, verified ``.ckpt`` files.
+
+Two lines::
+
+    from atomic_checkpoint.integrations.lightning import AtomicCheckpointIO
+
+    trainer = Trainer(..., plugins=[AtomicCheckpointIO()])  # or Fabric(plugins=[...])
+
+``AsyncAtomicCheckpointIO()`` writes in the background instead. Both plugins exist for
+the ``lightning`` package and for the standalone ``pytorch_lightning`` package:
+:func:`checkpoint_io_classes` returns the pair for either; the module-level names are
+bound to ``lightning`` when it is installed, else to ``pytorch_lightning``.
+
+Why atomic single files, not checkpoint directories
+---------------------------------------------------
+``ModelCheckpoint`` owns the names (``epoch=0-step=40.ckpt``, ``last.ckpt``,
+``last-v1.ckpt``), the top-k bookkeeping and ``best_model_path``, all by file path, and
+only global rank 0 calls the plugin. Everything downstream reads a ``.ckpt`` as one
+``torch.save`` file *without* going through the plugin:
+``LightningModule.load_from_checkpoint``, ``torch.load``, model registries. Mapping a
+``.ckpt`` onto a ``checkpoint-<step>/`` directory of a ``CheckpointManager`` would break
+all of those, and its collective commit cannot run from rank 0 alone. So each ``.ckpt``
+stays a plain ``torch.save`` file, made atomic by a sibling pending file and one rename,
+and verifiable by a small manifest beside it::
+
+    ckpts/                                   during a save of last.ckpt (step 6)
+      epoch=0-step=4.ckpt                    complete, untouched
+      epoch=0-step=4.ckpt.manifest.json      size + checksum + step of the file
+      last.ckpt                              still the complete step-4 version
+      last.ckpt.manifest.json                lists step 6 and step 4 (both acceptable)
+      .last.ckpt.<token>.pending             step 6 being written (never loaded)
+
+What Lightning's own ``TorchCheckpointIO`` does differently (TESTBED "What the peers
+do"): it stages in ``$TMPDIR`` (on HPC usually another filesystem than the checkpoint
+directory, so the "rename" falls back to copying *in place*, and a crash truncates the
+previous ``last.ckpt``), never fsyncs, and never verifies; ``AsyncCheckpointIO``
+removes the previous checkpoint before the new one is written (Lightning #1150).
+
+A save (global rank 0; from Lightning's thread, or the worker thread of the async
+plugin):
+
+1. ``torch.save`` streams into ``.<name>.<token>.pending`` in the destination
+   directory (same filesystem, so the rename in 4 never degrades to a copy:
+   FAILURE_MODES D5), hashing every byte as it is written; the file is fsync'd.
+2. The manifest is replaced atomically (temp, fsync, rename, directory fsync) with one
+   listing the new version first and the versions the file may still hold after it.
+3. The pending file is renamed onto ``<name>`` (``os.replace``: readers see the old or
+   the new file, never a part) and the directory is fsync'd.
+4. The manifest is replaced again, listing only the new version.
+
+At every instant the file at ``<name>`` is one of the versions its manifest lists, so a
+load can always tell "complete" from "torn". A crash leaves at most a pending file,
+removed by the next save into that directory.
+
+A load checks the file against its manifest: size, then (``verify=True``) the checksum,
+before ``torch.load`` with ``weights_only=True`` unless the caller passes
+``weights_only=False`` (loading pickle executes code from the file: DESIGN invariant 8).
+A file without a manifest (written by another plugin) loads with a warning, or is
+refused with ``require_manifest=True``.
+
+``remove_checkpoint`` unlinks the ``.ckpt`` first (after which nothing is loadable under
+that name), then its manifest, and never touches a directory. The async plugin queues
+removals behind the saves submitted before them and skips them when such a save
+failed, so the previous checkpoint stays until the new one is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import json
+import logging
+import os
+import pickle
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from .._faults import fault_point
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    SerializationError,
+    UnsafeCheckpointError,
+    map_os_error,
+)
+from ..manifest import DEFAULT_ALGORITHM, Hasher
+from ..storage.local import LocalStorage
+
+__all__ = [
+    "MANIFEST_SUFFIX",
+    "AsyncAtomicCheckpointIO",
+    "AtomicCheckpointIO",
+    "CheckpointFile",
+    "LightningClasses",
+    "checkpoint_io_classes",
+    "latest_checkpoint",
+    "verify_checkpoint",
+]
+
+log = logging.getLogger("atomic_checkpoint")
+
+MANIFEST_SUFFIX = ".manifest.json"
+_FORMAT = "atomic-checkpoint/lightning-file"
+_SCHEMA = 1
+# Versions a manifest may list: the new one plus those the file may still hold. After
+# a completed save it lists one; each save that crashed between steps 2 and 3 adds one.
+_MAX_VERSIONS = 8
+_PENDING_RE = re.compile(r"^\..+\.[0-9a-f]{16}\.pending$")
+# Temporary names of LocalStorage.write_bytes_atomic (the manifest's replace).
+_MANIFEST_TMP_RE = re.compile(r"^.+\.ckpt\.manifest\.json\.tmp-[0-9]+-[0-9]+$")
+_READ_CHUNK = 8 << 20
+_IS_WINDOWS = os.name == "nt"
+
+
+# ---------------------------------------------------------------------- manifests
+@dataclass(frozen=True)
+class _Version:
+    size_bytes: int
+    checksum: str
+    algorithm: str
+    global_step: int | None
+    epoch: int | None
+    written_unix: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "size": self.size_bytes,
+            "checksum": self.checksum,
+            "algorithm": self.algorithm,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "written_unix": self.written_unix,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> _Version:
+        try:
+            size = doc["size"]
+            checksum = doc["checksum"]
+            algorithm = doc["algorithm"]
+            step = doc.get("global_step")
+            epoch = doc.get("epoch")
+            written = float(doc.get("written_unix", 0.0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(f"{where}: malformed version entry {doc!r}") from exc
+        if not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
+            raise CorruptCheckpointError(f"{where}: malformed version entry {doc!r}")
+        if not isinstance(algorithm, str):
+            raise CorruptCheckpointError(f"{where}: malformed version entry {doc!r}")
+        return cls(size, checksum, algorithm, _int_or_none(step), _int_or_none(epoch), written)
+
+
+@dataclass(frozen=True)
+class CheckpointFile:
+    """A ``.ckpt`` file as checked against its manifest.
+
+    Attributes:
+        path: the file.
+        size_bytes: its size.
+        global_step: the trainer's ``global_step`` recorded at save time (None when the
+            file has no manifest).
+        epoch: the epoch recorded at save time.
+        checksum: the verified checksum (None when not computed).
+        has_manifest: False for files written without this plugin (unverified).
+        is_newest: False when the newest save of this path did not complete and the
+            file is an earlier complete version.
+    """
+
+    path: str
+    size_bytes: int
+    global_step: int | None
+    epoch: int | None
+    checksum: str | None
+    has_manifest: bool
+    is_newest: bool = True
+
+
+def _int_or_none(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        return int(value.item())
+    return None
+
+
+def _manifest_path(path: str) -> str:
+    return path + MANIFEST_SUFFIX
+
+
+def _read_versions(path: str) -> list[_Version] | None:
+    """The versions listed by the manifest of ``path``; None when it has no manifest.
+
+    Raises:
+        CorruptCheckpointError: the manifest exists but is unreadable.
+    """
+    where = _manifest_path(path)
+    try:
+        with open(where, "rb") as f:
+            data = f.read(1 << 20)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise map_os_error(exc, "read", where) from exc
+    try:
+        doc = json.loads(data)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise CorruptCheckpointError(f"{where}: not an atomic-checkpoint file manifest")
+    if not isinstance(doc.get("schema"), int) or doc["schema"] > _SCHEMA:
+        raise CorruptCheckpointError(
+            f"{where}: manifest schema {doc.get('schema')!r} is newer than this version "
+            f"of atomic-checkpoint understands ({_SCHEMA}); upgrade atomic-checkpoint"
+        )
+    versions = doc.get("versions")
+    if not isinstance(versions, list) or not versions:
+        raise CorruptCheckpointError(f"{where}: the manifest lists no version")
+    return [_Version.from_json(v, where) for v in versions]
+
+
+def _manifest_bytes(name: str, versions: list[_Version]) -> bytes:
+    doc = {
+        "format": _FORMAT,
+        "schema": _SCHEMA,
+        "file": name,
+        "versions": [v.to_json() for v in versions],
+    }
+    return json.dumps(doc, indent=1).encode()
+
+
+def _hash_file(path: str, algorithm: str) -> tuple[str, int]:
+    h = Hasher(algorithm)
+    size = 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    try:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                h.update(view[:n])
+                size += n
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"checkpoint file {path!r} does not exist") from exc
+    except OSError as exc:
+        raise map_os_error(exc, "read", path) from exc
+    return h.hexdigest(), size
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str], *, full: bool = True, require_manifest: bool = False
+) -> CheckpointFile:
+    """Check a ``.ckpt`` file against its manifest without loading it.
+
+    Args:
+        path: the ``.ckpt`` file.
+        full: recompute the checksum (one sequential read); otherwise sizes only.
+        require_manifest: refuse a file that has no manifest.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        CorruptCheckpointError: it is not a version its manifest lists (torn,
+            truncated or modified), or it has no manifest and one is required.
+    """
+    final = _local_path(path)
+    try:
+        st = os.stat(final)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"checkpoint file {final!r} does not exist") from exc
+    except OSError as exc:
+        raise map_os_error(exc, "stat", final) from exc
+    versions = _read_versions(final)
+    if versions is None:
+        if require_manifest:
+            raise CorruptCheckpointError(
+                f"{final!r} has no manifest ({os.path.basename(_manifest_path(final))}): it "
+                "was not written by AtomicCheckpointIO, so it cannot be verified; pass "
+                "require_manifest=False to load it unverified"
+            )
+        return CheckpointFile(final, st.st_size, None, None, None, has_manifest=False)
+    sized = [v for v in versions if v.size_bytes == st.st_size]
+    if not sized:
+        listed = ", ".join(str(v.size_bytes) for v in versions)
+        raise CorruptCheckpointError(
+            f"{final!r} is {st.st_size} bytes but its manifest records {listed}: the file "
+            "is torn or truncated, or was modified after the save. Resume from another "
+            "checkpoint (atomic_checkpoint.integrations.lightning.latest_checkpoint)"
+        )
+    match = sized[0]
+    digest: str | None = None
+    if full:
+        digests: dict[str, str] = {}
+        found = None
+        for v in sized:
+            if v.algorithm not in digests:
+                digests[v.algorithm], _ = _hash_file(final, v.algorithm)
+            if digests[v.algorithm] == v.checksum:
+                found = v
+                break
+        if found is None:
+            raise CorruptCheckpointError(
+                f"{final!r}: checksum {next(iter(digests.values()))} matches none recorded "
+                f"in its manifest ({', '.join(v.checksum for v in sized)}): the file is "
+                "corrupt. Resume from another checkpoint"
+            )
+        match, digest = found, found.checksum
+    newest = match is versions[0]
+    if not newest:
+        log.warning(
+            "%s: the newest save of this file (step %s) did not complete; it holds the "
+            "previous complete version (step %s)",
+            final,
+            versions[0].global_step,
+            match.global_step,
+        )
+    return CheckpointFile(
+        final, st.st_size, match.global_step, match.epoch, digest, True, is_newest=newest
+    )
+
+
+def latest_checkpoint(dirpath: str | os.PathLike[str], *, full: bool = False) -> str | None:
+    """The ``.ckpt`` file in ``dirpath`` with the highest recorded ``global_step`` that
+    verifies against its manifest; None if there is none.
+
+    Use it to resume from the newest complete checkpoint whatever its name
+    (``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``). Steps come from the
+    manifests, never from modification times or names. Files without a manifest are
+    not considered; invalid ones are skipped with a warning that says what is wrong.
+
+    Args:
+        dirpath: ``ModelCheckpoint``'s directory.
+        full: verify checksums too (a full read of every candidate).
+    """
+    directory = _local_path(dirpath)
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise map_os_error(exc, "list", directory) from exc
+    best: tuple[int, str] | None = None
+    for name in names:
+        if not name.endswith(".ckpt") or not os.path.exists(
+            os.path.join(directory, name + MANIFEST_SUFFIX)
+        ):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = verify_checkpoint(path, full=full, require_manifest=True)
+        except CheckpointError as exc:
+            log.warning("skipping %s: %s", path, exc)
+            continue
+        if info.global_step is None:
+            continue
+        key = (info.global_step, name)
+        if best is None or key > best:
+            best = key
+    return os.path.join(directory, best[1]) if best is not None else None
+
+
+# ---------------------------------------------------------------------- file writes
+def _local_path(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    if text.startswith("file://"):
+        text = text[len("file://") :]
+    elif "://" in text:
+        raise CheckpointError(
+            f"AtomicCheckpointIO writes to mounted filesystems (local disk, NFS, Lustre, "
+            f"sshfs, FUSE), not to {text!r}: point ModelCheckpoint(dirpath=...) at a "
+            "mounted path, or save with CheckpointManager on an object-store root"
+        )
+    return os.path.abspath(text)
+
+
+def _ensure_dir(directory: str) -> None:
+    """Create ``directory`` and make every new entry durable (fsync of each parent)."""
+    missing = []
+    d = directory
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    if not missing:
+        return
+    LocalStorage(directory).makedirs("")
+    for created in reversed(missing):
+        LocalStorage(os.path.dirname(created)).fsync_dir("")
+
+
+def _replace(directory: str, src: str, dst: str) -> None:
+    """``os.replace`` inside ``directory``; Windows: retry sharing violations briefly."""
+    s, d = os.path.join(directory, src), os.path.join(directory, dst)
+    delay = 0.01
+    for attempt in range(8):
+        try:
+            os.replace(s, d)
+            return
+        except PermissionError as exc:
+            # Windows: a virus scanner or indexer holding a handle on the old file
+            # (winerror 5 or 32) makes the replace fail for a moment.
+            if not _IS_WINDOWS or getattr(exc, "winerror", None) not in (5, 32) or attempt == 7:
+                raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
+            time.sleep(delay)
+            delay *= 2
+        except OSError as exc:
+            raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
+
+
+class _HashingSink:
+    """What ``torch.save`` writes into: hashes and forwards every chunk.
+
+    ``torch.save`` writes sequentially through ``write``/``flush`` only (its zip writer
+    never seeks on a stream), so the checksum covers the file exactly. It also replaces
+    an exception raised by ``write`` with a RuntimeError of its own: the original is
+    kept here and raised instead.
+    """
+
+    def __init__(self, writer: Any, hasher: Hasher, *, rank: int, step: int | None):
+        self._writer = writer
+        self._hasher = hasher
+        self._rank = rank
+        self._step = step
+        self.size_bytes = 0
+        self.writes = 0
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            view = memoryview(data)
+            self._writer.write(view)
+            self._hasher.update(view)
+            n = view.nbytes
+            self.size_bytes += n
+            self.writes += 1
+            if self.writes == 2:
+                fault_point("mid_write", self._rank, self._step)
+            return n
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        return None
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _torch_load(path: str, map_location: Any, weights_only: bool | None) -> Any:
+    safe = True if weights_only is None else bool(weights_only)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=safe)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnsafeCheckpointError(
+            f"{path!r} needs more than tensors and plain containers to load ({first}), and "
+            "loading arbitrary pickle executes code from the file, so it was refused. If you "
+            "trust this file, pass weights_only=False (e.g. trainer.fit(..., "
+            "weights_only=False)) or allowlist its classes with "
+            "torch.serialization.add_safe_globals([...])"
+        ) from exc
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"checkpoint file {path!r} does not exist") from exc
+    except (RuntimeError, EOFError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{path!r} cannot be read by torch.load: {exc}") from exc
+
+
+def _default_map_location(storage: Any, loc: Any) -> Any:
+    return storage
+
+
+class _AtomicFileIO:
+    """Lightning ``CheckpointIO`` whose every ``.ckpt`` is atomic, fsync'd and verified.
+
+    Args:
+        verify: on load, recompute the checksum of the file (one extra sequential read,
+            usually from the page cache) before ``torch.load``; False checks sizes only.
+        require_manifest: refuse to load a ``.ckpt`` that has no manifest (one written by
+            another plugin); by default it loads with a warning.
+
+    Called by Lightning on global rank 0 only (``save_checkpoint`` and
+    ``remove_checkpoint``) and on every rank (``load_checkpoint``), from the training
+    thread. Blocking; not safe for concurrent calls on the same path (the async plugin
+    serialises them).
+    """
+
+    def __init__(self, *, verify: bool = True, require_manifest: bool = False):
+        super().__init__()
+        self.verify = verify
+        self.require_manifest = require_manifest
+        self._swept: set[str] = set()
+        self._warned_unverified: set[str] = set()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(verify={self.verify}, require_manifest={self.require_manifest})"
+        )
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` to ``path`` atomically and durably (see the module doc).
+
+        Raises:
+            TypeError: ``storage_options`` was given (this plugin takes none).
+            StorageError: the write failed (``StorageFullError`` on ENOSPC); the
+                previous file at ``path`` is untouched.
+            SerializationError: ``torch.save`` cannot serialise the checkpoint.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint takes no storage_options "
+                f"(got {storage_options!r})"
+            )
+        final = _local_path(path)
+        directory, name = os.path.split(final)
+        _ensure_dir(directory)
+        self._sweep(directory)
+        store = LocalStorage(directory)
+        rank = _rank()
+        step = _int_or_none(checkpoint.get("global_step"))
+        epoch = _int_or_none(checkpoint.get("epoch"))
+        pending = f".{name}.{uuid.uuid4().hex[:16]}.pending"
+        hasher = Hasher(DEFAULT_ALGORITHM)
+        writer = store.open_write(pending)
+        sink = _HashingSink(writer, hasher, rank=rank, step=step)
+        try:
+            torch.save(checkpoint, sink)  # type: ignore[arg-type]
+            writer.close()
+        except BaseException as exc:
+            writer.abort()
+            if sink.error is not None and sink.error is not exc:
+                raise sink.error from exc
+            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
+                raise
+            raise SerializationError(
+                f"torch.save could not serialise the checkpoint for {final!r}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        new = _Version(
+            sink.size_bytes, hasher.hexdigest(), hasher.algorithm, step, epoch, time.time()
+        )
+        try:
+            previous = self._versions_on_disk(final)
+            store.write_bytes_atomic(
+                name + MANIFEST_SUFFIX, _manifest_bytes(name, [new, *previous][:_MAX_VERSIONS])
+            )
+            fault_point("after_manifest", rank, step)
+            _replace(directory, pending, name)
+            store.fsync_dir("")
+        except BaseException:
+            with contextlib.suppress(CheckpointError):
+                store.delete_file(pending)
+            raise
+        fault_point("after_rename", rank, step)
+        # The file is now the new version: list it alone, so the manifest stays small.
+        store.write_bytes_atomic(name + MANIFEST_SUFFIX, _manifest_bytes(name, [new]))
+        log.info("saved %s (%d bytes, step %s)", final, new.size_bytes, step)
+
+    def _versions_on_disk(self, final: str) -> list[_Version]:
+        """The versions the file at ``final`` may hold now (it must stay loadable until
+        the rename): its manifest's, or, for a file without one, its own checksum."""
+        try:
+            versions = _read_versions(final)
+        except CorruptCheckpointError as exc:
+            log.warning("%s: replacing an unreadable manifest: %s", final, exc)
+            versions = None
+        if versions is not None:
+            return versions
+        if not os.path.isfile(final):
+            return []
+        digest, size = _hash_file(final, DEFAULT_ALGORITHM)
+        return [_Version(size, digest, DEFAULT_ALGORITHM, None, None, 0.0)]
+
+    def _sweep(self, directory: str) -> None:
+        """Remove pending files left by crashed saves, once per directory.
+
+        Saves into one directory come from one process (global rank 0), one at a time
+        (the async plugin serialises them), so any pending file found before our first
+        save there is abandoned.
+        """
+        if directory in self._swept:
+            return
+        self._swept.add(directory)
+        store = LocalStorage(directory)
+        for name in store.listdir(""):
+            if _PENDING_RE.match(name) or _MANIFEST_TMP_RE.match(name):
+                try:
+                    store.delete_file(name)
+                    log.info("removed abandoned %s", os.path.join(directory, name))
+                except CheckpointError as exc:
+                    log.warning("could not remove abandoned %s: %s", name, exc)
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Callable[..., Any] | Any = _default_map_location,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Verify ``path`` against its manifest, then ``torch.load`` it.
+
+        ``weights_only=None`` means True: tensors and plain containers only. Pass
+        False only for files you trust.
+
+        Raises:
+            CheckpointNotFoundError: no such file (a ``FileNotFoundError``).
+            CorruptCheckpointError: the file is torn, truncated or corrupt.
+            UnsafeCheckpointError: it needs pickle code execution and
+                ``weights_only`` is not False.
+        """
+        info = verify_checkpoint(path, full=self.verify, require_manifest=self.require_manifest)
+        if not info.has_manifest and info.path not in self._warned_unverified:
+            self._warned_unverified.add(info.path)
+            log.warning(
+                "%s has no manifest (not written by AtomicCheckpointIO): loading it unverified",
+                info.path,
+            )
+        return _torch_load(info.path, map_location, weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the ``.ckpt`` at ``path`` and its manifest; a missing file is fine.
+
+        The data file goes first: from then on nothing is loadable under that name,
+        so a crash half way leaves at most an orphan manifest (ignored everywhere).
+        Directories are never removed (this plugin never writes one).
+        """
+        final = _local_path(path)
+        directory, name = os.path.split(final)
+        if os.path.isdir(final):
+            log.warning(
+                "not removing %s: it is a directory, and AtomicCheckpointIO only removes "
+                "the .ckpt files it writes",
+                final,
+            )
+            return
+        store = LocalStorage(directory)
+        store.delete_file(name)
+        store.delete_file(name + MANIFEST_SUFFIX)
+        if os.path.isdir(directory):
+            store.fsync_dir("")
+        log.info("removed %s", final)
+
+    def teardown(self) -> None:
+        """Nothing to release (every save finished before it returned)."""
+
+
+# ---------------------------------------------------------------------- async
+def _snapshot(obj: Any) -> Any:
+    """Copy every tensor into host memory, on the calling thread; containers are
+    rebuilt, other leaves are shared (they are immutable in a Lightning checkpoint)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        items = {k: _snapshot(v) for k, v in obj.items()}
+        if type(obj) in (dict, OrderedDict):
+            return type(obj)(items)
+        try:  # dict subclasses (AttributeDict, defaultdict) keep their type
+            rebuilt = copy.copy(obj)
+            rebuilt.clear()
+            rebuilt.update(items)
+            return rebuilt
+        except Exception:
+            return items
+    if isinstance(obj, Mapping):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        values = [_snapshot(v) for v in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else tuple(values)
+    return obj
+
+
+class _AsyncAtomicFileIO:
+    """``AtomicCheckpointIO`` in a background thread; the previous checkpoint stays
+    until the new one is committed.
+
+    ``save_checkpoint`` copies every tensor into host memory (the snapshot) and returns;
+    one worker thread writes the snapshots in order. ``remove_checkpoint`` is queued
+    behind the saves submitted before it, and skipped (with a warning) if one of them
+    failed: Lightning's ``ModelCheckpoint`` removes the previous file right after
+    asking for the new one, and Lightning's own ``AsyncCheckpointIO`` then deletes it
+    while the new one is still being written.
+
+    A failure of a background save is raised once, by the next ``save_checkpoint`` or by
+    ``teardown`` (Lightning calls it at the end of ``fit``).
+
+    Args:
+        checkpoint_io: the synchronous plugin to run in the background (default: a new
+            ``AtomicCheckpointIO``).
+        verify: passed to the default ``AtomicCheckpointIO``.
+        require_manifest: passed to the default ``AtomicCheckpointIO``.
+    """
+
+    _sync_cls: type[_AtomicFileIO] = _AtomicFileIO
+
+    def __init__(
+        self,
+        checkpoint_io: _AtomicFileIO | None = None,
+        *,
+        verify: bool = True,
+        require_manifest: bool = False,
+    ):
+        super().__init__()
+        self.checkpoint_io = checkpoint_io or self._sync_cls(
+            verify=verify, require_manifest=require_manifest
+        )
+        self._executor: ThreadPoolExecutor | None = None
+        self._futures: list[Future[None]] = []
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._save_failed = False  # the last finished save failed: removals are skipped
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.checkpoint_io!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Lightning's spawn launchers pickle the plugin: threads do not travel.
+        state = self.__dict__.copy()
+        state.update(_executor=None, _futures=[], _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="atomic-checkpoint-lightning"
+            )
+        fut = self._executor.submit(fn, *args)
+        self._futures = [f for f in self._futures if not f.done()] + [fut]
+
+    def _raise_pending_error(self) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _record(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = exc
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Snapshot ``checkpoint`` and queue its write; returns once tensors are copied.
+
+        Raises:
+            CheckpointError: an earlier background save failed (raised once).
+        """
+        self._raise_pending_error()
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__}.save_checkpoint takes no storage_options "
+                f"(got {storage_options!r})"
+            )
+        self._submit(self._save_job, _snapshot(checkpoint), os.fspath(path))
+
+    def _save_job(self, snapshot: dict[str, Any], path: str) -> None:
+        try:
+            self.checkpoint_io.save_checkpoint(snapshot, path)
+            self._save_failed = False
+        except BaseException as exc:
+            self._save_failed = True
+            log.error("background save of %s failed: %s", path, exc)
+            self._record(exc)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Queue the removal behind every save submitted before it."""
+        self._submit(self._remove_job, os.fspath(path))
+
+    def _remove_job(self, path: str) -> None:
+        if self._save_failed:
+            log.warning(
+                "kept %s: the save queued before its removal failed, so it may be the "
+                "newest complete checkpoint",
+                path,
+            )
+            return
+        try:
+            self.checkpoint_io.remove_checkpoint(path)
+        except BaseException as exc:
+            self._record(exc)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every queued save and removal has finished.
+
+        Raises:
+            TimeoutError: still running after ``timeout_s`` (the work goes on).
+            CheckpointError: a background save failed (raised once).
+        """
+        futures = list(self._futures)
+        _done, not_done = wait_futures(futures, timeout=timeout_s)
+        if not_done:
+            raise TimeoutError(
+                f"{len(not_done)} background checkpoint operation(s) still running after "
+                f"{timeout_s:g} s; they go on (call wait() again, or teardown())"
+            )
+        self._futures = []
+        self._raise_pending_error()
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Callable[..., Any] | Any = _default_map_location,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Wait for queued saves (so a path just saved is complete), then load."""
+        self.wait()
+        return self.checkpoint_io.load_checkpoint(
+            path, map_location=map_location, weights_only=weights_only
+        )
+
+    def teardown(self) -> None:
+        """Finish every queued save and removal, stop the worker, and raise a failure
+        not reported yet."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._futures = []
+        self.checkpoint_io.teardown()
+        self._raise_pending_error()
+
+
+# ---------------------------------------------------------------------- namespaces
+class LightningClasses(NamedTuple):
+    """The two plugins, subclassing one namespace's ``CheckpointIO``."""
+
+    AtomicCheckpointIO: type[_AtomicFileIO]
+    AsyncAtomicCheckpointIO: type[_AsyncAtomicFileIO]
+
+
+_BASES = {
+    "lightning": ("lightning.fabric.plugins.io.checkpoint_io", "lightning"),
+    "pytorch_lightning": ("lightning_fabric.plugins.io.checkpoint_io", "pytorch-lightning"),
+}
+_classes: dict[str, LightningClasses] = {}
+_classes_lock = threading.Lock()
+
+
+def checkpoint_io_classes(namespace: str = "lightning") -> LightningClasses:
+    """The plugins for ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``).
+
+    ``Trainer(plugins=[...])`` checks ``isinstance(plugin, CheckpointIO)`` against its
+    own package's class, so each namespace needs plugins built on its ``CheckpointIO``.
+
+    Raises:
+        ValueError: unknown namespace.
+        ImportError: that package is not installed (the message names the pip command).
+    """
+    if namespace not in _BASES:
+        raise ValueError(f"namespace must be one of {sorted(_BASES)}, got {namespace!r}")
+    with _classes_lock:
+        found = _classes.get(namespace)
+        if found is not None:
+            return found
+        module_name, dist = _BASES[namespace]
+        try:
+            base = importlib.import_module(module_name).CheckpointIO
+        except ImportError as exc:
+            raise ImportError(
+                f"the {namespace} plugins of atomic-checkpoint need the {dist!r} package: "
+                f"pip install {dist} (or pip install 'atomic-checkpoint[lightning]')"
+            ) from exc
+        prefix = "" if namespace == "lightning" else "PL"
+        made: list[type] = []
+        for name, impl in (
+            ("AtomicCheckpointIO", _AtomicFileIO),
+            ("AsyncAtomicCheckpointIO", _AsyncAtomicFileIO),
+        ):
+            attrs: dict[str, Any] = {
+                "__module__": __name__,
+                "__qualname__": prefix + name,
+                "__doc__": impl.__doc__,
+            }
+            if impl is _AsyncAtomicFileIO:
+                attrs["_sync_cls"] = made[0]
+            cls = type(prefix + name, (impl, base), attrs)
+            # Pickle finds classes by module attribute: bind each under its own name.
+            globals()[prefix + name] = cls
+            made.append(cls)
+        found = LightningClasses(
+            cast("type[_AtomicFileIO]", made[0]), cast("type[_AsyncAtomicFileIO]", made[1])
+        )
+        _classes[namespace] = found
+        return found
+
+
+def _default_classes() -> LightningClasses:
+    for namespace in ("lightning", "pytorch_lightning"):
+        with contextlib.suppress(ImportError):
+            return checkpoint_io_classes(namespace)
+    raise ImportError(
+        "atomic_checkpoint.integrations.lightning needs PyTorch Lightning: pip install "
+        "'atomic-checkpoint[lightning]' (or pip install lightning)"
+    )
+
+
+_default = _default_classes()
+AtomicCheckpointIO: type[_AtomicFileIO] = _default.AtomicCheckpointIO
+AsyncAtomicCheckpointIO: type[_AsyncAtomicFileIO] = _default.AsyncAtomicCheckpointIO

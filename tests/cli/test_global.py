@@ -1,0 +1,106 @@
+"""Global behaviour of ``atomic-checkpoint``: version, help, usage errors, logging,
+broken pipes, and imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import atomic_checkpoint
+from tests.cli.helpers import cli_env, error_line, make_root, run_cli
+
+
+@pytest.mark.timeout(60)
+def test_version_through_module_and_entry_point():
+    for entry_point in (False, True):
+        proc = run_cli("--version", entry_point=entry_point)
+        assert proc.returncode == 0
+        assert proc.stdout.strip() == f"atomic-checkpoint {atomic_checkpoint.__version__}"
+
+
+@pytest.mark.timeout(60)
+def test_help_lists_commands_with_examples():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    for command in ("list", "verify", "clean", "inspect", "prune"):
+        assert f"    {command}" in proc.stdout
+    assert "examples:" in proc.stdout and "exit status: 0 ok, 1 problem found" in proc.stdout
+    for command, example in (
+        ("list", "atomic-checkpoint list /ckpt/run1 --json"),
+        ("verify", "atomic-checkpoint verify /ckpt/run1 4000 --quiet"),
+        ("clean", "atomic-checkpoint clean /ckpt/run1 --dry-run"),
+        ("inspect", "atomic-checkpoint inspect /ckpt/run1 4000"),
+        ("prune", "atomic-checkpoint prune /ckpt/run1 --keep-last 3 --dry-run"),
+    ):
+        sub = run_cli(command, "--help")
+        assert sub.returncode == 0 and example in sub.stdout, command
+
+
+@pytest.mark.timeout(60)
+def test_usage_errors_are_one_line_exit_2(tmp_path):
+    for args, needle in (
+        ((), "required: COMMAND"),
+        (("frobnicate",), "invalid choice: 'frobnicate'"),
+        (("list",), "ROOT"),
+        (("list", tmp_path, "--bogus"), "unrecognized arguments: --bogus"),
+    ):
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and needle in error_line(proc), (args, proc.stderr)
+        assert "--help" in proc.stderr  # says where to look
+
+
+@pytest.mark.timeout(60)
+def test_verbose_logs_what_the_library_does(tmp_path):
+    root = tmp_path / "root"
+    make_root(root, (1, 2, 3))
+    quiet = run_cli("prune", root, "--keep-last", "2")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    loud = run_cli("prune", root, "--keep-last", "1", "-v")
+    assert loud.returncode == 0
+    assert "atomic-checkpoint: INFO: retention: deleted checkpoint-2" in loud.stderr
+
+
+@pytest.mark.timeout(60)
+def test_closed_stdout_stops_quietly(tmp_path):
+    root = tmp_path / "root"
+    make_root(root, (1,))
+    for i in range(3000):  # a table far larger than a pipe's buffer
+        (root / f"stray-{i:05d}").write_text("")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atomic_checkpoint", "list", str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env(),
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b"NAME      "
+    proc.stdout.close()  # like `| head -1`
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=30)
+    proc.stderr.close()
+    assert proc.returncode == 1 and err == ""
+
+
+@pytest.mark.timeout(60)
+def test_read_commands_import_no_framework(tmp_path):
+    """list, verify and inspect start fast and work where torch is not installed."""
+    root = tmp_path / "root"
+    make_root(root, (7,))
+    code = (
+        "import sys\n"
+        "from atomic_checkpoint.cli import main\n"
+        f"root = {str(root)!r}\n"
+        "for args in (['list', root], ['verify', root], ['inspect', root, '7'],\n"
+        "             ['clean', root, '--dry-run']):\n"
+        "    assert main([*args, '--json']) == 0, args\n"
+        "bad = sorted(m for m in ('torch', 'numpy', 'safetensors', 'fsspec') if m in sys.modules)\n"
+        "print('IMPORTED', bad)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "IMPORTED []"

@@ -1,0 +1,222 @@
+"""``atomic-checkpoint prune``: a retention policy applied by hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
+from tests.cli.helpers import (
+    Holder,
+    error_line,
+    foreign_run,
+    make_root,
+    run_cli,
+    run_json,
+    state,
+    state_file,
+    truncate,
+)
+
+STEPS = (100, 200, 300, 400, 500, 600)
+LOSSES = {100: 0.9, 200: 0.1, 300: 0.5, 400: 0.4, 500: 0.3, 600: 0.2}
+
+
+def _root(tmp_path):
+    root = tmp_path / "root"
+    rid = make_root(root, STEPS, losses=LOSSES)
+    return root, rid
+
+
+def _committed(root):
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("checkpoint-*") if p.is_dir())
+
+
+@pytest.mark.timeout(90)
+def test_prune_dry_run_then_real_on_a_mixed_root(tmp_path):
+    root, rid = _root(tmp_path)
+    foreign_run(root, 1000, tmp_path / "other")  # another run's, newer: never counted
+    (root / "notes.txt").write_text("keep me")
+    make_root(root, (50,), run_id=rid)
+    truncate(state_file(root, 50))  # this run's, corrupt: not considered, not deleted
+    args = ("prune", root, "--keep-last", "2", "--keep-best", "1", "--metric", "eval_loss")
+
+    doc = run_json(*args, "--dry-run")
+    assert doc["dry_run"] is True and doc["run_id"] == rid
+    assert doc["policy"] == "KeepLast(2) | KeepBest(1, metric='eval_loss', mode='min')"
+    plan = {c["step"]: (c["kept"], c["reason"], c["deleted"]) for c in doc["checkpoints"]}
+    assert plan == {
+        100: (False, "not kept by " + doc["policy"], False),
+        200: (True, "best eval_loss=0.1", False),  # older than the last 2, kept
+        300: (False, "not kept by " + doc["policy"], False),
+        400: (False, "not kept by " + doc["policy"], False),
+        500: (True, "last 2", False),
+        600: (True, "newest, last 2", False),
+    }
+    assert {s["name"]: s["status"] for s in doc["skipped"]} == {
+        "checkpoint-50": "corrupt",
+        "checkpoint-1000": "foreign",
+        "notes.txt": "foreign",
+    }
+    sizes = {c["step"]: c["size_bytes"] for c in doc["checkpoints"]}
+    assert doc["freed_bytes"] == sizes[100] + sizes[300] + sizes[400]
+    assert _committed(root) == [50, 100, 200, 300, 400, 500, 600, 1000]  # untouched
+
+    proc = run_cli(*args, "--dry-run")
+    assert proc.returncode == 0
+    rows = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.split()[0].isdigit()}
+    assert "would delete" in rows["100"] and "keep" in rows["200"] and "best" in rows["200"]
+    assert "would delete 3 checkpoint(s)" in proc.stdout
+    assert "not considered: checkpoint-1000 (foreign: belongs to run 'other-run')" in proc.stdout
+
+    doc = run_json(*args, entry_point=True)
+    assert [c["step"] for c in doc["checkpoints"] if c["deleted"]] == [100, 300, 400]
+    assert doc["failed"] == []
+    assert _committed(root) == [50, 200, 500, 600, 1000]
+    assert (root / "notes.txt").read_text() == "keep me"
+    assert list((root / ".trash").iterdir()) == []  # un-committed, then deleted
+    # What is left resumes: newest valid is 600, and it restores exactly.
+    mgr = CheckpointManager(root, read_only=True, coordinator=SingleProcessCoordinator())
+    assert [c.step for c in mgr.checkpoints()] == [200, 500, 600]
+    np.testing.assert_array_equal(mgr.restore()["model"]["w"], state(600)["model"]["w"])
+    mgr.close()
+    # Converged: a second prune deletes nothing.
+    doc = run_json(*args)
+    assert not any(c["deleted"] for c in doc["checkpoints"]) and doc["freed_bytes"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_prune_never_deletes_the_newest(tmp_path):
+    root = tmp_path / "root"
+    make_root(root, (1, 2, 3), losses={1: 0.1, 2: 0.5, 3: 0.9})
+    doc = run_json("prune", root, "--keep-best", "1")
+    assert {c["step"]: c["reason"] for c in doc["checkpoints"] if c["kept"]} == {
+        1: "best eval_loss=0.1",
+        3: "newest",
+    }
+    assert _committed(root) == [1, 3]
+    doc = run_json("prune", root, "--keep-best", "1", "--mode", "max", "--metric", "acc")
+    assert _committed(root) == [3]
+
+
+@pytest.mark.timeout(60)
+def test_prune_keep_every_and_pin(tmp_path):
+    root, _ = _root(tmp_path)
+    proc = run_cli(
+        "prune", root, "--pin", "100", "--keep-last", "1", "--keep-every", "200", "--pin", "300"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert _committed(root) == [100, 200, 300, 400, 600]
+    assert "deleted 1 checkpoint(s)" in proc.stdout
+    row = next(ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["500"])
+    assert "deleted" in row
+
+
+@pytest.mark.timeout(60)
+def test_prune_usage_errors_delete_nothing(tmp_path):
+    root, _ = _root(tmp_path)
+    cases = [
+        ((), "say what to keep"),
+        (("--metric", "eval_loss", "--keep-last", "1"), "go with --keep-best"),
+        (("--keep-last", "0"), "invalid count '0'"),
+        (("--keep-last", "x"), "invalid count 'x'"),
+        (("--keep-best", "1", "--mode", "median"), "invalid choice"),
+        (("--keep-best", "1", "--metric", "eval_los"), "records metric 'eval_los'"),
+    ]
+    for extra, message in cases:
+        proc = run_cli("prune", root, *extra)
+        assert proc.returncode == 2, (extra, proc.stderr)
+        assert message in error_line(proc), (extra, proc.stderr)
+    assert "recorded: acc, eval_loss" in run_cli("prune", root, "--keep-best", "1",
+                                                 "--metric", "loss").stderr  # fmt: skip
+    assert _committed(root) == list(STEPS)
+
+
+@pytest.mark.timeout(60)
+def test_prune_without_recorded_run_needs_run_id(tmp_path):
+    root, rid = _root(tmp_path)
+    os.unlink(root / ".atomic-checkpoint" / "run.json")
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 2 and "--run-id" in error_line(proc)
+    assert _committed(root) == list(STEPS)
+    doc = run_json("prune", root, "--keep-last", "1", "--run-id", "not-this-run")
+    assert doc["checkpoints"] == [] and _committed(root) == list(STEPS)
+    (root / ".atomic-checkpoint" / "run.json").write_text("{garbage")
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 2 and "not valid JSON" in error_line(proc)
+    assert "--run-id" in proc.stderr and _committed(root) == list(STEPS)
+    os.unlink(root / ".atomic-checkpoint" / "run.json")
+    doc = run_json("prune", root, "--keep-last", "1", "--run-id", rid)
+    assert _committed(root) == [600]
+
+
+@pytest.mark.timeout(60)
+def test_prune_a_failed_deletion_is_named_and_the_rest_still_done(tmp_path):
+    root, _ = _root(tmp_path)
+    stuck = root / "checkpoint-200"
+    # An immutable directory cannot be renamed away (EPERM, even for root): a real
+    # failure of the un-commit step.
+    chattr = subprocess.run(["chattr", "+i", str(stuck)], capture_output=True, text=True)
+    if chattr.returncode != 0:
+        pytest.skip(f"the filesystem of tmp_path has no immutable flag: {chattr.stderr.strip()}")
+    try:
+        proc = run_cli("prune", root, "--keep-last", "2", "--json")
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert proc.returncode == 1
+    assert "could not delete 1 checkpoint(s): checkpoint-200" in error_line(proc)
+    assert "Operation not permitted" in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [f["step"] for f in doc["failed"]] == [200]
+    assert [c["step"] for c in doc["checkpoints"] if c["deleted"]] == [100, 300, 400]
+    assert _committed(root) == [200, 500, 600]
+    assert run_cli("verify", root).returncode == 0  # 200 is whole, not half-deleted
+
+
+@pytest.mark.timeout(90)
+def test_prune_refuses_while_a_live_job_holds_the_lock(tmp_path):
+    root, _ = _root(tmp_path)
+    holder = Holder(root)
+    try:
+        proc = run_cli("prune", root, "--keep-last", "1")
+        assert proc.returncode == 3
+        assert "refusing to prune" in error_line(proc) and f"pid {holder.pid}" in proc.stderr
+        assert _committed(root) == list(STEPS)
+        proc = run_cli("prune", root, "--keep-last", "1", "--dry-run")
+        assert proc.returncode == 0 and "would refuse" in proc.stderr
+        assert _committed(root) == list(STEPS)
+        proc = run_cli("prune", root, "--keep-last", "5", "--force", "--json")
+        assert proc.returncode == 0 and "warning: --force" in proc.stderr
+        assert json.loads(proc.stdout)["lock"]["pid"] == holder.pid
+        assert _committed(root) == [200, 300, 400, 500, 600]
+    finally:
+        holder.close()
+    assert run_cli("prune", root, "--keep-last", "4").returncode == 0  # dead: proceeds
+    assert _committed(root) == [300, 400, 500, 600]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["before_uncommit", "after_uncommit", "mid_delete"])
+def test_prune_killed_mid_deletion_leaves_nothing_torn(tmp_path, phase):
+    root, _ = _root(tmp_path)
+    proc = run_cli(
+        "prune", root, "--keep-last", "2", env={"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@0=kill:300"}
+    )
+    assert proc.returncode == -9
+    # 100 and 200 went before the kill; 300 is either still committed or wholly gone
+    # from sight (in .trash/), never half there.
+    listed = run_json("list", root)["entries"]
+    assert all(e["status"] == "ok" for e in listed), listed
+    expected = [400, 500, 600] if phase != "before_uncommit" else [300, 400, 500, 600]
+    assert [e["step"] for e in listed] == expected
+    assert (root / "checkpoint-300").exists() == (phase == "before_uncommit")
+    assert run_cli("verify", root).returncode == 0
+    # Running it again converges; clean removes what the kill left in .trash.
+    assert run_cli("prune", root, "--keep-last", "2").returncode == 0
+    assert _committed(root) == [500, 600]
+    assert run_cli("clean", root).returncode == 0
+    assert not any((root / ".trash").iterdir())

@@ -1,0 +1,82 @@
+"""Storage domains: node-local disks get one coordinator per node, and all nodes agree."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from atomic_checkpoint import CheckpointManager
+from atomic_checkpoint.layout import PENDING_DIR
+from tests.dist import workers
+from tests.dist.launcher import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+
+def _ok(results):
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    return [r.value for r in results]
+
+
+def _files(root, step):
+    return sorted(os.listdir(os.path.join(root, f"checkpoint-{step}")))
+
+
+def test_node_local_disks_are_found_and_each_node_commits_its_own_copy(tmp_path):
+    base = str(tmp_path)
+    values = _ok(run_ranks(workers.w_node_local, 4, base, [1, 2, 3, 4], 2, tmp_dir=base))
+    # Found by probing, not assumed: two domains, leaders 0 and 2.
+    assert [v["domain"] for v in values] == [
+        (0, 0, (0, 1), (0, 2)),
+        (0, 0, (0, 1), (0, 2)),
+        (1, 2, (2, 3), (0, 2)),
+        (1, 2, (2, 3), (0, 2)),
+    ]
+    assert all(v["listed"] == [3, 4] for v in values)
+    # Each node's copy holds its own ranks' files; retention ran on both nodes (B8).
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):
+        root = os.path.join(base, f"node{node}")
+        assert sorted(n for n in os.listdir(root) if n.startswith("checkpoint-")) == [
+            "checkpoint-3",
+            "checkpoint-4",
+        ]
+        assert _files(root, 4) == [
+            "checkpoint.manifest.json",
+            *[f"rank-{r:05d}.safetensors" for r in ranks],
+        ]
+        mgr = CheckpointManager(root, read_only=True)
+        mgr.verify(4)
+
+
+def test_shared_storage_is_one_domain_even_across_hosts(tmp_path):
+    # Same directory for every rank, different host names: the probe finds one domain.
+    def_root = str(tmp_path / "shared")
+    values = _ok(run_ranks(workers.w_shared_two_hosts, 4, def_root, tmp_dir=str(tmp_path)))
+    assert all(v == (0, 0, (0, 1, 2, 3), (0,)) for v in values)
+
+
+def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_step(tmp_path):
+    base = str(tmp_path)
+    _ok(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    # Node 1's leader (rank 2) dies before its rename of step 3, after a pause that
+    # lets node 0 commit its copy of step 3 first.
+    env = {"ATOMIC_CHECKPOINT_FAULTS": "after_manifest@2=delay:3,after_manifest@2=kill:3"}
+    crashed = run_ranks(
+        workers.w_node_local, 4, base, [3], None, tmp_dir=base, env=env, timeout_s=40
+    )
+    assert crashed[2].killed
+    assert not any(r.ok for r in crashed)
+    node0, node1 = (os.path.join(base, f"node{n}") for n in (0, 1))
+    assert os.path.isdir(os.path.join(node0, "checkpoint-3"))  # half-committed step
+    assert not os.path.isdir(os.path.join(node1, "checkpoint-3"))
+    # Restart: every rank resumes from step 2, restores exactly, and re-saving step 3
+    # replaces node 0's leftover instead of failing with "already exists".
+    values = _ok(run_ranks(workers.w_node_local, 4, base, [], None, 3, tmp_dir=base))
+    assert [v["latest"] for v in values] == [2, 2, 2, 2]
+    assert all(v["restored_ok"] for v in values)
+    assert all(v["listed"] == [1, 2, 3] for v in values)
+    for root in (node0, node1):
+        assert os.listdir(os.path.join(root, PENDING_DIR)) == []
+        CheckpointManager(root, read_only=True).verify(3)
