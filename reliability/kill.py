@@ -216,7 +216,7 @@ def _trial(
         tally.count("landed", BUCKETS.get(landed or "", landed or "?"))
         tally.count("victim", "coordinator" if victim == 0 else "peer")
     elif mode != "none":
-        tally.count("missed", mode)
+        tally.count("missed", f"{mode} ({landed})")
     _judge(tally, cfg, where, label, before, steps, results, dead)
     return max(steps) + 1
 

@@ -264,7 +264,7 @@ class AsyncSaver:
         # The write stops at its next chunk and the coordinator refuses to commit; give
         # the protocol a moment to discard the pending data (the next start removes
         # whatever remains).
-        self.join(5.0)
+        self.join(min(5.0, timeout_s))
         log.warning(
             "%s: abandoned the in-flight async save of step %d after %.1f s: it is NOT a "
             "checkpoint; its pending data is never discoverable and is removed at the next "

@@ -471,6 +471,17 @@ class RunLock:
         """
         if self._holder is not None:
             raise LockError("RunLock.acquire() called twice")
+        if not self.storage.capabilities.exclusive_create:
+            # s3fs-fuse, stores without conditional writes: O_EXCL holds only within
+            # one client. A job started while another holds the lock is still refused,
+            # and a zombie still fenced; two jobs starting in the same instant are not.
+            log.warning(
+                "%s (%s) has no exclusive create across clients: the run lock refuses a "
+                "job started while another holds it, but cannot separate two jobs that "
+                "start at the same instant; start one job per root",
+                self.storage.url(""),
+                self.storage.capabilities.name,
+            )
         me = _Me.now(self._host)
         claimant = uuid.uuid4().hex  # identifies our claims across retries
         deadline = time.monotonic() + _ACQUIRE_TIMEOUT_S

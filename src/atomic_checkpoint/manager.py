@@ -302,7 +302,8 @@ class CheckpointManager:
                 path=local,
             )
         if self.read_only:
-            recorded = self._recorded_run_id()
+            # An explicit run id needs no run file (which may be unreadable).
+            recorded = None if run_id is not None else self._recorded_run_id()
             manifests = catalog.committed(self.storage, run_id=run_id or recorded, warn=False)
             return {
                 "run_id": run_id or recorded or "",

@@ -18,17 +18,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_hf import RandomTokens, SnapshotAt, differences, dump, losses, tiny_args, tiny_model
 from transformers import Trainer, TrainerCallback
 
-from atomic_checkpoint import CheckpointManager
+from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
+from atomic_checkpoint.catalog import read_manifest
 from atomic_checkpoint.integrations.hf import make_atomic
 
 OUT = sys.argv[1]
 RANK = int(os.environ["RANK"])
 MANIFEST = "checkpoint.manifest.json"
-SCORES = iter([0.5, 0.9, 0.3, 0.2, 0.1, 0.1])  # evaluations at steps 2,4,6,8,10,12
+# The scripted metric of the evaluations at steps 2, 4, ..., 12: the best is at step 4.
+SCORES = {2: 0.5, 4: 0.9, 6: 0.3, 8: 0.2, 10: 0.1, 12: 0.1}
 
 
-def score(_eval_pred: object) -> dict[str, float]:
-    return {"score": next(SCORES)}
+class Score:
+    """compute_metrics returning the scripted score of the step being evaluated."""
+
+    def __init__(self, first_step: int) -> None:
+        self.step = first_step
+
+    def __call__(self, _eval_pred: object) -> dict[str, float]:
+        value = SCORES[self.step]
+        self.step += 2
+        return {"score": value}
 
 
 class RecordingTrainer(Trainer):
@@ -68,27 +78,27 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def trainer(out: str, *, evaluate: bool, callbacks: list[TrainerCallback]) -> Trainer:
-    extra: dict[str, object] = {}
-    if evaluate:
-        extra = dict(
+def trainer(out: str, *, first_eval: int, callbacks: list[TrainerCallback]) -> Trainer:
+    t = RecordingTrainer(
+        model=tiny_model(),
+        args=tiny_args(
+            out,
+            max_steps=12,
+            save_total_limit=2,
             eval_strategy="steps",
             eval_steps=2,
             metric_for_best_model="score",
             greater_is_better=True,
             load_best_model_at_end=True,
-        )
-    t = RecordingTrainer(
-        model=tiny_model(),
-        args=tiny_args(out, max_steps=12, save_total_limit=2, **extra),
+        ),
         train_dataset=RandomTokens(64),
-        eval_dataset=RandomTokens(8, seed=1) if evaluate else None,
-        compute_metrics=score if evaluate else None,
+        eval_dataset=RandomTokens(8, seed=1),
+        compute_metrics=Score(first_eval),
         callbacks=callbacks,
     )
     # Pushing is switched on after construction, so Trainer.__init__ creates no repo.
     t.args.push_to_hub = True
-    return make_atomic(t)
+    return make_atomic(t, timeout_s=60)
 
 
 def main() -> None:
@@ -97,7 +107,7 @@ def main() -> None:
 
     # Phase A: steps 1-8, then the job "stops".
     rec_a = Recorder()
-    a = trainer(run, evaluate=True, callbacks=[rec_a, StopAt(8)])
+    a = trainer(run, first_eval=2, callbacks=[rec_a, StopAt(8)])
     a.train()
     result["a_listing"] = sorted(os.listdir(run))
     result["a_saves"] = rec_a.saves
@@ -107,7 +117,7 @@ def main() -> None:
 
     # Phase B: a fresh Trainer resumes from the newest complete checkpoint.
     snap_b = SnapshotAt(8)
-    b = trainer(run, evaluate=True, callbacks=[snap_b])
+    b = trainer(run, first_eval=10, callbacks=[snap_b])
     b.train(resume_from_checkpoint=True)
     result["b_first_step"] = snap_b.first_step_seen
     result["b_best"] = b.state.best_model_checkpoint
@@ -119,9 +129,9 @@ def main() -> None:
         {k: v for k, v in b.model.state_dict().items() if k in best_weights}, best_weights
     )
 
-    # Phase C: uninterrupted reference run to 12, no evaluation.
+    # Phase C: the same 12 steps, uninterrupted.
     snap_c = SnapshotAt(8)
-    c = trainer(os.path.join(OUT, "reference"), evaluate=False, callbacks=[snap_c])
+    c = trainer(os.path.join(OUT, "reference"), first_eval=2, callbacks=[snap_c])
     c.args.push_to_hub = False
     c.train()
     result["restored_vs_reference"] = differences(snap_b.taken, snap_c.taken)
@@ -133,16 +143,13 @@ def main() -> None:
     )
 
     if RANK == 0:
-        mgr = CheckpointManager(run, read_only=True)
+        mgr = CheckpointManager(run, read_only=True, coordinator=SingleProcessCoordinator())
         verified = {}
         for info in mgr.checkpoints():
             checked = mgr.verify(info.step)
             verified[info.step] = {
                 "files": sorted(
-                    e.path
-                    for e in __import__("atomic_checkpoint.catalog", fromlist=["x"])
-                    .read_manifest(mgr.storage, f"checkpoint-{info.step}")
-                    .files
+                    e.path for e in read_manifest(mgr.storage, f"checkpoint-{info.step}").files
                 ),
                 "metrics": dict(checked.metrics),
             }
