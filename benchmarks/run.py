@@ -119,7 +119,7 @@ class Run:
         out["state_bytes"] = m.size
         out["tensor_count"] = len(state)
         cold = self.args.drop_caches
-        methods = list(_bench.SAVE_METHODS) + ["load_warm", "raw_read_warm", "load_warm_noverify"]
+        methods = [*_bench.SAVE_METHODS, "load_warm", "raw_read_warm", "load_warm_noverify"]
         if cold:
             methods += ["load_cold", "raw_read_cold"]
         methods.append("train_step_slowdown")
@@ -141,7 +141,9 @@ class Run:
             for name in order:
                 row[name] = self._trial(m, name)
             rounds.append(row)
-            self.log(f"[{label}] round {r + 1}/{self.args.rounds} in {time.perf_counter() - t:.1f} s")
+            self.log(
+                f"[{label}] round {r + 1}/{self.args.rounds} in {time.perf_counter() - t:.1f} s"
+            )
         m.close()
         out["rounds"] = rounds
         out["medians"] = {
@@ -335,8 +337,10 @@ def print_report(results: dict[str, Any]) -> None:
     import _bench
 
     for label, s in results["sizes"].items():
-        print(f"\n== {label}: {s['state_bytes'] / 2**20:.0f} MiB in {s['tensor_count']} tensors "
-              f"(file {s['file_bytes'] / 2**20:.1f} MiB), medians of {len(s['rounds'])} rounds ==")
+        print(
+            f"\n== {label}: {s['state_bytes'] / 2**20:.0f} MiB in {s['tensor_count']} tensors "
+            f"(file {s['file_bytes'] / 2**20:.1f} MiB), medians of {len(s['rounds'])} rounds =="
+        )
         print(f"{'method':<22}{'time s':>10}{'GB/s':>8}   other medians")
         for name in (*_bench.SAVE_METHODS, *_bench.LOAD_METHODS, *_bench.OTHER_METHODS):
             med = s["medians"].get(name)
@@ -348,30 +352,40 @@ def print_report(results: dict[str, Any]) -> None:
                 f"{k}={_fmt(v)}" for k, v in med.items() if k != "s" and not k.startswith("phase_")
             )
             print(f"{name:<22}{_fmt(t):>10}{_fmt(rate):>8}   {extra}")
-        phases = {k[6:]: v for k, v in s["medians"].get("ours_sync", {}).items()
-                  if k.startswith("phase_")}
+        phases = {
+            k[6:]: v for k, v in s["medians"].get("ours_sync", {}).items() if k.startswith("phase_")
+        }
         if phases:
             print("ours_sync phases: " + ", ".join(f"{k}={_fmt(v)}" for k, v in phases.items()))
         pm = s["peak_mem"]
-        print("extra peak RSS / state: " + ", ".join(
-            f"{k}={v['ratio']:.3f}" for k, v in pm.items() if isinstance(v, dict)))
-        print("ratios (median of per-round ratios): " + ", ".join(
-            f"{k}={_fmt(v)}" for k, v in s["ratios"].items()))
+        print(
+            "extra peak RSS / state: "
+            + ", ".join(f"{k}={v['ratio']:.3f}" for k, v in pm.items() if isinstance(v, dict))
+        )
+        print(
+            "ratios (median of per-round ratios): "
+            + ", ".join(f"{k}={_fmt(v)}" for k, v in s["ratios"].items())
+        )
     c = results["commit_overhead"]
-    print(f"\n== commit overhead (tiny state, {c['saves_per_launch']} saves per launch; "
-          f"small-file fsync {c['fsync_s'] * 1000:.2f} ms) ==")
+    print(
+        f"\n== commit overhead (tiny state, {c['saves_per_launch']} saves per launch; "
+        f"small-file fsync {c['fsync_s'] * 1000:.2f} ms) =="
+    )
     print(f"{'ranks':<8}{'total ms':>10}{'overhead ms':>13}{'data fsync ms':>15}")
     for w, med in c["medians"].items():
-        print(f"{w:<8}{med['total_s'] * 1000:>10.2f}{med['overhead_s'] * 1000:>13.2f}"
-              f"{med['data_fsync_s'] * 1000:>15.2f}")
+        print(
+            f"{w:<8}{med['total_s'] * 1000:>10.2f}{med['overhead_s'] * 1000:>13.2f}"
+            f"{med['data_fsync_s'] * 1000:>15.2f}"
+        )
     print("\n== targets (BENCHMARKS.md) ==")
     print(f"{'figure':<48}{'size':>7}{'value':>9}  {'target':<16}result")
     for t in results["targets"]:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
         print(f"{t['figure']:<48}{t['size']:>7}{_fmt(t['value']):>9}  {t['target']:<16}{verdict}")
     v = results["verified"]
-    print(f"\nchecks: {v['checks']} saves/loads verified byte for byte, "
-          f"{len(v['failures'])} failed")
+    print(
+        f"\nchecks: {v['checks']} saves/loads verified byte for byte, {len(v['failures'])} failed"
+    )
 
 
 def plot(results: dict[str, Any], path: str) -> None:

@@ -45,7 +45,9 @@ def save_job(rank: int, world: int, root: str) -> None:
     kept = [c.step for c in mgr.checkpoints()]
     if rank == 0:
         print(f"{world} ranks saved steps [100, 200, 300]; kept by KeepLast(2): {kept}")
-        print(f"  {root}/checkpoint-300: {sorted(os.listdir(os.path.join(root, 'checkpoint-300')))}")
+        print(
+            f"  {root}/checkpoint-300: {sorted(os.listdir(os.path.join(root, 'checkpoint-300')))}"
+        )
     mgr.close()
 
 
@@ -54,11 +56,16 @@ def load_job(rank: int, world: int, root: str) -> None:
     state = model_state(0, world, empty=True)  # the layout of *this* job: 2 shards
     info = load_dcp(mgr, state)  # the newest checkpoint that verifies, resharded
     expected = model_state(info.step, world)
-    same = torch.equal(state["model"]["weight"].full_tensor(), expected["model"]["weight"].full_tensor())
-    same &= torch.equal(state["optim"]["momentum"].full_tensor(), expected["optim"]["momentum"].full_tensor())
+    same = torch.equal(
+        state["model"]["weight"].full_tensor(), expected["model"]["weight"].full_tensor()
+    )
+    same &= torch.equal(
+        state["optim"]["momentum"].full_tensor(), expected["optim"]["momentum"].full_tensor()
+    )
     rows = tuple(state["model"]["weight"].to_local().shape)
     if rank == 0:
-        print(f"{world} ranks loaded step {info.step} (saved by 4 ranks): each rank holds {rows} of (8, 4); identical: {same}")
+        print(f"{world} ranks loaded step {info.step} (saved by 4 ranks): each rank holds")
+        print(f"  {rows} of the (8, 4) weight; identical to what was saved: {same}")
     mgr.close()
 
 

@@ -91,6 +91,8 @@ def unclear_reason(
         return f"{kind} is not a CheckpointError: {msg[:200]!r}"
     if len(msg) < 20:
         return f"{kind} message too short to say what failed: {msg!r}"
+    if "step -1" in msg:
+        return f"{kind} names a step that does not exist: {msg[:200]!r}"
     dead = set(dead)
     if kind == "CoordinationTimeoutError":
         missing = desc["missing_ranks"] or []

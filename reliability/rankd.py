@@ -20,7 +20,6 @@ possible (the pipe protocol itself writes).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -41,44 +40,8 @@ import atomic_checkpoint.serialization  # noqa: F401  (imported before any fault
 from atomic_checkpoint import CheckpointManager, KeepLast, TorchDistributedCoordinator
 from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR
 from reliability.checks import describe_error, expected_state, states_equal
+from reliability.fiuctl import EXTRA_ENV, Fiu
 from reliability.jobs import install_fault_hook
-
-EXTRA_ENV = "AC_FIU_EXTRA"  # path of the fiu_extra.so preloaded into this process
-
-
-class Fiu:
-    """libfiu in this process (loaded by ``fiu-run``'s preload library)."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None)
-        try:
-            self._enable = libc.fiu_enable
-            self._disable = libc.fiu_disable
-        except AttributeError:
-            raise RuntimeError("libfiu is not loaded: run this rank under fiu-run -x") from None
-        self._enable.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint]
-        self._disable.argtypes = [ctypes.c_char_p]
-        extra = ctypes.CDLL(os.environ[EXTRA_ENV])
-        self._hits = extra.acfiu_hits
-        self._hits.argtypes = [ctypes.c_char_p]
-        self._hits.restype = ctypes.c_long
-        self._reset = extra.acfiu_reset
-
-    def enable(self, point: str, code: int, *, onetime: bool) -> None:
-        # FIU_ONETIME == 1: the point disables itself after failing once.
-        rc = self._enable(point.encode(), 1, ctypes.c_void_p(code), 1 if onetime else 0)
-        if rc != 0:
-            raise RuntimeError(f"fiu_enable({point!r}) returned {rc}")
-
-    def disable(self, point: str) -> None:
-        self._disable(point.encode())  # -1 if a onetime point already fired: fine
-
-    def hits(self, point: str) -> int:
-        return int(self._hits(point.encode()))
-
-    def reset(self) -> None:
-        self._reset()
-
 
 class Arm:
     """The fault of one trial on this rank: armed at most once, disarmed at the end."""

@@ -87,35 +87,42 @@ def w_disk_full(
     small: int,
     big: dict[int, int],
     filler: str,
-    filler_bytes: int,
+    leave_free: int,
 ) -> dict[str, Any]:
     """Disk-full sequence on a small filesystem.
 
     1. save step 1 with ``small`` tensors (fits);
-    2. the coordinator fills the disk with ``filler`` until ``filler_bytes`` are used;
-    3. save step 2 with ``big[rank]`` tensors (does not fit): must fail on every rank;
-    4. the coordinator removes ``filler``; save step 2 again with the same manager:
-       must succeed.
+    2. the coordinator fills the disk with ``filler`` until ``leave_free`` bytes are
+       free;
+    3. save step 2 with ``big[rank]`` tensors (does not fit): must fail on every rank,
+       leave step 1 as the newest checkpoint and give back the space it took;
+    4. the coordinator removes ``filler``; save step 2 again with the same manager
+       (must succeed) and restore it.
     """
-    out: dict[str, Any] = {"error": None, "retry_error": None, "free_before": None}
+    out: dict[str, Any] = {"error": None, "retry_error": None, "restored": None}
+    mine = big.get(rank, small)
     mgr = CheckpointManager(root, timeout_s=60)
     mgr.save(1, expected_state(1, rank, small))
     if mgr.is_coordinator:
-        _fill(filler, filler_bytes)
+        _fill(filler, max(0, _free(root) - leave_free))
         out["free_before"] = _free(root)
     mgr.checkpoints()  # collective: nobody saves before the disk is full
+    t = time.monotonic()
     try:
-        mgr.save(2, expected_state(2, rank, big.get(rank, small)))
+        mgr.save(2, expected_state(2, rank, mine))
         out["saved_full"] = True
     except Exception as exc:
         out["error"] = describe_error(exc)
+    out["fail_s"] = time.monotonic() - t
+    out["steps_after"] = [c.step for c in mgr.checkpoints()]
     if mgr.is_coordinator:
         out["free_after"] = _free(root)
-        out["pending_after"] = os.listdir(os.path.join(root, ".pending"))
+        out["pending_after"] = sorted(os.listdir(os.path.join(root, ".pending")))
         os.unlink(filler)
+    mgr.checkpoints()  # collective: nobody retries before the space is freed
     try:
-        mgr.save(2, expected_state(2, rank, big.get(rank, small)))
-        out["retry_ok"] = True
+        mgr.save(2, expected_state(2, rank, mine))
+        out["restored"] = states_equal(mgr.restore(2), expected_state(2, rank, mine))
     except Exception as exc:
         out["retry_error"] = describe_error(exc)
     mgr.close()

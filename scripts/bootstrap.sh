@@ -29,6 +29,7 @@ APT_PACKAGES=(
     openssh-server openssh-client sshfs fuse3
     fiu-utils libfiu0 python3-fiu
     s3fs iproute2 e2fsprogs xfsprogs psmisc procps
+    strace
 )
 
 # ---------------------------------------------------------------- helpers

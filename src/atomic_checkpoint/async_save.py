@@ -160,6 +160,12 @@ class AsyncSaver:
         self._pid = os.getpid()
 
     @property
+    def owner_pid(self) -> int:
+        """The process that created this saver (a forked child must not finish or close
+        its parent's saves)."""
+        return self._pid
+
+    @property
     def in_flight(self) -> SaveHandle | None:
         """The handle of the save not yet waited for, if any."""
         return self._handle
@@ -336,9 +342,7 @@ class Snapshot:
     returns, the source state must not change.
     """
 
-    def __init__(
-        self, plan: Any, sources: list[Any], dests: list[Any], progress: _CopyProgress
-    ):
+    def __init__(self, plan: Any, sources: list[Any], dests: list[Any], progress: _CopyProgress):
         self._sources = sources
         self._dests = dests
         self._progress = progress

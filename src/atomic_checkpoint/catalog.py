@@ -19,6 +19,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from .layout import (
@@ -225,6 +226,14 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
             else:
                 entries.append(Entry(name, step, "foreign", problem="no manifest"))
             continue
+        except StorageError:
+            # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.
+            # Counting it as corrupt would resume from an older step, or find "nothing
+            # to resume" and start from scratch over good checkpoints, because of one
+            # transient error: report it, unless the checkpoint is gone meanwhile.
+            if _vanished(storage, name):
+                continue
+            raise
         except CheckpointError as exc:
             entries.append(Entry(name, step, "corrupt", problem=str(exc)))
             continue
@@ -235,6 +244,10 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
             continue
         try:
             validate(storage, name, manifest, full=full)
+        except StorageError:
+            if _vanished(storage, name):
+                continue
+            raise  # see above: an I/O error is not corruption
         except CheckpointError as exc:
             if _vanished(storage, name):
                 # Rotation un-committed it between our manifest read and the file checks

@@ -601,7 +601,8 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
     if failures:
         if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
             raise _Aborted(CheckpointExistsError(failures[0].message))
-        raise _Aborted(DistributedCheckpointError(failures, step=step))
+        # Negative steps mark operations other than a save (start-up, listing, restore).
+        raise _Aborted(DistributedCheckpointError(failures, step=step if step >= 0 else None))
     return [v for v, _ in outcomes]
 
 

@@ -62,7 +62,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import CheckpointError, CheckpointNotFoundError, FencedError, LockError, LockHeldError
 from .layout import META_DIR
@@ -96,6 +96,9 @@ CLAIM_STALE_S = 15.0
 #: so it can never act on a view older than a claim's staleness bound.
 _VIEW_MAX_AGE_S = 5.0
 _ACQUIRE_TIMEOUT_S = 3 * CLAIM_STALE_S
+#: A holder stops committing and deleting once this fraction of its lease has passed
+#: without a successful renewal: before anyone else may take over (tolerates skew).
+_SELF_FENCE_AT = 5 / 6
 _MAX_CLAIMS = 8
 _CLAIM_KEEP_S = 3600.0
 #: Fixed on-disk size of lock documents. sshfs: after ``os.replace`` on one mount, the
@@ -485,9 +488,13 @@ class RunLock:
         me = _Me.now(self._host)
         claimant = uuid.uuid4().hex  # identifies our claims across retries
         deadline = time.monotonic() + _ACQUIRE_TIMEOUT_S
-        delay = 0.01
+        delay = 0.0
         waited_on = ""
         while time.monotonic() < deadline:
+            # Every retry backs off: another contender is mid-way through a step we wait
+            # for (its exclusive create, its replace, its release).
+            time.sleep(delay)
+            delay = min(max(delay * 2, 0.005), 0.2)
             read_at = time.monotonic()
             raw, holder = _parse_lock(self.storage, _read_optional(self.storage, LOCK_FILE))
             if raw is None:
@@ -498,6 +505,7 @@ class RunLock:
                 continue  # another job created it first: evaluate that one
             if holder is not None:
                 holder = _with_heartbeat(self.storage, holder)
+            # An unreadable lock either yields a reason or raises in there.
             reason = self._takeover_reason(raw, holder, me, takeover=takeover, same_run=same_run)
             if reason is None and holder is not None:
                 raise self._held_error(holder)
@@ -508,8 +516,6 @@ class RunLock:
                 # Another contender is replacing this very generation: wait for its lock
                 # to appear, then judge that one.
                 waited_on = generation
-                time.sleep(delay)
-                delay = min(delay * 2, 0.2)
                 continue
             if time.monotonic() - read_at > _VIEW_MAX_AGE_S:
                 continue  # too old a view to act on; our claim lets us retry it
@@ -661,7 +667,7 @@ class RunLock:
             TOKEN_FILE,
             lambda: self.storage.write_bytes_atomic(TOKEN_FILE, f"{mine.token}\n".encode()),
         )
-        self._tidy(mine, previous)
+        self._best_effort("tidy", META_DIR, lambda: self._tidy(mine))
         if self._heartbeat:
             self._thread = threading.Thread(
                 target=self._beat, name="atomic-checkpoint-lease", daemon=True
@@ -669,7 +675,7 @@ class RunLock:
             self._thread.start()
         atexit.register(_release_at_exit, weakref.ref(self), os.getpid())
 
-    def _tidy(self, mine: LockHolder, previous: LockHolder | None) -> None:
+    def _tidy(self, mine: LockHolder) -> None:
         """Remove earlier holders' heartbeats and old claims (best effort: a stale
         listing on a network filesystem only delays this to a later holder)."""
         now = self._clock()
@@ -727,13 +733,13 @@ class RunLock:
         try:
             raw, current = _parse_lock(self.storage, _read_optional(self.storage, LOCK_FILE))
         except CheckpointError:
-            if silent > self.lease_s * 5 / 6:
+            if silent > self.lease_s * _SELF_FENCE_AT:
                 self._fence(lease_lapsed)
             raise
         if current is not None and current.generation == holder.generation:
             # Still ours on disk, but past 5/6 of the lease without a renewal others may
             # take over any moment (clock skew): stop before they can.
-            if silent > self.lease_s * 5 / 6:
+            if silent > self.lease_s * _SELF_FENCE_AT:
                 self._fence(lease_lapsed)
             return
         if raw is None:
@@ -748,7 +754,7 @@ class RunLock:
             "nor delete; stop this job (it was superseded)"
         )
 
-    def _fence(self, message: str) -> None:
+    def _fence(self, message: str) -> NoReturn:
         first = False
         with self._mutex:
             if self._fenced is None:

@@ -355,6 +355,8 @@ class CheckpointManager:
             doc = json.loads(self.storage.read_bytes(RUN_FILE))
         except CheckpointNotFoundError:
             return None
+        except StorageError:
+            raise  # an I/O error (EIO, EROFS...) is not a corrupt file: keep its errno
         except (ValueError, CheckpointError) as exc:
             raise CorruptCheckpointError(
                 f"{self.storage.url(RUN_FILE)} is unreadable: {exc}"
@@ -671,8 +673,8 @@ class CheckpointManager:
 
     def _close_at_exit(self) -> None:
         """atexit hook (registered by the first ``save_async``)."""
-        if self._closed:
-            return
+        if self._closed or (self._async is not None and self._async.owner_pid != os.getpid()):
+            return  # closed already, or a forked child exiting: the parent owns the saves
         self._close_async("interpreter exit")  # logged there; nobody left to raise to
         try:
             self.close()

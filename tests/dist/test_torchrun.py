@@ -19,9 +19,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_torchrun_four_ranks_round_trip(tmp_path):
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-         os.path.join(REPO, "tests", "dist", "scripts", "torchrun_roundtrip.py"), str(tmp_path)],
-        capture_output=True, text=True, cwd=REPO, env=env, timeout=170, check=False,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            os.path.join(REPO, "tests", "dist", "scripts", "torchrun_roundtrip.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=170,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -33,6 +45,12 @@ def test_torchrun_four_ranks_round_trip(tmp_path):
     assert [c.step for c in state.checkpoints()] == [3, 6, 7]
     files = CheckpointManager(tmp_path / "files", read_only=True)
     assert sorted(f for f in os.listdir(tmp_path / "files" / "checkpoint-9")) == [
-        "checkpoint.manifest.json", "config.json", "shard-0.bin", "shard-1.bin", "shard-2.bin",
-        "shard-3.bin", "sub"]
+        "checkpoint.manifest.json",
+        "config.json",
+        "shard-0.bin",
+        "shard-1.bin",
+        "shard-2.bin",
+        "shard-3.bin",
+        "sub",
+    ]
     files.verify(9)

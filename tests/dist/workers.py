@@ -208,3 +208,25 @@ def w_shared_two_hosts(rank: int, world: int, root: str) -> tuple[Any, ...]:
     d = mgr.domain
     mgr.close()
     return (d.index, d.leader, d.members, d.leaders)
+
+
+def best_loss(step: int) -> float:
+    """Losses fall with the step, except step 7, which is the best of the whole run."""
+    return 1e-4 if step == 7 else 1.0 / step
+
+
+def w_retention_run(
+    rank: int, world: int, root: str, steps: list[int], timeout_s: float = 30.0
+) -> dict[str, Any]:
+    from atomic_checkpoint import KeepBest
+
+    mgr = CheckpointManager(
+        root, timeout_s=timeout_s, retention=KeepLast(3) | KeepBest(1, metric="loss", mode="min")
+    )
+    for s in steps:
+        mgr.save(
+            s, {"w": torch.full((64,), float(s)), "rank": rank}, metrics={"loss": best_loss(s)}
+        )
+    listed = [c.step for c in mgr.checkpoints()]
+    mgr.close()
+    return {"listed": listed}

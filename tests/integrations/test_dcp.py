@@ -63,7 +63,9 @@ def _sharded(world: int, step: int | None) -> dict[str, Any]:
             "emb": distribute_tensor(full["emb"], mesh, [Shard(1)]),
             "bias": distribute_tensor(full["bias"], mesh, [Replicate()]),
         },
-        "optim": {"state": {"w": {"exp_avg": distribute_tensor(full["exp_avg"], mesh, [Shard(0)])}}},
+        "optim": {
+            "state": {"w": {"exp_avg": distribute_tensor(full["exp_avg"], mesh, [Shard(0)])}}
+        },
         "step": -1 if step is None else step,
         "note": "" if step is None else f"step {step}",
     }
@@ -274,7 +276,10 @@ def test_single_process_round_trip_and_errors(tmp_path, monkeypatch):
     info = save_dcp(mgr, 3, _plain(3), metrics={"loss": 0.5})
     assert info.step == 3 and info.metrics == {"loss": 0.5}
     assert info.path == str(root / "checkpoint-3")
-    target = {"model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()}, "step": 0}
+    target = {
+        "model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()},
+        "step": 0,
+    }
     assert load_dcp(mgr, target).step == 3
     assert torch.equal(target["model"]["w"], _full(3)["w"]) and target["step"] == 3
     assert torch.equal(target["model"]["emb"], _full(3)["emb"])
@@ -323,7 +328,10 @@ def test_truncated_shard_is_never_loaded(tmp_path):
     shard = root / "checkpoint-2" / "__0_0.distcp"
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 7)
-    target = {"model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()}, "step": 0}
+    target = {
+        "model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()},
+        "step": 0,
+    }
     # Step 2 no longer validates (size), so the newest loadable is 1.
     assert load_dcp(mgr, target).step == 1
     assert torch.equal(target["model"]["w"], _full(1)["w"])
@@ -344,4 +352,5 @@ def test_example_dcp_sharded_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "4 ranks saved steps [100, 200, 300]" in out, out
-    assert "2 ranks loaded step 300" in out and "identical: True" in out, out
+    assert "2 ranks loaded step 300" in out, out
+    assert "identical to what was saved: True" in out, out

@@ -4,8 +4,9 @@ Run as ``python s3_workers.py ROLE JSON_ARGS``; each prints one JSON object per 
 (one ``os.write`` each, so lines never interleave) and exits 0 when its work is done.
 
 Roles:
-    saver   save ``steps`` through a CheckpointManager; ``ATOMIC_CHECKPOINT_FAULTS`` in
-            the environment kills it where a test wants.
+    saver   save ``steps`` (``elems`` float32 each, or ``elems_by_step[step]``) through a
+            CheckpointManager; ``ATOMIC_CHECKPOINT_FAULTS`` in the environment kills it
+            where a test wants.
     poller  a read-only manager polling ``latest()`` / ``restore()`` and scanning the
             root until ``stop_file`` exists; reports reads, vanished and torn reads.
     racer   one of two writers racing for the same steps through the commit protocol
@@ -65,9 +66,10 @@ def saver(args: dict[str, Any]) -> None:
         retention=KeepLast(args["keep"]) if args.get("keep") else None,
     )
     emit(event="open", strategy=mgr.commit_strategy)
+    big = {int(k): v for k, v in args.get("elems_by_step", {}).items()}
     for step in args["steps"]:
         t = time.perf_counter()
-        info = mgr.save(step, state_for(step, args["elems"]))
+        info = mgr.save(step, state_for(step, big.get(step, args["elems"])))
         emit(event="saved", step=info.step, seconds=time.perf_counter() - t)
     mgr.close()
     emit(event="done")

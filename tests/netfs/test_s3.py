@@ -133,7 +133,13 @@ def test_concurrent_reader_never_sees_a_torn_checkpoint(s3_server, s3_bucket, tm
     t0 = time.monotonic()
     writer = start(
         "saver",
-        {"url": url, "storage_options": opts, "steps": list(range(1, 31)), "elems": ELEMS, "keep": 2},
+        {
+            "url": url,
+            "storage_options": opts,
+            "steps": list(range(1, 31)),
+            "elems": ELEMS,
+            "keep": 2,
+        },
     )
     rc, lines, err = finish(writer, 90)
     write_s = time.monotonic() - t0

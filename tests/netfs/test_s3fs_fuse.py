@@ -96,65 +96,64 @@ def _data_files(root: Path, step: int) -> list[str]:
     return glob.glob(str(root / f"checkpoint-{step}" / "attempt-*" / "rank-*.safetensors"))
 
 
-def _size_or_zero(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
+def _uploads(server: Any, bucket: str, prefix: str) -> list[str]:
+    out = server.boto3_client().list_multipart_uploads(Bucket=bucket)
+    return [u["Key"] for u in out.get("Uploads", []) if u["Key"].startswith(prefix)]
+
+
+BIG_ELEMS = 3 << 20  # 12 MiB of float32: s3fs uploads it as 3 sequential 5 MB parts
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.faults
-@pytest.mark.parametrize("when", ["mid_write", "data_durable"])
+@pytest.mark.parametrize("when", ["mid_upload", "data_durable"])
 def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_path, when):
+    """``mid_upload``: s3fs dies while it is uploading step 3's data (a multipart upload
+    in progress on the server, observed there). ``data_durable``: the data is complete
+    in S3 and the writer is stopped just before its manifest, then s3fs dies."""
     require_facility("s3fs_fuse")
-    elems = 8 << 20  # 32 MiB of float32 per checkpoint: the kill lands inside the save
     mountpoint = tmp_path / "mnt"
-    mount = S3fsFuseMount(s3_server, s3_bucket, mountpoint)
+    # Small sequential parts make the upload window long enough to observe and hit.
+    mount = S3fsFuseMount(
+        s3_server, s3_bucket, mountpoint, extra_opts=["multipart_size=5", "parallel_count=1"]
+    )
     mount.mount()
+    prefix = "run/checkpoint-3/"
     try:
         root = mount.path / "run"
         env = dict(os.environ)
         if when == "data_durable":
-            # The writer stops after its data is written and fsync'd (uploaded), before
-            # the manifest: a kill of s3fs there leaves complete-looking data.
+            # Stop after the data is written and fsync'd (uploaded), before the manifest.
             env["ATOMIC_CHECKPOINT_FAULTS"] = "after_write@0=hang:3"
+        args = {"url": str(root), "steps": [1, 2, 3], "elems": 1000, "keep": 0}
+        args["elems_by_step"] = {"3": BIG_ELEMS}
         writer = subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKERS),
-                "saver",
-                json.dumps({"url": str(root), "steps": [1, 2, 3], "elems": elems, "keep": 0}),
-            ],
+            [sys.executable, str(WORKERS), "saver", json.dumps(args)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
         deadline = time.monotonic() + 120
-        seen_bytes = 0
-        while True:
+        observed = ""
+        while not observed:
             if time.monotonic() > deadline or writer.poll() is not None:
                 writer.kill()
                 out, err = writer.communicate(timeout=10)
-                pytest.fail(f"step 3 never started writing: {out[-1000:]} {err[-2000:]}")
-            files = _data_files(root, 3)
-            if when == "mid_write" and files:
-                seen_bytes = _size_or_zero(files[0])
-                if seen_bytes > 0:
-                    break
-            if when == "data_durable":
-                uploaded = [
-                    k
-                    for k in keys(s3_server, s3_bucket, "run/checkpoint-3/")
-                    if k.endswith(".safetensors")
-                ]
-                if uploaded:
-                    head = s3_server.boto3_client().head_object(Bucket=s3_bucket, Key=uploaded[0])
-                    seen_bytes = head["ContentLength"]
-                    if seen_bytes >= elems * 4:
-                        break
-            time.sleep(0.005)
+                pytest.fail(
+                    f"never saw step 3 {when.replace('_', ' ')} (the upload window was "
+                    f"missed?): {out[-1000:]} {err[-2000:]}"
+                )
+            if when == "mid_upload":
+                if _uploads(s3_server, s3_bucket, prefix):
+                    observed = "a multipart upload of step 3's data in progress"
+            else:
+                data = [k for k in keys(s3_server, s3_bucket, prefix) if k.endswith(".safetensors")]
+                if data:
+                    head = s3_server.boto3_client().head_object(Bucket=s3_bucket, Key=data[0])
+                    if head["ContentLength"] >= BIG_ELEMS * 4:
+                        observed = f"step 3's data complete in S3 ({head['ContentLength']} B)"
+            time.sleep(0.002)
         mount.kill()  # SIGKILL s3fs: every access through the mount now fails
         if when == "data_durable":
             writer.kill()
@@ -167,19 +166,17 @@ def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_pat
         saved = [json.loads(x)["step"] for x in out.splitlines() if '"saved"' in x]
         assert saved == [1, 2], (out, err[-2000:])
         assert writer.returncode != 0
-        if when == "mid_write":
+        if when == "mid_upload":
             # A clean error from our tree (ENOTCONN mapped), not a hang or a success.
-            assert "StorageError" in err or "DistributedCheckpointError" in err, err[-2000:]
-        print(
-            f"OBSERVED: s3fs killed with {seen_bytes} bytes of step 3 "
-            f"{'written' if when == 'mid_write' else 'uploaded'}; writer exit "
-            f"{writer.returncode}: {err.strip().splitlines()[-1] if err.strip() else ''}"
-        )
+            assert "atomic_checkpoint.errors.StorageError" in err, err[-3000:]
+        raised = [x for x in err.splitlines() if x.startswith("atomic_checkpoint.errors.")]
+        what = raised[-1][:300] if raised else f"killed (exit {writer.returncode})"
+        print(f"OBSERVED: killed s3fs with {observed}; the writer: {what}")
     finally:
         mount.close()
 
     # Nothing committed for step 3 reached S3.
-    assert f"run/checkpoint-3/{MANIFEST_NAME}" not in keys(s3_server, s3_bucket, "run/")
+    assert f"{prefix}{MANIFEST_NAME}" not in keys(s3_server, s3_bucket, prefix)
 
     # Remount (a fresh s3fs, empty caches) and look through it.
     with S3fsFuseMount(s3_server, s3_bucket, mountpoint) as again:
@@ -191,11 +188,12 @@ def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_pat
         reader.verify(2)
         statuses = {e.name: e.status for e in catalog.scan(reader.storage)}
         assert "corrupt" not in statuses.values(), statuses
-        assert statuses.get("checkpoint-3", "pending") == "pending", statuses
+        assert statuses.get("checkpoint-3") == "pending", statuses
 
         # The next writer sweeps what the dead save left and saves step 3 for real.
         mgr = CheckpointManager(root)
         assert not _data_files(root, 3)
+        assert keys(s3_server, s3_bucket, prefix) in ([], [prefix])
         mgr.save(3, {"step": 3, "w": np.full(1000, 3000, dtype=np.float32)})
         assert mgr.restore()["step"] == 3
         mgr.close()

@@ -30,15 +30,16 @@ try:
 except ModuleNotFoundError:  # Run without the repository root on sys.path.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from atomic_checkpoint import CheckpointManager, KeepLast, LocalStorage, catalog
-from atomic_checkpoint.errors import StorageError
-from atomic_checkpoint.storage.detect import local_capabilities
 from tests.netfs.naive import SCHEMES
 from tests.testbed import SshfsExport, SshfsMount, wait_until
 from tests.testbed.pytest_fixtures import (  # noqa: F401 - fixtures used by name
     sshfs_export,
     sshfs_nodes,
 )
+
+from atomic_checkpoint import CheckpointManager, KeepLast, LocalStorage, catalog
+from atomic_checkpoint.errors import StorageError
+from atomic_checkpoint.storage.detect import local_capabilities
 
 pytestmark = pytest.mark.netfs
 

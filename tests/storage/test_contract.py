@@ -17,7 +17,6 @@ must refuse, moving nothing).
 """
 
 # Fixtures imported from tests.testbed are requested by parameter name.
-# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -341,16 +340,19 @@ def test_create_exclusive_racing_threads_one_winner(storage):
     # commit of the marker strategy depends on it.
     if not storage.capabilities.exclusive_create:
         pytest.fail(f"{storage!r} claims no exclusive create; every backend here has one")
+
+    def race(i: int, path: str, barrier: threading.Barrier, wins: list[int]) -> None:
+        barrier.wait(timeout=10)
+        if storage.create_exclusive(path, f"writer {i}".encode()):
+            wins.append(i)
+
     for round_ in range(5):
         barrier = threading.Barrier(6)
         wins: list[int] = []
-
-        def race(i: int, path: str = f"race-{round_}") -> None:
-            barrier.wait(timeout=10)
-            if storage.create_exclusive(path, f"writer {i}".encode()):
-                wins.append(i)
-
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(6)]
+        threads = [
+            threading.Thread(target=race, args=(i, f"race-{round_}", barrier, wins))
+            for i in range(6)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -480,3 +482,70 @@ def test_local_files_get_umask_permissions_not_0600(tmp_path):
         os.umask(old)
     assert os.stat(tmp_path / "f").st_mode & 0o777 == 0o644
     assert os.stat(tmp_path / "g").st_mode & 0o777 == 0o644
+
+
+_MOUNTINFO = "\n".join(
+    [
+        "22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/vda1 rw",
+        "30 22 0:30 / /data rw,relatime shared:5 - xfs /dev/vdb rw",
+        "31 30 0:31 / /data/s3 rw,nosuid - fuse.s3fs s3fs rw,user_id=0",
+        "32 30 0:32 / /data/gcs rw - fuse.gcsfuse my-bucket rw",
+        "33 30 0:33 / /data/mp rw - fuse.mountpoint-s3 mountpoint-s3 rw",
+        "34 30 0:34 / /data/old rw - fuse goofys rw",
+        r"35 30 0:35 / /data/with\040space rw - fuse.sshfs host:/x rw",
+        "36 30 0:36 / /data/nfs rw - nfs4 srv:/export rw",
+        # Stacked on the same mount point: the later one is on top.
+        "37 31 0:37 / /data/s3 rw - tmpfs tmpfs rw",
+        "garbage line",
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "fstype", "copy_delete"),
+    [
+        ("/data/run1", "xfs", False),
+        ("/data/s3x/run", "xfs", False),  # a sibling sharing a prefix is not inside
+        ("/data/s3/run", "tmpfs", False),  # tmpfs stacked over the s3fs mount
+        ("/data/gcs/deep/run", "fuse.gcsfuse", True),
+        ("/data/mp/run", "fuse.mountpoint-s3", True),
+        ("/data/old/run", "fuse", True),  # no subtype: the source names the daemon
+        ("/data/with space/run", "fuse.sshfs", False),
+        ("/data/nfs", "nfs4", False),
+        ("/elsewhere", "ext4", False),
+    ],
+)
+def test_mount_detection_from_the_mount_table(path, fstype, copy_delete):
+    from atomic_checkpoint.storage.detect import mount_of
+
+    mount = mount_of(path, table=_MOUNTINFO)
+    assert mount is not None and mount.fstype == fstype
+    assert mount.is_copy_delete is copy_delete
+
+
+def test_mount_detection_of_this_machine(tmp_path):
+    from atomic_checkpoint.storage.detect import mount_of
+
+    # A path that does not exist yet lives on the mount of its nearest parent.
+    assert mount_of(tmp_path / "not" / "yet") == mount_of(tmp_path)
+    assert local_capabilities(tmp_path).atomic_dir_rename
+
+
+@pytest.mark.timeout(60)
+def test_strategy_override_and_refusal(tmp_path, caplog):
+    from atomic_checkpoint.storage import FsspecStorage
+
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        CheckpointManager(tmp_path / "a", strategy="copy")
+    assert CheckpointManager(tmp_path / "b", strategy="marker").commit_strategy == "marker"
+    # Forcing rename where no atomic rename exists is allowed but warned about, and the
+    # object store then refuses the rename at commit time: nothing is half-moved.
+    store = FsspecStorage(f"memory://override-{uuid.uuid4().hex[:8]}/root")
+    mgr = CheckpointManager(store, strategy="rename")
+    assert "whose directory rename is not atomic" in caplog.text
+    with pytest.raises(StorageError, match="no atomic directory rename"):
+        mgr.save(1, {"x": 1})
+    assert mgr.checkpoints() == []
+    mgr.close()
+    with pytest.raises(ValueError, match="storage_options apply to URL roots"):
+        CheckpointManager(tmp_path / "c", storage_options={"key": "k"})

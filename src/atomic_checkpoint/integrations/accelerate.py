@@ -38,17 +38,15 @@ storage domains.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
-import threading
-import time
-import uuid
+import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
+from ..catalog import parse_attempt_dir, read_manifest
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -60,7 +58,7 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from ..layout import META_DIR, checkpoint_name, parse_checkpoint_name, validate_step
+from ..layout import checkpoint_name, parse_checkpoint_name, validate_step
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
 from ..retention import KeepLast
@@ -69,46 +67,13 @@ __all__ = ["FrameworkRoot", "load_state", "save_state"]
 
 log = logging.getLogger("atomic_checkpoint")
 
-_namespace_lock = threading.Lock()
-_namespace_counter = 0
-
-
-def _next_namespace(label: str) -> str:
-    """A store namespace for one ``FrameworkRoot``: identical on every rank because every
-    rank opens its roots in the same order (opening is collective)."""
-    global _namespace_counter
-    with _namespace_lock:
-        _namespace_counter += 1
-        return f"atomic_checkpoint/integrations/{label}/{_namespace_counter}"
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Which ranks share checkpoint storage (one storage domain each).
-
-    Attributes:
-        domains: the global ranks of every domain, ascending; the first rank of each
-            is its coordinator.
-        domain: the domain of the calling rank.
-    """
-
-    domains: tuple[tuple[int, ...], ...]
-    domain: tuple[int, ...]
-
-    @property
-    def is_single(self) -> bool:
-        return len(self.domains) == 1
-
 
 def _rank_failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
     return RankFailure(rank, phase, type(exc).__name__, str(exc) or repr(exc))
 
 
 def _raise_if_failed(
-    outcomes: Sequence[RankFailure | None],
-    own: BaseException | None,
-    *,
-    step: int | None,
+    outcomes: Sequence[RankFailure | None], own: BaseException | None, *, step: int | None
 ) -> None:
     """After an exchange of outcomes: the failing rank re-raises its own error, every
     other rank raises one error naming each failing rank."""
@@ -120,232 +85,65 @@ def _raise_if_failed(
     raise DistributedCheckpointError(failures, step=step)
 
 
-def _can_open(path: str) -> bool:
-    # "Visible?" is decided by open(), never by exists(): through another sshfs mount a
-    # deleted name keeps passing stat() for ~20 s, but open() asks the server.
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-        return True
-    except OSError:
-        return False
-
-
-def detect_topology(
-    root: str,
-    world: Coordinator,
-    *,
-    rank: int,
-    node_leader: int,
-    per_node: bool,
-    timeout_s: float,
-    visibility_timeout_s: float,
-) -> Topology:
-    """Find the storage domains of ``root`` by writing probe files and asking every
-    rank which ones it can read. Collective over ``world``.
-
-    The framework's flag (``save_on_each_node``) only says what the user believes. A
-    wrong belief gives either duplicate committers on shared storage or orphaned
-    partial copies on node-local disks (FAILURE_MODES A5), so it is verified here:
-
-    - ``per_node=False``: every rank must see what the global coordinator writes under
-      ``root``, or the job fails now with an error saying so (instead of losing the
-      files of other nodes at every save).
-    - ``per_node=True``: one domain per node, except that nodes which see each other's
-      probes share storage and form one domain, with one committer and one rotator.
-
-    Args:
-        root: the checkpoint root (a local or mounted path).
-        world: a coordinator over all ranks of the job.
-        rank: this rank's global rank.
-        node_leader: the global rank of this node's local rank 0.
-        per_node: the framework's ``save_on_each_node``.
-        timeout_s: bound on waiting for other ranks.
-        visibility_timeout_s: bound on waiting for this rank's own leader's probe to
-            become visible (network filesystems show new files late).
-
-    Raises:
-        StorageError: some ranks cannot see their leader's writes.
-    """
-    if world.world_size == 1:
-        return Topology(((rank,),), (rank,))
-    leader = node_leader if per_node else 0
-    is_leader = rank == leader
-    meta = os.path.join(root, META_DIR)
-    token = uuid.uuid4().hex if is_leader else None
-    probe = os.path.join(meta, f"topology-{token}") if token else None
-    error: BaseException | None = None
-    if probe is not None:
-        try:
-            os.makedirs(meta, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(str(rank).encode())
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            error = map_os_error(exc, "write storage probe", probe)
-    sent = world.all_gather(
-        "storage topology: probes written",
-        (leader, token, None if error is None else _rank_failure(error, rank, "probe")),
-        timeout_s=timeout_s,
-    )
-    _raise_if_failed([s[2] for s in sent], error, step=None)
-    leaders = {r: tok for r, (ldr, tok, _) in enumerate(sent) if r == ldr and tok}
-    seen: dict[int, bool] = {}
-    for other, tok in sorted(leaders.items()):
-        path = os.path.join(meta, f"topology-{tok}")
-        if other == leader:
-            deadline = time.monotonic() + visibility_timeout_s
-            delay = 0.01
-            while not _can_open(path) and time.monotonic() < deadline:
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-        seen[other] = _can_open(path)
-    views = world.all_gather("storage topology: probes seen", seen, timeout_s=timeout_s)
-    if probe is not None:
-        try:
-            os.unlink(probe)
-        except OSError as exc:  # best effort: a leftover probe is a few bytes
-            log.warning("could not remove storage probe %s: %s", probe, exc)
-    leader_of = [ldr for ldr, _, _ in sent]
-    blind = [r for r, view in enumerate(views) if not view.get(leader_of[r], False)]
-    if blind:
-        if per_node:
-            why = "their node's local rank 0 writes"
-            fix = "check that output_dir is the same local path on every process of a node"
-        else:
-            why = "rank 0 writes"
-            fix = (
-                "the checkpoint root is not shared storage: set save_on_each_node=True so "
-                "each node commits its own copy, or put the root on storage every node mounts"
-            )
-        raise StorageError(
-            f"rank(s) {blind} cannot read files that {why} under {root!r} (waited "
-            f"{visibility_timeout_s:g} s): {fix}",
-            path=root,
-        )
-    # Nodes whose ranks see another node's probe share storage with it: merge them
-    # (union-find over node leaders), so each storage has exactly one committer.
-    parent = {ldr: ldr for ldr in leaders}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for r, view in enumerate(views):
-        for other, visible in view.items():
-            if visible:
-                a, b = find(leader_of[r]), find(other)
-                if a != b:
-                    parent[max(a, b)] = min(a, b)
-    groups: dict[int, list[int]] = {}
-    for r in range(world.world_size):
-        groups.setdefault(find(leader_of[r]), []).append(r)
-    domains = tuple(tuple(sorted(g)) for _, g in sorted(groups.items()))
-    if per_node and len(domains) < len(leaders) and rank == 0:
-        log.info(
-            "save_on_each_node is set but %d node(s) share the storage under %s: "
-            "%d copy(ies) will be committed, one per storage",
-            len(leaders),
-            root,
-            len(domains),
-        )
-    mine = next(d for d in domains if rank in d)
-    return Topology(domains, mine)
-
-
-def _default_store() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()
-
-
 class FrameworkRoot:
     """A checkpoint root that a framework's own save function writes into.
 
-    One per (job, root). Holds the storage topology, one
-    :class:`~atomic_checkpoint.CheckpointManager` per storage domain (this rank's), and
-    runs the protocol around the framework's writes. Every method is collective over
-    all ranks of the job, called in the same order.
+    One per (job, root): a :class:`~atomic_checkpoint.CheckpointManager` whose storage
+    domains are probed (``storage_domains="auto"``) and checked against what the
+    framework was told (``save_on_each_node``), plus the protocol around the
+    framework's writes. Every method is collective over all ranks of the job, called in
+    the same order.
 
     Args:
         root: the directory checkpoints are committed under.
-        rank: this rank's global rank (``process_index``).
-        local_rank: this rank's index on its node (``local_process_index``).
-        world_size: the number of ranks.
-        per_node: the framework's ``save_on_each_node``.
-        retention: the retention policy of every domain.
-        label: names the framework in store keys and messages.
+        per_node: the framework's ``save_on_each_node``: every node's local rank 0
+            writes a full copy. Without it only global rank 0 writes the model and
+            optimizer, so storage that is not shared by all ranks is an error.
+        retention: the retention policy.
+        label: names the framework in messages and store keys.
         timeout_s: bound on every wait for other ranks.
         visibility_timeout_s: bound on waits for network filesystems.
+        strategy: the commit strategy (None: chosen from the storage).
+
+    Raises:
+        StorageError: ``per_node`` is False but some ranks cannot see the storage
+            rank 0 writes to (FAILURE_MODES A5).
     """
 
     def __init__(
         self,
         root: str | os.PathLike[str],
         *,
-        rank: int,
-        local_rank: int,
-        world_size: int,
         per_node: bool,
         retention: Any,
         label: str,
         timeout_s: float = 600.0,
         visibility_timeout_s: float = 30.0,
+        strategy: str | None = None,
     ):
         self.root = os.path.abspath(os.fspath(root))
-        self.rank = rank
         self.label = label
         self.timeout_s = timeout_s
-        ns = _next_namespace(label)
-        if world_size > 1:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                raise CheckpointError(
-                    f"{label}: {world_size} processes but no torch.distributed process group "
-                    "is initialised; create the Accelerator / TrainingArguments first"
-                )
-            store = _default_store()
-            self.world: Coordinator = TorchDistributedCoordinator(
-                store, rank=rank, world_size=world_size, namespace=f"{ns}/world"
-            )
-        else:
-            store = None
-            self.world = SingleProcessCoordinator()
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as exc:
-            raise map_os_error(exc, "create checkpoint root", self.root) from exc
-        self.topology = detect_topology(
-            self.root,
-            self.world,
-            rank=rank,
-            node_leader=rank - local_rank,
-            per_node=per_node,
-            timeout_s=timeout_s,
-            visibility_timeout_s=visibility_timeout_s,
-        )
-        domain = self.topology.domain
-        coord: Coordinator
-        if len(domain) == 1:
-            coord = SingleProcessCoordinator()
-        else:
-            coord = TorchDistributedCoordinator(
-                store,
-                rank=domain.index(rank),
-                world_size=len(domain),
-                namespace=f"{ns}/domain-{domain[0]}",
-            )
         self.manager = CheckpointManager(
             self.root,
             retention=retention,
-            coordinator=coord,
             timeout_s=timeout_s,
             visibility_timeout_s=visibility_timeout_s,
+            storage_domains="auto",
+            strategy=strategy,
         )
+        domain = self.manager.domain
+        if domain.count > 1 and not per_node:
+            self.manager.close()
+            raise StorageError(
+                f"{label}: {self.root} is not shared by all processes: the ranks form "
+                f"{domain.count} storage domains (led by ranks {list(domain.leaders)}), but "
+                "save_on_each_node is off, so only rank 0 writes the model and optimizer "
+                "and the other copies would lack them. Set save_on_each_node=True so each "
+                "node commits a full copy, or put the root on storage every node mounts",
+                path=self.root,
+            )
+        atexit.register(self.close)
 
     @property
     def is_coordinator(self) -> bool:
@@ -353,13 +151,26 @@ class FrameworkRoot:
         return self.manager.is_coordinator
 
     def path(self, step: int) -> str:
-        """Where checkpoint ``step`` lives under this rank's root."""
-        return os.path.join(self.root, checkpoint_name(step))
+        """The directory that holds the framework's files of committed checkpoint
+        ``step`` under this rank's root: ``ROOT/checkpoint-<step>``, or its committed
+        ``attempt-<token>/`` directory under the marker strategy (object-store mounts,
+        where files are written in place)."""
+        name = checkpoint_name(step)
+        base = os.path.join(self.root, name)
+        if self.manager.commit_strategy != "marker":
+            return base
+        manifest = read_manifest(self.manager.storage, name)
+        tops = {f.path.split("/", 1)[0] for f in manifest.files if "/" in f.path}
+        if len(tops) == 1:
+            (top,) = tops
+            if parse_attempt_dir(top) is not None:
+                return os.path.join(base, top)
+        return base
 
     def save(
         self,
         step: int,
-        write: Callable[[Path], None],
+        write: Callable[[Path, str], None],
         *,
         nested: str | None = None,
         metrics: Mapping[str, float] | None = None,
@@ -367,14 +178,15 @@ class FrameworkRoot:
     ) -> CheckpointInfo:
         """Commit checkpoint ``step`` with the files ``write`` puts into a directory.
 
-        Every rank calls ``write(directory)``; the framework writes there whatever it
-        writes (model, optimizer, RNG states, ...). With ``nested``, the framework
+        Every rank calls ``write(directory, final)``: the framework writes whatever it
+        writes into ``directory``; ``final`` is where those files will be once
+        committed (for paths the framework records). With ``nested``, the framework
         writes into ``directory/nested`` (it insists on naming the folder itself) and
         the coordinator moves the entries up before the commit. A step that is already
         committed is replaced atomically (the framework saved the same step again).
 
         Returns:
-            The committed checkpoint, the same on every rank of the domain.
+            The committed checkpoint, the same on every rank.
 
         Raises:
             DistributedCheckpointError: a rank failed (the failing rank re-raises its
@@ -382,45 +194,60 @@ class FrameworkRoot:
         """
         step = validate_step(step)
         mgr = self.manager
-        own: BaseException | None = None
-        info: CheckpointInfo | None = None
-        try:
-            with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
-                target = pending / nested if nested else pending
-                failure: BaseException | None = None
-                try:
-                    write(target)
-                except Exception as exc:
-                    failure = exc
-                # Files mode: the coordinator lists and checksums the pending directory
-                # as soon as its own block ends, so every rank's writes must be finished
-                # by then. This exchange is that barrier, and it shares failures so that
-                # every rank leaves the block the same way.
-                outcomes = mgr.coordinator.all_gather(
-                    f"{self.label} step {step}: files written",
-                    None if failure is None else _rank_failure(failure, self.rank, "write"),
-                    timeout_s=self.timeout_s,
-                )
-                _raise_if_failed(outcomes, failure, step=step)
-                if nested and mgr.is_coordinator:
-                    _flatten(pending, nested, step=step, label=self.label)
-            info = mgr.last_saved
-        except Exception as exc:
-            own = exc
-        if not self.topology.is_single:
-            # A checkpoint is complete only when every domain committed it: share every
-            # domain's outcome, so no domain trains on while another one failed.
-            outcomes = self.world.all_gather(
-                f"{self.label} step {step}: committed in every storage domain",
-                None if own is None else _rank_failure(own, self.rank, "commit"),
+        final_base = os.path.join(self.root, checkpoint_name(step))
+        with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
+            target = pending / nested if nested else pending
+            # Marker strategy: the pending directory is the committed attempt directory.
+            final = str(pending) if _is_under(str(pending), final_base) else final_base
+            failure: BaseException | None = None
+            try:
+                write(target, final)
+            except Exception as exc:
+                failure = exc
+            # Every rank's writes must be finished before the coordinator moves the
+            # nested entries up, and every rank must leave the block the same way:
+            # this exchange is that barrier, and it shares failures.
+            outcomes = mgr.coordinator.all_gather(
+                f"{self.label} step {step}: files written",
+                None if failure is None else _rank_failure(failure, mgr.rank, "write"),
                 timeout_s=self.timeout_s,
             )
-            _raise_if_failed(outcomes, own, step=step)
-        elif own is not None:
-            raise own
-        if info is None:  # pragma: no cover - saving() either commits or raises
+            _raise_if_failed(outcomes, failure, step=step)
+            if mgr.domain.count > 1:
+                self._check_copies_match(target, step)
+            if nested and mgr.is_coordinator:
+                _flatten(pending, nested, step=step, label=self.label)
+        if mgr.last_saved is None:  # pragma: no cover - saving() either commits or raises
             raise CommitError(f"{self.label} step {step}: the save returned no checkpoint")
-        return info
+        return mgr.last_saved
+
+    def _check_copies_match(self, target: Path, step: int) -> None:
+        """Several storage domains: every domain must hold the same kinds of files.
+
+        Per-rank files differ by their rank number only, so names are compared with
+        digit runs masked. A domain whose copy lacks what another holds (a framework
+        that writes some files on global rank 0 only, although told to save on each
+        node) would commit a checkpoint that cannot be resumed from on that node.
+        """
+        mgr = self.manager
+        names = sorted(set(_masked_names(target))) if mgr.is_coordinator else None
+        views = mgr.coordinator.all_gather(
+            f"{self.label} step {step}: files of each storage domain",
+            names,
+            timeout_s=self.timeout_s,
+        )
+        copies = {lead: set(views[lead] or ()) for lead in mgr.domain.leaders}
+        everything = set().union(*copies.values())
+        lacking = {
+            lead: sorted(everything - got) for lead, got in copies.items() if got != everything
+        }
+        if lacking:
+            detail = "; ".join(f"domain of rank {lead} lacks {m}" for lead, m in lacking.items())
+            raise CommitError(
+                f"{self.label} step {step}: the copies written on the {mgr.domain.count} "
+                f"storage domains differ ({detail}; digits shown as #). The framework did "
+                "not write a full copy on every node, so nothing was committed"
+            )
 
     def resolve(self, step: int | None = None, *, verify: bool = True) -> int | None:
         """The step to resume from: the newest one committed and valid in every storage
@@ -432,34 +259,25 @@ class FrameworkRoot:
                 coordinator; a checkpoint that fails is skipped with a warning.
 
         Returns:
-            The step, or None if no domain holds any checkpoint (and nothing corrupt).
+            The step, or None if the root holds no checkpoint and nothing torn.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not a valid checkpoint everywhere.
-            ResumeError: checkpoints exist, but none is valid in every domain.
+            CorruptCheckpointError: ``step`` fails verification.
+            ResumeError: checkpoint folders exist, but none is valid everywhere.
         """
         mgr = self.manager
-        valid = [i.step for i in mgr.checkpoints()]  # collective within the domain
-        named = _checkpoint_like_names(self.root) if mgr.is_coordinator else []
-        per_domain = self.world.all_gather(
-            f"{self.label}: committed steps",
-            (valid, named) if mgr.is_coordinator else None,
-            timeout_s=self.timeout_s,
-        )
-        reports = [per_domain[d[0]] for d in self.topology.domains]
-        common = set(reports[0][0]).intersection(*(set(r[0]) for r in reports[1:]))
+        valid = [i.step for i in mgr.checkpoints()]  # agreed by every domain
         if step is not None:
             step = validate_step(step)
-            if step not in common:
-                missing = [d[0] for d, r in zip(self.topology.domains, reports) if step not in r[0]]
+            if step not in valid:
                 raise CheckpointNotFoundError(
                     f"{self.label}: step {step} is not a valid committed checkpoint under "
-                    f"{self.root} (storage domain(s) led by rank(s) {missing} lack it); "
-                    f"valid steps everywhere: {sorted(common)}"
+                    f"{self.root} (in every storage domain); valid steps: {valid}"
                 )
             candidates = [step]
         else:
-            candidates = sorted(common, reverse=True)
+            candidates = sorted(valid, reverse=True)
         for candidate in candidates:
             problem: str | None = None
             if verify and mgr.is_coordinator:
@@ -468,7 +286,7 @@ class FrameworkRoot:
                 except CorruptCheckpointError as exc:
                     problem = str(exc)
                     log.warning("%s: skipping checkpoint step %d: %s", self.label, candidate, exc)
-            problems = self.world.all_gather(
+            problems = mgr.coordinator.all_gather(
                 f"{self.label}: verified step {candidate}", problem, timeout_s=self.timeout_s
             )
             bad = [p for p in problems if p]
@@ -478,8 +296,12 @@ class FrameworkRoot:
                 raise CorruptCheckpointError(
                     f"{self.label}: checkpoint step {step} failed verification: {bad[0]}"
                 )
-        torn = sorted({n for r in reports for n in r[1]} - {checkpoint_name(s) for s in common})
-        if not common and not torn:
+        names = _checkpoint_like_names(self.root) if mgr.is_coordinator else []
+        seen = mgr.coordinator.all_gather(
+            f"{self.label}: checkpoint folders", names, timeout_s=self.timeout_s
+        )
+        torn = sorted({n for found in seen for n in found})
+        if not torn:
             return None
         raise ResumeError(
             f"{self.label}: asked to resume, but no checkpoint under {self.root} is complete "
@@ -491,6 +313,21 @@ class FrameworkRoot:
     def close(self) -> None:
         """Wait for background retention. Not collective; idempotent."""
         self.manager.close()
+
+
+def _is_under(path: str, parent: str) -> bool:
+    p, q = os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent))
+    return p == q or p.startswith(q + os.sep)
+
+
+def _masked_names(directory: Path) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(directory):
+        rel = os.path.relpath(dirpath, directory)
+        for name in files:
+            path = name if rel == "." else f"{rel}/{name}"
+            out.append(re.sub(r"[0-9]+", "#", path.replace(os.sep, "/")))
+    return out
 
 
 def _checkpoint_like_names(root: str) -> list[str]:
@@ -553,9 +390,6 @@ def _root_for(
         retention = KeepLast(int(config.total_limit))
     opened = FrameworkRoot(
         key,
-        rank=accelerator.process_index,
-        local_rank=accelerator.local_process_index,
-        world_size=accelerator.num_processes,
         per_node=bool(config.save_on_each_node),
         retention=retention,
         label="accelerate",
@@ -599,7 +433,7 @@ def save_state(
     if step is None:
         step = int(accelerator.save_iteration)
 
-    def write(directory: Path) -> None:
+    def write(directory: Path, final: str) -> None:
         # With automatic naming, Accelerate ignores output_dir, deletes old folders and
         # picks its own: turn it off for this call, so it writes into our pending
         # directory and leaves deletion to the retention that runs after the commit.

@@ -51,16 +51,18 @@ What the options keep meaning (and what changes):
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..catalog import parse_attempt_dir
 from ..errors import CheckpointError, ResumeError
 from ..layout import checkpoint_name, parse_checkpoint_name
 from ..manifest import CheckpointInfo
 from ..retention import AnyOf, KeepLast
-from .accelerate import FrameworkRoot
+from .accelerate import FrameworkRoot, _is_under
 
 __all__ = ["KeepTrainerBest", "make_atomic"]
 
@@ -104,17 +106,20 @@ class KeepTrainerBest:
         if not best:
             return frozenset()
         best = os.path.normpath(os.path.abspath(best))
-        if os.path.dirname(best) != self._run_dir:
-            return frozenset()
-        step = parse_checkpoint_name(os.path.basename(best))
-        if step is None or step not in {c.step for c in checkpoints}:
+        parent, name = os.path.split(best)
+        if parse_attempt_dir(name) is not None:
+            # Marker strategy: the files live in checkpoint-<step>/attempt-<token>/.
+            parent, name = os.path.split(parent)
+        step = parse_checkpoint_name(name)
+        if parent != self._run_dir or step is None or step not in {c.step for c in checkpoints}:
             return frozenset()
         return frozenset({step})
 
 
-def _is_under(path: str, parent: str) -> bool:
-    p, q = os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent))
-    return p == q or p.startswith(q + os.sep)
+def _moved(path: str, old: str, new: str) -> str:
+    """``path`` (inside ``old``) once ``old`` is committed as ``new``."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(old))
+    return new if rel == "." else os.path.join(new, rel)
 
 
 def _eval_metrics(state: Any, step: int) -> dict[str, float]:
@@ -125,9 +130,14 @@ def _eval_metrics(state: Any, step: int) -> dict[str, float]:
         if entry.get("step") != step:
             continue
         for key, value in entry.items():
-            if key.startswith("eval_") and isinstance(value, (int, float)):
-                if not isinstance(value, bool) and value == value and abs(value) != float("inf"):
-                    out[key] = float(value)
+            if (
+                key.startswith("eval_")
+                and not key.endswith(("_runtime", "_per_second"))
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            ):
+                out[key] = float(value)
     return out
 
 
@@ -146,6 +156,7 @@ class _AtomicTrainer:
         self._orig_push = trainer._push_from_checkpoint
         self._orig_train = trainer.train
         self._pending: str | None = None
+        self._final: str | None = None
         self._pushes: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.last_saved: CheckpointInfo | None = None
 
@@ -166,9 +177,6 @@ class _AtomicTrainer:
             args = self.trainer.args
             opened = FrameworkRoot(
                 key,
-                rank=int(args.process_index),
-                local_rank=int(args.local_process_index),
-                world_size=int(args.world_size),
                 per_node=bool(args.save_on_each_node),
                 retention=self.retention_for(key),
                 label="Trainer",
@@ -193,23 +201,26 @@ class _AtomicTrainer:
         name = checkpoint_name(step)
         pushes: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
-        def write(directory: Path) -> None:
+        def write(directory: Path, final: str) -> None:
             pending = str(directory.parent)
             # The Trainer saves into os.path.join(_get_output_dir(trial), "checkpoint-N"):
             # point that at the pending directory for this call only.
             trainer._get_output_dir = lambda *a, **k: pending
-            self._pending, self._pushes = pending, pushes
+            self._pending, self._final, self._pushes = str(directory), final, pushes
+            model = _per_node_writer(trainer)
             try:
                 self._orig_save(*args, **kwargs)
             finally:
-                self._pending = None
+                self._pending = self._final = None
                 _restore(trainer, "_get_output_dir", self._orig_output_dir)
+                if model is not None:
+                    model.__dict__.pop("should_save_on_this_rank", None)
             state = trainer.state
             best = getattr(state, "best_model_checkpoint", None)
-            if best and _is_under(best, pending):
+            if best and _is_under(best, str(directory)):
                 # The Trainer recorded the pending path as the best checkpoint; record
                 # where it will be once committed, in memory and in trainer_state.json.
-                state.best_model_checkpoint = os.path.join(run_dir, os.path.relpath(best, pending))
+                state.best_model_checkpoint = _moved(best, str(directory), final)
                 state_file = directory / _TRAINER_STATE_NAME
                 if trainer.args.should_save and state_file.is_file():
                     state.save_to_json(str(state_file))
@@ -228,21 +239,16 @@ class _AtomicTrainer:
             },
         )
         self.last_saved = info
-        final = opened.path(step)
-        for rel, a, kw in pushes:
+        for folder, a, kw in pushes:
             # Hub uploads start only now, from the committed directory.
-            self._orig_push(os.path.join(final, rel) if rel != "." else final, *a, **kw)
+            self._orig_push(folder, *a, **kw)
 
     def push_from_checkpoint(self, checkpoint_folder: str, *args: Any, **kwargs: Any) -> Any:
         """Replaces ``trainer._push_from_checkpoint``: defers a push of the checkpoint
         being saved until it is committed, then pushes the committed path."""
-        pending = self._pending
-        if pending is not None and _is_under(checkpoint_folder, pending):
-            inner = os.path.relpath(checkpoint_folder, pending)
-            # inner is "checkpoint-N" (the folder being saved) or a path inside it.
-            parts = inner.split(os.sep)
-            rel = os.path.join(*parts[1:]) if len(parts) > 1 else "."
-            self._pushes.append((rel, args, kwargs))
+        pending, final = self._pending, self._final
+        if pending is not None and final is not None and _is_under(checkpoint_folder, pending):
+            self._pushes.append((_moved(checkpoint_folder, pending, final), args, kwargs))
             return None
         return self._orig_push(checkpoint_folder, *args, **kwargs)
 
@@ -278,6 +284,28 @@ class _AtomicTrainer:
         finally:
             trainer.args.save_total_limit = limit
             self.close()
+
+
+def _per_node_writer(trainer: Any) -> Any:
+    """With ``save_on_each_node``, let every node's writer save the model.
+
+    transformers 5.x ``PreTrainedModel.save_pretrained`` writes only on global rank 0
+    whenever a process group exists (``should_save_on_this_rank``), whatever
+    ``is_main_process`` says, so with ``save_on_each_node`` on node-local disks every
+    other node's checkpoint lacks the model weights and config. For a model that is not
+    tensor-parallel, honour ``is_main_process`` (the Trainer passes
+    ``args.should_save``) for the duration of the save. Returns the model patched, or
+    None.
+    """
+    if not trainer.args.save_on_each_node:
+        return None
+    model: Any = getattr(trainer, "model", None)
+    if not callable(getattr(model, "should_save_on_this_rank", None)):
+        return None
+    if getattr(model, "_tp_size", None) not in (None, 1):
+        return None  # tensor-parallel shards are consolidated by rank 0 on purpose
+    model.should_save_on_this_rank = lambda is_main_process: bool(is_main_process)
+    return model
 
 
 def _restore(obj: Any, name: str, original: Any) -> None:

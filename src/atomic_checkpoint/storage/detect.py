@@ -137,19 +137,6 @@ def parse_mountinfo(text: str) -> list[MountInfo]:
     return out
 
 
-def _existing_ancestor(path: str) -> str:
-    # A root that does not exist yet lives on the mount of its nearest existing parent.
-    p = os.path.realpath(path)
-    for _ in range(p.count(os.sep) + 1):
-        if os.path.exists(p):
-            return p
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return p
-
-
 def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> MountInfo | None:
     """The mount that holds ``path`` (resolved through symlinks), or None if unknown.
 
@@ -163,7 +150,10 @@ def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> Mount
                 table = f.read()
         except OSError:
             return None  # not Linux, or /proc not mounted: nothing to detect
-    target = _existing_ancestor(os.fspath(path))
+    # realpath resolves symlinks of the existing part and keeps a tail that does not
+    # exist yet (a root about to be created lives on its nearest parent's mount).
+    text = os.fspath(path)
+    target = os.path.realpath(text) if table is None else os.path.normpath(text)
     best: MountInfo | None = None
     for entry in parse_mountinfo(table):
         mp = entry.mount_point

@@ -325,7 +325,10 @@ class LocalStorage:
             w.close()
             # A reader on another NFS/sshfs client can open a file after it is created and
             # before it is written: publish by rename, never by writing in place.
-            _retry_windows(lambda: os.replace(tmp, final))
+            try:
+                _retry_windows(lambda: os.replace(tmp, final))
+            except OSError as exc:
+                raise map_os_error(exc, "rename", f"{tmp} -> {final}") from exc
         except BaseException:
             w.abort()
             raise

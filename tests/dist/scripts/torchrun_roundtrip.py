@@ -17,9 +17,17 @@ dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
 out = workers.w_roundtrip(rank, world, os.path.join(root, "state"), [3, 6])
 files = workers.w_files_mode(rank, world, os.path.join(root, "files"), 9)
-line = json.dumps({"rank": rank, "world": world, "restore_ok": out["restore_ok"],
-                   "replicated_ok": out["replicated_ok"], "latest": out["latest"],
-                   "files_step": files["step"], "infos": out["infos"]})
+line = json.dumps(
+    {
+        "rank": rank,
+        "world": world,
+        "restore_ok": out["restore_ok"],
+        "replicated_ok": out["replicated_ok"],
+        "latest": out["latest"],
+        "files_step": files["step"],
+        "infos": out["infos"],
+    }
+)
 os.write(1, (line + "\n").encode())
 dist.barrier()
 dist.destroy_process_group()

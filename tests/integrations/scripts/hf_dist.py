@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tiny_hf import RandomTokens, SnapshotAt, differences, dump, losses, tiny_args, tiny_model
+from compare import differences, dump
+from tiny_hf import RandomTokens, SnapshotAt, losses, tiny_args, tiny_model
 from transformers import Trainer, TrainerCallback
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator

@@ -74,16 +74,20 @@ class TinyModel(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint):
         torch.set_rng_state(checkpoint["rng"]["torch"])
         random.setstate(checkpoint["rng"]["python"])
+        # Lightning draws from the global RNG between the restore and the first step
+        # (data loading), so the test compares the RNG as restored, here.
+        self.restored_rng = (torch.get_rng_state(), random.getstate())
 
 
 def live_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
+    rng = getattr(module, "restored_rng", None) or (torch.get_rng_state(), random.getstate())
     return {
         "global_step": trainer.global_step,
         "model": {k: v.detach().clone() for k, v in module.state_dict().items()},
         "optimizer": trainer.optimizers[0].state_dict(),
         "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
-        "rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
+        "rng": rng[0],
+        "python_rng": rng[1],
     }
 
 
@@ -107,9 +111,14 @@ class Recorder(Callback):
                 live_state(trainer, pl_module),
                 os.path.join(self.ref, f"resumed-rank{trainer.global_rank}.pt"),
             )
+        pl_module.restored_rng = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.hold_at is not None and trainer.global_step == self.hold_at and trainer.global_rank == 0:
+        if (
+            self.hold_at is not None
+            and trainer.global_step == self.hold_at
+            and trainer.global_rank == 0
+        ):
             # ModelCheckpoint saved (and asked to remove) in the previous batch's end hook.
             with open(os.path.join(self.ref, "held"), "w") as f:
                 f.write(str(trainer.global_step))

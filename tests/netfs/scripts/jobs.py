@@ -11,9 +11,10 @@ import os
 import time
 from typing import Any
 
+from tests.dist.workers import make_state, states_equal
+
 from atomic_checkpoint import CheckpointManager, KeepLast
 from atomic_checkpoint.domains import HOST_ENV
-from tests.dist.workers import make_state, states_equal
 
 #: Small states: the job measures the protocol on a network filesystem, not bandwidth.
 SMALL = {"n_big": 1, "big_elems": 256}

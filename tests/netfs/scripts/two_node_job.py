@@ -18,8 +18,10 @@ exits without tearing down the process group (with a dead peer that can block).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -52,14 +54,16 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=20.0)
     args = parser.parse_args()
 
+    # A rank that overstays its bound can be asked where it is: kill -USR1 <pid>.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     result: dict[str, Any] = {"rank": rank, "ok": False, "started_unix": time.time()}
     try:
         import torch.distributed as dist
+        from tests.dist.workers import make_state, states_equal
 
         from atomic_checkpoint import CheckpointManager, KeepLast
-        from tests.dist.workers import make_state, states_equal
 
         small = {"n_big": 1, "big_elems": 1 << 10}
         dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
@@ -82,7 +86,8 @@ def main() -> int:
             result["peer_restore_ok"] = states_equal(
                 mgr.restore(rank=peer), make_state(latest.step, peer, **small)
             )
-        saved = []
+        saved: list[int] = []
+        result["saved"] = saved  # what completed, also when a later save fails
         for step in args.steps:
             shape = small
             if step == args.announce:
@@ -90,7 +95,6 @@ def main() -> int:
                 (args.status / f"saving-{rank}").write_text(str(time.time()))
             mgr.save(step, make_state(step, rank, **shape))
             saved.append(step)
-        result["saved"] = saved
         result["retained"] = [c.step for c in mgr.checkpoints()]
         mgr.close()
         result["ok"] = True

@@ -1,0 +1,145 @@
+"""libfiu faults in real processes: each storage error reaches the caller as the
+project's error, with its errno and path, and never as a wrong diagnosis.
+
+Children run under ``fiu-run -x`` with ``reliability/fiu_extra.c`` preloaded and arm
+their own faults through libfiu's C API (``reliability.fiuctl.Fiu``). The campaign
+(``reliability.iofaults``) runs the full point x phase x rank matrix; these tests pin
+the violations it found, plus a bounded slice of the matrix through the same machinery.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from atomic_checkpoint import CheckpointManager
+from reliability import REPO_ROOT, iofaults
+from reliability.fiuctl import EXTRA_ENV, build_extra, fiu_argv
+from tests.testbed.pytest_fixtures import fiu_ready  # noqa: F401 - fixture used by name
+from tests.testbed.pytest_fixtures import strict_facilities
+
+pytestmark = [pytest.mark.faults]
+
+
+@pytest.fixture(scope="module")
+def extra_so(tmp_path_factory: pytest.TempPathFactory) -> str:
+    ok, why = iofaults.available()
+    if not ok:
+        if strict_facilities():
+            pytest.fail(f"libfiu campaign unavailable: {why} (required under CI)")
+        pytest.skip(f"libfiu campaign unavailable: {why}")
+    return build_extra(str(tmp_path_factory.mktemp("fiu")))
+
+
+def run_child(extra: str, tmp_path: Path, code: str, *args: str) -> dict:
+    """Run ``code`` under fiu-run in a fresh interpreter; it prints one JSON line."""
+    prelude = "import errno, json, os, sys\nfrom reliability.fiuctl import Fiu\nfiu = Fiu()\n"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, **{EXTRA_ENV: extra})
+    argv = fiu_argv(extra, [sys.executable, "-c", prelude + textwrap.dedent(code), *args],
+                    ctrl_prefix=str(tmp_path / "fiu-ctrl"))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60,
+                          check=False, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(60)
+def test_failed_rename_of_an_atomic_replace_is_a_storage_error(fiu_ready, extra_so, tmp_path):
+    # Found by the campaign: os.replace's OSError escaped write_bytes_atomic raw (the
+    # run lock writes its token through it, so a manager start failed with OSError).
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "state.json").write_bytes(b"old")
+    out = run_child(extra_so, tmp_path, """
+        from atomic_checkpoint.storage.local import LocalStorage
+        s = LocalStorage(sys.argv[1])
+        out = {}
+        for name in ("ENOSPC", "EIO", "EROFS"):
+            fiu.enable("posix/io/dir/rename", getattr(errno, name), onetime=True)
+            try:
+                s.write_bytes_atomic("state.json", b"new")
+                out[name] = None
+            except Exception as exc:
+                out[name] = [type(exc).__name__, getattr(exc, "errno", None), str(exc)]
+            fiu.disable("posix/io/dir/rename")
+        out["left"] = sorted(os.listdir(sys.argv[1]))
+        print(json.dumps(out))
+    """, str(root))
+    want = {"ENOSPC": "StorageFullError", "EIO": "StorageError", "EROFS": "StoragePermissionError"}
+    for name, kind in want.items():
+        assert out[name] is not None, f"{name}: the failed rename was reported as success"
+        assert out[name][:2] == [kind, getattr(errno, name)], out[name]
+        assert "state.json" in out[name][2] and f"errno {getattr(errno, name)}" in out[name][2]
+    # The old content stays, and no temporary file is left behind.
+    assert (root / "state.json").read_bytes() == b"old"
+    assert out["left"] == ["state.json"]
+
+
+@pytest.mark.timeout(60)
+def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(
+    fiu_ready, extra_so, tmp_path
+):
+    # Found by the campaign: an EIO while opening the run file was reported as a corrupt
+    # checkpoint, and EIO on every manifest made latest() None ("nothing to resume":
+    # a silent fresh start over existing checkpoints) and restore() say "no valid
+    # checkpoint". An I/O error says nothing about the checkpoint: it must surface.
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"x": 1})
+    mgr.save(2, {"x": 2})
+    mgr.close()
+    out = run_child(extra_so, tmp_path, """
+        import atomic_checkpoint.serialization  # imported before the fault: it is code
+        from atomic_checkpoint import CheckpointManager
+        def attempt(fn):
+            try:
+                return ["ok", repr(fn())]
+            except Exception as exc:
+                return [type(exc).__name__, getattr(exc, "errno", None), str(exc)]
+        out = {}
+        reader = CheckpointManager(sys.argv[1], read_only=True)
+        fiu.enable("posix/io/oc/open", errno.EIO, onetime=False)
+        out["start"] = attempt(lambda: CheckpointManager(sys.argv[1]))
+        out["latest"] = attempt(lambda: reader.latest())
+        out["restore"] = attempt(lambda: reader.restore())
+        fiu.disable("posix/io/oc/open")
+        out["after"] = attempt(lambda: reader.restore()["x"])
+        print(json.dumps(out))
+    """, str(root))
+    for what in ("start", "latest", "restore"):
+        assert out[what][0] != "ok", (what, out[what])
+        kind, code, message = out[what]
+        assert kind == "StorageError" and code == errno.EIO, (what, out[what])
+        assert "errno 5" in message and str(root) in message, (what, message)
+    assert out["after"] == ["ok", "2"]  # the fault cleared: the newest checkpoint is there
+
+
+@pytest.mark.timeout(240)
+def test_campaign_slice_is_clean(fiu_ready, extra_so, tmp_path):
+    """The combinations that failed while the campaign was built, and one of each
+    point in a protocol phase, through the real 3-rank job under fiu-run."""
+    combos = [
+        "rename:EIO:once:startup:coordinator",
+        "rename:EDQUOT:persistent:startup:coordinator",
+        "open:EROFS:persistent:startup:coordinator",
+        "open:EIO:persistent:restore:coordinator",
+        "write:ENOSPC:once:mid_write:peer",
+        "fsync:EIO:persistent:after_write:coordinator",
+        "rename:ENOSPC:once:after_manifest:coordinator",
+        "fsync:EIO:once:after_rename:coordinator",
+        "mkdir:EDQUOT:persistent:prepare:coordinator",
+        "unlink:EIO:persistent:after_uncommit:coordinator",
+        "open:EIO:once:before_write:peer",
+    ]
+    tally = iofaults.run("quick", 3, lambda _line: None, str(tmp_path),
+                         only=[iofaults.parse_combo(c) for c in combos])
+    assert tally.trials == len(combos)
+    assert tally.faults >= len(combos) - 1, tally.stats
+    assert tally.violations == 0, "\n".join(tally.details)

@@ -1,0 +1,96 @@
+"""SIGKILL in the middle of a Trainer save, with and without make_atomic.
+
+hf_kill.py run {stock|atomic} OUT_DIR KILL_STEP
+    Trains a 10-step schedule saving every 2 steps (save_total_limit=2) and kills
+    itself with SIGKILL while saving checkpoint KILL_STEP: after the model file is
+    written, before optimizer.pt, scheduler.pt, the RNG state and trainer_state.json.
+
+hf_kill.py check STOCK_DIR ATOMIC_DIR REF_DIR RESULT_JSON RESUME_STEP
+    Resumes each killed run with resume_from_checkpoint=True (stock Trainer on the
+    stock run, make_atomic on the atomic run), runs an uninterrupted reference, and
+    writes what happened to RESULT_JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from compare import differences, dump
+from tiny_hf import RandomTokens, SnapshotAt, losses, tiny_args, tiny_model
+from transformers import Trainer
+
+from atomic_checkpoint.integrations.hf import make_atomic
+
+MAX_STEPS = 10
+
+
+def build(out: str, *, atomic: bool, callbacks: list | None = None) -> Trainer:
+    t = Trainer(
+        model=tiny_model(),
+        args=tiny_args(out, max_steps=MAX_STEPS, save_total_limit=2),
+        train_dataset=RandomTokens(64),
+        callbacks=callbacks,
+    )
+    return make_atomic(t, timeout_s=60) if atomic else t
+
+
+def run(kind: str, out: str, kill_step: int) -> None:
+    trainer = build(out, atomic=kind == "atomic")
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        name = os.path.basename(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else ""
+        if name == "optimizer.pt" and trainer.state.global_step == kill_step:
+            # The model files of this checkpoint are on disk, nothing else is.
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+    trainer.train()
+    raise SystemExit(f"the run finished without reaching the kill at step {kill_step}")
+
+
+def check(stock_dir: str, atomic_dir: str, ref_dir: str, result: str, resume_step: int) -> None:
+    doc: dict[str, object] = {}
+    try:
+        build(stock_dir, atomic=False).train(resume_from_checkpoint=True)
+        doc["stock_resume"] = "succeeded"
+    except Exception as exc:
+        doc["stock_resume"] = f"{type(exc).__name__}: {exc}"
+        doc["stock_resume_type"] = [c.__name__ for c in type(exc).__mro__]
+        doc["stock_traceback"] = traceback.format_exc()
+
+    snap = SnapshotAt(resume_step)
+    resumed = build(atomic_dir, atomic=True, callbacks=[snap])
+    resumed.train(resume_from_checkpoint=True)
+    doc["atomic_first_step"] = snap.first_step_seen
+
+    ref_snap = SnapshotAt(resume_step)
+    reference = build(ref_dir, atomic=False, callbacks=[ref_snap])
+    reference.train()
+    doc["restored_vs_reference"] = differences(snap.taken, ref_snap.taken)
+    doc["losses_resumed"] = {
+        k: v for k, v in losses(resumed.state.log_history).items() if k > resume_step
+    }
+    doc["losses_reference"] = {
+        k: v for k, v in losses(reference.state.log_history).items() if k > resume_step
+    }
+    doc["final_vs_reference"] = differences(
+        resumed.model.state_dict(), reference.model.state_dict()
+    )
+    doc["atomic_listing"] = sorted(os.listdir(atomic_dir))
+    dump(result, doc)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        check(*sys.argv[2:6], int(sys.argv[6]))

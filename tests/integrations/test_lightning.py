@@ -1,0 +1,623 @@
+"""The Lightning CheckpointIO plugins with the real ``lightning`` package.
+
+Multi-process runs are real ``Trainer(strategy="ddp", accelerator="cpu", devices=2)``
+jobs (Lightning re-executes the script for rank 1, as on a cluster), killed with
+SIGKILL in the middle of a save; the stock plugins are run the same way, so the claims
+about them stay true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from atomic_checkpoint import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageFullError,
+    UnsafeCheckpointError,
+)
+from atomic_checkpoint._faults import ENV as FAULTS_ENV
+from atomic_checkpoint.integrations import lightning as al
+from atomic_checkpoint.integrations.lightning import (
+    MANIFEST_SUFFIX,
+    AsyncAtomicCheckpointIO,
+    AtomicCheckpointIO,
+    checkpoint_io_classes,
+    latest_checkpoint,
+    verify_checkpoint,
+)
+from tests.dist.launcher import run_ranks
+from tests.dist.workers import states_equal
+from tests.testbed.disk import SmallDisk
+from tests.testbed.pytest_fixtures import require_facility, strict_facilities
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "lightning_train.py"
+RUN_TIMEOUT_S = 240
+
+
+# ---------------------------------------------------------------------- helpers
+def _state(step: int, n: int = 2000) -> dict[str, Any]:
+    """A Lightning-shaped checkpoint dict (what dump_checkpoint returns)."""
+    g = torch.Generator().manual_seed(step)
+    return {
+        "epoch": 0,
+        "global_step": step,
+        "pytorch-lightning_version": "2.6.0",
+        "state_dict": {"w": torch.randn(n, generator=g), "b": torch.zeros(3)},
+        "optimizer_states": [
+            {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": []}
+        ],
+        "lr_schedulers": [{"last_epoch": step, "_last_lr": [0.1]}],
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
+    }
+
+
+def _strays(directory: Path) -> list[str]:
+    """Pending files or manifest temporaries left in a checkpoint directory."""
+    return [n for n in os.listdir(directory) if n.endswith(".pending") or ".tmp-" in n]
+
+
+def _run_script(
+    tmp: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=tmp,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+
+
+def _run_until_killed(
+    tmp: Path,
+    argv: list[str],
+    *,
+    kill_when: Callable[[], bool] | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[int | None, str]:
+    """Start ``argv`` in its own process group; SIGKILL the whole group once
+    ``kill_when()`` holds (or once the first process ended: a fault point killed
+    rank 0, and rank 1 must not linger). Returns (exit status of the first process,
+    log)."""
+    log_path = tmp / f"job-{time.monotonic_ns()}.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            argv,
+            cwd=tmp,
+            env={**os.environ, **(env or {})},
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    break
+                if kill_when is not None and kill_when():
+                    break
+                time.sleep(0.02)
+            else:
+                pytest.fail(
+                    f"job did not reach the kill point in {RUN_TIMEOUT_S} s: {log_path.read_text()}"
+                )
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+    return proc.returncode, log_path.read_text(errors="replace")
+
+
+def _assert_resumed_state_equals_saved(ref: Path, step: int, world: int) -> None:
+    for r in range(world):
+        saved = torch.load(ref / f"step-{step}-rank{r}.pt", weights_only=False)
+        resumed = torch.load(ref / f"resumed-rank{r}.pt", weights_only=False)
+        assert resumed["global_step"] == step
+        for part in ("model", "optimizer", "scheduler", "rng", "python_rng"):
+            assert states_equal(saved[part], resumed[part]), f"rank {r}: {part} differs"
+
+
+def _report(ref: Path, rank: int = 0) -> dict[str, Any]:
+    return json.loads((ref / f"report-rank{rank}.json").read_text())
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], SmallDisk]]:
+    """``make(size_mb)``: a real tmpfs mounted under ``tmp_path``, unmounted after."""
+    with contextlib.ExitStack() as stack:
+
+        def make(size_mb: int) -> SmallDisk:
+            require_facility("tmpfs")
+            return stack.enter_context(SmallDisk(tmp_path / "disks", size_mb, "tmpfs"))
+
+        yield make
+
+
+def _require_strace() -> None:
+    if shutil.which("strace"):
+        return
+    message = "strace is not installed (scripts/bootstrap.sh installs it)"
+    if strict_facilities():
+        pytest.fail(message + " (required under CI)")
+    pytest.skip(message)
+
+
+# ---------------------------------------------------------------------- multi-process
+@pytest.mark.dist
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stock_checkpoint_io_tears_last_ckpt_when_killed_and_resume_trips(tmp_path, tmpfs):
+    """Stock TorchCheckpointIO stages in $TMPDIR. On another filesystem than the
+    checkpoint directory (HPC: node-local /tmp, checkpoints on Lustre) its "rename"
+    becomes an in-place copy that truncates the previous last.ckpt first."""
+    _require_strace()
+    stage = tmpfs(64)
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    assert os.stat(stage.path).st_dev != os.stat(tmp_path).st_dev
+    # Saves at steps 2, 4, 6 copy two files each (top-k file, then last.ckpt), with two
+    # sendfile calls per copy: call 11 is the copy into last.ckpt at step 6. strace
+    # holds it there, after the copy opened (and truncated) last.ckpt.
+    argv = [
+        "strace", "-qq", "-o", os.devnull, "-e", "trace=sendfile",
+        "-e", "inject=sendfile:delay_enter=120000000:when=11",
+        sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref),
+        "--io", "stock", "--devices", "2", "--max-steps", "8",
+    ]  # fmt: skip
+    seen = {"complete": False}
+
+    def last_truncated() -> bool:
+        try:
+            size = os.path.getsize(ckpt / "last.ckpt")
+        except FileNotFoundError:
+            return False
+        if size > 0:
+            seen["complete"] = True
+        return seen["complete"] and size == 0
+
+    _rc, log = _run_until_killed(
+        tmp_path, argv, kill_when=last_truncated, env={"TMPDIR": str(stage.path)}
+    )
+    assert seen["complete"], log
+    assert (ckpt / "last.ckpt").stat().st_size == 0  # the only "last" is gone
+    assert {"epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"} <= set(os.listdir(ckpt))
+    # Stock resume from "last" loads the torn file and fails.
+    resumed = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(tmp_path / "ref2"), "--io", "stock",
+        "--max-steps", "10", "--resume", "last",
+    )  # fmt: skip
+    assert resumed.returncode != 0
+    assert "EOFError" in resumed.stderr or "zip archive" in resumed.stderr, resumed.stderr[-2000:]
+
+
+@pytest.mark.dist
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_saves_rotates_and_resumes_from_newest_complete_after_kill(tmp_path):
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    common = ["--dir", str(ckpt), "--ref", str(ref), "--io", "atomic", "--devices", "2"]
+    # SIGKILL rank 0 in the middle of writing step 6 (its top-k file, the first of
+    # the two files of that save).
+    rc, log = _run_until_killed(
+        tmp_path,
+        [sys.executable, str(SCRIPT), *common, "--max-steps", "8"],
+        env={FAULTS_ENV: "mid_write@0=kill:6"},
+    )
+    assert rc == -signal.SIGKILL, log[-3000:]
+    names = set(os.listdir(ckpt))
+    # Steps 2 and 4 were committed (top-2 by step), 6 was being written: only its
+    # pending file exists, under a name no reader looks at.
+    assert {"epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"} <= names
+    assert "epoch=0-step=6.ckpt" not in names
+    assert any(n.startswith(".epoch=0-step=6.ckpt.") and n.endswith(".pending") for n in names)
+    assert verify_checkpoint(ckpt / "last.ckpt").global_step == 4
+    assert latest_checkpoint(ckpt, full=True) is not None
+    assert verify_checkpoint(latest_checkpoint(ckpt, full=True)).global_step == 4
+
+    # Resume with Lightning's own ckpt_path="last" on 2 ranks: the newest complete
+    # checkpoint, identical model, optimizer, scheduler and RNG state on each rank.
+    resumed = _run_script(tmp_path, *common, "--max-steps", "10", "--resume", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for r in (0, 1):
+        report = _report(ref, r)
+        assert report["start_step"] == 4 and report["final_step"] == 10, report
+        assert report["world_size"] == 2
+    _assert_resumed_state_equals_saved(ref, 4, world=2)
+
+    # Training went on and rotated: top-2 by step plus last; the abandoned pending
+    # file was swept; every file verifies and is a plain torch.save file.
+    assert _report(ref)["best_k"] == ["epoch=0-step=10.ckpt", "epoch=0-step=8.ckpt"]
+    assert sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt")) == [
+        "epoch=0-step=10.ckpt",
+        "epoch=0-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert _strays(ckpt) == []
+    assert not (ckpt / ("epoch=0-step=4.ckpt" + MANIFEST_SUFFIX)).exists()
+    for name in ("epoch=0-step=8.ckpt", "epoch=0-step=10.ckpt", "last.ckpt"):
+        assert (ckpt / (name + MANIFEST_SUFFIX)).exists()
+        info = verify_checkpoint(ckpt / name, require_manifest=True)
+        assert info.global_step == (8 if "step=8" in name else 10) and info.is_newest
+        plain = torch.load(ckpt / name, weights_only=True)
+        assert plain["global_step"] == info.global_step
+    assert latest_checkpoint(ckpt).endswith(("last.ckpt", "epoch=0-step=10.ckpt"))
+
+
+def _async_argv(io: str, ckpt: Path, ref: Path) -> list[str]:
+    # save_top_k=1 without "last": ModelCheckpoint removes the previous file after it
+    # asked for the new one. The main thread holds after the save of step 4.
+    return [
+        sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref), "--io", io,
+        "--max-steps", "8", "--top-k", "1", "--save-last", "0", "--hold-at", "4",
+    ]  # fmt: skip
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stock_async_checkpoint_io_removes_previous_before_new_is_written(tmp_path):
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    argv = [*_async_argv("stock-async", ckpt, ref), "--slow-stock-at", "4"]
+    # Killed while step 4 is still being written (the inner save takes long).
+    _run_until_killed(tmp_path, argv, kill_when=lambda: (ref / "held").exists())
+    # The previous checkpoint was already removed: nothing is left to resume from.
+    assert [n for n in os.listdir(ckpt) if n.endswith(".ckpt")] == []
+    resumed = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(tmp_path / "ref2"), "--io", "stock",
+        "--max-steps", "3", "--top-k", "1", "--save-last", "0", "--resume", "last",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # Lightning's resume silently starts over from step 0.
+    assert _report(tmp_path / "ref2")["start_step"] == 0
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_atomic_keeps_previous_until_new_is_committed(tmp_path):
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    # The background write of step 4 hangs half way; the training thread has moved on
+    # past ModelCheckpoint's remove_checkpoint call when the job is killed.
+    _rc, log = _run_until_killed(
+        tmp_path,
+        _async_argv("atomic-async", ckpt, ref),
+        kill_when=lambda: (ref / "held").exists(),
+        env={FAULTS_ENV: "mid_write@0=hang:4"},
+    )
+    names = set(os.listdir(ckpt))
+    assert "epoch=0-step=2.ckpt" in names, (names, log[-2000:])
+    assert "epoch=0-step=4.ckpt" not in names
+    assert any(n.endswith(".pending") for n in names)  # step 4, half written
+    assert verify_checkpoint(ckpt / "epoch=0-step=2.ckpt").global_step == 2
+    resumed = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic-async",
+        "--max-steps", "6", "--top-k", "1", "--save-last", "0", "--resume", "latest",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _report(ref)["start_step"] == 2 and _report(ref)["final_step"] == 6
+    _assert_resumed_state_equals_saved(ref, 2, world=1)
+    # Rotation after the resume: the async removals ran behind the commits.
+    # (Lightning keeps the file it resumed from: ModelCheckpoint never removes it.)
+    kept = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt"))
+    assert kept == ["epoch=0-step=2.ckpt", "epoch=0-step=6.ckpt"]
+    assert _strays(ckpt) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_lightning_checkpoint_io_runs(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "lightning_checkpoint_io.py"),
+            str(tmp_path / "ckpts"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "resumed at step 6" in out, out
+    assert "refused: CorruptCheckpointError" in out, out
+
+
+# ---------------------------------------------------------------------- one process
+@pytest.mark.timeout(60)
+def test_save_writes_a_plain_torch_file_with_a_manifest_and_loads_it_verified(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "sub" / "dir" / "epoch=0-step=3.ckpt"
+    io.save_checkpoint(_state(3), path)
+    assert sorted(os.listdir(path.parent)) == [path.name, path.name + MANIFEST_SUFFIX]
+    manifest = json.loads((tmp_path / "sub" / "dir" / (path.name + MANIFEST_SUFFIX)).read_text())
+    (version,) = manifest["versions"]
+    assert version["size"] == path.stat().st_size and version["global_step"] == 3
+    # Anything that reads .ckpt files without the plugin still can.
+    assert torch.equal(
+        torch.load(path, weights_only=True)["state_dict"]["w"], _state(3)["state_dict"]["w"]
+    )
+    loaded = io.load_checkpoint(path)
+    assert states_equal(loaded, _state(3))
+    info = verify_checkpoint(path)
+    assert (info.global_step, info.epoch, info.has_manifest, info.is_newest) == (3, 0, True, True)
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(_state(3), path, storage_options={"x": 1})
+    with pytest.raises(CheckpointError, match="mounted filesystems"):
+        io.save_checkpoint(_state(3), "s3://bucket/last.ckpt")
+    with pytest.raises(CheckpointNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    with pytest.raises(FileNotFoundError):  # what Lightning callers catch
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+
+
+@pytest.mark.timeout(60)
+def test_torn_and_corrupt_files_are_refused(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint(_state(5), path)
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # truncated, as by an in-place copy
+    with pytest.raises(CorruptCheckpointError, match="torn or truncated"):
+        io.load_checkpoint(path)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01  # same size: only the checksum sees it
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        io.load_checkpoint(path)
+    assert latest_checkpoint(tmp_path, full=True) is None
+    path.write_bytes(good)
+    assert io.load_checkpoint(path)["global_step"] == 5
+
+
+@pytest.mark.timeout(60)
+def test_loading_is_weights_only_unless_asked(tmp_path, caplog):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "obj.ckpt"
+    state = _state(1)
+    state["hparams"] = logging.LogRecord("x", 1, "p", 1, "m", None, None)  # an arbitrary object
+    io.save_checkpoint(state, path)
+    with pytest.raises(UnsafeCheckpointError, match="weights_only=False"):
+        io.load_checkpoint(path)
+    assert io.load_checkpoint(path, weights_only=False)["hparams"].msg == "m"
+    # A file written without the plugin (no manifest) loads with a warning, or is
+    # refused when a manifest is required.
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save(_state(2), foreign)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert io.load_checkpoint(foreign)["global_step"] == 2
+    assert "has no manifest" in caplog.text
+    with pytest.raises(CorruptCheckpointError, match="no manifest"):
+        AtomicCheckpointIO(require_manifest=True).load_checkpoint(foreign)
+
+
+@pytest.mark.timeout(60)
+def test_remove_checkpoint_removes_file_and_manifest_only(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "a.ckpt"
+    io.save_checkpoint(_state(1), path)
+    io.remove_checkpoint(path)
+    assert os.listdir(tmp_path) == []
+    io.remove_checkpoint(path)  # missing: fine
+    d = tmp_path / "dir.ckpt"
+    d.mkdir()
+    (d / "keep").write_text("x")
+    io.remove_checkpoint(d)  # never a directory
+    assert (d / "keep").exists()
+
+
+@pytest.mark.timeout(60)
+def test_latest_checkpoint_orders_by_recorded_step_not_name_or_mtime(tmp_path):
+    io = AtomicCheckpointIO()
+    for step, name in ((10, "a-step=10.ckpt"), (9, "z-step=9.ckpt"), (2, "last.ckpt")):
+        io.save_checkpoint(_state(step), tmp_path / name)
+    os.utime(tmp_path / "z-step=9.ckpt", (time.time() + 100, time.time() + 100))
+    torch.save(_state(99), tmp_path / "foreign-step=99.ckpt")  # no manifest: not ours
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "a-step=10.ckpt")
+    (tmp_path / "a-step=10.ckpt").write_bytes(b"torn")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "z-step=9.ckpt")
+    assert latest_checkpoint(tmp_path / "nothing-here") is None
+
+
+def w_overwrite_killed(rank: int, world: int, path: str) -> None:
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(_state(4), path)
+    io.save_checkpoint(_state(6), path)  # the fault point kills this process
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["mid_write", "after_manifest", "after_rename"])
+def test_kill_during_an_overwrite_leaves_a_complete_verified_file(tmp_path, phase):
+    """SIGKILL at each point of overwriting ``last.ckpt``: it is always one complete
+    version, verified against its manifest, and the next save cleans up."""
+    path = tmp_path / "last.ckpt"
+    (result,) = run_ranks(
+        w_overwrite_killed,
+        1,
+        str(path),
+        tmp_dir=str(tmp_path),
+        env={FAULTS_ENV: f"{phase}@0=kill:6"},
+    )
+    assert result.killed, result.error_text
+    info = verify_checkpoint(path, require_manifest=True)
+    expected = 6 if phase == "after_rename" else 4
+    assert info.global_step == expected
+    # After the manifest named step 6 but before the rename, the file is still step 4:
+    # complete, and reported as not the newest save.
+    assert info.is_newest == (phase != "after_manifest")
+    assert AtomicCheckpointIO().load_checkpoint(path)["global_step"] == expected
+    if phase == "mid_write":
+        assert len(_strays(tmp_path)) == 1
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(_state(8), path)
+    assert _strays(tmp_path) == []
+    assert verify_checkpoint(path).global_step == 8
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(60)
+def test_disk_full_keeps_the_previous_file(tmp_path, tmpfs):
+    disk = tmpfs(2)
+    io = AtomicCheckpointIO()
+    path = Path(disk.path) / "last.ckpt"
+    io.save_checkpoint(_state(1, n=1000), path)
+    with pytest.raises(StorageFullError):
+        io.save_checkpoint(_state(2, n=1 << 20), path)  # 4 MiB on a 2 MiB disk
+    assert _strays(Path(disk.path)) == []
+    assert io.load_checkpoint(path)["global_step"] == 1
+
+
+class _BlockingIO(AtomicCheckpointIO):
+    """Holds the save of one step until released: a checkpoint that takes long."""
+
+    def __init__(self, block_step: int):
+        super().__init__()
+        self.block_step = block_step
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        if checkpoint["global_step"] == self.block_step:
+            self.started.set()
+            assert self.release.wait(30)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+@pytest.mark.timeout(60)
+def test_async_queues_removal_behind_the_save_and_skips_it_when_the_save_fails(tmp_path):
+    inner = _BlockingIO(block_step=4)
+    io = AsyncAtomicCheckpointIO(inner)
+    old, new = tmp_path / "step=2.ckpt", tmp_path / "step=4.ckpt"
+    io.save_checkpoint(_state(2), old)
+    io.wait()
+    state = _state(4)
+    io.save_checkpoint(state, new)
+    state["state_dict"]["w"].add_(1.0)  # training goes on: the snapshot is unaffected
+    io.remove_checkpoint(old)  # what ModelCheckpoint does right after
+    assert inner.started.wait(10)
+    assert old.exists() and not new.exists()  # the previous one stays meanwhile
+    inner.release.set()
+    io.wait()
+    assert not old.exists()
+    assert torch.equal(io.load_checkpoint(new)["state_dict"]["w"], _state(4)["state_dict"]["w"])
+
+    # A failing save: the removal queued behind it is skipped; the error is raised
+    # once, by the next save.
+    bad = _state(6)
+    bad["state_dict"]["fn"] = lambda: 0  # torch.save cannot pickle it
+    io.save_checkpoint(bad, tmp_path / "step=6.ckpt")
+    io.remove_checkpoint(new)
+    with pytest.raises(CheckpointError) as err:
+        io.wait()
+    assert "step=6.ckpt" in str(err.value)
+    assert new.exists()
+    io.wait()  # raised once only
+    io.teardown()
+    io.teardown()
+
+
+@pytest.mark.timeout(60)
+def test_stock_async_checkpoint_io_removes_before_the_new_file_exists(tmp_path):
+    """The ordering bug of Lightning's AsyncCheckpointIO, in process."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    started, release = threading.Event(), threading.Event()
+
+    class Slow(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            if checkpoint["global_step"] == 4:
+                started.set()
+                assert release.wait(30)
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    io = AsyncCheckpointIO(Slow())
+    old, new = tmp_path / "step=2.ckpt", tmp_path / "step=4.ckpt"
+    io.save_checkpoint(_state(2), old)
+    deadline = time.monotonic() + 10
+    while not old.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    io.save_checkpoint(_state(4), new)
+    io.remove_checkpoint(old)
+    assert started.wait(10)
+    assert not old.exists() and not new.exists()  # no checkpoint at all
+    release.set()
+    io.teardown()
+    assert new.exists()
+
+
+@pytest.mark.parametrize("namespace", ["lightning", "pytorch_lightning"])
+@pytest.mark.timeout(60)
+def test_plugins_for_each_installed_namespace(namespace):
+    package = "lightning" if namespace == "lightning" else "pytorch_lightning"
+    if importlib.util.find_spec(package) is None:
+        with pytest.raises(ImportError, match="pip install"):
+            checkpoint_io_classes(namespace)
+        return
+    classes = checkpoint_io_classes(namespace)
+    if namespace == "lightning":
+        from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+        from lightning.pytorch import Trainer
+    else:
+        from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO
+        from pytorch_lightning import Trainer
+    for cls in classes:
+        assert issubclass(cls, CheckpointIO)
+    plugin = classes.AsyncAtomicCheckpointIO()
+    assert isinstance(plugin.checkpoint_io, classes.AtomicCheckpointIO)
+    trainer = Trainer(accelerator="cpu", devices=1, plugins=[plugin], logger=False)
+    assert trainer.strategy.checkpoint_io is plugin
+    # Spawn launchers pickle plugins.
+    assert type(pickle.loads(pickle.dumps(plugin))) is classes.AsyncAtomicCheckpointIO
+    assert (
+        type(pickle.loads(pickle.dumps(classes.AtomicCheckpointIO()))) is classes.AtomicCheckpointIO
+    )
+    if namespace == "lightning":
+        assert (al.AtomicCheckpointIO, al.AsyncAtomicCheckpointIO) == tuple(classes)
+    with pytest.raises(ValueError, match="namespace"):
+        checkpoint_io_classes("lightning.pytorch")
+
+
+@pytest.mark.timeout(60)
+def test_fabric_save_and_load_go_through_the_plugin(tmp_path):
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[AtomicCheckpointIO()])
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = fabric.setup(model, opt)
+    path = tmp_path / "fabric.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt, "global_step": 7})
+    assert verify_checkpoint(path, require_manifest=True).global_step == 7
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = {"model": model, "optimizer": opt, "global_step": 0}
+    fabric.load(path, state)
+    assert state["global_step"] == 7
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
