@@ -421,6 +421,16 @@ def plot(results: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _remove_scratch(path: str) -> None:
+    def report(_fn: Any, failed: str, exc: Any) -> None:
+        print(f"could not remove {failed}: {exc}", file=sys.stderr)
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=report)
+    else:
+        shutil.rmtree(path, onerror=lambda fn, p, info: report(fn, p, info[1]))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default="100M,1G,4G", help="comma-separated state sizes")
@@ -472,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             results["sizes"][label] = run.run_size(size, os.path.join(work, label))
         results["commit_overhead"] = run.run_commit(os.path.join(work, "commit"))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        _remove_scratch(work)
     largest = max(results["sizes"], key=lambda k: results["sizes"][k]["state_bytes"])
     big = results["sizes"][largest]["ratios"]
     results["ratios"] = {k: big.get(k) for k in RATIO_KEYS}

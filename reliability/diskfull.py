@@ -51,9 +51,14 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     for kind in KINDS[size]:
         try:
             with _small_root(kind, base) as (root, filler):
+                code = errno.ENOSPC
+                if kind == "sshfs":
+                    code = probe_full_errno(root, os.path.dirname(filler)) or errno.ENOSPC
+                tally.stats.setdefault("errno_of_a_full_disk", {})[kind] = errno.errorcode[code]
                 for i in range(REPEATS[size]):
                     for variant in VARIANTS:
-                        _trial(tally, kind, variant, os.path.join(root, f"r{i}-{variant}"), filler, rng, base)
+                        where = os.path.join(root, f"r{i}-{variant}")
+                        _trial(tally, kind, variant, where, filler, rng, base, code)
         except Exception as exc:
             tally.violate("stuck", f"{kind}: could not run: {type(exc).__name__}: {exc}")
         progress(f"disk-full: {kind} done, {tally.trials} trials, {tally.violations} violations")
@@ -76,6 +81,37 @@ def _small_root(kind: str, base: str) -> Iterator[tuple[str, str]]:
         yield str(mnt.path), os.path.join(str(exp.export), "filler")
 
 
+def probe_full_errno(mount_dir: str, server_dir: str) -> int | None:
+    """The errno a client of ``mount_dir`` gets when the server's disk is full.
+
+    SFTP (protocol 3, what sshfs speaks) has no "disk full" status: the server sends a
+    generic failure, which sshfs reports as EIO. The campaign expects from the library
+    the errno the filesystem gave it, so it asks the filesystem first.
+    """
+    filler = os.path.join(server_dir, "probe-filler")
+    try:
+        with open(filler, "wb") as f:
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+        fd = os.open(os.path.join(mount_dir, "probe"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            for _ in range(64):
+                os.write(fd, b"x" * (1 << 20))
+            os.fsync(fd)
+        except OSError as exc:
+            return exc.errno
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        return None
+    finally:
+        for p in (filler, os.path.join(server_dir, "probe")):
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+
+
 def _trial(
     tally: Tally,
     kind: str,
@@ -84,6 +120,7 @@ def _trial(
     filler: str,
     rng: random.Random,
     base: str,
+    code: int,
 ) -> None:
     tally.trials += 1
     if variant == "one-rank":
@@ -108,7 +145,7 @@ def _trial(
             tally.violate("stuck", f"{label}: rank {r.rank} crashed: {r.error_text[-400:]}")
             return
         values.append(r.value)
-    _judge(tally, label, values)
+    _judge(tally, label, values, code)
     view = inspect_root(root, world=WORLD, size=SMALL)
     # Step 2 was saved with other tensor sizes: check what is there by step only.
     if view.torn and not all("different state" in t and "checkpoint-2" in t for t in view.torn):
@@ -117,7 +154,7 @@ def _trial(
                 tally.violate("torn", f"{label}: {t}")
 
 
-def _judge(tally: Tally, label: str, values: list[dict[str, Any]]) -> None:
+def _judge(tally: Tally, label: str, values: list[dict[str, Any]], code: int) -> None:
     coord = values[0]
     if any(v.get("saved_full") for v in values):
         tally.violate("split", f"{label}: a save larger than the free space succeeded on some rank")
@@ -125,7 +162,7 @@ def _judge(tally: Tally, label: str, values: list[dict[str, Any]]) -> None:
     tally.faults += 1
     for i, v in enumerate(values):
         desc = v["error"]
-        reason = unclear_reason(desc, errno=errno.ENOSPC) if desc else "no error"
+        reason = unclear_reason(desc, errno=code) if desc else "no error"
         if reason:
             tally.violate("unclear", f"{label}: rank {i}: {reason}")
         elif desc["type"] == "DistributedCheckpointError":

@@ -26,12 +26,20 @@ from tests.dist.launcher import RankResult, _context
 _SLOT = 48  # bytes per progress record
 
 _progress_fd: int | None = None
+_epoch = ""
+
+
+def set_epoch(prefix: str) -> None:
+    """Inside a rank: prefix every later progress record (e.g. ``"timed:"``), so the
+    parent can tell the phases of the save it waits for from earlier ones."""
+    global _epoch
+    _epoch = prefix
 
 
 def mark(what: str) -> None:
     """Inside a rank: record what this rank is doing now (one pwrite, no fsync)."""
     if _progress_fd is not None:
-        data = what.encode()[: _SLOT - 1].ljust(_SLOT, b" ")
+        data = (_epoch + what).encode()[: _SLOT - 1].ljust(_SLOT, b" ")
         with contextlib.suppress(OSError):
             os.pwrite(_progress_fd, data, 0)
 

@@ -1,21 +1,26 @@
 """One save in flight: snapshot into reused host buffers, then write and commit in the
 background, and raise a failure exactly once.
 
-``CheckpointManager.save_async`` is built from the three pieces of this module::
+``CheckpointManager.save_async`` is built from the pieces of this module::
 
-    training thread                         background thread ("atomic-checkpoint-save")
-    ---------------                         ------------------------------------------
+    training thread                          background thread ("atomic-checkpoint-save")
+    ---------------                          -------------------------------------------
     save_async(step, state)
       wait for the previous save (raise
-        its failure if nobody saw it yet)
-      plan_state(state)
-      SnapshotPool.snapshot(plan)  <- the only time training is blocked
+        its failure if nobody was told yet)
+      plan_state(state); SnapshotPool.prepare
       AsyncSaver.submit(run) ---------------> commit protocol on a cloned coordinator
-    return SaveHandle                          (own store connection and key namespace,
-    ... training mutates the state ...          never the training's collective stream)
-                                               write + fsync from the snapshot
-                                               manifest, rename, retention afterwards
+      Snapshot.copy(): tensor 0, 1, 2, ...     (own store connection and key namespace,
+        <- the only time training is blocked    never the training's collective stream)
+    return SaveHandle                          write tensor i as soon as it is copied,
+    ... training mutates the state ...           hashing while writing; fsync
+                                               manifest, rename, then retention
     handle.result() / mgr.wait() / next save <-- CheckpointInfo or the failure (once)
+
+The background save starts before the copy and streams each tensor as soon as the
+training thread has copied it, so the time until durable is about that of a sync save,
+not copy plus save. It runs at a lower CPU priority than training (``nice`` +10 on
+Linux, per thread), so on a machine with few cores the training loop keeps its CPU.
 
 The snapshot is one flat host buffer laid out tensor after tensor, allocated on the
 first save and reused by every later one: on these VMs memory that was freed and
@@ -79,6 +84,11 @@ class SaveHandle:
     otherwise by the manager's next ``save``/``save_async``/``wait``/``close``.
     ``result()`` may be called any number of times (it raises the same error each
     time); once it has raised, the manager no longer raises that failure.
+
+    Attributes:
+        step: the step being saved.
+        blocked_s: how long ``save_async`` blocked the caller (wait for the previous
+            save, plan, snapshot copy).
     """
 
     def __init__(self, step: int):

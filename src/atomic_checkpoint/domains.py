@@ -21,8 +21,6 @@ shared directory, or nodes whose disks never rotate. So we probe:
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,9 +28,9 @@ from dataclasses import dataclass
 from .coordination import Coordinator
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import META_DIR
+from .lock import HOST_ENV as HOST_ENV
+from .lock import current_host
 from .storage.base import Storage
-
-HOST_ENV = "ATOMIC_CHECKPOINT_HOST"
 
 
 @dataclass(frozen=True)
@@ -58,11 +56,6 @@ class Domain:
     @property
     def is_shared(self) -> bool:
         return len(self.leaders) == 1
-
-
-def host_name() -> str:
-    """This process's host, overridable (tests run several "nodes" on one machine)."""
-    return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
 def single_domain(world_size: int) -> Domain:
@@ -97,7 +90,7 @@ def discover(
         return single_domain(world)
     if mode not in ("auto", "per-host"):
         raise ValueError(f"storage_domains must be 'auto', 'shared' or 'per-host', got {mode!r}")
-    hosts = coord.all_gather("domains: hosts", host_name(), timeout_s=timeout_s)
+    hosts = coord.all_gather("domains: hosts", current_host(), timeout_s=timeout_s)
     candidates = [r for r in range(world) if hosts.index(hosts[r]) == r]
     if mode == "per-host" or len(candidates) == 1:
         # One host: every rank sees the same local filesystem namespace.

@@ -121,6 +121,53 @@ def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(
     assert out["after"] == ["ok", "2"]  # the fault cleared: the newest checkpoint is there
 
 
+@pytest.mark.timeout(60)
+def test_read_errors_while_restoring_or_verifying_are_storage_errors(
+    fiu_ready, extra_so, tmp_path
+):
+    # Found by the campaign: a read error (EIO from a failing disk) inside restore()
+    # escaped as a bare OSError, bypassing the error tree, and verify() did the same.
+    root = tmp_path / "root"
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"w": list(range(1000)), "name": "x" * 5000})
+    mgr.close()
+    out = run_child(extra_so, tmp_path, """
+        import atomic_checkpoint.serialization  # imported before the fault: it is code
+        from atomic_checkpoint import CheckpointManager
+        from atomic_checkpoint.storage.local import LocalStorage
+        mgr = CheckpointManager(sys.argv[1], read_only=True)
+        arm = []
+        real_open = LocalStorage.open_read
+
+        def open_read(self, path):
+            # Arm once the state file is open: its next read fails (the manifest,
+            # read before it, is not what this test is about).
+            f = real_open(self, path)
+            if path.endswith(".safetensors") and arm:
+                fiu.enable("posix/io/rw/read", arm.pop(), onetime=True)
+            return f
+
+        LocalStorage.open_read = open_read
+        out = {}
+        for what, fn in (("restore", lambda: mgr.restore(1)), ("verify", lambda: mgr.verify(1))):
+            for name in ("EIO", "ENOSPC"):
+                arm.append(getattr(errno, name))
+                try:
+                    fn()
+                    out[what + name] = None
+                except Exception as exc:
+                    out[what + name] = [type(exc).__name__, getattr(exc, "errno", None), str(exc)]
+                fiu.disable("posix/io/rw/read")
+        print(json.dumps(out))
+    """, str(root))
+    for what in ("restore", "verify"):
+        for name, kind in (("EIO", "StorageError"), ("ENOSPC", "StorageFullError")):
+            got = out[what + name]
+            assert got is not None, f"{what}: the read error was swallowed"
+            assert got[:2] == [kind, getattr(errno, name)], (what, got)
+            assert "rank-00000.safetensors" in got[2] and "read" in got[2], (what, got)
+
+
 @pytest.mark.timeout(240)
 def test_campaign_slice_is_clean(fiu_ready, extra_so, tmp_path):
     """The combinations that failed while the campaign was built, and one of each

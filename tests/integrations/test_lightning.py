@@ -185,7 +185,7 @@ def test_stock_checkpoint_io_tears_last_ckpt_when_killed_and_resume_trips(tmp_pa
         "strace", "-qq", "-o", os.devnull, "-e", "trace=sendfile",
         "-e", "inject=sendfile:delay_enter=120000000:when=11",
         sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref),
-        "--io", "stock", "--devices", "2", "--max-steps", "8",
+        "--io", "stock", "--devices", "1", "--max-steps", "8",
     ]  # fmt: skip
     seen = {"complete": False}
 
@@ -443,7 +443,12 @@ def test_latest_checkpoint_orders_by_recorded_step_not_name_or_mtime(tmp_path):
     assert latest_checkpoint(tmp_path / "nothing-here") is None
 
 
-def w_overwrite_killed(rank: int, world: int, path: str) -> None:
+KILL_PHASES = ("mid_write", "after_manifest", "after_rename")
+
+
+def w_overwrite_killed(rank: int, world: int, root: str) -> None:
+    """Rank r overwrites its own last.ckpt and is killed at KILL_PHASES[r]."""
+    path = os.path.join(root, KILL_PHASES[rank], "last.ckpt")
     io = AtomicCheckpointIO()
     io.save_checkpoint(_state(4), path)
     io.save_checkpoint(_state(6), path)  # the fault point kills this process
@@ -451,32 +456,31 @@ def w_overwrite_killed(rank: int, world: int, path: str) -> None:
 
 @pytest.mark.faults
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("phase", ["mid_write", "after_manifest", "after_rename"])
-def test_kill_during_an_overwrite_leaves_a_complete_verified_file(tmp_path, phase):
-    """SIGKILL at each point of overwriting ``last.ckpt``: it is always one complete
-    version, verified against its manifest, and the next save cleans up."""
-    path = tmp_path / "last.ckpt"
-    (result,) = run_ranks(
-        w_overwrite_killed,
-        1,
-        str(path),
-        tmp_dir=str(tmp_path),
-        env={FAULTS_ENV: f"{phase}@0=kill:6"},
+def test_kill_during_an_overwrite_leaves_a_complete_verified_file(tmp_path):
+    """SIGKILL at each point of overwriting ``last.ckpt`` (one process per point): it is
+    always one complete version, verified against its manifest, and the next save
+    cleans up."""
+    faults = ",".join(f"{phase}@{r}=kill:6" for r, phase in enumerate(KILL_PHASES))
+    results = run_ranks(
+        w_overwrite_killed, 3, str(tmp_path), tmp_dir=str(tmp_path), env={FAULTS_ENV: faults}
     )
-    assert result.killed, result.error_text
-    info = verify_checkpoint(path, require_manifest=True)
-    expected = 6 if phase == "after_rename" else 4
-    assert info.global_step == expected
-    # After the manifest named step 6 but before the rename, the file is still step 4:
-    # complete, and reported as not the newest save.
-    assert info.is_newest == (phase != "after_manifest")
-    assert AtomicCheckpointIO().load_checkpoint(path)["global_step"] == expected
-    if phase == "mid_write":
-        assert len(_strays(tmp_path)) == 1
-    io = AtomicCheckpointIO()
-    io.save_checkpoint(_state(8), path)
-    assert _strays(tmp_path) == []
-    assert verify_checkpoint(path).global_step == 8
+    for phase, result in zip(KILL_PHASES, results, strict=True):
+        assert result.killed, (phase, result.error_text)
+        directory = tmp_path / phase
+        path = directory / "last.ckpt"
+        info = verify_checkpoint(path, require_manifest=True)
+        expected = 6 if phase == "after_rename" else 4
+        assert info.global_step == expected, phase
+        # After the manifest named step 6 but before the rename, the file is still
+        # step 4: complete, and reported as not the newest save.
+        assert info.is_newest == (phase != "after_manifest"), phase
+        assert AtomicCheckpointIO().load_checkpoint(path)["global_step"] == expected
+        # Before the rename, the new version is left as a pending file nobody loads.
+        assert len(_strays(directory)) == (0 if phase == "after_rename" else 1), phase
+        io = AtomicCheckpointIO()
+        io.save_checkpoint(_state(8), path)
+        assert _strays(directory) == []
+        assert verify_checkpoint(path).global_step == 8
 
 
 @pytest.mark.faults

@@ -77,7 +77,9 @@ def two_nodes(netns_pair: NetnsPair, tmp_path: Path) -> Iterator[TwoNodes]:
     with netns_pair.sshfs_export(tmp_path / "srv") as export:
         mounts = {
             "a": export.mount(
-                tmp_path / "node-a", extra_opts=FAST_FAIL_OPTS, launcher=netns_pair.nsenter_args("a")
+                tmp_path / "node-a",
+                extra_opts=FAST_FAIL_OPTS,
+                launcher=netns_pair.nsenter_args("a"),
             ),
             "b": export.mount(tmp_path / "node-b", extra_opts=FAST_FAIL_OPTS),
         }

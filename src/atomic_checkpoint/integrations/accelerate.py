@@ -8,6 +8,8 @@ Two lines replace the stock calls::
     ...
     save_state(accelerator)                          # instead of accelerator.save_state()
 
+``close(accelerator)`` at the end waits for the last rotation (it also runs at exit).
+
 ``Accelerator.save_state`` with ``automatic_checkpoint_naming`` writes straight into
 ``checkpoints/checkpoint_<i>``: a crash mid-save leaves a torn folder, and
 ``load_state()`` takes the highest-numbered folder whatever it holds (FAILURE_MODES
@@ -46,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..catalog import parse_attempt_dir, read_manifest
+from ..catalog import parse_attempt_dir, parse_marker_name, read_manifest
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -58,12 +60,17 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from ..layout import checkpoint_name, parse_checkpoint_name, validate_step
+from ..layout import (
+    TRASH_DIR,
+    checkpoint_name,
+    new_attempt_token,
+    validate_step,
+)
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
 from ..retention import KeepLast
 
-__all__ = ["FrameworkRoot", "load_state", "save_state"]
+__all__ = ["FrameworkRoot", "close", "load_state", "save_state"]
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -195,6 +202,8 @@ class FrameworkRoot:
         step = validate_step(step)
         mgr = self.manager
         final_base = os.path.join(self.root, checkpoint_name(step))
+        if mgr.is_coordinator:
+            self._set_aside_torn(step)
         with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
             target = pending / nested if nested else pending
             # Marker strategy: the pending directory is the committed attempt directory.
@@ -220,6 +229,46 @@ class FrameworkRoot:
         if mgr.last_saved is None:  # pragma: no cover - saving() either commits or raises
             raise CommitError(f"{self.label} step {step}: the save returned no checkpoint")
         return mgr.last_saved
+
+    def _set_aside_torn(self, step: int) -> None:
+        """Coordinator: move a torn ``checkpoint-<step>`` without a manifest (left by a
+        crash of a save made without this integration) out of the way of the save of
+        the same step, as the framework's own save would have overwritten it.
+
+        Best effort: if it cannot be moved, the commit protocol refuses the save and
+        every rank gets that error.
+        """
+        storage = self.manager.storage
+        name = checkpoint_name(step)
+        try:
+            read_manifest(storage, name)
+            return  # committed (or ours and corrupt): the commit replaces it atomically
+        except CheckpointNotFoundError:
+            pass
+        except CheckpointError:
+            return
+        entries = storage.listdir(name)
+        if not entries or any(
+            parse_marker_name(e) is not None or parse_attempt_dir(e) is not None for e in entries
+        ):
+            return  # empty, or marker-strategy leftovers that the commit protocol owns
+        trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
+        try:
+            storage.makedirs(TRASH_DIR)
+            storage.rename_dir(name, trash)
+        except CheckpointError as exc:
+            log.warning("%s: could not move the torn %s aside: %s", self.label, name, exc)
+            return
+        log.warning(
+            "%s: %s had no manifest (a save torn by a crash, or written without "
+            "atomic-checkpoint): replaced by this save",
+            self.label,
+            storage.url(name),
+        )
+        try:
+            storage.delete_tree(trash)
+        except CheckpointError as exc:  # the next start-up sweeps .trash/
+            log.warning("%s: could not delete %s: %s", self.label, storage.url(trash), exc)
 
     def _check_copies_match(self, target: Path, step: int) -> None:
         """Several storage domains: every domain must hold the same kinds of files.
@@ -330,12 +379,17 @@ def _masked_names(directory: Path) -> list[str]:
     return out
 
 
+# Names frameworks give checkpoint folders: ours and the Trainer's (checkpoint-N), and
+# Accelerate's automatic naming (checkpoint_N).
+_CHECKPOINT_LIKE = re.compile(r"^checkpoint[-_][0-9]+$")
+
+
 def _checkpoint_like_names(root: str) -> list[str]:
     try:
         names = os.listdir(root)
     except OSError:
         return []
-    return sorted(n for n in names if parse_checkpoint_name(n) is not None)
+    return sorted(n for n in names if _CHECKPOINT_LIKE.match(n))
 
 
 def _flatten(pending: Path, nested: str, *, step: int, label: str) -> None:
@@ -508,3 +562,16 @@ def load_state(
             "was being loaded (another job rotating this root?)"
         )
     return found[0]
+
+
+def close(accelerator: Any) -> None:
+    """Finish background retention and release the run lock of every root that
+    :func:`save_state` / :func:`load_state` opened for ``accelerator``.
+
+    Call it at the end of training (it also runs at interpreter exit). Not collective;
+    idempotent; a later ``save_state`` opens the root again.
+    """
+    roots: dict[str, tuple[FrameworkRoot, Any]] = accelerator.__dict__.get(_ROOTS_ATTR, {})
+    while roots:
+        _key, (opened, _policy) = roots.popitem()
+        opened.close()

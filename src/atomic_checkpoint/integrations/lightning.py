@@ -535,8 +535,9 @@ class _AtomicFileIO:
         self._sweep(directory)
         store = LocalStorage(directory)
         rank = _rank()
-        step = _int_or_none(checkpoint.get("global_step"))
-        epoch = _int_or_none(checkpoint.get("epoch"))
+        fields = checkpoint if isinstance(checkpoint, Mapping) else {}
+        step = _int_or_none(fields.get("global_step"))
+        epoch = _int_or_none(fields.get("epoch"))
         pending = f".{name}.{uuid.uuid4().hex[:16]}.pending"
         hasher = Hasher(DEFAULT_ALGORITHM)
         writer = store.open_write(pending)

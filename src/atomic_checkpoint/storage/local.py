@@ -55,13 +55,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import io
 import logging
 import os
 import shutil
 import sys
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import (
     CheckpointError,
@@ -114,6 +115,57 @@ def _retry_windows(fn: Callable[[], _T], attempts: int = 8) -> _T:
             time.sleep(delay)
             delay *= 2
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _LocalReader:
+    """An unbuffered file whose read errors arrive as ``StorageError`` (with errno and
+    path) like every other storage error: a failing disk, or a network filesystem
+    whose server went away, fails ``read`` with EIO/ESTALE after a successful open."""
+
+    def __init__(self, f: io.FileIO, path: str):
+        self._f = f
+        self._path = path
+
+    def read(self, size: int = -1, /) -> bytes:
+        try:
+            return self._f.readall() if size is None or size < 0 else self._f.read(size) or b""
+        except OSError as exc:
+            raise map_os_error(exc, "read", self._path) from exc
+
+    def readinto(self, buffer: Any, /) -> int | None:
+        try:
+            return self._f.readinto(buffer)
+        except OSError as exc:
+            raise map_os_error(exc, "read", self._path) from exc
+
+    def seek(self, offset: int, whence: int = 0, /) -> int:
+        try:
+            return self._f.seek(offset, whence)
+        except OSError as exc:
+            raise map_os_error(exc, "seek in", self._path) from exc
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        self._f.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else a file-like consumer asks for (readable, name, ...) is the file's.
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _LocalReader:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.close()
 
 
 class _LocalWriter:
@@ -302,7 +354,7 @@ class LocalStorage:
         self.check_root()
         p = self._abs(path)
         try:
-            return open(p, "rb", buffering=0)
+            return _LocalReader(open(p, "rb", buffering=0), p)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{p!r} does not exist") from exc
         except OSError as exc:

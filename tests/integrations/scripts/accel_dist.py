@@ -17,7 +17,7 @@ from tiny_accel import build, train_step
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
 from atomic_checkpoint.catalog import read_manifest
-from atomic_checkpoint.integrations.accelerate import load_state, save_state
+from atomic_checkpoint.integrations.accelerate import close, load_state, save_state
 
 OUT = sys.argv[1]
 RANK = int(os.environ["RANK"])
@@ -38,6 +38,7 @@ def run(project: str, steps: range, *, resume: bool) -> dict[str, object]:
             out.setdefault("saved", []).append(info.step)
             if step == 8:
                 out["after_save_8"] = snapshot(model, opt, sched)
+    close(acc)
     return out
 
 

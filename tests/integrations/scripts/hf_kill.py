@@ -14,6 +14,7 @@ hf_kill.py check STOCK_DIR ATOMIC_DIR REF_DIR RESULT_JSON RESUME_STEP
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import traceback
@@ -66,6 +67,18 @@ def check(stock_dir: str, atomic_dir: str, ref_dir: str, result: str, resume_ste
         doc["stock_resume"] = f"{type(exc).__name__}: {exc}"
         doc["stock_resume_type"] = [c.__name__ for c in type(exc).__mro__]
         doc["stock_traceback"] = traceback.format_exc()
+
+    # make_atomic on a directory holding only a torn checkpoint: an error, never a
+    # silent fresh start.
+    torn_only = os.path.join(ref_dir + "-torn-only")
+    shutil.copytree(
+        os.path.join(stock_dir, "checkpoint-6"), os.path.join(torn_only, "checkpoint-6")
+    )
+    try:
+        build(torn_only, atomic=True).train(resume_from_checkpoint=True)
+        doc["atomic_on_torn_only"] = "succeeded"
+    except Exception as exc:
+        doc["atomic_on_torn_only"] = f"{type(exc).__name__}: {exc}"
 
     snap = SnapshotAt(resume_step)
     resumed = build(atomic_dir, atomic=True, callbacks=[snap])

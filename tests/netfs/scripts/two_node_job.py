@@ -12,7 +12,7 @@ state and that of a rank on the other node. With ``--announce STEP`` each rank w
 ``<status>/saving-<rank>`` just before saving STEP, with a larger state, so the test
 can cut the link while that save is in flight. Each rank ends by writing
 ``<status>/result-<rank>.json`` (what it saw, or the error it raised and when) and
-exits without tearing down the process group (with a dead peer that can block).
+exits with status 0 without tearing down the process group.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def main() -> int:
                 raise RuntimeError("--resume: no checkpoint to resume from")
             peer = (rank + world // 2) % world
             result["resumed_from"] = latest.step
-            result["restore_ok"] = states_equal(mgr.restore(), make_state(latest.step, rank, **small))
+            result["restore_ok"] = states_equal(
+                mgr.restore(), make_state(latest.step, rank, **small)
+            )
             result["peer_restore_ok"] = states_equal(
                 mgr.restore(rank=peer), make_state(latest.step, peer, **small)
             )
@@ -110,7 +112,10 @@ def main() -> int:
     _write_json(args.status / f"result-{rank}.json", result)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if result["ok"] else 1)
+    # Exit 0 whatever happened (the result file says it): torchrun terminates a node's
+    # other workers as soon as one exits non-zero, before they could report their own
+    # error. No process-group teardown: with a dead peer it can block.
+    os._exit(0)
 
 
 if __name__ == "__main__":

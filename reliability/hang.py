@@ -1,0 +1,280 @@
+"""Hung ranks and slow storage: the others must raise ``CoordinationTimeoutError``
+naming the rank that did not arrive, within the configured timeout (plus slack), and
+the late rank itself must fail cleanly once it wakes up.
+
+Variants:
+
+- **hang**: ``ATOMIC_CHECKPOINT_FAULTS=<phase>@<rank>=hang`` makes one rank sleep at a
+  protocol phase (the coordinator at any phase, a peer at the phases it passes);
+- **frozen**: the campaign SIGSTOPs a random rank at a random moment of a save (a
+  process stuck in the kernel, or descheduled for good), waits for the others to give
+  up, then SIGCONTs it: it must raise too, never report success, never hang;
+- **slow**: a real slow link: ranks 0-1 write to the server's own disk, rank 2 writes
+  through an sshfs mount from another network namespace whose link is throttled with a
+  token-bucket filter (``tc tbf``), so its write takes several timeouts.
+
+After each trial nothing torn is discoverable, the checkpoint before the trial is
+intact, and the next start leaves no pending data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from atomic_checkpoint._faults import SAVE_PHASES
+
+from .checks import inspect_root, next_start_leftovers, unclear_reason
+from .jobs import ForkJob
+from .kill import COORDINATOR_ONLY
+from .tally import Progress, Tally
+from .workers import w_timed_save
+
+WORLD = 3
+SIZE = 1 << 12
+#: Allowed lateness of a timeout: its own measurement, the save's work before the
+#: barrier, and scheduling on a loaded 2-core machine.
+SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class HangSize:
+    hang: int
+    frozen: int
+    slow: int
+    timeout_s: float
+
+
+SIZES = {
+    "quick": HangSize(hang=4, frozen=3, slow=1, timeout_s=2.0),
+    "full": HangSize(hang=24, frozen=16, slow=3, timeout_s=2.0),
+}
+
+
+def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    cfg = SIZES[size]
+    tally = Tally("hang")
+    rng = random.Random(seed)
+    base = os.path.join(workdir, "hang")
+    shutil.rmtree(base, ignore_errors=True)
+    os.makedirs(os.path.join(base, "jobs"))
+    state = {"step": 2}
+    root = os.path.join(base, "root")
+    choices = [(p, "coordinator") for p in SAVE_PHASES]
+    choices += [(p, "peer") for p in SAVE_PHASES if p not in COORDINATOR_ONLY]
+    rng.shuffle(choices)
+    for i in range(cfg.hang):
+        phase, role = choices[i % len(choices)]
+        _hang_trial(tally, cfg, rng, base, root, state, phase, role)
+    progress(f"hang: {cfg.hang} hung-rank trials, {tally.violations} violations")
+    for _ in range(cfg.frozen):
+        _frozen_trial(tally, cfg, rng, base, root, state)
+    progress(f"hang: {cfg.frozen} frozen-rank trials, {tally.violations} violations")
+    if cfg.slow:
+        try:
+            with _slow_node(base) as (fast_root, slow_root, truth):
+                for _ in range(cfg.slow):
+                    _slow_trial(tally, cfg, base, fast_root, slow_root, truth, state)
+        except Exception as exc:
+            tally.violate("stuck", f"slow storage: could not run: {type(exc).__name__}: {exc}")
+        progress(f"hang: {cfg.slow} slow-storage trials, {tally.violations} violations")
+    return tally.finish()
+
+
+def _next(state: dict[str, int]) -> int:
+    state["step"] += 2
+    return state["step"]
+
+
+def _hang_trial(
+    tally: Tally,
+    cfg: HangSize,
+    rng: random.Random,
+    base: str,
+    root: str,
+    state: dict[str, int],
+    phase: str,
+    role: str,
+) -> None:
+    tally.trials += 1
+    step = _next(state)
+    victim = 0 if role == "coordinator" else rng.randrange(1, WORLD)
+    label = f"hang at {phase} on rank {victim}"
+    env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@{victim}=hang:{step}"}
+    job = ForkJob(w_timed_save, WORLD, [root] * WORLD, step, SIZE, {}, cfg.timeout_s,
+                  tmp_dir=os.path.join(base, "jobs"), env=env)
+    try:
+        # The others raise after one timeout; the victim sleeps on and is killed.
+        results = job.wait(timeout_s=20 + 3 * cfg.timeout_s)
+    finally:
+        job.close()
+    if results[victim].exitcode is not None:
+        tally.count("missed", label)
+    else:
+        tally.faults += 1
+    _judge_timeouts(tally, cfg, label, results, victim, None)
+    _judge_root(tally, label, root, step)
+
+
+def _frozen_trial(
+    tally: Tally, cfg: HangSize, rng: random.Random, base: str, root: str, state: dict[str, int]
+) -> None:
+    tally.trials += 1
+    step = _next(state)
+    victim = rng.randrange(WORLD)
+    # Bigger states make the save last long enough to be caught in the middle.
+    job = ForkJob(w_timed_save, WORLD, [root] * WORLD, step, SIZE, {r: 1 << 18 for r in range(WORLD)},
+                  cfg.timeout_s, tmp_dir=os.path.join(base, "jobs"))
+    label = f"frozen rank {victim}"
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(
+            job.progress(r).startswith("timed:") for r in range(WORLD)
+        ):
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0.0, 0.03))
+        where = job.progress(victim).removeprefix("timed:")
+        stopped = where not in ("saved", "finished") and job.signal(victim, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        label += f" at {where}"
+        if stopped:
+            # Wait for the others to give up, then wake the frozen rank.
+            others = [p for r, p in enumerate(job.procs) if r != victim]
+            end = time.monotonic() + cfg.timeout_s + SLACK_S + 10
+            while time.monotonic() < end and any(p.is_alive() for p in others):
+                time.sleep(0.01)
+            job.signal(victim, signal.SIGCONT)
+        results = job.wait(timeout_s=20 + 3 * cfg.timeout_s)
+    finally:
+        job.close()
+    if not stopped:
+        tally.count("missed", "frozen: the save was over")
+        return
+    tally.faults += 1
+    tally.count("frozen_at", where)
+    _judge_timeouts(tally, cfg, label, results, victim, t_stop)
+    woke = results[victim]
+    if woke.exitcode is None:
+        tally.violate("hangs", f"{label}: after SIGCONT the rank never finished")
+    elif woke.value is not None and woke.value.get("error") is None and any(
+        r.value and r.value.get("error") for r in results if r.rank != victim
+    ):
+        tally.violate("split", f"{label}: woke up and reported success while the others failed")
+    _judge_root(tally, label, root, step)
+
+
+def _judge_timeouts(
+    tally: Tally,
+    cfg: HangSize,
+    label: str,
+    results: list[Any],
+    victim: int,
+    t_stop: float | None,
+) -> None:
+    for r in results:
+        if r.rank == victim:
+            continue
+        if r.exitcode is None:
+            tally.violate("hangs", f"{label}: rank {r.rank} did not give up")
+            continue
+        v = r.value
+        if r.error is not None or v is None:
+            tally.violate("stuck", f"{label}: rank {r.rank} crashed: {r.error_text[-300:]}")
+            continue
+        if v.get("setup_error"):
+            tally.violate("stuck", f"{label}: rank {r.rank} failed before the trial: {v['error']}")
+            continue
+        if v["error"] is None:
+            if t_stop is None or v["t_end"] > t_stop:
+                tally.violate("split", f"{label}: rank {r.rank} saved although rank {victim} stalled")
+            continue
+        reason = unclear_reason(v["error"], dead={victim})
+        if reason:
+            tally.violate("unclear", f"{label}: rank {r.rank}: {reason}")
+        elif v["error"]["type"] != "CoordinationTimeoutError":
+            tally.violate("unclear", f"{label}: rank {r.rank} raised {v['error']['type']}, not a timeout")
+        waited = v["t_end"] - (t_stop if t_stop is not None else v["t_start"])
+        tally.stats.setdefault("timeout_seen_s", []).append(round(waited, 3))
+        if waited > cfg.timeout_s + SLACK_S:
+            tally.violate(
+                "hangs", f"{label}: rank {r.rank} raised after {waited:.2f} s (timeout {cfg.timeout_s} s)"
+            )
+
+
+def _judge_root(tally: Tally, label: str, root: str, step: int, world: int = WORLD) -> None:
+    view = inspect_root(root, world=world, size=SIZE)
+    for t in view.torn:
+        if f"checkpoint-{step}:" in t and "different state" in t:
+            continue  # saved with other tensor sizes: checked by the ranks
+        tally.violate("torn", f"{label}: {t}")
+    if step - 1 not in view.steps:
+        tally.violate("lost", f"{label}: step {step - 1} from before the stall is gone: {view.steps}")
+    left, error = next_start_leftovers(root)
+    if error:
+        tally.violate("stuck", f"{label}: the next start failed: {error}")
+    if left:
+        tally.violate("leaks", f"{label}: still there after the next start: {left}")
+
+
+# ------------------------------------------------------------------------ slow storage
+
+
+@contextlib.contextmanager
+def _slow_node(base: str) -> Iterator[tuple[str, str, str]]:
+    """(root on the server's disk, the same root through a throttled sshfs mount from
+    another namespace, the root's real path)."""
+    from tests.testbed import NetnsPair
+
+    with NetnsPair("achang") as pair, pair.sshfs_export(os.path.join(base, "srv")) as exp:
+        mnt = exp.mount(os.path.join(base, "slow-mnt"))
+        # 4 Mbit/s with a small bucket: a 4 MB rank file takes about 8 s.
+        subprocess.run(
+            ["ip", "netns", "exec", pair.name("b"), "tc", "qdisc", "add", "dev", pair.veth,
+             "root", "tbf", "rate", "4mbit", "burst", "16kb", "latency", "400ms"],
+            check=True, capture_output=True, timeout=10,
+        )
+        truth = os.path.join(str(exp.export), "root")
+        yield truth, os.path.join(str(mnt.path), "root"), truth
+
+
+def _slow_trial(
+    tally: Tally,
+    cfg: HangSize,
+    base: str,
+    fast_root: str,
+    slow_root: str,
+    truth: str,
+    state: dict[str, int],
+) -> None:
+    tally.trials += 1
+    step = _next(state)
+    victim = WORLD - 1
+    label = "slow storage under rank 2"
+    roots = [fast_root] * (WORLD - 1) + [slow_root]
+    job = ForkJob(w_timed_save, WORLD, roots, step, SIZE, {victim: 1 << 19}, cfg.timeout_s,
+                  tmp_dir=os.path.join(base, "jobs"))
+    try:
+        results = job.wait(timeout_s=120)
+    finally:
+        job.close()
+    tally.faults += 1
+    _judge_timeouts(tally, cfg, label, results, victim, None)
+    slow = results[victim]
+    if slow.exitcode is None:
+        tally.violate("hangs", f"{label}: the slow rank never finished")
+    elif slow.value is not None and slow.value.get("error") is None:
+        tally.violate("split", f"{label}: the slow rank reported success")
+    elif slow.value is not None:
+        tally.stats.setdefault("slow_rank_s", []).append(round(slow.value["elapsed_s"], 2))
+        reason = unclear_reason(slow.value["error"])
+        if reason:
+            tally.violate("unclear", f"{label}: the slow rank: {reason}")
+    _judge_root(tally, label, truth, step)

@@ -1,0 +1,298 @@
+"""The Hugging Face Trainer integration, with the real transformers (tiny GPT-2 built
+from a config, no downloads), real torchrun jobs on gloo, and real SIGKILLs.
+
+Each multi-process test is one launch whose job writes what it saw to JSON files
+(tests/integrations/scripts/hf_*.py); the assertions are grouped here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atomic_checkpoint import CheckpointInfo, KeepLast
+from atomic_checkpoint.integrations.hf import KeepTrainerBest, make_atomic
+from atomic_checkpoint.retention import plan_deletions
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+RUN_TIMEOUT_S = 240
+TRAINER_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt"}
+TRAINER_FILES |= {"trainer_state.json", "training_args.bin"}
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("ATOMIC_CHECKPOINT_FAULTS", None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TMPDIR=str(tmp_path),  # torchrun leaves torchelastic_* directories there
+    )
+    env.update(extra)
+    return env
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def _check(proc: subprocess.CompletedProcess[str], what: str) -> None:
+    if proc.returncode != 0:
+        pytest.fail(f"{what} exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_torchrun_job_saves_rotates_and_resumes_identically(tmp_path: Path) -> None:
+    """2 processes: atomic saves with both ranks' files, rotation that keeps the best,
+    pushes and on_save callbacks that only see committed paths, and a resume whose
+    state and losses equal an uninterrupted run's."""
+    proc = subprocess.run(
+        _torchrun("--standalone", "--nproc_per_node=2", str(SCRIPTS / "hf_dist.py"), str(tmp_path)),
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    _check(proc, "torchrun hf_dist.py")
+    r0, r1 = _load(tmp_path / "result-0.json"), _load(tmp_path / "result-1.json")
+    run = str(tmp_path / "run")
+
+    # Phase A, steps 1-8, save_total_limit=2: checkpoint-2 rotated away, checkpoint-4
+    # kept although it is not among the last two, because it is the Trainer's best.
+    assert [n for n in r0["a_listing"] if n.startswith("checkpoint-")] == [
+        "checkpoint-4",
+        "checkpoint-6",
+        "checkpoint-8",
+    ]
+    assert r0["a_best"] == f"{run}/checkpoint-4"
+    # on_save callbacks run after the commit: the checkpoint they find is committed.
+    assert r0["a_saves"] == [{"step": s, "committed": True} for s in (2, 4, 6, 8)]
+    assert r1["a_saves"] == r0["a_saves"]
+    # Hub pushes are handed the committed path, complete with every rank's files.
+    pushes = r0["a_pushes"]
+    assert [p["path"] for p in pushes] == [f"{run}/checkpoint-{s}" for s in (2, 4, 6, 8)]
+    for push in pushes:
+        assert push["committed"], push
+        assert TRAINER_FILES | {"rng_state_0.pth", "rng_state_1.pth"} <= set(push["files"])
+    assert r1["a_pushes"] == pushes  # every rank's hook gets the same committed path
+
+    # Phase B: resume_from_checkpoint=True picked step 8 on both ranks, and restored
+    # exactly the state an uninterrupted run has there (model, optimizer, scheduler, RNG).
+    assert r0["b_first_step"] == r1["b_first_step"] == 8
+    assert r0["restored_vs_reference"] == [] and r1["restored_vs_reference"] == []
+    assert r0["losses_b"] == r0["losses_c"] and len(r0["losses_b"]) == 4
+    assert r0["final_12_vs_reference"] == []
+    # The best survived the restart and rotation; load_best_model_at_end loaded it, and
+    # trainer_state.json records its committed path, never a pending one.
+    assert [n for n in r0["listing"] if n.startswith("checkpoint-")] == [
+        "checkpoint-10",
+        "checkpoint-12",
+        "checkpoint-4",
+    ]
+    assert r0["b_best"] == r0["state_12_best"] == f"{run}/checkpoint-4"
+    assert r0["b_final_is_best"]
+
+    # Every committed checkpoint verifies (all checksums) and lists both ranks' files;
+    # the manifest records the step's eval metrics; nothing is left pending.
+    verified = r0["verified"]
+    assert sorted(verified, key=int) == ["4", "10", "12"]
+    for entry in verified.values():
+        assert TRAINER_FILES | {"rng_state_0.pth", "rng_state_1.pth"} <= set(entry["files"])
+    assert verified["4"]["metrics"]["eval_score"] == 0.9
+    assert r0["pending_left"] == []
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_nodes_with_their_own_disks_commit_full_copies_and_agree_on_resume(
+    tmp_path: Path,
+) -> None:
+    """2 "nodes" (torchrun --nnodes=2, one process each), each with a directory the other
+    cannot see: save_on_each_node is checked against the storage, each node commits a
+    complete copy, and both resume from the newest step complete on every node."""
+    port = str(_free_port())
+    procs = []
+    for node in (0, 1):
+        cmd = _torchrun(
+            "--nnodes=2",
+            f"--node_rank={node}",
+            "--nproc_per_node=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(SCRIPTS / "hf_nodes.py"),
+            str(tmp_path),
+        )
+        env = _env(tmp_path, ATOMIC_CHECKPOINT_HOST=f"node{node}")
+        procs.append(
+            subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=RUN_TIMEOUT_S)[0])
+    finally:  # reached with live processes only when a node timed out
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for node, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        _check(subprocess.CompletedProcess(p.args, p.returncode, out, ""), f"node {node}")
+
+    for rank in (0, 1):
+        r = _load(tmp_path / f"result-{rank}.json")
+        # save_on_each_node=False on disks the nodes do not share: refused, saying why.
+        assert r["shared_flag_error"].startswith("StorageError"), r["shared_flag_error"]
+        assert "save_on_each_node" in r["shared_flag_error"]
+        # A framework that writes the model on rank 0 only: nothing committed anywhere.
+        assert "lacks" in r["half_copy_error"] and "model.safetensors" in r["half_copy_error"]
+        assert not [n for n in r["after_half_copy"] if n.startswith("checkpoint-")]
+        # Each node committed and rotated its own complete copy (with its rank's RNG).
+        first = r["after_first_run"]
+        assert sorted(first, key=int) == ["4", "6"]
+        for files in first.values():
+            assert TRAINER_FILES | {f"rng_state_{rank}.pth"} <= set(files)
+            assert f"rng_state_{1 - rank}.pth" not in files
+        # Node 1 lost checkpoint-6: both nodes resumed from 4, the newest on both.
+        assert r["resumed_first_step"] == 4
+        assert sorted(r["after_resume"], key=int) == ["6", "8"]
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Path) -> None:
+    """Killed while writing checkpoint-6 (model written, optimizer not yet): the stock
+    Trainer leaves a torn checkpoint-6 that its resume trips over; with make_atomic the
+    resume continues from checkpoint-4 with exactly the reference run's state."""
+    stock, atomic, ref = tmp_path / "stock", tmp_path / "atomic", tmp_path / "ref"
+    script = str(SCRIPTS / "hf_kill.py")
+    runs = [
+        subprocess.Popen(
+            [sys.executable, script, "run", kind, str(out), "6"],
+            cwd=REPO,
+            env=_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for kind, out in (("stock", stock), ("atomic", atomic))
+    ]
+    for p in runs:
+        out, _ = p.communicate(timeout=RUN_TIMEOUT_S)
+        assert p.returncode == -signal.SIGKILL, out[-4000:]
+
+    # What the kill left: stock, a torn checkpoint-6 under the final name; atomic, only
+    # complete checkpoints under final names (the torn save stays in .pending/).
+    torn = set(os.listdir(stock / "checkpoint-6"))
+    assert "model.safetensors" in torn
+    assert not {"optimizer.pt", "scheduler.pt", "trainer_state.json"} & torn
+    assert sorted(n for n in os.listdir(atomic) if n.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
+
+    result = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, script, "check", str(stock), str(atomic), str(ref), str(result), "4"],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    _check(proc, "hf_kill.py check")
+    r = _load(result)
+    assert r["stock_resume"].startswith("FileNotFoundError"), r["stock_resume"]
+    assert "checkpoint-6" in r["stock_resume"] and "trainer_state.json" in r["stock_resume"]
+    assert r["atomic_on_torn_only"].startswith("ResumeError"), r["atomic_on_torn_only"]
+    assert "checkpoint-6" in r["atomic_on_torn_only"]
+    assert r["atomic_first_step"] == 4
+    assert r["restored_vs_reference"] == []
+    assert r["losses_resumed"] == r["losses_reference"] and len(r["losses_resumed"]) == 6
+    assert r["final_vs_reference"] == []
+    # The re-done save of step 6 and the rest of the run committed and rotated normally.
+    assert [n for n in r["atomic_listing"] if n.startswith("checkpoint-")] == [
+        "checkpoint-10",
+        "checkpoint-8",
+    ]
+
+
+@pytest.mark.timeout(180)
+def test_example_runs_and_says_what_happened(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "hf_trainer.py"), str(out)],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    _check(proc, "examples/hf_trainer.py")
+    assert "['checkpoint-4', 'checkpoint-6']" in proc.stdout
+    assert "the stock resume would load checkpoint-8" in proc.stdout
+    assert "continued from step 6" in proc.stdout
+    assert "trained to step 10: ['checkpoint-8', 'checkpoint-10']" in proc.stdout
+    assert (out / "checkpoint-10" / "checkpoint.manifest.json").is_file()
+    assert (out / "checkpoint-8" / "trainer_state.json").is_file()  # the torn one was redone
+
+
+# ---------------------------------------------------------------------- in-process
+@dataclass
+class _State:
+    best_model_checkpoint: str | None
+
+
+@dataclass
+class _FakeTrainer:
+    state: _State
+
+
+def _infos(*steps: int) -> list[CheckpointInfo]:
+    return [CheckpointInfo(step=s, path=f"checkpoint-{s}", size_bytes=1) for s in steps]
+
+
+@pytest.mark.timeout(30)
+def test_keep_trainer_best_protects_the_best_beyond_the_last_n(tmp_path: Path) -> None:
+    run = str(tmp_path / "out")
+    trainer = _FakeTrainer(_State(best_model_checkpoint=os.path.join(run, "checkpoint-20")))
+    policy = KeepLast(2) | KeepTrainerBest(trainer, run)
+    deleted = [i.step for i in plan_deletions(policy, _infos(10, 20, 30, 40, 50))]
+    assert deleted == [10, 30]
+    # Marker-strategy layout: the best's files live in checkpoint-<step>/attempt-<token>.
+    trainer.state.best_model_checkpoint = os.path.join(run, "checkpoint-30", "attempt-" + "a" * 16)
+    assert [i.step for i in plan_deletions(policy, _infos(10, 20, 30, 40, 50))] == [10, 20]
+    # A best outside this run's directory (another trial) protects nothing here.
+    trainer.state.best_model_checkpoint = os.path.join(str(tmp_path), "other", "checkpoint-20")
+    assert [i.step for i in plan_deletions(policy, _infos(10, 20, 30, 40, 50))] == [10, 20, 30]
+
+
+@pytest.mark.timeout(30)
+def test_make_atomic_refuses_what_is_not_a_trainer() -> None:
+    with pytest.raises(TypeError, match="_save_checkpoint"):
+        make_atomic(object())
