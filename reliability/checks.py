@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,8 +168,14 @@ class RootView:
         return self.steps[-1] if self.steps else None
 
 
-def inspect_root(root: str, *, world: int, size: int) -> RootView:
-    """Everything discoverable under ``root`` must verify and restore bit-exactly."""
+SizeOf = Callable[[int, int], int]
+
+
+def inspect_root(root: str, *, world: int, size: int | SizeOf) -> RootView:
+    """Everything discoverable under ``root`` must verify and restore bit-exactly.
+
+    ``size``: tensor elements of every saved state, or ``size(step, rank)``.
+    """
     from atomic_checkpoint.serialization import load_state
 
     storage = LocalStorage(root)
@@ -197,7 +203,7 @@ def inspect_root(root: str, *, world: int, size: int) -> RootView:
 
 
 def _check_exact(
-    storage: LocalStorage, step: int, manifest: Any, world: int, size: int, load_state: Any
+    storage: LocalStorage, step: int, manifest: Any, world: int, size: int | SizeOf, load_state: Any
 ) -> str | None:
     try:
         catalog.validate(storage, checkpoint_name(step), manifest, full=True)
@@ -215,7 +221,8 @@ def _check_exact(
                 state = load_state(f)
         except Exception as exc:
             return f"rank {r} does not load: {type(exc).__name__}: {exc}"
-        if not states_equal(state, expected_state(step, r, size)):
+        elems = size(step, r) if callable(size) else size
+        if not states_equal(state, expected_state(step, r, elems)):
             return f"rank {r} restores a different state than it saved"
     return None
 

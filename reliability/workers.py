@@ -122,7 +122,7 @@ def w_disk_full(
     out["fail_s"] = time.monotonic() - t
     out["steps_after"] = [c.step for c in mgr.checkpoints()]
     if mgr.is_coordinator:
-        out["free_after"] = _free(root)
+        out["free_after"] = _free_settled(root, out["free_before"] - (256 << 10))
         out["pending_after"] = sorted(os.listdir(os.path.join(root, ".pending")))
         os.unlink(filler)
     mgr.checkpoints()  # collective: nobody retries before the space is freed
@@ -150,3 +150,17 @@ def _fill(path: str, n: int) -> None:
 def _free(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
+
+
+def _free_settled(path: str, target: int, timeout_s: float = 5.0) -> int:
+    """Free bytes once deletes have settled: XFS frees the blocks of unlinked inodes in
+    the background (deferred inode inactivation), so ``statvfs`` right after a delete
+    can still count them as used. Polls, with a sync, until ``target`` bytes are free
+    again or ``timeout_s`` passes; returns the last reading."""
+    deadline = time.monotonic() + timeout_s
+    free = _free(path)
+    while free < target and time.monotonic() < deadline:
+        os.sync()
+        time.sleep(0.05)
+        free = _free(path)
+    return free

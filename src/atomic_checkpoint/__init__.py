@@ -30,7 +30,7 @@ from .errors import (
 from .manager import CheckpointManager
 from .manifest import CheckpointInfo
 from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, Pin, RetentionPolicy
-from .storage import LocalStorage, MemoryStorage, Storage, StorageCapabilities
+from .storage import LocalStorage, MemoryStorage, Storage, StorageCapabilities, open_storage
 
 __all__ = [
     "AnyOf",
@@ -45,6 +45,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedCheckpointError",
     "FencedError",
+    "FsspecStorage",
     "KeepAll",
     "KeepBest",
     "KeepEvery",
@@ -69,4 +70,14 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
     "__version__",
+    "open_storage",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # FsspecStorage imports fsspec: only when asked for.
+    if name == "FsspecStorage":
+        from .storage.fsspec import FsspecStorage
+
+        return FsspecStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -126,8 +126,8 @@ from .layout import (
     validate_step,
 )
 from .manifest import CheckpointInfo, Manifest
+from .storage import open_storage
 from .storage.base import Storage
-from .storage.local import LocalStorage
 
 __all__ = ["EXIT_LOCKED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
 
@@ -238,7 +238,7 @@ def _emit_json(doc: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- the root
-def _open_root(text: str) -> LocalStorage:
+def _open_root(text: str) -> Storage:
     """The storage of ROOT, or a CliError (exit 2) saying why it cannot be read."""
     path = text[len("file://") :] if text.startswith("file://") else text
     if "://" in path:
@@ -263,7 +263,8 @@ def _open_root(text: str) -> LocalStorage:
         )
     if not os.access(path, os.R_OK | os.X_OK):
         raise CliError(f"checkpoint root {path!r} is not readable by this user", EXIT_USAGE)
-    return LocalStorage(path)
+    # Capabilities from the mount table, as the manager gets them (s3fs-fuse: marker).
+    return open_storage(path)
 
 
 def _recorded_run_id(storage: Storage) -> str | None:

@@ -698,11 +698,14 @@ def save(
     committed: Any = None
     try:
         # 1. prepare: one decision per storage domain, shared with every rank.
-        def prepare() -> tuple[str, bool] | None:
+        # Every rank sends the step it was asked to save: the coordinator's step names
+        # the checkpoint, so a rank with another step would silently put its state into
+        # a checkpoint of the wrong step (FAILURE_MODES C6).
+        def prepare() -> tuple[int, tuple[str, bool] | None]:
             if check_input is not None:
                 check_input()
             if not ctx.is_coordinator:
-                return None
+                return step, None
             nonlocal pending
             ctx.fence()
             exists = _is_step_committed(storage, step)
@@ -711,15 +714,16 @@ def save(
             attempt = new_attempt_token()
             # Known before it exists, so a failure on any rank discards it.
             pending = ctx.strategy.pending_location(step, attempt)
-            return ctx.strategy.prepare(storage, step, attempt), exists
+            return step, (ctx.strategy.prepare(storage, step, attempt), exists)
 
         prepared = run_phase(ctx, step, "prepare", prepare)
-        mine = prepared[ctx.leader]
+        _check_same_step([p[0] for p in prepared])
+        mine = prepared[ctx.leader][1]
         if mine is None:  # the leader either returned it or raised
             raise CommitError(f"step {step}: the domain leader sent no pending location")
         staged: str = mine[0]
         pending = staged if ctx.is_coordinator else None
-        exists_in = [prepared[lead][1] for lead in ctx.leaders]  # type: ignore[index]
+        exists_in = [prepared[lead][1][1] for lead in ctx.leaders]  # type: ignore[index]
         if all(exists_in) and not overwrite:
             raise _Aborted(_exists_error(storage, step))
         # Committed in some domains only: the leftover of a save that failed half way
@@ -803,6 +807,19 @@ def save(
         _await_committed(storage, step, ctx.visibility_timeout_s)
     timings["total"] = time.perf_counter() - t0
     return committed, timings
+
+
+def _check_same_step(steps: Sequence[int]) -> None:
+    """Abort the save on every rank unless every rank passed the same step."""
+    if len(set(steps)) > 1:
+        by_rank = dict(enumerate(steps))
+        raise _Aborted(
+            CommitError(
+                f"the ranks were asked to save different steps ({by_rank}, by rank): every "
+                "rank must call save() with the same step. Nothing was committed; compute "
+                "the step once (e.g. on rank 0) and use it on every rank"
+            )
+        )
 
 
 def _is_committed(ctx: SaveContext, step: int, pending: str) -> bool:

@@ -53,9 +53,8 @@ from .layout import (
 )
 from .lock import DEFAULT_LEASE_S, RunLock
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest, check_metadata, check_metrics
+from .storage import open_storage
 from .storage.base import Storage
-from .storage.detect import local_capabilities
-from .storage.local import LocalStorage
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -144,7 +143,7 @@ class CheckpointManager:
         self.storage: Storage = (
             root
             if not isinstance(root, (str, os.PathLike))
-            else _open_storage(root, storage_options)
+            else open_storage(root, storage_options)
         )
         self.coordinator = coordinator or default_coordinator()
         self.retention = retention
@@ -1306,24 +1305,3 @@ def _log_strategy_once(storage: Storage, strategy: str, *, forced: bool) -> None
     else:
         why = f"{caps.name}: atomic directory rename"
     log.info("atomic-checkpoint: using %s commits on %s (%s)", strategy, storage.url(""), why)
-
-
-def _open_storage(
-    root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> Storage:
-    """A storage for a path or URL: ``FsspecStorage`` for ``s3://``, ``gs://``, ... (any
-    fsspec URL but ``file://``), else ``LocalStorage`` with capabilities read from the
-    mount table (a ``fuse.s3fs`` mount has no atomic directory rename)."""
-    text = os.fspath(root)
-    if "://" in text and not text.startswith("file://"):
-        from .storage.fsspec import FsspecStorage  # imports fsspec: only for URL roots
-
-        return FsspecStorage(text, storage_options)
-    if storage_options:
-        raise ValueError(
-            f"storage_options apply to URL roots (s3://, gs://, ...), not to the local "
-            f"path {text!r}"
-        )
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    return LocalStorage(text, capabilities=local_capabilities(text))

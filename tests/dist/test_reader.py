@@ -42,6 +42,7 @@ def test_reader_polling_during_50_saves_sees_no_torn_checkpoint(tmp_path):
             list(range(1, 51)),
             3,
             30.0,
+            0.02,  # pause between saves, as training steps would
             tmp_dir=str(tmp_path),
             timeout_s=180,
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from typing import Any
 
 import torch
@@ -106,7 +107,13 @@ def w_files_mode(rank: int, world: int, root: str, step: int) -> dict[str, Any]:
 
 
 def w_save_steps(
-    rank: int, world: int, root: str, steps: list[int], keep_last: int | None, timeout_s: float
+    rank: int,
+    world: int,
+    root: str,
+    steps: list[int],
+    keep_last: int | None,
+    timeout_s: float,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     """Save ``steps`` in order (used with fault injection); report what completed."""
     mgr = CheckpointManager(
@@ -116,6 +123,9 @@ def w_save_steps(
     for s in steps:
         mgr.save(s, make_state(s, rank, n_big=2, big_elems=1 << 15))
         done.append(s)
+        # Between saves, like training steps: a concurrent reader gets time to read
+        # even on a loaded machine.
+        time.sleep(pause_s)
     mgr.close()
     return {"done": done}
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from atomic_checkpoint.retention import plan_deletions
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-RUN_TIMEOUT_S = 240
+RUN_TIMEOUT_S = 120  # each launch; a test's launches stay within its timeout
 TRAINER_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt"}
 TRAINER_FILES |= {"trainer_state.json", "training_args.bin"}
 
@@ -48,13 +49,49 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def _check(proc: subprocess.CompletedProcess[str], what: str) -> None:
+def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
+    """Run ``cmd`` to completion; fail the test with its output unless it exits 0."""
+    proc = _spawn(cmd, env)
+    (out,) = _communicate([proc], RUN_TIMEOUT_S)
+    _check(proc, out, what)
+    return out
+
+
+def _check(proc: subprocess.Popen[str], out: str, what: str) -> None:
     if proc.returncode != 0:
-        pytest.fail(f"{what} exited with {proc.returncode}:\n{proc.stdout[-6000:]}")
+        pytest.fail(f"{what} exited with {proc.returncode}:\n{out[-6000:]}")
 
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def _communicate(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Wait for every process; on timeout kill each one's whole process group (torchrun
+    workers included) so nothing outlives the test."""
+    deadline = time.monotonic() + timeout_s
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return outs
+
+
+def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, for _communicate's kill
+    )
 
 
 def _free_port() -> int:
@@ -69,15 +106,11 @@ def test_torchrun_job_saves_rotates_and_resumes_identically(tmp_path: Path) -> N
     """2 processes: atomic saves with both ranks' files, rotation that keeps the best,
     pushes and on_save callbacks that only see committed paths, and a resume whose
     state and losses equal an uninterrupted run's."""
-    proc = subprocess.run(
+    _run(
         _torchrun("--standalone", "--nproc_per_node=2", str(SCRIPTS / "hf_dist.py"), str(tmp_path)),
-        cwd=REPO,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+        _env(tmp_path),
+        "torchrun hf_dist.py",
     )
-    _check(proc, "torchrun hf_dist.py")
     r0, r1 = _load(tmp_path / "result-0.json"), _load(tmp_path / "result-1.json")
     run = str(tmp_path / "run")
 
@@ -146,23 +179,10 @@ def test_nodes_with_their_own_disks_commit_full_copies_and_agree_on_resume(
             str(SCRIPTS / "hf_nodes.py"),
             str(tmp_path),
         )
-        env = _env(tmp_path, ATOMIC_CHECKPOINT_HOST=f"node{node}")
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=RUN_TIMEOUT_S)[0])
-    finally:  # reached with live processes only when a node timed out
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        procs.append(_spawn(cmd, _env(tmp_path, ATOMIC_CHECKPOINT_HOST=f"node{node}")))
+    outs = _communicate(procs, RUN_TIMEOUT_S)
     for node, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        _check(subprocess.CompletedProcess(p.args, p.returncode, out, ""), f"node {node}")
+        _check(p, out, f"node {node}")
 
     for rank in (0, 1):
         r = _load(tmp_path / f"result-{rank}.json")
@@ -192,18 +212,10 @@ def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Pa
     stock, atomic, ref = tmp_path / "stock", tmp_path / "atomic", tmp_path / "ref"
     script = str(SCRIPTS / "hf_kill.py")
     runs = [
-        subprocess.Popen(
-            [sys.executable, script, "run", kind, str(out), "6"],
-            cwd=REPO,
-            env=_env(tmp_path),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        _spawn([sys.executable, script, "run", kind, str(out), "6"], _env(tmp_path))
         for kind, out in (("stock", stock), ("atomic", atomic))
     ]
-    for p in runs:
-        out, _ = p.communicate(timeout=RUN_TIMEOUT_S)
+    for p, out in zip(runs, _communicate(runs, RUN_TIMEOUT_S), strict=True):
         assert p.returncode == -signal.SIGKILL, out[-4000:]
 
     # What the kill left: stock, a torn checkpoint-6 under the final name; atomic, only
@@ -217,15 +229,11 @@ def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Pa
     ]
 
     result = tmp_path / "result.json"
-    proc = subprocess.run(
+    _run(
         [sys.executable, script, "check", str(stock), str(atomic), str(ref), str(result), "4"],
-        cwd=REPO,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+        _env(tmp_path),
+        "hf_kill.py check",
     )
-    _check(proc, "hf_kill.py check")
     r = _load(result)
     assert r["stock_resume"].startswith("FileNotFoundError"), r["stock_resume"]
     assert "checkpoint-6" in r["stock_resume"] and "trainer_state.json" in r["stock_resume"]
@@ -240,24 +248,29 @@ def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Pa
         "checkpoint-10",
         "checkpoint-8",
     ]
+    # The marker strategy (object-store mounts): the Trainer's files stay in one
+    # committed attempt-<token>/ per checkpoint, and resume finds them there.
+    assert r["marker_first_step"] == 4 and r["marker_restored_vs_reference"] == []
+    assert sorted(r["marker_files"]) == ["checkpoint-10", "checkpoint-8"]
+    for files in r["marker_files"].values():
+        attempts = {f.split("/")[0] for f in files if "/" in f}
+        assert len(attempts) == 1 and next(iter(attempts)).startswith("attempt-"), files
+        assert {f.split("/", 1)[1] for f in files if "/" in f} >= TRAINER_FILES
+        assert "checkpoint.manifest.json" in files
 
 
 @pytest.mark.timeout(180)
 def test_example_runs_and_says_what_happened(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run(
+    stdout = _run(
         [sys.executable, str(REPO / "examples" / "hf_trainer.py"), str(out)],
-        cwd=REPO,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
+        _env(tmp_path),
+        "examples/hf_trainer.py",
     )
-    _check(proc, "examples/hf_trainer.py")
-    assert "['checkpoint-4', 'checkpoint-6']" in proc.stdout
-    assert "the stock resume would load checkpoint-8" in proc.stdout
-    assert "continued from step 6" in proc.stdout
-    assert "trained to step 10: ['checkpoint-8', 'checkpoint-10']" in proc.stdout
+    assert "['checkpoint-4', 'checkpoint-6']" in stdout
+    assert "the stock resume would load checkpoint-8" in stdout
+    assert "continued from step 6" in stdout
+    assert "trained to step 10: ['checkpoint-8', 'checkpoint-10']" in stdout
     assert (out / "checkpoint-10" / "checkpoint.manifest.json").is_file()
     assert (out / "checkpoint-8" / "trainer_state.json").is_file()  # the torn one was redone
 

@@ -46,6 +46,11 @@ from atomic_checkpoint.integrations.lightning import (
 )
 from tests.dist.launcher import run_ranks
 from tests.dist.workers import states_equal
+from tests.integrations.scripts.lightning_workers import (
+    KILL_PHASES,
+    w_overwrite_killed,
+)
+from tests.integrations.scripts.lightning_workers import checkpoint_dict as _state
 from tests.testbed.disk import SmallDisk
 from tests.testbed.pytest_fixtures import require_facility, strict_facilities
 
@@ -55,22 +60,6 @@ RUN_TIMEOUT_S = 240
 
 
 # ---------------------------------------------------------------------- helpers
-def _state(step: int, n: int = 2000) -> dict[str, Any]:
-    """A Lightning-shaped checkpoint dict (what dump_checkpoint returns)."""
-    g = torch.Generator().manual_seed(step)
-    return {
-        "epoch": 0,
-        "global_step": step,
-        "pytorch-lightning_version": "2.6.0",
-        "state_dict": {"w": torch.randn(n, generator=g), "b": torch.zeros(3)},
-        "optimizer_states": [
-            {"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": []}
-        ],
-        "lr_schedulers": [{"last_epoch": step, "_last_lr": [0.1]}],
-        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 1}}}},
-    }
-
-
 def _strays(directory: Path) -> list[str]:
     """Pending files or manifest temporaries left in a checkpoint directory."""
     return [n for n in os.listdir(directory) if n.endswith(".pending") or ".tmp-" in n]
@@ -272,7 +261,7 @@ def _async_argv(io: str, ckpt: Path, ref: Path) -> list[str]:
     # asked for the new one. The main thread holds after the save of step 4.
     return [
         sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref), "--io", io,
-        "--max-steps", "8", "--top-k", "1", "--save-last", "0", "--hold-at", "4",
+        "--max-steps", "8", "--top-k", "1", "--save-last", "0", "--hold-at", "4", "--settle", "1",
     ]  # fmt: skip
 
 
@@ -300,12 +289,16 @@ def test_stock_async_checkpoint_io_removes_previous_before_new_is_written(tmp_pa
 @pytest.mark.timeout(600)
 def test_async_atomic_keeps_previous_until_new_is_committed(tmp_path):
     ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+
     # The background write of step 4 hangs half way; the training thread has moved on
     # past ModelCheckpoint's remove_checkpoint call when the job is killed.
+    def writing_and_moved_on() -> bool:
+        return (ref / "held").exists() and any(n.endswith(".pending") for n in os.listdir(ckpt))
+
     _rc, log = _run_until_killed(
         tmp_path,
         _async_argv("atomic-async", ckpt, ref),
-        kill_when=lambda: (ref / "held").exists(),
+        kill_when=writing_and_moved_on,
         env={FAULTS_ENV: "mid_write@0=hang:4"},
     )
     names = set(os.listdir(ckpt))
@@ -441,17 +434,6 @@ def test_latest_checkpoint_orders_by_recorded_step_not_name_or_mtime(tmp_path):
     (tmp_path / "a-step=10.ckpt").write_bytes(b"torn")
     assert latest_checkpoint(tmp_path) == str(tmp_path / "z-step=9.ckpt")
     assert latest_checkpoint(tmp_path / "nothing-here") is None
-
-
-KILL_PHASES = ("mid_write", "after_manifest", "after_rename")
-
-
-def w_overwrite_killed(rank: int, world: int, root: str) -> None:
-    """Rank r overwrites its own last.ckpt and is killed at KILL_PHASES[r]."""
-    path = os.path.join(root, KILL_PHASES[rank], "last.ckpt")
-    io = AtomicCheckpointIO()
-    io.save_checkpoint(_state(4), path)
-    io.save_checkpoint(_state(6), path)  # the fault point kills this process
 
 
 @pytest.mark.faults

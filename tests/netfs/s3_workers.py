@@ -13,6 +13,7 @@ Roles:
             itself (no run lock), aligned by barrier files so both have passed the
             "not yet committed" check and written all their data before either
             creates its manifest.
+    ddp     one rank of a real gloo job saving and restoring per-rank state.
 """
 
 from __future__ import annotations
@@ -186,6 +187,39 @@ def racer(args: dict[str, Any]) -> None:
     emit(event="done", writer=me)
 
 
+def ddp(args: dict[str, Any]) -> None:
+    """One rank of a gloo job (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment):
+    every rank saves its own state to the object store, then restores it."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    rank = dist.get_rank()
+    mgr = CheckpointManager(
+        args["url"],
+        storage_options=args.get("storage_options"),
+        retention=KeepLast(2),
+        timeout_s=60.0,
+    )
+    for step in args["steps"]:
+        mgr.save(step, {"rank": rank, "w": torch.full((args["elems"],), step * 10.0 + rank)})
+    latest = mgr.latest()
+    state = mgr.restore()
+    ok = state["rank"] == rank and bool((state["w"] == latest.step * 10.0 + rank).all())
+    emit(
+        event="report",
+        rank=rank,
+        strategy=mgr.commit_strategy,
+        checkpoints=[c.step for c in mgr.checkpoints()],
+        latest=latest.step,
+        restored_own_state=ok,
+    )
+    mgr.close()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     role, raw = sys.argv[1], sys.argv[2]
-    {"saver": saver, "poller": poller, "racer": racer}[role](json.loads(raw))
+    {"saver": saver, "poller": poller, "racer": racer, "ddp": ddp}[role](json.loads(raw))

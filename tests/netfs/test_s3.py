@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from atomic_checkpoint import CheckpointManager, KeepLast, StorageError, catalog
+from atomic_checkpoint import CheckpointError, CheckpointManager, KeepLast, StorageError, catalog
 from atomic_checkpoint.errors import CheckpointExistsError
 from atomic_checkpoint.layout import MANIFEST_NAME
 
@@ -31,7 +31,7 @@ try:
 except ModuleNotFoundError:  # run without the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.testbed import S3Server
+from tests.testbed import S3Server, free_port
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 
 pytestmark = pytest.mark.netfs
@@ -118,7 +118,47 @@ def test_save_restore_rotate_round_trip(s3_server, s3_bucket, caplog):
     assert float(again.restore()["w"][0]) == 44_000.0
     mine = keys(s3_server, s3_bucket, "run1/checkpoint-40/")
     assert len(mine) == 2, mine
+    # saving() hands out a local directory: on an object store it says so up front.
+    with (
+        pytest.raises(CheckpointError, match=r"saving\(\) needs a mounted filesystem"),
+        again.saving(50),
+    ):
+        pass
     again.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.dist
+def test_two_rank_gloo_job_saves_and_restores_per_rank_state(s3_server, s3_bucket):
+    # Rank 1 writes into the attempt that rank 0 (the coordinator) prepared; the one
+    # manifest lists both ranks' files; each rank restores its own state.
+    url = f"s3://{s3_bucket}/ddp"
+    args = {
+        "url": url,
+        "storage_options": s3_server.storage_options(),
+        "steps": [1, 2, 3],
+        "elems": 250_000,
+    }
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks = [start("ddp", args, env={**env, "RANK": str(r)}) for r in (0, 1)]
+    reports = []
+    for proc in ranks:
+        rc, lines, err = finish(proc, 150)
+        assert rc == 0, err[-3000:]
+        reports += [e for e in lines if e["event"] == "report"]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for r in reports:
+        assert r["strategy"] == "marker"
+        assert r["checkpoints"] == [2, 3] and r["latest"] == 3
+        assert r["restored_own_state"], r
+    manifest = json.loads(
+        s3_server.boto3_client()
+        .get_object(Bucket=s3_bucket, Key=f"ddp/checkpoint-3/{MANIFEST_NAME}")["Body"]
+        .read()
+    )
+    paths = sorted(f["path"].split("/", 1)[1] for f in manifest["files"])
+    assert paths == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    assert len({f["path"].split("/", 1)[0] for f in manifest["files"]}) == 1  # one attempt
 
 
 @pytest.mark.timeout(120)
@@ -324,3 +364,4 @@ def test_missing_bucket_and_dead_server_are_clear_storage_errors(s3_server, tmp_
         assert time.monotonic() - t < 30
         # Mapped at the storage boundary: one of ours, naming the URL.
         assert f"s3://{bucket}/run" in str(err.value)
+        mgr.close()  # releasing the lock on a dead server is logged, never raised

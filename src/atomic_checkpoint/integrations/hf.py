@@ -22,11 +22,13 @@ How: for the duration of ``_save_checkpoint`` the Trainer's output folder
 (``_get_output_dir``) points into the pending directory of a
 :class:`~atomic_checkpoint.CheckpointManager`; the Trainer writes there exactly what it
 always writes, then one coordinator per storage domain checksums and fsyncs every
-file, writes the manifest last and renames the directory into place. The Trainer's
-internals are touched at three methods that have had the same role and signature
-since transformers 4.3x: ``_save_checkpoint``, ``_get_output_dir`` and
-``_push_from_checkpoint``; ``train`` is wrapped to resolve
-``resume_from_checkpoint=True``.
+file, writes the manifest last and renames the directory into place. The Trainer is
+touched at three private methods that Trainer subclasses in the wild (PEFT and
+multimodal trainers) build on too: ``_save_checkpoint`` (wrapped, arguments passed
+through), ``_get_output_dir`` (redirected during the save) and
+``_push_from_checkpoint`` (deferred until the commit); ``train`` is wrapped to resolve
+``resume_from_checkpoint=True``. A subclass whose ``_save_checkpoint`` writes extra
+files under ``_get_output_dir(trial)/checkpoint-N`` gets them committed too.
 
 What the options keep meaning (and what changes):
 
@@ -159,6 +161,8 @@ class _AtomicTrainer:
         self._final: str | None = None
         self._pushes: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.last_saved: CheckpointInfo | None = None
+        # The commit strategy; None chooses from the storage (tests force "marker").
+        self.strategy: str | None = None
 
     # ------------------------------------------------------------------ roots
     def retention_for(self, run_dir: str) -> Any:
@@ -181,6 +185,7 @@ class _AtomicTrainer:
                 retention=self.retention_for(key),
                 label="Trainer",
                 timeout_s=self.timeout_s,
+                strategy=self.strategy,
             )
             self.roots[key] = opened
         return opened

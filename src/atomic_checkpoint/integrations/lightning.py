@@ -8,8 +8,11 @@ Two lines::
 
 ``AsyncAtomicCheckpointIO()`` writes in the background instead. Both plugins exist for
 the ``lightning`` package and for the standalone ``pytorch_lightning`` package:
-:func:`checkpoint_io_classes` returns the pair for either; the module-level names are
-bound to ``lightning`` when it is installed, else to ``pytorch_lightning``.
+:func:`checkpoint_io_classes` returns the pair for either (``PLAtomicCheckpointIO`` and
+``PLAsyncAtomicCheckpointIO`` are the ``pytorch_lightning`` ones); the names
+``AtomicCheckpointIO`` and ``AsyncAtomicCheckpointIO`` are bound to ``lightning`` when
+it is installed, else to ``pytorch_lightning``. Lightning is imported when a plugin
+class is first used, not when this module is.
 
 Why atomic single files, not checkpoint directories
 ---------------------------------------------------
@@ -82,7 +85,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -917,6 +920,25 @@ def _default_classes() -> LightningClasses:
     )
 
 
-_default = _default_classes()
-AtomicCheckpointIO: type[_AtomicFileIO] = _default.AtomicCheckpointIO
-AsyncAtomicCheckpointIO: type[_AsyncAtomicFileIO] = _default.AsyncAtomicCheckpointIO
+_LAZY = {
+    "AtomicCheckpointIO": ("", 0),
+    "AsyncAtomicCheckpointIO": ("", 1),
+    "PLAtomicCheckpointIO": ("pytorch_lightning", 0),
+    "PLAsyncAtomicCheckpointIO": ("pytorch_lightning", 1),
+}
+
+if TYPE_CHECKING:
+    AtomicCheckpointIO: type[_AtomicFileIO]
+    AsyncAtomicCheckpointIO: type[_AsyncAtomicFileIO]
+
+
+def __getattr__(name: str) -> Any:
+    # The plugin classes are built on first use, so importing this module (for
+    # verify_checkpoint, latest_checkpoint) does not import Lightning (~5 s).
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    namespace, index = _LAZY[name]
+    classes = checkpoint_io_classes(namespace) if namespace else _default_classes()
+    cls = classes[index]
+    globals()[name] = cls
+    return cls

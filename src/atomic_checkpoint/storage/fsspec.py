@@ -164,7 +164,6 @@ class FsspecStorage:
             coherent=True,
         )
         self._bucket_checked = False
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url()!r})"

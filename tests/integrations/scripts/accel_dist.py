@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare import differences, dump, snapshot
@@ -46,8 +48,10 @@ def main() -> None:
     project = os.path.join(OUT, "project")
     a = run(project, range(1, 9), resume=False)
     root = os.path.join(project, "checkpoints")
+    dist.barrier()  # rank 0 has finished its rotation (close): list from every rank
     listing_a = sorted(os.listdir(root))
     b = run(project, range(9, 13), resume=True)
+    dist.barrier()
     c = run(os.path.join(OUT, "reference"), range(1, 13), resume=False)
     result: dict[str, object] = {
         "saved_a": a["saved"],

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from compare import differences, dump
 from tiny_hf import RandomTokens, SnapshotAt, losses, tiny_args, tiny_model
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from atomic_checkpoint.integrations.hf import make_atomic
 
@@ -99,7 +99,43 @@ def check(stock_dir: str, atomic_dir: str, ref_dir: str, result: str, resume_ste
         resumed.model.state_dict(), reference.model.state_dict()
     )
     doc["atomic_listing"] = sorted(os.listdir(atomic_dir))
+
+    # The marker strategy (chosen on object-store mounts such as s3fs, where directory
+    # rename is copy+delete): files stay in checkpoint-N/attempt-<token>/.
+    marker = ref_dir + "-marker"
+    first = build(marker, atomic=True, callbacks=[StopAt(4)])
+    first._atomic_checkpoint.strategy = "marker"
+    first.train()
+    snap_m = SnapshotAt(4)
+    again = build(marker, atomic=True, callbacks=[snap_m])
+    again._atomic_checkpoint.strategy = "marker"
+    again.train(resume_from_checkpoint=True)
+    doc["marker_first_step"] = snap_m.first_step_seen
+    doc["marker_restored_vs_reference"] = differences(snap_m.taken, ref_snap.taken)
+    doc["marker_files"] = {
+        name: _files(os.path.join(marker, name))
+        for name in os.listdir(marker)
+        if name.startswith("checkpoint-")
+    }
     dump(result, doc)
+
+
+def _files(top: str) -> list[str]:
+    """Every file under ``top``, relative, '/'-separated."""
+    return sorted(
+        os.path.relpath(os.path.join(d, f), top).replace(os.sep, "/")
+        for d, _, files in os.walk(top)
+        for f in files
+    )
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
 
 
 if __name__ == "__main__":

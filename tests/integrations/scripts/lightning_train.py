@@ -19,6 +19,8 @@ Options (all ``--name value``):
                         complete file by recorded step: integrations.lightning)
     --hold-at S         after the save of step S, write REF/held and sleep (the test
                         kills the job then)
+    --settle 0|1        with --hold-at: before step S, wait for each background save
+                        to land before the next step
     --slow-stock-at S   stock-async only: the inner TorchCheckpointIO sleeps before
                         writing step S (a large checkpoint that takes long to write)
 """
@@ -92,10 +94,11 @@ def live_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
 
 
 class Recorder(Callback):
-    def __init__(self, ref: str, resumed: bool, hold_at: int | None):
+    def __init__(self, ref: str, resumed: bool, hold_at: int | None, settle: bool):
         self.ref = ref
         self.resumed = resumed
         self.hold_at = hold_at
+        self.settle = settle
         self.start_step: int | None = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
@@ -114,6 +117,14 @@ class Recorder(Callback):
         pl_module.restored_rng = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.settle and self.hold_at is not None and trainer.global_step < self.hold_at:
+            # Before the save the test is about, let background saves land, as they
+            # do when steps take longer than saves (real training); otherwise a
+            # removal could find the previous file not written yet.
+            path = trainer.checkpoint_callback.best_model_path
+            deadline = time.monotonic() + 60
+            while path and not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if (
             self.hold_at is not None
             and trainer.global_step == self.hold_at
@@ -148,6 +159,7 @@ def main() -> None:
     p.add_argument("--save-last", type=int, default=1)
     p.add_argument("--resume", choices=["none", "last", "latest"], default="none")
     p.add_argument("--hold-at", type=int, default=None)
+    p.add_argument("--settle", type=int, default=0)
     p.add_argument("--slow-stock-at", type=int, default=None)
     a = p.parse_args()
     os.makedirs(a.ref, exist_ok=True)
@@ -181,7 +193,9 @@ def main() -> None:
         save_last=bool(a.save_last),
         **monitor,
     )
-    recorder = Recorder(a.ref, resumed=ckpt_path is not None, hold_at=a.hold_at)
+    recorder = Recorder(
+        a.ref, resumed=ckpt_path is not None, hold_at=a.hold_at, settle=bool(a.settle)
+    )
     trainer = pl.Trainer(
         max_steps=a.max_steps,
         accelerator="cpu",

@@ -1,0 +1,201 @@
+"""Preemption in real 4-rank jobs (gloo): a real signal sent by this test process to one
+rank's pid, as a scheduler sends it, makes every rank save the same step once, with the
+normal atomic commit, and exit cleanly (FAILURE_MODES E4, invariant I20).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atomic_checkpoint import CheckpointManager, KeepLast
+from atomic_checkpoint.layout import PENDING_DIR
+from atomic_checkpoint.preemption import PreemptionGuard
+from tests.dist import workers
+from tests.dist.launcher import RankResult, run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+WORLD = 4
+ELEMS = 1 << 12
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def w_train(
+    rank: int, world: int, root: str, ctl: str, save_every: int, max_steps: int
+) -> dict[str, Any]:
+    """A training loop with a collective per step, periodic saves, and a preemption
+    check at every step boundary. Reports what it saved and how it stopped."""
+    import torch
+    import torch.distributed as dist
+
+    ctl_dir = Path(ctl)
+    mgr = CheckpointManager(root, timeout_s=30, retention=KeepLast(2))
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    guard = PreemptionGuard(mgr)
+    _write_atomic(ctl_dir / f"rank{rank}.pid", str(os.getpid()))
+    saved: list[int] = []
+    stopped_at = None
+    for step in range(1, max_steps + 1):
+        grad = torch.ones(1)
+        dist.all_reduce(grad)  # the training's own collective: every rank must be here
+        time.sleep(0.02)
+        _write_atomic(ctl_dir / f"rank{rank}.step", str(step))
+        stop = guard.should_save(step)
+        if stop or step % save_every == 0:
+            info = mgr.save(step, workers.make_state(step, rank, big_elems=ELEMS))
+            saved.append(info.step)
+        if stop:
+            stopped_at = step
+            break
+    requested, signum, decided, by = (
+        guard.requested,
+        guard.signum,
+        guard.decided_step,
+        guard.requested_by,
+    )
+    guard.close()
+    restored = {s: signal.getsignal(s) == before[s] for s in before}
+    mgr.close()
+    return {
+        "saved": saved,
+        "stopped_at": stopped_at,
+        "requested": requested,
+        "signum": signum,
+        "decided": decided,
+        "requested_by": by,
+        "handlers_restored": restored,
+    }
+
+
+def _run_in_thread(fn: Callable[[], list[RankResult]]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.extend(fn()), daemon=True)
+    t.start()
+    return t, out
+
+
+def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.01)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _check_checkpoint(root: Path, step: int) -> None:
+    """Complete (every byte verified) and restores every rank's state exactly."""
+    reader = CheckpointManager(root, read_only=True)
+    assert reader.latest() is not None and reader.latest().step == step
+    reader.verify(step)
+    for r in range(WORLD):
+        state = reader.restore(step, rank=r)
+        assert workers.states_equal(state, workers.make_state(step, r, big_elems=ELEMS))
+    assert os.listdir(root / PENDING_DIR) == []
+
+
+def test_sigterm_to_one_rank_makes_every_rank_save_the_same_step_and_exit(tmp_path):
+    root, ctl = tmp_path / "ckpt", tmp_path / "ctl"
+    ctl.mkdir()
+    thread, results = _run_in_thread(
+        lambda: run_ranks(
+            w_train, WORLD, str(root), str(ctl), 5, 400, tmp_dir=str(tmp_path), timeout_s=120
+        )
+    )
+    # Like a scheduler: SIGTERM to one process of the job (rank 2), mid-training.
+    _wait_for("rank 2 to pass step 7", lambda: (_read_int(ctl / "rank2.step") or 0) >= 7, 60)
+    pid = _read_int(ctl / "rank2.pid")
+    assert pid is not None
+    os.kill(pid, signal.SIGTERM)
+    thread.join(150)
+    assert not thread.is_alive()
+    for r in results:
+        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
+    values = [r.value for r in results]
+    stopped = {v["stopped_at"] for v in values}
+    assert len(stopped) == 1 and None not in stopped, values  # one agreed step, all stopped
+    step = stopped.pop()
+    assert step >= 7
+    # Only rank 2 got the signal; every rank saved that step (and the periodic ones).
+    assert [v["requested"] for v in values] == [False, False, True, False]
+    assert all(v["signum"] is None for i, v in enumerate(values) if i != 2)
+    assert values[2]["signum"] == signal.SIGTERM
+    assert all(v["decided"] == step and v["requested_by"] == (2,) for v in values)
+    assert all(v["saved"] == values[0]["saved"] and v["saved"][-1] == step for v in values)
+    assert all(v["handlers_restored"] == {signal.SIGTERM: True, signal.SIGUSR1: True} for v in values)
+    _check_checkpoint(root, step)
+
+
+def test_signals_during_a_save_do_not_corrupt_it_and_the_next_boundary_stops(tmp_path):
+    root, ctl = tmp_path / "ckpt", tmp_path / "ctl"
+    ctl.mkdir()
+    # Ranks 0 (the coordinator) and 3 pause in the middle of writing their file of
+    # step 10 (first chunk written, the rest not): the signals land inside the save.
+    env = {
+        "ATOMIC_CHECKPOINT_FAULTS": ",".join(
+            f"mid_write@{r}=delay:10" for r in (0, 0, 3, 3)
+        )
+    }
+    thread, results = _run_in_thread(
+        lambda: run_ranks(
+            w_train,
+            WORLD,
+            str(root),
+            str(ctl),
+            10,
+            400,
+            tmp_dir=str(tmp_path),
+            env=env,
+            timeout_s=120,
+        )
+    )
+
+    def writing(rank: int) -> bool:
+        pend = root / PENDING_DIR
+        return any(
+            (pend / d / f"rank-{rank:05d}.safetensors").exists()
+            for d in (os.listdir(pend) if pend.is_dir() else [])
+        )
+
+    _wait_for("ranks 0 and 3 to be writing step 10", lambda: writing(0) and writing(3), 60)
+    pids = {r: _read_int(ctl / f"rank{r}.pid") for r in (0, 3)}
+    assert None not in pids.values()
+    os.kill(pids[0], signal.SIGTERM)  # type: ignore[arg-type]
+    os.kill(pids[3], signal.SIGUSR1)  # type: ignore[arg-type]
+    thread.join(150)
+    assert not thread.is_alive()
+    for r in results:
+        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
+    values = [r.value for r in results]
+    # The interrupted save of step 10 finished normally; the boundary after it stopped.
+    assert all(v["saved"] == [10, 11] and v["stopped_at"] == 11 for v in values), values
+    assert [v["signum"] for v in values] == [signal.SIGTERM, None, None, signal.SIGUSR1]
+    assert all(v["requested_by"] == (0, 3) for v in values)
+    reader = CheckpointManager(root, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [10, 11]
+    for s in (10, 11):
+        reader.verify(s)
+    _check_checkpoint(root, 11)
+    for r in range(WORLD):
+        assert workers.states_equal(
+            reader.restore(10, rank=r), workers.make_state(10, r, big_elems=ELEMS)
+        )
