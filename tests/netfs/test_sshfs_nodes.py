@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from tests.testbed.pytest_fixtures import (  # noqa: F401 - fixtures used by nam
 )
 
 from atomic_checkpoint import CheckpointManager, KeepLast, LocalStorage, catalog
-from atomic_checkpoint.errors import StorageError
+from atomic_checkpoint.errors import CheckpointExistsError, StorageError
 from atomic_checkpoint.storage.detect import local_capabilities
 
 pytestmark = pytest.mark.netfs
@@ -285,6 +286,77 @@ def test_rotation_and_resume_on_the_other_node_right_after_a_commit(
     problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert problems == []
     observed(job2_resumed_from=5, rotation_on_b="deleted checkpoint-4 only", warnings=0)
+
+
+@pytest.mark.timeout(60)
+def test_reader_on_other_node_reads_a_step_saved_again_not_its_cached_size(
+    sshfs_nodes: tuple[SshfsMount, SshfsMount],
+) -> None:
+    a, b = sshfs_nodes
+    writer = CheckpointManager(a.path / "run", timeout_s=30)
+    writer.save(1, _state(1))
+    reader = CheckpointManager(b.path / "run", read_only=True)
+    assert reader.restore()["step"] == 1  # B now caches the files' sizes
+    # The same step saved again with other content (and other sizes): same paths.
+    bigger = {"step": 1, "payload": b"x" * 50_000}
+    writer.save(1, bigger, overwrite=True)
+    infos = reader.checkpoints()
+    assert [c.step for c in infos] == [1], "the re-saved step was judged corrupt on node B"
+    assert reader.restore() == bigger
+    writer.close()
+    reader.close()
+    observed(resaved_step=1, reader_saw_new_size=True)
+
+
+@pytest.mark.timeout(60)
+def test_storage_decides_existence_from_the_server_not_a_stale_stat(
+    sshfs_nodes: tuple[SshfsMount, SshfsMount],
+) -> None:
+    a, b = sshfs_nodes
+    (a.path / "r").mkdir()
+    on_a, on_b = LocalStorage(a.path / "r"), LocalStorage(b.path / "r")
+    assert not on_b.capabilities.coherent
+    on_a.makedirs("checkpoint-5")
+    on_a.write_bytes_atomic("checkpoint-5/f", b"old")
+    assert on_b.size("checkpoint-5/f") == 3  # B caches it
+    on_a.delete_tree("checkpoint-5")
+    # The premise: node B's stat still shows the name node A deleted...
+    assert on_b.is_dir("checkpoint-5")
+    # ...yet a commit through B to that name is not refused as "already exists".
+    on_b.makedirs("pending")
+    on_b.write_bytes_atomic("pending/f", b"new!")
+    on_b.rename_dir("pending", "checkpoint-5")
+    assert on_a.read_bytes("checkpoint-5/f") == b"new!"
+
+    # Renames racing from both nodes onto one name: one wins, the loser is told the
+    # target exists (sshfs says EPERM, ext4 ENOTEMPTY), never a permission error.
+    outcomes = collections.Counter()
+    for i in range(10):
+        for side, storage in (("a", on_a), ("b", on_b)):
+            storage.makedirs(f"p{i}{side}")
+            storage.write_bytes_atomic(f"p{i}{side}/f", side.encode())
+        barrier = threading.Barrier(2, timeout=10)
+        results: list[str] = []
+
+        def contender(storage: LocalStorage, side: str, i: int = i) -> None:
+            barrier.wait()
+            try:
+                storage.rename_dir(f"p{i}{side}", f"c{i}")
+                results.append("won")
+            except CheckpointExistsError:
+                results.append("exists")
+            except Exception as exc:  # reported by the assertion below
+                results.append(repr(exc))
+
+        threads = [threading.Thread(target=contender, args=(on_a, "a")),
+                   threading.Thread(target=contender, args=(on_b, "b"))]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        assert sorted(results) == ["exists", "won"], results
+        outcomes.update(results)
+    observed(stale_stat_then_commit="ok", rename_races=dict(outcomes))
 
 
 # --------------------------------------------------------------------------

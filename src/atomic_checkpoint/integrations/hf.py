@@ -265,8 +265,7 @@ class _AtomicTrainer:
         # Rotation is ours for the whole run: with save_total_limit unset the Trainer's
         # rotate_checkpoints() and its end-of-training deletion do nothing.
         limit = trainer.args.save_total_limit
-        if limit is not None:
-            self.save_total_limit = limit
+        self.save_total_limit = limit  # KeepLast(limit) for the roots this run opens
         if resume_from_checkpoint is True:
             opened = self.root(output_dir)
             step = opened.resolve(verify=self.verify_on_resume)

@@ -43,7 +43,7 @@ A save (global rank 0; from Lightning's thread, or the worker thread of the asyn
 plugin):
 
 1. ``torch.save`` streams into ``.<name>.<token>.pending`` in the destination
-   directory (same filesystem, so the rename in 4 never degrades to a copy:
+   directory (same filesystem, so the rename in 3 never degrades to a copy:
    FAILURE_MODES D5), hashing every byte as it is written; the file is fsync'd.
 2. The manifest is replaced atomically (temp, fsync, rename, directory fsync) with one
    listing the new version first and the versions the file may still hold after it.
