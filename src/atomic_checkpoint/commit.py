@@ -708,7 +708,7 @@ def save(
                 return step, None
             nonlocal pending
             ctx.fence()
-            exists = _is_step_committed(storage, step)
+            exists = _is_step_committed(storage, step, overwrite=overwrite)
             if exists and not overwrite and len(ctx.leaders) == 1:
                 _raise_exists(storage, step)
             attempt = new_attempt_token()
@@ -836,15 +836,18 @@ def _foreign_entries(storage: Storage, rel: str) -> list[str]:
     ]
 
 
-def _is_step_committed(storage: Storage, step: int) -> bool:
-    """Whether ``checkpoint-<step>`` holds a manifest; a foreign directory there is an
-    error (never replaced without ``overwrite``)."""
+def _is_step_committed(storage: Storage, step: int, *, overwrite: bool = False) -> bool:
+    """Whether ``checkpoint-<step>`` is taken: by a manifest, or (with ``overwrite``,
+    which then replaces it) by a foreign directory. Without ``overwrite`` a foreign
+    directory is an error: it is never replaced silently."""
     name = checkpoint_name(step)
     try:
         read_manifest(storage, name)
     except CheckpointNotFoundError:
         # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
         if storage.is_dir(name) and _foreign_entries(storage, name):
+            if overwrite:
+                return True
             raise CommitError(
                 f"{storage.url(name)} exists but is not a committed checkpoint (no manifest): "
                 "it was not written by atomic-checkpoint, or by an incomplete in-place save. "

@@ -1076,12 +1076,7 @@ def _report_files(storage: Storage, pending: str, rank: int) -> RankReport:
                 h.update(view[:n])
                 size += n
             if path is not None:
-                try:
-                    os.fsync(f.fileno())
-                except OSError as exc:
-                    from .errors import map_os_error
-
-                    raise map_os_error(exc, "fsync", path) from exc
+                _fsync_file(path, f)
         entries.append(FileEntry(rel, size, h.hexdigest(), rank))
     t_write = time.perf_counter() - t
     t = time.perf_counter()
@@ -1090,6 +1085,29 @@ def _report_files(storage: Storage, pending: str, rank: int) -> RankReport:
         for d in sorted(dirs, key=len, reverse=True):
             storage.fsync_dir(os.path.relpath(d, storage.local_path("") or "").replace(os.sep, "/"))
     return RankReport(tuple(entries), t_write, time.perf_counter() - t)
+
+
+def _fsync_file(path: str, reader: Any) -> None:
+    """fsync ``path`` through a descriptor opened for writing: Windows cannot flush a
+    file through a read-only handle (EBADF; FAILURE_MODES A7), POSIX can but the same
+    rule keeps one code path. A file its writer left read-only (mode 0444, not root)
+    cannot be opened for writing: POSIX then fsyncs the read descriptor."""
+    from .errors import map_os_error
+
+    fd: int | None
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
+    except PermissionError:
+        fd = None
+    except OSError as exc:
+        raise map_os_error(exc, "open for fsync", path) from exc
+    try:
+        os.fsync(reader.fileno() if fd is None else fd)
+    except OSError as exc:
+        raise map_os_error(exc, "fsync", path) from exc
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 # Below this size hashing runs inline: a helper thread costs more than it saves.

@@ -92,6 +92,7 @@ NAIVE_KEEP = 2
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_naive_schemes_fail_on_two_sshfs_nodes_but_not_on_one_disk(
     sshfs_nodes: tuple[SshfsMount, SshfsMount], tmp_path: Path
@@ -129,7 +130,7 @@ def test_naive_schemes_fail_on_two_sshfs_nodes_but_not_on_one_disk(
     rotating_saves = NAIVE_SAVES - NAIVE_KEEP
     row = on_sshfs["flat-every-rank-rotates"]
     assert row["failed_saves"] >= rotating_saves / 2, row
-    assert set(row["errors"]) == {"FileNotFoundError(ENOENT)"}, row
+    assert "FileNotFoundError(ENOENT)" in row["errors"], row
 
     # The honest control: flat files in the staging directory pass on sshfs too.
     assert on_sshfs["flat-control"]["failed_saves"] == 0, on_sshfs["flat-control"]
@@ -338,7 +339,13 @@ def test_storage_decides_existence_from_the_server_not_a_stale_stat(
         barrier = threading.Barrier(2, timeout=10)
         results: list[str] = []
 
-        def contender(storage: LocalStorage, side: str, i: int = i) -> None:
+        def contender(
+            storage: LocalStorage,
+            side: str,
+            i: int = i,
+            barrier: threading.Barrier = barrier,
+            results: list[str] = results,
+        ) -> None:
             barrier.wait()
             try:
                 storage.rename_dir(f"p{i}{side}", f"c{i}")
@@ -381,12 +388,21 @@ def test_lost_mount_raises_instead_of_writing_to_the_local_disk(
     elapsed = time.monotonic() - start
     with pytest.raises(StorageError, match="changed since it was opened"):
         mgr.latest()
-    assert "Remount" in str(info.value)
+    assert "Mount the same filesystem there again" in str(info.value)
     # Nothing landed on the local disk under the mount point...
     assert os.listdir(node.path) == []
     # ...and on the server the job's checkpoint is intact, the failed step absent.
     server = LocalStorage(sshfs_export.export / "run")
     assert _server_names(sshfs_export.export, "run") == ["checkpoint-1"]
     catalog.load_checkpoint(server, 1, full=True)
-    mgr.close()  # releasing the run lock fails too, and is logged, not raised
-    observed(raised_after_s=round(elapsed, 3), error=str(info.value)[:200])
+
+    # The same export mounted again at the same place (what an automounter does after
+    # an idle expiry) is the same filesystem: the job carries on.
+    again = sshfs_export.mount(node.path)
+    assert again.path == node.path
+    latest = mgr.latest()
+    assert latest is not None and latest.step == 1
+    mgr.save(2, _state(2))
+    mgr.close()
+    assert _server_names(sshfs_export.export, "run") == ["checkpoint-1", "checkpoint-2"]
+    observed(raised_after_s=round(elapsed, 3), error=str(info.value)[:200], after_remount="ok")

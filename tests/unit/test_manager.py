@@ -313,6 +313,10 @@ def test_foreign_directory_under_a_checkpoint_name_is_not_overwritten(tmp_path):
     with pytest.raises(CommitError, match="not a committed checkpoint"):
         mgr.save(5, state(5))
     assert (tmp_path / "checkpoint-5" / "pytorch_model.bin").read_bytes() == b"theirs"
+    # Asked explicitly, it is replaced atomically by a committed checkpoint.
+    mgr.save(5, state(5), overwrite=True)
+    assert same(mgr.restore(5), state(5))
+    assert not (tmp_path / "checkpoint-5" / "pytorch_model.bin").exists()
 
 
 def test_one_log_line_per_commit(tmp_path, caplog):

@@ -37,9 +37,10 @@ names and attributes from its own cache, so another client's change shows up lat
   ``listdir`` first touches the directory's times (``refresh``) and lists what the
   server has.
 - A name deleted or renamed away through another client keeps passing ``stat()`` here
-  for ~20 s, and no refresh drops that; ``open()`` always asks the server. Existence
-  decisions are therefore made from a refreshed listing of the parent, and "is it
-  committed?" (``catalog``) by opening the manifest.
+  for ~20 s, and no refresh drops that; ``open()`` always asks the server. Even
+  ``renameat2(RENAME_NOREPLACE)`` fails with EEXIST there, answered by the kernel from
+  that cached entry. Existence decisions are therefore made from a refreshed listing of
+  the parent, and "is it committed?" (``catalog``) by opening the manifest.
 - A path that was deleted and re-created elsewhere keeps its old size here until a
   metadata write on the path itself (``refresh(path)``).
 - The loser of an ``O_EXCL`` or ``mkdir`` race gets EPERM, and rename onto a non-empty
@@ -50,7 +51,7 @@ names and attributes from its own cache, so another client's change shows up lat
   and unmounts itself, and the mount point becomes the empty local directory beneath,
   where later writes would silently land. The device of ROOT is recorded at open and
   checked before every write, namespace change, listing and read: a change raises a
-  ``StorageError`` instead.
+  ``StorageError`` instead (the same export mounted again at the same place is fine).
 """
 
 from __future__ import annotations
@@ -271,7 +272,9 @@ def _device_of(path: str) -> int:
     p = path
     for _ in range(p.count(os.sep) + 2):
         try:
-            return os.stat(p).st_dev
+            # "<dir>/." walks into the directory, so an automount point is mounted
+            # first and its real filesystem is the one recorded.
+            return os.stat(os.path.join(p, ".")).st_dev
         except (FileNotFoundError, NotADirectoryError):
             parent = os.path.dirname(p)
             if parent == p:
@@ -309,12 +312,20 @@ class LocalStorage:
             self._root_device = _device_of(self.root)
         except OSError as exc:
             raise map_os_error(exc, "examine the filesystem of", self.root) from exc
+        self._root_mount = self._mount_identity()
+
+    def _mount_identity(self) -> tuple[str, str, str] | None:
+        mount = mount_of(self.root)
+        return None if mount is None else (mount.mount_point, mount.fstype, mount.source)
 
     def check_root(self) -> None:
         """Raise if ROOT is no longer on the filesystem it was on when opened.
 
         Called by every rank before each write, namespace change, listing and read (a
         ``stat`` of ROOT: served from the client's cache on network filesystems).
+
+        The same export mounted again at the same mount point (an automounter's idle
+        expiry, or a remount after a lost connection) counts as unchanged.
 
         Raises:
             StorageError: the filesystem changed (a network mount went away and the
@@ -326,16 +337,23 @@ class LocalStorage:
             raise map_os_error(exc, "examine the filesystem of", self.root) from exc
         if device == self._root_device:
             return
-        mount = mount_of(self.root)
-        now = f"{mount.fstype} at {mount.mount_point}" if mount is not None else "unknown"
+        mount = self._mount_identity()
+        if mount is not None and mount == self._root_mount:
+            # The same export mounted again at the same place (an automounter expired
+            # and remounted it): a new device number, the same files.
+            log.info("checkpoint root %s was remounted (%s %s)", self.root, mount[1], mount[2])
+            self._root_device = device
+            return
+        now = f"{mount[1]} at {mount[0]}" if mount is not None else "unknown"
         raise StorageError(
             f"the filesystem under checkpoint root {self.root!r} changed since it was "
             f"opened (device {_format_device(self._root_device)}, "
             f"{self.capabilities.name}; now device {_format_device(device)}, {now}): the "
             "mount it was on is gone (sshfs unmounts itself when its ssh connection dies), "
             "and anything written now would land on the directory underneath the mount "
-            "point, invisible to every other node. Nothing was written. Remount the "
-            "filesystem, then restart the job: it resumes from the last checkpoint",
+            "point, invisible to every other node. Nothing was written. Mount the same "
+            "filesystem there again and this job carries on, or restart the job: it "
+            "resumes from the last checkpoint",
             errno=errno.ENODEV,
             path=self.root,
         )
@@ -496,9 +514,11 @@ class LocalStorage:
             if rc == 0:
                 return
             code = ctypes.get_errno()
-            if code == errno.EEXIST:
+            # sshfs: the kernel answers EEXIST from its own cached entry of dst, which
+            # outlives a delete through another client by ~20 s; ask the server.
+            if code == errno.EEXIST and (self.capabilities.coherent or self._exists_fresh(d)):
                 raise CheckpointExistsError(f"{d!r} already exists")
-            if code not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            if code not in (errno.EEXIST, errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
                 raise self._rename_error(OSError(code, os.strerror(code), s), s, d)
             # EINVAL: this filesystem (sshfs, some FUSE/NFS) refuses renameat2 flags.
         if self._exists_fresh(d):
