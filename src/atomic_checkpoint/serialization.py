@@ -7,7 +7,7 @@ keys), scheduler state, and RNG states (``torch.get_rng_state()``, ``random.gets
 safetensors format, so ``safetensors.safe_open(path, "pt")`` reads every tensor::
 
     [8 bytes]  little-endian u64 N: length of the JSON header
-    [N bytes]  JSON header, padded with spaces to a multiple of 8:
+    [N bytes]  JSON header, padded with spaces so data starts at a multiple of 64:
                {"__metadata__": {"format": "pt",
                                  "atomic_checkpoint.format_version": "1",
                                  "atomic_checkpoint.tree": "<the tree, as JSON>"},
@@ -16,9 +16,11 @@ safetensors format, so ``safetensors.safe_open(path, "pt")`` reads every tensor:
                 ...}
     [data]     every tensor's bytes, contiguous, in data_offsets order
 
-Tensors are ordered by item size, largest first, so every tensor starts at an offset
-aligned to its item size (safetensors' own rule; ``safe_open`` needs it to view the
-mapped bytes as the dtype). Tensor names are the dotted tree paths
+Every tensor starts at an offset aligned to its item size (safetensors' own rule;
+``safe_open`` needs it to view the mapped bytes as the dtype), and tensors whose byte
+length is a multiple of 64 (nearly all large ones) start at 64-aligned file offsets,
+for fast copies between the page cache and tensor memory (see :func:`plan_state`).
+Tensor names are the dotted tree paths
 (``optimizer.state.0.exp_avg``), made unique with a ``#2`` suffix where two paths print
 alike.
 
@@ -105,6 +107,8 @@ _JSON_INT_LIMIT = 1 << 63
 # Tensors smaller than this are coalesced: one write (or read) syscall per tiny
 # optimizer "step" tensor would dominate the time of a state with thousands of them.
 _SMALL_ENTRY_BYTES = 1 << 16
+# Tensor data is laid out at file offsets that are multiples of this where possible.
+_FILE_ALIGN = 64
 _SMALL_BATCH_BYTES = 1 << 20
 
 # safetensors dtype code -> (item size, torch dtype name, numpy dtype name or None).
@@ -696,9 +700,17 @@ def plan_state(state: Any, *, allow_pickle: bool = False) -> StatePlan:
     """
     planner = _Planner(allow_pickle=allow_pickle)
     tree = planner.encode(state, (), 0)
-    # Largest item size first keeps every tensor aligned to its item size, because all
-    # earlier tensors' byte lengths are multiples of it (and the header is padded to 8).
-    ordered = sorted(planner.entries, key=lambda e: -_DTYPES[e.code][0])
+    # Data starts at a file offset that is a multiple of 64 (the header is padded so),
+    # and so does every tensor whose byte length is a multiple of 64: those come first,
+    # in tree order. The kernel copies between the page cache and a tensor's memory
+    # (64-byte aligned) at full speed only when both sides share their offset within a
+    # cache line: measured on this project's VMs, 11 GB/s aligned, 8 GB/s at an 8-byte
+    # skew, 2.7 GB/s at some skews. The other tensors follow, largest item size first,
+    # which keeps each aligned to its item size (safetensors' rule): every byte length
+    # before them is a multiple of 64, and of the item sizes that follow.
+    first = [e for e in planner.entries if e.size_bytes % _FILE_ALIGN == 0]
+    rest = [e for e in planner.entries if e.size_bytes % _FILE_ALIGN]
+    ordered = first + sorted(rest, key=lambda e: -_DTYPES[e.code][0])
     header_doc: dict[str, Any] = {
         "__metadata__": {
             "format": "pt" if planner.has_torch else "np",
@@ -717,7 +729,7 @@ def plan_state(state: Any, *, allow_pickle: bool = False) -> StatePlan:
         }
         offset += e.size_bytes
     raw = json.dumps(header_doc, separators=(",", ":")).encode("ascii")
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % _FILE_ALIGN)  # data starts 64-aligned (see above)
     if len(raw) > MAX_HEADER_BYTES:
         raise SerializationError(
             f"the state's structure needs a {len(raw)}-byte header, above the "

@@ -31,6 +31,8 @@ def _context() -> Any:
             [
                 "torch",
                 "torch.distributed",
+                "torch.distributed.checkpoint",
+                "torch.distributed.tensor",
                 "atomic_checkpoint",
                 "atomic_checkpoint.serialization",
                 "tests.dist.workers",
