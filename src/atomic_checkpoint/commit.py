@@ -44,9 +44,7 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -576,60 +574,6 @@ class _Aborted(Exception):
         self.error = error
 
 
-#: Coordinators whose store stopped answering: later exchanges fail at once.
-_stalled_coordinators: weakref.WeakSet[Any] = weakref.WeakSet()
-#: How long past its own timeout an exchange may take before it counts as stalled.
-_STALL_GRACE_S = 5.0
-
-
-def _bounded_all_gather(ctx: SaveContext, what: str, payload: Any) -> list[Any]:
-    """``ctx.coord.all_gather`` with a hard deadline, even if the store never answers.
-
-    A rank cut off from the coordination store by a network partition (the link down,
-    no reset) blocks inside TCPStore: its ``wait`` times out, then its next request
-    waits for a reply until the kernel abandons the connection, many minutes later
-    (seen with torch 2.13 across two network namespaces). The exchange therefore runs
-    in a helper thread; past the deadline this rank gives up, marks the coordinator
-    as stalled (its connection is still held by the stuck thread, so nothing more is
-    sent through it) and raises.
-    """
-    coord = ctx.coord
-    if coord in _stalled_coordinators:
-        raise CoordinationTimeoutError(
-            f"rank {coord.rank}: the coordination store stopped answering during an earlier "
-            f"exchange, so {what!r} is not attempted; restart the job once the network is back",
-            key=what,
-        )
-    box: list[tuple[bool, Any]] = []
-
-    def exchange() -> None:
-        try:
-            box.append((True, coord.all_gather(what, payload, timeout_s=ctx.timeout_s)))
-        except BaseException as exc:  # re-raised in the calling thread
-            box.append((False, exc))
-
-    limit_s = ctx.timeout_s + _STALL_GRACE_S
-    helper = threading.Thread(target=exchange, name="atomic-checkpoint-exchange", daemon=True)
-    helper.start()
-    helper.join(limit_s)
-    if not box:
-        _stalled_coordinators.add(coord)
-        raise CoordinationTimeoutError(
-            f"rank {coord.rank}: the coordination store did not answer at {what!r} within "
-            f"{limit_s:g} s: this rank is probably cut off from it (network partition). "
-            "It stops coordinating; restart the job once the network is back",
-            key=what,
-        )
-    ok, result = box[0]
-    if ok:
-        return list(result)
-    if isinstance(result, CheckpointError) or not isinstance(result, Exception):
-        raise result
-    raise CheckpointError(
-        f"rank {coord.rank}: coordination store failed at {what!r}: {result}"
-    ) from result
-
-
 def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
     """Run ``fn`` on this rank (None: nothing to do here), then share the outcome.
 
@@ -650,7 +594,7 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
     payload = (value, None if error is None else _failure(error, ctx.coord.rank, phase))
     try:
         what = f"save step {step}: {phase}" if step >= 0 else phase
-        outcomes = _bounded_all_gather(ctx, what, payload)
+        outcomes = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
     except CoordinationTimeoutError as exc:
         raise _Aborted(exc) from exc
     failures = [f for _, f in outcomes if f is not None]

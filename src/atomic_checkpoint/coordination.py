@@ -84,6 +84,9 @@ class SingleProcessCoordinator:
         return self
 
 
+#: How long past its own timeout an exchange may take before this rank counts as cut off.
+_STALL_GRACE_S = 5.0
+
 _namespace_lock = threading.Lock()
 _namespace_counter = 0
 
@@ -124,11 +127,60 @@ class TorchDistributedCoordinator:
         self._seq = 0
         self._clones = 0
         self._last_key: str | None = None
+        self._stalled = False
 
     def _keys(self, seq: int) -> list[str]:
         return [f"{self._ns}/{seq}/{r}" for r in range(self.world_size)]
 
     def all_gather(self, key: str, obj: Any, *, timeout_s: float) -> list[Any]:
+        """All-gather through the store, with a hard deadline even if the store never
+        answers.
+
+        A rank cut off from the store by a network partition (link down, no reset)
+        blocks inside TCPStore: its ``wait`` times out, then its next request waits for
+        a reply until the kernel abandons the connection, many minutes later (seen
+        with torch 2.13 across two network namespaces). So the exchange runs in a
+        helper thread; past ``timeout_s`` + a grace period this rank gives up, marks
+        itself stalled (the stuck thread still holds the connection, so nothing more is
+        sent through it) and raises; later exchanges fail at once.
+        """
+        if self._stalled:
+            raise CoordinationTimeoutError(
+                f"rank {self.rank}: the coordination store stopped answering during an "
+                f"earlier exchange, so {key!r} is not attempted; restart the job once the "
+                "network is back",
+                key=key,
+            )
+        box: list[tuple[bool, Any]] = []
+
+        def exchange() -> None:
+            try:
+                box.append((True, self._all_gather(key, obj, timeout_s)))
+            except BaseException as exc:  # re-raised in the calling thread
+                box.append((False, exc))
+
+        limit_s = timeout_s + _STALL_GRACE_S
+        helper = threading.Thread(target=exchange, name="atomic-checkpoint-exchange", daemon=True)
+        helper.start()
+        helper.join(limit_s)
+        if not box:
+            self._stalled = True
+            raise CoordinationTimeoutError(
+                f"rank {self.rank}: the coordination store did not answer at {key!r} within "
+                f"{limit_s:g} s: this rank is probably cut off from it (network partition). "
+                "It stops coordinating; restart the job once the network is back",
+                key=key,
+            )
+        ok, result = box[0]
+        if ok:
+            return list(result)
+        if isinstance(result, CheckpointError) or not isinstance(result, Exception):
+            raise result
+        raise CheckpointError(
+            f"rank {self.rank}: coordination store failed at {key!r}: {result}"
+        ) from result
+
+    def _all_gather(self, key: str, obj: Any, timeout_s: float) -> list[Any]:
         self._seq += 1
         keys = self._keys(self._seq)
         self._store.set(keys[self.rank], pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))

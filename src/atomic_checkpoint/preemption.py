@@ -216,8 +216,10 @@ class PreemptionGuard:
             waited,
         )
         last = getattr(self._manager, "last_saved", None)
-        took = last.timings_s.get("total") if last is not None else None
-        if self.grace_s is not None and took is not None and took > self.grace_s:
+        if last is None or self.grace_s is None:
+            return
+        took = last.timings_s.get("total")
+        if took is not None and took > self.grace_s:
             log.warning(
                 "preemption: the previous save took %.1f s, longer than the grace period "
                 "of %.1f s: this save may be killed before it commits (then the job "
@@ -239,7 +241,10 @@ class PreemptionGuard:
             raise CheckpointError("PreemptionGuard.close() must be called from the main thread")
         for s, previous in self._previous.items():
             if signal.getsignal(s) != self._handler:
-                log.debug("preemption: the handler of %s was replaced; leaving it", s.name)
+                log.debug(
+                    "preemption: the handler of %s was replaced; leaving it",
+                    signal.Signals(s).name,
+                )
                 continue
             # None: the previous handler was not installed from Python; the default
             # action is the closest we can put back.

@@ -20,9 +20,8 @@ Every tensor starts at an offset aligned to its item size (safetensors' own rule
 ``safe_open`` needs it to view the mapped bytes as the dtype), and tensors whose byte
 length is a multiple of 64 (nearly all large ones) start at 64-aligned file offsets,
 for fast copies between the page cache and tensor memory (see :func:`plan_state`).
-Tensor names are the dotted tree paths
-(``optimizer.state.0.exp_avg``), made unique with a ``#2`` suffix where two paths print
-alike.
+Tensor names are the dotted tree paths (``optimizer.state.0.exp_avg``), made unique
+with a ``#2`` suffix where two paths print alike.
 
 The tree (``__metadata__["atomic_checkpoint.tree"]``) is JSON in which every JSON object
 is a tagged node, so nothing is ambiguous::

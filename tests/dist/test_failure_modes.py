@@ -38,12 +38,14 @@ FAULTS = ",".join(
 )
 
 
-def _outcome(fn: Any) -> tuple[str, str]:
+def _outcome(fn: Any) -> tuple[str, str, list[tuple[int, str]]]:
+    """(error type, message, [(rank, error type)] of a distributed error's failures)."""
     try:
         fn()
     except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "ok", ""
+        failures = [(f.rank, f.error_type) for f in getattr(exc, "failures", ())]
+        return type(exc).__name__, str(exc), failures
+    return "ok", "", []
 
 
 def w_failure_modes(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -141,9 +143,7 @@ def test_roles_barriers_and_agreement_in_one_four_rank_job(tmp_path):
     # A3: the late rank's state is in step 3 and its files in step 5, whole: the
     # commit waited for it, and it never wrote into a directory already renamed.
     assert all(x["late_ok"] == [True] * WORLD for x in v)
-    assert all(
-        x["files_5"] == [f"shard-{r}.bin" for r in range(WORLD)] for x in v
-    )
+    assert all(x["files_5"] == [f"shard-{r}.bin" for r in range(WORLD)] for x in v)
     # A8: the save waited for the slow rank past the process group's timeout.
     assert all(x["slow_save_s"] >= SLOW_S - 0.5 for x in v)
     assert all(x["all_reduce"] == 6.0 for x in v)
@@ -165,7 +165,12 @@ def test_roles_barriers_and_agreement_in_one_four_rank_job(tmp_path):
     # C7: a missing shard of another rank is a hard error on every rank, and all of
     # them resume from the newest step whose every file is there.
     assert all(x["latest_after_loss"] == 6 and x["restored_6"] for x in v)
-    assert {x["restore_7"][0] for x in v} == {"CorruptCheckpointError"}
+    # The coordinator validated the whole manifest and every rank raised its finding.
+    assert all(
+        x["restore_7"][0] == "DistributedCheckpointError"
+        and x["restore_7"][2] == [(0, "CorruptCheckpointError")]
+        for x in v
+    )
     assert all("rank-00002" in x["restore_7"][1] and "missing" in x["restore_7"][1] for x in v)
     assert all(x["listed"] == [6] for x in v)
 

@@ -141,7 +141,9 @@ def test_sigterm_to_one_rank_makes_every_rank_save_the_same_step_and_exit(tmp_pa
     assert values[2]["signum"] == signal.SIGTERM
     assert all(v["decided"] == step and v["requested_by"] == (2,) for v in values)
     assert all(v["saved"] == values[0]["saved"] and v["saved"][-1] == step for v in values)
-    assert all(v["handlers_restored"] == {signal.SIGTERM: True, signal.SIGUSR1: True} for v in values)
+    assert all(
+        v["handlers_restored"] == {signal.SIGTERM: True, signal.SIGUSR1: True} for v in values
+    )
     _check_checkpoint(root, step)
 
 
@@ -150,11 +152,7 @@ def test_signals_during_a_save_do_not_corrupt_it_and_the_next_boundary_stops(tmp
     ctl.mkdir()
     # Ranks 0 (the coordinator) and 3 pause in the middle of writing their file of
     # step 10 (first chunk written, the rest not): the signals land inside the save.
-    env = {
-        "ATOMIC_CHECKPOINT_FAULTS": ",".join(
-            f"mid_write@{r}=delay:10" for r in (0, 0, 3, 3)
-        )
-    }
+    env = {"ATOMIC_CHECKPOINT_FAULTS": ",".join(f"mid_write@{r}=delay:10" for r in (0, 0, 3, 3))}
     thread, results = _run_in_thread(
         lambda: run_ranks(
             w_train,
@@ -199,3 +197,30 @@ def test_signals_during_a_save_do_not_corrupt_it_and_the_next_boundary_stops(tmp
         assert workers.states_equal(
             reader.restore(10, rank=r), workers.make_state(10, r, big_elems=ELEMS)
         )
+
+
+def w_mismatched_boundaries(rank: int, world: int, root: str) -> dict[str, Any]:
+    mgr = CheckpointManager(root, timeout_s=10)
+    with PreemptionGuard(mgr, timeout_s=10) as guard:
+        agreed = guard.should_save(3)
+        try:
+            guard.should_save(4 if rank != 1 else 5)  # rank 1 is one step ahead
+            outcome = ("ok", "")
+        except Exception as exc:
+            outcome = (type(exc).__name__, str(exc))
+    mgr.close()
+    return {"agreed": agreed, "outcome": outcome}
+
+
+def test_ranks_checking_at_different_steps_all_get_an_error(tmp_path):
+    # A rank that checks at another step would save another step than the others (or
+    # block in a different collective): every rank is told, none saves.
+    results = run_ranks(
+        w_mismatched_boundaries, WORLD, str(tmp_path / "ckpt"), tmp_dir=str(tmp_path)
+    )
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    values = [r.value for r in results]
+    assert all(v["agreed"] is False for v in values)
+    assert {v["outcome"][0] for v in values} == {"CheckpointError"}
+    assert all("different steps" in v["outcome"][1] and "1: 5" in v["outcome"][1] for v in values)

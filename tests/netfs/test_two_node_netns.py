@@ -247,6 +247,10 @@ def test_cutting_the_link_during_a_save_fails_every_rank_cleanly(two_nodes: TwoN
         pair.cut()
         results = job.results(timeout_s=CUT_BOUND_S + 15)
     assert not any(r["ok"] for r in results), results
+    # The cut took node b's storage down with its link (sshfs gave up on the dead
+    # connection and unmounted itself); node a's mount is local to its namespace.
+    assert not two_nodes.mounts["b"].is_mounted()
+    assert two_nodes.mounts["a"].is_mounted()
 
     # Every rank raised an error of the library's tree within the bound, saying what
     # failed: node b's ranks lost their storage and the coordination store; node a's

@@ -4,6 +4,9 @@ filesystems, with real kills (SIGKILL at a named fault point) and real signals.
 Grouped by entry id; ``docs/failure-modes.md`` maps every entry to its tests.
 """
 
+# pytest fixtures imported from tests.testbed are requested by parameter name.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import json
@@ -13,7 +16,6 @@ import signal
 import stat
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -66,7 +68,10 @@ def checkpoint_dirs(root: Path) -> list[str]:
 def leftovers(root: Path) -> list[str]:
     """Pending and trash entries (``.trash/`` exists only once something was deleted)."""
     return [
-        f"{d}/{n}" for d in (PENDING_DIR, TRASH_DIR) if (root / d).is_dir() for n in os.listdir(root / d)
+        f"{d}/{n}"
+        for d in (PENDING_DIR, TRASH_DIR)
+        if (root / d).is_dir()
+        for n in os.listdir(root / d)
     ]
 
 
@@ -149,9 +154,7 @@ print(json.dumps({{"seen": seen, "ok": ok, "steps": steps}}))
 
 
 @pytest.mark.parametrize("profile", ["windows", "posix"])
-def test_a7_fsync_goes_through_writable_handles_and_directory_fsync_is_optional(
-    tmp_path, profile
-):
+def test_a7_fsync_goes_through_writable_handles_and_directory_fsync_is_optional(tmp_path, profile):
     proc = subprocess.run(
         [sys.executable, "-c", _DURABILITY_PROBE.format(repo=REPO), str(tmp_path / "r"), profile],
         capture_output=True,
@@ -346,7 +349,9 @@ def test_d3_a_copied_checkpoint_stays_committed_and_unmarked_data_is_never_swept
     mgr.save(2, np_state(2))
     mgr.save(3, np_state(3))
     mgr.close()
-    assert [c.step for c in CheckpointManager(dst, run_id=run_id, read_only=True).checkpoints()] == [
+    assert [
+        c.step for c in CheckpointManager(dst, run_id=run_id, read_only=True).checkpoints()
+    ] == [
         2,
         3,
     ]
