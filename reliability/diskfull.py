@@ -74,7 +74,10 @@ def _small_root(kind: str, base: str) -> Iterator[tuple[str, str]]:
         with SmallDisk(base, 48 if kind == "xfs" else 32, kind=kind) as disk:
             yield str(disk.path), os.path.join(str(disk.path), "filler")
         return
-    with SmallDisk(base, 32, kind="tmpfs") as disk, SshfsExport(os.path.join(str(disk.path), "srv")) as exp:
+    with (
+        SmallDisk(base, 32, kind="tmpfs") as disk,
+        SshfsExport(os.path.join(str(disk.path), "srv")) as exp,
+    ):
         mnt = exp.mount(os.path.join(base, "sshfs-mnt"))
         # The filler is written on the server side; the ranks see the full disk through
         # the mount, as clients of a full NFS/sshfs server do.
@@ -90,11 +93,10 @@ def probe_full_errno(mount_dir: str, server_dir: str) -> int | None:
     """
     filler = os.path.join(server_dir, "probe-filler")
     try:
-        with open(filler, "wb") as f:
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
+        with open(filler, "wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
         fd = os.open(os.path.join(mount_dir, "probe"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             for _ in range(64):
@@ -171,11 +173,16 @@ def _judge(tally: Tally, label: str, values: list[dict[str, Any]], code: int) ->
         if v["steps_after"] != [1]:
             tally.violate("lost", f"{label}: rank {i} lists {v['steps_after']} after the failure")
         if v["retry_error"] is not None:
-            tally.violate("stuck", f"{label}: rank {i}: the save after freeing space failed: {v['retry_error']}")
+            tally.violate(
+                "stuck",
+                f"{label}: rank {i}: the save after freeing space failed: {v['retry_error']}",
+            )
         elif not v["restored"]:
             tally.violate("torn", f"{label}: rank {i}: step 2 does not restore exactly")
     if coord["pending_after"]:
-        tally.violate("leaks", f"{label}: pending data after the failed save: {coord['pending_after']}")
+        tally.violate(
+            "leaks", f"{label}: pending data after the failed save: {coord['pending_after']}"
+        )
     kept = coord["free_before"] - coord["free_after"]
     tally.stats.setdefault("bytes_kept_after_failure", {})[label] = kept
     if kept > SLACK:

@@ -54,7 +54,7 @@ class HangSize:
 
 
 SIZES = {
-    "quick": HangSize(hang=4, frozen=3, slow=1, timeout_s=2.0),
+    "quick": HangSize(hang=4, frozen=4, slow=1, timeout_s=2.0),
     "full": HangSize(hang=24, frozen=16, slow=3, timeout_s=2.0),
 }
 
@@ -109,11 +109,21 @@ def _hang_trial(
     victim = 0 if role == "coordinator" else rng.randrange(1, WORLD)
     label = f"hang at {phase} on rank {victim}"
     env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@{victim}=hang:{step}"}
-    job = ForkJob(w_timed_save, WORLD, [root] * WORLD, step, SIZE, {}, cfg.timeout_s,
-                  tmp_dir=os.path.join(base, "jobs"), env=env)
+    job = ForkJob(
+        w_timed_save,
+        WORLD,
+        [root] * WORLD,
+        step,
+        SIZE,
+        {},
+        cfg.timeout_s,
+        tmp_dir=os.path.join(base, "jobs"),
+        env=env,
+    )
     try:
         # The others raise after one timeout; the victim sleeps on and is killed.
-        results = job.wait(timeout_s=20 + 3 * cfg.timeout_s)
+        job.join([r for r in range(WORLD) if r != victim], 20 + 3 * cfg.timeout_s)
+        results = job.wait(timeout_s=0.5)
     finally:
         job.close()
     if results[victim].exitcode is not None:
@@ -133,8 +143,16 @@ def _frozen_trial(
     # Bigger states make the save last long enough to be caught in the middle.
     sizes = {r: 1 << 18 for r in range(WORLD)}
     state["big"][step] = sizes
-    job = ForkJob(w_timed_save, WORLD, [root] * WORLD, step, SIZE, sizes,
-                  cfg.timeout_s, tmp_dir=os.path.join(base, "jobs"))
+    job = ForkJob(
+        w_timed_save,
+        WORLD,
+        [root] * WORLD,
+        step,
+        SIZE,
+        sizes,
+        cfg.timeout_s,
+        tmp_dir=os.path.join(base, "jobs"),
+    )
     label = f"frozen rank {victim}"
     try:
         deadline = time.monotonic() + 30
@@ -166,8 +184,10 @@ def _frozen_trial(
     woke = results[victim]
     if woke.exitcode is None:
         tally.violate("hangs", f"{label}: after SIGCONT the rank never finished")
-    elif woke.value is not None and woke.value.get("error") is None and any(
-        r.value and r.value.get("error") for r in results if r.rank != victim
+    elif (
+        woke.value is not None
+        and woke.value.get("error") is None
+        and any(r.value and r.value.get("error") for r in results if r.rank != victim)
     ):
         tally.violate("split", f"{label}: woke up and reported success while the others failed")
     elif woke.value is not None and woke.value.get("error") is not None:
@@ -204,7 +224,9 @@ def _judge_timeouts(
             # message (a frozen rank can stop just after it): then it succeeds too.
             late = results[victim].value
             if late is None or late.get("error") is not None:
-                tally.violate("split", f"{label}: rank {r.rank} saved although rank {victim} stalled")
+                tally.violate(
+                    "split", f"{label}: rank {r.rank} saved although rank {victim} stalled"
+                )
             else:
                 tally.count("stalled_after_its_last_message", "all ranks saved")
             continue
@@ -212,22 +234,29 @@ def _judge_timeouts(
         if reason:
             tally.violate("unclear", f"{label}: rank {r.rank}: {reason}")
         elif v["error"]["type"] != "CoordinationTimeoutError":
-            tally.violate("unclear", f"{label}: rank {r.rank} raised {v['error']['type']}, not a timeout")
+            tally.violate(
+                "unclear", f"{label}: rank {r.rank} raised {v['error']['type']}, not a timeout"
+            )
         waited = v["t_end"] - (t_stop if t_stop is not None else v["t_start"])
         tally.stats.setdefault("timeout_seen_s", []).append(round(waited, 3))
         if waited > cfg.timeout_s + SLACK_S:
             tally.violate(
-                "hangs", f"{label}: rank {r.rank} raised after {waited:.2f} s (timeout {cfg.timeout_s} s)"
+                "hangs",
+                f"{label}: rank {r.rank} raised after {waited:.2f} s (timeout {cfg.timeout_s} s)",
             )
 
 
-def _judge_root(tally: Tally, label: str, root: str, step: int, big: dict[int, dict[int, int]]) -> None:
+def _judge_root(
+    tally: Tally, label: str, root: str, step: int, big: dict[int, dict[int, int]]
+) -> None:
     """``big``: step -> {rank: tensor elements} of the saves made with bigger states."""
     view = inspect_root(root, world=WORLD, size=lambda s, r: big.get(s, {}).get(r, SIZE))
     for t in view.torn:
         tally.violate("torn", f"{label}: {t}")
     if step - 1 not in view.steps:
-        tally.violate("lost", f"{label}: step {step - 1} from before the stall is gone: {view.steps}")
+        tally.violate(
+            "lost", f"{label}: step {step - 1} from before the stall is gone: {view.steps}"
+        )
     left, error = next_start_leftovers(root)
     if error:
         tally.violate("stuck", f"{label}: the next start failed: {error}")
@@ -248,9 +277,28 @@ def _slow_node(base: str) -> Iterator[tuple[str, str, str]]:
         mnt = exp.mount(os.path.join(base, "slow-mnt"))
         # 4 Mbit/s with a small bucket: a 4 MB rank file takes about 8 s.
         subprocess.run(
-            ["ip", "netns", "exec", pair.name("b"), "tc", "qdisc", "add", "dev", pair.veth,
-             "root", "tbf", "rate", "4mbit", "burst", "16kb", "latency", "400ms"],
-            check=True, capture_output=True, timeout=10,
+            [
+                "ip",
+                "netns",
+                "exec",
+                pair.name("b"),
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                pair.veth,
+                "root",
+                "tbf",
+                "rate",
+                "4mbit",
+                "burst",
+                "16kb",
+                "latency",
+                "400ms",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=10,
         )
         truth = os.path.join(str(exp.export), "root")
         yield truth, os.path.join(str(mnt.path), "root"), truth
@@ -272,8 +320,16 @@ def _slow_trial(
     roots = [fast_root] * (WORLD - 1) + [slow_root]
     sizes = {victim: 1 << 19}
     state["big"][step] = sizes
-    job = ForkJob(w_timed_save, WORLD, roots, step, SIZE, sizes, cfg.timeout_s,
-                  tmp_dir=os.path.join(base, "jobs"))
+    job = ForkJob(
+        w_timed_save,
+        WORLD,
+        roots,
+        step,
+        SIZE,
+        sizes,
+        cfg.timeout_s,
+        tmp_dir=os.path.join(base, "jobs"),
+    )
     try:
         results = job.wait(timeout_s=120)
     finally:

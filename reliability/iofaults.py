@@ -69,6 +69,7 @@ TENSOR_ELEMS = 1 << 12
 TIMEOUT_S = 10.0
 PART_DEADLINE_S = 60.0
 
+
 def available() -> tuple[bool, str]:
     """(True, "") when fiu-run, libfiu's preloads, fiu_ctrl and a C compiler work."""
     from tests.testbed.fiu_tools import fiu_available
@@ -175,7 +176,9 @@ def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
         for point, name, phase, role, mode in itertools.product(
             POINTS, ERRNOS, PHASES, ROLES, MODES
         ):
-            out.append({"point": point, "errno_name": name, "phase": phase, "role": role, "mode": mode})
+            out.append(
+                {"point": point, "errno_name": name, "phase": phase, "role": role, "mode": mode}
+            )
     else:
         for point, phase in itertools.product(POINTS, PHASES):
             out.append(
@@ -267,7 +270,13 @@ def _seed_root(group: RankGroup, root: str, state: dict[str, int]) -> None:
     state["next_step"] = 3
 
 
-_NO_FAULT = {"point": "write", "errno_name": "EIO", "phase": "prepare", "role": "peer", "mode": "once"}
+_NO_FAULT = {
+    "point": "write",
+    "errno_name": "EIO",
+    "phase": "prepare",
+    "role": "peer",
+    "mode": "once",
+}
 
 
 def _trial(
@@ -286,7 +295,6 @@ def _trial(
     before = inspect_root(root, world=WORLD, size=TENSOR_ELEMS)
     victim = 0 if combo["role"] == "coordinator" else rng.randrange(1, WORLD)
     spec = _spec(root, step, before.newest, combo, victim)
-    code = spec["errno"]
     label = (
         f"{combo['point']} {combo['errno_name']} {combo['mode']} at {combo['phase']} "
         f"on rank {victim} (step {step})"
@@ -377,7 +385,12 @@ def _judge_a(
 
 
 def _judge_b(
-    tally: Tally, label: str, a: list[dict[str, Any]], b: list[dict[str, Any]], final: Any, step: int
+    tally: Tally,
+    label: str,
+    a: list[dict[str, Any]],
+    b: list[dict[str, Any]],
+    final: Any,
+    step: int,
 ) -> None:
     for problem in final.torn:
         tally.violate("torn", f"{label} (after recovery): {problem}")
@@ -385,14 +398,18 @@ def _judge_b(
         if r["retry"] not in (None, "ok"):
             tally.violate("stuck", f"{label}: rank {i}: retrying step {step} failed: {r['retry']}")
         if r.get("next_error"):
-            tally.violate("stuck", f"{label}: rank {i}: the next start/save failed: {r['next_error']}")
+            tally.violate(
+                "stuck", f"{label}: rank {i}: the next start/save failed: {r['next_error']}"
+            )
         if r["restore"] is False:
             tally.violate("torn", f"{label}: rank {i}: step {r.get('latest')} restores inexactly")
     left = b[0].get("left") or []
     if left:
         tally.violate("leaks", f"{label}: the next start left {left}")
     if final.pending or final.trash:
-        tally.violate("leaks", f"{label}: after recovery: pending {final.pending} trash {final.trash}")
+        tally.violate(
+            "leaks", f"{label}: after recovery: pending {final.pending} trash {final.trash}"
+        )
     if final.newest != step + 1:
         tally.violate("stuck", f"{label}: after recovery the newest step is {final.newest}")
     if len(final.steps) > KEEP_LAST:

@@ -210,6 +210,13 @@ class ForkJob:
         self.killed[rank] = doing
         return doing
 
+    def join(self, ranks: list[int], timeout_s: float) -> bool:
+        """Wait until ``ranks`` exited; False if some still run at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        for r in ranks:
+            self.procs[r].join(max(0.0, deadline - time.monotonic()))
+        return not any(self.procs[r].is_alive() for r in ranks)
+
     def wait(self, timeout_s: float) -> list[RankResult]:
         """Join every rank; ranks still running at the deadline are killed and get
         ``exitcode=None``."""
@@ -224,7 +231,9 @@ class ForkJob:
                     os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
                 p.join(5)
                 results.append(
-                    RankResult(r, None, error_text="still running at the deadline\n" + self.log_tail(r))
+                    RankResult(
+                        r, None, error_text="still running at the deadline\n" + self.log_tail(r)
+                    )
                 )
                 continue
             res = RankResult(r, p.exitcode, error_text=self.log_tail(r))

@@ -92,9 +92,7 @@ class _Where:
         self.restart_root = restart_root
 
 
-def run(
-    size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "local"
-) -> Tally:
+def run(size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "local") -> Tally:
     """Run the kill campaign on ``fs`` (``local`` or ``sshfs``)."""
     cfg = SIZES[fs][size]
     tally = Tally(f"kill-{fs}")
@@ -142,7 +140,9 @@ def _campaign(
                 tally, cfg, rng, where, tmp, next_step, mode="named", phase=phase, role=role
             )
         else:
-            next_step = _trial(tally, cfg, rng, where, tmp, next_step, mode="random", delay_max=duration)
+            next_step = _trial(
+                tally, cfg, rng, where, tmp, next_step, mode="random", delay_max=duration
+            )
         if (i + 1) % max(1, cfg.trials // 10) == 0 or i + 1 == cfg.trials:
             progress(
                 f"{tally.name}: {i + 1}/{cfg.trials} trials, {tally.faults} kills landed, "
@@ -247,7 +247,8 @@ def _judge(
             tally.violate("torn", f"{label}: rank {r.rank} resumed step {v['latest']} inexactly")
         if before.newest is not None and v["latest"] is not None and v["latest"] != before.newest:
             tally.violate(
-                "lost", f"{label}: rank {r.rank} resumed step {v['latest']}, newest is {before.newest}"
+                "lost",
+                f"{label}: rank {r.rank} resumed step {v['latest']}, newest is {before.newest}",
             )
         if v["error"] is not None:
             if not dead:
@@ -275,7 +276,9 @@ def _judge(
     if len(after.steps) > KEEP_LAST + 1:
         tally.count("over_retention", str(len(after.steps)))
     if after.orphans:
-        tally.violate("leaks", f"{label}: checkpoint directories without a manifest: {after.orphans}")
+        tally.violate(
+            "leaks", f"{label}: checkpoint directories without a manifest: {after.orphans}"
+        )
     left, error = next_start_leftovers(where.restart_root)
     if error:
         tally.violate("stuck", f"{label}: the next start failed: {error}")

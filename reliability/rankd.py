@@ -43,6 +43,7 @@ from reliability.checks import describe_error, expected_state, states_equal
 from reliability.fiuctl import EXTRA_ENV, Fiu
 from reliability.jobs import install_fault_hook
 
+
 class Arm:
     """The fault of one trial on this rank: armed at most once, disarmed at the end."""
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reliability.tally import VIOLATIONS, Progress, Tally, table, write_json
+from reliability.tally import PRINTED_DETAILS, VIOLATIONS, Progress, Tally, table, write_json
 
 Campaign = Callable[[str, int, Progress, str], Tally]
 
@@ -147,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(tallies, total))
     bad = [t for t in tallies if t.violations]
     for t in bad:
-        for line in t.details:
+        for line in t.details[:PRINTED_DETAILS]:
             print(line)
+        if len(t.details) > PRINTED_DETAILS:
+            print(f"... {t.violations - PRINTED_DETAILS} more for {t.name} (see --json)")
     if args.json:
         write_json(args.json, tallies, total, ["python", "reliability/run.py", *sys.argv[1:]])
     print()

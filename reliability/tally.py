@@ -16,14 +16,15 @@ VIOLATIONS: dict[str, str] = {
     "hangs": "a rank that neither returned nor raised within its bound",
     "unclear": "an error that does not say what failed (type, rank, phase, path, errno)",
     "leaks": "pending or trash data that outlived the next start",
-    "split": "ranks disagree: a rank reported success for a commit that failed, or the "
-    "reverse",
+    "split": "ranks disagree: a rank reported success for a commit that failed, or the reverse",
     "stuck": "the next save or start after the fault cleared did not succeed",
     "unsafe": "code from a checkpoint ran, or a file outside the checkpoint was read",
 }
 
-#: How many violation details each campaign keeps for the report.
-MAX_DETAILS = 25
+#: How many violation details each campaign keeps (the JSON has them all, the printed
+#: summary the first PRINTED_DETAILS).
+MAX_DETAILS = 200
+PRINTED_DETAILS = 25
 
 Progress = Callable[[str], None]
 

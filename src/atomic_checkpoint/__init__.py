@@ -29,6 +29,7 @@ from .errors import (
 )
 from .manager import CheckpointManager
 from .manifest import CheckpointInfo
+from .preemption import PreemptionGuard
 from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, Pin, RetentionPolicy
 from .storage import LocalStorage, MemoryStorage, Storage, StorageCapabilities, open_storage
 
@@ -55,6 +56,7 @@ __all__ = [
     "LockHeldError",
     "MemoryStorage",
     "Pin",
+    "PreemptionGuard",
     "RankFailure",
     "ReadOnlyError",
     "ResumeError",

@@ -56,9 +56,8 @@ __all__ = ["AsyncSaver", "SaveAbandonedError", "SaveHandle", "SnapshotPool"]
 
 log = logging.getLogger("atomic_checkpoint")
 
-# Every snapshot starts on a 64-byte boundary: aligned for every dtype's view and for
-# the vector loops of memcpy.
-_ALIGN = 64
+# The snapshot buffer starts on a page: O_DIRECT writes go straight from it.
+_PAGE = 4096
 
 
 class SaveAbandonedError(CheckpointError):
@@ -301,19 +300,19 @@ class AsyncSaver:
 
 
 class _CopyProgress:
-    """How many tensors of a snapshot are copied; the background writer waits on it,
-    so it can stream tensor ``i`` while the training thread still copies ``i + 1``."""
+    """How much of a snapshot's image is copied; the background writer waits on it, so
+    it can write the first tensors while the training thread still copies the rest."""
 
-    def __init__(self, cancel: threading.Event | None):
+    def __init__(self, ready_bytes: int, cancel: threading.Event | None):
         self._cond = threading.Condition()
-        self._done = 0
+        self._ready = ready_bytes  # the image is complete up to this offset
         self._error: BaseException | None = None
         self._waiting = False
         self._cancel = cancel
 
-    def advance(self, done: int) -> None:
+    def advance(self, ready_bytes: int) -> None:
         with self._cond:
-            self._done = done
+            self._ready = ready_bytes
             if self._waiting:
                 self._cond.notify_all()
 
@@ -322,11 +321,11 @@ class _CopyProgress:
             self._error = error
             self._cond.notify_all()
 
-    def wait_for(self, index: int, timeout_s: float = 600.0) -> None:
-        """Block until tensor ``index`` is copied (called by the writer)."""
+    def wait_ready(self, upto: int, timeout_s: float = 600.0) -> None:
+        """Block until the image is complete up to offset ``upto`` (the writer calls)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._done <= index:
+            while self._ready < upto:
                 if self._error is not None:
                     raise CheckpointError(
                         f"the snapshot copy failed: {type(self._error).__name__}: {self._error}"
@@ -336,7 +335,7 @@ class _CopyProgress:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise CheckpointError(
-                        f"the snapshot copy did not reach tensor {index} within {timeout_s:g} s"
+                        f"the snapshot copy did not reach byte {upto} within {timeout_s:g} s"
                     )
                 self._waiting = True
                 self._cond.wait(min(left, 1.0))
@@ -344,29 +343,40 @@ class _CopyProgress:
 
 
 class Snapshot:
-    """One state's snapshot: destination views in the pool's buffer, and the plan the
-    background writer streams from them.
+    """One state's snapshot: the file's exact image in the pool's buffer.
 
-    ``copy()`` fills the views on the training thread; the writer's
-    ``plan.iter_chunks()`` waits for each tensor before it reads it. Until ``copy()``
-    returns, the source state must not change.
+    The header and pickle blobs are placed when the snapshot is prepared; ``copy()``
+    fills in the tensors, in file order, on the training thread. The background writer
+    reads ``image`` (page-aligned, zero-padded to a whole page) chunk by chunk after
+    ``wait_ready``: it writes it straight to the file (O_DIRECT where the filesystem
+    takes it, no copy at all), hashing as it goes. Until ``copy()`` returns, the source
+    state must not change.
+
+    Attributes:
+        image: the file's bytes (``total_size_bytes`` of them, then zeros to a page).
+        total_size_bytes: the file's size.
+        copy_s: how long ``copy()`` took.
     """
 
-    def __init__(self, plan: Any, sources: list[Any], dests: list[Any], progress: _CopyProgress):
-        self._sources = sources
-        self._dests = dests
+    def __init__(
+        self,
+        image: memoryview,
+        total_size_bytes: int,
+        copies: list[tuple[Any, Any, int]],
+        progress: _CopyProgress,
+    ):
+        self.image = image
+        self.total_size_bytes = total_size_bytes
+        self._copies = copies  # (source, destination view, image offset where it ends)
         self._progress = progress
-        self._plan = plan
         self.copy_s = 0.0
-        self.total_size_bytes = plan.total_size_bytes
 
-    def iter_chunks(self, chunk_bytes: int | None = None) -> Any:
-        """The file, streamed from the snapshot as its tensors become ready."""
-        kwargs = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
-        return self._plan.iter_chunks(before_tensor=self._progress.wait_for, **kwargs)
+    def wait_ready(self, upto: int) -> None:
+        """Block until ``image[:upto]`` holds its final bytes."""
+        self._progress.wait_ready(min(upto, self.total_size_bytes))
 
     def copy(self) -> None:
-        """Copy every source tensor into its view; blocks until all bytes are copied
+        """Copy every source tensor into the image; blocks until all bytes are copied
         (device-to-host copies included). On failure the writer fails with it."""
         t = time.perf_counter()
         try:
@@ -380,15 +390,15 @@ class Snapshot:
     def _copy(self) -> None:
         torch = sys.modules.get("torch")
         progress = self._progress
-        pairs = list(zip(self._sources, self._dests, strict=True))
         if torch is None:
-            for i, (src, dst) in enumerate(pairs):
+            for src, dst, end in self._copies:
                 _numpy_copy(dst, src)
-                progress.advance(i + 1)
+                progress.advance(end)
+            progress.advance(self.total_size_bytes)
             return
         devices = set()
         with torch.no_grad():
-            for i, (src, dst) in enumerate(pairs):
+            for src, dst, end in self._copies:
                 if not isinstance(src, torch.Tensor):
                     _numpy_copy(dst, src)
                 elif src.device.type == "cpu":
@@ -399,13 +409,13 @@ class Snapshot:
                     # and the synchronize below waits for them at once.
                     dst.copy_(src.detach(), non_blocking=True)
                 if not devices:  # device copies are ready only after the synchronize
-                    progress.advance(i + 1)
+                    progress.advance(end)
         for dev in devices:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             else:
                 getattr(torch, dev.type).synchronize()
-        progress.advance(len(pairs))
+        progress.advance(self.total_size_bytes)
 
 
 def _numpy_copy(dst: Any, src: Any) -> None:
@@ -417,16 +427,17 @@ def _numpy_copy(dst: Any, src: Any) -> None:
 class SnapshotPool:
     """Host memory that async saves copy their state into, allocated once and reused.
 
-    One flat byte buffer holds every tensor of a snapshot, 64-byte aligned, in the
-    plan's file order. It grows only when a state needs more bytes than it holds (for
-    example when the optimizer creates its state after the first step); it never
-    shrinks while the manager lives. Only the training thread calls ``prepare``, and
-    only when no save is writing from the buffer.
+    One flat, page-aligned byte buffer holds the image of the state file (header,
+    tensors at their file offsets, pickle blobs). It grows only when a state needs more
+    bytes than it holds (for example when the optimizer creates its state after the
+    first step); it never shrinks while the manager lives. Only the training thread
+    calls ``prepare``, and only when no save is writing from the buffer.
     """
 
     def __init__(self) -> None:
-        self._torch_buf: Any = None  # torch uint8 tensor, when torch is in use
+        self._torch_buf: Any = None  # torch uint8 tensor over the aligned buffer
         self._np_buf: Any = None  # numpy uint8 view of the same memory
+        self._keep: Any = None  # the allocation the aligned buffer is cut from
         self._pinned = False
         self.allocations = 0  # how many times memory was (re)allocated
 
@@ -442,7 +453,7 @@ class SnapshotPool:
     def release(self) -> None:
         """Drop the buffer (at close). Views still held by a running write keep their
         memory alive until that write ends."""
-        self._torch_buf = self._np_buf = None
+        self._torch_buf = self._np_buf = self._keep = None
 
     def _ensure(self, nbytes: int, *, use_torch: bool, pin: bool) -> None:
         have = self.capacity_bytes
@@ -453,57 +464,63 @@ class SnapshotPool:
         ):
             return
         self.release()  # free the old buffer before allocating the new one
-        size = max(nbytes, 1)
         if use_torch:
             import torch
 
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-            self._torch_buf = buf
-            self._np_buf = buf.numpy()
+            raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin)
+            skip = -raw.data_ptr() % _PAGE
+            self._keep = raw
+            self._torch_buf = raw[skip : skip + nbytes]
+            self._np_buf = self._torch_buf.numpy()
         else:
             import numpy as np
 
-            self._np_buf = np.empty(size, dtype=np.uint8)
+            raw_np = np.empty(nbytes + _PAGE, dtype=np.uint8)
+            skip = -raw_np.ctypes.data % _PAGE
+            self._keep = raw_np
+            self._np_buf = raw_np[skip : skip + nbytes]
         self._pinned = pin
         self.allocations += 1
-        log.debug("snapshot buffer: %d bytes (pinned=%s)", size, pin)
+        log.debug("snapshot buffer: %d bytes (pinned=%s)", nbytes, pin)
 
     def prepare(self, plan: Any, *, cancel: threading.Event | None = None) -> Snapshot:
-        """Lay out ``plan``'s tensors in the buffer (growing it if needed); copy nothing.
+        """Lay out ``plan``'s file image in the buffer (growing it if needed), with its
+        header and pickle blobs in place; copy no tensor yet.
 
         Args:
             plan: a ``serialization.StatePlan``.
             cancel: when set, a writer waiting for the copy gives up.
         """
         items = plan.tensors()
+        header, offsets, blobs = plan.image_layout()
+        total = plan.total_size_bytes
         torch = sys.modules.get("torch")
-        layout = []
-        offset = 0
+        use_torch = False
         on_gpu = False
         for _name, src in items:
-            is_torch = torch is not None and isinstance(src, torch.Tensor)
-            nbytes = src.numel() * src.element_size() if is_torch else int(src.nbytes)
-            if is_torch and src.device.type == "cuda":
-                on_gpu = True
-            layout.append((offset, nbytes, is_torch))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        use_torch = torch is not None and any(t for _, _, t in layout)
-        self._ensure(offset, use_torch=use_torch, pin=on_gpu)
-        dests = []
-        for (_name, src), (off, nbytes, is_torch) in zip(items, layout, strict=True):
-            if is_torch:
+            if torch is not None and isinstance(src, torch.Tensor):
+                use_torch = True
+                on_gpu = on_gpu or src.device.type == "cuda"
+        capacity = -(-max(total, 1) // _PAGE) * _PAGE
+        self._ensure(capacity, use_torch=use_torch, pin=on_gpu)
+        flat = self._np_buf
+        flat[: len(header)] = memoryview(header)
+        for off, blob in blobs:
+            flat[off : off + len(blob)] = memoryview(blob)
+        flat[total:capacity] = 0  # the padded last page is written, then cut
+        copies = []
+        for (_name, src), off in zip(items, offsets, strict=True):
+            if torch is not None and isinstance(src, torch.Tensor):
+                nbytes = src.numel() * src.element_size()
                 dst = self._torch_buf[off : off + nbytes].view(src.dtype).view(src.shape)
             else:
-                dst = self._np_buf[off : off + nbytes].view(src.dtype).reshape(src.shape)
-            dests.append(dst)
-        progress = _CopyProgress(cancel)
-        return Snapshot(plan.with_tensors(dests), [s for _, s in items], dests, progress)
-
-    def snapshot(self, plan: Any) -> Any:
-        """``prepare`` then ``copy``: a plan over a complete, consistent snapshot."""
-        snap = self.prepare(plan)
-        snap.copy()
-        return snap._plan
+                nbytes = int(src.nbytes)
+                dst = flat[off : off + nbytes].view(src.dtype).reshape(src.shape)
+            copies.append((src, dst, off + nbytes))
+        # Until the first tensor is copied, the image is complete up to it.
+        ready = offsets[0] if offsets else total
+        image = memoryview(flat[:capacity]).cast("B")
+        return Snapshot(image, total, copies, _CopyProgress(ready, cancel))
 
 
 # -- interpreter exit ----------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -124,6 +125,9 @@ def read_manifest(storage: Storage, rel: str) -> Manifest:
         CorruptCheckpointError: the manifest does not parse or validate.
     """
     where = storage.url(rel)
+    # A manifest symlinked out of the checkpoint would make a checkpoint of whatever
+    # it points to: refuse it before reading a byte.
+    check_inside(storage, rel, MANIFEST_NAME)
     data = storage.read_bytes(f"{rel}/{MANIFEST_NAME}")
     manifest = Manifest.from_json_bytes(data, where=where)
     expected = parse_checkpoint_name(rel.rsplit("/", 1)[-1])
@@ -135,7 +139,9 @@ def read_manifest(storage: Storage, rel: str) -> Manifest:
 
 
 def check_inside(storage: Storage, rel: str, file_rel: str) -> None:
-    """Refuse files that resolve outside their checkpoint (symlinks pointing out)."""
+    """Refuse files that resolve outside their checkpoint (symlinks pointing out), and
+    files that are not regular files: opening a FIFO for reading blocks until a writer
+    comes (never), a device reads forever."""
     base = storage.local_path(rel)
     if base is None:
         return
@@ -144,6 +150,16 @@ def check_inside(storage: Storage, rel: str, file_rel: str) -> None:
         raise UnsafeCheckpointError(
             f"{storage.url(rel)}: file {file_rel!r} resolves outside the checkpoint "
             f"({target}); refusing to read it"
+        )
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        return  # missing or unreadable: the size check or the open says so
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        raise CorruptCheckpointError(
+            f"{storage.url(rel)}: file {file_rel!r} is not a regular file ({kind}); "
+            "refusing to read it"
         )
 
 

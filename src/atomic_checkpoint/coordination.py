@@ -183,6 +183,10 @@ class TorchDistributedCoordinator:
     def _all_gather(self, key: str, obj: Any, timeout_s: float) -> list[Any]:
         self._seq += 1
         keys = self._keys(self._seq)
+        # Set by a rank that gives up on this round, so that a rank arriving later (it
+        # was frozen or descheduled) fails too instead of finding every key in place and
+        # returning success while the others raise (DESIGN invariant 4).
+        gave_up = f"{self._ns}/{self._seq}/gave-up"
         self._store.set(keys[self.rank], pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         deadline = time.monotonic() + timeout_s
         try:
@@ -191,6 +195,10 @@ class TorchDistributedCoordinator:
             missing = tuple(r for r, k in enumerate(keys) if not self._safe_check(k))
             if not missing and time.monotonic() < deadline:
                 raise CheckpointError(f"coordination store failed at {key!r}: {exc}") from exc
+            try:
+                self._store.set(gave_up, pickle.dumps(self.rank))
+            except Exception:  # pragma: no cover - the store is gone: nobody is late
+                pass
             raise CoordinationTimeoutError(
                 f"rank {self.rank}: rank(s) {list(missing)} did not arrive at {key!r} within "
                 f"{timeout_s:g} s (a rank crashed, hung, or is still writing on slow storage; "
@@ -198,6 +206,15 @@ class TorchDistributedCoordinator:
                 missing_ranks=missing,
                 key=key,
             ) from exc
+        if self._safe_check(gave_up):
+            who = pickle.loads(self._store.get(gave_up))
+            raise CoordinationTimeoutError(
+                f"rank {self.rank} arrived at {key!r} after rank {who} gave up waiting for "
+                f"it ({timeout_s:g} s): this rank stalled (frozen, descheduled or on slow "
+                "storage), so the exchange failed for every rank",
+                missing_ranks=(self.rank,),
+                key=key,
+            )
         if hasattr(self._store, "multi_get"):
             raw = self._store.multi_get(keys)
         else:  # pragma: no cover - torch < 2.4

@@ -66,7 +66,7 @@ import os
 import pickle
 import struct
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -343,6 +343,22 @@ class StatePlan:
         """
         return [(e.name, e.source) for e in self._entries if e.kind != "blob"]
 
+    def image_layout(self) -> tuple[bytes, list[int], list[tuple[int, bytes]]]:
+        """Where everything sits in the file, for writers that build the file's image in
+        memory (an async save's snapshot buffer).
+
+        Returns:
+            ``(header, offsets, blobs)``: the header bytes (file offset 0); the file
+            offset of each entry of :meth:`tensors`, in that order; and each pickle blob
+            as ``(file offset, bytes)``. Tensor ``i`` occupies ``offsets[i]`` up to
+            ``offsets[i]`` plus its byte length; the file is :attr:`total_size_bytes`
+            long.
+        """
+        base = len(self._header)
+        offsets = [base + e.begin for e in self._entries if e.kind != "blob"]
+        blobs = [(base + e.begin, bytes(e.source)) for e in self._entries if e.kind == "blob"]
+        return self._header, offsets, blobs
+
     def with_tensors(self, replacements: Mapping[str, Any] | Sequence[Any]) -> StatePlan:
         """A plan with the same header that writes the bytes of ``replacements`` instead.
 
@@ -407,12 +423,7 @@ class StatePlan:
             raise SerializationError(f"{where}: {view.nbytes} bytes, planned {entry.size_bytes}")
         return view
 
-    def iter_chunks(
-        self,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        *,
-        before_tensor: Callable[[int], None] | None = None,
-    ) -> Iterator[bytes | memoryview]:
+    def iter_chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes | memoryview]:
         """Yield the whole file, in order, as chunks of at most ``chunk_bytes`` bytes.
 
         The header comes first, then each tensor's bytes. A contiguous CPU tensor's
@@ -425,9 +436,6 @@ class StatePlan:
 
         Args:
             chunk_bytes: upper bound on the size of each chunk; at least 1.
-            before_tensor: called with ``i`` before the bytes of the ``i``-th entry of
-                :meth:`tensors` are first touched; an async save streams its snapshot
-                while it is still being copied, and waits here for tensor ``i``.
 
         Raises:
             ValueError: ``chunk_bytes`` is below 1.
@@ -448,12 +456,7 @@ class StatePlan:
 
         def pieces() -> Iterator[memoryview]:
             yield memoryview(self._header)
-            index = 0
             for entry in self._entries:
-                if entry.kind != "blob":
-                    if before_tensor is not None:
-                        before_tensor(index)
-                    index += 1
                 if entry.size_bytes:
                     yield self._entry_bytes(entry)
 

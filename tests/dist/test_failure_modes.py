@@ -11,13 +11,14 @@ its tests.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any
 
 import pytest
 
 from atomic_checkpoint import CheckpointManager, KeepLast, catalog
-from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR, rank_state_file
+from atomic_checkpoint.layout import META_DIR, PENDING_DIR, TRASH_DIR, rank_state_file
 from tests.dist import workers
 from tests.dist.launcher import run_ranks
 
@@ -48,6 +49,31 @@ def _outcome(fn: Any) -> tuple[str, str, list[tuple[int, str]]]:
     return "ok", "", []
 
 
+_MUTATIONS = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree")
+
+
+def _watch_namespace(root: str) -> list[tuple[str, str]]:
+    """Record every directory creation, rename and deletion this process makes in the
+    checkpoint namespace of ``root`` (everything under it but the run's metadata
+    directory, where every rank writes its storage probe). Python audit events: the real calls
+    still happen. The commit rename goes through ``renameat2`` (ctypes, not audited):
+    the kill faults cover it."""
+    seen: list[tuple[str, str]] = []
+    base = os.path.realpath(root)
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event not in _MUTATIONS or not isinstance(args[0], (str, bytes, os.PathLike)):
+            return
+        if event != "shutil.rmtree" and args[-1] not in (None, -1):  # relative to a dir fd
+            return
+        rel = os.path.relpath(os.path.abspath(os.fsdecode(args[0])), base)
+        if rel != "." and not rel.startswith(("..", META_DIR)):  # ROOT itself: ensured by all
+            seen.append((event.split(".")[-1], rel))
+
+    sys.addaudithook(hook)
+    return seen
+
+
 def w_failure_modes(rank: int, world: int, root: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -59,7 +85,7 @@ def w_failure_modes(rank: int, world: int, root: str) -> dict[str, Any]:
     # storage is shared: roles must come from the storage, not from these.
     os.environ["LOCAL_RANK"] = "0"
     os.environ[HOST_ENV] = f"host{rank}"
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"mutations": _watch_namespace(root)}
     mgr = CheckpointManager(root, timeout_s=30, retention=KeepLast(2))
     out["domain"] = (mgr.domain.leader, mgr.domain.members, mgr.is_coordinator)
 
@@ -139,6 +165,12 @@ def test_roles_barriers_and_agreement_in_one_four_rank_job(tmp_path):
         *[(0, (0, 1, 2, 3), False)] * 3,
     ]
     assert all(x["infos"] == v[0]["infos"] for x in v)
+    # A6, B5, D8: nothing but the coordinator creates, renames or deletes anything in
+    # the checkpoint namespace (it creates every pending directory and deletes every
+    # rotated checkpoint; the others only write their own files into what it made).
+    assert [x["mutations"] for x in v[1:]] == [[], [], []]
+    done_by_0 = {(op, rel.split("/")[0]) for op, rel in v[0]["mutations"]}
+    assert {("mkdir", PENDING_DIR), ("rmtree", TRASH_DIR)} <= done_by_0, done_by_0
 
     # A3: the late rank's state is in step 3 and its files in step 5, whole: the
     # commit waited for it, and it never wrote into a directory already renamed.

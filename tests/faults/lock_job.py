@@ -91,6 +91,11 @@ class Job:
         return {"step": self.m.save(cmd["step"], {"step": cmd["step"]}).step}
 
     def op_arm(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        # The previous save's rotation runs in the background: let it finish first, or
+        # it would be the one caught by the gate (and the next save would wait for it).
+        thread = self.m._rotation
+        if thread is not None:
+            thread.join(GATE_TIMEOUT_S)
         self.gate.armed = True
         return {}
 

@@ -18,11 +18,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
-from atomic_checkpoint import CheckpointManager
 from reliability import REPO_ROOT, iofaults
 from reliability.fiuctl import EXTRA_ENV, build_extra, fiu_argv
-from tests.testbed.pytest_fixtures import fiu_ready  # noqa: F401 - fixture used by name
+
+from atomic_checkpoint import CheckpointManager
 from tests.testbed.pytest_fixtures import strict_facilities
 
 pytestmark = [pytest.mark.faults]
@@ -42,22 +41,29 @@ def run_child(extra: str, tmp_path: Path, code: str, *args: str) -> dict:
     """Run ``code`` under fiu-run in a fresh interpreter; it prints one JSON line."""
     prelude = "import errno, json, os, sys\nfrom reliability.fiuctl import Fiu\nfiu = Fiu()\n"
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, **{EXTRA_ENV: extra})
-    argv = fiu_argv(extra, [sys.executable, "-c", prelude + textwrap.dedent(code), *args],
-                    ctrl_prefix=str(tmp_path / "fiu-ctrl"))
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60,
-                          check=False, cwd=REPO_ROOT)
+    argv = fiu_argv(
+        extra,
+        [sys.executable, "-c", prelude + textwrap.dedent(code), *args],
+        ctrl_prefix=str(tmp_path / "fiu-ctrl"),
+    )
+    done = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=60, check=False, cwd=REPO_ROOT
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.timeout(60)
-def test_failed_rename_of_an_atomic_replace_is_a_storage_error(fiu_ready, extra_so, tmp_path):
+def test_failed_rename_of_an_atomic_replace_is_a_storage_error(extra_so, tmp_path):
     # Found by the campaign: os.replace's OSError escaped write_bytes_atomic raw (the
     # run lock writes its token through it, so a manager start failed with OSError).
     root = tmp_path / "root"
     root.mkdir()
     (root / "state.json").write_bytes(b"old")
-    out = run_child(extra_so, tmp_path, """
+    out = run_child(
+        extra_so,
+        tmp_path,
+        """
         from atomic_checkpoint.storage.local import LocalStorage
         s = LocalStorage(sys.argv[1])
         out = {}
@@ -71,7 +77,9 @@ def test_failed_rename_of_an_atomic_replace_is_a_storage_error(fiu_ready, extra_
             fiu.disable("posix/io/dir/rename")
         out["left"] = sorted(os.listdir(sys.argv[1]))
         print(json.dumps(out))
-    """, str(root))
+    """,
+        str(root),
+    )
     want = {"ENOSPC": "StorageFullError", "EIO": "StorageError", "EROFS": "StoragePermissionError"}
     for name, kind in want.items():
         assert out[name] is not None, f"{name}: the failed rename was reported as success"
@@ -83,9 +91,7 @@ def test_failed_rename_of_an_atomic_replace_is_a_storage_error(fiu_ready, extra_
 
 
 @pytest.mark.timeout(60)
-def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(
-    fiu_ready, extra_so, tmp_path
-):
+def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(extra_so, tmp_path):
     # Found by the campaign: an EIO while opening the run file was reported as a corrupt
     # checkpoint, and EIO on every manifest made latest() None ("nothing to resume":
     # a silent fresh start over existing checkpoints) and restore() say "no valid
@@ -95,7 +101,10 @@ def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(
     mgr.save(1, {"x": 1})
     mgr.save(2, {"x": 2})
     mgr.close()
-    out = run_child(extra_so, tmp_path, """
+    out = run_child(
+        extra_so,
+        tmp_path,
+        """
         import atomic_checkpoint.serialization  # imported before the fault: it is code
         from atomic_checkpoint import CheckpointManager
         def attempt(fn):
@@ -112,7 +121,9 @@ def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(
         fiu.disable("posix/io/oc/open")
         out["after"] = attempt(lambda: reader.restore()["x"])
         print(json.dumps(out))
-    """, str(root))
+    """,
+        str(root),
+    )
     for what in ("start", "latest", "restore"):
         assert out[what][0] != "ok", (what, out[what])
         kind, code, message = out[what]
@@ -122,16 +133,17 @@ def test_unreadable_storage_is_an_io_error_not_a_corrupt_or_missing_checkpoint(
 
 
 @pytest.mark.timeout(60)
-def test_read_errors_while_restoring_or_verifying_are_storage_errors(
-    fiu_ready, extra_so, tmp_path
-):
+def test_read_errors_while_restoring_or_verifying_are_storage_errors(extra_so, tmp_path):
     # Found by the campaign: a read error (EIO from a failing disk) inside restore()
     # escaped as a bare OSError, bypassing the error tree, and verify() did the same.
     root = tmp_path / "root"
     mgr = CheckpointManager(root)
     mgr.save(1, {"w": list(range(1000)), "name": "x" * 5000})
     mgr.close()
-    out = run_child(extra_so, tmp_path, """
+    out = run_child(
+        extra_so,
+        tmp_path,
+        """
         import atomic_checkpoint.serialization  # imported before the fault: it is code
         from atomic_checkpoint import CheckpointManager
         from atomic_checkpoint.storage.local import LocalStorage
@@ -159,7 +171,9 @@ def test_read_errors_while_restoring_or_verifying_are_storage_errors(
                     out[what + name] = [type(exc).__name__, getattr(exc, "errno", None), str(exc)]
                 fiu.disable("posix/io/rw/read")
         print(json.dumps(out))
-    """, str(root))
+    """,
+        str(root),
+    )
     for what in ("restore", "verify"):
         for name, kind in (("EIO", "StorageError"), ("ENOSPC", "StorageFullError")):
             got = out[what + name]
@@ -169,7 +183,7 @@ def test_read_errors_while_restoring_or_verifying_are_storage_errors(
 
 
 @pytest.mark.timeout(240)
-def test_campaign_slice_is_clean(fiu_ready, extra_so, tmp_path):
+def test_campaign_slice_is_clean(extra_so, tmp_path):
     """The combinations that failed while the campaign was built, and one of each
     point in a protocol phase, through the real 3-rank job under fiu-run."""
     combos = [
@@ -185,8 +199,13 @@ def test_campaign_slice_is_clean(fiu_ready, extra_so, tmp_path):
         "unlink:EIO:persistent:after_uncommit:coordinator",
         "open:EIO:once:before_write:peer",
     ]
-    tally = iofaults.run("quick", 3, lambda _line: None, str(tmp_path),
-                         only=[iofaults.parse_combo(c) for c in combos])
+    tally = iofaults.run(
+        "quick",
+        3,
+        lambda _line: None,
+        str(tmp_path),
+        only=[iofaults.parse_combo(c) for c in combos],
+    )
     assert tally.trials == len(combos)
     assert tally.faults >= len(combos) - 1, tally.stats
     assert tally.violations == 0, "\n".join(tally.details)

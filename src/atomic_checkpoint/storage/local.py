@@ -62,8 +62,11 @@ import errno
 import io
 import logging
 import os
+import queue
 import shutil
+import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -72,6 +75,7 @@ from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     StorageError,
     map_os_error,
 )
@@ -289,6 +293,149 @@ def _format_device(dev: int) -> str:
     return str(dev)  # pragma: no cover - Windows: a volume serial number
 
 
+#: Filesystems on block devices whose O_DIRECT path is solid: a large aligned write goes
+#: from the caller's memory to the device by DMA, skipping the copy into the page cache
+#: (measured here on ext4/virtio, 1 GiB: 0.28 s and 0.01 s of CPU, against 0.6-0.7 s and
+#: 0.25 s through the page cache). Network and FUSE filesystems, tmpfs and overlayfs
+#: keep buffered writes: their O_DIRECT semantics vary, or they refuse it.
+_DIRECT_IO_FS = frozenset({"ext4", "xfs", "btrfs", "f2fs"})
+#: Address, length and file offset of every O_DIRECT write are multiples of this: the
+#: page size, a multiple of every logical block size up to 4 KiB.
+DIRECT_IO_ALIGN = 4096
+
+
+class _DirectWriter:
+    """Writes one file with O_DIRECT from block-aligned memory, ``depth`` writes in flight.
+
+    ``submit(view, offset)`` queues a write of ``view`` at ``offset`` (address, length
+    and offset multiples of ``DIRECT_IO_ALIGN``; the last block of the file may be
+    padded, ``close`` cuts it) and returns an event set once ``view`` may be reused.
+    The writes run in ``depth`` I/O threads, so the device always has a request queued:
+    one synchronous O_DIRECT write at a time leaves it idle between requests (measured:
+    0.43 s per GiB with one, 0.33 s with two). ``close(size_bytes)`` waits for every
+    write, truncates the padding, fsyncs and closes. One thread calls ``submit`` and
+    ``close``; the I/O threads inherit its CPU priority.
+    """
+
+    def __init__(self, storage: LocalStorage, rel: str, size_hint: int | None, depth: int = 2):
+        self._path = storage._abs(rel)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+        try:
+            self._fd: int | None = os.open(self._path, flags, 0o666)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # this filesystem refuses O_DIRECT
+                raise _NoDirectIO(str(exc)) from exc
+            raise map_os_error(exc, "create", self._path) from exc
+        # Set before the reservation: a full disk aborts through abort(), which stops
+        # the (not yet started) I/O threads.
+        self._error: OSError | None = None
+        self._aborting = False
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        if (
+            size_hint
+            and _fallocate is not None
+            and _fallocate(self._fd, _FALLOC_FL_KEEP_SIZE, 0, size_hint) != 0
+        ):
+            code = ctypes.get_errno()
+            if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+                self.abort()
+                reserve_error = OSError(code, os.strerror(code), self._path)
+                raise map_os_error(reserve_error, "reserve space for", self._path) from None
+        self._threads = [
+            threading.Thread(target=self._run, name="atomic-checkpoint-io", daemon=True)
+            for _ in range(depth)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            view, offset, done = item
+            try:
+                if self._error is None and not self._aborting and self._fd is not None:
+                    self._pwrite(self._fd, view, offset)
+            except OSError as exc:
+                if self._error is None:
+                    self._error = exc
+            finally:
+                done.set()
+
+    @staticmethod
+    def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+        while view:
+            n = os.pwrite(fd, view[:_WRITE_CHUNK], offset)
+            if n <= 0:  # pragma: no cover - POSIX raises instead of returning 0
+                raise OSError(errno.ENOSPC, "short write")
+            view = view[n:]
+            offset += n
+
+    def _raise_error(self) -> None:
+        exc = self._error
+        if exc is not None:
+            raise map_os_error(exc, "write", self._path) from exc
+
+    def submit(self, view: memoryview, offset: int) -> threading.Event:
+        """Queue a write; raises the error of an earlier write, if one failed."""
+        self._raise_error()
+        done = threading.Event()
+        self._queue.put((view, offset, done))
+        return done
+
+    def _stop(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+
+    def drain(self) -> None:
+        """Wait until every queued write is done; raise the first failure."""
+        self._stop()
+        self._raise_error()
+
+    def close(self, size_bytes: int) -> None:
+        """Wait for the writes, cut the file to ``size_bytes``, fsync, close."""
+        self._stop()
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            self._raise_error()
+            if os.fstat(fd).st_size != size_bytes:
+                os.ftruncate(fd, size_bytes)  # the padded last block
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise map_os_error(exc, "fsync", self._path) from exc
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        try:
+            os.close(fd)
+        except OSError as exc:
+            raise map_os_error(exc, "close", self._path) from exc
+
+    def abort(self) -> None:
+        self._aborting = True  # queued writes are skipped
+        self._stop()
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self._path)
+
+
+class _NoDirectIO(Exception):
+    """The filesystem refused O_DIRECT at open."""
+
+
 class LocalStorage:
     """Storage on a mounted filesystem rooted at ``root`` (an OS path).
 
@@ -393,15 +540,63 @@ class LocalStorage:
         self.check_root()
         return _LocalWriter(self, path, size_hint)
 
+    #: O_DIRECT writes of large files: None decides from the filesystem type (ext4,
+    #: XFS, btrfs, f2fs get them), False never, True wherever the OS has O_DIRECT.
+    direct_io: bool | None = None
+    _direct_io_auto: bool | None = None
+
+    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> Any:
+        """Open ``path`` for O_DIRECT writes from block-aligned memory (see
+        ``_DirectWriter``), or return None where this filesystem should not get them.
+
+        Called by the rank that writes a large state file, from the thread that saves.
+        """
+        use = self.direct_io
+        if use is None:
+            if self._direct_io_auto is None:
+                mount = mount_of(self.root)
+                self._direct_io_auto = bool(
+                    mount is not None
+                    and mount.fstype in _DIRECT_IO_FS
+                    and self.capabilities.coherent
+                )
+            use = self._direct_io_auto
+        if not use or not hasattr(os, "O_DIRECT"):
+            return None
+        self.check_root()
+        try:
+            return _DirectWriter(self, path, size_hint)
+        except _NoDirectIO:
+            self._direct_io_auto = False
+            return None
+
     def open_read(self, path: str) -> Reader:
         self.check_root()
         p = self._abs(path)
+        # O_NONBLOCK: opening a FIFO for reading would block until a writer comes;
+        # nothing but a regular file is ever read (blocking is restored for reads).
+        flags = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
-            return _LocalReader(open(p, "rb", buffering=0), p)
+            fd = os.open(p, flags)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{p!r} does not exist") from exc
         except OSError as exc:
             raise map_os_error(exc, "open", p) from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptCheckpointError(
+                    f"{p!r} is not a regular file (a FIFO, socket or device); refusing to read it"
+                )
+            if hasattr(os, "O_NONBLOCK"):
+                os.set_blocking(fd, True)
+            f = io.FileIO(fd, "rb", closefd=True)
+        except OSError as exc:
+            os.close(fd)
+            raise map_os_error(exc, "open", p) from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        return _LocalReader(f, p)
 
     def read_bytes(self, path: str) -> bytes:
         with self.open_read(path) as f:

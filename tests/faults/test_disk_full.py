@@ -1,0 +1,89 @@
+# The fixture is imported from tests.testbed.pytest_fixtures and requested by parameter
+# name, which pyflakes reads as a redefinition of the import.
+# ruff: noqa: F811
+
+"""Real full filesystems (tmpfs, ext4 ``-m 0``, xfs) under one process.
+
+The 3-rank version (every rank gets the ENOSPC inside the distributed error, the
+failed save gives back its space, the next save succeeds; also over sshfs) is the
+disk-full campaign, ``reliability.diskfull``, which ``test_campaigns.py`` runs. Here:
+what one process sees, the start-up on a full disk, and that retention never deletes
+old checkpoints to make room for a save that does not fit.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+from reliability.checks import expected_state, states_equal
+
+from atomic_checkpoint import CheckpointManager, KeepLast, StorageFullError
+from tests.testbed import fill_until_enospc
+from tests.testbed.pytest_fixtures import small_disk  # noqa: F401 - fixture used by name
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
+
+KINDS = ["tmpfs", "ext4", "xfs"]
+SMALL = 1 << 10
+
+
+def free_bytes(path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_save_that_does_not_fit_fails_cleanly_and_keeps_every_checkpoint(small_disk, kind):
+    disk = small_disk(48 if kind == "xfs" else 32, kind)
+    root = disk.path / "root"
+    mgr = CheckpointManager(root, retention=KeepLast(1))
+    mgr.save(1, expected_state(1, 0, SMALL))
+    filler = disk.path / "filler"
+    # Leave 4 MiB; the next state needs 16 MiB. Deleting step 1 would not help, and
+    # retention must not try: it runs only after a commit (DESIGN invariant 5).
+    fill_to = max(0, free_bytes(disk.path) - (4 << 20))
+    with open(filler, "wb") as f:
+        f.write(b"\0" * fill_to)
+        f.flush()
+        os.fsync(f.fileno())
+    before = free_bytes(disk.path)
+    big = expected_state(2, 0, 2 << 20)
+    with pytest.raises(StorageFullError) as err:
+        mgr.save(2, big)
+    e = err.value
+    assert e.errno == errno.ENOSPC
+    assert "rank-00000.safetensors" in str(e) and "errno 28" in str(e)
+    assert "Free space" in str(e)  # it says what to do
+    assert os.listdir(root / ".pending") == []
+    assert free_bytes(disk.path) >= before - (256 << 10)  # the failed save gave it back
+    assert [c.step for c in mgr.checkpoints()] == [1]
+    assert states_equal(mgr.restore(), expected_state(1, 0, SMALL))
+    filler.unlink()
+    info = mgr.save(2, big)  # the same manager, once there is room
+    assert info.step == 2 and states_equal(mgr.restore(2), big)
+    mgr.close()
+    assert [c.step for c in CheckpointManager(root, read_only=True).checkpoints()] == [2]
+
+
+def test_starting_on_a_full_disk_says_so(small_disk):
+    disk = small_disk(8, "ext4")
+    fill_until_enospc(disk.path / "filler")
+    # Fill the remaining inodes' worth of small allocations too: directories need a
+    # block each on ext4.
+    n = 0
+    while n < 10_000:
+        try:
+            (disk.path / f"d{n}").mkdir()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+            break
+        n += 1
+    with pytest.raises(StorageFullError) as err:
+        CheckpointManager(disk.path / "root")
+    assert err.value.errno == errno.ENOSPC and str(disk.path / "root") in str(err.value)
+    (disk.path / "filler").unlink()
+    mgr = CheckpointManager(disk.path / "root")
+    assert mgr.save(1, {"x": 1}).step == 1
+    mgr.close()
