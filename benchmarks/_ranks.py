@@ -48,6 +48,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str
     try:
         mgr = CheckpointManager(root, timeout_s=60)
         totals, overheads, fsyncs = [], [], []
+        phases: dict[str, list[float]] = {}
         for i in range(saves + 1):  # the first save warms caches and is not counted
             t = time.perf_counter()
             info = mgr.save(i, _tiny_state(rank, i))
@@ -58,6 +59,8 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str
                 totals.append(total)
                 overheads.append(total - data)
                 fsyncs.append(float(timings.get("fsync", 0.0)))
+                for key, value in timings.items():
+                    phases.setdefault(key, []).append(float(value))
         # Check every save landed, complete: restore our part of each.
         ok = True
         for i in range(saves + 1):
@@ -69,6 +72,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str
             "total_s": statistics.median(totals),
             "overhead_s": statistics.median(overheads),
             "data_fsync_s": statistics.median(fsyncs),
+            "phases_s": {k: statistics.median(v) for k, v in phases.items()},
             "verified": ok,
         }
     except BaseException as exc:

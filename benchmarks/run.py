@@ -244,6 +244,11 @@ class Run:
             }
             for w in WORLDS
         }
+        for w in WORLDS:
+            keys = {k for rw in rounds for k in rw[str(w)].get("phases_s", {})}
+            medians[str(w)]["phases_s"] = {
+                k: _median([rw[str(w)]["phases_s"][k] for rw in rounds]) for k in sorted(keys)
+            }
         ratio = _median([rw["8"]["overhead_s"] / rw["1"]["overhead_s"] for rw in rounds])
         budget = [
             rw["1"]["overhead_s"] / (3 * rw["fsync_s"] + 0.005) for rw in rounds if rw["fsync_s"]
@@ -373,9 +378,10 @@ def print_report(results: dict[str, Any]) -> None:
     )
     print(f"{'ranks':<8}{'total ms':>10}{'overhead ms':>13}{'data fsync ms':>15}")
     for w, med in c["medians"].items():
+        phases = ", ".join(f"{k}={v * 1000:.2f}" for k, v in med.get("phases_s", {}).items())
         print(
             f"{w:<8}{med['total_s'] * 1000:>10.2f}{med['overhead_s'] * 1000:>13.2f}"
-            f"{med['data_fsync_s'] * 1000:>15.2f}"
+            f"{med['data_fsync_s'] * 1000:>15.2f}   phases ms: {phases}"
         )
     print("\n== targets (BENCHMARKS.md) ==")
     print(f"{'figure':<48}{'size':>7}{'value':>9}  {'target':<16}result")

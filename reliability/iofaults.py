@@ -141,7 +141,7 @@ class RankGroup:
         n = self.n
         self.n += 1
         spec = dict(spec, n=n)
-        self.store.set(f"spec/{n}", json.dumps(spec).encode())
+        self.store.set(f"spec/{n}", json.dumps(spec))
         return n
 
     def collect(self, n: int, part: str) -> list[dict[str, Any]] | None:
@@ -151,11 +151,11 @@ class RankGroup:
         return [json.loads(self.store.get(k)) for k in keys]
 
     def go(self, n: int) -> None:
-        self.store.set(f"go/{n}", b"1")
+        self.store.set(f"go/{n}", "1")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.store.set(f"spec/{self.n}", json.dumps({"op": "stop"}).encode())
+            self.store.set(f"spec/{self.n}", json.dumps({"op": "stop"}))
         deadline = time.monotonic() + 10
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):

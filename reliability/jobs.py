@@ -227,8 +227,8 @@ class ForkJob:
         for r, p in enumerate(self.procs):
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGCONT)  # type: ignore[arg-type]
-                    os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                    os.kill(p.pid, signal.SIGCONT)
+                    os.kill(p.pid, signal.SIGKILL)
                 p.join(5)
                 results.append(
                     RankResult(
@@ -255,6 +255,6 @@ class ForkJob:
         for p in self.procs:
             if p.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+                    os.kill(p.pid, signal.SIGKILL)
             p.join(5)
         del self._store

@@ -56,6 +56,7 @@ BUCKETS = {
     "before_uncommit": "rotation",
     "after_uncommit": "rotation",
     "mid_delete": "rotation",
+    "wait": "commit",
     "close": "close",
 }
 
@@ -74,11 +75,11 @@ class KillSize:
 SIZES = {
     "local": {
         "quick": KillSize(trials=24, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=2),
-        "full": KillSize(trials=440, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=2),
+        "full": KillSize(trials=560, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=2),
     },
     "sshfs": {
         "quick": KillSize(trials=8, world=4, steps_per_trial=2, tensor_elems=1 << 13, timeout_s=4),
-        "full": KillSize(trials=100, world=4, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=4),
+        "full": KillSize(trials=120, world=4, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=4),
     },
 }
 
@@ -133,16 +134,41 @@ def _campaign(
     named = [(p, r) for p in SAVE_PHASES for r in ("coordinator", "peer")]
     named = [(p, r) for p, r in named if not (p in COORDINATOR_ONLY and r == "peer")]
     named += [(p, "coordinator") for p in ROTATION_PHASES]
+    rng.shuffle(named)  # the quick size then covers a different sample per seed
     for i in range(cfg.trials):
+        # Sync and async saves alternate within each kind of trial.
+        use_async = (i // 2) % 2 == 1
         if i % 2 == 0:
             phase, role = named[(i // 2) % len(named)]
             next_step = _trial(
-                tally, cfg, rng, where, tmp, next_step, mode="named", phase=phase, role=role
+                tally,
+                cfg,
+                rng,
+                where,
+                tmp,
+                next_step,
+                mode="named",
+                phase=phase,
+                role=role,
+                use_async=use_async,
             )
         else:
+            landed_before = tally.faults
             next_step = _trial(
-                tally, cfg, rng, where, tmp, next_step, mode="random", delay_max=duration
+                tally,
+                cfg,
+                rng,
+                where,
+                tmp,
+                next_step,
+                mode="random",
+                delay_max=duration,
+                use_async=use_async,
             )
+            # Keep most random kills inside the job: jobs vary in length (resume work,
+            # async saves, machine load), so the window follows what is observed.
+            duration = duration * 1.05 if tally.faults > landed_before else duration * 0.8
+            duration = min(max(duration, 0.05), 5.0)
         if (i + 1) % max(1, cfg.trials // 10) == 0 or i + 1 == cfg.trials:
             progress(
                 f"{tally.name}: {i + 1}/{cfg.trials} trials, {tally.faults} kills landed, "
@@ -163,6 +189,7 @@ def _trial(
     phase: str = "",
     role: str = "",
     delay_max: float = 0.0,
+    use_async: bool = False,
 ) -> int:
     tally.trials += 1
     before = inspect_root(where.truth, world=cfg.world, size=cfg.tensor_elems)
@@ -190,6 +217,7 @@ def _trial(
         cfg.tensor_elems,
         cfg.timeout_s,
         KEEP_LAST,
+        use_async,
         tmp_dir=tmp,
         env=env,
     )
@@ -211,8 +239,10 @@ def _trial(
     if mode == "named" and victim in dead:
         landed = phase
     hit = victim in dead and landed not in (None, "finished", "idle")
+    label += " (save_async)" if use_async else ""
     if hit:
         tally.faults += 1
+        tally.count("save_kind", "async" if use_async else "sync")
         tally.count("landed", BUCKETS.get(landed or "", landed or "?"))
         tally.count("victim", "coordinator" if victim == 0 else "peer")
     elif mode != "none":

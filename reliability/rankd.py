@@ -213,7 +213,7 @@ class Rank:
         return out
 
     def serve(self) -> None:
-        self.store.set(f"ready/{self.rank}", b"1")
+        self.store.set(f"ready/{self.rank}", "1")
         n = 0
         forever = timedelta(seconds=3600)
         while True:
@@ -223,10 +223,10 @@ class Rank:
             if spec.get("op") == "stop":
                 return
             a, mgr = self.part_a(spec)
-            self.store.set(f"res/{n}/a/{self.rank}", json.dumps(a).encode())
+            self.store.set(f"res/{n}/a/{self.rank}", json.dumps(a))
             self.store.wait([f"go/{n}"], forever)
             b = self.part_b(spec, mgr, a)
-            self.store.set(f"res/{n}/b/{self.rank}", json.dumps(b).encode())
+            self.store.set(f"res/{n}/b/{self.rank}", json.dumps(b))
             n += 1
 
 

@@ -22,7 +22,15 @@ from collections.abc import Callable
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from reliability.tally import PRINTED_DETAILS, VIOLATIONS, Progress, Tally, table, write_json
+from reliability.tally import (
+    PRINTED_DETAILS,
+    VIOLATIONS,
+    Progress,
+    Tally,
+    figures,
+    table,
+    write_json,
+)
 
 Campaign = Callable[[str, int, Progress, str], Tally]
 
@@ -145,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - t0
     print()
     print(table(tallies, total))
+    print()
+    print("figures:")
+    print(figures(tallies))
     bad = [t for t in tallies if t.violations]
     for t in bad:
         for line in t.details[:PRINTED_DETAILS]:

@@ -104,6 +104,41 @@ def table(tallies: Iterable[Tally], total_s: float) -> str:
     return "\n".join(lines)
 
 
+def figures(tallies: Iterable[Tally], max_keys: int = 12) -> str:
+    """The campaigns' figures: small histograms in full, number lists as
+    min / median / max, large histograms as their size."""
+    lines = []
+    for t in tallies:
+        for name, value in t.stats.items():
+            if (
+                isinstance(value, dict)
+                and value
+                and all(isinstance(v, (int, float)) for v in value.values())
+            ):
+                if len(value) <= max_keys:
+                    body = ", ".join(f"{k}: {v}" for k, v in sorted(value.items(), key=str))
+                else:
+                    body = f"{len(value)} kinds, {sum(value.values())} in all (see --json)"
+            elif isinstance(value, dict) and value:
+                body = ", ".join(f"{k}: {v}" for k, v in value.items())
+            elif (
+                isinstance(value, list)
+                and value
+                and all(isinstance(v, (int, float)) for v in value)
+            ):
+                ordered = sorted(value)
+                body = (
+                    f"n={len(ordered)} min {ordered[0]:g} median "
+                    f"{ordered[len(ordered) // 2]:g} max {ordered[-1]:g}"
+                )
+            elif isinstance(value, (int, float, str)):
+                body = str(value)
+            else:
+                continue
+            lines.append(f"  {t.name:<11} {name}: {body}")
+    return "\n".join(lines)
+
+
 def write_json(path: str, tallies: Iterable[Tally], total_s: float, argv: list[str]) -> None:
     """``{"campaigns": {name: {...}}, "total_s": ..., "command": ...}``."""
     doc = {

@@ -22,9 +22,14 @@ def w_save_loop(
     size: int,
     timeout_s: float,
     keep_last: int,
+    use_async: bool = False,
 ) -> dict[str, Any]:
     """Start (resume from the newest checkpoint, checking it restores exactly), then
     save ``steps`` in order with ``KeepLast(keep_last)``; report how far it got.
+
+    With ``use_async`` the saves are ``save_async`` (snapshot, then write and commit in
+    the background); a step counts as done once a later call returned without raising
+    its failure (the next ``save_async`` waits for it, ``wait`` for the last one).
 
     Every failure is reported as data, so the parent can judge each rank's error.
     """
@@ -37,10 +42,18 @@ def w_save_loop(
         if latest is not None:
             out["latest"] = latest.step
             out["restored"] = states_equal(mgr.restore(), expected_state(latest.step, rank, size))
-        for s in steps:
+        for i, s in enumerate(steps):
             mark("prepare")
-            mgr.save(s, expected_state(s, rank, size))
-            out["done"].append(s)
+            if use_async:
+                mgr.save_async(s, expected_state(s, rank, size))
+                out["done"] = steps[:i]  # save_async first waited for the previous one
+            else:
+                mgr.save(s, expected_state(s, rank, size))
+                out["done"].append(s)
+        if use_async:
+            mark("wait")
+            mgr.wait()
+            out["done"] = list(steps)
         mark("close")
         mgr.close()
         mark("idle")

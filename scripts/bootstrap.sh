@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything the project and its tests need on a Debian 12 machine:
-#   apt   system packages (sshd + sshfs, FUSE, libfiu, s3fs-fuse, mkfs tools) - as root only
+#   apt   system packages (sshd + sshfs, FUSE, libfiu + gcc to build the campaigns' extra fiu
+#         preload, s3fs-fuse, mkfs tools) - as root only
 #   venv  .venv at the repository root, made with `python3 -m venv` (or $PYTHON)
 #   pip   pinned dev/test dependencies + editable install of the project
 #   fiu   Debian's libfiu Python modules linked into the venv
@@ -28,6 +29,7 @@ DEV_REQS="requirements/dev.txt"
 APT_PACKAGES=(
     openssh-server openssh-client sshfs fuse3
     fiu-utils libfiu0 python3-fiu
+    gcc libc6-dev
     s3fs iproute2 e2fsprogs xfsprogs psmisc procps
     strace
 )

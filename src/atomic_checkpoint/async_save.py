@@ -10,25 +10,26 @@ background, and raise a failure exactly once.
         its failure if nobody was told yet)
       plan_state(state); SnapshotPool.prepare
       AsyncSaver.submit(run) ---------------> commit protocol on a cloned coordinator
-      Snapshot.copy(): tensor 0, 1, 2, ...     (own store connection and key namespace,
-        <- the only time training is blocked    never the training's collective stream)
-    return SaveHandle                          write tensor i as soon as it is copied,
-    ... training mutates the state ...           hashing while writing; fsync
+      Snapshot.copy()  <- the only time          (own store connection and key namespace,
+                          training is blocked    never the training's collective stream):
+    return SaveHandle                            first phase (pending location) meanwhile
+    ... training mutates the state ...         write the image once copied: O_DIRECT by
+                                                 DMA, hashing as it goes; fsync
                                                manifest, rename, then retention
     handle.result() / mgr.wait() / next save <-- CheckpointInfo or the failure (once)
 
-The background save starts before the copy and streams each tensor as soon as the
-training thread has copied it, so the time until durable is about that of a sync save,
-not copy plus save. It runs at a lower CPU priority than training (``nice`` +10 on
-Linux, per thread), so on a machine with few cores the training loop keeps its CPU.
-
-The snapshot is one flat host buffer laid out tensor after tensor, allocated on the
-first save and reused by every later one: on these VMs memory that was freed and
-touched again can cost up to 15x a copy into already-resident memory, and a save must
-never allocate its state size afresh. When any source tensor lives on a GPU the buffer
-is pinned (page-locked), so the device-to-host copies are DMA transfers that overlap;
-the snapshot waits for them before ``save_async`` returns, so later in-place updates of
-the parameters cannot leak into the checkpoint.
+The snapshot is the exact image of the state file (header, tensors at their file
+offsets, pickle blobs) in one flat, page-aligned host buffer, allocated on the first
+save and reused by every later one: on these VMs memory that was freed and touched
+again can cost up to 15x a copy into already-resident memory, and a save must never
+allocate its state size afresh. Being the file's image, it is written without another
+copy: on local disks straight to the device with O_DIRECT, so the background write
+costs almost no CPU and does not stream the state through the CPU caches that training
+uses. When any source tensor lives on a GPU the buffer is pinned (page-locked), so the
+device-to-host copies are DMA transfers that overlap; the snapshot waits for them
+before ``save_async`` returns, so later in-place updates of the parameters cannot leak
+into the checkpoint. Background saves run at a lower CPU priority than training
+(``nice`` +10, per thread, on Linux).
 
 At interpreter exit an in-flight save is finished (bounded by the manager's
 ``timeout_s``) or abandoned; both are logged. An abandoned save is never committed by
@@ -390,15 +391,16 @@ class Snapshot:
     def _copy(self) -> None:
         torch = sys.modules.get("torch")
         progress = self._progress
+        # The image is published as complete only at the end: the writer waits for
+        # all of it (see manager._write_image for why it does not stream behind us).
         if torch is None:
-            for src, dst, end in self._copies:
+            for src, dst, _end in self._copies:
                 _numpy_copy(dst, src)
-                progress.advance(end)
             progress.advance(self.total_size_bytes)
             return
         devices = set()
         with torch.no_grad():
-            for src, dst, end in self._copies:
+            for src, dst, _end in self._copies:
                 if not isinstance(src, torch.Tensor):
                     _numpy_copy(dst, src)
                 elif src.device.type == "cpu":
@@ -408,8 +410,6 @@ class Snapshot:
                     # Into pinned memory this is an asynchronous DMA; they all overlap
                     # and the synchronize below waits for them at once.
                     dst.copy_(src.detach(), non_blocking=True)
-                if not devices:  # device copies are ready only after the synchronize
-                    progress.advance(end)
         for dev in devices:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)

@@ -1263,8 +1263,13 @@ def _write_plan(
     """
     t = time.perf_counter()
     total = plan.total_size_bytes
-    h = _HashPipe(Hasher(), background=total >= _PIPELINE_MIN_BYTES)
     dw = _open_direct(storage, path, total) if staging is not None else None
+    # Through the page cache, the checksum runs on a helper core while this thread
+    # copies into the kernel; with O_DIRECT it runs here, on each chunk just before it
+    # is copied into staging (the copy then reads it from cache): this thread is far
+    # ahead of the disk either way, and a second reader of every byte only competes
+    # for memory bandwidth (measured: 0.36 against 0.42 of the page-cache write's time).
+    h = _HashPipe(Hasher(), background=dw is None and total >= _PIPELINE_MIN_BYTES)
     if dw is not None and staging is not None:
         try:
             size = _stream_direct(dw, plan, h, staging, rank, step)
@@ -1360,6 +1365,11 @@ def _write_image(
     t = time.perf_counter()
     total = snap.total_size_bytes
     image = snap.image
+    # Write only once the copy is complete: streaming tensors while the training thread
+    # still copies the rest makes both compete for memory bandwidth, and the copy (the
+    # time training is blocked) got 15-40 % slower (measured at 1 GiB); writing from
+    # the image by DMA is fast enough that durability still comes before a sync save's.
+    snap.wait_ready(total)
     dw = _open_direct(storage, path, total)
     w = None if dw is not None else storage.open_write(path, size_hint=total)
     h = _HashPipe(Hasher(), background=dw is None and total >= _PIPELINE_MIN_BYTES)

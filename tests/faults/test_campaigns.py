@@ -10,10 +10,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from reliability import iofaults
 from reliability.run import CAMPAIGNS, run_campaigns
 
 from atomic_checkpoint import CoordinationTimeoutError, TorchDistributedCoordinator
-from tests.testbed.pytest_fixtures import require_facility
+from tests.testbed.pytest_fixtures import require_facility, strict_facilities
 
 pytestmark = [pytest.mark.faults, pytest.mark.dist]
 
@@ -48,6 +49,12 @@ def test_campaign_quick_has_no_violation(name, tmp_path, request):
     request.applymarker(pytest.mark.timeout(TIMEOUTS[name]))
     for facility in NEEDS.get(name, []):
         require_facility(facility)
+    if name == "libfiu":
+        ok, why = iofaults.available()  # also needs a C compiler for fiu_extra.so
+        if not ok:
+            if strict_facilities():
+                pytest.fail(f"libfiu campaign unavailable: {why} (required under CI)")
+            pytest.skip(f"libfiu campaign unavailable: {why}")
     lines: list[str] = []
     [tally] = run_campaigns([name], "quick", 11, lines.append, str(tmp_path))
     trials, faults = MINIMUM[name]
@@ -77,3 +84,43 @@ def test_a_rank_that_arrives_after_the_others_gave_up_fails_too():
     # Rounds that everyone reaches in time are unaffected.
     a = TorchDistributedCoordinator(store, rank=0, world_size=1, namespace="alone")
     assert a.all_gather("k", 1, timeout_s=1) == [1]
+
+
+@pytest.mark.timeout(30)
+def test_a_failure_outside_a_save_names_no_step(tmp_path):
+    # Found by the libfiu campaign: a start-up failure on the coordinator reached every
+    # rank as "checkpoint step -1 failed" (the internal marker of "not a save").
+    import threading
+
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointManager, DistributedCheckpointError
+
+    root = tmp_path / "not-a-directory"
+    root.write_text("x")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    errors: dict[int, BaseException] = {}
+
+    def start(rank: int) -> None:
+        # One store connection per rank, as in separate processes (a client connection
+        # serves one request at a time).
+        client = dist.TCPStore("127.0.0.1", store.port, 1, False, timeout=timedelta(seconds=30))
+        coord = TorchDistributedCoordinator(client, rank=rank, world_size=2, namespace="start")
+        try:
+            CheckpointManager(root, coordinator=coord, timeout_s=10).close()
+        except Exception as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=start, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(errors) == [0, 1]
+    for err in errors.values():
+        assert isinstance(err, DistributedCheckpointError), err
+        assert err.failed_ranks == (0,) and err.step is None
+        assert "step -1" not in str(err) and "checkpoint operation failed" in str(err)
+        assert "is a file" in str(err)

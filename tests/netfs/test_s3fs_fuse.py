@@ -101,7 +101,7 @@ def _uploads(server: Any, bucket: str, prefix: str) -> list[str]:
     return [u["Key"] for u in out.get("Uploads", []) if u["Key"].startswith(prefix)]
 
 
-BIG_ELEMS = 3 << 20  # 12 MiB of float32: s3fs uploads it as 3 sequential 5 MB parts
+BIG_ELEMS = 16 << 20  # 64 MiB of float32: s3fs uploads it as 13 sequential 5 MB parts
 
 
 @pytest.mark.timeout(240)
