@@ -62,6 +62,7 @@ ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "EDQUOT": errno.EDQUOT, "ERO
 PHASES = ("startup", "prepare", *SAVE_PHASES, *ROTATION_PHASES, "restore")
 ROLES = ("coordinator", "peer")
 MODES = ("once", "persistent")
+APIS = ("save", "save_async")
 
 WORLD = 3
 KEEP_LAST = 2
@@ -169,16 +170,25 @@ class RankGroup:
 
 
 def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
-    """Full: every point x errno x phase x role x mode. Quick: every point x phase once,
-    with a random errno, role and mode."""
+    """Full: every point x errno x phase x role x mode, each through ``save`` and
+    ``save_async`` (start-up and restore have no save). Quick: every point x phase
+    once, with a random errno, role, mode and API."""
     out = []
     if size == "full":
         for point, name, phase, role, mode in itertools.product(
             POINTS, ERRNOS, PHASES, ROLES, MODES
         ):
-            out.append(
-                {"point": point, "errno_name": name, "phase": phase, "role": role, "mode": mode}
-            )
+            for api in APIS if phase not in ("startup", "restore") else APIS[:1]:
+                out.append(
+                    {
+                        "point": point,
+                        "errno_name": name,
+                        "phase": phase,
+                        "role": role,
+                        "mode": mode,
+                        "api": api,
+                    }
+                )
     else:
         for point, phase in itertools.product(POINTS, PHASES):
             out.append(
@@ -188,6 +198,7 @@ def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
                     "phase": phase,
                     "role": rng.choice(ROLES),
                     "mode": rng.choice(MODES),
+                    "api": rng.choice(APIS),
                 }
             )
     rng.shuffle(out)
@@ -195,13 +206,22 @@ def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
 
 
 def parse_combo(text: str) -> dict[str, Any]:
-    """``point:ERRNO:mode:phase:role``, e.g. ``rename:EIO:once:startup:coordinator``."""
-    point, name, mode, phase, role = text.split(":")
-    if point not in POINTS or name not in ERRNOS or mode not in MODES:
+    """``point:ERRNO:mode:phase:role[:api]``, e.g. ``rename:EIO:once:startup:coordinator``
+    or ``fsync:EIO:persistent:after_write:peer:save_async``."""
+    point, name, mode, phase, role, *rest = text.split(":")
+    api = rest[0] if rest else "save"
+    if point not in POINTS or name not in ERRNOS or mode not in MODES or api not in APIS:
         raise ValueError(f"bad combination {text!r}")
-    if phase not in PHASES or role not in ROLES:
+    if phase not in PHASES or role not in ROLES or len(rest) > 1:
         raise ValueError(f"bad combination {text!r}")
-    return {"point": point, "errno_name": name, "phase": phase, "role": role, "mode": mode}
+    return {
+        "point": point,
+        "errno_name": name,
+        "phase": phase,
+        "role": role,
+        "mode": mode,
+        "api": api,
+    }
 
 
 def run(
@@ -254,6 +274,7 @@ def _spec(root: str, step: int, newest: int | None, combo: dict[str, Any], victi
         "errno": ERRNOS[combo["errno_name"]],
         "mode": combo["mode"],
         "phase": combo["phase"],
+        "api": combo.get("api", "save"),
     }
 
 
@@ -297,7 +318,7 @@ def _trial(
     spec = _spec(root, step, before.newest, combo, victim)
     label = (
         f"{combo['point']} {combo['errno_name']} {combo['mode']} at {combo['phase']} "
-        f"on rank {victim} (step {step})"
+        f"on rank {victim} through {spec['api']} (step {step})"
     )
     n = group.post(spec)
     a = group.collect(n, "a")

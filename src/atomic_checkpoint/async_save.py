@@ -28,8 +28,8 @@ costs almost no CPU and does not stream the state through the CPU caches that tr
 uses. When any source tensor lives on a GPU the buffer is pinned (page-locked), so the
 device-to-host copies are DMA transfers that overlap; the snapshot waits for them
 before ``save_async`` returns, so later in-place updates of the parameters cannot leak
-into the checkpoint. Background saves run at a lower CPU priority than training
-(``nice`` +10, per thread, on Linux).
+into the checkpoint. Background saves run at the lowest CPU priority (SCHED_IDLE, per
+thread, on Linux).
 
 At interpreter exit an in-flight save is finished (bounded by the manager's
 ``timeout_s``) or abandoned; both are logged. An abandoned save is never committed by
@@ -57,8 +57,10 @@ __all__ = ["AsyncSaver", "SaveAbandonedError", "SaveHandle", "SnapshotPool"]
 
 log = logging.getLogger("atomic_checkpoint")
 
-# The snapshot buffer starts on a page: O_DIRECT writes go straight from it.
+# The snapshot buffer starts on a page (O_DIRECT writes go straight from it), on a huge
+# page where the memory is ours to align.
 _PAGE = 4096
+_HUGE_PAGE = 2 << 20
 
 
 class SaveAbandonedError(CheckpointError):
@@ -66,13 +68,19 @@ class SaveAbandonedError(CheckpointError):
     before it could finish); nothing of it was committed by this process."""
 
 
-def _lower_priority(nice: int) -> None:
-    """Lower the CPU priority of the calling thread only (Linux)."""
-    if not sys.platform.startswith("linux") or nice <= 0:
+def _lower_priority() -> None:
+    """Give the calling thread only (Linux: priorities are per thread) the lowest CPU
+    priority: SCHED_IDLE, else nice 19. Threads it starts inherit it."""
+    if not sys.platform.startswith("linux"):
         return
+    tid = threading.get_native_id()
     try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
     except OSError as exc:  # e.g. a seccomp filter: run at normal priority
         log.debug("could not lower the priority of the async save thread: %s", exc)
 
@@ -157,11 +165,12 @@ class AsyncSaver:
     interpreter from exiting once the exit hook gave up on it).
     """
 
-    # Background saves run this much nicer than the training thread (Linux: nice is
-    # per thread, and threads the save starts inherit it): on a machine with few cores
-    # the training loop keeps its CPU, the save takes what is left. Waiting for a save
-    # (result(), wait()) leaves the CPU to it anyway.
-    nice = 10
+    # Background saves run at the lowest CPU priority (SCHED_IDLE, else nice 19; per
+    # thread on Linux, inherited by the threads the save starts): on a machine with few
+    # cores the training loop keeps its CPU and the save takes what is left; a thread
+    # that waits for the save (result(), wait()) leaves it all. Measured at 1 GiB, the
+    # training-step slowdown during the write: 1.01 idle, 1.03 to 1.07 niced, noisy.
+    lower_priority = True
 
     def __init__(self) -> None:
         self.cancel = threading.Event()  # set: the running save stops and fails
@@ -196,7 +205,8 @@ class AsyncSaver:
         def run() -> None:
             info: CheckpointInfo | None = None
             error: BaseException | None = None
-            _lower_priority(self.nice)
+            if self.lower_priority:
+                _lower_priority()
             try:
                 info = fn()
             except BaseException as exc:  # reported once, by the handle or the manager
@@ -464,10 +474,11 @@ class SnapshotPool:
         ):
             return
         self.release()  # free the old buffer before allocating the new one
-        if use_torch:
+        if pin:
             import torch
 
-            raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin)
+            # Page-locked memory for device-to-host DMA (cudaHostAlloc: page-aligned).
+            raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=True)
             skip = -raw.data_ptr() % _PAGE
             self._keep = raw
             self._torch_buf = raw[skip : skip + nbytes]
@@ -475,10 +486,18 @@ class SnapshotPool:
         else:
             import numpy as np
 
-            raw_np = np.empty(nbytes + _PAGE, dtype=np.uint8)
-            skip = -raw_np.ctypes.data % _PAGE
+            # numpy's allocation asks the kernel for transparent huge pages; cut on a
+            # huge-page boundary, the copy into it and the O_DIRECT writes from it are
+            # faster than from torch.empty's memory (measured at 1 GiB: 0.067 against
+            # 0.073 s, 0.29 against 0.33 s).
+            raw_np = np.empty(nbytes + _HUGE_PAGE, dtype=np.uint8)
+            skip = -raw_np.ctypes.data % _HUGE_PAGE
             self._keep = raw_np
             self._np_buf = raw_np[skip : skip + nbytes]
+            if use_torch:
+                import torch
+
+                self._torch_buf = torch.from_numpy(self._np_buf)
         self._pinned = pin
         self.allocations += 1
         log.debug("snapshot buffer: %d bytes (pinned=%s)", nbytes, pin)

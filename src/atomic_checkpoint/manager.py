@@ -634,9 +634,8 @@ class CheckpointManager:
                 timings["snapshot"] = snapshot.copy_s
             return self._after_commit(manifest, timings)
 
-        # The background save starts before the copy: it runs its first phase, then
-        # streams each tensor as soon as it is copied, so the time until durable is
-        # about that of a sync save, not copy + save.
+        # The background save starts before the copy, so its first phase (agreeing on
+        # the pending location) overlaps it; its write waits for the whole image.
         handle = saver.submit(step, run)
         if snapshot is not None:
             with contextlib.suppress(Exception):  # the write fails with it, on every rank
@@ -1221,18 +1220,27 @@ class _Staging:
 
     def __init__(self) -> None:
         self._chunk = 0
-        self._maps: list[Any] = []
         self.arrays: list[Any] = []
 
     def buffers(self, chunk: int) -> list[Any]:
         if chunk > self._chunk:
-            import mmap
-
             import numpy as np
 
+            from .storage.local import DIRECT_IO_ALIGN
+
+            # Private anonymous memory (numpy's), one block cut to alignment: pages for
+            # chunks of 2 MiB and more, huge-page boundaries for larger ones (numpy asks
+            # for transparent huge pages; fewer pages to pin per O_DIRECT write). Not
+            # mmap.mmap(-1, n): that is a *shared* mapping, backed by shmem, whose pages
+            # the kernel pins for each O_DIRECT write far more slowly (measured: 2.1
+            # against 3.0 GB/s).
+            align = max(DIRECT_IO_ALIGN, min(chunk, 2 << 20))
             self.arrays = []
-            self._maps = [mmap.mmap(-1, chunk) for _ in range(self.COUNT)]  # page-aligned
-            self.arrays = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+            raw = np.empty(self.COUNT * chunk + align, dtype=np.uint8)
+            skip = -raw.ctypes.data % align
+            for i in range(self.COUNT):
+                start = skip + i * chunk
+                self.arrays.append(raw[start : start + chunk])
             self._chunk = chunk
         return [a[:chunk] for a in self.arrays]
 
