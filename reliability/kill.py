@@ -9,6 +9,9 @@ Two kinds of trial, alternating:
   while the job starts, saves, commits and rotates in a loop; the rank's progress slot
   says where it landed.
 
+Both kinds alternate between ``save`` and ``save_async`` (snapshot, then write, commit
+and rotate on a background thread).
+
 After every trial (see :mod:`reliability.checks`): every discoverable checkpoint
 verifies and restores bit-exactly for every rank; the newest checkpoint committed
 before the kill, and every step a surviving rank reported as saved, is there; every

@@ -178,6 +178,31 @@ def test_many_async_saves_each_hold_the_state_of_their_step(tmp_path):
     mgr.close()
 
 
+def test_streamed_writes_never_overtake_the_copy(tmp_path, monkeypatch):
+    """The background write streams the image while the training thread still copies
+    it; with small steps and chunks, a writer that ran ahead would write the previous
+    save's bytes, still in the reused buffer."""
+    import atomic_checkpoint.async_save as async_save
+    import atomic_checkpoint.manager as manager
+
+    monkeypatch.setattr(async_save, "_STREAM_STEP_BYTES", 1 << 20)
+    monkeypatch.setattr(manager, "_IMAGE_CHUNK_BYTES", 1 << 20)
+    mgr = CheckpointManager(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(3 << 18, generator=g) for i in range(8)}  # 24 MiB
+    expected = {}
+    for step in range(1, 5):
+        expected[step] = clone_state(state)
+        mgr.save_async(step, state)
+        with torch.no_grad():
+            for t in state.values():
+                t.mul_(-1.5)
+    mgr.wait()
+    for step, want in expected.items():
+        assert same_bytes(mgr.restore(step), want), f"step {step}"
+    mgr.close()
+
+
 def test_snapshot_buffer_is_allocated_once_and_grows_only_with_the_state(tmp_path):
     mgr = CheckpointManager(tmp_path)
     state = {"w": torch.randn(1 << 16)}
