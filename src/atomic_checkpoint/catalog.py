@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ from .storage.base import Storage
 log = logging.getLogger("atomic_checkpoint")
 
 _VERIFY_CHUNK = 8 << 20
+# Network filesystems: how long a size that disagrees with the manifest may take to
+# show the truth before the file counts as corrupt.
+_STALE_SIZE_WAIT_S = 3.0
 
 # Marker strategy (commit.MarkerStrategy) names inside ``checkpoint-<step>/``: a save
 # writes its in-progress marker first, its data under ``attempt-<token>/``, and the
@@ -185,9 +189,15 @@ def validate(
         size = storage.size(f"{rel}/{entry.path}")
         if size != entry.size_bytes and not storage.capabilities.coherent:
             # sshfs: a path deleted and re-created through another client (a step saved
-            # again) keeps its old size in this client's cache until it is refreshed.
-            storage.refresh(f"{rel}/{entry.path}")
-            size = storage.size(f"{rel}/{entry.path}")
+            # again) keeps its old size in this client's cache until it is refreshed,
+            # and under load one refresh is not always enough: retry, with a bound.
+            deadline = time.monotonic() + _STALE_SIZE_WAIT_S
+            while True:
+                storage.refresh(f"{rel}/{entry.path}")
+                size = storage.size(f"{rel}/{entry.path}")
+                if size == entry.size_bytes or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
         if size is None:
             raise CorruptCheckpointError(f"{where}: file {entry.path!r} is missing")
         if size != entry.size_bytes:
