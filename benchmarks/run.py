@@ -402,13 +402,14 @@ def plot(results: dict[str, Any], path: str) -> None:
     series = [(n, "s") for n in _bench.SAVE_METHODS if n not in ("ours_async", "dcp_async")]
     series += [("ours_async", "blocked_s"), ("ours_async", "durable_s")]
     series += [("dcp_async", "blocked_s"), ("dcp_async", "durable_s")]
-    for name, key in series:
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, key) in enumerate(series):
         ys = [s["medians"].get(name, {}).get(key) for s in sizes]
         if any(y is None for y in ys):
             continue
         label = name if key == "s" else f"{name} ({key[:-2]})"
         style = "-" if name.startswith(("ours", "raw")) else "--"
-        ax.plot(xs, ys, style, marker="o", label=label)
+        ax.plot(xs, ys, style, marker="o", label=label, color=colors[(2 * i) % 20 + i // 10])
     ax.set_xlabel("state size (GiB)")
     ax.set_ylabel("median time (s)")
     ax.set_title("save time vs size (durable: fsync, rename, directory fsync)")

@@ -1388,6 +1388,7 @@ def _write_image(
     w = None if dw is not None else storage.open_write(path, size_hint=total)
     h = _HashPipe(Hasher(), background=dw is None and total >= _PIPELINE_MIN_BYTES)
     chunks = range(0, max(total, 1), _IMAGE_CHUNK_BYTES)
+    last = None
     try:
         for i, start in enumerate(chunks):
             if cancel.is_set():
@@ -1395,8 +1396,15 @@ def _write_image(
             end = min(start + _IMAGE_CHUNK_BYTES, total)
             snap.wait_ready(end)
             if dw is not None:
+                if last is not None and not snap.is_complete():
+                    # One write in flight while training still copies, two after: the
+                    # DMA competes with the copy for memory bandwidth (measured at 4
+                    # GiB, time blocked / plain copy and time durable / sync save: 1.17
+                    # and 0.97 with two, 1.04 and 1.01 with one, 0.96 and 1.11 when
+                    # nothing is written until the copy ends).
+                    last.wait()
                 # The image is zero-padded to a whole page: the last write is too.
-                dw.submit(image[start : min(start + _IMAGE_CHUNK_BYTES, len(image))], start)
+                last = dw.submit(image[start : min(start + _IMAGE_CHUNK_BYTES, len(image))], start)
             elif w is not None:
                 h.update(image[start:end])
                 w.write(image[start:end])
