@@ -2,7 +2,8 @@
 
 The parent hosts the TCPStore, as torchrun's agent does; each rank is a process forked
 from a forkserver that imported torch once, so a launch costs well under a second.
-Every rank saves a tiny state several times; the figures are rank 0's.
+Every rank saves a tiny state several times; the figures are the slowest rank's per save
+(the next collective waits for it), the phase timings rank 0's.
 """
 
 from __future__ import annotations
@@ -47,18 +48,24 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str
     result: dict[str, Any] = {}
     try:
         mgr = CheckpointManager(root, timeout_s=60)
-        totals, overheads, fsyncs = [], [], []
+        totals, overheads, fsyncs, cpus = [], [], [], []
         phases: dict[str, list[float]] = {}
         for i in range(saves + 1):  # the first save warms caches and is not counted
-            t = time.perf_counter()
+            # Every save starts together, as after a training step's gradient
+            # all-reduce: without this, back-to-back saves bill each rank the previous
+            # save's stragglers.
+            dist.barrier()
+            t, c = time.perf_counter(), time.process_time()
             info = mgr.save(i, _tiny_state(rank, i))
             total = time.perf_counter() - t
+            cpu = time.process_time() - c
             timings = info.timings_s
             data = float(timings.get("write", 0.0)) + float(timings.get("fsync", 0.0))
             if i:
                 totals.append(total)
                 overheads.append(total - data)
                 fsyncs.append(float(timings.get("fsync", 0.0)))
+                cpus.append(cpu)
                 for key, value in timings.items():
                     phases.setdefault(key, []).append(float(value))
         # Check every save landed, complete: restore our part of each.
@@ -69,9 +76,12 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str
             ok = ok and os.path.isdir(os.path.join(root, checkpoint_name(i)))
         mgr.close()
         result = {
+            "totals_s": totals,
+            "data_s": [t - o for t, o in zip(totals, overheads, strict=True)],
             "total_s": statistics.median(totals),
             "overhead_s": statistics.median(overheads),
             "data_fsync_s": statistics.median(fsyncs),
+            "cpu_s": statistics.median(cpus),
             "phases_s": {k: statistics.median(v) for k, v in phases.items()},
             "verified": ok,
         }
@@ -85,7 +95,8 @@ def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str
 
 def commit_overhead(world: int, root: str, saves: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """Launch ``world`` ranks that each save a tiny state ``saves`` times into ``root``;
-    return rank 0's medians (total, overhead = total minus write and fsync of the data)."""
+    return the medians over saves of the slowest rank's time in ``save()`` (total) and
+    of that less the write and fsync of the data (overhead); rank 0's phase timings."""
     import torch.distributed as dist
 
     ctx = _context()
@@ -119,6 +130,21 @@ def commit_overhead(world: int, root: str, saves: int, timeout_s: float = 120.0)
             raise RuntimeError(f"commit benchmark: rank {r} of {world} failed: {res['error']}")
     out = dict(results[0])
     out["verified"] = all(res["verified"] for res in results)
+    # The training waits for the slowest rank (its next collective does): per save, the
+    # longest time any rank was inside save(), less the data's write and fsync (the
+    # slowest rank's, the same figure on every rank).
+    per_save = [max(ts) for ts in zip(*(res["totals_s"] for res in results), strict=True)]
+    data = results[0]["data_s"]
+    slowest = [t - d for t, d in zip(per_save, data, strict=True)]
+    out["rank0_overhead_s"] = out["overhead_s"]
+    # CPU time of one save, all threads, summed over the ranks: on a machine with fewer
+    # cores than ranks, the slowest rank cannot finish before that divided by the cores.
+    out["cpu_all_ranks_s"] = sum(res["cpu_s"] for res in results)
+    out["cores"] = os.cpu_count() or 1
+    out["overhead_s"] = statistics.median(slowest)
+    out["total_s"] = statistics.median(per_save)
+    for key in ("totals_s", "data_s"):
+        out.pop(key, None)
     return out
 
 

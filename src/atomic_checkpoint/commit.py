@@ -695,7 +695,8 @@ def save(
         # 4-5. the coordinator commits.
         t = time.perf_counter()
 
-        def commit() -> tuple[Manifest, Any]:
+        def commit() -> tuple[Manifest, Any, float]:
+            tc = time.perf_counter()
             collected = [collect_files(staged)] if collect_files is not None else []
             files = _merge([reports[r] for r in ctx.members] + collected)
             _await_files(storage, staged, files, ctx.visibility_timeout_s)
@@ -725,7 +726,7 @@ def save(
                     for m in committed_manifests(storage, run_id=ctx.run_id, warn=False)
                 ]
             fault_point("during_broadcast", coord.rank, step)
-            return manifest, view
+            return manifest, view, time.perf_counter() - tc
 
         def await_result() -> None:
             fault_point("during_broadcast", coord.rank, step)
@@ -737,6 +738,8 @@ def save(
         if len(ctx.leaders) > 1 and ctx.on_domain_view is not None:
             ctx.on_domain_view(step, [results[lead][1] for lead in ctx.leaders])
         timings["commit"] = time.perf_counter() - t
+        # The leader's part of it: manifest, fsyncs, rename (the rest is the exchange).
+        timings["publish"] = results[ctx.leader][2]
     except _Aborted as aborted:
         if pending is not None and ctx.is_coordinator and not _is_committed(ctx, step, pending):
             _discard(ctx, pending, step)
