@@ -626,3 +626,23 @@ def test_direct_and_buffered_writes_produce_the_same_file(tmp_path, mode):
     if opened[0] is False:
         pytest.skip("this filesystem refuses O_DIRECT: only the buffered path ran")
     assert opened == [True, False]
+
+
+@pytest.mark.timeout(120)
+def test_example_async_save_runs(tmp_path):
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "async_save.py")
+    proc = subprocess.run(
+        [sys.executable, example, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("save_async returned after") == 3, out
+    assert "step 9: committed" in out and "checkpoint-9 (64 MiB)" in out, out
+    assert "checkpoints: [9, 10]" in out, out
+    assert "restored step 9 into the model" in out, out
+    assert "identical to the weights at save_async time: True" in out, out
+    assert {"checkpoint-9", "checkpoint-10"} <= set(os.listdir(tmp_path / "ckpt"))
