@@ -2,7 +2,9 @@
 
 Also runs as ``python -m atomic_checkpoint``. Every command takes ROOT, a checkpoint
 root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
-``file://`` URL is accepted)::
+``file://`` URL is accepted) or an object-store URL such as ``s3://bucket/prefix``
+(credentials and endpoint from the environment, ``AWS_ENDPOINT_URL`` included, or
+``--storage-option KEY=VALUE``)::
 
     atomic-checkpoint list ROOT [--json] [--all-runs]
     atomic-checkpoint verify ROOT [STEP] [--json] [--quiet] [--progress | --no-progress]
@@ -67,8 +69,10 @@ strings or null. ``list --json``::
   I/O), not that they differ.
 - ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
   "lock": <lock> | null, "lock_removed": bool, "removed": [{"name", "kind": "pending" |
-  "trash", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
-  "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed.
+  "trash" | "stale", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
+  "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed. With
+  marker commits (object stores) an uncommitted ``checkpoint-<step>`` is ``pending``,
+  and the attempts and markers a crash left beside a committed one are ``stale``.
 - ``inspect``: ``{"schema_version", "command": "inspect", "root", "name", "path",
   "status": "ok" | "corrupt" | "foreign", "problem", "manifest": {"step", "run_id",
   "commit_seq", "created_unix", "world_size", "state_kind", "strategy",
@@ -107,6 +111,7 @@ from typing import Any, NoReturn, TextIO
 
 from . import catalog
 from ._version import __version__
+from .commit import MarkerStrategy, choose_strategy
 from .coordination import SingleProcessCoordinator
 from .errors import (
     CheckpointError,
@@ -238,13 +243,33 @@ def _emit_json(doc: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------- the root
-def _open_root(text: str) -> Storage:
+def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``--storage-option KEY=VALUE`` pairs; a VALUE that parses as JSON is that value
+    (``anon=true``, ``client_kwargs={"endpoint_url": "http://..."}``), else a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CliError(
+                f"--storage-option {pair!r}: expected KEY=VALUE, e.g. "
+                'client_kwargs=\'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+                EXIT_USAGE,
+            )
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
+
+
+def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
     """The storage of ROOT, or a CliError (exit 2) saying why it cannot be read."""
     path = text[len("file://") :] if text.startswith("file://") else text
     if "://" in path:
+        return _open_url_root(text, _storage_options(options))
+    if options:
         raise CliError(
-            f"{text!r} is a URL; the command line reads mounted filesystems only. Mount "
-            "the bucket (s3fs, gcsfuse) and pass the mount point",
+            "--storage-option applies to URL roots (s3://, gs://, ...), not to a directory",
             EXIT_USAGE,
         )
     if not path:
@@ -265,6 +290,25 @@ def _open_root(text: str) -> Storage:
         raise CliError(f"checkpoint root {path!r} is not readable by this user", EXIT_USAGE)
     # Capabilities from the mount table, as the manager gets them (s3fs-fuse: marker).
     return open_storage(path)
+
+
+def _open_url_root(url: str, options: dict[str, Any]) -> Storage:
+    """An object-store root (``s3://bucket/prefix``, any fsspec URL). Credentials and
+    endpoints come from the usual environment (``AWS_*``, ``AWS_ENDPOINT_URL``) or
+    ``--storage-option``. An empty prefix is "does not exist": object stores have no
+    directories, so nothing else tells a typo from an empty root."""
+    try:
+        storage = open_storage(url, options or None)
+        names = storage.listdir("")
+    except CheckpointError as exc:
+        raise CliError(f"cannot read checkpoint root {url}: {exc}", EXIT_USAGE) from None
+    if not names:
+        raise CliError(
+            f"checkpoint root {url} holds nothing (check the bucket and prefix, and the "
+            "endpoint and credentials: AWS_ENDPOINT_URL, or --storage-option)",
+            EXIT_USAGE,
+        )
+    return storage
 
 
 def _recorded_run_id(storage: Storage) -> str | None:
@@ -439,7 +483,7 @@ def _entry_doc(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    storage = _open_root(args.root)
+    storage = _open_root(args.root, args.storage_option)
     run_id = None if args.all_runs else _run_id_for_reading(storage)
     docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
     if args.json:
@@ -613,7 +657,7 @@ def _single_target(storage: Storage, step: int) -> catalog.Entry:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = _open_root(args.root)
+    storage = _open_root(args.root, args.storage_option)
     run_id = None if args.all_runs else _run_id_for_reading(storage)
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -698,7 +742,7 @@ def _remove(storage: Storage, rel: str) -> None:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    storage = _open_root(args.root)
+    storage = _open_root(args.root, args.storage_option)
     holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)
     removed: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
@@ -711,6 +755,22 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 if not args.dry_run:
                     _remove(storage, rel)
                     log.info("removed %s", storage.url(rel))
+            except CheckpointError as exc:
+                failed.append({**item, "problem": str(exc)})
+                continue
+            removed.append(item)
+    # Marker commits (object stores, s3fs-style mounts) stage in place: a crashed save
+    # leaves an attempt and its marker under checkpoint-<step>/ instead of .pending/.
+    strategy = choose_strategy(storage)
+    if isinstance(strategy, MarkerStrategy):
+        for name, paths in strategy.leftovers(storage):
+            committed = paths != [name]
+            item = {"name": name, "kind": "stale" if committed else "pending", "size_bytes": 0}
+            try:
+                item["size_bytes"] = sum(_tree_size(storage, p) for p in paths)
+                if not args.dry_run:
+                    strategy.remove_leftover(storage, name, paths)
+                    log.info("removed %s", ", ".join(storage.url(p) for p in paths))
             except CheckpointError as exc:
                 failed.append({**item, "problem": str(exc)})
                 continue
@@ -779,7 +839,7 @@ def _file_tensors(storage: Storage, name: str, entry: Any) -> tuple[list[Any] | 
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    storage = _open_root(args.root)
+    storage = _open_root(args.root, args.storage_option)
     run_id = _run_id_for_reading(storage)
     target = _single_target(storage, args.step)
     name = target.name
@@ -948,7 +1008,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     from .retention import KeepBest, describe_plan, plan_deletions
 
     policy = _policy(args, args.parser)
-    storage = _open_root(args.root)
+    storage = _open_root(args.root, args.storage_option)
     try:
         run_id = args.run_id or _recorded_run_id(storage)
     except CheckpointError as exc:
@@ -1153,7 +1213,18 @@ def build_parser() -> argparse.ArgumentParser:
             parents=[verbosity],
             formatter_class=fmt,
         )
-        p.add_argument("root", metavar="ROOT", help="the checkpoint root directory")
+        p.add_argument(
+            "root",
+            metavar="ROOT",
+            help="the checkpoint root: a directory, or a URL such as s3://bucket/prefix",
+        )
+        p.add_argument(
+            "--storage-option",
+            action="append",
+            metavar="KEY=VALUE",
+            help="for URL roots: an fsspec storage option (VALUE as JSON if it parses), "
+            "e.g. anon=true; repeatable",
+        )
         return p
 
     p = command(

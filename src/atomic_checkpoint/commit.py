@@ -366,12 +366,12 @@ class MarkerStrategy:
         storage.delete_tree(uncommitted)
         _remove_if_empty(storage, uncommitted)
 
-    def sweep(self, storage: Storage) -> list[str]:
-        """Remove what crashed saves and deletes left (coordinator, at start-up, before
-        this job saves). Only directories holding our markers are touched: a committed
-        checkpoint keeps its manifest and the attempt it lists; an uncommitted one is
-        deleted. Returns the locations cleaned."""
-        cleaned = []
+    def leftovers(self, storage: Storage) -> list[tuple[str, list[str]]]:
+        """What crashed saves and deletes left: ``(checkpoint-<step>, paths)`` for each
+        directory holding our markers. ``paths`` is ``[checkpoint-<step>]`` when nothing
+        is committed there (all of it goes), else the stale attempts and markers beside
+        the committed manifest and the attempt it lists."""
+        out: list[tuple[str, list[str]]] = []
         for name in storage.listdir(""):
             if parse_checkpoint_name(name) is None:
                 continue
@@ -386,13 +386,37 @@ class MarkerStrategy:
                 log.warning("not sweeping %s: %s", storage.url(name), exc)
                 continue
             if manifest is None:
-                self.delete(storage, name)
+                out.append((name, [name]))
+                continue
+            keep = {f.path.split("/", 1)[0] for f in manifest.files}
+            paths = []
+            for attempt in markers:
+                if attempt_dir_name(attempt) not in keep:
+                    paths.append(f"{name}/{attempt_dir_name(attempt)}")
+                paths.append(f"{name}/{marker_name(attempt)}")
+            out.append((name, paths))
+        return out
+
+    def remove_leftover(self, storage: Storage, name: str, paths: Sequence[str]) -> None:
+        """Remove one entry of ``leftovers``: markers last, so an interrupted removal is
+        found again by the next sweep."""
+        if list(paths) == [name]:
+            self.delete(storage, name)
+            return
+        for path in sorted(paths, key=lambda p: parse_marker_name(p.rsplit("/", 1)[1]) is not None):
+            if parse_marker_name(path.rsplit("/", 1)[1]) is not None:
+                storage.delete_file(path)
             else:
-                keep = {f.path.split("/", 1)[0] for f in manifest.files}
-                for attempt in markers:
-                    if attempt_dir_name(attempt) not in keep:
-                        storage.delete_tree(f"{name}/{attempt_dir_name(attempt)}")
-                    storage.delete_file(f"{name}/{marker_name(attempt)}")
+                storage.delete_tree(path)
+
+    def sweep(self, storage: Storage) -> list[str]:
+        """Remove what crashed saves and deletes left (coordinator, at start-up, before
+        this job saves). Only directories holding our markers are touched: a committed
+        checkpoint keeps its manifest and the attempt it lists; an uncommitted one is
+        deleted. Returns the locations cleaned."""
+        cleaned = []
+        for name, paths in self.leftovers(storage):
+            self.remove_leftover(storage, name, paths)
             cleaned.append(storage.url(name))
         return cleaned
 
