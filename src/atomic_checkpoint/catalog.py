@@ -132,14 +132,37 @@ def read_manifest(storage: Storage, rel: str) -> Manifest:
     # A manifest symlinked out of the checkpoint would make a checkpoint of whatever
     # it points to: refuse it before reading a byte.
     check_inside(storage, rel, MANIFEST_NAME)
-    data = storage.read_bytes(f"{rel}/{MANIFEST_NAME}")
-    manifest = Manifest.from_json_bytes(data, where=where)
+    path = f"{rel}/{MANIFEST_NAME}"
+    data = storage.read_bytes(path)
+    try:
+        manifest = Manifest.from_json_bytes(data, where=where)
+    except CorruptCheckpointError:
+        if storage.capabilities.coherent:
+            raise
+        manifest = _reread_stale_manifest(storage, path, where)
     expected = parse_checkpoint_name(rel.rsplit("/", 1)[-1])
     if expected is not None and expected != manifest.step:
         raise CorruptCheckpointError(
             f"{where}: manifest says step {manifest.step} but the directory is step {expected}"
         )
     return manifest
+
+
+def _reread_stale_manifest(storage: Storage, path: str, where: str) -> Manifest:
+    """sshfs: a manifest replaced through another client (a step saved again) can read
+    back as the new bytes cut to the old, cached size, which does not parse (seen under
+    load: "Expecting ',' delimiter" at the old length). Refresh and re-read, with the
+    same bound as for stale file sizes, before it counts as corrupt."""
+    deadline = time.monotonic() + _STALE_SIZE_WAIT_S
+    while True:
+        storage.refresh(path)
+        data = storage.read_bytes(path)
+        try:
+            return Manifest.from_json_bytes(data, where=where)
+        except CorruptCheckpointError:
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.05)
 
 
 def check_inside(storage: Storage, rel: str, file_rel: str) -> None:

@@ -13,7 +13,7 @@ Rename strategy (POSIX filesystems; DESIGN "The save protocol")::
 
 1. The coordinator creates ``.pending/checkpoint-<step>.<attempt>`` (a sibling of the
    final name, so the rename never crosses filesystems: FAILURE_MODES D5) and
-   broadcasts its name. Every decision that drives a collective is made here, once.
+   publishes its name. Every decision that drives a collective is made here, once.
 2. Every rank writes only its own files there, checksumming while writing, and fsyncs
    them.
 3. Ranks send their file lists (names, sizes, checksums) to the coordinator; any
@@ -24,7 +24,11 @@ Rename strategy (POSIX filesystems; DESIGN "The save protocol")::
    and fsyncs ROOT.
 6. The coordinator checks its fencing token; retention runs after the commit is
    durable, off the training thread (see ``manager``).
-7. The result is broadcast; every rank returns the same ``CheckpointInfo``.
+7. The result is published; every rank returns the same ``CheckpointInfo``.
+
+With one storage domain, steps 1 and 7 are published by the coordinator (one key that
+every rank reads) and step 3 is an all-gather (``_save_through_leader``); with several
+domains every step is an all-gather, as the domains' leaders must agree.
 
 Marker strategy (object stores, FUSE mounts whose rename is copy+delete): files are
 written in place under ``checkpoint-<step>/`` and the manifest, created once, is the
@@ -598,6 +602,16 @@ class _Aborted(Exception):
         self.error = error
 
 
+class _InPhase(Exception):
+    """Internal: a failure inside a round, reported under the step of the protocol it
+    belongs to (a rank's input check runs in the write round of ``save``)."""
+
+    def __init__(self, phase: str, error: Exception):
+        super().__init__(str(error))
+        self.phase = phase
+        self.error = error
+
+
 def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
     """Run ``fn`` on this rank (None: nothing to do here), then share the outcome.
 
@@ -606,16 +620,19 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
     """
     value: Any = None
     error: BaseException | None = None
+    failed_in = phase
     if fn is not None:
         try:
             value = fn()
+        except _InPhase as exc:
+            failed_in, error = exc.phase, exc.error
         except Exception as exc:  # every failure is shared, never swallowed
             error = exc
     if ctx.coord.world_size == 1:
         if error is not None:
             raise _Aborted(error)
         return [value]
-    payload = (value, None if error is None else _failure(error, ctx.coord.rank, phase))
+    payload = (value, None if error is None else _failure(error, ctx.coord.rank, failed_in))
     try:
         what = f"save step {step}: {phase}" if step >= 0 else phase
         outcomes = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
@@ -623,10 +640,7 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
         raise _Aborted(exc) from exc
     failures = [f for _, f in outcomes if f is not None]
     if failures:
-        if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
-            raise _Aborted(CheckpointExistsError(failures[0].message))
-        # Negative steps mark operations other than a save (start-up, listing, restore).
-        raise _Aborted(DistributedCheckpointError(failures, step=step if step >= 0 else None))
+        raise _Aborted(_shared_error(failures, step))
     return [v for v, _ in outcomes]
 
 
@@ -659,6 +673,18 @@ def save(
         CoordinationTimeoutError: a rank did not arrive in time.
         CheckpointError: the failing rank's error (one rank).
     """
+    if _through_leader(ctx):
+        return _save_through_leader(
+            ctx,
+            step,
+            write_rank_files,
+            state_kind=state_kind,
+            metrics=metrics,
+            metadata=metadata,
+            overwrite=overwrite,
+            check_input=check_input,
+            collect_files=collect_files,
+        )
     storage, coord = ctx.storage, ctx.coord
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -675,14 +701,10 @@ def save(
             if not ctx.is_coordinator:
                 return step, None
             nonlocal pending
-            ctx.fence()
-            exists = _is_step_committed(storage, step, overwrite=overwrite)
-            if exists and not overwrite and len(ctx.leaders) == 1:
-                _raise_exists(storage, step)
             attempt = new_attempt_token()
             # Known before it exists, so a failure on any rank discards it.
             pending = ctx.strategy.pending_location(step, attempt)
-            return step, (ctx.strategy.prepare(storage, step, attempt), exists)
+            return step, _prepare_on_leader(ctx, step, attempt, overwrite)
 
         prepared = run_phase(ctx, step, "prepare", prepare)
         _check_same_step([p[0] for p in prepared])
@@ -703,15 +725,9 @@ def save(
         # 2-3. write, then gather file lists.
         t = time.perf_counter()
 
-        def write() -> RankReport:
-            fault_point("before_write", coord.rank, step)
-            if not ctx.is_coordinator and not storage.capabilities.coherent:
-                _await_dir(storage, staged, ctx.visibility_timeout_s)
-            report = write_rank_files(staged)
-            fault_point("after_write", coord.rank, step)
-            return report
-
-        reports = run_phase(ctx, step, "write", write)
+        reports = run_phase(
+            ctx, step, "write", lambda: _write_here(ctx, step, staged, write_rank_files)
+        )
         timings["write"] = max(r.write_s for r in reports)
         timings["fsync"] = max(r.fsync_s for r in reports)
         timings["gather"] = time.perf_counter() - t - timings["write"] - timings["fsync"]
@@ -720,37 +736,9 @@ def save(
         t = time.perf_counter()
 
         def commit() -> tuple[Manifest, Any, float]:
-            tc = time.perf_counter()
-            collected = [collect_files(staged)] if collect_files is not None else []
-            files = _merge([reports[r] for r in ctx.members] + collected)
-            _await_files(storage, staged, files, ctx.visibility_timeout_s)
-            ctx.fence()
-            manifest = Manifest(
-                step=step,
-                run_id=ctx.run_id,
-                commit_seq=ctx.next_commit_seq(),
-                world_size=coord.world_size,
-                files=files,
-                domain_ranks=None if len(ctx.leaders) == 1 else ctx.members,
-                domain_count=len(ctx.leaders),
-                state_kind=state_kind,
-                metrics=dict(metrics),
-                metadata=dict(metadata),
-                strategy=ctx.strategy.name,
-                library_version=__version__,
+            return _commit_on_leader(
+                ctx, step, staged, reports, collect_files, replace, state_kind, metrics, metadata
             )
-            # The manifest as written: the marker strategy lists files under their attempt.
-            manifest = ctx.strategy.publish(
-                storage, staged, manifest, rank=coord.rank, overwrite=replace
-            )
-            view = None
-            if len(ctx.leaders) > 1:
-                view = [
-                    (m.step, dict(m.metrics), m.created_unix)
-                    for m in committed_manifests(storage, run_id=ctx.run_id, warn=False)
-                ]
-            fault_point("during_broadcast", coord.rank, step)
-            return manifest, view, time.perf_counter() - tc
 
         def await_result() -> None:
             fault_point("during_broadcast", coord.rank, step)
@@ -782,15 +770,248 @@ def save(
 
 def _check_same_step(steps: Sequence[int]) -> None:
     """Abort the save on every rank unless every rank passed the same step."""
-    if len(set(steps)) > 1:
-        by_rank = dict(enumerate(steps))
-        raise _Aborted(
-            CommitError(
-                f"the ranks were asked to save different steps ({by_rank}, by rank): every "
-                "rank must call save() with the same step. Nothing was committed; compute "
-                "the step once (e.g. on rank 0) and use it on every rank"
-            )
-        )
+    error = _different_steps(steps)
+    if error is not None:
+        raise _Aborted(error)
+
+
+def _different_steps(steps: Sequence[int]) -> CommitError | None:
+    if len(set(steps)) <= 1:
+        return None
+    by_rank = dict(enumerate(steps))
+    return CommitError(
+        f"the ranks were asked to save different steps ({by_rank}, by rank): every "
+        "rank must call save() with the same step. Nothing was committed; compute "
+        "the step once (e.g. on rank 0) and use it on every rank"
+    )
+
+
+def _shared_error(failures: Sequence[RankFailure], step: int) -> CheckpointError:
+    """The one error every rank raises for these failures."""
+    if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
+        return CheckpointExistsError(failures[0].message)
+    # Negative steps mark operations other than a save (start-up, listing, restore).
+    return DistributedCheckpointError(list(failures), step=step if step >= 0 else None)
+
+
+def _prepare_on_leader(
+    ctx: SaveContext, step: int, attempt: str, overwrite: bool
+) -> tuple[str, bool]:
+    """Step 1 on the domain leader: fence, "is the step taken?", the pending location.
+    Returns the pending location and whether the step is committed already."""
+    ctx.fence()
+    exists = _is_step_committed(ctx.storage, step, overwrite=overwrite)
+    if exists and not overwrite and len(ctx.leaders) == 1:
+        _raise_exists(ctx.storage, step)
+    return ctx.strategy.prepare(ctx.storage, step, attempt), exists
+
+
+def _write_here(
+    ctx: SaveContext, step: int, staged: str, write_rank_files: Callable[[str], RankReport]
+) -> RankReport:
+    """Step 2 on every rank: write and fsync this rank's files into ``staged``."""
+    rank = ctx.coord.rank
+    fault_point("before_write", rank, step)
+    if not ctx.is_coordinator and not ctx.storage.capabilities.coherent:
+        _await_dir(ctx.storage, staged, ctx.visibility_timeout_s)
+    report = write_rank_files(staged)
+    fault_point("after_write", rank, step)
+    return report
+
+
+def _commit_on_leader(
+    ctx: SaveContext,
+    step: int,
+    staged: str,
+    reports: Sequence[RankReport | None],
+    collect_files: Callable[[str], RankReport] | None,
+    replace: bool,
+    state_kind: str,
+    metrics: Mapping[str, float],
+    metadata: Mapping[str, Any],
+) -> tuple[Manifest, Any, float]:
+    """Steps 4-5 on the domain leader. Returns the manifest as written, the domain's
+    committed steps (several domains only) and the time it took."""
+    storage = ctx.storage
+    tc = time.perf_counter()
+    collected = [collect_files(staged)] if collect_files is not None else []
+    mine = [reports[r] for r in ctx.members]
+    files = _merge([r for r in mine if r is not None] + collected)
+    _await_files(storage, staged, files, ctx.visibility_timeout_s)
+    ctx.fence()
+    manifest = Manifest(
+        step=step,
+        run_id=ctx.run_id,
+        commit_seq=ctx.next_commit_seq(),
+        world_size=ctx.coord.world_size,
+        files=files,
+        domain_ranks=None if len(ctx.leaders) == 1 else ctx.members,
+        domain_count=len(ctx.leaders),
+        state_kind=state_kind,
+        metrics=dict(metrics),
+        metadata=dict(metadata),
+        strategy=ctx.strategy.name,
+        library_version=__version__,
+    )
+    # The manifest as written: the marker strategy lists files under their attempt.
+    manifest = ctx.strategy.publish(
+        storage, staged, manifest, rank=ctx.coord.rank, overwrite=replace
+    )
+    view = None
+    if len(ctx.leaders) > 1:
+        view = [
+            (m.step, dict(m.metrics), m.created_unix)
+            for m in committed_manifests(storage, run_id=ctx.run_id, warn=False)
+        ]
+    fault_point("during_broadcast", ctx.coord.rank, step)
+    return manifest, view, time.perf_counter() - tc
+
+
+def _through_leader(ctx: SaveContext) -> bool:
+    """Whether a save's prepare and commit rounds are published by its one leader
+    rather than all-gathered: several ranks, one storage domain, a coordinator that
+    can. Each rank then reads one key in those rounds instead of one per rank."""
+    coord = ctx.coord
+    return coord.world_size > 1 and len(ctx.leaders) == 1 and hasattr(coord, "publish")
+
+
+def _save_through_leader(
+    ctx: SaveContext,
+    step: int,
+    write_rank_files: Callable[[str], RankReport],
+    *,
+    state_kind: str,
+    metrics: Mapping[str, float],
+    metadata: Mapping[str, Any],
+    overwrite: bool,
+    check_input: Callable[[], None] | None,
+    collect_files: Callable[[str], RankReport] | None,
+) -> tuple[Manifest, dict[str, float]]:
+    """``save`` with one storage domain and several ranks, in three exchanges:
+
+    1. the leader checks its input and prepares, then publishes the pending location
+       (or its failure): one key, read by every rank;
+    2. every rank checks its own input and step, writes, and all-gathers its report (or
+       its failure): every rank learns of a failure or a missing rank by itself, names
+       the same ranks, and gives up within ``timeout_s``;
+    3. the leader commits and publishes the outcome, which every rank returns or raises.
+
+    Decisions are made on the leader only and published (DESIGN invariant 3); a failure
+    anywhere, a missing rank or a missing leader ends in the same error on every rank
+    within ``timeout_s`` (invariant 4). Only the write round is an all-gather (each rank
+    reads every rank's key); the other two cost one key per rank. A non-leader whose
+    input is bad writes nothing; the others' data is discarded with the pending
+    directory, before anything is committed.
+    """
+    storage, coord = ctx.storage, ctx.coord
+    leader, lead, rank = ctx.leader, ctx.is_coordinator, coord.rank
+    publish: Callable[..., Any] = coord.publish  # type: ignore[attr-defined]
+    timeout = ctx.timeout_s
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    pending: str | None = None
+    committed = False
+
+    def key(phase: str) -> str:
+        return f"save step {step}: {phase}"
+
+    def discard() -> None:
+        if pending is not None and not _is_committed(ctx, step, pending):
+            _discard(ctx, pending, step)
+
+    try:
+        # 1. prepare, on the leader.
+        prepared: Any = None
+        if lead:
+            try:
+                if check_input is not None:
+                    check_input()
+                attempt = new_attempt_token()
+                # Known before it exists, so a failure on any rank discards it.
+                pending = ctx.strategy.pending_location(step, attempt)
+                staged, exists = _prepare_on_leader(ctx, step, attempt, overwrite)
+                prepared = ("ok", step, staged, exists)
+            except Exception as exc:  # shared, never swallowed
+                discard()
+                prepared = ("error", _shared_error([_failure(exc, rank, "prepare")], step))
+        try:
+            prepared = publish(key("prepare"), prepared, src=leader, timeout_s=timeout)
+        except CoordinationTimeoutError:
+            if lead:
+                discard()
+            raise
+        if prepared[0] == "error":
+            raise prepared[1]
+        _, leader_step, staged, exists = prepared
+        replace = overwrite or exists
+        timings["prepare"] = time.perf_counter() - t0
+
+        # 2. write on every rank; an all-gather of the reports, so that every rank
+        # learns of a failure or a missing rank by itself, names the same ranks, and
+        # gives up within ``timeout_s`` (a rank late after that fails too).
+        t = time.perf_counter()
+
+        def write() -> tuple[int, RankReport | None]:
+            if not lead and check_input is not None:
+                try:
+                    check_input()
+                except Exception as exc:
+                    raise _InPhase("prepare", exc) from exc
+            if step != leader_step:
+                return step, None  # fails the save on every rank, below; nothing written
+            return step, _write_here(ctx, step, staged, write_rank_files)
+
+        written = run_phase(ctx, step, "write", write)
+        _check_same_step([w[0] for w in written])
+        reports = [w[1] for w in written]
+        done = [r for r in reports if r is not None]
+        timings["write"] = max(r.write_s for r in done)
+        timings["fsync"] = max(r.fsync_s for r in done)
+        timings["gather"] = time.perf_counter() - t - timings["write"] - timings["fsync"]
+
+        # 3. the leader commits and publishes the outcome; the others wait for it.
+        t = time.perf_counter()
+        verdict: Any = None
+        if lead:
+            try:
+                manifest, _view, publish_s = _commit_on_leader(
+                    ctx,
+                    step,
+                    staged,
+                    reports,
+                    collect_files,
+                    replace,
+                    state_kind,
+                    metrics,
+                    metadata,
+                )
+                committed = True
+                verdict = ("ok", manifest, publish_s)
+            except Exception as exc:  # shared, never swallowed
+                discard()
+                verdict = ("error", _shared_error([_failure(exc, rank, "commit")], step))
+        else:
+            fault_point("during_broadcast", rank, step)
+        verdict = publish(key("commit"), verdict, src=leader, timeout_s=timeout)
+        if verdict[0] == "error":
+            raise verdict[1]
+        _, manifest, timings["publish"] = verdict
+        timings["commit"] = time.perf_counter() - t
+    except _Aborted as aborted:
+        if lead and not committed:
+            discard()
+        raise aborted.error from None
+    except BaseException:
+        # KeyboardInterrupt/SystemExit on the leader, or an error after its decision:
+        # leave no half-written pending data behind if we can help it; the next start
+        # sweeps whatever remains.
+        if lead and not committed:
+            discard()
+        raise
+    if not lead and not storage.capabilities.coherent:
+        _await_committed(storage, step, ctx.visibility_timeout_s)
+    timings["total"] = time.perf_counter() - t0
+    return manifest, timings
 
 
 def _is_committed(ctx: SaveContext, step: int, pending: str) -> bool:

@@ -97,6 +97,11 @@ _WORKER_IDLE_S = 30.0
 _GAVE_UP = b"\x00atomic-checkpoint-gave-up:"
 
 
+def _delete_keys(store: Any, keys: list[str]) -> None:
+    for k in keys:
+        store.delete_key(k)
+
+
 def _gave_up_by(raw: bytes) -> str:
     return raw[len(_GAVE_UP) :].decode(errors="replace")
 
@@ -211,6 +216,8 @@ class TorchDistributedCoordinator:
         self._last_key: str | None = None
         self._stalled = False
         self._worker = _Worker()
+        # Keys this rank published, to delete once every rank is known to have read them.
+        self._read_by_all: list[str] = []
 
     def _keys(self, seq: int) -> list[str]:
         return [f"{self._ns}/{seq}/{r}" for r in range(self.world_size)]
@@ -227,6 +234,22 @@ class TorchDistributedCoordinator:
         gives up, marks itself stalled (the stuck thread still holds the connection, so
         nothing more is sent through it) and raises; later exchanges fail at once.
         """
+        return list(self._run(key, lambda: self._all_gather(key, obj, timeout_s), timeout_s))
+
+    def publish(self, key: str, obj: Any, *, src: int, timeout_s: float) -> Any:
+        """``src`` passes ``obj`` (it does not wait for anyone); every rank gets it. One
+        key in the store, read by every rank (an ``all_gather`` has every rank read
+        every rank's key); deleted after the next ``all_gather``, when every rank has
+        read it.
+
+        Raises:
+            CoordinationTimeoutError: on a receiver, ``src`` did not publish within
+                ``timeout_s``; on ``src``, a receiver gave up waiting before it
+                published (every rank then raises).
+        """
+        return self._run(key, lambda: self._publish(key, obj, src, timeout_s), timeout_s)
+
+    def _run(self, key: str, fn: Any, timeout_s: float) -> Any:
         if self._stalled:
             raise CoordinationTimeoutError(
                 f"rank {self.rank}: the coordination store stopped answering during an "
@@ -235,7 +258,7 @@ class TorchDistributedCoordinator:
                 key=key,
             )
         limit_s = timeout_s + _STALL_GRACE_S
-        done, box = self._worker.run(lambda: self._all_gather(key, obj, timeout_s), limit_s)
+        done, box = self._worker.run(fn, limit_s)
         if not done:
             self._stalled = True
             raise CoordinationTimeoutError(
@@ -246,12 +269,65 @@ class TorchDistributedCoordinator:
             )
         ok, result = box
         if ok:
-            return list(result)
+            return result
         if isinstance(result, CheckpointError) or not isinstance(result, Exception):
             raise result
         raise CheckpointError(
             f"rank {self.rank}: coordination store failed at {key!r}: {result}"
         ) from result
+
+    def _claim(self, slot: str, obj: Any, key: str, timeout_s: float) -> bytes:
+        """Write ``obj`` into this rank's ``slot`` unless a rank that gave up waiting
+        for it marked it first; then this rank is late, and fails like the others."""
+        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        stored = self._store.compare_set(slot, "", mine)
+        if stored != mine:
+            raise CoordinationTimeoutError(
+                f"rank {self.rank} arrived at {key!r} after rank {_gave_up_by(stored)} gave "
+                f"up waiting for it ({timeout_s:g} s): this rank stalled (frozen, "
+                "descheduled or on slow storage), so the exchange failed for every rank",
+                missing_ranks=(self.rank,),
+                key=key,
+            )
+        return mine
+
+    def _give_up_on(self, keys: dict[int, str]) -> dict[int, bytes]:
+        """After a timeout: write a give-up mark into every key in ``keys`` that is still
+        empty; returns what each key holds now (a value that arrived meanwhile stands)."""
+        mark = _GAVE_UP + str(self.rank).encode()
+        return {r: self._store.compare_set(k, "", mark) for r, k in keys.items()}
+
+    def _publish(self, key: str, obj: Any, src: int, timeout_s: float) -> Any:
+        self._seq += 1
+        slot = self._keys(self._seq)[src]
+        if self.rank == src:
+            self._claim(slot, obj, key, timeout_s)
+            self._read_by_all.append(slot)
+            return obj
+        try:
+            self._store.wait([slot], timedelta(seconds=max(timeout_s, 0.001)))
+            raw = self._store.get(slot)
+        except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
+            try:
+                raw = self._give_up_on({src: slot})[src]
+            except Exception as exc2:  # pragma: no cover - the store itself failed
+                raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
+            if raw.startswith(_GAVE_UP):
+                raise CoordinationTimeoutError(
+                    f"rank {self.rank}: rank {src} did not answer at {key!r} within "
+                    f"{timeout_s:g} s (it crashed, hung, or is still working on slow "
+                    "storage; raise timeout_s if saves legitimately take longer)",
+                    missing_ranks=(src,),
+                    key=key,
+                ) from exc
+        if raw.startswith(_GAVE_UP):
+            raise CoordinationTimeoutError(
+                f"rank {self.rank}: rank {src} did not answer at {key!r} in time: rank "
+                f"{_gave_up_by(raw)} gave up waiting for it ({timeout_s:g} s)",
+                missing_ranks=(src,),
+                key=key,
+            )
+        return pickle.loads(raw)
 
     def _all_gather(self, key: str, obj: Any, timeout_s: float) -> list[Any]:
         """One round, on the worker thread: four store requests when everyone is on time.
@@ -265,16 +341,7 @@ class TorchDistributedCoordinator:
         """
         self._seq += 1
         keys = self._keys(self._seq)
-        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        stored = self._store.compare_set(keys[self.rank], "", mine)
-        if stored != mine:
-            raise CoordinationTimeoutError(
-                f"rank {self.rank} arrived at {key!r} after rank {_gave_up_by(stored)} gave "
-                f"up waiting for it ({timeout_s:g} s): this rank stalled (frozen, "
-                "descheduled or on slow storage), so the exchange failed for every rank",
-                missing_ranks=(self.rank,),
-                key=key,
-            )
+        mine = self._claim(keys[self.rank], obj, key, timeout_s)
         try:
             self._store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
         except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
@@ -308,10 +375,13 @@ class TorchDistributedCoordinator:
                     missing_ranks=late,
                     key=key,
                 )
-        if self._last_key is not None:
-            # Everyone has set its key of this round, so everyone finished reading the
-            # previous round: our previous key can go, off the caller's path.
-            self._worker.defer(functools.partial(self._store.delete_key, self._last_key))
+        # Everyone has set its key of this round, so everyone finished reading the
+        # previous rounds: our previous key, and what we published since, can go (off
+        # the caller's path).
+        done = [*([self._last_key] if self._last_key is not None else []), *self._read_by_all]
+        self._read_by_all = []
+        if done:
+            self._worker.defer(functools.partial(_delete_keys, self._store, done))
         self._last_key = keys[self.rank]
         return [pickle.loads(b) for b in raw]
 

@@ -7,6 +7,8 @@ project's notes); this is the bounded version CI runs.
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -84,6 +86,64 @@ def test_a_rank_that_arrives_after_the_others_gave_up_fails_too():
     # Rounds that everyone reaches in time are unaffected.
     a = TorchDistributedCoordinator(store, rank=0, world_size=1, namespace="alone")
     assert a.all_gather("k", 1, timeout_s=1) == [1]
+
+
+@pytest.mark.timeout(30)
+def test_a_published_value_reaches_everyone_or_fails_everyone():
+    # The prepare and commit rounds of a save are published by the leader. A receiver
+    # that gives up names the leader, and a leader publishing after that fails too,
+    # so no rank returns success while another raises (DESIGN invariant 4).
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    # One store connection per rank, as in separate processes.
+    lead, r1, r2 = (
+        TorchDistributedCoordinator(
+            dist.TCPStore("127.0.0.1", store.port, 1, False, timeout=timedelta(seconds=30)),
+            rank=r,
+            world_size=3,
+            namespace="pub",
+        )
+        for r in range(3)
+    )
+    # On time: the leader does not wait; every receiver gets the value.
+    assert lead.publish("save step 1: prepare", {"dir": "x"}, src=0, timeout_s=1) == {"dir": "x"}
+    assert r1.publish("save step 1: prepare", None, src=0, timeout_s=1) == {"dir": "x"}
+    assert r2.publish("save step 1: prepare", None, src=0, timeout_s=1) == {"dir": "x"}
+    # Late leader: the receiver that gives up names it; the leader, publishing after
+    # that, fails; a receiver arriving after the give-up fails as well.
+    t = time.monotonic()
+    with pytest.raises(CoordinationTimeoutError) as gone:
+        r1.publish("save step 1: commit", None, src=0, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t < 5
+    assert gone.value.missing_ranks == (0,) and "rank 0 did not answer" in str(gone.value)
+    with pytest.raises(CoordinationTimeoutError, match="gave up") as late:
+        lead.publish("save step 1: commit", ("ok",), src=0, timeout_s=0.3)
+    assert late.value.missing_ranks == (0,)
+    with pytest.raises(CoordinationTimeoutError, match="rank 1 gave up"):
+        r2.publish("save step 1: commit", None, src=0, timeout_s=0.3)
+    # The rounds after it are unaffected, and published keys are cleaned up once the
+    # next all-gather shows every rank has read them.
+    for c in (lead, r1, r2):
+        assert c.publish("k", "v" if c is lead else None, src=0, timeout_s=1) == "v"
+    key = "pub/3/0"  # the third round's, published by rank 0
+    assert store.check([key])
+    done = []
+    threads = [
+        threading.Thread(target=lambda c=c: done.append(c.all_gather("g", 1, timeout_s=5)))
+        for c in (lead, r1, r2)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert done == [[1, 1, 1]] * 3
+    deadline = time.monotonic() + 5
+    while store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not store.check([key])
 
 
 @pytest.mark.timeout(30)

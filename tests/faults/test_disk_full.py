@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import pytest
 from reliability.checks import expected_state, states_equal
@@ -57,6 +58,9 @@ def test_a_save_that_does_not_fit_fails_cleanly_and_keeps_every_checkpoint(small
     assert "rank-00000.safetensors" in str(e) and "errno 28" in str(e)
     assert "Free space" in str(e)  # it says what to do
     assert os.listdir(root / ".pending") == []
+    # Nothing of the failed save keeps running (its checksum helper included: it used
+    # to start before the reservation failed, and waited out its idle timeout).
+    assert not [t for t in threading.enumerate() if t.name == "atomic-checkpoint-hash"]
     assert free_bytes(disk.path) >= before - (256 << 10)  # the failed save gave it back
     assert [c.step for c in mgr.checkpoints()] == [1]
     assert states_equal(mgr.restore(), expected_state(1, 0, SMALL))

@@ -196,3 +196,59 @@ def test_errors_pickle_and_keep_their_fields():
     assert back_s.errno == errno.ENOSPC and back_s.path == "/x"
     assert isinstance(errors.map_os_error(OSError(errno.EROFS, "ro"), "w", "/x"), PermissionError)
     assert isinstance(errors.CheckpointNotFoundError("x"), FileNotFoundError)
+
+
+class _StaleSizeStorage:
+    """Pure logic only: a network-filesystem client that serves a replaced manifest cut
+    to the old, cached length until it is refreshed (seen on sshfs under load)."""
+
+    def __init__(self, stale_reads: int):
+        from dataclasses import replace
+
+        from atomic_checkpoint.storage.memory import MemoryStorage
+
+        self.inner = MemoryStorage()
+        self.capabilities = replace(self.inner.capabilities, coherent=False)
+        self.stale_reads = stale_reads
+        self.refreshes = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def refresh(self, path: str) -> None:
+        self.refreshes += 1
+
+    def read_bytes(self, path: str) -> bytes:
+        data = self.inner.read_bytes(path)
+        if path.endswith("manifest.json") and self.stale_reads > 0:
+            self.stale_reads -= 1
+            return data[: len(data) // 2]
+        return data
+
+
+def _manifest_bytes(step: int) -> bytes:
+    m = Manifest(step=step, run_id="r", commit_seq=1, world_size=1, files=(), state_kind="per_rank")
+    return m.to_json_bytes()
+
+
+@pytest.mark.parametrize("stale_reads", [1, 3])
+def test_a_manifest_read_cut_to_a_stale_size_is_read_again(stale_reads):
+    from atomic_checkpoint import catalog
+
+    s = _StaleSizeStorage(stale_reads)
+    s.inner.makedirs("checkpoint-4")
+    s.inner.write_bytes_atomic("checkpoint-4/checkpoint.manifest.json", _manifest_bytes(4))
+    assert catalog.read_manifest(s, "checkpoint-4").step == 4
+    assert s.refreshes == stale_reads
+
+
+def test_a_manifest_that_stays_unreadable_is_still_corrupt(monkeypatch):
+    from atomic_checkpoint import catalog
+
+    monkeypatch.setattr(catalog, "_STALE_SIZE_WAIT_S", 0.2)
+    s = _StaleSizeStorage(10**6)
+    s.inner.makedirs("checkpoint-4")
+    s.inner.write_bytes_atomic("checkpoint-4/checkpoint.manifest.json", _manifest_bytes(4))
+    with pytest.raises(errors.CorruptCheckpointError, match="not valid JSON"):
+        catalog.read_manifest(s, "checkpoint-4")
+    assert s.refreshes >= 2
