@@ -549,3 +549,26 @@ def test_strategy_override_and_refusal(tmp_path, caplog):
     mgr.close()
     with pytest.raises(ValueError, match="storage_options apply to URL roots"):
         CheckpointManager(tmp_path / "c", storage_options={"key": "k"})
+
+
+def test_a_name_replaced_between_open_and_fstat_reads_as_missing(tmp_path, monkeypatch):
+    # sshfs answers fstat by path, so a name that another writer replaces just after
+    # our open() gives ENOENT there (seen under load in the race test above). That is
+    # the same transient "not there" as a missed open, not an I/O error: readers that
+    # tolerate a missing name during replaces (the catalog, the lock) must get
+    # CheckpointNotFoundError. The race itself cannot be forced, so fstat is made to
+    # answer as sshfs did.
+    storage = LocalStorage(tmp_path)
+    storage.write_bytes_atomic("m", b"x")
+    real = os.fstat
+
+    def fstat_as_sshfs(fd: int) -> Any:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+
+    fds = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "fstat", fstat_as_sshfs)
+    with pytest.raises(CheckpointNotFoundError, match="vanished while being opened"):
+        storage.read_bytes("m")
+    monkeypatch.setattr(os, "fstat", real)
+    assert set(os.listdir("/proc/self/fd")) <= fds, "the failed open leaked its descriptor"
+    assert storage.read_bytes("m") == b"x"

@@ -590,6 +590,13 @@ class LocalStorage:
             if hasattr(os, "O_NONBLOCK"):
                 os.set_blocking(fd, True)
             f = io.FileIO(fd, "rb", closefd=True)
+        except FileNotFoundError as exc:
+            # sshfs answers fstat by path: a name replaced by another writer between
+            # our open and fstat is ENOENT there (seen under load in the contract test
+            # of write_bytes_atomic). The name was just being replaced: "not there",
+            # as if the open itself had missed it.
+            os.close(fd)
+            raise CheckpointNotFoundError(f"{p!r} vanished while being opened") from exc
         except OSError as exc:
             os.close(fd)
             raise map_os_error(exc, "open", p) from exc
