@@ -179,27 +179,18 @@ def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
             POINTS, ERRNOS, PHASES, ROLES, MODES
         ):
             for api in APIS if phase not in ("startup", "restore") else APIS[:1]:
-                out.append(
-                    {
-                        "point": point,
-                        "errno_name": name,
-                        "phase": phase,
-                        "role": role,
-                        "mode": mode,
-                        "api": api,
-                    }
-                )
+                out.append(_combo(point, name, phase, role, mode, api))
     else:
         for point, phase in itertools.product(POINTS, PHASES):
             out.append(
-                {
-                    "point": point,
-                    "errno_name": rng.choice(list(ERRNOS)),
-                    "phase": phase,
-                    "role": rng.choice(ROLES),
-                    "mode": rng.choice(MODES),
-                    "api": rng.choice(APIS),
-                }
+                _combo(
+                    point,
+                    rng.choice(list(ERRNOS)),
+                    phase,
+                    rng.choice(ROLES),
+                    rng.choice(MODES),
+                    rng.choice(APIS),
+                )
             )
     rng.shuffle(out)
     return out
@@ -214,6 +205,10 @@ def parse_combo(text: str) -> dict[str, Any]:
         raise ValueError(f"bad combination {text!r}")
     if phase not in PHASES or role not in ROLES or len(rest) > 1:
         raise ValueError(f"bad combination {text!r}")
+    return _combo(point, name, phase, role, mode, api)
+
+
+def _combo(point: str, name: str, phase: str, role: str, mode: str, api: str) -> dict[str, Any]:
     return {
         "point": point,
         "errno_name": name,

@@ -9,13 +9,16 @@ seconds on other clients, but ``open()`` asks the server (seen on sshfs).
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 import re
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .errors import (
     CheckpointError,
@@ -36,6 +39,7 @@ from .layout import (
 from .manifest import FileEntry, Hasher, Manifest
 from .storage.base import Storage
 
+_T = TypeVar("_T")
 log = logging.getLogger("atomic_checkpoint")
 
 _VERIFY_CHUNK = 8 << 20
@@ -153,15 +157,31 @@ def _reread_stale_manifest(storage: Storage, path: str, where: str) -> Manifest:
     back as the new bytes cut to the old, cached size, which does not parse (seen under
     load: "Expecting ',' delimiter" at the old length). Refresh and re-read, with the
     same bound as for stale file sizes, before it counts as corrupt."""
+
+    def parse() -> Manifest | CorruptCheckpointError:
+        try:
+            return Manifest.from_json_bytes(storage.read_bytes(path), where=where)
+        except CorruptCheckpointError as exc:
+            return exc
+
+    got = _until_fresh(storage, path, parse, lambda v: isinstance(v, Manifest))
+    if isinstance(got, CorruptCheckpointError):
+        raise got
+    return got
+
+
+def _until_fresh(
+    storage: Storage, path: str, probe: Callable[[], _T], fresh: Callable[[_T], bool]
+) -> _T:
+    """Network filesystems: drop this client's cached metadata of ``path`` and probe
+    again until ``fresh(probe())``, for at most ``_STALE_SIZE_WAIT_S`` (one refresh is
+    not always enough under load); returns the last probe."""
     deadline = time.monotonic() + _STALE_SIZE_WAIT_S
     while True:
         storage.refresh(path)
-        data = storage.read_bytes(path)
-        try:
-            return Manifest.from_json_bytes(data, where=where)
-        except CorruptCheckpointError:
-            if time.monotonic() >= deadline:
-                raise
+        value = probe()
+        if fresh(value) or time.monotonic() >= deadline:
+            return value
         time.sleep(0.05)
 
 
@@ -212,15 +232,14 @@ def validate(
         size = storage.size(f"{rel}/{entry.path}")
         if size != entry.size_bytes and not storage.capabilities.coherent:
             # sshfs: a path deleted and re-created through another client (a step saved
-            # again) keeps its old size in this client's cache until it is refreshed,
-            # and under load one refresh is not always enough: retry, with a bound.
-            deadline = time.monotonic() + _STALE_SIZE_WAIT_S
-            while True:
-                storage.refresh(f"{rel}/{entry.path}")
-                size = storage.size(f"{rel}/{entry.path}")
-                if size == entry.size_bytes or time.monotonic() >= deadline:
-                    break
-                time.sleep(0.05)
+            # again) keeps its old size in this client's cache until it is refreshed.
+            path = f"{rel}/{entry.path}"
+            size = _until_fresh(
+                storage,
+                path,
+                functools.partial(storage.size, path),
+                functools.partial(operator.eq, entry.size_bytes),
+            )
         if size is None:
             raise CorruptCheckpointError(f"{where}: file {entry.path!r} is missing")
         if size != entry.size_bytes:

@@ -770,20 +770,15 @@ def save(
 
 def _check_same_step(steps: Sequence[int]) -> None:
     """Abort the save on every rank unless every rank passed the same step."""
-    error = _different_steps(steps)
-    if error is not None:
-        raise _Aborted(error)
-
-
-def _different_steps(steps: Sequence[int]) -> CommitError | None:
-    if len(set(steps)) <= 1:
-        return None
-    by_rank = dict(enumerate(steps))
-    return CommitError(
-        f"the ranks were asked to save different steps ({by_rank}, by rank): every "
-        "rank must call save() with the same step. Nothing was committed; compute "
-        "the step once (e.g. on rank 0) and use it on every rank"
-    )
+    if len(set(steps)) > 1:
+        by_rank = dict(enumerate(steps))
+        raise _Aborted(
+            CommitError(
+                f"the ranks were asked to save different steps ({by_rank}, by rank): every "
+                "rank must call save() with the same step. Nothing was committed; compute "
+                "the step once (e.g. on rank 0) and use it on every rank"
+            )
+        )
 
 
 def _shared_error(failures: Sequence[RankFailure], step: int) -> CheckpointError:
@@ -823,7 +818,7 @@ def _commit_on_leader(
     ctx: SaveContext,
     step: int,
     staged: str,
-    reports: Sequence[RankReport | None],
+    reports: Sequence[RankReport],
     collect_files: Callable[[str], RankReport] | None,
     replace: bool,
     state_kind: str,
@@ -835,8 +830,7 @@ def _commit_on_leader(
     storage = ctx.storage
     tc = time.perf_counter()
     collected = [collect_files(staged)] if collect_files is not None else []
-    mine = [reports[r] for r in ctx.members]
-    files = _merge([r for r in mine if r is not None] + collected)
+    files = _merge([reports[r] for r in ctx.members] + collected)
     _await_files(storage, staged, files, ctx.visibility_timeout_s)
     ctx.fence()
     manifest = Manifest(
@@ -963,10 +957,10 @@ def _save_through_leader(
 
         written = run_phase(ctx, step, "write", write)
         _check_same_step([w[0] for w in written])
-        reports = [w[1] for w in written]
-        done = [r for r in reports if r is not None]
-        timings["write"] = max(r.write_s for r in done)
-        timings["fsync"] = max(r.fsync_s for r in done)
+        # Every rank had the leader's step (checked just above), so every rank wrote.
+        reports = [r for _, r in written if r is not None]
+        timings["write"] = max(r.write_s for r in reports)
+        timings["fsync"] = max(r.fsync_s for r in reports)
         timings["gather"] = time.perf_counter() - t - timings["write"] - timings["fsync"]
 
         # 3. the leader commits and publishes the outcome; the others wait for it.

@@ -345,12 +345,9 @@ class TorchDistributedCoordinator:
         try:
             self._store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
         except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
-            mark = _GAVE_UP + str(self.rank).encode()
             try:
-                raw = [
-                    mine if r == self.rank else self._store.compare_set(k, "", mark)
-                    for r, k in enumerate(keys)
-                ]
+                now = self._give_up_on({r: k for r, k in enumerate(keys) if r != self.rank})
+                raw = [mine if r == self.rank else now[r] for r in range(self.world_size)]
             except Exception as exc2:  # pragma: no cover - the store itself failed
                 raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
             late = tuple(r for r, b in enumerate(raw) if b.startswith(_GAVE_UP))
