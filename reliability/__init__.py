@@ -4,14 +4,18 @@ after every trial.
 Each campaign module exposes ``run(size, seed, progress, workdir) -> Tally``:
 
 - :mod:`reliability.kill`: SIGKILL a random rank (coordinator included) at a named
-  fault point or at a truly random moment of save, commit or rotation; local disk and
-  sshfs (two mounts: two nodes).
+  fault point or at a truly random moment of save, commit or rotation; local disk,
+  sshfs (two mounts: two nodes), S3 (``s3://`` on the test bed's S3 server) and
+  s3fs-fuse (two mounts of the bucket).
 - :mod:`reliability.iofaults`: libfiu errors (ENOSPC, EIO, EDQUOT, EROFS) on write,
   fsync, rename, open, mkdir and unlink, on one chosen rank, in each protocol phase,
-  transient and persistent.
+  transient and persistent; on a local disk and on an s3fs-fuse mount.
 - :mod:`reliability.diskfull`: real full filesystems (tmpfs, ext4 ``-m 0``, xfs).
 - :mod:`reliability.hang`: a hung, a frozen (SIGSTOP) and a slow-storage rank.
 - :mod:`reliability.badinput`: damaged and malicious checkpoints.
+- :mod:`reliability.preemption`: real torchrun jobs preempted by SIGTERM at random
+  moments (start-up, training, mid-save) and in every delivery pattern, with a grace
+  period; ours against stock torchrun and the loop without start-up protection.
 
 ``python reliability/run.py --quick|--full`` runs them and prints the summary table;
 ``tests/faults/test_campaigns.py`` runs the quick size in CI.

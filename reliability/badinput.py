@@ -246,6 +246,20 @@ def _symlink_manifest_out(ctx: Ctx) -> None:
     os.symlink(outside_manifest, os.path.join(ctx.ckpt, MANIFEST_NAME))
 
 
+def _manifest_sparse(ctx: Ctx) -> None:
+    # A 10 TiB manifest with no blocks: read whole before its size was checked, it was
+    # a MemoryError that stopped discovery of the whole root (issue 11, defect 5).
+    os.truncate(os.path.join(ctx.ckpt, MANIFEST_NAME), 10 << 40)
+
+
+def _checkpoint_linked_out(ctx: Ctx) -> None:
+    # Step 2 moved out of ROOT and linked back: a link is never a checkpoint (issue 11,
+    # defect 9: restore read, and retention deleted, whatever it pointed to).
+    moved = os.path.join(ctx.outside, "checkpoint-2")
+    os.rename(ctx.ckpt, moved)
+    os.symlink(moved, ctx.ckpt)
+
+
 def _fifo_state(ctx: Ctx) -> None:
     p = os.path.join(ctx.ckpt, STATE)
     os.unlink(p)
@@ -313,6 +327,15 @@ def _shape_bomb(ctx: Ctx) -> None:
     tree = {"tensor": "t"}
     entries = {"t": ("F32", [1 << 31, 1 << 31], b"\0" * 64)}
     ctx.replace_state(tree_file(tree, entries))
+
+
+def _zero_size_overflow(shape: list[int]) -> Callable[[Ctx], None]:
+    # No elements, so no bytes: the sizes still overflow torch's int64 strides (issue 11,
+    # defect 10: TypeError/RuntimeError from torch.empty instead of a corrupt checkpoint).
+    def f(ctx: Ctx) -> None:
+        ctx.replace_state(tree_file({"tensor": "t"}, {"t": ("F32", shape, b"")}))
+
+    return f
 
 
 def _nesting_bomb_tree(ctx: Ctx) -> None:
@@ -394,6 +417,20 @@ CASES: list[Case] = [
     Case("manifest-is-a-list", lambda c: c.write_manifest([1, 2]), "skip", "object"),
     Case("manifest-size-string", _manifest_edit(_set_file("size", "12")), "skip", "type"),
     Case("manifest-no-files", _manifest_edit(lambda d, c: d.pop("files")), "skip", "files"),
+    Case(
+        "manifest-nesting-bomb",
+        lambda c: c.write_manifest(None, b'{"files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        "skip",
+        "nested too deeply",
+    ),
+    Case(
+        "manifest-400-digit-time",
+        _manifest_edit(lambda d, c: d.update(created_unix=10**400)),
+        "skip",
+        "created_unix",
+    ),
+    Case("manifest-sparse-10TiB", _manifest_sparse, "skip", f"{10 << 40} bytes"),
+    Case("checkpoint-linked-out", _checkpoint_linked_out, "skip", "symbolic link"),
     Case("manifest-step-mismatch", _manifest_edit(lambda d, c: d.update(step=7)), "skip", "step"),
     Case(
         "manifest-file-twice",
@@ -440,6 +477,14 @@ CASES: list[Case] = [
     Case("offsets-out-of-range", _offsets_out_of_range, "refuse", "", crafted=True),
     Case("offsets-overlap", _offsets_overlap, "refuse", "overlap", crafted=True),
     Case("shape-bomb", _shape_bomb, "refuse", "", crafted=True),
+    Case("shape-[0,2**63]", _zero_size_overflow([0, 1 << 63]), "refuse", "2**63", crafted=True),
+    Case(
+        "shape-[0,2**40,2**40]",
+        _zero_size_overflow([0, 1 << 40, 1 << 40]),
+        "refuse",
+        "too large",
+        crafted=True,
+    ),
     Case("tree-nesting-bomb", _nesting_bomb_tree, "refuse", "", crafted=True),
     Case("header-nesting-bomb", _nesting_bomb_header, "refuse", "", crafted=True),
     Case("dunder-attributes", _dunder_attrs, "refuse", "not allowed", crafted=True),

@@ -5,6 +5,9 @@
   rank (states are deterministic functions of (step, rank): ``tests.dist.workers``).
 - :func:`next_start_leftovers` starts a writing manager (the "next start") and reports
   any pending or trash data that survived its start-up sweep.
+- :func:`strays` lists, for any storage (an object store included), every file and
+  ``checkpoint-<step>`` directory that belongs to no valid checkpoint and is not the
+  run's own metadata; :func:`clean_root` runs ``atomic-checkpoint clean`` on a root.
 - :func:`describe_error` turns an exception into plain data that crosses processes;
   :func:`unclear_reason` decides whether it says what failed.
 """
@@ -18,7 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator, catalog
-from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR, checkpoint_name, rank_state_file
+from atomic_checkpoint.layout import (
+    MANIFEST_NAME,
+    META_DIR,
+    PENDING_DIR,
+    TRASH_DIR,
+    checkpoint_name,
+    parse_checkpoint_name,
+    rank_state_file,
+)
+from atomic_checkpoint.storage import open_storage
+from atomic_checkpoint.storage.base import Storage
 from atomic_checkpoint.storage.local import LocalStorage
 
 #: Error types a storage fault of each errno must map to (errors.map_os_error).
@@ -171,17 +184,21 @@ class RootView:
 SizeOf = Callable[[int, int], int]
 
 
-def inspect_root(root: str, *, world: int, size: int | SizeOf) -> RootView:
-    """Everything discoverable under ``root`` must verify and restore bit-exactly.
+def inspect_root(root: str | Storage, *, world: int, size: int | SizeOf) -> RootView:
+    """Everything discoverable under ``root`` (a local path, or any storage such as an
+    ``FsspecStorage`` on an object store) must verify and restore bit-exactly.
 
     ``size``: tensor elements of every saved state, or ``size(step, rank)``.
     """
     from atomic_checkpoint.serialization import load_state
 
-    storage = LocalStorage(root)
     view = RootView()
-    if not os.path.isdir(root):
-        return view
+    if isinstance(root, (str, os.PathLike)):
+        if not os.path.isdir(root):
+            return view
+        storage: Storage = LocalStorage(os.fspath(root))
+    else:
+        storage = root
     for e in catalog.scan(storage):
         if e.status == "corrupt":
             view.torn.append(f"{e.name}: {e.problem}")
@@ -189,7 +206,7 @@ def inspect_root(root: str, *, world: int, size: int | SizeOf) -> RootView:
             view.pending.append(e.name)
         elif e.status == "foreign":
             if e.step is not None and e.problem == "no manifest":
-                view.orphans.append(f"{e.name} ({sorted(os.listdir(os.path.join(root, e.name)))})")
+                view.orphans.append(f"{e.name} ({sorted(storage.listdir(e.name))})")
         elif e.status == "ok" and e.manifest is not None and e.step is not None:
             problem = _check_exact(storage, e.step, e.manifest, world, size, load_state)
             if problem:
@@ -203,7 +220,7 @@ def inspect_root(root: str, *, world: int, size: int | SizeOf) -> RootView:
 
 
 def _check_exact(
-    storage: LocalStorage, step: int, manifest: Any, world: int, size: int | SizeOf, load_state: Any
+    storage: Storage, step: int, manifest: Any, world: int, size: int | SizeOf, load_state: Any
 ) -> str | None:
     try:
         catalog.validate(storage, checkpoint_name(step), manifest, full=True)
@@ -213,9 +230,12 @@ def _check_exact(
         return f"world_size {manifest.world_size}, the job had {world}"
     paths = {f.path for f in manifest.files}
     for r in range(world):
-        rel = f"{checkpoint_name(step)}/{rank_state_file(r)}"
-        if rank_state_file(r) not in paths:
-            return f"manifest lacks {rank_state_file(r)}"
+        # The marker strategy lists files under their attempt (``attempt-<token>/...``).
+        want = rank_state_file(r)
+        found = [p for p in paths if p == want or p.endswith(f"/{want}")]
+        if len(found) != 1:
+            return f"manifest lists {len(found)} copies of {want}"
+        rel = f"{checkpoint_name(step)}/{found[0]}"
         try:
             with storage.open_read(rel) as f:
                 state = load_state(f)
@@ -227,19 +247,89 @@ def _check_exact(
     return None
 
 
-def next_start_leftovers(root: str) -> tuple[list[str], str | None]:
+def next_start_leftovers(
+    root: str, storage_options: dict[str, Any] | None = None
+) -> tuple[list[str], str | None]:
     """Start a writing manager on ``root`` (one process) and close it.
+
+    ``storage_options``: for a URL root (``s3://...``), fsspec's options.
 
     Returns:
         The pending and trash entries still there after its start-up sweep, and the
         error text if the start itself failed.
     """
     try:
-        mgr = CheckpointManager(root, coordinator=SingleProcessCoordinator(), timeout_s=30)
+        mgr = CheckpointManager(
+            root,
+            coordinator=SingleProcessCoordinator(),
+            timeout_s=30,
+            storage_options=storage_options,
+        )
         mgr.close()
     except Exception as exc:
         return [], f"{type(exc).__name__}: {exc}"
-    storage = LocalStorage(root)
+    storage = open_storage(root, storage_options) if storage_options else LocalStorage(root)
     left = [f"{PENDING_DIR}/{n}" for n in storage.listdir(PENDING_DIR)]
     left += [f"{TRASH_DIR}/{n}" for n in storage.listdir(TRASH_DIR)]
     return left, None
+
+
+#: Files of the run's metadata directory that stay between jobs by design (lock.py):
+#: the run record, the last lock token, and takeover claims (kept for an hour).
+_KEPT_META = ("run.json", "lock.token")
+_KEPT_META_PREFIXES = ("lock.takeover-",)
+
+
+def strays(storage: Storage) -> list[str]:
+    """What no reader needs once no job holds ``storage``'s root: every file that is
+    neither listed by the manifest of a valid checkpoint (nor that manifest itself) nor
+    kept metadata, and every ``checkpoint-<step>`` directory without a valid manifest
+    (on s3fs-fuse an empty directory is an object of its own). Judged from the files
+    themselves, independently of the library's own idea of leftovers (markers, attempt
+    directories), so what that idea misses shows up here."""
+    from atomic_checkpoint.storage.fsspec import PROBE_PREFIX
+
+    owned: set[str] = set()
+    valid: set[str] = set()
+    for e in catalog.scan(storage):
+        if e.status == "ok" and e.step is not None and e.manifest is not None:
+            name = checkpoint_name(e.step)
+            valid.add(name)
+            owned.add(f"{name}/{MANIFEST_NAME}")
+            owned |= {f"{name}/{f.path}" for f in e.manifest.files}
+    out = []
+    for rel, _size in storage.walk_files(""):
+        if rel in owned:
+            continue
+        head, _, base = rel.rpartition("/")
+        if head == META_DIR and (
+            base in _KEPT_META
+            or base.startswith(_KEPT_META_PREFIXES)
+            # A conditional-create probe whose delete failed: the next lock holder
+            # removes it once it is a minute old (lock.PROBE_STALE_S).
+            or base.startswith(PROBE_PREFIX)
+        ):
+            continue
+        out.append(rel)
+    for name in storage.listdir(""):
+        empty = not any(r.startswith(f"{name}/") for r in out)
+        if parse_checkpoint_name(name) is not None and name not in valid and empty:
+            out.append(f"{name}/")
+    return sorted(out)
+
+
+def clean_root(root: str, storage_options: dict[str, Any] | None = None) -> tuple[int, str]:
+    """Run ``atomic-checkpoint clean ROOT --json`` in this process, as a user would;
+    returns its exit status and output."""
+    import contextlib
+    import io
+    import json
+
+    from atomic_checkpoint.cli import main as cli_main
+
+    argv = ["clean", root, "--json"]
+    argv += [f"--storage-option={k}={json.dumps(v)}" for k, v in (storage_options or {}).items()]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = cli_main(argv)
+    return rc, out.getvalue()

@@ -9,12 +9,21 @@ Variants:
 - **frozen**: the campaign SIGSTOPs a random rank at a random moment of a save (a
   process stuck in the kernel, or descheduled for good), waits for the others to give
   up, then SIGCONTs it: it must raise too, never report success, never hang;
+- **outcome**: a rank other than the leader freezes itself (SIGSTOP) on its exchange
+  thread while it waits for the published outcome of the commit, and is woken once the
+  others returned and its own exchange deadline has passed: it must report the outcome
+  the others reported (the commit happened), not a timeout (issue 11, defect 14);
 - **slow**: a real slow link: ranks 0-1 write to the server's own disk, rank 2 writes
   through an sshfs mount from another network namespace whose link is throttled with a
   token-bucket filter (``tc tbf``), so its write takes several timeouts.
 
+A peer hung after its last message (``during_broadcast``) does not stop the others:
+they return the leader's outcome, all the same one.
+
 After each trial nothing torn is discoverable, the checkpoint before the trial is
-intact, and the next start leaves no pending data.
+intact, and the next start leaves no pending data. Run it beside a CPU hog too (a
+busy loop per core, e.g. ``python -c "while True: pass" &``): a loaded machine is where
+frozen and descheduled ranks are met.
 """
 
 from __future__ import annotations
@@ -45,17 +54,23 @@ SIZE = 1 << 12
 SLACK_S = 2.0
 
 
+#: How long past its timeout a rank's exchange waits before it counts the store as cut
+#: off (``coordination._STALL_GRACE_S``): an outcome trial freezes its rank past both.
+STALL_GRACE_S = 5.0
+
+
 @dataclass(frozen=True)
 class HangSize:
     hang: int
     frozen: int
     slow: int
     timeout_s: float
+    outcome: int = 0
 
 
 SIZES = {
-    "quick": HangSize(hang=4, frozen=4, slow=1, timeout_s=2.0),
-    "full": HangSize(hang=24, frozen=16, slow=3, timeout_s=2.0),
+    "quick": HangSize(hang=4, frozen=4, slow=1, timeout_s=2.0, outcome=1),
+    "full": HangSize(hang=24, frozen=16, slow=3, timeout_s=2.0, outcome=4),
 }
 
 
@@ -78,6 +93,9 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     for _ in range(cfg.frozen):
         _frozen_trial(tally, cfg, rng, base, root, state)
     progress(f"hang: {cfg.frozen} frozen-rank trials, {tally.violations} violations")
+    for _ in range(cfg.outcome):
+        _outcome_trial(tally, cfg, rng, base, root, state)
+    progress(f"hang: {cfg.outcome} frozen-at-outcome trials, {tally.violations} violations")
     if cfg.slow:
         try:
             with _slow_node(base) as (fast_root, slow_root, truth):
@@ -130,8 +148,33 @@ def _hang_trial(
         tally.count("missed", label)
     else:
         tally.faults += 1
-    _judge_timeouts(tally, cfg, label, results, victim, None)
+    if phase == "during_broadcast" and role == "peer":
+        # A peer hung after its last message (its write report): the leader publishes
+        # the outcome without waiting for anyone, so the others rightly return it; the
+        # hung peer would read the same outcome once it woke. One outcome for all.
+        _judge_after_last_message(tally, label, results, victim)
+    else:
+        _judge_timeouts(tally, cfg, label, results, victim, None)
     _judge_root(tally, label, root, step, state["big"])
+
+
+def _judge_after_last_message(tally: Tally, label: str, results: list[Any], victim: int) -> None:
+    """The others must all return (no hang) with one outcome between them."""
+    outcomes = set()
+    for r in results:
+        if r.rank == victim:
+            continue
+        if r.exitcode is None:
+            tally.violate("hangs", f"{label}: rank {r.rank} did not return")
+        elif r.error is not None or r.value is None or r.value.get("setup_error"):
+            tally.violate("stuck", f"{label}: rank {r.rank} crashed: {r.error_text[-300:]}")
+        else:
+            err = r.value["error"]
+            outcomes.add("saved" if err is None else err["type"])
+    if len(outcomes) > 1:
+        tally.violate("split", f"{label}: the other ranks disagree: {sorted(outcomes)}")
+    elif outcomes:
+        tally.count("stalled_after_its_last_message", outcomes.pop())
 
 
 def _frozen_trial(
@@ -195,6 +238,97 @@ def _frozen_trial(
         if reason:
             tally.violate("unclear", f"{label}: the woken rank: {reason}")
         tally.count("woken_error", woke.value["error"]["type"])
+    _judge_root(tally, label, root, step, state["big"])
+
+
+def w_frozen_at_outcome(
+    rank: int,
+    world: int,
+    roots: list[str],
+    step: int,
+    size: int,
+    sizes: dict[int, int],
+    timeout_s: float,
+    victim: int,
+) -> dict[str, Any]:
+    """``w_timed_save`` whose ``victim`` freezes (SIGSTOP, from its exchange thread) when
+    it is about to wait for the outcome of the commit of ``step``, its main thread
+    waiting for that thread; the campaign wakes it."""
+    if rank == victim:
+        from atomic_checkpoint.coordination import TorchDistributedCoordinator
+
+        real = TorchDistributedCoordinator._publish
+
+        def frozen(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+            if key == f"save step {step}: commit":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(self, key, *args, **kwargs)
+
+        TorchDistributedCoordinator._publish = frozen  # type: ignore[method-assign]
+    return w_timed_save(rank, world, roots, step, size, sizes, timeout_s)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def _outcome_trial(
+    tally: Tally, cfg: HangSize, rng: random.Random, base: str, root: str, state: dict[str, Any]
+) -> None:
+    tally.trials += 1
+    step = _next(state)
+    victim = rng.randrange(1, WORLD)
+    label = f"rank {victim} frozen at the outcome of the commit"
+    job = ForkJob(
+        w_frozen_at_outcome,
+        WORLD,
+        [root] * WORLD,
+        step,
+        SIZE,
+        {},
+        cfg.timeout_s,
+        victim,
+        tmp_dir=os.path.join(base, "jobs"),
+    )
+    try:
+        pid = job.procs[victim].pid or -1
+        deadline = time.monotonic() + 30 + 3 * cfg.timeout_s
+        while not _stopped(pid) and job.procs[victim].is_alive():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        frozen = _stopped(pid)
+        t_stop = time.monotonic()
+        if frozen:
+            job.join([r for r in range(WORLD) if r != victim], 20 + 3 * cfg.timeout_s)
+            # Past the woken rank's own deadline for the exchange, as a long freeze is.
+            while time.monotonic() < t_stop + cfg.timeout_s + STALL_GRACE_S + 1.0:
+                time.sleep(0.05)
+            job.signal(victim, signal.SIGCONT)
+        results = job.wait(timeout_s=20 + 3 * cfg.timeout_s)
+    finally:
+        job.close()
+    if not frozen:
+        tally.violate("stuck", f"{label}: the rank never reached the outcome")
+        return
+    tally.faults += 1
+    outcomes = []
+    for r in results:
+        if r.exitcode is None:
+            tally.violate("hangs", f"{label}: rank {r.rank} never finished")
+        elif r.error is not None or r.value is None or r.value.get("setup_error"):
+            tally.violate("stuck", f"{label}: rank {r.rank} crashed: {r.error_text[-300:]}")
+        else:
+            err = r.value["error"]
+            outcomes.append("saved" if err is None else err["type"])
+    if len(set(outcomes)) > 1:
+        tally.violate("split", f"{label}: ranks report {outcomes}")
+    elif outcomes:
+        tally.count("outcome_after_freeze", outcomes[0])
     _judge_root(tally, label, root, step, state["big"])
 
 

@@ -21,6 +21,15 @@ fails, then the point disables itself) or persistent (every call fails until the
 disarms it). Points: ``write``, ``fsync``, ``rename`` (also renameat/renameat2),
 ``open`` (also openat), ``mkdir`` (mkdir/mkdirat), ``unlink`` (also unlinkat/rmdir).
 
+On s3fs-fuse (``libfiu-s3fs``), ROOT is a directory on an s3fs-fuse mount of a bucket
+of the test bed's S3 server, and the library chooses the marker strategy from the mount
+type: the faults fail the rank's own libc calls on the FUSE mount (an ``open``, ``write``,
+``fsync``, ``rename`` or ``unlink`` of a marker, a data file or a manifest), before s3fs
+sees them. The checks read the bucket directly (past s3fs's caches), and after the next
+start every object must belong to a committed checkpoint or to the run's metadata, or
+go with ``atomic-checkpoint clean`` (else it is a leak). Quick: one combination per
+point; full: every point x phase x role x mode.
+
 Checked after every trial:
 
 - the fault either failed the save on every rank, with an error that names the failing
@@ -52,7 +61,7 @@ from typing import Any
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
 from . import REPO_ROOT
-from .checks import inspect_root, unclear_reason
+from .checks import clean_root, inspect_root, strays, unclear_reason
 from .fiuctl import EXTRA_ENV, build_extra, compiler, fiu_argv
 from .fiuctl import POINTS as ALL_POINTS
 from .tally import Progress, Tally
@@ -196,6 +205,49 @@ def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
     return out
 
 
+#: Quick size on s3fs-fuse: phases where every point has calls to fail (start-up, the
+#: save's own files and its commit), so that most quick trials land a fault.
+QUICK_S3FS_PHASES = ("startup", "prepare", "before_write", "mid_write", "after_manifest")
+
+
+def combos_s3fs(size: str, rng: random.Random) -> list[dict[str, Any]]:
+    """Full: every point x phase x role x mode, with a random errno and API. Quick:
+    one phase of :data:`QUICK_S3FS_PHASES` per point, with a random errno, role, mode
+    and API."""
+    out = []
+    if size == "full":
+        for point, phase, role, mode in itertools.product(POINTS, PHASES, ROLES, MODES):
+            api = rng.choice(APIS) if phase not in ("startup", "restore") else "save"
+            out.append(_combo(point, rng.choice(list(ERRNOS)), phase, role, mode, api))
+    else:
+        for point in POINTS:
+            for phase in [rng.choice(QUICK_S3FS_PHASES)]:
+                out.append(
+                    _combo(
+                        point,
+                        rng.choice(list(ERRNOS)),
+                        phase,
+                        rng.choice(ROLES),
+                        rng.choice(MODES),
+                        rng.choice(APIS),
+                    )
+                )
+    rng.shuffle(out)
+    return out
+
+
+class _Where:
+    """The root the ranks use (``root``), where the checks read (``truth``: the path, or
+    a storage reading the bucket itself), and on object stores that storage
+    (``direct``), for the check of leftover objects."""
+
+    def __init__(self, root: str, truth: Any = None, direct: Any = None):
+        self.root = root
+        self.truth = truth if truth is not None else root
+        self.direct = direct
+        self.leaked: set[str] = set()
+
+
 def parse_combo(text: str) -> dict[str, Any]:
     """``point:ERRNO:mode:phase:role[:api]``, e.g. ``rename:EIO:once:startup:coordinator``
     or ``fsync:EIO:persistent:after_write:peer:save_async``."""
@@ -226,34 +278,60 @@ def run(
     workdir: str,
     *,
     only: list[dict[str, Any]] | None = None,
+    fs: str = "local",
 ) -> Tally:
-    """Run the campaign (``only``: just these combinations, see :func:`parse_combo`)."""
-    tally = Tally("libfiu")
+    """Run the campaign (``only``: just these combinations, see :func:`parse_combo`) on
+    a local directory (``fs="local"``) or on an s3fs-fuse mount (``fs="s3fs"``)."""
+    name = "libfiu" if fs == "local" else f"libfiu-{fs}"
+    tally = Tally(name)
     ok, why = available()
     if not ok:
         tally.violate("stuck", f"libfiu is not usable here: {why}")
         return tally.finish()
     rng = random.Random(seed)
-    base = os.path.join(workdir, "libfiu")
+    base = os.path.join(workdir, name)
     shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
     extra = build_extra(base)
-    root = os.path.join(base, "root")
-    todo = list(only) if only is not None else combos(size, rng)
-    group = RankGroup(WORLD, base, extra)
-    try:
-        state = {"next_step": 1}
-        _seed_root(group, root, state)
-        for i, combo in enumerate(todo):
-            group = _trial(tally, group, base, extra, root, combo, rng, state)
-            if (i + 1) % max(1, len(todo) // 10) == 0 or i + 1 == len(todo):
-                progress(
-                    f"libfiu: {i + 1}/{len(todo)} trials, {tally.faults} faults fired, "
-                    f"{tally.violations} violations"
-                )
-    finally:
-        group.close()
+    if only is not None:
+        todo = list(only)
+    else:
+        todo = combos(size, rng) if fs == "local" else combos_s3fs(size, rng)
+    with contextlib.ExitStack() as stack:
+        where = _open_root(stack, fs, base)
+        group = RankGroup(WORLD, base, extra)
+        try:
+            state = {"next_step": 1}
+            _seed_root(group, where.root, state)
+            for i, combo in enumerate(todo):
+                group = _trial(tally, group, base, extra, where, combo, rng, state)
+                if (i + 1) % max(1, len(todo) // 10) == 0 or i + 1 == len(todo):
+                    progress(
+                        f"{name}: {i + 1}/{len(todo)} trials, {tally.faults} faults fired, "
+                        f"{tally.violations} violations"
+                    )
+        finally:
+            group.close()  # before the mount goes
     return tally.finish()
+
+
+S3FS_BUCKET = "libfiu-campaign"
+
+
+def _open_root(stack: contextlib.ExitStack, fs: str, base: str) -> _Where:
+    if fs == "local":
+        return _Where(os.path.join(base, "root"))
+    if fs != "s3fs":
+        raise ValueError(f"unknown filesystem {fs!r}")
+    from tests.testbed import S3fsFuseMount, S3Server
+
+    from atomic_checkpoint.storage import FsspecStorage
+
+    server = stack.enter_context(S3Server(os.path.join(base, "logs")))
+    server.create_bucket(S3FS_BUCKET)
+    mount = stack.enter_context(S3fsFuseMount(server, S3FS_BUCKET, os.path.join(base, "mnt")))
+    direct = FsspecStorage(f"s3://{S3FS_BUCKET}/root", server.storage_options())
+    return _Where(os.path.join(str(mount.path), "root"), direct, direct)
 
 
 def _spec(root: str, step: int, newest: int | None, combo: dict[str, Any], victim: int) -> dict:
@@ -300,7 +378,7 @@ def _trial(
     group: RankGroup,
     base: str,
     extra: str,
-    root: str,
+    where: _Where,
     combo: dict[str, Any],
     rng: random.Random,
     state: dict[str, int],
@@ -308,9 +386,9 @@ def _trial(
     tally.trials += 1
     step = state["next_step"]
     state["next_step"] += 2
-    before = inspect_root(root, world=WORLD, size=TENSOR_ELEMS)
+    before = inspect_root(where.truth, world=WORLD, size=TENSOR_ELEMS)
     victim = 0 if combo["role"] == "coordinator" else rng.randrange(1, WORLD)
-    spec = _spec(root, step, before.newest, combo, victim)
+    spec = _spec(where.root, step, before.newest, combo, victim)
     label = (
         f"{combo['point']} {combo['errno_name']} {combo['mode']} at {combo['phase']} "
         f"on rank {victim} through {spec['api']} (step {step})"
@@ -326,16 +404,38 @@ def _trial(
         tally.count("fired", combo["point"])
     else:
         tally.count("not_reached", f"{combo['point']}@{combo['phase']}")
-    after = inspect_root(root, world=WORLD, size=TENSOR_ELEMS)
+    after = inspect_root(where.truth, world=WORLD, size=TENSOR_ELEMS)
     _judge_a(tally, label, combo, spec, a, hits, before, after, step)
     group.go(n)
     b = group.collect(n, "b")
     if b is None:
         tally.violate("hangs", f"{label}: part B did not finish: {group.tail(victim)}")
         return _restart(group, base, extra)
-    final = inspect_root(root, world=WORLD, size=TENSOR_ELEMS)
+    final = inspect_root(where.truth, world=WORLD, size=TENSOR_ELEMS)
     _judge_b(tally, label, a, b, final, step)
+    if where.direct is not None:
+        _object_leaks(tally, label, where)
     return group
+
+
+def _object_leaks(tally: Tally, label: str, where: _Where) -> None:
+    """After part B (the next start, a save, its close): every object belongs to a
+    committed checkpoint or to the run's metadata; what is left must go with ``clean``
+    (run on the mount, as a user would)."""
+    left = strays(where.direct)
+    if not left:
+        return
+    tally.count("left_for_clean", str(len(left)))
+    rc, out = clean_root(where.root)
+    # Each leaked object counts once, in the trial after which it was first seen.
+    still = [k for k in strays(where.direct) if k not in where.leaked]
+    where.leaked |= set(still)
+    if still:
+        tally.violate(
+            "leaks",
+            f"{label}: left after the next start {left}, and after clean (exit {rc}) "
+            f"{still}: {out[-300:]}",
+        )
 
 
 def _restart(group: RankGroup, base: str, extra: str) -> RankGroup:

@@ -22,10 +22,21 @@ newest checkpoint and restores it exactly.
 On sshfs, ROOT lives in an sshd export mounted twice (default caching): half the ranks
 use mount A, half mount B, like two nodes sharing a network filesystem; the checks read
 the export directly.
+
+On S3 (``s3``), ROOT is ``s3://<bucket>/root`` on the test bed's S3 server, opened by
+every rank through ``FsspecStorage`` (the marker strategy: a crashed save leaves its
+attempt and marker under ``checkpoint-<step>/``, not in ``.pending``). On s3fs-fuse
+(``s3fs``), the bucket is mounted twice, half the ranks on each mount, and the library
+chooses the marker strategy from the mount type. On both, the checks read the bucket
+directly through ``FsspecStorage`` (past s3fs's caches), and after the next start every
+object must belong to a committed checkpoint or to the run's metadata; what the start
+left is counted (``left_for_clean``) and handed to ``atomic-checkpoint clean``, and
+anything ``clean`` cannot remove either is a leak.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -36,7 +47,7 @@ from typing import Any
 
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
-from .checks import inspect_root, next_start_leftovers, unclear_reason
+from .checks import clean_root, inspect_root, next_start_leftovers, strays, unclear_reason
 from .jobs import ForkJob
 from .tally import Progress, Tally
 from .workers import w_save_loop
@@ -84,20 +95,51 @@ SIZES = {
         "quick": KillSize(trials=8, world=4, steps_per_trial=2, tensor_elems=1 << 13, timeout_s=4),
         "full": KillSize(trials=120, world=4, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=4),
     },
+    "s3": {
+        "quick": KillSize(trials=6, world=3, steps_per_trial=2, tensor_elems=1 << 12, timeout_s=4),
+        "full": KillSize(trials=120, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=6),
+    },
+    "s3fs": {
+        "quick": KillSize(trials=6, world=4, steps_per_trial=2, tensor_elems=1 << 12, timeout_s=4),
+        "full": KillSize(trials=120, world=4, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=6),
+    },
 }
+
+#: The bucket of the S3 and s3fs-fuse roots.
+BUCKET = "kill-campaign"
 
 
 class _Where:
-    """The roots the ranks use, where the checks read, and where the next start runs."""
+    """The roots the ranks use, where the checks read, and where the next start runs.
 
-    def __init__(self, rank_roots: list[str], truth: str, restart_root: str):
+    ``storage_options``: the ranks' fsspec options (URL roots). ``direct``: on object
+    stores, a storage reading the bucket itself, for the check of leftover objects;
+    ``clean_root``/``clean_options``: what ``atomic-checkpoint clean`` is run on.
+    """
+
+    def __init__(
+        self,
+        rank_roots: list[str],
+        truth: Any,
+        restart_root: str,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        direct: Any = None,
+        clean_root: str = "",
+        clean_options: dict[str, Any] | None = None,
+    ):
         self.rank_roots = rank_roots
         self.truth = truth
         self.restart_root = restart_root
+        self.storage_options = storage_options
+        self.direct = direct
+        self.clean_root = clean_root
+        self.clean_options = clean_options
+        self.leaked: set[str] = set()
 
 
 def run(size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "local") -> Tally:
-    """Run the kill campaign on ``fs`` (``local`` or ``sshfs``)."""
+    """Run the kill campaign on ``fs`` (``local``, ``sshfs``, ``s3`` or ``s3fs``)."""
     cfg = SIZES[fs][size]
     tally = Tally(f"kill-{fs}")
     rng = random.Random(seed)
@@ -107,6 +149,9 @@ def run(size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "lo
     if fs == "local":
         root = os.path.join(base, "root")
         _campaign(tally, cfg, rng, progress, base, _Where([root] * cfg.world, root, root))
+        return tally.finish()
+    if fs in ("s3", "s3fs"):
+        _run_s3(tally, cfg, rng, progress, base, fs)
         return tally.finish()
     from tests.testbed import SshfsExport
 
@@ -121,6 +166,47 @@ def run(size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "lo
         truth = os.path.join(str(exp.export), "root")
         _campaign(tally, cfg, rng, progress, base, _Where(roots, truth, roots[0]))
     return tally.finish()
+
+
+def _run_s3(
+    tally: Tally, cfg: KillSize, rng: random.Random, progress: Progress, base: str, fs: str
+) -> None:
+    """The campaign on ``s3://BUCKET/root`` (``s3``) or on two s3fs-fuse mounts of the
+    bucket (``s3fs``), on the test bed's S3 server."""
+    from tests.testbed import S3fsFuseMount, S3Server
+
+    from atomic_checkpoint.storage import FsspecStorage
+
+    with S3Server(os.path.join(base, "logs")) as server:
+        server.create_bucket(BUCKET)
+        opts = server.storage_options()
+        url = f"s3://{BUCKET}/root"
+        direct = FsspecStorage(url, opts)
+        if fs == "s3":
+            where = _Where(
+                [url] * cfg.world,
+                direct,
+                url,
+                storage_options=opts,
+                direct=direct,
+                clean_root=url,
+                clean_options=opts,
+            )
+            _campaign(tally, cfg, rng, progress, base, where)
+            return
+        with contextlib.ExitStack() as stack:
+            mounts = [
+                stack.enter_context(S3fsFuseMount(server, BUCKET, os.path.join(base, node)))
+                for node in ("node-a", "node-b")
+            ]
+            half = cfg.world // 2
+            roots = [
+                os.path.join(str(mounts[0 if r < half else 1].path), "root")
+                for r in range(cfg.world)
+            ]
+            # The next start and `clean` run on a mount, as a user's would.
+            where = _Where(roots, direct, roots[0], direct=direct, clean_root=roots[0])
+            _campaign(tally, cfg, rng, progress, base, where)
 
 
 def _campaign(
@@ -221,6 +307,7 @@ def _trial(
         cfg.timeout_s,
         KEEP_LAST,
         use_async,
+        where.storage_options,
         tmp_dir=tmp,
         env=env,
     )
@@ -312,8 +399,30 @@ def _judge(
         tally.violate(
             "leaks", f"{label}: checkpoint directories without a manifest: {after.orphans}"
         )
-    left, error = next_start_leftovers(where.restart_root)
+    left, error = next_start_leftovers(where.restart_root, where.storage_options)
     if error:
         tally.violate("stuck", f"{label}: the next start failed: {error}")
     if left:
         tally.violate("leaks", f"{label}: still there after the next start: {left}")
+    if where.direct is not None and not error:
+        _object_leaks(tally, where, label)
+
+
+def _object_leaks(tally: Tally, where: _Where, label: str) -> None:
+    """On an object store: after the next start, every object belongs to a committed
+    checkpoint or to the run's metadata; what the start left must go with ``clean``."""
+    left = strays(where.direct)
+    if not left:
+        return
+    tally.count("left_for_clean", str(len(left)))
+    tally.stats.setdefault("left_by_next_start", []).append(len(left))
+    rc, out = clean_root(where.clean_root, where.clean_options)
+    # Each leaked object counts once, in the trial after which it was first seen.
+    still = [k for k in strays(where.direct) if k not in where.leaked]
+    where.leaked |= set(still)
+    if still:
+        tally.violate(
+            "leaks",
+            f"{label}: left after the next start {left}, and after clean (exit {rc}) "
+            f"{still}: {out[-300:]}",
+        )

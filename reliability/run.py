@@ -47,10 +47,28 @@ def _kill_sshfs(size: str, seed: int, progress: Progress, workdir: str) -> Tally
     return kill.run(size, seed, progress, workdir, fs="sshfs")
 
 
+def _kill_s3(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import kill
+
+    return kill.run(size, seed, progress, workdir, fs="s3")
+
+
+def _kill_s3fs(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import kill
+
+    return kill.run(size, seed, progress, workdir, fs="s3fs")
+
+
 def _libfiu(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     from reliability import iofaults
 
     return iofaults.run(size, seed, progress, workdir)
+
+
+def _libfiu_s3fs(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import iofaults
+
+    return iofaults.run(size, seed, progress, workdir, fs="s3fs")
 
 
 def _disk_full(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
@@ -71,13 +89,44 @@ def _bad_input(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     return badinput.run(size, seed, progress, workdir)
 
 
+def _crash_states(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import crashstates
+
+    return crashstates.run(size, seed, progress, workdir)
+
+
+def _s3_faults(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import s3faults
+
+    return s3faults.run(size, seed, progress, workdir)
+
+
+def _lifecycle(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import lifecycle
+
+    return lifecycle.run(size, seed, progress, workdir)
+
+
+def _preemption(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+    from reliability import preemption
+
+    return preemption.run(size, seed, progress, workdir)
+
+
 CAMPAIGNS: dict[str, Campaign] = {
     "kill-local": _kill_local,
     "kill-sshfs": _kill_sshfs,
+    "kill-s3": _kill_s3,
+    "kill-s3fs": _kill_s3fs,
     "libfiu": _libfiu,
+    "libfiu-s3fs": _libfiu_s3fs,
     "disk-full": _disk_full,
     "hang": _hang,
     "bad-input": _bad_input,
+    "crash-states": _crash_states,
+    "s3-faults": _s3_faults,
+    "lifecycle": _lifecycle,
+    "preemption": _preemption,
 }
 
 

@@ -23,9 +23,11 @@ def w_save_loop(
     timeout_s: float,
     keep_last: int,
     use_async: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Start (resume from the newest checkpoint, checking it restores exactly), then
     save ``steps`` in order with ``KeepLast(keep_last)``; report how far it got.
+    ``storage_options``: fsspec's options for URL roots (``s3://...``).
 
     With ``use_async`` the saves are ``save_async`` (snapshot, then write and commit in
     the background); a step counts as done once a later call returned without raising
@@ -36,7 +38,12 @@ def w_save_loop(
     out: dict[str, Any] = {"done": [], "error": None, "latest": None, "restored": None}
     try:
         mark("startup")
-        mgr = CheckpointManager(roots[rank], retention=KeepLast(keep_last), timeout_s=timeout_s)
+        mgr = CheckpointManager(
+            roots[rank],
+            retention=KeepLast(keep_last),
+            timeout_s=timeout_s,
+            storage_options=storage_options,
+        )
         mark("resume")
         latest = mgr.latest()
         if latest is not None:

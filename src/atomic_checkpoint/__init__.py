@@ -21,6 +21,7 @@ from .errors import (
     ReadOnlyError,
     ResumeError,
     SerializationError,
+    StepOrderError,
     StorageError,
     StorageFullError,
     StoragePermissionError,
@@ -29,11 +30,12 @@ from .errors import (
 )
 from .manager import CheckpointManager
 from .manifest import CheckpointInfo
-from .preemption import PreemptionGuard
+from .preemption import REQUEUE_EXIT_CODE, PreemptionGuard
 from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, Pin, RetentionPolicy
 from .storage import LocalStorage, MemoryStorage, Storage, StorageCapabilities, open_storage
 
 __all__ = [
+    "REQUEUE_EXIT_CODE",
     "AnyOf",
     "CheckpointError",
     "CheckpointExistsError",
@@ -63,6 +65,7 @@ __all__ = [
     "RetentionPolicy",
     "SerializationError",
     "SingleProcessCoordinator",
+    "StepOrderError",
     "Storage",
     "StorageCapabilities",
     "StorageError",

@@ -14,8 +14,12 @@ point lets other ranks get ahead first).
 
 Save phases, in order: ``before_write``, ``mid_write``, ``after_write``,
 ``after_manifest``, ``after_rename``, ``during_broadcast``. Rotation phases:
-``before_uncommit``, ``after_uncommit``, ``mid_delete``. Unset, a fault point costs
-one dict lookup.
+``before_uncommit``, ``after_uncommit``, ``mid_delete``. Other points, which fire only
+on some paths: ``mid_replace`` (an overwrite without an atomic exchange, between moving
+the old copy out and renaming the new one in) and ``mid_create`` (inside
+``LocalStorage.create_exclusive``, the temporary file written and fsync'd, not yet
+linked under its name; storage knows no rank: use rank ``*``). Unset, a fault point
+costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ SAVE_PHASES = (
     "during_broadcast",
 )
 ROTATION_PHASES = ("before_uncommit", "after_uncommit", "mid_delete")
+OTHER_PHASES = ("mid_replace", "mid_create")
 
 _cache: tuple[str, dict[str, list[tuple[str, str, int | None]]]] = ("", {})
 
@@ -52,7 +57,7 @@ def _parse(spec: str) -> dict[str, list[tuple[str, str, int | None]]]:
                 step = int(step_s)
         except ValueError:
             raise ValueError(f"{ENV}: cannot parse {item!r}; expected phase@rank=action[:step]")
-        if phase not in SAVE_PHASES + ROTATION_PHASES:
+        if phase not in SAVE_PHASES + ROTATION_PHASES + OTHER_PHASES:
             raise ValueError(f"{ENV}: unknown phase {phase!r}")
         if action not in ("kill", "raise", "hang", "exit", "delay"):
             raise ValueError(f"{ENV}: unknown action {action!r}")

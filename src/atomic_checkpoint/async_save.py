@@ -1,5 +1,5 @@
 """One save in flight: snapshot into reused host buffers, then write and commit in the
-background, and raise a failure exactly once.
+background, and raise a failure once, at the same call on every rank.
 
 ``CheckpointManager.save_async`` is built from the pieces of this module::
 
@@ -7,7 +7,7 @@ background, and raise a failure exactly once.
     ---------------                          -------------------------------------------
     save_async(step, state)
       wait for the previous save (raise
-        its failure if nobody was told yet)
+        its failure if not raised yet)
       plan_state(state); SnapshotPool.prepare
       AsyncSaver.submit(run) ---------------> commit protocol on a cloned coordinator
       Snapshot.copy()  <- the only time          (own store connection and key namespace,
@@ -16,7 +16,8 @@ background, and raise a failure exactly once.
     ... training mutates the state ...         write the image once copied: O_DIRECT by
                                                  DMA, hashing as it goes; fsync
                                                manifest, rename, then retention
-    handle.result() / mgr.wait() / next save <-- CheckpointInfo or the failure (once)
+    handle.result() <------------------------- CheckpointInfo or the failure
+    next save / wait() / close() <------------ the failure, raised once, on every rank
 
 The snapshot is the exact image of the state file (header, tensors at their file
 offsets, pickle blobs) in one flat, page-aligned host buffer, allocated on the first
@@ -31,11 +32,20 @@ before ``save_async`` returns, so later in-place updates of the parameters canno
 into the checkpoint. Background saves run at the lowest CPU priority (SCHED_IDLE, per
 thread, on Linux).
 
-At interpreter exit an in-flight save is finished (bounded by the manager's
-``timeout_s``) or abandoned; both are logged. An abandoned save is never committed by
-this process: the write stops at its next chunk and the coordinator refuses the commit,
-so its pending data is never discoverable, and the next start of a writing manager
-removes it.
+Outcomes are collective (DESIGN invariant 11): a failed save fails on every rank with
+the same error, and the manager raises it at its next ``save``/``save_async``/
+``saving``/``wait``/``close`` on every rank, whether or not ``SaveHandle.result()``
+showed it to the program before (a rank that had been told could otherwise enter the
+next save alone and wait ``timeout_s`` for ranks that raised instead).
+
+Closing (``close()``, interpreter exit) lets an in-flight save finish within the
+manager's ``timeout_s``; past that it asks the save to stop. A save stops at its next
+chunk or fence check and discards its pending data; one already past its last fence
+check is committing and cannot be interrupted. Either way ``close()`` waits until the
+save has ended and reports what happened (DESIGN invariant 12): after it returns or
+raises, no thread of the manager touches ROOT. Only interpreter exit bounds that last
+wait (a storage call can hang forever): a save still running then keeps the run lock,
+which dies with the process.
 """
 
 from __future__ import annotations
@@ -90,10 +100,11 @@ def _lower_priority() -> None:
 class SaveHandle:
     """The future of one ``save_async``: ``done()``, ``result()``.
 
-    A failure is reported exactly once to the program: by ``result()`` if it is called,
-    otherwise by the manager's next ``save``/``save_async``/``wait``/``close``.
-    ``result()`` may be called any number of times (it raises the same error each
-    time); once it has raised, the manager no longer raises that failure.
+    ``result()`` may be called any number of times, on any rank (it raises the same
+    error each time). Independently of it, the manager raises a failure once, at its
+    next ``save``/``save_async``/``saving``/``wait``/``close``, on every rank: those
+    calls are collective, so whether one rank looked at its handle must not decide
+    whether that rank enters the next save while the others raise.
 
     Attributes:
         step: the step being saved.
@@ -107,7 +118,7 @@ class SaveHandle:
         self._lock = threading.Lock()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
-        self._reported = False
+        self._raised_by_manager = False
         self.blocked_s = 0.0
 
     def __repr__(self) -> str:
@@ -139,7 +150,6 @@ class SaveHandle:
             )
         with self._lock:
             if self._error is not None:
-                self._reported = True
                 raise self._error
         if self._info is None:  # pragma: no cover - _finish always sets one of them
             raise CheckpointError(f"async save of step {self.step} ended without a result")
@@ -151,11 +161,11 @@ class SaveHandle:
         self._done.set()
 
     def _take_error(self) -> BaseException | None:
-        """The failure, if the program has not been told yet; marks it told."""
+        """The failure, if the manager has not raised it yet; marks it raised."""
         with self._lock:
-            if self._error is None or self._reported:
+            if self._error is None or self._raised_by_manager:
                 return None
-            self._reported = True
+            self._raised_by_manager = True
             return self._error
 
 
@@ -232,12 +242,19 @@ class AsyncSaver:
             return True
         return handle._done.wait(timeout_s)
 
+    @property
+    def is_running(self) -> bool:
+        """True while a save of this process has not ended (it may still touch ROOT)."""
+        handle = self._handle
+        return handle is not None and os.getpid() == self._pid and not handle.done()
+
     def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
-        """Wait for the in-flight save; raise its failure if not yet reported.
+        """Wait for the in-flight save; raise its failure if the manager has not raised
+        it yet (whether or not ``SaveHandle.result()`` showed it).
 
         Returns:
-            The committed checkpoint, None if no save was in flight or it failed and
-            its failure was already reported through ``SaveHandle.result``.
+            The committed checkpoint; None if no save was in flight, or if its failure
+            was raised by an earlier call.
 
         Raises:
             TimeoutError: still running after ``timeout_s``.
@@ -259,9 +276,29 @@ class AsyncSaver:
             raise error
         return handle._info
 
-    def finish_or_abandon(self, timeout_s: float, why: str) -> BaseException | None:
-        """At close or exit: let the running save finish within ``timeout_s``, else
-        abandon it. Logs which. Returns its failure if nobody was told yet."""
+    # While close() waits for a save that was asked to stop, it says so this often.
+    _STILL_WAITING_LOG_S = 60.0
+
+    def finish_or_abandon(
+        self, timeout_s: float, why: str, *, stop_bound_s: float | None = None
+    ) -> BaseException | None:
+        """At close or exit: let the running save finish within ``timeout_s``; past
+        that, ask it to stop, then wait until it has ended. Logs what happened.
+
+        A save asked to stop fails at its next chunk or fence check and discards its
+        pending data; one already past its last fence check is committing, cannot be
+        interrupted, and commits. Either way the outcome returned is the true one: its
+        failure (if the manager has not raised it yet), or None when it committed.
+
+        Args:
+            timeout_s: how long the save may take to finish normally.
+            why: for the log ("close()", "interpreter exit").
+            stop_bound_s: how long to wait, once asked to stop, for the save to end;
+                None waits as long as it runs (``close()``: nothing of the manager may
+                touch ROOT after it). Only at interpreter exit is it bounded: a save
+                still inside a storage call after it is left running (logged;
+                ``is_running`` stays True, so the caller keeps the run lock).
+        """
         handle = self._handle
         if handle is None:
             return None
@@ -271,50 +308,85 @@ class AsyncSaver:
         t = time.monotonic()
         if not handle.done():
             log.info("%s: waiting for the in-flight async save of step %d", why, handle.step)
-        if self.join(timeout_s):
-            try:
-                info = self.wait(0)
-            except BaseException as exc:
+        asked_to_stop = False
+        if not self.join(timeout_s):
+            asked_to_stop = True
+            # The write stops at its next chunk and the coordinator refuses to commit at
+            # its next fence check; a save already past that check is renaming or
+            # fsyncing its commit, which no one can take back: wait for its end either way.
+            self.cancel.set()
+            log.warning(
+                "%s: the in-flight async save of step %d is still running after %.1f s; "
+                "asked it to stop, and waiting until it has ended (if it is already "
+                "committing, it commits)",
+                why,
+                handle.step,
+                time.monotonic() - t,
+            )
+            if not self._join_stopping(handle, why, stop_bound_s):
                 log.error(
-                    "%s: the in-flight async save of step %d failed: %s (nothing of it is "
-                    "visible; the previous checkpoints are intact)",
+                    "%s: abandoned the in-flight async save of step %d after %.1f s, but it "
+                    "is still running (inside a storage call): it is not a checkpoint unless "
+                    "it was already committing. The run lock on ROOT is kept, so no other job "
+                    "writes there until this process has ended; the next start removes "
+                    "whatever it left.",
+                    why,
+                    handle.step,
+                    time.monotonic() - t,
+                )
+                return None
+        try:
+            info = self.wait(0)
+        except BaseException as exc:
+            if asked_to_stop:
+                log.warning(
+                    "%s: abandoned the in-flight async save of step %d after %.1f s: it is "
+                    "NOT a checkpoint (%s); its pending data is never discoverable and is "
+                    "removed now or at the next start. The previous checkpoints are intact.",
+                    why,
+                    handle.step,
+                    time.monotonic() - t,
+                    exc,
+                )
+            else:
+                log.error(
+                    "%s: the in-flight async save of step %d failed: %s",
                     why,
                     handle.step,
                     exc,
                 )
-                return exc
-            if info is not None:
-                log.info(
-                    "%s: finished the in-flight async save of step %d (committed at %s, "
-                    "waited %.3f s)",
+            return exc
+        if info is not None:
+            log.info(
+                "%s: finished the in-flight async save of step %d (committed at %s, "
+                "waited %.3f s%s)",
+                why,
+                handle.step,
+                info.path,
+                time.monotonic() - t,
+                "; it was already committing when asked to stop" if asked_to_stop else "",
+            )
+        return None
+
+    def _join_stopping(self, handle: SaveHandle, why: str, bound_s: float | None) -> bool:
+        """Wait for a save that was asked to stop; True once it has ended, False when
+        ``bound_s`` ran out first."""
+        t = time.monotonic()
+        while True:
+            left = None if bound_s is None else bound_s - (time.monotonic() - t)
+            if left is not None and left <= 0:
+                return handle.done()
+            step_s = self._STILL_WAITING_LOG_S if left is None else min(left, 60.0)
+            if handle._done.wait(step_s):
+                return True
+            if left is None:
+                log.warning(
+                    "%s: still waiting for the async save of step %d to end (%.0f s since it "
+                    "was asked to stop): it is inside a storage call that has not returned",
                     why,
                     handle.step,
-                    info.path,
                     time.monotonic() - t,
                 )
-            return None
-        self.cancel.set()
-        # The write stops at its next chunk and the coordinator refuses to commit; give
-        # the protocol a moment to discard the pending data (the next start removes
-        # whatever remains).
-        self.join(min(5.0, timeout_s))
-        log.warning(
-            "%s: abandoned the in-flight async save of step %d after %.1f s: it is NOT a "
-            "checkpoint; its pending data is never discoverable and is removed at the next "
-            "start. The previous checkpoints are intact.",
-            why,
-            handle.step,
-            time.monotonic() - t,
-        )
-        self._handle = None
-        err = handle._take_error()
-        return (
-            SaveAbandonedError(
-                f"async save of step {handle.step} was abandoned ({why}); it was not committed"
-            )
-            if err is None
-            else err
-        )
 
 
 class _CopyProgress:

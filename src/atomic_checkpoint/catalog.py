@@ -5,6 +5,11 @@ manifest opens, parses and validates, and every listed file exists with its list
 size. "Committed?" is decided by *opening* the manifest, never by ``exists()``: on
 network filesystems a renamed-away or deleted name keeps passing ``stat()`` for many
 seconds on other clients, but ``open()`` asks the server (seen on sshfs).
+
+Everything read here is untrusted (DESIGN invariant 9): an entry that is a symbolic link
+is never a checkpoint (listed as foreign, "unsafe"), no file is read through a link,
+and a manifest that cannot be read or parsed, whatever its shape, makes that one
+checkpoint corrupt while the rest of the root is discovered.
 """
 
 from __future__ import annotations
@@ -133,10 +138,13 @@ def read_manifest(storage: Storage, rel: str) -> Manifest:
         CorruptCheckpointError: the manifest does not parse or validate.
     """
     where = storage.url(rel)
-    # A manifest symlinked out of the checkpoint would make a checkpoint of whatever
-    # it points to: refuse it before reading a byte.
+    # A checkpoint or manifest that is a symlink would make a checkpoint of whatever it
+    # points to (another root's, which retention would then delete): refuse it before
+    # reading a byte.
     check_inside(storage, rel, MANIFEST_NAME)
     path = f"{rel}/{MANIFEST_NAME}"
+    # Bounded by the storage (``MAX_READ_BYTES``, refused by size before reading) and by
+    # the parser (MAX_MANIFEST_BYTES); every parse failure is a CorruptCheckpointError.
     data = storage.read_bytes(path)
     try:
         manifest = Manifest.from_json_bytes(data, where=where)
@@ -185,13 +193,40 @@ def _until_fresh(
         time.sleep(0.05)
 
 
+_UNSAFE = "unsafe"
+
+
+def is_link(storage: Storage, rel: str) -> bool:
+    """Whether entry ``rel`` of a mounted root is a symbolic link. Such an entry is
+    never a checkpoint (DESIGN invariant 9): ``ROOT/checkpoint-9 -> /elsewhere`` would
+    make restore read, and retention delete, another root's data."""
+    local = storage.local_path(rel)
+    return local is not None and os.path.islink(local)
+
+
 def check_inside(storage: Storage, rel: str, file_rel: str) -> None:
-    """Refuse files that resolve outside their checkpoint (symlinks pointing out), and
-    files that are not regular files: opening a FIFO for reading blocks until a writer
-    comes (never), a device reads forever."""
+    """Refuse the checkpoint ``rel`` if it, or any path to ``file_rel`` inside it, is a
+    symbolic link (links are never followed, wherever they point: DESIGN invariant 9);
+    files that resolve outside their checkpoint; and files that are not regular files:
+    opening a FIFO for reading blocks until a writer comes (never), a device reads
+    forever."""
     base = storage.local_path(rel)
     if base is None:
         return
+    paths = [base]
+    for part in file_rel.split("/"):
+        paths.append(os.path.join(paths[-1], part))
+    for path in paths:
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            real_base = os.path.realpath(base)
+            inside = path != base and os.path.commonpath([real_base, target]) == real_base
+            what = "the checkpoint" if path == base else f"file {file_rel!r}"
+            raise UnsafeCheckpointError(
+                f"{storage.url(rel)}: {what} is a symbolic link that resolves "
+                f"{'inside' if inside else 'outside'} the checkpoint ({target}); links are "
+                "never followed, so it is not read (nor deleted through)"
+            )
     target = os.path.realpath(os.path.join(base, *file_rel.split("/")))
     if os.path.commonpath([os.path.realpath(base), target]) != os.path.realpath(base):
         raise UnsafeCheckpointError(
@@ -266,12 +301,89 @@ def validate(
             )
 
 
+#: How many times a reader re-reads a checkpoint that is replaced while it reads it
+#: before it gives up (a step overwritten again and again, faster than it can be read).
+#: A retry costs a read of the checkpoint, and happens only when its manifest changed.
+READ_ATTEMPTS = 8
+
+
+def same_copy(a: Manifest, b: Manifest) -> bool:
+    """Whether two manifests describe the same commit of a step (not merely equal
+    content: every save gets a new commit sequence number and commit time). Compared
+    field by field rather than with ``==``, which a NaN metric would make false."""
+    return (
+        a.step == b.step
+        and a.run_id == b.run_id
+        and a.commit_seq == b.commit_seq
+        and a.created_unix == b.created_unix
+        and a.files == b.files
+    )
+
+
+def manifest_now(storage: Storage, rel: str) -> Manifest | None:
+    """The manifest of ``rel`` as it is now, or None if the checkpoint is gone (not
+    committed any more)."""
+    try:
+        return read_manifest(storage, rel)
+    except CheckpointNotFoundError:
+        return None
+
+
+def validate_consistent(
+    storage: Storage,
+    rel: str,
+    manifest: Manifest,
+    *,
+    full: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Manifest:
+    """``validate``, robust to a concurrent overwrite of the step; returns the manifest
+    the files were checked against.
+
+    A reader that read the manifest of one copy can find the other copy's files under
+    the same name: an overwrite swaps the whole directory (``renameat2`` with
+    RENAME_EXCHANGE, or two renames without it), and the marker strategy replaces the
+    manifest, then deletes the replaced attempt's files. Checked against the old
+    manifest, the new files read as corrupt (other sizes or checksums) or missing. So a
+    failure counts only if the manifest is still the one the files were checked
+    against; if it changed, the files are checked again against the new one, at most
+    ``READ_ATTEMPTS`` times. A success needs no second read: the files matched this
+    manifest.
+
+    Raises:
+        CorruptCheckpointError: the files do not match the manifest, and it did not
+            change meanwhile.
+        CheckpointNotFoundError: the checkpoint was un-committed meanwhile (rotation).
+        CheckpointError: it was replaced on every attempt.
+    """
+    for _ in range(READ_ATTEMPTS):
+        try:
+            validate(storage, rel, manifest, full=full, progress=progress)
+            return manifest
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            error = exc
+        now = manifest_now(storage, rel)
+        if now is None:
+            raise CheckpointNotFoundError(
+                f"{storage.url(rel)} was un-committed while it was being read "
+                f"(rotation or rollback): {error}"
+            ) from error
+        if same_copy(now, manifest):
+            raise error
+        log.debug("%s was replaced while being read; reading the new copy", storage.url(rel))
+        manifest = now
+    raise CheckpointError(
+        f"{storage.url(rel)} was replaced {READ_ATTEMPTS} times while being read (the step "
+        "is being saved again and again with overwrite=True): read it once the writer stops"
+    )
+
+
 def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manifest:
-    """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint."""
+    """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint.
+    Returns the manifest of the copy that was checked (see ``validate_consistent``)."""
     rel = checkpoint_name(step)
     manifest = read_manifest(storage, rel)
-    validate(storage, rel, manifest, full=full)
-    return manifest
+    return validate_consistent(storage, rel, manifest, full=full)
 
 
 def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> list[Entry]:
@@ -283,6 +395,21 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
         step = parse_checkpoint_name(name)
         if step is None:
             entries.append(Entry(name, None, "foreign", problem="not a checkpoint name"))
+            continue
+        if is_link(storage, name):
+            try:
+                target = os.readlink(storage.local_path(name) or name)
+            except OSError:
+                target = "?"
+            entries.append(
+                Entry(
+                    name,
+                    step,
+                    "foreign",
+                    problem=f"{_UNSAFE}: a symbolic link (to {target}), never a checkpoint: "
+                    "not read, not counted, not deleted",
+                )
+            )
             continue
         try:
             manifest = read_manifest(storage, name)
@@ -311,7 +438,9 @@ def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> 
             )
             continue
         try:
-            validate(storage, name, manifest, full=full)
+            manifest = validate_consistent(storage, name, manifest, full=full)
+        except CheckpointNotFoundError:
+            continue  # un-committed under us (rotation): gone, not corrupt
         except StorageError:
             if _vanished(storage, name):
                 continue
@@ -357,6 +486,8 @@ def committed(storage: Storage, *, run_id: str | None, warn: bool = True) -> lis
     for e in scan(storage, run_id=run_id):
         if e.status == "ok" and e.manifest is not None:
             out.append(e.manifest)
-        elif e.status == "corrupt" and warn:
+        elif warn and (
+            e.status == "corrupt" or (e.status == "foreign" and _UNSAFE in (e.problem or ""))
+        ):
             log.warning("skipping %s: %s", storage.url(e.name), e.problem)
     return out

@@ -33,7 +33,13 @@ Exit status:
        informational; use ``verify`` in scripts.
     1  a problem was found: a checkpoint failed verification, the requested step is
        not a valid checkpoint, nothing was there to verify, or a delete failed (also
-       internal errors, which are bugs: ``-vv`` shows their traceback).
+       internal errors, which are bugs: ``-vv`` shows their traceback). For
+       ``verify ROOT`` every ``checkpoint-<step>`` entry of ROOT counts: one with no
+       readable manifest (a torn copy, another tool's directory, a symbolic link, a
+       crashed object-store save) fails it too, unless it is a save in progress of the
+       live job holding the run lock. So ``verify ROOT --quiet && upload ROOT`` never
+       uploads a ``checkpoint-<step>`` that is not a complete, verified checkpoint;
+       another run's checkpoints (``foreign``) are skipped, not verified.
     2  usage or environment error: bad arguments, ROOT missing or not a directory,
        ROOT unreadable, a storage error, a prune with no recorded run and no
        ``--run-id``, or ``--keep-best`` on a metric that no checkpoint records.
@@ -63,10 +69,13 @@ strings or null. ``list --json``::
 ``status`` is ``ok``, ``corrupt``, ``pending`` or ``foreign``. The other documents:
 
 - ``verify``: ``{"schema_version", "command": "verify", "root", "run_id", "ok": bool,
-  "checkpoints": [{"name", "step", "status": "ok" | "corrupt" | "error", "problem",
-  "run_id", "size_bytes", "verified_bytes", "seconds"}], "skipped": [{"name", "step",
-  "status", "problem"}]}``; ``error`` means the files could not be read (permissions,
-  I/O), not that they differ.
+  "checkpoints": [{"name", "step", "status": "ok" | "corrupt" | "error" |
+  "not_a_checkpoint", "problem", "run_id", "size_bytes", "verified_bytes", "seconds"}],
+  "skipped": [{"name", "step", "status", "problem", "in_progress": bool}]}``; ``error``
+  means the files could not be read (permissions, I/O), not that they differ;
+  ``not_a_checkpoint`` is a ``checkpoint-<step>`` entry with no readable manifest
+  (``problem`` says which case). ``in_progress`` is true for a save of the live lock
+  holder, the one manifest-less ``checkpoint-<step>`` that does not fail ``verify``.
 - ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
   "lock": <lock> | null, "lock_removed": bool, "removed": [{"name", "kind": "pending" |
   "trash" | "stale", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
@@ -111,7 +120,7 @@ from typing import Any, NoReturn, TextIO
 
 from . import catalog
 from ._version import __version__
-from .commit import MarkerStrategy, choose_strategy
+from .commit import MarkerStrategy, choose_strategy, recover_replaced
 from .coordination import SingleProcessCoordinator
 from .errors import (
     CheckpointError,
@@ -131,7 +140,7 @@ from .layout import (
     validate_step,
 )
 from .manifest import CheckpointInfo, Manifest
-from .storage import open_storage
+from .storage import local_root, open_storage
 from .storage.base import Storage
 
 __all__ = ["EXIT_LOCKED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
@@ -274,6 +283,7 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
         )
     if not path:
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
+    path = local_root(text)  # ~, relative, trailing slashes, file:// escapes
     if not os.path.lexists(path):
         raise CliError(
             f"checkpoint root {path!r} does not exist (check the path, and that its "
@@ -324,7 +334,7 @@ def _recorded_run_id(storage: Storage) -> str | None:
         return None
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} is not valid JSON ({exc})") from exc
     rid = doc.get("run_id") if isinstance(doc, dict) else None
     if not isinstance(rid, str) or not rid:
@@ -439,6 +449,23 @@ def _check_lock(storage: Storage, what: str, *, force: bool, dry_run: bool) -> A
         f"by {who}; if that job is alive, the save or deletion it has in progress fails"
     )
     return holder
+
+
+def _lock_unchanged(storage: Storage, seen: Any, before: str) -> None:
+    """Raise (exit 3) if the run lock changed hands since ``clean`` started: a job
+    that started meanwhile may be saving into what is about to be removed."""
+    now = _lock_holder(storage)
+    if now is None or (isinstance(now, _UnreadableLock) and isinstance(seen, _UnreadableLock)):
+        return
+    generation = getattr(now, "generation", None)
+    if generation is not None and generation == getattr(seen, "generation", None):
+        return
+    raise CliError(
+        f"stopped before {storage.url(before)}: {now.describe()} took the run lock on "
+        f"{storage.url()} while clean was running, and may be saving there. Nothing of "
+        "that job was touched; run clean again once it has finished",
+        EXIT_LOCKED,
+    )
 
 
 def _break_lock(storage: Storage, holder: Any) -> bool:
@@ -597,7 +624,13 @@ def _verify_one(
     t0 = time.monotonic()
     status, problem = "ok", None
     try:
-        catalog.validate(storage, name, manifest, full=True, progress=on_progress)
+        # A step saved again while it is verified reads as corrupt if its new files are
+        # checked against the manifest listed before: verify the copy that is there.
+        manifest = catalog.validate_consistent(
+            storage, name, manifest, full=True, progress=on_progress
+        )
+    except CheckpointNotFoundError as exc:  # un-committed meanwhile: gone, not corrupt
+        status, problem = "error", f"removed while being verified: {exc}"
     except CorruptCheckpointError as exc:
         status, problem = "corrupt", str(exc)
     except CheckpointError as exc:  # unreadable (permissions, I/O): not proven corrupt
@@ -629,6 +662,51 @@ def _broken(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
         "verified_bytes": 0,
         "seconds": 0.0,
     }
+
+
+def _looks_like_checkpoint(e: catalog.Entry) -> bool:
+    """A ``checkpoint-<step>`` name in ROOT itself (what ``restore``, retention and a
+    script that uploads ``ROOT/checkpoint-*`` look at) with no manifest that could be
+    read: no manifest at all, an uncommitted marker attempt, or a symbolic link.
+    Another run's checkpoints (a manifest, another run id) are not in question."""
+    return e.step is not None and "/" not in e.name and e.manifest is None
+
+
+def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) -> str | None:
+    """Why ``e`` (see ``_looks_like_checkpoint``) fails ``verify``; ``"in_progress"`` for
+    the one case that does not fail, a marker save or delete of the live job that holds
+    the run lock; None when the directory went away since the listing.
+
+    Saves through ``.pending/`` (atomic directory rename) never show a
+    ``checkpoint-<step>`` without a manifest, not even for an instant: one rename
+    brings in the directory with its manifest, and rotation renames it out whole. So
+    on such a root a manifest-less ``checkpoint-<step>`` is always something else: a
+    torn copy, a save of another tool, a manifest deleted by hand. Only marker commits
+    (object stores, s3fs-style mounts) stage in place, behind a marker.
+    """
+    if e.status == "pending":
+        if not holder:
+            holder.append(_lock_holder(storage))
+        live = holder[0] is not None and holder[0].is_live()
+        if live:
+            return "in_progress"
+        return (
+            "not committed (marker, no manifest) and no live job holds the run lock: the "
+            f"leftover of a crashed save or delete; restore ignores it, `{PROG} clean` "
+            "removes it"
+        )
+    if e.problem == "no manifest":
+        try:
+            if not storage.is_dir(e.name):
+                return None
+        except CheckpointError:
+            pass
+        return (
+            "no manifest: never committed by this library (a torn copy, another tool's "
+            "save, or a manifest deleted); restore ignores it; remove it or copy the "
+            "complete checkpoint again"
+        )
+    return _short_problem(storage, e.name, e.problem) or "not a checkpoint"
 
 
 def _single_target(storage: Storage, step: int) -> catalog.Entry:
@@ -675,30 +753,49 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     flush=True,
                 )
         else:
-            word = "CORRUPT" if r["status"] == "corrupt" else "ERROR"
+            word = {"corrupt": "CORRUPT", "not_a_checkpoint": "NOT A CHECKPOINT"}.get(
+                r["status"], "ERROR"
+            )
             print(f"{r['name']}: {word}: {r['problem']}", flush=True)
 
+    impostors: list[dict[str, Any]] = []
     if args.step is not None:
         targets = [_single_target(storage, args.step)]
     else:
         targets = []
+        holder: list[Any] = []  # the run lock's holder, read once and only if needed
         for e in catalog.scan(storage, run_id=run_id):
             if e.status in ("ok", "corrupt"):
                 targets.append(e)
-            else:
-                skipped.append(
-                    {
-                        "name": e.name,
-                        "step": e.step,
-                        "status": e.status,
-                        "problem": _short_problem(storage, e.name, e.problem),
-                    }
-                )
+                continue
+            in_progress = False
+            if _looks_like_checkpoint(e):
+                verdict = _no_manifest_verdict(storage, e, holder)
+                if verdict is None:
+                    continue  # un-committed and removed since the listing: gone
+                if verdict != "in_progress":
+                    impostors.append(
+                        {**_broken(storage, e), "status": "not_a_checkpoint", "problem": verdict}
+                    )
+                    continue
+                in_progress = True
+            skipped.append(
+                {
+                    "name": e.name,
+                    "step": e.step,
+                    "status": e.status,
+                    "problem": _short_problem(storage, e.name, e.problem),
+                    "in_progress": in_progress,
+                }
+            )
     for e in targets:
         if e.status == "ok" and e.manifest is not None:
             report(_verify_one(storage, e.name, e.manifest, args), len(e.manifest.files))
         else:
             report(_broken(storage, e), 0)
+    for r in impostors:
+        report(r, 0)
+    results.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
     bad = [r for r in results if r["status"] != "ok"]
     ok = bool(results) and not bad
     if args.json:
@@ -746,9 +843,19 @@ def cmd_clean(args: argparse.Namespace) -> int:
     holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)
     removed: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
+    # An overwrite interrupted between its two renames (no atomic exchange) left its
+    # step absent and both copies in .pending/ and .trash/: one goes back first, and
+    # nothing recovery could not settle is removed (never the only copy of a step).
+    recovery = recover_replaced(storage, dry_run=args.dry_run)
+    restored = [
+        {"name": checkpoint_name(step), "copy": copy, "from": source}
+        for step, copy, source in recovery.restored
+    ]
     for directory, kind in ((PENDING_DIR, "pending"), (TRASH_DIR, "trash")):
         for name in storage.listdir(directory):
             rel = f"{directory}/{name}"
+            if rel in recovery.keep:
+                continue
             item: dict[str, Any] = {"name": rel, "kind": kind, "size_bytes": 0}
             try:
                 item["size_bytes"] = _tree_size(storage, rel)
@@ -761,16 +868,25 @@ def cmd_clean(args: argparse.Namespace) -> int:
             removed.append(item)
     # Marker commits (object stores, s3fs-style mounts) stage in place: a crashed save
     # leaves an attempt and its marker under checkpoint-<step>/ instead of .pending/.
+    # Only what the listing found is removed (never a manifest), and before each entry
+    # the lock is read again: a job that starts meanwhile may be committing that step.
     strategy = choose_strategy(storage)
     if isinstance(strategy, MarkerStrategy):
-        for name, paths in strategy.leftovers(storage):
-            committed = paths != [name]
-            item = {"name": name, "kind": "stale" if committed else "pending", "size_bytes": 0}
+        for left in strategy.leftovers(storage):
+            name, paths = left.name, left.paths
+            item = {
+                "name": name,
+                "kind": "stale" if left.committed else "pending",
+                "size_bytes": 0,
+            }
             try:
                 item["size_bytes"] = sum(_tree_size(storage, p) for p in paths)
                 if not args.dry_run:
-                    strategy.remove_leftover(storage, name, paths)
+                    _lock_unchanged(storage, holder, name)
+                    strategy.remove_leftover(storage, left)
                     log.info("removed %s", ", ".join(storage.url(p) for p in paths))
+            except CliError:
+                raise
             except CheckpointError as exc:
                 failed.append({**item, "problem": str(exc)})
                 continue
@@ -789,6 +905,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 "forced": bool(args.force),
                 "lock": _lock_doc(holder),
                 "lock_removed": lock_removed,
+                "restored": restored,
                 "removed": removed,
                 "failed": failed,
                 "freed_bytes": freed,
@@ -796,6 +913,11 @@ def cmd_clean(args: argparse.Namespace) -> int:
         )
     else:
         verb = "would remove" if args.dry_run else "removed"
+        for r in restored:
+            print(
+                f"{'would restore' if args.dry_run else 'restored'} {r['name']} from the "
+                f"{r['copy']} copy of an interrupted overwrite ({r['from']})"
+            )
         for i in removed:
             print(f"{verb} {i['name']} ({i['kind']}, {_human_bytes(i['size_bytes'])})")
         for i in failed:
@@ -1251,8 +1373,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Read every byte of every checkpoint of the run (or only STEP) and compare "
         "sizes and checksums with the manifest. Prints a line per checkpoint, ok or "
         "CORRUPT: <problem>; exits 1 if any checkpoint fails (or there is none), 2 if "
-        "ROOT does not exist. Shows a progress bar (bytes/s) on stderr for large "
-        "checkpoints when stderr is a terminal.",
+        "ROOT does not exist. Every checkpoint-<step> entry of ROOT counts: one with no "
+        "readable manifest (torn copy, another tool's directory, symlink, crashed "
+        "object-store save) is NOT A CHECKPOINT and fails verify, unless it is a save in "
+        "progress of the live job holding the run lock (--json: skipped, in_progress "
+        "true). Other runs' checkpoints are skipped unless --all-runs. Shows a progress "
+        "bar (bytes/s) on stderr for large checkpoints when stderr is a terminal.",
         "/ckpt/run1",
         "/ckpt/run1 4000 --quiet",
         "/ckpt/run1 --json --progress 2>verify.log",

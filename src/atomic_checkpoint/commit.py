@@ -37,6 +37,13 @@ commit. See ``MarkerStrategy``.
 Three fsyncs beyond the data: the manifest, the checkpoint directory (covers the
 entries of every rank's files, which sit next to the manifest), and ROOT after the
 rename.
+
+Overwrite (``overwrite=True``, rename strategy): the new copy is committed before the old
+one goes, by one ``RENAME_EXCHANGE`` where the filesystem has it, else by two renames (the
+old copy into ``.trash/checkpoint-<step>.<attempt>.replaced``, then the new one in). A
+crash between those two leaves the step absent; ``recover_replaced`` (the next start's
+sweep, ``atomic-checkpoint clean``) puts a complete copy back. Once ROOT is fsync'd the
+save has succeeded: removing the replaced copy is best effort.
 """
 
 from __future__ import annotations
@@ -60,10 +67,10 @@ from .catalog import (
     marker_name,
     parse_attempt_dir,
     parse_marker_name,
-    pending_markers,
     read_manifest,
 )
 from .catalog import committed as committed_manifests
+from .catalog import validate as validate_checkpoint
 from .coordination import Coordinator
 from .domains import Domain
 from .errors import (
@@ -84,7 +91,10 @@ from .layout import (
     checkpoint_name,
     new_attempt_token,
     parse_checkpoint_name,
+    parse_pending_name,
+    parse_replaced_name,
     pending_name,
+    replaced_name,
 )
 from .manifest import FileEntry, Manifest
 from .storage.base import Storage
@@ -160,26 +170,67 @@ class RenameStrategy:
         return manifest
 
     def _replace(self, storage: Storage, pending: str, final: str, *, rank: int, step: int) -> None:
-        """Overwrite a committed step: the new one is committed before the old one goes."""
+        """Overwrite a committed step: the new copy is committed before the old one goes.
+
+        Until ROOT is fsync'd the swap may not survive a crash, and a failure there is
+        reported as "not committed": so it is undone first (the old copy is put back),
+        and what the error says is true. Once ROOT is fsync'd the save has succeeded:
+        removing the replaced copy is best effort, a failure is a warning and the
+        leftover goes with the next start's sweep or ``atomic-checkpoint clean``
+        (DESIGN invariant 10).
+        """
         if storage.exchange_dirs(pending, final):
             # One atomic swap (renameat2 RENAME_EXCHANGE): readers see old or new.
+            try:
+                fault_point("after_rename", rank, step)
+                storage.fsync_dir("")
+            except BaseException:
+                _undo(lambda: storage.exchange_dirs(pending, final), storage, final)
+                raise
+            _remove_replaced(storage, pending, step)  # now holds the old checkpoint
+            return
+        # No atomic exchange (sshfs and NFS refuse renameat2 flags; Windows): un-commit
+        # the old copy by moving it out of the namespace under a name that says "replaced
+        # by attempt <a>", then rename the new one in. A crash between the two renames
+        # leaves step `step` absent with both copies complete, the old one in .trash and
+        # the new one in .pending: the next start (``recover_replaced``) puts the new one
+        # in place. One rename moves one entry between two directories atomically, and
+        # ROOT's fsync below makes both renames durable.
+        parsed = parse_pending_name(pending.rsplit("/", 1)[1])
+        attempt = parsed[1] if parsed is not None else new_attempt_token()
+        replaced = f"{TRASH_DIR}/{replaced_name(step, attempt)}"
+        if not storage.is_dir(TRASH_DIR):
+            # .trash/ must be durable before a rename into it is.
+            storage.makedirs(TRASH_DIR)
+            storage.fsync_dir("")
+        storage.rename_dir(final, replaced)
+        try:
+            fault_point("mid_replace", rank, step)
+            storage.rename_dir(pending, final)
+        except BaseException:
+            # The save is about to be reported as failed: the old copy goes back. If
+            # that fails too, ``discard`` tries again, and the next start's sweep puts
+            # a complete copy back whatever happens.
+            _undo(lambda: storage.rename_dir(replaced, final), storage, final)
+            raise
+        try:
             fault_point("after_rename", rank, step)
             storage.fsync_dir("")
-            storage.delete_tree(pending)  # now holds the old checkpoint
-            return
-        # No atomic exchange (sshfs, Windows): un-commit the old one by moving it out
-        # of the namespace, then rename the new one in. A crash between the two renames
-        # leaves step `step` absent, with both copies recoverable (old in .trash, new
-        # complete in .pending).
-        storage.makedirs(TRASH_DIR)
-        trash = f"{TRASH_DIR}/{final}.{new_attempt_token()}"
-        storage.rename_dir(final, trash)
-        storage.rename_dir(pending, final)
-        fault_point("after_rename", rank, step)
-        storage.fsync_dir("")
-        storage.delete_tree(trash)
+        except BaseException:
+
+            def put_back() -> None:
+                storage.rename_dir(final, pending)
+                storage.rename_dir(replaced, final)
+
+            _undo(put_back, storage, final)
+            raise
+        _remove_replaced(storage, replaced, step)
 
     def discard(self, storage: Storage, pending: str) -> None:
+        """Delete a pending attempt that did not commit. If it was an overwrite stopped
+        between its two renames, the copy it replaced is put back first: the save
+        failed, so the old checkpoint is the committed one (``restore_replaced``)."""
+        restore_replaced(storage, pending)
         storage.delete_tree(pending)
 
     def is_committed(self, storage: Storage, step: int, pending: str) -> bool:
@@ -239,6 +290,12 @@ class MarkerStrategy:
       one attempt's complete files.
     - Nothing without a valid manifest is a checkpoint. Retention deletes the manifest
       first (the un-commit, one DELETE), then the data, markers last.
+    - A lost answer is not a failure: when the manifest's create is refused or fails,
+      the manifest is read back, and if it is byte for byte this attempt's, the save
+      committed (the store wrote it; its answer was lost and the client's retry was
+      refused with 412).
+    - An attempt discarded before every rank reported keeps its marker (a late rank's
+      upload may still land there); the next start's sweep or ``clean`` removes it.
 
     Fault points: ``after_manifest`` fires just before the manifest is created (all data
     written, nothing committed) and ``after_rename`` just after (committed), so crash
@@ -247,6 +304,11 @@ class MarkerStrategy:
 
     name = "marker"
 
+    def __init__(self) -> None:
+        # Attempts whose every rank had reported its files when the commit began (see
+        # ``discard``): no upload of theirs can still be in flight.
+        self._reported: set[str] = set()
+
     def pending_location(self, step: int, attempt: str) -> str:
         return f"{checkpoint_name(step)}/{attempt_dir_name(attempt)}"
 
@@ -254,6 +316,10 @@ class MarkerStrategy:
         final = checkpoint_name(step)
         pending = self.pending_location(step, attempt)
         storage.makedirs(final)
+        # The entry of checkpoint-<step>/ in ROOT must be durable before anything in it
+        # is: fsync'd files and manifest in a directory whose own entry is lost in a
+        # power cut are lost with it (found by the crash-state enumerator).
+        storage.fsync_dir("")
         # The marker goes first: from here on, whatever this attempt leaves behind is
         # ours to sweep rather than an anonymous directory we must not touch.
         storage.write_bytes_atomic(
@@ -276,9 +342,12 @@ class MarkerStrategy:
         )
         data = written.to_json_bytes()
         path = f"{final}/{MANIFEST_NAME}"
+        # Called once every rank has reported its files: all of them are written.
+        self._reported.add(pending)
         storage.fsync_dir(pending)
         fault_point("after_manifest", rank, step)
-        if _create_once(storage, path, data):
+        old: Manifest | None = None
+        if _create_or_own(storage, path, data, step):
             fault_point("after_rename", rank, step)
         else:
             if not overwrite:
@@ -293,8 +362,6 @@ class MarkerStrategy:
             # readers see the old checkpoint or the new one, both complete.
             storage.write_bytes_atomic(path, data)
             fault_point("after_rename", rank, step)
-            if old is not None:
-                _delete_unreferenced(storage, final, old, written)
         try:
             storage.fsync_dir(final)
         except CheckpointError:
@@ -305,6 +372,11 @@ class MarkerStrategy:
             except CheckpointError as exc:
                 log.warning("could not un-commit step %d after a failed fsync: %s", step, exc)
             raise
+        if old is not None:
+            # Only once the new commit is durable; best effort (DESIGN invariant 10).
+            _delete_unreferenced(storage, final, old, written)
+        self._reported.discard(pending)
+        _abort_orphan_uploads(storage, pending, written)
         attempt = parse_attempt_dir(attempt_dir)
         if attempt is not None:
             _drop_marker(storage, final, attempt)
@@ -333,11 +405,27 @@ class MarkerStrategy:
         )
 
     def discard(self, storage: Storage, pending: str) -> None:
+        """Delete an attempt that did not commit. Its marker is deleted last, and only
+        when every rank had reported its files (the commit began): before that, a rank
+        may still be uploading (the save failed because it was late, or another rank
+        failed while it wrote), and a PUT that lands after this delete would be data no
+        marker points to, invisible to the sweep and to ``clean`` for ever. So then the
+        marker stays: the directory lists as pending, and the next start's sweep (or
+        ``clean``) removes it whole, late uploads included."""
         final, attempt_dir = pending.rsplit("/", 1)
         storage.delete_tree(pending)
         attempt = parse_attempt_dir(attempt_dir)
-        if attempt is not None:
-            storage.delete_file(f"{final}/{marker_name(attempt)}")  # the marker goes last
+        if attempt is None:
+            return
+        if pending not in self._reported:
+            log.info(
+                "discarded %s; its marker stays until the next start's sweep, as a rank's "
+                "upload may still land there",
+                storage.url(pending),
+            )
+            return
+        self._reported.discard(pending)
+        storage.delete_file(f"{final}/{marker_name(attempt)}")  # the marker goes last
         _remove_if_empty(storage, final)
 
     def uncommit(self, storage: Storage, step: int) -> str | None:
@@ -359,27 +447,35 @@ class MarkerStrategy:
 
     def delete(self, storage: Storage, uncommitted: str) -> None:
         """Delete an un-committed checkpoint directory: data first, markers last, so a
-        crash half way still leaves a marker and the next sweep finishes the job."""
-        for name in storage.listdir(uncommitted):
-            if parse_marker_name(name) is not None:
+        crash half way still leaves a marker and the next sweep finishes the job. The
+        names are listed once and exactly those go; a manifest is never deleted here (one
+        that appeared since ``uncommit`` is a newer commit of this step)."""
+        names = storage.listdir(uncommitted)
+        for name in names:
+            if parse_marker_name(name) is not None or name == MANIFEST_NAME:
                 continue
             if parse_attempt_dir(name) is not None or storage.is_dir(f"{uncommitted}/{name}"):
                 storage.delete_tree(f"{uncommitted}/{name}")
             else:
                 storage.delete_file(f"{uncommitted}/{name}")
-        storage.delete_tree(uncommitted)
-        _remove_if_empty(storage, uncommitted)
+        for name in names:
+            if parse_marker_name(name) is not None:
+                storage.delete_file(f"{uncommitted}/{name}")
+        _drop_if_empty(storage, uncommitted)
 
-    def leftovers(self, storage: Storage) -> list[tuple[str, list[str]]]:
-        """What crashed saves and deletes left: ``(checkpoint-<step>, paths)`` for each
-        directory holding our markers. ``paths`` is ``[checkpoint-<step>]`` when nothing
-        is committed there (all of it goes), else the stale attempts and markers beside
-        the committed manifest and the attempt it lists."""
-        out: list[tuple[str, list[str]]] = []
+    def leftovers(self, storage: Storage) -> list[Leftover]:
+        """What crashed saves and deletes left, one ``Leftover`` per ``checkpoint-<step>``
+        directory holding our markers: with no manifest there, every attempt, marker and
+        stray file listed in it; beside a committed manifest, the stale attempts (those
+        it does not list) and the markers. ``remove_leftover`` deletes exactly what is
+        listed here, so whatever appears later (a newer job's attempt or manifest) is
+        never touched."""
+        out: list[Leftover] = []
         for name in storage.listdir(""):
             if parse_checkpoint_name(name) is None:
                 continue
-            markers = pending_markers(storage, name)
+            children = storage.listdir(name)
+            markers = [a for a in map(parse_marker_name, children) if a is not None]
             if not markers:
                 continue
             try:
@@ -389,40 +485,111 @@ class MarkerStrategy:
             except CheckpointError as exc:
                 log.warning("not sweeping %s: %s", storage.url(name), exc)
                 continue
+            marker_paths = tuple(f"{name}/{marker_name(a)}" for a in markers)
             if manifest is None:
-                out.append((name, [name]))
+                trees, files = [], []
+                for child in children:
+                    if child == MANIFEST_NAME or parse_marker_name(child) is not None:
+                        continue  # a manifest that appeared since is a newer job's commit
+                    rel = f"{name}/{child}"
+                    if parse_attempt_dir(child) is not None or storage.is_dir(rel):
+                        trees.append(rel)
+                    else:
+                        files.append(rel)
+                # A marker names its attempt even when nothing of it is listed (an
+                # unfinished multipart upload is invisible until aborted).
+                for a in markers:
+                    rel = f"{name}/{attempt_dir_name(a)}"
+                    if rel not in trees:
+                        trees.append(rel)
+                out.append(Leftover(name, False, tuple(trees), tuple(files), marker_paths))
                 continue
             keep = {f.path.split("/", 1)[0] for f in manifest.files}
-            paths = []
-            for attempt in markers:
-                if attempt_dir_name(attempt) not in keep:
-                    paths.append(f"{name}/{attempt_dir_name(attempt)}")
-                paths.append(f"{name}/{marker_name(attempt)}")
-            out.append((name, paths))
+            stale = tuple(
+                f"{name}/{attempt_dir_name(a)}" for a in markers if attempt_dir_name(a) not in keep
+            )
+            out.append(Leftover(name, True, stale, (), marker_paths))
         return out
 
-    def remove_leftover(self, storage: Storage, name: str, paths: Sequence[str]) -> None:
-        """Remove one entry of ``leftovers``: markers last, so an interrupted removal is
-        found again by the next sweep."""
-        if list(paths) == [name]:
-            self.delete(storage, name)
-            return
-        for path in sorted(paths, key=lambda p: parse_marker_name(p.rsplit("/", 1)[1]) is not None):
-            if parse_marker_name(path.rsplit("/", 1)[1]) is not None:
-                storage.delete_file(path)
-            else:
-                storage.delete_tree(path)
+    def remove_leftover(self, storage: Storage, leftover: Leftover) -> None:
+        """Delete exactly what ``leftover`` lists: data first, markers last (an
+        interrupted removal is found again by the next sweep), never a manifest.
 
-    def sweep(self, storage: Storage) -> list[str]:
+        An entry listed as uncommitted is looked at once more first: if a manifest has
+        appeared since (a job that took over committed this step), any listed attempt
+        it references is kept. Attempt directories go whole: ``attempt-<token>/`` holds
+        one attempt's files only (the token is random), including a rank's upload that
+        landed after its leader gave up."""
+        trees = list(leftover.trees)
+        if not leftover.committed:
+            try:
+                now: Manifest | None = read_manifest(storage, leftover.name)
+            except CheckpointNotFoundError:
+                now = None
+            except CheckpointError as exc:
+                raise CommitError(
+                    f"not removing {storage.url(leftover.name)}: its manifest appeared since "
+                    f"it was listed and cannot be read ({exc}); run the sweep again"
+                ) from exc
+            if now is not None:
+                used = {f.path.split("/", 1)[0] for f in now.files}
+                kept = [t for t in trees if t.rsplit("/", 1)[-1] in used]
+                if kept:
+                    log.warning(
+                        "%s was committed since it was listed as abandoned: keeping %s",
+                        storage.url(leftover.name),
+                        ", ".join(kept),
+                    )
+                trees = [t for t in trees if t not in kept]
+        for rel in trees:
+            storage.delete_tree(rel)
+            _remove_if_empty(storage, rel)
+        for rel in [*leftover.files, *leftover.markers]:
+            if rel.rsplit("/", 1)[-1] != MANIFEST_NAME:  # never a commit record
+                storage.delete_file(rel)
+        _drop_if_empty(storage, leftover.name)
+
+    def sweep(self, storage: Storage, fence: Callable[[], None] | None = None) -> list[str]:
         """Remove what crashed saves and deletes left (coordinator, at start-up, before
-        this job saves). Only directories holding our markers are touched: a committed
-        checkpoint keeps its manifest and the attempt it lists; an uncommitted one is
-        deleted. Returns the locations cleaned."""
+        this job saves). Only directories holding our markers are touched, and in them
+        only what the listing found: a committed checkpoint keeps its manifest and the
+        attempt it lists; an uncommitted one loses its attempts, markers and strays.
+
+        ``fence`` (the run lock's check) is called before each entry: a job that lost
+        the lock to a newer one stops deleting at once (``FencedError``). Returns the
+        locations cleaned."""
         cleaned = []
-        for name, paths in self.leftovers(storage):
-            self.remove_leftover(storage, name, paths)
-            cleaned.append(storage.url(name))
+        for leftover in self.leftovers(storage):
+            if fence is not None:
+                fence()
+            self.remove_leftover(storage, leftover)
+            cleaned.append(storage.url(leftover.name))
         return cleaned
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """The remains of crashed marker saves and deletes in one checkpoint directory, as
+    listed by ``MarkerStrategy.leftovers`` (paths relative to ROOT).
+
+    Attributes:
+        name: ``checkpoint-<step>``.
+        committed: a manifest was there: only stale attempts and markers are listed.
+        trees: attempt directories (and, when uncommitted, stray subdirectories).
+        files: stray files of an uncommitted directory (never the manifest).
+        markers: the in-progress markers, deleted last.
+    """
+
+    name: str
+    committed: bool
+    trees: tuple[str, ...]
+    files: tuple[str, ...]
+    markers: tuple[str, ...]
+
+    @property
+    def paths(self) -> list[str]:
+        """Everything that is removed, in order."""
+        return [*self.trees, *self.files, *self.markers]
 
 
 class CommitStrategy(Protocol):
@@ -504,6 +671,66 @@ def _create_once(storage: Storage, path: str, data: bytes) -> bool:
     return True
 
 
+def _is_own_manifest(storage: Storage, path: str, data: bytes) -> bool | None:
+    """Whether the manifest at ``path`` is exactly ``data`` (this attempt's: it names the
+    attempt's unique directory and its commit time); None if it cannot be read."""
+    try:
+        size = storage.size(path)
+        if size is None:
+            return False
+        if size != len(data):
+            return False  # bounded: never reads another writer's manifest whole
+        return storage.read_bytes(path) == data
+    except CheckpointNotFoundError:
+        return False
+    except CheckpointError:
+        return None
+
+
+def _create_or_own(storage: Storage, path: str, data: bytes, step: int) -> bool:
+    """``_create_once``, robust to a lost answer. An object store's client retries a
+    request whose answer was lost (a reset connection, a timeout, a 5xx from a proxy
+    after the store wrote): the retry of a conditional PUT that had landed is refused
+    (412), and an error after the PUT landed says nothing about whether it did. Either
+    way the manifest is read back: if it is byte for byte this attempt's, this save
+    committed it. True if this call's manifest is the committed one."""
+    try:
+        if _create_once(storage, path, data):
+            return True
+    except CheckpointError as exc:
+        if _is_own_manifest(storage, path, data) is not True:
+            raise
+        log.info(
+            "the manifest %s was created by this save although the request failed (%s): "
+            "the store wrote it, then its answer was lost",
+            storage.url(path),
+            exc,
+        )
+        return True
+    if _is_own_manifest(storage, path, data) is True:
+        log.info(
+            "step %d: the create of %s was refused because this save's own first request "
+            "had landed (its answer was lost and the client retried): committed",
+            step,
+            storage.url(path),
+        )
+        return True
+    return False
+
+
+def _abort_orphan_uploads(storage: Storage, pending: str, manifest: Manifest) -> None:
+    """After a commit: abort multipart uploads left open under the committed attempt.
+    Every file it lists is complete, so an open upload there is an orphan (a start
+    whose answer was lost, then retried) that no sweep would reach: the attempt is
+    committed. Only files of at least one part size went up in parts."""
+    abort = getattr(storage, "abort_uploads", None)
+    block = getattr(storage, "block_size_bytes", None)
+    if abort is None or not isinstance(block, int):
+        return
+    if any(f.size_bytes >= block for f in manifest.files):
+        abort(pending)
+
+
 def _manifest_or_none(storage: Storage, rel: str) -> Manifest | None:
     try:
         return read_manifest(storage, rel)
@@ -512,7 +739,8 @@ def _manifest_or_none(storage: Storage, rel: str) -> Manifest | None:
 
 
 def _delete_unreferenced(storage: Storage, final: str, old: Manifest, new: Manifest) -> None:
-    """After an overwrite: delete the old checkpoint's files the new one does not list."""
+    """After a durable overwrite: delete the old checkpoint's files the new one does not
+    list. Best effort: the save has succeeded, a failure is a warning."""
     keep = {f.path for f in new.files}
     for f in old.files:
         if f.path in keep:
@@ -521,7 +749,12 @@ def _delete_unreferenced(storage: Storage, final: str, old: Manifest, new: Manif
             storage.delete_file(f"{final}/{f.path}")
         except CheckpointError as exc:
             log.warning("could not delete replaced file %s: %s", storage.url(final), exc)
-    for name in storage.listdir(final):
+    try:
+        names = storage.listdir(final)
+    except CheckpointError as exc:
+        log.warning("could not list %s to delete replaced files: %s", storage.url(final), exc)
+        return  # the committed checkpoint is intact; the next start's sweep tidies up
+    for name in names:
         if parse_attempt_dir(name) is not None and not any(p.startswith(f"{name}/") for p in keep):
             try:
                 storage.delete_tree(f"{final}/{name}")
@@ -550,6 +783,190 @@ def _remove_if_empty(storage: Storage, rel: str) -> None:
     if local is not None:
         with contextlib.suppress(OSError):
             os.rmdir(local)
+
+
+def _drop_if_empty(storage: Storage, rel: str) -> None:
+    """After a sweep or a retention delete emptied ``rel``: remove the directory itself.
+    On a mounted filesystem by ``rmdir`` (atomic: fails if a newer writer put anything
+    there). In memory, only when nothing is left, so the step disappears from listings.
+    Object stores have no directories: nothing to do, and nothing is deleted by prefix
+    (a manifest a newer job committed meanwhile would go with it)."""
+    if storage.local_path(rel) is not None:
+        _remove_if_empty(storage, rel)
+    elif not getattr(storage, "is_object_store", False) and not storage.walk_files(rel):
+        storage.delete_tree(rel)
+
+
+def _undo(fn: Callable[[], object], storage: Storage, final: str) -> None:
+    """Take back an overwrite whose commit is not durable, before reporting it failed.
+    A failure here is logged: the copies stay where ``recover_replaced`` finds them."""
+    try:
+        fn()
+    except Exception as exc:
+        log.warning(
+            "could not put the replaced copy of %s back after a failed overwrite: %s "
+            "(the next start restores a complete copy)",
+            storage.url(final),
+            exc,
+        )
+
+
+def _remove_replaced(storage: Storage, rel: str, step: int) -> None:
+    """After a durable overwrite: delete the replaced copy. The save has succeeded
+    whatever happens here; a failure leaves a leftover for the next sweep or ``clean``."""
+    try:
+        storage.delete_tree(rel)
+    except CheckpointError as exc:
+        log.warning(
+            "checkpoint step %d was overwritten and committed, but its replaced copy %s "
+            "could not be removed: %s (the next start removes it, or run "
+            "`atomic-checkpoint clean`)",
+            step,
+            storage.url(rel),
+            exc,
+        )
+
+
+def _is_whole(storage: Storage, rel: str, step: int) -> bool:
+    """Whether ``rel`` holds a complete copy of checkpoint ``step``: a manifest of that
+    step and every listed file present with its listed size (DESIGN invariant 1). An
+    I/O error (StorageError) propagates: it says nothing about the copy."""
+    try:
+        manifest = read_manifest(storage, rel)
+        if manifest.step != step:
+            return False
+        validate_checkpoint(storage, rel, manifest)
+    except (CheckpointNotFoundError, CorruptCheckpointError):
+        return False
+    return True
+
+
+def restore_replaced(storage: Storage, pending: str) -> bool:
+    """A failed overwrite (rename strategy, no atomic exchange) that stopped between its
+    two renames: put the copy it replaced back under ``checkpoint-<step>``, so the
+    failure it reports is true. Returns True if a copy was put back.
+
+    Raises:
+        CheckpointError: the old copy could not be put back; the caller must then keep
+            ``pending`` (the next start's ``recover_replaced`` decides).
+    """
+    parsed = parse_pending_name(pending.rsplit("/", 1)[-1])
+    if parsed is None:
+        return False
+    step, attempt = parsed
+    replaced = f"{TRASH_DIR}/{replaced_name(step, attempt)}"
+    final = checkpoint_name(step)
+    if not storage.is_dir(replaced) or final in storage.listdir(""):
+        return False
+    storage.rename_dir(replaced, final)
+    storage.fsync_dir("")
+    log.warning(
+        "the overwrite of checkpoint step %d failed between its two renames: the previous "
+        "copy is back at %s",
+        step,
+        storage.url(final),
+    )
+    return True
+
+
+@dataclass(frozen=True)
+class ReplaceRecovery:
+    """What ``recover_replaced`` did.
+
+    Attributes:
+        restored: ``(step, copy, source)`` for each step put back: ``copy`` is "new" or
+            "old", ``source`` the path it was renamed from.
+        keep: paths under ``.pending/`` and ``.trash/`` that a sweep or ``clean`` must
+            leave alone (recovery could not decide, or could not finish, there).
+    """
+
+    restored: tuple[tuple[int, str, str], ...] = ()
+    keep: frozenset[str] = frozenset()
+
+
+def recover_replaced(storage: Storage, *, dry_run: bool = False) -> ReplaceRecovery:
+    """Finish overwrites that a crash stopped between their two renames (rename
+    strategy without an atomic exchange: sshfs, NFS, Windows).
+
+    Such a crash leaves ``checkpoint-<step>`` absent, the old copy in
+    ``.trash/checkpoint-<step>.<a>.replaced`` and the new one in
+    ``.pending/checkpoint-<step>.<a>``. The new copy is renamed in when it is complete
+    (its manifest was fsync'd before the first rename, so it is, unless someone touched
+    it), else the old one: either way the step is back, whole. A replaced copy whose
+    ``.pending`` twin is gone belongs to an overwrite that finished: it is garbage, like
+    every retention un-commit in ``.trash/`` (those never come back). Trash from older
+    versions (``checkpoint-<step>.<token>``) cannot be told apart from retention's and is
+    left to the sweep, as before.
+
+    Called by the lock holder before it sweeps ``.pending/`` and ``.trash/`` (a
+    writable manager's start-up, ``atomic-checkpoint clean``). With ``dry_run``
+    nothing changes; what would be restored is reported and kept.
+    """
+    restored: list[tuple[int, str, str]] = []
+    keep: set[str] = set()
+    pending_names = set(storage.listdir(PENDING_DIR))
+    for name in storage.listdir(TRASH_DIR):
+        parsed = parse_replaced_name(name)
+        if parsed is None:
+            continue
+        step, attempt = parsed
+        old = f"{TRASH_DIR}/{name}"
+        new = f"{PENDING_DIR}/{pending_name(step, attempt)}"
+        final = checkpoint_name(step)
+        if pending_name(step, attempt) not in pending_names:
+            continue  # the overwrite finished: its new copy is checkpoint-<step>
+        try:
+            if final in storage.listdir(""):
+                if not _is_whole(storage, final, step):
+                    log.warning(
+                        "%s is not a complete checkpoint, and two copies of step %d lie "
+                        "in %s and %s: leaving all three for you to inspect",
+                        storage.url(final),
+                        step,
+                        storage.url(old),
+                        storage.url(new),
+                    )
+                    keep.update((old, new))
+                continue  # the step is whole: both other copies are extra
+            source = copy = None
+            if _is_whole(storage, new, step):
+                source, copy = new, "new"
+            elif _is_whole(storage, old, step):
+                source, copy = old, "old"
+            if source is None or copy is None:
+                log.warning(
+                    "an overwrite of checkpoint step %d was interrupted and neither copy "
+                    "(%s, %s) is complete: the step is lost",
+                    step,
+                    storage.url(new),
+                    storage.url(old),
+                )
+                continue
+            if dry_run:
+                keep.add(source)
+            else:
+                storage.rename_dir(source, final)
+                storage.fsync_dir("")
+                storage.fsync_dir(source.split("/", 1)[0])
+                log.warning(
+                    "an overwrite of checkpoint step %d was interrupted between its two "
+                    "renames: restored the %s copy from %s",
+                    step,
+                    copy,
+                    storage.url(source),
+                )
+            restored.append((step, copy, source))
+        except CheckpointError as exc:
+            log.warning(
+                "could not recover the interrupted overwrite of checkpoint step %d (%s): "
+                "keeping both copies (%s, %s) for the next start",
+                step,
+                exc,
+                storage.url(new),
+                storage.url(old),
+            )
+            keep.update((old, new))
+    return ReplaceRecovery(tuple(restored), frozenset(keep))
 
 
 @dataclass
@@ -888,7 +1305,10 @@ def _save_through_leader(
     2. every rank checks its own input and step, writes, and all-gathers its report (or
        its failure): every rank learns of a failure or a missing rank by itself, names
        the same ranks, and gives up within ``timeout_s``;
-    3. the leader commits and publishes the outcome, which every rank returns or raises.
+    3. the leader commits and publishes the outcome, which every rank returns or raises;
+       a rank that timed out waiting for it finds out what was published (or, with the
+       store out of reach, whether its own attempt is committed) before it reports
+       (``_settle_outcome``), so it never raises for a commit the others return.
 
     Decisions are made on the leader only and published (DESIGN invariant 3); a failure
     anywhere, a missing rank or a missing leader ends in the same error on every rank
@@ -986,7 +1406,12 @@ def _save_through_leader(
                 verdict = ("error", _shared_error([_failure(exc, rank, "commit")], step))
         else:
             fault_point("during_broadcast", rank, step)
-        verdict = publish(key("commit"), verdict, src=leader, timeout_s=timeout)
+        try:
+            verdict = publish(key("commit"), verdict, src=leader, timeout_s=timeout)
+        except CoordinationTimeoutError as exc:
+            if lead:
+                raise _committed_anyway(ctx, step, exc) if committed else exc from None
+            verdict = _settle_outcome(ctx, step, staged, written[rank][1], exc)
         if verdict[0] == "error":
             raise verdict[1]
         _, manifest, timings["publish"] = verdict
@@ -1006,6 +1431,88 @@ def _save_through_leader(
         _await_committed(storage, step, ctx.visibility_timeout_s)
     timings["total"] = time.perf_counter() - t0
     return manifest, timings
+
+
+def _settle_outcome(
+    ctx: SaveContext,
+    step: int,
+    staged: str,
+    mine: RankReport | None,
+    timeout: CoordinationTimeoutError,
+) -> Any:
+    """A rank other than the leader timed out waiting for the outcome of the commit. The
+    commit may have happened, and the other ranks may have read a success: find out
+    before reporting anything, so that every rank reports one outcome (DESIGN invariant
+    11). First the published outcome itself (``Coordinator.settle``); if the store is
+    out of reach, the storage: the committed manifest of this very attempt (this rank's
+    files, with its checksums, from the staged location that is gone). Returns the
+    verdict to act on, or raises."""
+    settle = getattr(ctx.coord, "settle", None)
+    found, value = ("unknown", None)
+    if settle is not None:
+        found, value = settle(timeout.key, src=ctx.leader, timeout_s=ctx.timeout_s)
+    if found == "value":
+        log.warning(
+            "rank %d: the outcome of step %d came late (%s); it was published all the "
+            "same, so this rank reports it like the others",
+            ctx.coord.rank,
+            step,
+            timeout,
+        )
+        return value
+    if found == "unknown":
+        manifest = _own_commit(ctx, step, staged, mine)
+        if manifest is not None:
+            log.warning(
+                "rank %d: the coordination store did not answer with the outcome of step "
+                "%d (%s), but the checkpoint this save wrote is committed at %s: reporting "
+                "success",
+                ctx.coord.rank,
+                step,
+                timeout,
+                ctx.storage.url(checkpoint_name(step)),
+            )
+            return ("ok", manifest, 0.0)
+    raise CoordinationTimeoutError(
+        f"{timeout} The leader may have committed checkpoint step {step} before the "
+        "exchange failed: latest() or `atomic-checkpoint list` tells",
+        missing_ranks=timeout.missing_ranks,
+        key=timeout.key,
+    ) from timeout
+
+
+def _committed_anyway(
+    ctx: SaveContext, step: int, timeout: CoordinationTimeoutError
+) -> CoordinationTimeoutError:
+    """The leader committed, then could not publish the outcome (a rank gave up waiting
+    and marked the key): every rank raises, and this error says what is true."""
+    return CoordinationTimeoutError(
+        f"{timeout}. Checkpoint step {step} was committed at "
+        f"{ctx.storage.url(checkpoint_name(step))} before that (latest() lists it), but "
+        "every rank reports this save as failed",
+        missing_ranks=timeout.missing_ranks,
+        key=timeout.key,
+    )
+
+
+def _own_commit(
+    ctx: SaveContext, step: int, staged: str, mine: RankReport | None
+) -> Manifest | None:
+    """The committed manifest of step ``step`` if it is this attempt's: this run's, the
+    staged location no longer pending (the strategy's own test), and this rank's files
+    listed with the sizes and checksums this rank wrote. None otherwise, or if the
+    storage cannot tell."""
+    try:
+        manifest = read_manifest(ctx.storage, checkpoint_name(step))
+        if manifest.run_id != ctx.run_id or not _is_committed(ctx, step, staged):
+            return None
+    except CheckpointError:
+        return None
+    listed = {(f.path.rsplit("/", 1)[-1], f.size_bytes, f.checksum) for f in manifest.files}
+    ours = {
+        (f.path.rsplit("/", 1)[-1], f.size_bytes, f.checksum) for f in (mine.files if mine else ())
+    }
+    return manifest if ours and ours <= listed else None
 
 
 def _is_committed(ctx: SaveContext, step: int, pending: str) -> bool:
@@ -1124,19 +1631,39 @@ def _await_dir(storage: Storage, path: str, timeout_s: float) -> None:
 
 
 def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
-    """Non-coordinators on a network filesystem: wait until the commit is visible."""
+    """Non-coordinators on a network filesystem: wait until the commit is visible.
+
+    Runs after every rank was told the save committed, so it never fails the save: a
+    rank that raised here while the others returned would report a failure for a
+    committed step (found by the libfiu campaign on s3fs-fuse: an EIO reading the
+    manifest back through one rank's mount). A manifest that stays invisible or cannot
+    be read from this rank is a warning; the checkpoint is committed either way."""
     deadline = time.monotonic() + timeout_s
     delay = 0.005
+    where = storage.url(checkpoint_name(step))
     while True:
         try:
             read_manifest(storage, checkpoint_name(step))
             return
         except CheckpointNotFoundError:
             if time.monotonic() >= deadline:
-                raise CommitError(
-                    f"checkpoint step {step} was committed but is not visible from this rank "
-                    f"after {timeout_s:g} s: {storage.url(checkpoint_name(step))}"
-                ) from None
+                log.warning(
+                    "checkpoint step %d is committed but not visible from this rank after "
+                    "%g s: %s (this mount's cache is stale; it shows the step later)",
+                    step,
+                    timeout_s,
+                    where,
+                )
+                return
+        except CheckpointError as exc:
+            log.warning(
+                "checkpoint step %d is committed, but this rank cannot read its manifest "
+                "back at %s: %s",
+                step,
+                where,
+                exc,
+            )
+            return
         storage.refresh("")
         time.sleep(delay)
         delay = min(delay * 2, 0.5)

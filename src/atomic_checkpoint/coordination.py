@@ -14,11 +14,18 @@ group's key-value store (the TCPStore that torchrun starts), never through colle
 - a rank that does not arrive is named: we know exactly whose key is missing.
 
 Keys are ``atomic_checkpoint/<namespace>/<seq>/<rank>``. ``seq`` advances identically on
-every rank because every rank makes the same sequence of calls (DESIGN invariant 3);
+every rank because every rank makes the same sequence of calls (DESIGN invariant 3),
+counted by the calling thread;
 the human-readable ``key`` passed by the caller is only for error messages. Each key
 is written once (see ``_all_gather``). A rank deletes its key of round ``seq-1`` once
 round ``seq`` is complete: by then every rank has finished reading round ``seq-1``, so
 the store does not grow with the run.
+
+Timeouts count only time this process was running (``_Worker.run``): a rank frozen or
+descheduled past its deadline finishes the exchange on waking and reads what the
+others read. A receiver whose connection really hangs can ask ``settle`` what the
+others got from a ``publish`` (through a new connection), so that it reports the same
+outcome (DESIGN invariant 11).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import os
 import pickle
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -91,6 +99,11 @@ _STALL_GRACE_S = 5.0
 
 #: A coordinator's worker thread ends after this long without work.
 _WORKER_IDLE_S = 30.0
+
+#: The caller waits for its worker in slices this long; a slice that ends more than
+#: ``_NOT_RUNNING_S`` late means this process was not running (frozen, descheduled).
+_WAIT_SLICE_S = 0.25
+_NOT_RUNNING_S = 1.0
 
 #: Written into the key of a rank that did not arrive in time, followed by the rank that
 #: gave up. Pickled values start with the protocol byte 0x80, never with this.
@@ -160,13 +173,33 @@ class _Worker:
 
     def run(self, fn: Any, timeout_s: float) -> tuple[bool, Any]:
         """Run ``fn`` on the worker: (True, (ok, value or exception)), or (False, None)
-        if it did not finish within ``timeout_s``."""
+        if it did not finish within ``timeout_s`` of this process's running time.
+
+        Time during which this process could not run does not count: a process frozen
+        (SIGSTOP, a debugger, a cgroup freezer) or descheduled for long on a loaded
+        machine wakes up with every deadline passed, its worker thread included, and
+        would declare a store that answered long ago "not answering" before the worker
+        even got the CPU to read the answer, and fail while the other ranks succeed.
+        The wait goes in slices; a slice that returns much later than asked marks time
+        this process was not running, and the deadline moves by that much. Within it,
+        the exchange itself decides (late ranks find give-up marks, see
+        ``_all_gather``), the same way on every rank.
+        """
         box: list[tuple[bool, Any]] = []
         done = threading.Event()
         self._submit((fn, box, done))
-        if not done.wait(timeout_s):
-            return False, None
-        return True, box[0]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False, None
+            ask = min(left, _WAIT_SLICE_S)
+            t = time.monotonic()
+            if done.wait(ask):
+                return True, box[0]
+            overslept = time.monotonic() - t - ask
+            if overslept > _NOT_RUNNING_S:
+                deadline += overslept
 
     def defer(self, fn: Any) -> None:
         """Run ``fn`` on the worker after what is queued; its errors are ignored (best
@@ -212,6 +245,7 @@ class TorchDistributedCoordinator:
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self._ns = namespace or f"atomic_checkpoint/{_next_namespace()}"
         self._seq = 0
+        self._last_publish: tuple[int, int, str] | None = None  # (round, src, key): ``settle``
         self._clones = 0
         self._last_key: str | None = None
         self._stalled = False
@@ -234,7 +268,8 @@ class TorchDistributedCoordinator:
         gives up, marks itself stalled (the stuck thread still holds the connection, so
         nothing more is sent through it) and raises; later exchanges fail at once.
         """
-        return list(self._run(key, lambda: self._all_gather(key, obj, timeout_s), timeout_s))
+        seq = self._next_round(key)
+        return list(self._run(key, lambda: self._all_gather(key, obj, timeout_s, seq), timeout_s))
 
     def publish(self, key: str, obj: Any, *, src: int, timeout_s: float) -> Any:
         """``src`` passes ``obj`` (it does not wait for anyone); every rank gets it. One
@@ -245,18 +280,73 @@ class TorchDistributedCoordinator:
         Raises:
             CoordinationTimeoutError: on a receiver, ``src`` did not publish within
                 ``timeout_s``; on ``src``, a receiver gave up waiting before it
-                published (every rank then raises).
+                published (every rank then raises). A receiver can then ask ``settle``
+                what the round's outcome is for the others.
         """
-        return self._run(key, lambda: self._publish(key, obj, src, timeout_s), timeout_s)
+        self._last_publish = None  # set only once this round is really attempted
+        seq = self._next_round(key)
+        self._last_publish = (seq, src, key)
+        return self._run(key, lambda: self._publish(key, obj, src, timeout_s, seq), timeout_s)
+
+    def settle(self, key: str, *, src: int, timeout_s: float) -> tuple[str, Any]:
+        """After ``publish`` raised ``CoordinationTimeoutError`` on a receiver: what did
+        the other receivers get? ``("value", obj)``: ``src`` published ``obj``, so every
+        rank that read it goes on with it; ``("failed", None)``: a give-up mark holds
+        the key, so ``src``'s publish failed too and every rank raises; ``("unknown",
+        None)``: the store cannot be reached from here (then only the storage can tell).
+
+        A receiver that gave up in the exchange itself wrote the give-up mark (the round
+        failed for everyone), unless ``src``'s value came first: then the exchange
+        returned it and raised nothing. So only a receiver whose exchange thread did not
+        come back (its store connection hangs) needs a look: through a new connection,
+        with a bounded wait, marking the key given-up if it is still empty so that
+        ``src`` cannot publish into it afterwards.
+        """
+        last = self._last_publish
+        if last is None or last[1:] != (src, key):
+            return ("unknown", None)  # that round was never attempted (stalled before)
+        if not self._stalled:
+            return ("failed", None)
+        clone = getattr(self._store, "clone", None)
+        if clone is None:
+            return ("unknown", None)  # the only connection is the one that hangs
+        slot = self._keys(last[0])[src]
+        mark = _GAVE_UP + str(self.rank).encode()
+        box: list[Any] = []
+
+        def look() -> None:
+            box.append(clone().compare_set(slot, "", mark))
+
+        t = threading.Thread(target=look, name="atomic-checkpoint-settle", daemon=True)
+        t.start()
+        t.join(max(timeout_s, 0.001))
+        if not box:
+            return ("unknown", None)
+        raw = box[0]
+        if raw.startswith(_GAVE_UP):
+            return ("failed", None)
+        return ("value", pickle.loads(raw))
+
+    def _next_round(self, key: str) -> int:
+        """The round number of the next exchange. Advanced by the calling thread, in
+        call order (identical on every rank), and only for an exchange that is really
+        attempted: a stalled coordinator refuses before it takes a number."""
+        if self._stalled:
+            self._refuse(key)
+        self._seq += 1
+        return self._seq
+
+    def _refuse(self, key: str) -> None:
+        raise CoordinationTimeoutError(
+            f"rank {self.rank}: the coordination store stopped answering during an "
+            f"earlier exchange, so {key!r} is not attempted; restart the job once the "
+            "network is back",
+            key=key,
+        )
 
     def _run(self, key: str, fn: Any, timeout_s: float) -> Any:
         if self._stalled:
-            raise CoordinationTimeoutError(
-                f"rank {self.rank}: the coordination store stopped answering during an "
-                f"earlier exchange, so {key!r} is not attempted; restart the job once the "
-                "network is back",
-                key=key,
-            )
+            self._refuse(key)
         limit_s = timeout_s + _STALL_GRACE_S
         done, box = self._worker.run(fn, limit_s)
         if not done:
@@ -297,9 +387,8 @@ class TorchDistributedCoordinator:
         mark = _GAVE_UP + str(self.rank).encode()
         return {r: self._store.compare_set(k, "", mark) for r, k in keys.items()}
 
-    def _publish(self, key: str, obj: Any, src: int, timeout_s: float) -> Any:
-        self._seq += 1
-        slot = self._keys(self._seq)[src]
+    def _publish(self, key: str, obj: Any, src: int, timeout_s: float, seq: int) -> Any:
+        slot = self._keys(seq)[src]
         if self.rank == src:
             self._claim(slot, obj, key, timeout_s)
             self._read_by_all.append(slot)
@@ -329,7 +418,7 @@ class TorchDistributedCoordinator:
             )
         return pickle.loads(raw)
 
-    def _all_gather(self, key: str, obj: Any, timeout_s: float) -> list[Any]:
+    def _all_gather(self, key: str, obj: Any, timeout_s: float, seq: int) -> list[Any]:
         """One round, on the worker thread: four store requests when everyone is on time.
 
         Every key is written once, by whoever writes it first (``compare_set`` with an
@@ -339,8 +428,7 @@ class TorchDistributedCoordinator:
         in its own key and fails like the others instead of returning success while
         they raise (DESIGN invariant 4).
         """
-        self._seq += 1
-        keys = self._keys(self._seq)
+        keys = self._keys(seq)
         mine = self._claim(keys[self.rank], obj, key, timeout_s)
         try:
             self._store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))

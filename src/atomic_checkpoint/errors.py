@@ -8,6 +8,7 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     CheckpointError(Exception)
     ├── CheckpointNotFoundError(CheckpointError, FileNotFoundError)
     ├── CheckpointExistsError(CheckpointError, FileExistsError)
+    ├── StepOrderError(CheckpointError, ValueError)   a save below the newest step
     ├── CorruptCheckpointError(CheckpointError)
     │   └── UnsafeCheckpointError        path escapes, pickle not allowed
     ├── UnsupportedSchemaError(CorruptCheckpointError)
@@ -47,6 +48,7 @@ __all__ = [
     "ReadOnlyError",
     "ResumeError",
     "SerializationError",
+    "StepOrderError",
     "StorageError",
     "StorageFullError",
     "StoragePermissionError",
@@ -77,6 +79,26 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointExistsError(CheckpointError, FileExistsError):
     """A checkpoint for this step is already committed (pass ``overwrite=True``)."""
+
+
+class StepOrderError(CheckpointError, ValueError):
+    """A save of a step lower than the newest committed step of this run.
+
+    Retention orders checkpoints by step, so a lower step saved after a higher one
+    would be the first one deleted, and a resume would load the higher one, not the
+    state just saved. Raised on every rank before anything is written. To continue
+    from an older checkpoint, discard the newer ones with
+    ``CheckpointManager.rollback(step)`` first.
+
+    Attributes:
+        step: the step that was to be saved.
+        newest: the newest committed step of this run.
+    """
+
+    def __init__(self, message: str, *, step: int, newest: int):
+        super().__init__(message)
+        self.step = step
+        self.newest = newest
 
 
 class CorruptCheckpointError(CheckpointError):

@@ -8,7 +8,10 @@ Layout under a checkpoint root::
         rank-00000.safetensors              per-rank state (or replicated.safetensors)
         ...                                 files written through ``saving()``
       .pending/checkpoint-<step>.<attempt>/ a save in progress (never a checkpoint)
-      .trash/checkpoint-<step>.<token>/     un-committed, being deleted
+      .trash/checkpoint-<step>.<token>/     un-committed by retention, being deleted
+      .trash/checkpoint-<step>.<attempt>.replaced/
+                                            the copy an overwrite replaced (no atomic
+                                            exchange); <attempt> names the new copy
       .atomic-checkpoint/                   run identity and lock
 
 Steps are parsed with a strict regex: ``checkpoint-007`` and ``checkpoint-1.5`` are not
@@ -29,6 +32,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})$")
 _PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})$")
+_REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.replaced$")
 
 
 def validate_step(step: object) -> int:
@@ -76,6 +80,20 @@ def pending_name(step: int, attempt: str) -> str:
 
 def parse_pending_name(name: str) -> tuple[int, str] | None:
     m = _PENDING_RE.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def replaced_name(step: int, attempt: str) -> str:
+    """Name (inside ``.trash/``) of the copy of ``step`` that the overwrite attempt
+    ``attempt`` moved out of the namespace. Distinct from a retention un-commit
+    (``checkpoint-<step>.<token>``): while ``.pending/checkpoint-<step>.<attempt>`` still
+    exists the overwrite was interrupted between its two renames and one of the two
+    copies must be put back; a retention un-commit never comes back."""
+    return f"{pending_name(step, attempt)}.replaced"
+
+
+def parse_replaced_name(name: str) -> tuple[int, str] | None:
+    m = _REPLACED_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
 
 

@@ -24,6 +24,11 @@ Life cycle:
   the new job declares the same run id (a restarted job), or it is an earlier manager
   of this very process. ``takeover=True`` takes over in every case. Otherwise
   :class:`~atomic_checkpoint.errors.LockHeldError` names the holder.
+- **Object stores**: exclusive create is a conditional PUT (``If-None-Match: *``), which
+  some S3-compatible servers ignore or reject. The storage probes it once (a key created
+  twice: the second must be refused) and the lock refuses to run where it is not
+  honoured, unless the user accepts the risk (storage option ``conditional_create=False``
+  or ``ATOMIC_CHECKPOINT_CONDITIONAL_CREATE=false``).
 - **Takeover** is race-free between any number of contenders on any number of clients:
   to replace generation ``G`` a contender must first create the claim file for ``G``
   exclusively; exactly one does, and only it replaces ``lock.json``. Claims are named
@@ -64,9 +69,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
 
-from .errors import CheckpointError, CheckpointNotFoundError, FencedError, LockError, LockHeldError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FencedError,
+    LockError,
+    LockHeldError,
+)
 from .layout import META_DIR
 from .storage.base import Storage
+from .storage.fsspec import CONDITIONAL_CREATE_ENV, CONDITIONAL_CREATE_OPTION, PROBE_PREFIX
 
 __all__ = [
     "DEFAULT_LEASE_S",
@@ -101,6 +114,9 @@ _ACQUIRE_TIMEOUT_S = 3 * CLAIM_STALE_S
 _SELF_FENCE_AT = 5 / 6
 _MAX_CLAIMS = 8
 _CLAIM_KEEP_S = 3600.0
+#: A conditional-create probe key older than this was left by a probe whose delete
+#: failed (a probe lasts milliseconds); the next holder's tidy-up removes it.
+PROBE_STALE_S = 60.0
 #: Fixed on-disk size of lock documents. sshfs: after ``os.replace`` on one mount, the
 #: first read through another mount can return the new data cut to the old file's
 #: length; with equal lengths that cut is a no-op.
@@ -287,7 +303,10 @@ class LockHolder:
     @classmethod
     def from_bytes(cls, data: bytes) -> LockHolder:
         """Parse a lock document. Raises ValueError saying what is wrong."""
-        doc = json.loads(data.decode("utf-8"))
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except RecursionError:  # untrusted bytes: nested too deeply for json
+            raise ValueError("lock document is nested too deeply to parse") from None
         if not isinstance(doc, dict) or doc.get("kind") != "atomic-checkpoint-lock":
             raise ValueError("not an atomic-checkpoint lock document")
         try:
@@ -304,11 +323,16 @@ class LockHolder:
                 boot_id=doc.get("boot_id") or None,
                 pid_ns=doc.get("pid_ns") or None,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"lock document is missing or has a bad field: {exc}") from None
         if not holder.nonce.isalnum():
             raise ValueError(f"lock document has a bad nonce {holder.nonce!r}")
         return holder
+
+
+#: What parsing an untrusted claim or heartbeat document can raise (json recursion on
+#: deep nesting, float() of a 400-digit int, a missing key or a wrong type).
+_UNPARSEABLE = (ValueError, KeyError, TypeError, OverflowError, RecursionError)
 
 
 def _pad(data: bytes, size: int) -> bytes:
@@ -316,10 +340,15 @@ def _pad(data: bytes, size: int) -> bytes:
 
 
 def _read_optional(storage: Storage, path: str) -> bytes | None:
+    """The bytes of ``path``, or None if it does not exist. A file the storage refuses
+    to read (larger than ``MAX_READ_BYTES``, a FIFO or a link) reads as the refusal's
+    text: not a lock document, so it is handled like any unreadable lock file."""
     try:
         return storage.read_bytes(path)
     except CheckpointNotFoundError:
         return None
+    except CorruptCheckpointError as exc:
+        return f"unreadable: {exc}".encode()
 
 
 def _parse_lock(storage: Storage, raw: bytes | None) -> tuple[bytes | None, LockHolder | None]:
@@ -350,10 +379,10 @@ def _with_heartbeat(storage: Storage, holder: LockHolder) -> LockHolder:
     try:
         raw = _read_optional(storage, _lease_path(holder.nonce))
         doc = json.loads(raw) if raw else None
-    except (ValueError, CheckpointError):
+    except (ValueError, RecursionError, CheckpointError):
         doc = None  # torn or unreadable heartbeat: the lock file's time stands
     if isinstance(doc, dict) and doc.get("nonce") == holder.nonce:
-        with contextlib.suppress(TypeError, ValueError):
+        with contextlib.suppress(TypeError, ValueError, OverflowError):
             renewed = float(doc["renewed_unix"])
             if renewed > holder.renewed_unix:
                 return replace(holder, renewed_unix=renewed)
@@ -474,6 +503,7 @@ class RunLock:
         """
         if self._holder is not None:
             raise LockError("RunLock.acquire() called twice")
+        self._check_conditional_create()
         if not self.storage.capabilities.exclusive_create:
             # s3fs-fuse, stores without conditional writes: O_EXCL holds only within
             # one client. A job started while another holds the lock is still refused,
@@ -499,7 +529,15 @@ class RunLock:
             raw, holder = _parse_lock(self.storage, _read_optional(self.storage, LOCK_FILE))
             if raw is None:
                 mine = self._new_doc(me, previous=None)
-                if self.storage.create_exclusive(LOCK_FILE, mine.to_bytes()) and self._verify(mine):
+                # Whatever the create answered, the lock is ours if it holds our
+                # generation (a random nonce): on an object store the create can land
+                # and its answer be lost, and the client's retry is then refused (412).
+                try:
+                    self.storage.create_exclusive(LOCK_FILE, mine.to_bytes())
+                except CheckpointError:
+                    if not self._verify(mine):
+                        raise
+                if self._verify(mine):
                     self._won(mine, previous=None, reason=None)
                     return
                 continue  # another job created it first: evaluate that one
@@ -531,6 +569,34 @@ class RunLock:
             f"{_ACQUIRE_TIMEOUT_S:g} s: other jobs keep racing for it"
             + (f" (last waited on a takeover of generation {waited_on})" if waited_on else "")
             + ". Make sure only one job starts on this root, then start it again"
+        )
+
+    def _check_conditional_create(self) -> None:
+        """Object stores: the lock is exclusive only if the store honours ``If-None-Match:
+        *``, which S3-compatible servers may ignore (both creates succeed: two jobs
+        starting together both held token 1) or reject; the protocol name cannot tell.
+        The storage probes it once and this says what it found, in one line; where it
+        is not honoured the lock refuses to run, naming the opt-out that accepts the
+        risk."""
+        check = getattr(self.storage, "check_conditional_create", None)
+        if check is None or not self.storage.capabilities.exclusive_create:
+            return
+        fresh = getattr(self.storage, "conditional_create_found", None) is None
+        honoured, seen = check()
+        url = self.storage.url("")
+        if fresh:
+            log.info("conditional create (If-None-Match: *) on %s: %s", url, seen)
+        if honoured:
+            return
+        raise LockError(
+            f"cannot take the run lock on {url}: the store does not honour conditional "
+            f"create (If-None-Match: *); probed: {seen}. There, two jobs starting on this "
+            "root at the same time would both hold the lock, and two writers of one step "
+            "could both believe they committed. Use a store that supports conditional "
+            "writes, or accept the risk (start one job per root, alone) with "
+            f"storage_options={{'{CONDITIONAL_CREATE_OPTION}': False}} (command line: "
+            f"--storage-option {CONDITIONAL_CREATE_OPTION}=false), or "
+            f"{CONDITIONAL_CREATE_ENV}=false in the environment"
         )
 
     def _takeover_reason(
@@ -628,7 +694,7 @@ class RunLock:
                 by, claimed_unix = other["by"], float(other["claimed_unix"])
             except CheckpointNotFoundError:
                 return None  # vanished: re-read the lock
-            except (CheckpointError, ValueError, KeyError, TypeError):
+            except (CheckpointError, *_UNPARSEABLE):
                 # Being written right now, or its claimant died between the exclusive
                 # create and the write: stale only once it is old.
                 age = self._file_age_s(now, path)
@@ -684,10 +750,18 @@ class RunLock:
             path = f"{META_DIR}/{name}"
             if name.startswith(_LEASE_PREFIX) and path != own_lease:
                 self._remove_quietly(path)
+            elif name.startswith(PROBE_PREFIX):
+                # A conditional-create probe whose delete failed (storage.fsspec).
+                try:
+                    created = float(json.loads(self.storage.read_bytes(path))["created_unix"])
+                except (CheckpointError, *_UNPARSEABLE):
+                    continue
+                if now - created > PROBE_STALE_S:
+                    self._remove_quietly(path)
             elif name.startswith(_CLAIM_PREFIX):
                 try:
                     claimed = float(json.loads(self.storage.read_bytes(path))["claimed_unix"])
-                except (CheckpointError, ValueError, KeyError, TypeError):
+                except (CheckpointError, *_UNPARSEABLE):
                     continue
                 # Claims must outlive any contender's view of their generation.
                 if now - claimed > _CLAIM_KEEP_S:

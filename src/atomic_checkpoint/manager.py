@@ -14,6 +14,7 @@ follow its broadcast decision (DESIGN invariant 3).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,14 @@ from typing import Any
 from . import catalog
 from ._faults import fault_point
 from .async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool
-from .commit import MarkerStrategy, RankReport, SaveContext, choose_strategy, run_phase
+from .commit import (
+    MarkerStrategy,
+    RankReport,
+    SaveContext,
+    choose_strategy,
+    recover_replaced,
+    run_phase,
+)
 from .commit import save as commit_save
 from .coordination import Coordinator, default_coordinator
 from .domains import Domain
@@ -38,9 +46,14 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    DistributedCheckpointError,
+    LockError,
+    RankFailure,
     ReadOnlyError,
     ResumeError,
+    StepOrderError,
     StorageError,
+    UnsafeCheckpointError,
 )
 from .layout import (
     META_DIR,
@@ -60,6 +73,16 @@ log = logging.getLogger("atomic_checkpoint")
 
 RUN_FILE = f"{META_DIR}/run.json"
 _RESUME_MODES = ("auto", "must", "never")
+
+
+def _new_run_id() -> str:
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def _run_doc(run_id: str) -> bytes:
+    """The content of ROOT's run file."""
+    doc = {"run_id": run_id, "created_unix": time.time(), "host": socket.gethostname()}
+    return json.dumps(doc).encode()
 
 
 def _fmt_bytes(n: float) -> str:
@@ -85,7 +108,10 @@ class CheckpointManager:
             None keeps everything. The newest checkpoint is never deleted.
         run_id: identity of the run; checkpoints of other runs in ``root`` are never
             counted, resumed from or deleted. Default: the run recorded in ``root``
-            (so a restarted job continues its run), or a new one.
+            (so a restarted job continues its run); without a run file there (a
+            checkpoint copied into a new root), the one run id its checkpoints carry
+            (adopted, with a warning; several raise ``ResumeError``: pass one); else a
+            new one.
         coordinator: how ranks agree; default: torch.distributed when a process group
             is initialised, else single process.
         timeout_s: bound on every wait for other ranks.
@@ -159,6 +185,9 @@ class CheckpointManager:
             _log_strategy_once(self.storage, self.commit_strategy, forced=strategy is not None)
         self._closed = False
         self._rotation: threading.Thread | None = None
+        # Rotations start on the thread that commits (the async save's, for save_async)
+        # and are joined on the training thread: the hand-over goes through this lock.
+        self._rotation_lock = threading.Lock()
         self._rotation_error: BaseException | None = None
         self._last_seq = 0
         self._takeover = takeover
@@ -189,6 +218,9 @@ class CheckpointManager:
         setup = self._domain_setup_summary(setups)
         self.run_id: str = setup["run_id"]
         self._last_seq = setup["last_seq"]
+        # The newest committed step of this run, the same on every rank (the domain
+        # leaders' views, agreed at open): saves below it raise StepOrderError.
+        self._newest_step: int | None = _newest_committed(setups, self.domain)
         self._ctx = SaveContext(
             storage=self.storage,
             coord=self.coordinator,
@@ -273,7 +305,11 @@ class CheckpointManager:
         fresh = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         views = self._collective_all(
             "agree run id",
-            lambda: (self._recorded_run_id(), fresh) if self.is_coordinator else None,
+            lambda: (
+                (self._recorded_run_id() or self._adopted_run_id(), fresh)
+                if self.is_coordinator
+                else None
+            ),
         )
         recorded = [views[lead][0] for lead in self.domain.leaders if views[lead][0]]
         return str(views[0][0] or (recorded[0] if recorded else views[0][1]))
@@ -312,22 +348,26 @@ class CheckpointManager:
             }
         self.storage.makedirs(META_DIR)
         self.storage.makedirs(PENDING_DIR)
+        # Their entries in ROOT must be durable before anything is created inside them.
+        self.storage.fsync_dir("")
         if not os.access(local, os.W_OK) if local is not None else False:
             raise StorageError(
                 f"checkpoint root {local!r} is not writable by this user", path=local
             )
         recorded = self._recorded_run_id()
+        torn = self._run_file_problem
         explicit_run_id = run_id is not None
         if run_id is None and agreed_run_id is not None:
             run_id = agreed_run_id
-            doc = {"run_id": run_id, "created_unix": time.time(), "host": socket.gethostname()}
-            self.storage.create_exclusive(RUN_FILE, json.dumps(doc).encode())
+            self.storage.create_exclusive(RUN_FILE, _run_doc(run_id))
         if run_id is None:
             run_id = recorded
             if run_id is None:
-                run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-                doc = {"run_id": run_id, "created_unix": time.time(), "host": socket.gethostname()}
-                if not self.storage.create_exclusive(RUN_FILE, json.dumps(doc).encode()):
+                # No run file (a checkpoint copied into a new root) or a torn one: the
+                # checkpoints here say which run this is, never a silent fresh start
+                # over them (DESIGN invariant 6).
+                run_id = self._adopted_run_id() or _new_run_id()
+                if torn is None and not self.storage.create_exclusive(RUN_FILE, _run_doc(run_id)):
                     run_id = self._recorded_run_id() or run_id
         # The lock comes before the sweep: only the owner of ROOT may delete anything,
         # or a second job would sweep the pending data of a live one (E3, F1).
@@ -335,6 +375,8 @@ class CheckpointManager:
         lock.acquire(takeover=self._takeover, same_run=explicit_run_id)
         self._lock = lock
         try:
+            if torn is not None:
+                self._repair_run_file(run_id, torn)
             self._sweep()
             entries = catalog.scan(self.storage, run_id=run_id)
         except BaseException:
@@ -350,18 +392,86 @@ class CheckpointManager:
         }
 
     def _recorded_run_id(self) -> str | None:
+        """The run id recorded in ROOT's run file, or None: no run file, or an empty or
+        torn one (``_run_file_problem`` then says what is wrong, and a writable start
+        rewrites it under the lock instead of refusing every later start)."""
+        self._run_file_problem: str | None = None
         try:
-            doc = json.loads(self.storage.read_bytes(RUN_FILE))
+            data = self.storage.read_bytes(RUN_FILE)
+            doc = json.loads(data)
         except CheckpointNotFoundError:
             return None
         except StorageError:
             raise  # an I/O error (EIO, EROFS...) is not a corrupt file: keep its errno
-        except (ValueError, CheckpointError) as exc:
-            raise CorruptCheckpointError(
-                f"{self.storage.url(RUN_FILE)} is unreadable: {exc}"
-            ) from exc
+        except (ValueError, RecursionError, CheckpointError) as exc:
+            doc, problem = None, f"{type(exc).__name__}: {exc}"
+        else:
+            problem = "it records no run id"
         rid = doc.get("run_id") if isinstance(doc, dict) else None
-        return rid if isinstance(rid, str) and rid else None
+        if isinstance(rid, str) and rid:
+            return rid
+        # Empty or torn: a crash inside its creation by an older version (O_EXCL create,
+        # then write: the file stayed empty), or a damaged disk.
+        self._run_file_problem = problem
+        log.warning(
+            "%s is empty or damaged (%s); the run id is taken from the checkpoints in %s "
+            "(or from run_id=), and a writable start records it again",
+            self.storage.url(RUN_FILE),
+            problem,
+            self.root,
+        )
+        return None
+
+    def _adopted_run_id(self) -> str | None:
+        """ROOT has no usable run file: the run id that its valid checkpoints carry (a
+        checkpoint copied into a new root, a run file lost), or None when there are
+        none. Never a new run over valid checkpoints without a word (invariant 6).
+
+        Raises:
+            ResumeError: the checkpoints carry several run ids: which one continues is
+                for the user to say (``run_id=``).
+        """
+        manifests = catalog.committed(self.storage, run_id=None, warn=False)
+        runs: dict[str, list[int]] = {}
+        for m in manifests:
+            runs.setdefault(m.run_id, []).append(m.step)
+        if not runs:
+            return None
+        if len(runs) > 1:
+            listed = "; ".join(
+                f"{rid!r}: steps {sorted(steps)}" for rid, steps in sorted(runs.items())
+            )
+            raise ResumeError(
+                f"{self.root} has no run file ({self.storage.url(RUN_FILE)}) and holds "
+                f"checkpoints of {len(runs)} runs ({listed}): pass run_id= with the run "
+                "to continue (the others are left alone), or move the others away"
+            )
+        ((rid, steps),) = runs.items()
+        log.warning(
+            "%s has no usable run file but holds %d checkpoint(s) of run %r (steps %s): "
+            "adopting them, this job continues run %r",
+            self.root,
+            len(steps),
+            rid,
+            sorted(steps),
+            rid,
+        )
+        return rid
+
+    def _repair_run_file(self, run_id: str, problem: str) -> None:
+        """Replace an empty or torn run file (called holding the run lock, so no other
+        writer repairs it at the same time); a racer that recorded a run id meanwhile
+        wins."""
+        current = self._recorded_run_id()
+        if current is not None:
+            return
+        self.storage.write_bytes_atomic(RUN_FILE, _run_doc(run_id))
+        log.warning(
+            "replaced the damaged %s (%s): it now records run %r",
+            self.storage.url(RUN_FILE),
+            problem,
+            run_id,
+        )
 
     def _sweep(self) -> None:
         """Remove pending and trash data left by crashed saves and rotations.
@@ -369,11 +479,20 @@ class CheckpointManager:
         Only the holder of the run lock sweeps (the coordinator of a writing manager),
         at start-up, before any save of this job exists; the fence is checked before
         each deletion, so a job that lost the lock mid-sweep stops deleting.
+
+        An overwrite interrupted between its two renames (no atomic exchange) left its
+        step absent and both copies here: one is put back first (``recover_replaced``),
+        and nothing recovery could not settle is deleted, so the sweep never removes
+        the only complete copy of a step (DESIGN invariant 10).
         """
         if self._lock is None or not self._lock.is_held:
             return
+        self._lock.check()
+        recovery = recover_replaced(self.storage)
         for d in (PENDING_DIR, TRASH_DIR):
             for name in self.storage.listdir(d):
+                if f"{d}/{name}" in recovery.keep:
+                    continue
                 self._lock.check()
                 try:
                     self.storage.delete_tree(f"{d}/{name}")
@@ -384,11 +503,14 @@ class CheckpointManager:
                     )
         if isinstance(self._strategy, MarkerStrategy):
             # Marker saves leave their remains in place (checkpoint-<step>/ holding an
-            # in-progress marker and no manifest): only those directories are touched.
-            self._lock.check()
+            # in-progress marker and no manifest): only those directories are touched,
+            # only what was listed goes, and the fence is checked before each one, so a
+            # job that took over meanwhile (and may commit that step) is never undone.
             try:
-                for where in self._strategy.sweep(self.storage):
+                for where in self._strategy.sweep(self.storage, fence=self._lock.check):
                     log.info("removed abandoned marker-strategy data in %s", where)
+            except LockError:
+                raise  # fenced: this job must stop, not carry on without its lock
             except CheckpointError as exc:
                 log.warning("could not sweep abandoned saves in %s: %s", self.root, exc)
 
@@ -436,6 +558,24 @@ class CheckpointManager:
         if self.read_only:
             raise ReadOnlyError(f"this CheckpointManager on {self.root} is read-only")
 
+    def _check_step_order(self, step: int) -> None:
+        """Refuse a save below the newest committed step, on every rank alike (the
+        newest step is agreed at open and advanced by each commit), before anything is
+        written. Checkpoints are ordered by step: saved after 200, step 110 would be the
+        first checkpoint retention deletes, possibly by its own save's pass, and resume
+        would load 200, not the state just saved (issue 11, defect 2)."""
+        newest = self._newest_step
+        if newest is not None and step < newest:
+            raise StepOrderError(
+                f"cannot save step {step}: step {newest} is already committed in {self.root} "
+                f"(run {self.run_id!r}), and checkpoints are ordered by step, so retention "
+                f"would delete step {step} first and a resume would load step {newest}. To "
+                "continue from an older checkpoint, first call rollback(<that step>) on every "
+                f"rank (it deletes this run's checkpoints above it); or save a step above {newest}",
+                step=step,
+                newest=newest,
+            )
+
     def save(
         self,
         step: int,
@@ -452,14 +592,28 @@ class CheckpointManager:
         (a model + optimizer + scheduler + RNG state). With ``replicated=True`` every
         rank holds the same state and only the coordinator writes it.
 
+        ``overwrite=True`` replaces a committed ``step``: the new copy is committed
+        before the old one goes, and once it is, the save succeeds even if the old copy
+        cannot be removed (a warning; the next start or ``clean`` removes it). Without
+        an atomic exchange (sshfs, NFS, Windows) a crash between the two renames leaves
+        the step absent until the next start puts the new copy back.
+
         Returns:
             The committed checkpoint, identical on every rank, with ``timings_s``.
+
+        Raises:
+            StepOrderError: ``step`` is lower than the newest committed step of this
+                run (every rank, nothing written): ``rollback`` first to continue from
+                an older checkpoint.
+            CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
+            CheckpointError: a previous async save failed (raised once, every rank).
         """
         from .serialization import plan_state
 
         self._check_writable()
         self._finish_async()  # at most one save in flight
         step = validate_step(step)
+        self._check_step_order(step)
         metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
         writes = not replicated or self.is_coordinator
         rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
@@ -509,10 +663,13 @@ class CheckpointManager:
                     model.save_pretrained(d)
                 torch.save(optim.state_dict(), d / f"optim-{mgr.rank}.pt")
             info = mgr.last_saved
+
+        Raises ``StepOrderError`` (before the block runs) like ``save``.
         """
         self._check_writable()
         self._finish_async()  # at most one save in flight
         step = validate_step(step)
+        self._check_step_order(step)
         metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
         gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
         with gen as path:
@@ -562,7 +719,8 @@ class CheckpointManager:
             rank (its ``timings_s["snapshot"]`` is the copy time).
 
         Raises:
-            CheckpointError: the previous async save failed (raised once).
+            CheckpointError: the previous async save failed (raised once, every rank).
+            StepOrderError: as for ``save`` (checked after the previous save ended).
         """
         from dataclasses import replace
 
@@ -575,6 +733,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self._finish_async()
         self._finish_rotation()
+        self._check_step_order(step)
         if self._async is None:
             # Created once, on every rank at the same (first) save_async, so the clone's
             # key namespace is the same on every rank.
@@ -647,11 +806,14 @@ class CheckpointManager:
 
     def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Wait until the in-flight async save is committed and durable, and its
-        retention done. Not collective (each rank waits for its own part).
+        retention done. Not a collective exchange (each rank waits for its own part),
+        but call it on every rank alike: a failure is raised by the first of
+        ``wait``/``save``/``save_async``/``saving``/``close`` that follows the save.
 
         Returns:
             The committed checkpoint; None if no async save was in flight, or if its
-            failure was already raised by ``SaveHandle.result()``.
+            failure was already raised by this manager (``SaveHandle.result()`` does
+            not count: it is per rank, and every rank must raise at the same call).
 
         Raises:
             TimeoutError: still running after ``timeout_s`` (it goes on).
@@ -664,14 +826,16 @@ class CheckpointManager:
     def _finish_async(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         return None if self._async is None else self._async.wait(timeout_s)
 
-    def _close_async(self, why: str) -> BaseException | None:
-        """Finish (or, past ``timeout_s``, abandon) the in-flight async save; log which.
-        Returns its failure if the program was not told yet."""
+    def _close_async(self, why: str, stop_bound_s: float | None = None) -> BaseException | None:
+        """Finish the in-flight async save (past ``timeout_s``, ask it to stop) and wait
+        until it has ended, however it ends; log which. Returns its failure if this
+        manager has not raised it yet. ``stop_bound_s``: see
+        ``AsyncSaver.finish_or_abandon`` (interpreter exit only)."""
         saver = self._async
         if saver is None:
             return None
-        error = saver.finish_or_abandon(self.timeout_s, why)
-        if self._snapshots is not None:
+        error = saver.finish_or_abandon(self.timeout_s, why, stop_bound_s=stop_bound_s)
+        if self._snapshots is not None and not saver.is_running:
             self._snapshots.release()
         return error
 
@@ -679,10 +843,11 @@ class CheckpointManager:
         """atexit hook (registered by the first ``save_async``)."""
         if self._closed or (self._async is not None and self._async.owner_pid != os.getpid()):
             return  # closed already, or a forked child exiting: the parent owns the saves
-        self._close_async("interpreter exit")  # logged there; nobody left to raise to
         try:
-            self.close()
-        except Exception as exc:
+            # Bounded: a storage call that never returns must not keep the interpreter
+            # from exiting. A save still running then keeps the lock (see _close).
+            self._close("interpreter exit", stop_bound_s=min(self.timeout_s, 30.0))
+        except Exception as exc:  # logged there too; nobody left to raise to
             log.warning("closing %r at interpreter exit: %s", self, exc)
 
     def _save(
@@ -713,6 +878,8 @@ class CheckpointManager:
             manifest.info(self.storage.url(checkpoint_name(manifest.step))), timings
         )
         self.last_saved = info
+        if self._newest_step is None or manifest.step > self._newest_step:
+            self._newest_step = manifest.step
         if self.is_coordinator and self.retention is not None:
             self._start_rotation(manifest.step)
         if self.rank == 0:
@@ -750,7 +917,7 @@ class CheckpointManager:
             for s, m, t in views[0]
             if s in common
         ]
-        victims = {i.step for i in plan_deletions(self.retention, infos)}
+        victims = {i.step for i in plan_deletions(self.retention, infos, protect=(step,))}
         newest_common = max(common, default=-1)
         mine = views[self.domain.index]
         # Steps only some domains committed (a save that failed half way) never count;
@@ -761,32 +928,49 @@ class CheckpointManager:
     def _start_rotation(self, newest: int) -> None:
         """Rotation after a durable commit, on the coordinator, off the training thread.
 
-        The next save (and ``close``) waits for it, so a delete never races a save.
+        The next save (and ``close``, ``rollback``, ``checkpoints``) waits for it, so a
+        delete never races a save, and nothing of it runs after ``close``.
         """
-        self._rotation = threading.Thread(
+        with self._rotation_lock:
+            previous = self._rotation
+        if previous is not None:
+            previous.join()  # one rotation at a time; normally already joined by the save
+        rotation = threading.Thread(
             target=self._rotate, args=(newest,), name="atomic-checkpoint-rotation", daemon=True
         )
-        self._rotation.start()
+        # Started before it is published: the training thread may join it at any moment
+        # (checkpoints(), restore() during an async save's commit), and a thread that is
+        # not started yet cannot be joined.
+        rotation.start()
+        with self._rotation_lock:
+            self._rotation = rotation
 
     def _rotate(self, newest: int) -> None:
+        """Apply retention after the commit of step ``newest`` (the step just saved).
+
+        That step is never deleted here, whatever the policy or the other steps in ROOT
+        say (DESIGN invariant 10: a save that returned success keeps its checkpoint);
+        saves below the newest step are refused anyway (``StepOrderError``).
+        """
         from .retention import plan_deletions
 
         try:
             if self.domain.count > 1:
                 # Decided from every domain's view, gathered with the commit.
                 for step in self._domain_victims.pop(newest, []):
-                    self._delete_checkpoint(step)
+                    if step != newest:
+                        self._delete_checkpoint(step)
                 return
             manifests = catalog.committed(self.storage, run_id=self.run_id, warn=False)
             infos = [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
             if newest not in {i.step for i in infos}:
                 return  # our own commit is not visible: decide nothing on a stale view
-            for victim in plan_deletions(self.retention, infos):
+            for victim in plan_deletions(self.retention, infos, protect=(newest,)):
                 self._delete_checkpoint(victim.step)
         except BaseException as exc:  # reported at the next save or close
             self._rotation_error = exc
 
-    def _delete_checkpoint(self, step: int) -> None:
+    def _delete_checkpoint(self, step: int, *, why: str = "retention") -> None:
         """Un-commit first (leave the discoverable namespace), then delete the data."""
         name = checkpoint_name(step)
         self._check_fence()  # a job that lost the run lock deletes nothing
@@ -798,13 +982,13 @@ class CheckpointManager:
         fault_point("after_uncommit", self.rank, step)
         fault_point("mid_delete", self.rank, step)
         self._strategy.delete(self.storage, uncommitted)
-        log.info("retention: deleted %s", name)
+        log.info("%s: deleted %s", why, name)
 
     def _finish_rotation(self) -> None:
-        t = self._rotation
+        with self._rotation_lock:
+            t, self._rotation = self._rotation, None
         if t is not None:
             t.join()
-            self._rotation = None
         err, self._rotation_error = self._rotation_error, None
         if err is not None:
             log.warning(
@@ -832,7 +1016,15 @@ class CheckpointManager:
 
     def latest(self) -> CheckpointInfo | None:
         """The newest valid checkpoint of this run, or None. Collective: every rank gets
-        the coordinator's answer, so all ranks resume from the same step."""
+        the coordinator's answer, so all ranks resume from the same step.
+
+        "Valid" here means committed, manifest intact, every file present with its
+        listed size: one manifest read and one ``stat`` per file, cheap even for
+        terabyte checkpoints on a network filesystem. Checksums are not computed here
+        (that is a full read of every file); ``restore()`` without a step checks them
+        while it loads, and falls back to an older checkpoint on every rank if the
+        newest one fails (see ``restore``).
+        """
         found = self.checkpoints()
         return found[-1] if found else None
 
@@ -846,29 +1038,156 @@ class CheckpointManager:
         allow_pickle: bool | None = None,
         rank: int | None = None,
     ) -> Any:
-        """Load this rank's state of checkpoint ``step`` (default: the newest valid).
-        Collective.
+        """Load this rank's state of checkpoint ``step`` (default: the newest that
+        verifies). Collective, and one answer (DESIGN invariant 11): every rank returns
+        the state of the same step, or every rank raises the same error.
+
+        Each rank reads only its own file; with ``verify`` its checksum is computed
+        while it is read (no second pass). The ranks then exchange how their load went:
+
+        - ``step=None``: if any rank's file of the newest checkpoint is corrupt (fails
+          its checksum, torn, not a valid state file), every rank logs a warning naming
+          the file(s) and loads the next older checkpoint instead, and so on. The cost
+          of a corrupt checkpoint is the read of it; ``latest()`` stays a cheap check of
+          sizes. If none is left, ``CorruptCheckpointError`` lists what was skipped.
+        - ``step=N``: a corrupt ``N`` raises the same ``CorruptCheckpointError`` (naming
+          the rank(s) and file(s)) on every rank.
+
+        Other failures (I/O errors, ``allow_pickle`` refusals) are never skipped: every
+        rank raises, the failing rank's own error where every rank failed alike, else
+        the same ``DistributedCheckpointError`` naming the failing ranks.
+
+        A reader racing an overwrite of the step (another job saving it again with
+        ``overwrite=True``) could pair the manifest of one copy with the files of the
+        other: after loading, each rank reads the manifest again, and if it changed on
+        any rank, every rank reads the new copy (bounded, ``catalog.READ_ATTEMPTS``).
 
         Args:
             into: an existing state of the same structure (e.g. ``model.state_dict()``):
-                tensors are read straight into it (the fast path).
+                tensors are read straight into it (the fast path). After a fallback it
+                holds the older checkpoint's values.
             device: move loaded tensors there (e.g. ``"cuda:0"``).
             verify: check the checksum of every byte read (cheap: hashed while reading).
+                Without it, a corrupt file is found only where it does not parse.
             allow_pickle: override the manager's setting for this call.
             rank: read this rank's state instead of the calling rank's (tools, readers).
-        """
-        from .serialization import load_state
 
-        if step is None:
-            newest = self.latest()  # collective: every rank gets the same answer
-            if newest is None:
+        Raises:
+            CheckpointNotFoundError: no checkpoint of this run (``step=None``), or no
+                checkpoint ``step``.
+            CorruptCheckpointError: the checkpoint (``step``), or every checkpoint
+                (``step=None``), does not verify.
+        """
+        load = functools.partial(
+            self._load_here,
+            into=into,
+            device=device,
+            verify=verify,
+            allow_pickle=allow_pickle,
+            rank=rank,
+        )
+        if step is not None:
+            return self._restore_agreed(validate_step(step), load)
+        skipped: list[str] = []
+        tried: set[int] = set()
+        while True:
+            candidates = [c for c in self.checkpoints() if c.step not in tried]
+            if not candidates:
+                if skipped:
+                    raise CorruptCheckpointError(
+                        f"no checkpoint of run {self.run_id!r} in {self.root} verifies: "
+                        + "; ".join(skipped)
+                        + ". Restore one of them with restore(step=...) only after "
+                        "repairing it; `atomic-checkpoint verify` lists every problem"
+                    )
                 raise CheckpointNotFoundError(
                     f"no valid checkpoint of run {self.run_id!r} in {self.root}"
                 )
-            step = newest.step
-        manifest = self._collective(
-            "resolve", self._resolve_coordinator if self.is_coordinator else None, step=step
+            newest = candidates[-1].step
+            tried.add(newest)
+            try:
+                state = self._restore_agreed(newest, load)
+            except CheckpointNotFoundError:
+                continue  # un-committed meanwhile (retention, rollback): list again
+            except UnsafeCheckpointError:
+                raise  # a refusal (pickle) that an older checkpoint would repeat
+            except CorruptCheckpointError as exc:
+                log.warning(
+                    "restore: skipping checkpoint step %d on every rank: %s; trying the "
+                    "next older checkpoint",
+                    newest,
+                    exc,
+                )
+                skipped.append(f"step {newest}: {exc}")
+                continue
+            if skipped and self._newest_step is not None and self._newest_step > newest:
+                # Every checkpoint above this one failed verification, on every rank
+                # alike: training goes on from here, so the next save (above this step,
+                # below the corrupt ones) must not be refused as a rollback. The corrupt
+                # checkpoints stay on disk for inspection; rollback(step) removes them.
+                self._newest_step = newest
+            return state
+
+    #: The checkpoint the last successful ``restore`` loaded (after a fallback, the older
+    #: one), the same on every rank.
+    last_restored: CheckpointInfo | None = None
+
+    def _restore_agreed(self, step: int, load: Callable[[Manifest], Any]) -> Any:
+        """Resolve ``step`` once (coordinator), load on every rank, agree on the outcome;
+        read again if the step was replaced while being read."""
+        for _ in range(catalog.READ_ATTEMPTS):
+            resolved = self._collective(
+                "resolve", self._resolve_coordinator if self.is_coordinator else None, step=step
+            )
+            if isinstance(resolved, CheckpointError):
+                raise resolved  # the coordinator's error, the same on every rank
+            manifest: Manifest = resolved
+            state: Any = None
+            error: Exception | None = None
+            try:
+                state = load(manifest)
+            except Exception as exc:  # shared below, then raised on every rank
+                error = exc
+            # A reader racing an overwrite: a file opened after the swap belongs to the
+            # new copy. Reading the manifest again after every file was opened (and
+            # read) tells: unchanged on every rank means every rank read this copy.
+            try:
+                now = catalog.manifest_now(self.storage, checkpoint_name(step))
+                changed = now is None or not catalog.same_copy(now, manifest)
+            except CheckpointError as exc:  # shared like a failed load, never raised alone
+                changed, error = False, error or exc
+            mine = (changed, None if error is None else _restore_failure(error, self.rank))
+            outcomes = self._collective_all(
+                f"restore step {step}: outcome",
+                lambda out=mine: out,
+            )
+            if any(c for c, _ in outcomes):
+                log.info("checkpoint step %d was replaced while being read: reading it again", step)
+                continue
+            failures = [f for _, f in outcomes if f is not None]
+            if not failures:
+                self.last_restored = manifest.info(self.storage.url(checkpoint_name(step)))
+                return state
+            raise _agreed_restore_error(step, failures, error, self.world_size)
+        raise CheckpointError(
+            f"checkpoint step {step} in {self.root} was replaced {catalog.READ_ATTEMPTS} times "
+            "while being read (it is being saved again and again with overwrite=True): "
+            "restore it once the writer stops"
         )
+
+    def _load_here(
+        self,
+        manifest: Manifest,
+        *,
+        into: Any,
+        device: Any,
+        verify: bool,
+        allow_pickle: bool | None,
+        rank: int | None,
+    ) -> Any:
+        """This rank's part of ``restore``: read (and verify) its file of ``manifest``."""
+        from .serialization import load_state
+
         rel = checkpoint_name(manifest.step)
         if manifest.state_kind == "files":
             raise CheckpointError(
@@ -928,8 +1247,14 @@ class CheckpointManager:
             reader.check(entry, self.storage.url(path), self.storage)
         return state
 
-    def _resolve_coordinator(self, step: int) -> Manifest:
-        return catalog.load_checkpoint(self.storage, validate_step(step))
+    def _resolve_coordinator(self, step: int) -> Manifest | CheckpointError:
+        """The manifest of ``step`` (presence and sizes checked), or the error that says
+        why there is none: returned, not raised, so that every rank raises this very
+        error (type and message), not a wrapper."""
+        try:
+            return catalog.load_checkpoint(self.storage, validate_step(step))
+        except CheckpointError as exc:
+            return exc
 
     def checkpoint_path(self, step: int) -> str:
         """Where checkpoint ``step`` lives (whether or not it exists)."""
@@ -942,20 +1267,123 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
-        """Finish background work (an in-flight async save, rotation). Idempotent.
+        """Finish background work, then release the run lock. Idempotent.
 
-        An in-flight async save is finished; if it cannot finish within ``timeout_s``
-        it is abandoned (never committed) and ``SaveAbandonedError`` is raised. Either
-        is logged. A failure of it not yet reported is raised here, after closing.
+        An in-flight async save gets ``timeout_s`` to finish; past that it is asked to
+        stop. Either way ``close`` waits until the save has ended, however long its
+        last storage call takes (a save past its last fence check is renaming or
+        fsyncing its commit, which cannot be taken back), and reports what happened:
+
+        - the save committed (in time, or because it was already committing when asked
+          to stop): ``close`` returns;
+        - it failed, or stopped before its commit: ``close`` raises its error
+          (``SaveAbandonedError`` when it was stopped) unless this manager raised it
+          already; nothing of it is a checkpoint.
+
+        Only then does ``close`` wait for that save's retention and release the run
+        lock: after ``close`` returns or raises, no thread of this manager touches
+        ROOT (DESIGN invariant 12). Both outcomes are logged.
         """
         if self._closed:
             return
-        async_error = self._close_async("close()")
+        self._close("close()", stop_bound_s=None)
+
+    def _close(self, why: str, *, stop_bound_s: float | None) -> None:
+        async_error = self._close_async(why, stop_bound_s)
+        if self._async is not None and self._async.is_running:
+            # Interpreter exit only (close() waits without a bound): the save is stuck in
+            # a storage call. Keep the run lock: released, another job could take ROOT
+            # while this save may still rename into it; held by a process about to end,
+            # it is taken over once the process is gone (logged by the saver).
+            self._closed = True
+            return
         self._finish_rotation()
         self._release_lock()
         self._closed = True
         if async_error is not None:
             raise async_error
+
+    # ------------------------------------------------------------------ rollback
+    def rollback(self, step: int) -> list[int]:
+        """Discard this run's checkpoints above ``step``, to continue training from an
+        older checkpoint. Collective: call it on every rank.
+
+        A save below the newest committed step raises ``StepOrderError``; to go back
+        from step 200 to step 100, ``restore(100)`` and ``rollback(100)`` (in either
+        order), then save 110, 120, ... Each checkpoint of this run above ``step`` is
+        un-committed (taken out of the namespace, after checking this job still holds
+        the run lock), then deleted, newest first: a crash midway leaves the older
+        ones, never a half-deleted checkpoint that a reader could find. Other runs'
+        checkpoints and entries that are not ours are never touched. Waits for an
+        in-flight async save and for retention first (raising the save's failure, as
+        ``save`` does).
+
+        Args:
+            step: the step to continue from; it need not exist (``rollback(0)`` keeps
+                only a step 0).
+
+        Returns:
+            The removed steps, newest first; the same list on every rank (with several
+            storage domains, the steps removed in any of them). Empty if nothing was
+            above ``step``. Saves of steps above ``step`` are allowed afterwards.
+
+        Raises:
+            FencedError: another job took over ROOT; nothing more is deleted.
+            CheckpointError: a removal failed: every rank raises the same error, the
+                checkpoints not removed yet are still valid, and calling ``rollback``
+                again finishes the job.
+        """
+        self._check_writable()
+        step = validate_step(step)
+        self._finish_async()
+        self._finish_rotation()
+        views = self._collective_all(
+            "rollback", self._rollback_coordinator if self.is_coordinator else None, step=step
+        )
+        leaders = self.domain.leaders
+        removed = sorted({s for lead in leaders for s in views[lead][0]}, reverse=True)
+        remaining = set.intersection(*(set(views[lead][1]) for lead in leaders))
+        self._newest_step = max(remaining, default=None)
+        if self.rank == 0:
+            log.info(
+                "rollback to step %d in %s: removed step(s) %s; the newest checkpoint is now %s",
+                step,
+                self.root,
+                removed,
+                self._newest_step,
+            )
+        return removed
+
+    def _rollback_coordinator(self, step: int) -> tuple[list[int], list[int]]:
+        """Remove this domain's checkpoints of this run above ``step``, newest first.
+        Returns the removed steps and the valid steps left (at or below ``step``)."""
+        ours = [
+            (e.step, e.status)
+            for e in catalog.scan(self.storage, run_id=self.run_id)
+            # "corrupt" with a manifest: ours (same run id), failing validation; without
+            # a manifest nobody can tell whose it is, so it is left alone.
+            if e.status in ("ok", "corrupt") and e.manifest is not None and e.step is not None
+        ]
+        victims = sorted({s for s, _ in ours if s > step})
+        remaining = sorted(s for s, status in ours if status == "ok" and s <= step)
+        removed: list[int] = []
+        for victim in reversed(victims):
+            try:
+                self._delete_checkpoint(victim, why="rollback")
+            except BaseException:
+                log.error(
+                    "rollback to step %d in %s: removed step(s) %s, then removing step %d "
+                    "failed; step(s) %s were not touched. Call rollback(%d) again",
+                    step,
+                    self.root,
+                    removed,
+                    victim,
+                    [v for v in victims if v < victim],
+                    step,
+                )
+                raise
+            removed.append(victim)
+        return removed, remaining
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -1058,6 +1486,48 @@ class _SavingBlock:
             self.info = self.mgr._after_commit(*self._result)
 
 
+def _newest_committed(setups: list[Any], domain: Domain) -> int | None:
+    """The newest step valid in every storage domain, from the leaders' views at open
+    (None: there is none, or the manager is read-only and did not list them)."""
+    views = [set((setups[lead] or {}).get("valid_steps") or ()) for lead in domain.leaders]
+    return max(set.intersection(*views), default=None) if views else None
+
+
+def _restore_failure(exc: Exception, rank: int) -> tuple[RankFailure, str]:
+    """What one rank tells the others about its failed load, and its kind: ``corrupt``
+    (the checkpoint is bad: a fallback may skip it), ``refused`` (an unsafe checkpoint
+    or a pickle refusal, which an older checkpoint may well repeat) or ``error`` (I/O,
+    arguments: says nothing about the checkpoint)."""
+    if isinstance(exc, UnsafeCheckpointError):
+        kind = "refused"
+    elif isinstance(exc, (CorruptCheckpointError, CheckpointNotFoundError)):
+        # A file the manifest lists that cannot be opened is as corrupt as a torn one.
+        kind = "corrupt"
+    else:
+        kind = "error"
+    return RankFailure(rank, "restore", type(exc).__name__, str(exc) or repr(exc)), kind
+
+
+def _agreed_restore_error(
+    step: int, failures: list[tuple[RankFailure, str]], mine: Exception | None, world: int
+) -> Exception:
+    """The one error every rank raises after a failed load, built from what every rank
+    sent, so type and message are the same everywhere (DESIGN invariant 11)."""
+    if world == 1 and mine is not None:
+        return mine
+    if all(kind == "corrupt" for _, kind in failures):
+        return CorruptCheckpointError(
+            f"checkpoint step {step} does not verify on {len(failures)} of {world} rank(s): "
+            + "; ".join(f"rank {f.rank}: {f.message}" for f, _ in failures)
+        )
+    types = {f.error_type for f, _ in failures}
+    if len(failures) == world and len(types) == 1 and mine is not None:
+        return mine  # every rank failed alike: its own error (same type everywhere)
+    return DistributedCheckpointError(
+        [RankFailure(f.rank, f"restore step {step}", f.error_type, f.message) for f, _ in failures]
+    )
+
+
 def _common_steps(views: list[Any], domain: Domain) -> list[Manifest]:
     """This rank's leader's manifests, restricted to the steps every domain committed."""
     mine: list[Manifest] = views[domain.leader]
@@ -1090,9 +1560,14 @@ def _report_files(storage: Storage, pending: str, rank: int) -> RankReport:
     t_write = time.perf_counter() - t
     t = time.perf_counter()
     if local is not None:
-        dirs = {os.path.dirname(os.path.join(local, *e.path.split("/"))) for e in entries}
-        for d in sorted(dirs, key=len, reverse=True):
-            storage.fsync_dir(os.path.relpath(d, storage.local_path("") or "").replace(os.sep, "/"))
+        # Every directory the block created, not only the parents of files: a directory
+        # holding only subdirectories has entries too, and they are durable only once
+        # it is fsync'd (DESIGN invariant 2). Bottom-up, so each directory is fsync'd
+        # after everything below it is final; symlinked directories are not followed.
+        dirs = [dirpath for dirpath, _dirs, _files in os.walk(local)]
+        for d in sorted(dirs, key=lambda d: d.count(os.sep), reverse=True):
+            rel = os.path.relpath(d, local).replace(os.sep, "/")
+            storage.fsync_dir(pending if rel == "." else f"{pending}/{rel}")
     return RankReport(tuple(entries), t_write, time.perf_counter() - t)
 
 

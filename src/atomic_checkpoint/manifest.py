@@ -26,6 +26,12 @@ SCHEMA_VERSION = 1
 FORMAT_NAME = "atomic-checkpoint"
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is corrupt, not a checkpoint
 MAX_MANIFEST_BYTES = 64 << 20
+# Integers in a manifest (commit sequence, world size, ranks, counts) are below this;
+# a 400-digit number is corrupt, not a counter.
+_MAX_INT = 1 << 63
+# created_unix is within this many seconds of the epoch (year ~33,000): a float like
+# 1e300 would crash whatever formats it as a date.
+_MAX_UNIX_S = 1e12
 
 _xxhash: Any
 try:
@@ -167,7 +173,12 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{where}: manifest is {len(data)} bytes, too large")
         try:
-            doc = json.loads(data.decode("utf-8"))
+            doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        except RecursionError as exc:
+            # Deeply nested arrays or objects: json recurses once per level.
+            raise CorruptCheckpointError(
+                f"{where}: manifest is not valid JSON (nested too deeply to parse)"
+            ) from exc
         except (UnicodeDecodeError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({exc})") from exc
         if not isinstance(doc, dict):
@@ -175,7 +186,7 @@ class Manifest:
         if doc.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not an atomic-checkpoint manifest")
         version = doc.get("schema_version")
-        if not isinstance(version, int) or isinstance(version, bool):
+        if not isinstance(version, int) or isinstance(version, bool) or version >= _MAX_INT:
             raise CorruptCheckpointError(f"{where}: schema_version missing or not an int")
         if version > SCHEMA_VERSION:
             raise UnsupportedSchemaError(
@@ -200,43 +211,64 @@ class Manifest:
                 seen.add(path)
                 size = _get(raw, "size", int, where)
                 if size < 0 or size > MAX_FILE_SIZE:
-                    raise CorruptCheckpointError(f"{where}: file {path!r} has absurd size {size}")
+                    raise CorruptCheckpointError(
+                        f"{where}: file {path!r} has absurd size {_short(size)}"
+                    )
                 rank = raw.get("rank")
-                if rank is not None and (not isinstance(rank, int) or rank < 0):
+                if rank is not None and (
+                    not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < _MAX_INT
+                ):
                     raise CorruptCheckpointError(f"{where}: file {path!r} has invalid rank")
                 files.append(FileEntry(path, size, _get(raw, "checksum", str, where), rank))
             metrics = _get(doc, "metrics", dict, where)
             for k, v in metrics.items():
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise CorruptCheckpointError(f"{where}: metric {k!r} is not a number")
+                if not (isinstance(v, float) or abs(v) < _MAX_INT) or not math.isfinite(v):
+                    raise CorruptCheckpointError(
+                        f"{where}: metric {k!r} is {_short(v)}, not a finite number"
+                    )
             algorithm = _get(doc, "checksum_algorithm", str, where)
             if algorithm not in ("xxh3_64", "crc32"):
                 raise UnsupportedSchemaError(f"{where}: unknown checksum algorithm {algorithm!r}")
             world = _get(doc, "world_size", int, where)
-            if world < 1:
-                raise CorruptCheckpointError(f"{where}: world_size must be >= 1")
+            if not 1 <= world < _MAX_INT:
+                raise CorruptCheckpointError(f"{where}: world_size must be >= 1 (and < 2**63)")
             domain_ranks: tuple[int, ...] | None = None
             domain_count = 1
             if "domain" in doc:
                 dom = _get(doc, "domain", dict, where)
                 ranks = _get(dom, "ranks", list, where)
                 domain_count = _get(dom, "count", int, where)
-                if domain_count < 1 or not all(
+                if not 1 <= domain_count < _MAX_INT or not all(
                     isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in ranks
                 ):
                     raise CorruptCheckpointError(f"{where}: invalid storage-domain record")
                 domain_ranks = tuple(ranks)
             kind = _get(doc, "state_kind", str, where)
             if kind not in ("per_rank", "replicated", "files"):
-                raise CorruptCheckpointError(f"{where}: unknown state_kind {kind!r}")
+                raise CorruptCheckpointError(f"{where}: unknown state_kind {kind!r:.80}")
+            commit_seq = _get(doc, "commit_seq", int, where)
+            if not 0 <= commit_seq < _MAX_INT:
+                raise CorruptCheckpointError(
+                    f"{where}: commit_seq {_short(commit_seq)} is not in 0..2**63-1"
+                )
+            created = _get(doc, "created_unix", (int, float), where)
+            if not (isinstance(created, float) or abs(created) < _MAX_INT) or not (
+                math.isfinite(created) and abs(created) <= _MAX_UNIX_S
+            ):
+                raise CorruptCheckpointError(
+                    f"{where}: created_unix {_short(created)} is not a time (seconds since "
+                    "the epoch)"
+                )
             return cls(
                 step=step,
                 run_id=_get(doc, "run_id", str, where),
-                commit_seq=_get(doc, "commit_seq", int, where),
+                commit_seq=commit_seq,
                 world_size=world,
                 files=tuple(files),
                 state_kind=kind,
-                created_unix=float(_get(doc, "created_unix", (int, float), where)),
+                created_unix=float(created),
                 metrics={str(k): float(v) for k, v in metrics.items()},
                 metadata=_get(doc, "metadata", dict, where),
                 checksum_algorithm=algorithm,
@@ -246,8 +278,10 @@ class Manifest:
                 domain_ranks=domain_ranks,
                 domain_count=domain_count,
             )
-        except (TypeError, ValueError) as exc:
-            raise CorruptCheckpointError(f"{where}: {exc}") from exc
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            # A check above that does not cover some hostile shape: still "corrupt",
+            # never an error that stops discovery of the rest of ROOT.
+            raise CorruptCheckpointError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
     def info(self, path: str) -> CheckpointInfo:
         return CheckpointInfo(
@@ -260,6 +294,18 @@ class Manifest:
             commit_seq=self.commit_seq,
             metadata=dict(self.metadata),
         )
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _short(value: Any) -> str:
+    """``value`` for an error message, at most 40 characters (a hostile number can have
+    thousands of digits; Python refuses to print ints of more than 4300)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+        return f"a {value.bit_length()}-bit integer"
+    return f"{value!r:.40}"
 
 
 def _get(doc: Mapping[str, Any], key: str, typ: Any, where: str) -> Any:

@@ -22,18 +22,41 @@ save finishes and commits as usual, and the next boundary decides to stop. The s
 must fit into the grace period: periodic saves stay the real guarantee, the preemption
 save only shortens the work lost.
 
-Example::
+Example (the README's "Preemption" section has the launcher and scheduler parts)::
 
-    with PreemptionGuard(mgr) as guard:
+    from atomic_checkpoint import preemption
+    preemption.arm()                  # first lines of the script: signals are recorded
+    ...                               # process group, model, data, restore
+    with PreemptionGuard(mgr, grace_s=30) as guard:     # adopts a signal that came early
         for step in range(start, total_steps):
             train_step()
-            stop = guard.should_save(step)       # every rank, every step
-            if stop or step % 500 == 0:
+            if guard.should_save(step) or (step % 500 == 0 and not guard.stopping):
                 mgr.save(step, state)
-            if stop:
+            if guard.stopping:
                 break
     mgr.close()
-    sys.exit(0 if guard.decided_step is None else 143)   # let the scheduler requeue
+    guard.exit()                      # status REQUEUE_EXIT_CODE (75) when preempted, else 0
+
+From the first instant: a signal that arrives before the guard exists (while the
+process group forms, the model is built, the first checkpoint is restored) would kill
+the process on the default action. :func:`arm` (or ``ATOMIC_CHECKPOINT_ARM=1`` in the
+environment, read when ``atomic_checkpoint`` is imported) installs the same recording
+handler at once; the guard created later adopts what it recorded, with the time it
+arrived, and its first ``should_save`` stops the job on every rank.
+
+The deadline: the guard knows the grace period (``grace_s=``, else
+``ATOMIC_CHECKPOINT_GRACE_S``) and measures the saves it sees (``mgr.last_saved``).
+When the ranks agree to stop, a save is started only if the slowest recent save, with
+a margin, fits in what is left of the grace period on the rank that was signalled
+first; otherwise ``should_save`` returns False, ``stopping`` is True, the previous
+checkpoint stays the newest, and a warning says why. A save cut by the final SIGKILL
+would not be torn (the commit is atomic) but would be time spent for nothing.
+
+The requeue code: ``guard.exit()`` ends every rank with ``guard.exit_code``,
+``REQUEUE_EXIT_CODE`` (75, ``EX_TEMPFAIL``: "try again later") once the ranks stopped
+for a preemption;
+``python -m atomic_checkpoint.launch`` (torchrun with the same arguments) exits with it
+too, whether the signal went to it, to the workers, or to both.
 
 Call ``should_save`` in every loop that can run for long (evaluation, warm-up), with
 the same number of calls on every rank: a flag that is looked at only in the main loop
@@ -49,12 +72,21 @@ import threading
 import time
 from collections.abc import Iterable
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import CheckpointError
 from .layout import validate_step
 
-__all__ = ["DEFAULT_SIGNALS", "PreemptionGuard"]
+__all__ = [
+    "ARM_ENV",
+    "DEFAULT_SIGNALS",
+    "GRACE_ENV",
+    "REQUEUE_EXIT_CODE",
+    "PreemptionGuard",
+    "arm",
+    "armed",
+    "disarm",
+]
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -64,25 +96,156 @@ DEFAULT_SIGNALS: tuple[int, ...] = tuple(
     s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s
 )
 
+#: The exit status of a process (every rank, and ``atomic_checkpoint.launch``) that
+#: stopped because it was preempted: "requeue me". 75 is ``EX_TEMPFAIL`` of
+#: sysexits.h, "a temporary failure; try again later". It is not 128+SIGTERM (143): a
+#: process killed by SIGTERM on the default action reports that too, and a scheduler
+#: rule must tell "stopped cleanly, resume me" from "died".
+REQUEUE_EXIT_CODE = 75
+
+#: ``ATOMIC_CHECKPOINT_ARM=1``: :func:`arm` runs when ``atomic_checkpoint`` is imported.
+ARM_ENV = "ATOMIC_CHECKPOINT_ARM"
+#: ``ATOMIC_CHECKPOINT_GRACE_S=30``: the grace period, when ``grace_s`` is not given.
+GRACE_ENV = "ATOMIC_CHECKPOINT_GRACE_S"
+
+#: A save is started only if ``MARGIN`` times the slowest recent save fits in the time
+#: left: save durations vary (page cache, a busy filesystem), and the process still has
+#: to close the manager and exit after the commit.
+MARGIN = 1.25
+#: How many recent saves the estimate looks at.
+RECENT_SAVES = 5
+
+
+class _Record:
+    """The first signal a process received: what a handler stores, nothing else."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() when it arrived
+
+    def on_signal(self, signum: int, previous: dict[int, Any]) -> None:
+        # Runs in the main thread between two bytecodes, possibly in the middle of a
+        # save or a collective: it must not save, log (the logging lock may be held by
+        # the code it interrupted) or raise. It records, and the interrupted code goes
+        # on where it was (PEP 475: interrupted system calls are retried).
+        if os.getpid() != self.pid:
+            # A forked child (a DataLoader worker) inherited the handler. It is not a
+            # trainer and never saves; it reacts to the signal as it did before the
+            # handler existed (by default: it dies), so the signal is not swallowed.
+            before = previous.get(signum)
+            signal.signal(signum, before if before is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.signum is None:
+            self.signum = signum
+            self.at = time.monotonic()
+
+
+class _Armed:
+    def __init__(self, signals: tuple[int, ...]):
+        self.signals = signals
+        self.record = _Record()
+        self.previous: dict[int, Any] = {}
+        self.handler = self._on_signal  # one bound method: disarm() recognises it
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.record.on_signal(signum, self.previous)
+
+
+_armed: _Armed | None = None
+
+
+def arm(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """Record preemption signals from now on, before any guard, manager or process
+    group exists; the first :class:`PreemptionGuard` of the process adopts the record.
+
+    Call it in the first lines of the training script, in the main thread (or set
+    ``ATOMIC_CHECKPOINT_ARM=1`` in the training processes' environment). Until a guard
+    exists, a signal only sets the record: the start-up goes on, and the guard's first
+    ``should_save`` stops every rank (and saves, when a save fits in the grace
+    period). Only for processes that create a guard: a process that never does would
+    ignore SIGTERM until the scheduler's SIGKILL. Idempotent; :func:`disarm` undoes it.
+
+    Raises:
+        CheckpointError: not called from the main thread.
+    """
+    global _armed
+    if threading.current_thread() is not threading.main_thread():
+        raise CheckpointError(
+            "preemption.arm() must be called in the main thread: Python runs signal "
+            "handlers there only, and only the main thread may install them"
+        )
+    wanted = tuple(signal.Signals(s) for s in signals)
+    if not wanted:
+        raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
+    if _armed is not None and _armed.record.pid == os.getpid():
+        if set(wanted) <= set(_armed.signals):
+            return
+        disarm()
+    state = _Armed(wanted)
+    for s in wanted:
+        state.previous[s] = signal.getsignal(s)
+        signal.signal(s, state.handler)
+    _armed = state
+
+
+def disarm() -> None:
+    """Put back the handlers :func:`arm` replaced (those still its own) and forget
+    what it recorded. Main thread."""
+    global _armed
+    state, _armed = _armed, None
+    if state is None or state.record.pid != os.getpid():
+        return
+    for s, previous in state.previous.items():
+        if signal.getsignal(s) == state.handler:
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+
+
+def armed() -> tuple[int | None, float | None] | None:
+    """``(signum, monotonic time)`` of the first signal recorded since :func:`arm`
+    (``(None, None)`` if none came yet), or None when this process is not armed."""
+    if _armed is None or _armed.record.pid != os.getpid():
+        return None
+    return _armed.record.signum, _armed.record.at
+
+
+def _grace_from_env() -> float | None:
+    text = os.environ.get(GRACE_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"{GRACE_ENV}={text!r} is not a number of seconds (e.g. {GRACE_ENV}=30)"
+        ) from None
+    if not value > 0:
+        raise ValueError(f"{GRACE_ENV}={text!r} must be a positive number of seconds")
+    return value
+
 
 class PreemptionGuard:
     """Turns preemption signals into one agreed, synchronous save at a step boundary.
 
     Created on every rank, from the main thread, after the ``CheckpointManager``. The
     handlers it installs replace the previous ones until :meth:`close` (or the end of
-    the ``with`` block) puts the previous ones back.
+    the ``with`` block) puts the previous ones back. A signal recorded by :func:`arm`
+    before the guard existed counts as received by the guard.
 
     Args:
         manager: the job's ``CheckpointManager``; its coordinator carries the vote.
         signals: the signals that mean "save and stop".
         timeout_s: bound on the wait for the other ranks in ``should_save``; default:
             the manager's ``timeout_s``.
-        grace_s: the scheduler's grace period, if known: when the ranks decide to
-            save, a warning says so if the previous save took longer than this.
+        grace_s: the scheduler's grace period (seconds from the signal to the
+            SIGKILL); default: ``ATOMIC_CHECKPOINT_GRACE_S``, else unknown. When
+            known, a preemption save is started only if recent saves say it fits.
 
     Raises:
         CheckpointError: not called from the main thread (Python delivers signals to
             the main thread only, and only it may install handlers).
+        ValueError: no signals, or a grace period that is not a positive number.
     """
 
     def __init__(
@@ -101,18 +264,23 @@ class PreemptionGuard:
         self.signals: tuple[int, ...] = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
             raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
+        if grace_s is not None and not grace_s > 0:
+            raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
         self._manager = manager
         self._coord = manager.coordinator
         self.timeout_s = float(manager.timeout_s if timeout_s is None else timeout_s)
-        self.grace_s = grace_s
-        self._pid = os.getpid()
-        self._signum: int | None = None
-        self._signalled_at: float | None = None
-        #: The step at which the ranks agreed to save (None until they do).
+        self.grace_s: float | None = grace_s if grace_s is not None else _grace_from_env()
+        self._record = _Record()
+        #: The step at which the ranks agreed to stop (None until they do).
         self.decided_step: int | None = None
         #: The ranks that had received a signal when the ranks agreed.
         self.requested_by: tuple[int, ...] = ()
+        #: Why the agreed stop saves nothing (the save would not fit), else None.
+        self.skipped_save: str | None = None
+        self._save_now = False
         self._checks = 0
+        self._recent: list[float] = []  # durations of the last saves seen, seconds
+        self._seen_save: Any = None
         self._previous: dict[int, Any] = {}
         self._closed = False
         # One bound method, kept: close() recognises its own handler by equality.
@@ -120,43 +288,82 @@ class PreemptionGuard:
         for s in self.signals:
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handler)
+        # After the handlers are in place, so that no signal falls between the two.
+        early = armed()
+        if early is not None and early[0] is not None and self._record.signum is None:
+            self._record.signum, self._record.at = early
+        self._note_save()
 
     # ------------------------------------------------------------------ the handler
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Runs in the main thread between two bytecodes, possibly in the middle of a
-        # save or a collective: it must not save, log (the logging lock may be held by
-        # the code it interrupted) or raise. It records, and the interrupted code goes
-        # on where it was (PEP 475: interrupted system calls are retried).
-        if os.getpid() != self._pid:
-            # A forked child (a DataLoader worker) inherited the handler. It is not a
-            # trainer and never saves; it reacts to the signal as it did before the
-            # guard existed (by default: it dies), so the signal is not swallowed.
-            previous = self._previous.get(signum)
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self._signum is None:
-            self._signum = signum
-            self._signalled_at = time.monotonic()
+        self._record.on_signal(signum, self._previous)
 
     # ------------------------------------------------------------------ queries
     @property
     def requested(self) -> bool:
         """Whether this process has received one of the signals. Local, not collective:
         other ranks may not know yet; use ``should_save`` to decide."""
-        return self._signum is not None
+        return self._record.signum is not None
 
     @property
     def signum(self) -> int | None:
         """The first signal this process received, or None."""
-        return self._signum
+        return self._record.signum
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the ranks agreed to stop (at ``decided_step``), with a save or
+        without one (``skipped_save`` says why). The same on every rank."""
+        return self.decided_step is not None
+
+    @property
+    def exit_code(self) -> int:
+        """The process's exit status: ``REQUEUE_EXIT_CODE`` once the ranks stopped
+        for a preemption, else 0 (the loop ran to its end)."""
+        return REQUEUE_EXIT_CODE if self.stopping else 0
+
+    def exit(self) -> NoReturn:
+        """End the process with :attr:`exit_code` (``raise SystemExit``), after the
+        manager is closed. When preempted, further preemption signals are ignored
+        from here on: the launcher stops the remaining ranks with SIGTERM as soon as
+        one rank has exited, and during interpreter shutdown Python has already put
+        the default action back, so such a signal would turn a clean requeue exit
+        into a death by SIGTERM (exit status -15)."""
+        code = self.exit_code
+        if code == REQUEUE_EXIT_CODE and threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                signal.signal(s, signal.SIG_IGN)
+        raise SystemExit(code)
+
+    @property
+    def save_estimate_s(self) -> float | None:
+        """The slowest of the recent saves this guard saw, seconds (None: none yet)."""
+        return max(self._recent) if self._recent else None
+
+    def _note_save(self) -> None:
+        last = getattr(self._manager, "last_saved", None)
+        if last is None or last is self._seen_save:
+            return
+        self._seen_save = last
+        took = getattr(last, "timings_s", {}).get("total")
+        if took is not None:
+            self._recent = [*self._recent, float(took)][-RECENT_SAVES:]
+
+    def _time_left(self) -> float | None:
+        if self.grace_s is None or self._record.at is None:
+            return None
+        return self.grace_s - (time.monotonic() - self._record.at)
 
     def should_save(self, step: int) -> bool:
         """Whether to save now and stop, decided by all ranks together. Collective.
 
         Call it on every rank at the same step boundary, the same number of times.
-        Every rank contributes whether it was signalled; the answer, identical on
-        every rank, is True once any rank was. It stays True at later calls.
+        Every rank contributes whether it was signalled; once any rank was, the ranks
+        stop (``stopping`` becomes True, for good) and the answer, identical on every
+        rank, is True: save ``step`` now. It is False at that boundary when the grace
+        period is known and the recent saves say the save would not commit in time
+        (``skipped_save`` says why, and a warning): stop without saving, the previous
+        checkpoint stays the newest. Later calls give the same answer.
 
         Args:
             step: the step the loop is at (the one a save now would record); every
@@ -174,12 +381,13 @@ class PreemptionGuard:
         if self._closed:
             raise CheckpointError("this PreemptionGuard is closed: create a new one")
         self._checks += 1
+        self._note_save()
         # Read the flag once: a signal landing during the exchange counts at the next
         # boundary, on every rank alike.
-        mine = self._signum
+        mine = self._record.signum
         views = self._coord.all_gather(
             f"preemption check {self._checks} at step {step}",
-            (step, mine),
+            (step, mine, self._time_left() if mine is not None else None, self.save_estimate_s),
             timeout_s=self.timeout_s,
         )
         steps = sorted({v[0] for v in views})
@@ -190,44 +398,80 @@ class PreemptionGuard:
                 "must check at the same step boundary, the same number of times, or they "
                 "would save different steps (or hang in different collectives)"
             )
-        signalled = tuple(r for r, v in enumerate(views) if v[1] is not None)
         if self.decided_step is not None:
-            return True
+            return self._save_now
+        signalled = tuple(r for r, v in enumerate(views) if v[1] is not None)
         if not signalled:
             return False
         self.decided_step = step
         self.requested_by = signalled
+        # Every rank computes the same answer from the same views: the least time
+        # left (the rank signalled first) against the slowest recent save.
+        lefts = [v[2] for v in views if v[2] is not None]
+        estimates = [v[3] for v in views if v[3] is not None]
+        left = min(lefts) if lefts else None
+        estimate = max(estimates) if estimates else None
+        if left is not None and estimate is not None and estimate * MARGIN > left:
+            self.skipped_save = (
+                f"the slowest of the recent saves took {estimate:.2f} s and {left:.2f} s "
+                f"are left of the {self.grace_s:g} s grace period (a save is started only "
+                f"if {MARGIN:g} x its expected time fits)"
+            )
+        elif left is not None and left <= 0:
+            self.skipped_save = f"the {self.grace_s:g} s grace period is already over"
+        self._save_now = self.skipped_save is None
         if self._coord.rank == min(signalled):
-            self._log_decision(step, signalled, views)
-        return True
+            self._log_decision(step, signalled, views, left, estimate)
+        return self._save_now
 
-    def _log_decision(self, step: int, signalled: tuple[int, ...], views: list[Any]) -> None:
+    def _log_decision(
+        self,
+        step: int,
+        signalled: tuple[int, ...],
+        views: list[Any],
+        left: float | None,
+        estimate: float | None,
+    ) -> None:
         names = sorted({signal.Signals(v[1]).name for v in views if v[1] is not None})
         waited = (
-            f"{time.monotonic() - self._signalled_at:.2f} s after the signal"
-            if self._signalled_at is not None
+            f"{time.monotonic() - self._record.at:.2f} s after the signal"
+            if self._record.at is not None
             else "at once"
         )
+        last = getattr(self._manager, "last_saved", None)
+        previous = f"step {last.step}" if last is not None else "the newest committed step"
+        if self.skipped_save is not None:
+            log.warning(
+                "preemption: %s received by rank(s) %s; every rank stops at step %d (%s) "
+                "WITHOUT saving: %s. The previous checkpoint (%s) stays the newest and "
+                "intact; the job resumes from it",
+                "/".join(names),
+                list(signalled),
+                step,
+                waited,
+                self.skipped_save,
+                previous,
+            )
+            return
+        if left is None:
+            fits = (
+                "grace period unknown (pass grace_s= or set ATOMIC_CHECKPOINT_GRACE_S)"
+                if self.grace_s is None
+                else "no save measured yet: its duration is unknown"
+            )
+        elif estimate is None:
+            fits = f"{left:.1f} s of the grace period left; no save measured yet"
+        else:
+            fits = f"{left:.1f} s of the grace period left, recent saves took <= {estimate:.2f} s"
         log.warning(
-            "preemption: %s received by rank(s) %s; every rank saves step %d now (%s) and stops",
+            "preemption: %s received by rank(s) %s; every rank saves step %d now (%s; %s) "
+            "and stops",
             "/".join(names),
             list(signalled),
             step,
             waited,
+            fits,
         )
-        last = getattr(self._manager, "last_saved", None)
-        if last is None or self.grace_s is None:
-            return
-        took = last.timings_s.get("total")
-        if took is not None and took > self.grace_s:
-            log.warning(
-                "preemption: the previous save took %.1f s, longer than the grace period "
-                "of %.1f s: this save may be killed before it commits (then the job "
-                "resumes from step %d, the last committed one)",
-                took,
-                self.grace_s,
-                last.step,
-            )
 
     # ------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -261,3 +505,17 @@ class PreemptionGuard:
         names = "/".join(signal.Signals(s).name for s in self.signals)
         state = "closed" if self._closed else f"requested={self.requested}"
         return f"PreemptionGuard({names}, rank={self._coord.rank}, {state})"
+
+
+if os.environ.get(ARM_ENV, "").strip() not in ("", "0"):
+    # At import, as early as the training script can do anything: an import from
+    # another thread cannot install handlers; then arm() must be called explicitly.
+    if threading.current_thread() is threading.main_thread():
+        arm()
+    else:
+        log.warning(
+            "%s is set but atomic_checkpoint was first imported outside the main thread: "
+            "signals are not armed; call atomic_checkpoint.preemption.arm() in the main "
+            "thread",
+            ARM_ENV,
+        )

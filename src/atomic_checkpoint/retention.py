@@ -376,18 +376,25 @@ class AnyOf(_Composable):
 
 
 def plan_deletions(
-    policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointInfo]
+    policy: RetentionPolicy | None,
+    checkpoints: Sequence[CheckpointInfo],
+    *,
+    protect: Iterable[int] = (),
 ) -> list[CheckpointInfo]:
     """The checkpoints to delete: every one that ``policy`` does not keep.
 
     Pure: no I/O; called on the coordinator after a commit is durable. The newest
     committed checkpoint (the highest step) is never in the plan, whatever the policy
-    says, so even ``KeepBest`` alone leaves the checkpoint a resume would load.
+    says, so even ``KeepBest`` alone leaves the checkpoint a resume would load; nor is
+    any step in ``protect``.
 
     Args:
         policy: the retention policy, or None to keep everything.
         checkpoints: this run's committed checkpoints, in any order; the caller has
             already left out other runs' checkpoints and anything not committed.
+        protect: steps never to delete: the manager passes the step its save just
+            committed, which its own retention pass must keep (DESIGN invariant 10),
+            even if a higher step exists.
 
     Returns:
         The checkpoints to delete, ascending by step; empty for empty input.
@@ -404,7 +411,7 @@ def plan_deletions(
         return []
     if policy is None:
         return []
-    kept = _kept_steps(policy, ordered)
+    kept = _kept_steps(policy, ordered) | frozenset(protect)
     newest = ordered[-1].step
     return [info for info in ordered if info.step != newest and info.step not in kept]
 

@@ -633,7 +633,7 @@ class _Planner:
                 items = [self.encode(v, (*path, (True, i)), depth + 1) for i, v in enumerate(x)]
                 return {"tuple": items}
             pairs = [
-                [self._key(k, path), self.encode(v, (*path, (False, k)), depth + 1)]
+                [self._key(k, path, depth + 1), self.encode(v, (*path, (False, k)), depth + 1)]
                 for k, v in x.items()
             ]
             if type(x) is dict:
@@ -649,12 +649,17 @@ class _Planner:
         finally:
             self.active.discard(id(x))
 
-    def _key(self, k: Any, path: _Path) -> Any:
+    def _key(self, k: Any, path: _Path, depth: int) -> Any:
         t = type(k)
         if k is None or t in (bool, str, int, float, bytes):
             return self.encode(k, path, 0)
         if t is tuple:
-            return {"tuple": [self._key(e, path) for e in k]}
+            if depth >= MAX_DEPTH:  # the loader refuses deeper keys (recursion bound)
+                raise SerializationError(
+                    f"cannot save {_format_path(path)}: a dict key nests tuples deeper than "
+                    f"{MAX_DEPTH} levels"
+                )
+            return {"tuple": [self._key(e, path, depth + 1) for e in k]}
         what = f"a dict key of type {t.__module__}.{t.__qualname__} ({k!r:.60}) is not supported"
         return self._unsupported(k, path, what, (*path, (True, "key")))
 
@@ -879,7 +884,8 @@ def _parse_header(f: Any, size_bytes: int | None) -> _Header:
         )
     version = meta.get(VERSION_METADATA_KEY)
     if version is not None:
-        if not version.isdigit():
+        # ASCII digits only: "²".isdigit() is True, and int() refuses it.
+        if not (version.isascii() and version.isdigit() and len(version) < 19):
             raise CorruptCheckpointError(f"format version {version!r} is not an integer")
         if int(version) > FORMAT_VERSION:
             raise UnsupportedSchemaError(
@@ -891,29 +897,51 @@ def _parse_header(f: Any, size_bytes: int | None) -> _Header:
     return _Header(tuple(entries), meta, tree, data_start)
 
 
+def _brief(value: Any) -> str:
+    """A header value for an error message, at most 80 characters: a hostile one can
+    hold ints of thousands of digits (which Python refuses to print past 4300)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_brief(v) for v in value[:4]) + (", ...]" if len(value) > 4 else "]")
+    if type(value) is int and abs(value) >= 1 << 64:
+        return f"<{value.bit_length()}-bit int>"
+    return f"{value!r:.80}"
+
+
 def _parse_entry(name: str, info: Any) -> _Entry:
-    where = f"tensor {name!r}"
+    where = f"tensor {name!r:.80}"
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise CorruptCheckpointError(
             f"{where}: entry must be an object with exactly dtype, shape and data_offsets"
         )
     code = info["dtype"]
     if not isinstance(code, str) or code not in _DTYPES:
-        raise CorruptCheckpointError(f"{where}: unknown dtype {code!r}")
+        raise CorruptCheckpointError(f"{where}: unknown dtype {_brief(code)}")
     shape = info["shape"]
     if not isinstance(shape, list) or len(shape) > MAX_RANK:
         raise CorruptCheckpointError(f"{where}: shape must be a list of at most {MAX_RANK} sizes")
-    if not all(type(d) is int and d >= 0 for d in shape):
-        raise CorruptCheckpointError(f"{where}: shape {shape} must hold non-negative ints")
+    if not all(type(d) is int and 0 <= d < _JSON_INT_LIMIT for d in shape):
+        raise CorruptCheckpointError(
+            f"{where}: shape {_brief(shape)} must hold non-negative ints below 2**63"
+        )
+    # torch and numpy lay a tensor out with int64 strides and byte counts, whatever its
+    # element count: the product of the sizes (a 0 counting as 1) times the item size
+    # must fit, or torch.empty/numpy.empty fail with RuntimeError/ValueError/TypeError
+    # (e.g. [0, 2**63], or [0, 2**40, 2**40]), after the header passed as valid.
+    if math.prod(max(d, 1) for d in shape) * _DTYPES[code][0] >= _JSON_INT_LIMIT:
+        raise CorruptCheckpointError(
+            f"{where}: shape {_brief(shape)} of {code} is too large for any tensor (its byte "
+            "strides overflow 64 bits)"
+        )
     offsets = info["data_offsets"]
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
-        or not all(type(o) is int for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
+        or not all(type(o) is int and 0 <= o < _JSON_INT_LIMIT for o in offsets)
+        or not offsets[0] <= offsets[1]
     ):
         raise CorruptCheckpointError(
-            f"{where}: data_offsets {offsets} must be [begin, end] with 0 <= begin <= end"
+            f"{where}: data_offsets {_brief(offsets)} must be [begin, end] with "
+            "0 <= begin <= end < 2**63"
         )
     begin, end = offsets
     expected = math.prod(shape) * _DTYPES[code][0]
@@ -998,12 +1026,17 @@ class _Loader:
             if tag in ("bytes", "bytearray"):
                 data = base64.b64decode(self.expect(value, str, path, tag), validate=True)
                 return data if tag == "bytes" else bytearray(data)
-        except ValueError as exc:  # binascii.Error is a ValueError
+        except (ValueError, OverflowError) as exc:  # binascii.Error is a ValueError;
+            # float.fromhex("0x1p99999") overflows
             raise self.corrupt(path, f"bad {tag!r} value {value!r:.60}: {exc}") from exc
         if tag == "size":
             dims = self.expect(value, list, path, tag)
-            if not all(type(d) is int for d in dims):
-                raise self.corrupt(path, f"torch.Size {dims!r:.60} must hold ints")
+            if len(dims) > MAX_RANK or not all(
+                type(d) is int and -_JSON_INT_LIMIT <= d < _JSON_INT_LIMIT for d in dims
+            ):
+                raise self.corrupt(
+                    path, f"torch.Size {_brief(dims)} must hold at most {MAX_RANK} int64s"
+                )
             return self.torch_value(lambda torch: torch.Size(dims))
         if tag == "dtype":
             name = self.expect(value, str, path, tag)
@@ -1055,7 +1088,7 @@ class _Loader:
         out: dict[Any, Any] = {} if tag == "dict" else collections.OrderedDict()
         has_into = isinstance(into, Mapping)
         for raw_key, raw_value in self.pairs(node[tag], path, tag):
-            key = self.key(raw_key, path)
+            key = self.key(raw_key, path, depth + 1)
             try:
                 sub = into.get(key, _MISSING) if has_into else _MISSING
                 duplicate = key in out
@@ -1074,14 +1107,17 @@ class _Loader:
                     setattr(out, name, value)
         return out if self.building else None
 
-    def key(self, raw: Any, path: _Path) -> Any:
+    def key(self, raw: Any, path: _Path, depth: int) -> Any:
         t = type(raw)
         if raw is None or t in (bool, str, int):
             return raw
         if t is dict and len(raw) == 1:
             tag, value = next(iter(raw.items()))
             if tag == "tuple":
-                return tuple(self.key(k, path) for k in self.expect(value, list, path, tag))
+                if depth >= MAX_DEPTH:
+                    raise self.corrupt(path, f"a dict key nests deeper than {MAX_DEPTH} levels")
+                items = self.expect(value, list, path, tag)
+                return tuple([self.key(k, path, depth + 1) for k in items])
             if tag in ("int", "float", "bytes"):
                 return self.scalar(tag, value, path)
             if tag == "pickle":

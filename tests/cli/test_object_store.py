@@ -69,10 +69,14 @@ def test_list_verify_inspect_prune_clean_on_s3(s3_server, s3_bucket):
     assert [e["step"] for e in ok] == [1, 2, 3], listed
     assert all(e["path"] == f"{url}/checkpoint-{e['step']}" for e in ok)
 
-    verified = run_json("verify", url, env=env)
-    assert verified["ok"] is True
-    assert [c["step"] for c in verified["checkpoints"]] == [1, 2, 3]
-    assert all(c["verified_bytes"] == c["size_bytes"] > 0 for c in verified["checkpoints"])
+    # The crashed attempt at step 4 is named like a checkpoint and is none, and no live
+    # job is writing it: verify fails on it (until clean) and verifies the others.
+    verified = run_json("verify", url, env=env, expect_rc=1)
+    assert verified["ok"] is False
+    checked = {c["step"]: c for c in verified["checkpoints"]}
+    assert [s for s, c in checked.items() if c["status"] == "ok"] == [1, 2, 3]
+    assert checked[4]["status"] == "not_a_checkpoint" and "clean" in checked[4]["problem"]
+    assert all(checked[s]["verified_bytes"] == checked[s]["size_bytes"] > 0 for s in (1, 2, 3))
 
     inspected = run_json("inspect", url, "2", env=env)
     assert inspected["manifest"]["strategy"] == "marker"
@@ -97,6 +101,7 @@ def test_list_verify_inspect_prune_clean_on_s3(s3_server, s3_bucket):
     three = [k for k in after if k.startswith("run1/checkpoint-3/")]
     assert len(three) == 2 and any(k.endswith("checkpoint.manifest.json") for k in three)
     assert run_json("verify", url, "3", env=env)["ok"] is True
+    assert run_json("verify", url, env=env)["ok"] is True  # the leftover is gone
     assert not run_json("clean", url, env=env)["removed"]
 
     pruned = run_json("prune", url, "--keep-last", "1", env=env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -41,7 +42,10 @@ def test_prune_dry_run_then_real_on_a_mixed_root(tmp_path):
     root, rid = _root(tmp_path)
     foreign_run(root, 1000, tmp_path / "other")  # another run's, newer: never counted
     (root / "notes.txt").write_text("keep me")
-    make_root(root, (50,), run_id=rid)
+    # An older step of this run, restored from elsewhere (a save below the newest
+    # step is refused: StepOrderError), then corrupted.
+    make_root(tmp_path / "older", (50,), run_id=rid)
+    shutil.copytree(tmp_path / "older" / "checkpoint-50", root / "checkpoint-50")
     truncate(state_file(root, 50))  # this run's, corrupt: not considered, not deleted
     args = ("prune", root, "--keep-last", "2", "--keep-best", "1", "--metric", "eval_loss")
 

@@ -67,10 +67,12 @@ def test_verify_mixed_root_names_each_problem_and_exits_1(tmp_path):
     assert "CORRUPT:" in line["checkpoint-500"] and "not valid JSON" in line["checkpoint-500"]
     assert "CORRUPT:" in line["checkpoint-700"] and "'..'" in line["checkpoint-700"]
     assert "resolves outside the checkpoint" in line["checkpoint-800"]
-    for skipped in ("checkpoint-600", "checkpoint-1000", "notes.txt", "checkpoint-007"):
+    # A checkpoint name with no manifest is not a checkpoint: it fails verify too.
+    assert "NOT A CHECKPOINT: no manifest" in line["checkpoint-600"]
+    for skipped in ("checkpoint-1000", "notes.txt", "checkpoint-007"):
         assert skipped not in line
     err = error_line(proc)
-    assert "6 of 8 checkpoint(s) failed verification" in err
+    assert "7 of 9 checkpoint(s) failed verification" in err
     assert "checkpoint-200, checkpoint-300" in err
 
     doc = run_json("verify", root, expect_rc=1)
@@ -82,6 +84,7 @@ def test_verify_mixed_root_names_each_problem_and_exits_1(tmp_path):
         "checkpoint-300": "corrupt",
         "checkpoint-400": "corrupt",
         "checkpoint-500": "corrupt",
+        "checkpoint-600": "not_a_checkpoint",
         "checkpoint-700": "corrupt",
         "checkpoint-800": "corrupt",
         "checkpoint-900": "ok",
@@ -91,13 +94,13 @@ def test_verify_mixed_root_names_each_problem_and_exits_1(tmp_path):
     assert skipped == {
         "checkpoint-007": "foreign",
         "notes.txt": "foreign",
-        "checkpoint-600": "foreign",
         "checkpoint-1000": "foreign",
     }
 
     quiet = run_cli("verify", root, "-q")
     assert quiet.returncode == 1
     assert quiet.stdout.count("CORRUPT:") == 6 and ": ok" not in quiet.stdout
+    assert quiet.stdout.count("NOT A CHECKPOINT:") == 1
 
 
 @pytest.mark.timeout(90)

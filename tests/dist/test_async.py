@@ -1,7 +1,8 @@
 """Async saves across real processes (gloo process groups): snapshots stay consistent
-while training collectives run, a failure on one rank surfaces exactly once on every
-rank, and a rank killed during its background write leaves the previous checkpoint
-intact. Also a smoke run of the benchmark script (its figures are not judged here).
+while training collectives run, a failure on one rank surfaces once through the manager
+on every rank, at the same call, whichever ranks looked at their handles, and a rank
+killed during its background write leaves the previous checkpoint intact. Also a smoke
+run of the benchmark script (its figures are not judged here).
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ def w_async_campaign(rank: int, world: int, root: str) -> dict[str, Any]:
         h5.result()
     except Exception as exc:
         result5 = f"{type(exc).__name__}: {exc}"
-    wait_after_result = mgr.wait()  # already reported through the handle: not again
+    try:
+        mgr.wait()  # the manager raises it once more, on every rank alike
+        wait_after_result = "returned"
+    except Exception as exc:
+        wait_after_result = f"{type(exc).__name__}: {exc}"
     save(6)
     last = mgr.wait()
     mgr.close()
@@ -141,11 +146,11 @@ def test_async_saves_across_four_ranks_consistency_and_failures_once(tmp_path):
     assert msg.startswith("DistributedCheckpointError")
     assert "rank 2" in msg and "write" in msg and "injected fault" in msg
     assert all(v["h3_failed"] for v in values)
-    # Step 5's failure (rank 1) surfaced through the handle on every rank, and then
-    # neither wait() nor the next save raised it again.
+    # Step 5's failure (rank 1) surfaced through the handle on every rank, then once
+    # more through the manager (wait()) on every rank, and not again by the next save.
     assert len({v["result5"] for v in values}) == 1
     assert "rank 1" in values[0]["result5"]
-    assert all(v["wait_after_result"] is None for v in values)
+    assert all(v["wait_after_result"] == v["result5"] for v in values)
     # The commits are the same on every rank; each checkpoint holds the state at its
     # save_async, though training updated it (and ran collectives) during the write.
     assert len({v["info4"] for v in values}) == 1
@@ -192,6 +197,76 @@ def test_rank_killed_during_background_write_leaves_previous_checkpoint(tmp_path
     mgr.verify(1)
     assert os.listdir(root / PENDING_DIR) == []
     mgr.close()
+
+
+# The manager's bound on every wait for other ranks in the test below. A rank that
+# entered the next save alone would wait this long before failing (issue 11, defect 12).
+LOOKED_TIMEOUT_S = 15.0
+
+
+def w_failure_seen_by_one_rank(rank: int, world: int, root: str, looker: int) -> dict[str, Any]:
+    """Rank 1's write of step 2 fails (fault); only rank ``looker`` looks at its handle.
+    Then every rank calls save(3): each must raise step 2's failure at once."""
+    import time
+
+    import torch.distributed as dist
+
+    mgr = CheckpointManager(root, timeout_s=LOOKED_TIMEOUT_S)
+    mgr.save(1, _state(rank))
+    handle = mgr.save_async(2, _state(rank))
+    seen = ""
+    if rank == looker:
+        try:
+            handle.result()
+        except Exception as exc:
+            seen = type(exc).__name__
+    t = time.monotonic()
+    out: dict[str, Any] = {"seen": seen}
+    try:
+        mgr.save(3, _state(rank))
+        out["error"] = None
+    except Exception as exc:
+        out.update(error=type(exc).__name__, message=str(exc), step=getattr(exc, "step", None))
+    out["elapsed_s"] = time.monotonic() - t
+    dist.barrier()  # the training's own collectives go on: every rank is here
+    try:
+        out["retry"] = mgr.save(3, _state(rank)).step  # and the job goes on
+    except Exception as exc:
+        out["retry"] = f"{type(exc).__name__}: {exc}"
+    mgr.close()
+    out["listed"] = [c.step for c in CheckpointManager(root, read_only=True).checkpoints()]
+    return out
+
+
+@pytest.mark.parametrize("looker", [0, 2], ids=["leader-looked", "other-looked"])
+def test_an_async_failure_seen_by_one_rank_is_raised_at_the_next_save_on_every_rank(
+    tmp_path, looker
+):
+    root = tmp_path / "ckpt"
+    env = {"ATOMIC_CHECKPOINT_FAULTS": "mid_write@1=raise:2"}
+    results = run_ranks(
+        w_failure_seen_by_one_rank,
+        3,
+        str(root),
+        looker,
+        tmp_dir=str(tmp_path),
+        env=env,
+        timeout_s=120,
+        pg_timeout_s=60,
+    )
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    values = [r.value for r in results]
+    assert values[looker]["seen"] == "DistributedCheckpointError"
+    for rank, v in enumerate(values):
+        # The same error, naming rank 1 and step 2, on every rank: nobody entered save(3)
+        # alone to wait for the others until timeout_s.
+        assert v["error"] == "DistributedCheckpointError", (rank, v)
+        assert v["step"] == 2 and "rank 1" in v["message"] and "injected fault" in v["message"]
+        assert v["elapsed_s"] < LOOKED_TIMEOUT_S, (rank, v["elapsed_s"])  # a bound only
+    assert len({v["message"] for v in values}) == 1
+    assert all(v["retry"] == 3 for v in values)
+    assert values[0]["listed"] == [1, 3]
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """Preemption in real 4-rank jobs (gloo): a real signal sent by this test process to one
 rank's pid, as a scheduler sends it, makes every rank save the same step once, with the
-normal atomic commit, and exit cleanly (FAILURE_MODES E4, invariant I20).
+normal atomic commit, and exit cleanly (FAILURE_MODES E4, invariant I20); and when the
+recent saves say the save cannot fit in the grace period, every rank stops without
+starting it, the previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -224,3 +226,58 @@ def test_ranks_checking_at_different_steps_all_get_an_error(tmp_path):
     assert all(v["agreed"] is False for v in values)
     assert {v["outcome"][0] for v in values} == {"CheckpointError"}
     assert all("different steps" in v["outcome"][1] and "1: 5" in v["outcome"][1] for v in values)
+
+
+def w_deadline(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Step 1's save takes over 1 s (rank 0 pauses 1 s mid-write, and the commit waits
+    for it on every rank); with a grace period of 1 s, rank 2 is signalled just before
+    the boundary of step 2."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("atomic_checkpoint").addHandler(handler)
+    mgr = CheckpointManager(root, timeout_s=30)
+    mgr.save(1, workers.make_state(1, rank, big_elems=ELEMS))
+    os.environ.pop("ATOMIC_CHECKPOINT_FAULTS", None)
+    with PreemptionGuard(mgr, grace_s=1.0) as guard:
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not guard.requested and time.monotonic() < deadline:
+                time.sleep(0.001)
+        save = guard.should_save(2)
+        out = {
+            "save": save,
+            "stopping": guard.stopping,
+            "decided": guard.decided_step,
+            "requested_by": guard.requested_by,
+            "skipped": guard.skipped_save,
+            "exit_code": guard.exit_code,
+            "warned": [m for m in records if "WITHOUT saving" in m],
+        }
+    mgr.close()
+    return out
+
+
+def test_a_save_that_cannot_fit_the_grace_period_is_skipped_on_every_rank_alike(tmp_path):
+    root = tmp_path / "ckpt"
+    results = run_ranks(
+        w_deadline,
+        WORLD,
+        str(root),
+        tmp_dir=str(tmp_path),
+        env={"ATOMIC_CHECKPOINT_FAULTS": "mid_write@0=delay:1"},
+    )
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    values = [r.value for r in results]
+    # One decision for all: stop at step 2 without saving, for the same stated reason.
+    assert all(v["save"] is False and v["stopping"] and v["decided"] == 2 for v in values)
+    assert all(v["requested_by"] == (2,) and v["exit_code"] == 75 for v in values)
+    assert len({v["skipped"] for v in values}) == 1 and "grace period" in values[0]["skipped"]
+    # The rank that was signalled says so, naming the checkpoint that stays.
+    assert [bool(v["warned"]) for v in values] == [False, False, True, False]
+    assert "previous checkpoint (step 1)" in values[2]["warned"][0]
+    _check_checkpoint(root, 1)

@@ -22,27 +22,45 @@ pytestmark = [pytest.mark.faults, pytest.mark.dist]
 
 NEEDS = {
     "kill-sshfs": ["sshfs"],
+    "kill-s3": ["moto", "s3fs_python"],
+    "kill-s3fs": ["s3fs_fuse", "s3fs_python"],
     "libfiu": ["fiu"],
+    "libfiu-s3fs": ["fiu", "s3fs_fuse", "s3fs_python"],
     "disk-full": ["tmpfs", "ext4", "xfs", "sshfs"],
     "hang": ["netns", "sshfs"],
+    "s3-faults": ["moto", "s3fs_python"],
 }
 #: Trials each campaign must at least run, and faults it must at least land, in the
 #: quick size: a campaign that silently stopped injecting would pass with zeros.
 MINIMUM = {
     "kill-local": (20, 12),
     "kill-sshfs": (8, 4),
+    "kill-s3": (6, 3),
+    "kill-s3fs": (6, 3),
     "libfiu": (70, 25),
+    "libfiu-s3fs": (7, 4),
     "disk-full": (8, 8),
     "hang": (9, 6),
     "bad-input": (40, 40),
+    "crash-states": (200, 200),
+    "s3-faults": (12, 8),
+    "lifecycle": (6, 2),
+    "preemption": (4, 3),
 }
 TIMEOUTS = {
     "kill-local": 150,
     "kill-sshfs": 150,
+    "kill-s3": 150,
+    "kill-s3fs": 150,
     "libfiu": 200,
+    "libfiu-s3fs": 200,
     "disk-full": 120,
     "hang": 150,
     "bad-input": 120,
+    "crash-states": 240,
+    "s3-faults": 150,
+    "lifecycle": 150,
+    "preemption": 240,
 }
 
 
@@ -51,7 +69,7 @@ def test_campaign_quick_has_no_violation(name, tmp_path, request):
     request.applymarker(pytest.mark.timeout(TIMEOUTS[name]))
     for facility in NEEDS.get(name, []):
         require_facility(facility)
-    if name == "libfiu":
+    if name.startswith("libfiu"):
         ok, why = iofaults.available()  # also needs a C compiler for fiu_extra.so
         if not ok:
             if strict_facilities():

@@ -309,3 +309,47 @@ def test_keep_trainer_best_protects_the_best_beyond_the_last_n(tmp_path: Path) -
 def test_make_atomic_refuses_what_is_not_a_trainer() -> None:
     with pytest.raises(TypeError, match="_save_checkpoint"):
         make_atomic(object())
+
+
+
+_OLDER_RESUME = r"""
+import sys
+sys.path.insert(0, sys.argv[2])
+from tiny_hf import RandomTokens, tiny_args, tiny_model
+from transformers import Trainer
+from atomic_checkpoint import CheckpointManager
+from atomic_checkpoint.integrations.hf import make_atomic
+
+out = sys.argv[1]
+first = Trainer(model=tiny_model(), args=tiny_args(out, max_steps=4), train_dataset=RandomTokens(32))
+make_atomic(first).train()
+before = CheckpointManager(out, read_only=True).checkpoints()[-1].commit_seq
+second = Trainer(model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32))
+make_atomic(second).train(resume_from_checkpoint=out + "/checkpoint-2")
+after = {c.step: c.commit_seq for c in CheckpointManager(out, read_only=True).checkpoints()}
+print("GLOBAL_STEP", second.state.global_step)
+print("STEPS", sorted(after))
+print("REPLACED_4", after[4] > before)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_resuming_an_older_checkpoint_continues_and_replaces_the_newer_ones(
+    tmp_path: Path,
+) -> None:
+    """Stock Trainer behaviour is kept: resuming checkpoint-2 while checkpoint-4 exists
+    trains on and saves step 4 again (an atomic overwrite), so saves below the newest
+    step (refused with StepOrderError for plain managers) never happen in this flow."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", _OLDER_RESUME, str(out), str(SCRIPTS)],
+        cwd=REPO,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "GLOBAL_STEP 8" in proc.stdout, proc.stdout[-3000:]
+    assert "STEPS [2, 4, 6, 8]" in proc.stdout, proc.stdout[-3000:]
+    assert "REPLACED_4 True" in proc.stdout, proc.stdout[-3000:]

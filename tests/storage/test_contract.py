@@ -572,3 +572,55 @@ def test_a_name_replaced_between_open_and_fstat_reads_as_missing(tmp_path, monke
     monkeypatch.setattr(os, "fstat", real)
     assert set(os.listdir("/proc/self/fd")) <= fds, "the failed open leaked its descriptor"
     assert storage.read_bytes("m") == b"x"
+
+
+def test_read_bytes_is_bounded(storage, monkeypatch):
+    """``read_bytes`` refuses a file larger than ``MAX_READ_BYTES`` (local: from its
+    size, before reading; object stores: one ranged GET of one byte more), and still
+    reads an empty file (S3 refuses a range on an empty object)."""
+    from atomic_checkpoint.errors import CorruptCheckpointError
+    from atomic_checkpoint.storage import fsspec, local, memory
+
+    for module in (local, fsspec, memory):
+        monkeypatch.setattr(module, "MAX_READ_BYTES", 1000)
+    storage.makedirs("d")
+    _write(storage, "d/empty", b"")
+    _write(storage, "d/full", b"x" * 1000)
+    _write(storage, "d/big", b"x" * 1001)
+    assert storage.read_bytes("d/empty") == b""
+    assert storage.read_bytes("d/full") == b"x" * 1000
+    with pytest.raises(CorruptCheckpointError, match="refusing to read it"):
+        storage.read_bytes("d/big")
+
+
+def test_no_operation_goes_through_a_symbolic_link(storage, tmp_path):
+    """Mounted backends: a link inside the root is never read, written, listed or
+    deleted through (DESIGN invariant 9); what it points to stays intact."""
+    from atomic_checkpoint.errors import UnsafeCheckpointError
+
+    root = storage.local_path("")
+    if root is None:
+        pytest.skip(f"{storage!r} has no symbolic links (not a mounted filesystem)")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_bytes(b"outside")
+    os.symlink(outside, os.path.join(root, "link"))
+    os.symlink(outside / "f", os.path.join(root, "flink"))
+    for op in (
+        lambda: storage.read_bytes("link/f"),
+        lambda: storage.read_bytes("flink"),
+        lambda: storage.open_read("flink"),
+        lambda: storage.size("link/f"),
+        lambda: storage.open_write("link/g"),
+        lambda: storage.write_bytes_atomic("link/g", b"x"),
+        lambda: storage.makedirs("link/sub"),
+        lambda: storage.delete_file("link/f"),
+        lambda: storage.delete_tree("link"),
+        lambda: storage.walk_files("link"),
+    ):
+        with pytest.raises(UnsafeCheckpointError, match="symbolic link"):
+            op()
+    assert storage.listdir("link") == [] and not storage.is_dir("link")
+    assert sorted(os.listdir(outside)) == ["f"] and (outside / "f").read_bytes() == b"outside"
+    storage.delete_file("flink")  # the link itself may go; never what it points to
+    assert (outside / "f").read_bytes() == b"outside"

@@ -32,7 +32,6 @@ from atomic_checkpoint import (
     SerializationError,
     catalog,
 )
-from atomic_checkpoint.async_save import SaveAbandonedError
 from atomic_checkpoint.layout import PENDING_DIR, checkpoint_name, rank_state_file
 
 pytestmark = pytest.mark.timeout(120)
@@ -285,13 +284,20 @@ def test_failure_is_raised_once_by_the_next_save(tmp_path, monkeypatch):
         h2.result()
 
 
-def test_failure_seen_through_the_handle_is_not_raised_again(tmp_path, monkeypatch):
+def test_failure_seen_through_the_handle_is_still_raised_once_by_the_manager(
+    tmp_path, monkeypatch
+):
+    # Whether a rank looked at its handle is local to that rank; the manager's next call
+    # is collective, so it raises the failure whatever the handle showed (issue 11,
+    # defect 12; the multi-rank case is in tests/dist/test_async.py).
     monkeypatch.setenv(FAULTS, "mid_write@0=raise:2")
     mgr = CheckpointManager(tmp_path)
     h = mgr.save_async(2, model_state(2))
     with pytest.raises(OSError, match="injected fault"):
         h.result(timeout=30)
-    assert mgr.wait() is None
+    with pytest.raises(OSError, match="injected fault"):
+        mgr.wait()
+    assert mgr.wait() is None  # once
     mgr.save_async(4, model_state(4)).result()
     mgr.close()  # does not raise
     assert listed(tmp_path) == [4]
@@ -370,32 +376,6 @@ def test_close_finishes_the_save_in_flight_and_says_so(tmp_path, caplog):
     assert listed(tmp_path) == [1]
     with pytest.raises(CheckpointError, match="closed"):
         mgr.save_async(2, {"w": torch.ones(4)})
-
-
-def test_close_abandons_a_save_that_cannot_finish(tmp_path, caplog):
-    storage = GatedStorage(tmp_path)
-    mgr = CheckpointManager(storage, timeout_s=0.5)
-    mgr.save(1, {"w": torch.ones(4)})
-    storage.gate.clear()
-    storage.entered.clear()
-    handle = mgr.save_async(2, {"w": torch.zeros(4)})
-    assert storage.entered.wait(10)
-    with (
-        caplog.at_level(logging.WARNING, logger="atomic_checkpoint"),
-        pytest.raises(SaveAbandonedError, match="step 2 was abandoned"),
-    ):
-        mgr.close()
-    assert "abandoned the in-flight async save of step 2" in caplog.text
-    # The stuck write resumes, notices the abandon at its first chunk, and the save
-    # discards its pending data instead of committing.
-    storage.gate.set()
-    deadline = time.monotonic() + 30
-    while not handle.done() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(SaveAbandonedError):
-        handle.result(timeout=0)
-    assert listed(tmp_path) == [1]
-    assert pending_entries(tmp_path) == []
 
 
 def _run_script(tmp_path, body: str, *, env: dict[str, str] | None = None, timeout: float = 60):

@@ -442,10 +442,10 @@ def test_d7_published_files_and_directories_get_umask_modes(tmp_path):
     try:
         mgr = CheckpointManager(tmp_path / "r")
         mgr.save(1, np_state(1))
+        mgr.save(1, np_state(1, 1), overwrite=True)
         with mgr.saving(2) as d:
             (d / "sub").mkdir()
             (d / "sub" / "w.bin").write_bytes(b"x")
-        mgr.save(1, np_state(1, 1), overwrite=True)
         mgr.close()
     finally:
         os.umask(old)

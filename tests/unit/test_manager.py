@@ -52,7 +52,9 @@ def same(a, b) -> bool:
 
 def test_save_restore_latest_checkpoints(tmp_path):
     mgr = CheckpointManager(tmp_path)
-    for s in (5, 10, 100, 9):  # not in order: ordering is by integer step
+    # The names sort differently as strings ("checkpoint-10" < "checkpoint-5"): ordering
+    # is by integer step. (Saving below a committed step is refused: test_rollback.py.)
+    for s in (5, 9, 10, 100):
         mgr.save(s, state(s), metrics={"loss": 1.0 / s})
     assert [c.step for c in mgr.checkpoints()] == [5, 9, 10, 100]
     assert mgr.latest().step == 100

@@ -68,9 +68,10 @@ from ..layout import (
 )
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
+from ..preemption import PreemptionGuard
 from ..retention import KeepLast
 
-__all__ = ["FrameworkRoot", "close", "load_state", "save_state"]
+__all__ = ["FrameworkRoot", "close", "load_state", "preemption_guard", "save_state"]
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -562,6 +563,42 @@ def load_state(
             "was being loaded (another job rotating this root?)"
         )
     return found[0]
+
+
+def preemption_guard(
+    accelerator: Any,
+    root: str | os.PathLike[str] | None = None,
+    *,
+    grace_s: float | None = None,
+    retention: Any = None,
+    timeout_s: float = 600.0,
+) -> PreemptionGuard:
+    """A :class:`~atomic_checkpoint.PreemptionGuard` for the root :func:`save_state`
+    commits to: on SIGTERM/SIGUSR1 to any process, every process saves the same step
+    once and stops. Call it on every process, in the main thread, once the
+    ``Accelerator`` exists::
+
+        guard = preemption_guard(accelerator, grace_s=60)
+        for step in range(start, total_steps):
+            train_step()
+            if guard.should_save(step) or (step % 500 == 0 and not guard.stopping):
+                save_state(accelerator)
+            if guard.stopping:
+                break
+        guard.close()
+        close(accelerator)
+        guard.exit()          # exit status 75 (requeue) when preempted, else 0
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        root: as for :func:`save_state`.
+        grace_s: the scheduler's grace period (default ``ATOMIC_CHECKPOINT_GRACE_S``): a
+            save that recent saves say cannot finish in time is not started.
+        retention: as for :func:`save_state` (only on the first call for a root).
+        timeout_s: bound on the wait for the other processes at each check.
+    """
+    opened = _root_for(accelerator, root, retention, timeout_s)
+    return PreemptionGuard(opened.manager, timeout_s=timeout_s, grace_s=grace_s)
 
 
 def close(accelerator: Any) -> None:

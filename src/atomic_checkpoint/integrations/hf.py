@@ -63,6 +63,7 @@ from ..catalog import parse_attempt_dir
 from ..errors import CheckpointError, ResumeError
 from ..layout import checkpoint_name, parse_checkpoint_name
 from ..manifest import CheckpointInfo
+from ..preemption import PreemptionGuard
 from ..retention import AnyOf, KeepLast
 from .accelerate import FrameworkRoot, _is_under
 
@@ -146,8 +147,19 @@ def _eval_metrics(state: Any, step: int) -> dict[str, float]:
 class _AtomicTrainer:
     """The state ``make_atomic`` attaches to one Trainer."""
 
-    def __init__(self, trainer: Any, *, retention: Any, verify_on_resume: bool, timeout_s: float):
+    def __init__(
+        self,
+        trainer: Any,
+        *,
+        retention: Any,
+        verify_on_resume: bool,
+        timeout_s: float,
+        preemption: bool = False,
+        grace_s: float | None = None,
+    ):
         self.trainer = trainer
+        self.preemption = preemption
+        self.grace_s = grace_s
         self.user_retention = retention
         self.verify_on_resume = verify_on_resume
         self.timeout_s = timeout_s
@@ -283,11 +295,49 @@ class _AtomicTrainer:
                 # One of ours: refuse a torn or corrupt one instead of half-loading it.
                 self.root(output_dir).resolve(step, verify=self.verify_on_resume)
         trainer.args.save_total_limit = None
+        callback = None
         try:
+            if self.preemption:
+                callback = _preemption_callback(
+                    PreemptionGuard(
+                        self.root(output_dir).manager,
+                        timeout_s=self.timeout_s,
+                        grace_s=self.grace_s,
+                    )
+                )
+                trainer.preemption_guard = callback.guard
+                trainer.add_callback(callback)
             return self._orig_train(resume_from_checkpoint, *args, **kwargs)
         finally:
+            if callback is not None:
+                trainer.remove_callback(callback)
+                callback.guard.close()
             trainer.args.save_total_limit = limit
             self.close()
+
+
+def _preemption_callback(guard: PreemptionGuard) -> Any:
+    """A ``TrainerCallback`` that asks ``guard`` at every optimizer step, on every rank
+    (the Trainer calls ``on_step_end`` on each, the same number of times), and turns
+    the agreed answer into the Trainer's own controls: save this step (through the
+    atomic save above), skip evaluation, stop training."""
+    from transformers import TrainerCallback
+
+    class PreemptionCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.guard = guard
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            save = guard.should_save(int(state.global_step))
+            if guard.stopping:
+                # The save (or none, when it would not fit in the grace period) is the
+                # guard's decision, not save_steps': evaluation would eat the window.
+                control.should_save = save
+                control.should_evaluate = False
+                control.should_training_stop = True
+            return control
+
+    return PreemptionCallback()
 
 
 def _per_node_writer(trainer: Any) -> Any:
@@ -337,6 +387,8 @@ def make_atomic(
     retention: Any = None,
     verify_on_resume: bool = True,
     timeout_s: float = 600.0,
+    preemption: bool = False,
+    grace_s: float | None = None,
 ) -> Any:
     """Make a ``transformers.Trainer``'s checkpoints atomic; returns the same trainer.
 
@@ -350,6 +402,15 @@ def make_atomic(
         verify_on_resume: recompute every checksum of the checkpoint that
             ``resume_from_checkpoint=True`` picks (a corrupt one is skipped).
         timeout_s: bound on every wait for other processes during a save.
+        preemption: stop on SIGTERM/SIGUSR1 (any rank) with one atomic save of the
+            current step on every rank, through a :class:`PreemptionGuard` that
+            ``train()`` creates and closes; afterwards ``trainer.preemption_guard``
+            holds it: ``trainer.preemption_guard.exit()`` ends the process with 75
+            (requeue) when preempted. Call ``preemption.arm()`` at the top of the
+            script to cover the start-up too.
+        grace_s: the scheduler's grace period for the preemption save (default
+            ``ATOMIC_CHECKPOINT_GRACE_S``): a save that recent saves say cannot
+            finish in time is not started.
 
     Returns:
         ``trainer``, with ``trainer.train``, ``_save_checkpoint`` and
@@ -373,7 +434,12 @@ def make_atomic(
     if getattr(trainer, _ATTR, None) is not None:
         raise CheckpointError("make_atomic was already applied to this Trainer")
     integration = _AtomicTrainer(
-        trainer, retention=retention, verify_on_resume=verify_on_resume, timeout_s=timeout_s
+        trainer,
+        retention=retention,
+        verify_on_resume=verify_on_resume,
+        timeout_s=timeout_s,
+        preemption=preemption,
+        grace_s=grace_s,
     )
     setattr(trainer, _ATTR, integration)
     trainer._save_checkpoint = integration.save_checkpoint

@@ -220,7 +220,7 @@ def _read_versions(path: str) -> list[_Version] | None:
         raise map_os_error(exc, "read", where) from exc
     try:
         doc = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # untrusted: may nest too deeply to parse
         raise CorruptCheckpointError(f"{where}: not valid JSON ({exc})") from exc
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         raise CorruptCheckpointError(f"{where}: not an atomic-checkpoint file manifest")

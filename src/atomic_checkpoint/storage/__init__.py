@@ -4,6 +4,7 @@ imports fsspec only when used: it is exported lazily, so ``import atomic_checkpo
 never imports fsspec."""
 
 import os
+import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "Storage",
     "StorageCapabilities",
     "Writer",
+    "local_root",
     "open_storage",
 ]
 
@@ -34,12 +36,34 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def local_root(root: str | os.PathLike[str]) -> str:
+    """The absolute path of a local root, normalised once at the boundary: ``~``
+    expanded, relative to the working directory, ``.``/``..`` and trailing slashes
+    removed; a ``file://`` URL is decoded as RFC 8089 says (``Path.as_uri()`` writes a
+    space as ``%20`` and ``[`` as ``%5B``). Symlinks are kept in the path (messages
+    name the root as given) and resolved where it matters: the mount is detected on
+    the resolved path (``detect.mount_of``)."""
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        rest = text[len("file://") :]
+        if rest.startswith("localhost/"):
+            rest = rest[len("localhost") :]
+        text = urllib.parse.unquote(rest)
+        if os.name == "nt" and len(text) > 2 and text[0] == "/" and text[2] == ":":
+            text = text[1:]  # file:///C:/x names C:/x
+    return os.path.abspath(os.path.expanduser(text))
+
+
 def open_storage(
     root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Storage:
     """A storage for a path or URL: ``FsspecStorage`` for ``s3://``, ``gs://``, ... (any
     fsspec URL but ``file://``), else ``LocalStorage`` with capabilities read from the
-    mount table (a ``fuse.s3fs`` mount has no atomic directory rename)."""
+    mount table (a ``fuse.s3fs`` mount has no atomic directory rename).
+
+    Object-store URLs name keys literally: no pattern (``[``, ``*``, ``?``) and no
+    ``%`` escape in them is interpreted (as in the AWS CLI and s3fs). Local roots are
+    normalised by ``local_root``."""
     text = os.fspath(root)
     if "://" in text and not text.startswith("file://"):
         from .fsspec import FsspecStorage  # imports fsspec: only for URL roots
@@ -50,6 +74,5 @@ def open_storage(
             f"storage_options apply to URL roots (s3://, gs://, ...), not to the local "
             f"path {text!r}"
         )
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    return LocalStorage(text, capabilities=local_capabilities(text))
+    path = local_root(text)
+    return LocalStorage(path, capabilities=local_capabilities(path))

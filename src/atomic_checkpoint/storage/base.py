@@ -8,8 +8,18 @@ rank, from any thread, and blocks until the operation is done.
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+
+#: The most bytes :meth:`Storage.read_bytes` reads. Everything read whole (manifests,
+#: the run file, lock and marker files) is untrusted input and far smaller; a larger
+#: file is refused from its size before a byte is read, so a multi-GiB or sparse 10 TiB
+#: "manifest" costs one ``fstat``, not the memory to hold it (DESIGN invariant 9).
+MAX_READ_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +100,10 @@ class Storage(Protocol):
         ...
 
     def read_bytes(self, path: str) -> bytes:
-        """Read a small file whole. Raises CheckpointNotFoundError if missing."""
+        """Read a small file whole. Raises CheckpointNotFoundError if missing, and
+        CorruptCheckpointError (see :func:`too_large`) for a file larger than
+        ``MAX_READ_BYTES``, judged from its size before reading, without reading more
+        than ``MAX_READ_BYTES + 1`` bytes should it grow meanwhile."""
         ...
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
@@ -143,3 +156,55 @@ class Storage(Protocol):
         """Drop cached metadata of directory ``path`` where a client caches it
         (network filesystems); a no-op elsewhere."""
         ...
+
+
+def too_large(where: str, size_bytes: int | None) -> CorruptCheckpointError:
+    """The error of a ``read_bytes`` refused by size (``None``: it grew while read)."""
+    size = "more than that" if size_bytes is None else f"{size_bytes} bytes"
+    return CorruptCheckpointError(
+        f"{where} is {size}: atomic-checkpoint reads at most {MAX_READ_BYTES} bytes of a "
+        "manifest, run, lock or marker file, so this is not one of ours (or is corrupt); "
+        "refusing to read it"
+    )
+
+
+def check_no_links(root: str, rel: str, *, final: bool = True) -> str:
+    """The OS path of ``rel`` below ``root``, after checking that no entry on the way
+    below ``root`` (and, with ``final``, not ``rel`` itself) is a symbolic link.
+
+    DESIGN invariant 9: nothing outside ROOT is read, written or deleted through
+    links that ROOT holds (``ROOT/checkpoint-9 -> /other/root/checkpoint-9`` would
+    otherwise be restored from, and deleted through, by retention). ``root`` itself
+    may be a link: the user chose it. Checked with ``lstat`` (one per component,
+    served from the attribute cache on network filesystems); the first component
+    that does not exist ends the check, the operation itself then reports it.
+
+    Raises:
+        UnsafeCheckpointError: naming the link and where it points.
+    """
+    parts = [p for p in rel.split("/") if p]
+    path = root
+    for i, part in enumerate(parts):
+        path = os.path.join(path, part)
+        if i == len(parts) - 1 and not final:
+            break
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            break  # missing (or unreadable): the operation says so
+        if stat.S_ISLNK(mode):
+            raise linked(path)
+    return os.path.join(root, *parts) if parts else root
+
+
+def linked(path: str) -> UnsafeCheckpointError:
+    """The error for a symbolic link met inside a checkpoint root."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return UnsafeCheckpointError(
+        f"{path} is a symbolic link (to {target}): atomic-checkpoint never follows links "
+        "inside a checkpoint root, so nothing outside the root is read, written or deleted "
+        "through them; it is left alone. Replace the link by the real directory or file"
+    )

@@ -6,11 +6,15 @@ is a per-object copy followed by a delete (or is refused outright), so a crash i
 middle leaves files under both names and observers see both prefixes at once
 (FAILURE_MODES D2). Such mounts get the marker strategy. Network filesystems (sshfs,
 NFS, SMB) keep atomic directory rename but are not coherent between clients, so
-readers poll with a bound after a change (FAILURE_MODES D1).
+readers poll with a bound after a change (FAILURE_MODES D1). A FUSE mount of a kind
+not listed here is unknown and gets the cautious treatment of both (marker commits,
+bounded polls) and one warning that names it.
 
 The table is ``/proc/self/mountinfo`` (Linux); the entry whose mount point is the
 longest prefix of the resolved path wins, and of several mounts stacked on one mount
-point the last one listed (the one on top). Elsewhere (macOS, Windows) nothing is
+point the last one listed (the one on top). The path is made absolute (relative to the
+working directory) and resolved through symlinks first, so ``"ckpt"``, ``"./out"`` and a
+symlink to a mount are detected like the mount itself. Elsewhere (macOS, Windows) nothing is
 detected and the path is treated as a local disk.
 """
 
@@ -44,6 +48,28 @@ COPY_DELETE_FUSE = frozenset(
         "ossfs",
         "cosfs",
         "obsfs",
+    }
+)
+
+#: FUSE filesystems that are a local disk seen through FUSE (one client, rename is the
+#: kernel's): overlay and bind layers, encryption layers, NTFS and exFAT drivers, and
+#: container helpers. Any other FUSE type is unknown: it may be a network or object
+#: store client, so it is treated as not coherent and without atomic rename (and a
+#: warning names it). ``fuseblk`` mounts (a block device behind FUSE) are local too.
+LOCAL_FUSE = frozenset(
+    {
+        "fuse-overlayfs",
+        "bindfs",
+        "gocryptfs",
+        "encfs",
+        "securefs",
+        "cryfs",
+        "ntfs-3g",
+        "ntfs",
+        "exfat",
+        "lxcfs",
+        "squashfuse",
+        "portal",  # xdg-desktop-portal's document store
     }
 )
 
@@ -144,16 +170,21 @@ def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> Mount
         path: any local path; it need not exist yet.
         table: mountinfo text to use instead of ``/proc/self/mountinfo`` (tests).
     """
+    # Absolute first: a relative root ("ckpt", "./out") is relative to the working
+    # directory, and only an absolute path can be matched against mount points.
+    text = os.path.abspath(os.fspath(path))
     if table is None:
         try:
             with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
                 table = f.read()
         except OSError:
             return None  # not Linux, or /proc not mounted: nothing to detect
-    # realpath resolves symlinks of the existing part and keeps a tail that does not
-    # exist yet (a root about to be created lives on its nearest parent's mount).
-    text = os.fspath(path)
-    target = os.path.realpath(text) if table is None else os.path.normpath(text)
+        # The real path: a symlink to an s3fs or sshfs mount lives on that mount.
+        # realpath resolves symlinks of the existing part and keeps a tail that does
+        # not exist yet (a root about to be created lives on its nearest parent's mount).
+        target = os.path.realpath(text)
+    else:
+        target = text  # a given table describes paths, not this machine's files
     best: MountInfo | None = None
     for entry in parse_mountinfo(table):
         mp = entry.mount_point
@@ -175,6 +206,9 @@ def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
       silent no-op (it succeeds and syncs nothing), so it is not attempted.
     - NFS, SMB, 9p, Lustre, GPFS, BeeGFS, CephFS, GlusterFS, JuiceFS, AFS, OrangeFS:
       not coherent (see ``_NETWORK`` for why even the lock-managed ones).
+    - a FUSE mount of any other kind (not in ``COPY_DELETE_FUSE``, ``_NETWORK`` or
+      ``LOCAL_FUSE``): unknown, so the cautious answer: no atomic directory rename, no
+      exclusive create, not coherent; a warning names the type and the override.
     - everything else (ext4, xfs, tmpfs, btrfs, ...): a coherent local disk.
     """
     mount = mount_of(path)
@@ -194,4 +228,38 @@ def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
         return StorageCapabilities(
             name=network, dir_fsync=dir_fsync and network not in _NO_DIR_FSYNC, coherent=False
         )
+    fuse = mount.fuse_name
+    if fuse is not None and mount.fstype != "fuseblk" and fuse not in LOCAL_FUSE:
+        _warn_unknown_fuse(mount)
+        return StorageCapabilities(
+            name=mount.fstype,
+            atomic_dir_rename=False,
+            dir_fsync=False,
+            exclusive_create=False,
+            coherent=False,
+        )
     return StorageCapabilities(name="local", dir_fsync=dir_fsync)
+
+
+_WARNED_FUSE: set[tuple[str, str]] = set()
+
+
+def _warn_unknown_fuse(mount: MountInfo) -> None:
+    """Say once per mount which FUSE filesystem is unknown, what is assumed, and how
+    to tell the library better."""
+    key = (mount.mount_point, mount.fstype)
+    if key in _WARNED_FUSE:
+        return
+    _WARNED_FUSE.add(key)
+    log.warning(
+        "atomic-checkpoint: %s is a FUSE mount of an unknown kind (%s, source %r): "
+        "treating it as not coherent between clients and without atomic directory "
+        "rename (marker commits, bounded waits for visibility). If its directory rename "
+        "is atomic and every client sees changes at once, pass "
+        "LocalStorage(root, capabilities=StorageCapabilities(name=%r)) as the root, or "
+        "strategy='rename'",
+        mount.mount_point,
+        mount.fstype,
+        mount.source,
+        mount.fstype,
+    )

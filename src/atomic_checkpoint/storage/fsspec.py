@@ -21,11 +21,19 @@ Rules this backend follows, each a property of the stores:
   visible only when it completes (an aborted one leaves nothing).
 - ``create_exclusive`` is a conditional PUT (``If-None-Match: *``) where the store
   offers one (S3 and S3-compatible servers that implement it, ``memory://``,
-  ``file://``): of two writers racing, exactly one gets True.
+  ``file://``): of two writers racing, exactly one gets True. Some S3-compatible
+  servers ignore the header (both get True) or reject it: ``check_conditional_create``
+  probes the store once, and the storage option ``conditional_create`` (or
+  ``ATOMIC_CHECKPOINT_CONDITIONAL_CREATE``) declares it (false: check, then write).
 - Listings are never cached (``use_listings_cache=False`` is forced): with the cache, a
   client answers ``ls`` from a stale copy after another client committed or deleted.
 - S3 has been strongly consistent for reads after writes, overwrites, deletes and
   listings since December 2020, so the store counts as coherent.
+- A path is never a pattern: a tree is deleted by listing its keys (``find``, a literal
+  prefix listing) and deleting exactly those (S3 ``DeleteObjects``), never with fsspec's
+  ``rm``/``glob``/``expand_path``, which read ``[``, ``*`` and ``?`` as wildcards (a
+  root ``s3://b/exp[12]`` would reach runs ``exp1`` and ``exp2``). URL roots are keys
+  taken literally (no ``%`` decoding), except ``file://`` URLs, which RFC 8089 encodes.
 
 fsspec (and the store's driver, e.g. s3fs) is imported only when an ``FsspecStorage``
 is created: ``import atomic_checkpoint`` never imports it.
@@ -35,9 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -47,7 +58,7 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from .base import Reader, StorageCapabilities
+from .base import MAX_READ_BYTES, Reader, StorageCapabilities, check_no_links, linked, too_large
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -61,6 +72,24 @@ OBJECT_STORES = frozenset(
 #: a create-if-absent that excludes every other client (S3: ``If-None-Match: *``,
 #: checked against a real S3 server in tests/storage and tests/netfs).
 CONDITIONAL_CREATE = frozenset({"s3", "s3a", "memory", "file", "local"})
+
+#: Storage option (and environment variable) that declares whether the store honours
+#: ``If-None-Match: *``: "auto" (default: probed once, see
+#: ``FsspecStorage.check_conditional_create``), true (trusted without a probe) or false
+#: (it does not: check-then-write, and the run lock cannot separate two jobs that start
+#: at the same instant; the user accepts that risk).
+CONDITIONAL_CREATE_OPTION = "conditional_create"
+CONDITIONAL_CREATE_ENV = "ATOMIC_CHECKPOINT_CONDITIONAL_CREATE"
+_OPT_OUT_HINT = (
+    f"storage_options={{'{CONDITIONAL_CREATE_OPTION}': False}} (command line: "
+    f"--storage-option {CONDITIONAL_CREATE_OPTION}=false; or {CONDITIONAL_CREATE_ENV}=false)"
+)
+#: What a store that does not implement the header answers, as s3fs maps it: 501
+#: NotImplemented is ENOSYS (errno 38).
+_HEADER_REJECTED = frozenset({errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+#: Name prefix of the conditional-create probe keys, under ``.atomic-checkpoint/``.
+PROBE_PREFIX = "probe-conditional-create-"
 
 _LOCAL = frozenset({"file", "local"})
 _DEFAULT_BLOCK = 32 << 20  # multipart part size: S3 needs >= 5 MiB, at most 10,000 parts
@@ -92,6 +121,22 @@ def _errno_of(exc: BaseException) -> int | None:
     return None
 
 
+def _conditional_create_setting(value: Any, url: str) -> str:
+    """One of "auto", "on", "off", from the storage option (else the environment)."""
+    if value is None:
+        value = os.environ.get(CONDITIONAL_CREATE_ENV, "").strip() or "auto"
+    text = str(value).strip().lower()
+    if text in ("auto", ""):
+        return "auto"
+    if text in ("true", "1", "yes", "on"):
+        return "on"
+    if text in ("false", "0", "no", "off"):
+        return "off"
+    raise ValueError(
+        f"FsspecStorage({url!r}): {CONDITIONAL_CREATE_OPTION}={value!r} must be true, false or auto"
+    )
+
+
 class FsspecStorage:
     """Storage at any fsspec URL: ``s3://bucket/prefix``, ``gs://...``, ``memory://x``,
     ``file:///path``.
@@ -100,7 +145,9 @@ class FsspecStorage:
         url: the checkpoint root.
         storage_options: passed to the fsspec filesystem (for S3: ``key``, ``secret``,
             ``client_kwargs={"endpoint_url": ...}``, ``profile``, ...), exactly as
-            ``fsspec.open(url, **storage_options)`` takes them.
+            ``fsspec.open(url, **storage_options)`` takes them; and one of ours,
+            ``conditional_create`` (true, false or "auto", the default: probed once by
+            the run lock; false for a store that ignores or rejects ``If-None-Match``).
         capabilities: override what the backend claims (e.g. ``exclusive_create=False``
             for an S3-compatible server that ignores ``If-None-Match``).
         block_size_bytes: multipart part size for writes (S3: at least 5 MiB).
@@ -134,6 +181,17 @@ class FsspecStorage:
                 url,
             )
         opts["use_listings_cache"] = False
+        # Ours, not the driver's: does the store honour If-None-Match (see
+        # ``check_conditional_create``)? Taken out before fsspec sees the options.
+        self.conditional_create = _conditional_create_setting(
+            opts.pop(CONDITIONAL_CREATE_OPTION, None), url
+        )
+        if url.startswith("file://"):
+            from . import local_root
+
+            # RFC 8089: a file URL is percent-encoded (Path.as_uri() writes "%20");
+            # fsspec would take "%20" literally and write to another directory.
+            url = "file://" + local_root(url)
         try:
             fs, root = url_to_fs(url, **opts)
         except ImportError as exc:
@@ -151,8 +209,19 @@ class FsspecStorage:
         self.fs = fs
         self.protocol = _protocol(fs)
         self._root = str(root).rstrip("/") or ("/" if str(root).startswith("/") else "")
+        if self.protocol in ("s3", "s3a") and "?versionId=" in self._root:
+            # s3fs cuts every key at "?versionId=" (an object version): each file under
+            # this root would be read from and written to one and the same key.
+            raise StorageError(
+                f"checkpoint root {url!r} contains '?versionId=', which s3fs reads as an "
+                "object version, not as part of the key: choose another prefix",
+                path=url,
+            )
         self._is_local = self.protocol in _LOCAL
         self._is_object_store = self.protocol in OBJECT_STORES
+        #: Keys, no directories (S3, GCS, Azure, ...): nothing is ever removed by prefix
+        #: "because the directory is empty" there (see ``commit._drop_if_empty``).
+        self.is_object_store = self._is_object_store
         self.block_size_bytes = max(int(block_size_bytes), 5 << 20)
         self.capabilities = capabilities or StorageCapabilities(
             name=self.protocol,
@@ -160,10 +229,13 @@ class FsspecStorage:
             # memory; even on file:// it would replace an empty target. Never a commit.
             atomic_dir_rename=False,
             dir_fsync=self._is_local and os.name != "nt",
-            exclusive_create=self.protocol in CONDITIONAL_CREATE,
+            exclusive_create=self.protocol in CONDITIONAL_CREATE
+            and self.conditional_create != "off",
             coherent=True,
         )
         self._bucket_checked = False
+        #: What ``check_conditional_create`` found (None until it ran).
+        self.conditional_create_found: tuple[bool, str] | None = None
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url()!r})"
@@ -182,6 +254,13 @@ class FsspecStorage:
 
     def local_path(self, path: str = "") -> str | None:
         return self._abs(path) if self._is_local else None
+
+    def _beneath(self, rel: str, *, final: bool = True) -> None:
+        """file://: refuse a path that passes through a symbolic link below the root
+        (and, with ``final``, that is one), as ``LocalStorage`` does (DESIGN invariant
+        9). Object stores have no links."""
+        if self._is_local and rel.strip("/"):
+            check_no_links(self._root, rel.strip("/"), final=final)
 
     def _rel_children(self, base: str, names: list[str]) -> list[str]:
         prefix = base.rstrip("/") + "/"
@@ -250,6 +329,7 @@ class FsspecStorage:
                     raise self._error(exc, "open bucket of", "") from exc
                 self._bucket_checked = True
             return
+        self._beneath(path)
         p = self._abs(path)
         with self._mapped("create directory", path):
             if self.fs.isfile(p):
@@ -261,17 +341,25 @@ class FsspecStorage:
             self.fs.makedirs(p, exist_ok=True)
 
     def open_write(self, path: str, *, size_hint: int | None = None) -> _FsspecWriter:
+        self._beneath(path)
         return _FsspecWriter(self, path)
 
     def open_read(self, path: str) -> Reader:
         p = self._abs(path)
         try:
             if self._is_local:
-                # file://: the OS file itself, so readinto lands straight in the buffer.
-                return open(p, "rb", buffering=0)
+                # file://: the OS file itself, so readinto lands straight in the buffer;
+                # never through a link (O_NOFOLLOW for the file itself).
+                self._beneath(path, final=False)
+                fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                return open(fd, "rb", buffering=0)
             size = self.fs.size(p)
         except FileNotFoundError as exc:
             raise self._not_found(path) from exc
+        except OSError as exc:
+            if exc.errno == errno.ELOOP and os.path.islink(p):
+                raise linked(p) from exc
+            raise self._error(exc, "open", path) from exc
         except Exception as exc:
             raise self._error(exc, "open", path) from exc
         if size is None:
@@ -279,13 +367,29 @@ class FsspecStorage:
         return _RangeReader(self, path, int(size))
 
     def read_bytes(self, path: str) -> bytes:
+        """Bounded (``MAX_READ_BYTES``): file:// by the size from ``fstat`` before
+        reading; an object store by one ranged GET of one byte more than the bound,
+        so a huge object costs at most that (a 0-byte object has no range to ask for:
+        the store's refusal is answered by its size)."""
         p = self._abs(path)
-        try:
-            return bytes(self.fs.cat_file(p))
-        except (FileNotFoundError, IsADirectoryError) as exc:
-            raise self._not_found(path) from exc
-        except Exception as exc:
-            raise self._error(exc, "read", path) from exc
+        if self._is_local:
+            with self.open_read(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > MAX_READ_BYTES:
+                    raise too_large(self.url(path), size)
+                data = f.read(MAX_READ_BYTES + 1)
+        else:
+            try:
+                data = bytes(self.fs.cat_file(p, start=0, end=MAX_READ_BYTES + 1))
+            except (FileNotFoundError, IsADirectoryError) as exc:
+                raise self._not_found(path) from exc
+            except Exception as exc:
+                if self.size(path) == 0:
+                    return b""
+                raise self._error(exc, "read", path) from exc
+        if len(data) > MAX_READ_BYTES:
+            raise too_large(self.url(path), None)
+        return data
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         if self._is_local:
@@ -313,13 +417,104 @@ class FsspecStorage:
         except FileExistsError:
             return False
         except Exception as exc:
+            if _errno_of(exc) in _HEADER_REJECTED or "NotImplemented" in str(exc):
+                raise StorageError(
+                    f"create {self.url(path)!r} failed: the store rejected the conditional "
+                    f"create (If-None-Match: *) with {type(exc).__name__}: {exc}. It does not "
+                    "support conditional writes, so neither the run lock nor the commit can "
+                    "exclude a second writer there. Use a store that supports them, or "
+                    f"accept the risk (one job per root, started alone): "
+                    f"{_OPT_OUT_HINT}",
+                    errno=_errno_of(exc),
+                    path=self.url(path),
+                ) from exc
             raise self._error(exc, "create", path) from exc
         return True
+
+    def check_conditional_create(self) -> tuple[bool, str]:
+        """Whether the store honours a conditional create, found once per storage: a
+        probe key is created twice with ``If-None-Match: *``; the second must be
+        refused. S3-compatible servers differ (some ignore the header and overwrite,
+        some reject it), and the protocol name cannot tell; the run lock and the marker
+        commit are exclusive only where it is honoured.
+
+        Returns:
+            ``(honoured, what was seen)``; ``(True, ...)`` without a probe where there
+            is nothing to probe (a local or in-memory filesystem, or the user declared
+            the store's behaviour with the ``conditional_create`` storage option).
+
+        Raises:
+            StorageError: the probe could not be written or read (the store is
+                unreachable, or denies writes under the root).
+        """
+        if self.conditional_create_found is not None:
+            return self.conditional_create_found
+        if not self.capabilities.exclusive_create:
+            found = (False, "off (storage option conditional_create=false)")
+        elif self._is_local or self.protocol == "memory" or self.conditional_create == "on":
+            found = (True, "trusted, not probed")
+        else:
+            found = self._probe_conditional_create()
+        self.conditional_create_found = found
+        return found
+
+    def abort_uploads(self, path: str) -> None:
+        """Abort the unfinished multipart uploads under ``path/`` (S3; elsewhere a
+        no-op). After a commit, an upload still open under the committed attempt is an
+        orphan: its start landed but the answer was lost, the client started another
+        upload of the same file, and the first one's parts stay stored (and billed),
+        invisible to listings, until aborted. Failures are logged, never raised."""
+        self._abort_uploads(path)
+
+    def _probe_bytes(self, path: str) -> bytes | None:
+        try:
+            return self.read_bytes(path)
+        except CheckpointNotFoundError:
+            return None
+
+    def _probe_conditional_create(self) -> tuple[bool, str]:
+        import uuid
+
+        from ..layout import META_DIR
+
+        nonce = uuid.uuid4().hex
+        probe = f"{META_DIR}/{PROBE_PREFIX}{nonce}"
+
+        def doc(n: int) -> bytes:
+            # created_unix: a probe key left by a failed delete is removed by the run
+            # lock's tidy-up once it is stale (a probe lasts milliseconds).
+            return json.dumps({"probe": nonce, "n": n, "created_unix": time.time()}).encode()
+
+        first = doc(1)
+        try:
+            try:
+                created = self.create_exclusive(probe, first)
+            except StorageError as exc:
+                if exc.errno in _HEADER_REJECTED or "rejected the conditional" in str(exc):
+                    return False, f"rejected: the store refused If-None-Match: * ({exc.errno})"
+                raise
+            # A first answer lost and a refused retry read the same as "exists": only our
+            # bytes there mean the create landed.
+            if not created and self._probe_bytes(probe) != first:
+                return False, "unexpected: the create of a fresh probe key was refused"
+            again = self.create_exclusive(probe, doc(2))
+            if again:
+                return False, "ignored: a second If-None-Match: * create of one key succeeded"
+            return True, "honoured: a second If-None-Match: * create of one key was refused"
+        finally:
+            for attempt in range(2):  # a few bytes, but nothing else would remove them
+                try:
+                    self.delete_file(probe)
+                    break
+                except CheckpointError as exc:
+                    if attempt:
+                        log.warning("could not delete the probe key %s: %s", self.url(probe), exc)
 
     def _local_publish(self, path: str, data: bytes, *, exclusive: bool) -> bool:
         """file://: write a temporary file, fsync it, then put it in place by rename
         (replace) or hard link (create-once: link fails if the name exists), so no
         reader ever opens a half-written file."""
+        self._beneath(path, final=False)
         final = self._abs(path)
         tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
@@ -349,6 +544,10 @@ class FsspecStorage:
     def listdir(self, path: str) -> list[str]:
         p = self._abs(path)
         try:
+            self._beneath(path)  # reached through a link: not a directory of ours
+        except CheckpointError:
+            return []
+        try:
             names = self.fs.ls(p, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
@@ -358,6 +557,7 @@ class FsspecStorage:
 
     def size(self, path: str) -> int | None:
         p = self._abs(path)
+        self._beneath(path)
         try:
             info = self.fs.info(p)
         except (FileNotFoundError, NotADirectoryError):
@@ -369,11 +569,16 @@ class FsspecStorage:
         return int(info["size"])
 
     def is_dir(self, path: str) -> bool:
+        try:
+            self._beneath(path)
+        except CheckpointError:
+            return False  # a link to a directory is not a directory of ours
         with self._mapped("stat", path):
             return bool(self.fs.isdir(self._abs(path)))
 
     def walk_files(self, path: str) -> list[tuple[str, int]]:
         p = self._abs(path)
+        self._beneath(path)
         try:
             found = self.fs.find(p, detail=True)
         except FileNotFoundError:
@@ -421,6 +626,7 @@ class FsspecStorage:
             os.close(fd)
 
     def delete_file(self, path: str) -> None:
+        self._beneath(path, final=False)  # a link itself may go, never what is behind one
         try:
             self.fs.rm_file(self._abs(path))
         except FileNotFoundError:
@@ -429,36 +635,148 @@ class FsspecStorage:
             raise self._error(exc, "delete", path) from exc
 
     def delete_tree(self, path: str) -> None:
+        """Delete every object under ``path/`` (and ``path`` itself if it is a file).
+
+        The keys are listed, then exactly those keys are deleted. Never through fsspec's
+        ``rm(path, recursive=True)``: it expands ``[``, ``*`` and ``?`` in the path as a
+        glob pattern, so a root such as ``s3://b/exp[12]`` would delete the checkpoints
+        of runs ``exp1`` and ``exp2``. ``find`` and ``ls`` list a prefix literally.
+        """
         p = self._abs(path)
         if p.rstrip("/") == self._root.rstrip("/"):
             raise StorageError(
                 f"refusing to delete the whole checkpoint root {self.url()!r}",
                 path=self.url(),
             )
-        try:
-            # s3fs: bulk DeleteObjects of every key under "p/" (never "p10/...").
-            self.fs.rm(p, recursive=True)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            raise self._error(exc, "delete", path) from exc
+        # file://: never through a link, and not a tree that is one (like LocalStorage;
+        # ``delete_file`` removes a link itself).
+        self._beneath(path)
+        if self._is_local:
+            self._delete_local_tree(path)
+            return
+        with self._mapped("list for deletion", path):
+            keys = self._keys_under(p)
+        self._delete_keys(keys, path)
+        if not self._is_object_store:
+            self._remove_empty_dirs(p)
         self._abort_uploads(path)
 
+    def _keys_under(self, p: str) -> list[str]:
+        """The objects at or below ``p``, from a literal prefix listing (``find``: one
+        paginated LIST of ``p/`` on S3; it never reads its argument as a pattern)."""
+        try:
+            found = self.fs.find(p, withdirs=False)
+        except FileNotFoundError:
+            return []
+        prefix = p.rstrip("/") + "/"
+        # "p/" and "p/sub/" are directory-marker objects (s3fs-fuse, the S3 console):
+        # real keys, deleted with the rest. A sibling "p10/..." never starts with "p/".
+        return sorted({str(n) for n in found if str(n) == p or str(n).startswith(prefix)})
+
+    def _delete_keys(self, keys: list[str], rel: str) -> None:
+        """Delete exactly ``keys`` (full paths as ``find`` returns them); already-missing
+        keys are fine (a concurrent cleaner got there first)."""
+        if not keys:
+            return
+        call_s3 = getattr(self.fs, "call_s3", None)
+        if self.protocol in ("s3", "s3a") and call_s3 is not None:
+            # DeleteObjects takes exact keys (no patterns), at most 1,000 per request;
+            # it answers 200 even when some keys fail, so its Errors list is checked.
+            bucket = self._root.split("/", 1)[0]
+            for start in range(0, len(keys), 1000):
+                chunk = keys[start : start + 1000]
+                objects = []
+                for k in chunk:
+                    if not k.startswith(bucket + "/"):
+                        raise StorageError(
+                            f"delete {self.url(rel)!r}: listed key {k!r} is outside bucket "
+                            f"{bucket!r}; nothing more was deleted",
+                            path=self.url(rel),
+                        )
+                    objects.append({"Key": k[len(bucket) + 1 :]})
+                with self._mapped("delete", rel):
+                    out = call_s3(
+                        "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}
+                    )
+                errors = [e for e in (out or {}).get("Errors", []) if e.get("Code") != "NoSuchKey"]
+                if errors:
+                    first = errors[0]
+                    raise StorageError(
+                        f"delete {self.url(rel)!r}: the store refused to delete {len(errors)} "
+                        f"object(s); first {first.get('Key')!r}: {first.get('Code')} "
+                        f"{first.get('Message')}. Check the credentials' delete permission",
+                        path=self.url(rel),
+                    )
+            return
+        for k in sorted(keys, reverse=True):
+            try:
+                # rm_file takes one literal path in every driver shipped with fsspec and
+                # in s3fs, gcsfs and adlfs (rm and expand_path are the ones that glob).
+                self.fs.rm_file(k)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:
+                raise self._error(exc, "delete", rel) from exc
+
+    def _remove_empty_dirs(self, p: str) -> None:
+        """Drop the (now empty) directories of a deleted tree on stores that keep them
+        (``memory://``), deepest first; a directory that is not empty stays."""
+        try:
+            found = self.fs.find(p, withdirs=True, detail=True)
+        except Exception:
+            found = {}
+        prefix = p.rstrip("/") + "/"
+        dirs = [
+            str(n)
+            for n, info in found.items()
+            if info.get("type") == "directory" and str(n).startswith(prefix)
+        ]
+        for d in [*sorted(dirs, key=len, reverse=True), p]:
+            with contextlib.suppress(Exception):
+                self.fs.rmdir(d)
+
+    def _delete_local_tree(self, path: str) -> None:
+        """file://: remove the tree with the OS (``shutil.rmtree`` takes its argument
+        literally and never follows a symlink out of the tree); a symlink or a file at
+        ``path`` is unlinked itself."""
+        p = self._abs(path)
+        try:
+            if os.path.islink(p) or not os.path.isdir(p):
+                os.unlink(p)
+            else:
+                shutil.rmtree(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise map_os_error(exc, "delete", p) from exc
+
     def _abort_uploads(self, path: str) -> None:
-        """S3: abort unfinished multipart uploads under ``path``. A writer killed in the
+        """S3: abort unfinished multipart uploads under ``path/``. A writer killed in the
         middle of a large file leaves its uploaded parts invisible but stored (and
-        billed) until aborted; the sweep of its attempt gets here."""
-        list_uploads = getattr(self.fs, "list_multipart_uploads", None)
+        billed) until aborted; the sweep of its attempt gets here. The listing asks for
+        the prefix only and follows every page (1,000 uploads per page): a bucket busy
+        with other uploads must not hide ours behind the first page."""
+        call_s3 = getattr(self.fs, "call_s3", None)
         abort = getattr(self.fs, "abort_mpu", None)
-        if list_uploads is None or abort is None:
+        if self.protocol not in ("s3", "s3a") or call_s3 is None or abort is None:
             return
         bucket, _, key = self._abs(path).partition("/")
         prefix = key.rstrip("/") + "/"
+        markers: dict[str, str] = {}
         try:
-            uploads = list_uploads(bucket)
-            for upload in uploads:
-                if str(upload.get("Key", "")).startswith(prefix):
-                    abort(bucket, upload["Key"], upload["UploadId"])
+            for _page in range(10_000):  # bounded: 10^7 uploads under one prefix
+                out = call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+                for upload in out.get("Uploads", []) or []:
+                    name = str(upload.get("Key", ""))
+                    if name.startswith(prefix):  # the store filtered; never trust blindly
+                        abort(bucket, name, upload["UploadId"])
+                following = {
+                    "KeyMarker": str(out.get("NextKeyMarker") or ""),
+                    "UploadIdMarker": str(out.get("NextUploadIdMarker") or ""),
+                }
+                if not out.get("IsTruncated") or following == markers:
+                    break  # the last page (or a store that does not advance: stop)
+                markers = following
         except Exception as exc:
             log.warning("could not abort unfinished uploads under %s: %s", self.url(path), exc)
 

@@ -26,6 +26,14 @@ Filesystem behaviours handled here, each learned on a real system:
   16 MiB; the system call just says EOPNOTSUPP and we skip the reservation.
 - Files get the permissions of the umask (0o666 & ~umask), never a temp file's 0o600
   (FAILURE_MODES D7).
+- Symbolic links below ROOT are never followed (DESIGN invariant 9): every operation
+  checks with ``lstat`` that no directory on its way below ROOT is a link, opens files
+  with ``O_NOFOLLOW``, lists a linked directory as empty and refuses to delete a tree
+  that is a link. ``ROOT/checkpoint-9 -> /other/root/checkpoint-9`` would otherwise be
+  restored from, and deleted through (the marker strategy removed the other root's
+  manifest and data). ROOT itself may be a link: the user chose it.
+- ``read_bytes`` (manifests, run, lock and marker files: untrusted) refuses a file
+  larger than ``MAX_READ_BYTES`` from its ``fstat`` size, before reading a byte.
 
 Network filesystems (sshfs, NFS, SMB, ...: ``capabilities.coherent`` is False, read from
 the mount table by :mod:`.detect` when no capabilities are given). Each client serves
@@ -71,6 +79,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._faults import fault_point
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -79,7 +88,7 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from .base import Reader, StorageCapabilities
+from .base import MAX_READ_BYTES, Reader, StorageCapabilities, check_no_links, linked, too_large
 from .detect import local_capabilities, mount_of
 
 log = logging.getLogger("atomic_checkpoint")
@@ -200,11 +209,12 @@ class _LocalWriter:
         self._storage = storage
         self._rel = rel
         self._path = storage._abs(rel)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0)
+        # O_NOFOLLOW: a link planted under the file's name is never written through.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0) | _NOFOLLOW
         try:
             self._fd: int | None = os.open(self._path, flags, 0o666)
         except OSError as exc:
-            raise map_os_error(exc, "create", self._path) from exc
+            raise _open_error(exc, "create", self._path) from exc
         # KEEP_SIZE: reserve the blocks without changing the file's size, so a short
         # write can never leave a file longer than what was written.
         if (
@@ -270,6 +280,16 @@ class _LocalWriter:
             self.abort()
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _open_error(exc: OSError, action: str, path: str) -> CheckpointError:
+    """Map a failed ``open``; ELOOP from ``O_NOFOLLOW`` means ``path`` is a link."""
+    if exc.errno == errno.ELOOP and os.path.islink(path):
+        return linked(path)
+    return map_os_error(exc, action, path)
+
+
 def _device_of(path: str) -> int:
     """``st_dev`` of ``path``, or of its nearest existing ancestor: a root that does not
     exist yet will be created on its parent's filesystem."""
@@ -319,13 +339,13 @@ class _DirectWriter:
 
     def __init__(self, storage: LocalStorage, rel: str, size_hint: int | None, depth: int = 2):
         self._path = storage._abs(rel)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | _NOFOLLOW
         try:
             self._fd: int | None = os.open(self._path, flags, 0o666)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # this filesystem refuses O_DIRECT
                 raise _NoDirectIO(str(exc)) from exc
-            raise map_os_error(exc, "create", self._path) from exc
+            raise _open_error(exc, "create", self._path) from exc
         # Set before the reservation: a full disk aborts through abort(), which stops
         # the (not yet started) I/O threads.
         self._error: OSError | None = None
@@ -508,18 +528,26 @@ class LocalStorage:
     def __repr__(self) -> str:
         return f"LocalStorage({self.root!r}, {self.capabilities.name})"
 
-    def _abs(self, rel: str) -> str:
+    def _join(self, rel: str) -> str:
         return os.path.join(self.root, *rel.split("/")) if rel else self.root
 
+    def _abs(self, rel: str) -> str:
+        """The OS path of ``rel`` for an operation on it: no directory on the way below
+        ROOT may be a symbolic link (DESIGN invariant 9; each operation decides about
+        ``rel`` itself, never following it where it reads, writes or deletes)."""
+        return check_no_links(self.root, rel, final=False) if rel else self.root
+
     def url(self, path: str = "") -> str:
-        return self._abs(path)
+        return self._join(path)
 
     def local_path(self, path: str = "") -> str | None:
-        return self._abs(path)
+        return self._join(path)
 
     def makedirs(self, path: str) -> None:
         self.check_root()
-        p = self._abs(path)
+        # Every component, this one included: a ``.pending`` linked elsewhere would
+        # take every later write outside ROOT.
+        p = check_no_links(self.root, path)
         try:
             os.makedirs(p, exist_ok=True)
         except FileExistsError as exc:
@@ -575,13 +603,14 @@ class LocalStorage:
         p = self._abs(path)
         # O_NONBLOCK: opening a FIFO for reading would block until a writer comes;
         # nothing but a regular file is ever read (blocking is restored for reads).
+        # O_NOFOLLOW: a file that is a link (to anywhere) is never read through.
         flags = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NONBLOCK", 0)
         try:
-            fd = os.open(p, flags)
+            fd = os.open(p, flags | _NOFOLLOW)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{p!r} does not exist") from exc
         except OSError as exc:
-            raise map_os_error(exc, "open", p) from exc
+            raise _open_error(exc, "open", p) from exc
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise CorruptCheckpointError(
@@ -607,10 +636,27 @@ class LocalStorage:
 
     def read_bytes(self, path: str) -> bytes:
         with self.open_read(path) as f:
+            # Bounded by the size from fstat before a byte is read (a sparse 10 TiB
+            # "manifest" is refused at once), and by what the reads return should the
+            # file grow meanwhile; a size cached stale on a network filesystem is only
+            # a hint, the loop reads until EOF.
             try:
-                return f.read()
+                size = os.fstat(f.fileno()).st_size
             except OSError as exc:
-                raise map_os_error(exc, "read", self._abs(path)) from exc
+                raise map_os_error(exc, "stat", self._join(path)) from exc
+            if size > MAX_READ_BYTES:
+                raise too_large(self._join(path), size)
+            parts = []
+            left = MAX_READ_BYTES + 1
+            while left > 0:
+                chunk = f.read(min(left, max(size + 1, 64 << 10)))
+                if not chunk:
+                    break
+                parts.append(chunk)
+                left -= len(chunk)
+            if left <= 0:
+                raise too_large(self._join(path), None)
+            return b"".join(parts)
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         self.check_root()
@@ -632,7 +678,90 @@ class LocalStorage:
         self.fsync_dir(os.path.dirname(path.rstrip("/")) if "/" in path else "")
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists; True if this call did.
+
+        Published whole, never created empty and filled later: the data goes to a
+        temporary file beside ``path`` and is fsync'd, then ``link(2)`` gives it its
+        name, then the directory is fsync'd. link is atomic and fails with EEXIST when
+        the name exists, on every client of NFS and sshfs too, so of racing creators
+        exactly one wins; a crash at any moment leaves the name absent or complete. (An
+        ``O_EXCL`` create, then write, then fsync, froze a 0-byte file there when the
+        process died in between, and every later start tripped over it.) A crash can
+        leave the temporary file (``<name>.tmp-<pid>-...``): a few bytes, never read.
+
+        NFS: a link whose reply was lost is retransmitted and then answers EEXIST
+        although it succeeded; the temporary file's link count (2) tells. Where hard
+        links are not supported (FAT, some FUSE and SMB mounts) it falls back to the
+        ``O_EXCL`` create.
+        """
         self.check_root()
+        p = self._abs(path)
+        tmp = f"{p}.tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+        self._write_new_file(tmp, data)
+        try:
+            fault_point("mid_create", -1)
+            try:
+                os.link(tmp, p)
+                won = True
+            except FileExistsError:
+                won = os.stat(tmp).st_nlink == 2  # NFS: our retransmitted link
+            except OSError as exc:
+                if exc.errno == errno.EPERM and self._exists_fresh(p):
+                    return False  # sshfs: the loser of a link race often gets EPERM
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+                    raise map_os_error(exc, "link", f"{tmp} -> {p}") from exc
+                return self._create_exclusive_in_place(path, data)
+        finally:
+            self._drop_temporary(tmp)
+        if won:
+            self.fsync_dir(path.rsplit("/", 1)[0] if "/" in path else "")
+        return won
+
+    @staticmethod
+    def _drop_temporary(tmp: str) -> None:
+        """Unlink ``create_exclusive``'s temporary file. Nothing lists or sweeps these
+        names later, so a failed unlink (a transient EIO or ENOSPC from the filesystem,
+        found by the libfiu campaign on s3fs-fuse) is retried once and, if it fails
+        again, named in a warning rather than left silently."""
+        for attempt in range(2):
+            try:
+                os.unlink(tmp)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if attempt:
+                    log.warning(
+                        "could not remove the temporary file %s (%s): a few bytes that "
+                        "nothing reads; delete it by hand",
+                        tmp,
+                        exc,
+                    )
+
+    def _write_new_file(self, p: str, data: bytes) -> None:
+        """Create ``p`` (which must not exist), write ``data`` and fsync it; on failure
+        nothing is left."""
+        try:
+            fd = os.open(
+                p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666
+            )
+        except OSError as exc:
+            raise map_os_error(exc, "create", p) from exc
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+            raise map_os_error(exc, "write", p) from exc
+        os.close(fd)
+
+    def _create_exclusive_in_place(self, path: str, data: bytes) -> bool:
+        """``create_exclusive`` where hard links are not supported: ``O_EXCL`` create,
+        write, fsync (a crash in between leaves the name empty or short)."""
         p = self._abs(path)
         try:
             fd = os.open(
@@ -663,9 +792,13 @@ class LocalStorage:
 
     def listdir(self, path: str) -> list[str]:
         """Names in directory ``path``, as the server has them on network filesystems
-        (the client's cached listing is dropped first); [] if it does not exist."""
+        (the client's cached listing is dropped first); [] if it does not exist, and
+        [] if it is reached through a symbolic link (not a directory of this root)."""
         self.check_root()
-        p = self._abs(path)
+        try:
+            p = check_no_links(self.root, path) if path else self.root
+        except CheckpointError:
+            return []
         if not self.capabilities.coherent:
             self._drop_cached_metadata(p)
         try:
@@ -678,25 +811,38 @@ class LocalStorage:
     def size(self, path: str) -> int | None:
         p = self._abs(path)
         try:
-            st = os.stat(p)
+            st = os.lstat(p)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
             raise map_os_error(exc, "stat", p) from exc
+        if stat.S_ISLNK(st.st_mode):
+            raise linked(p)  # its target's size is outside's business
         return st.st_size
 
     def is_dir(self, path: str) -> bool:
-        return os.path.isdir(self._abs(path))
+        """Whether ``path`` is a directory of this root: a link to one is not."""
+        try:
+            return stat.S_ISDIR(os.lstat(self._abs(path)).st_mode)
+        except (OSError, CheckpointError):
+            return False
 
     def walk_files(self, path: str) -> list[tuple[str, int]]:
-        base = self._abs(path)
+        """Every file under ``path``. A symbolic link among them raises: a checkpoint
+        holds regular files and directories only, and a link would be refused by every
+        reader (``saving()`` blocks that wrote one fail here, before the commit)."""
+        base = check_no_links(self.root, path) if path else self.root
         out: list[tuple[str, int]] = []
         try:
-            for dirpath, _dirs, files in os.walk(base):
-                for name in files:
+            for dirpath, dirs, files in os.walk(base):
+                for name in files + dirs:
                     full = os.path.join(dirpath, name)
-                    rel = os.path.relpath(full, base).replace(os.sep, "/")
-                    out.append((rel, os.stat(full).st_size))
+                    st = os.lstat(full)
+                    if stat.S_ISLNK(st.st_mode):
+                        raise linked(full)
+                    if name in files:
+                        rel = os.path.relpath(full, base).replace(os.sep, "/")
+                        out.append((rel, st.st_size))
         except OSError as exc:
             raise map_os_error(exc, "walk", base) from exc
         return sorted(out)
@@ -800,7 +946,9 @@ class LocalStorage:
 
     def delete_tree(self, path: str) -> None:
         self.check_root()
-        p = self._abs(path)
+        # rmtree never follows links inside the tree, but the tree itself (or a
+        # directory on the way to it) being a link would delete another root's data.
+        p = check_no_links(self.root, path)
         errors: list[OSError] = []
 
         def onerror(_fn: object, failed: str, info: object) -> None:
@@ -825,13 +973,19 @@ class LocalStorage:
         if self.capabilities.coherent:
             return
         self.check_root()
-        self._drop_cached_metadata(self._abs(path))
+        try:
+            p = self._abs(path)
+        except CheckpointError:
+            return  # reached through a link: nothing of ours to refresh
+        self._drop_cached_metadata(p)
 
     def _drop_cached_metadata(self, p: str) -> None:
         # sshfs, NFS: a metadata write through the mount makes the client drop what it
         # cached for that path (sshfs: the directory listing, or a file's attributes),
         # so a listing taken before another node's commit is renewed. Touching the
         # times is the cheapest such write; nothing orders by mtime (layout.py).
+        if os.path.islink(p):
+            return  # utime through it would touch the times of a file outside ROOT
         try:
             os.utime(p)
         except (FileNotFoundError, NotADirectoryError):

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, map_os_error
-from .base import Reader, StorageCapabilities
+from .base import MAX_READ_BYTES, Reader, StorageCapabilities, too_large
 
 
 @dataclass
@@ -111,6 +111,10 @@ class MemoryStorage:
 
     def read_bytes(self, path: str) -> bytes:
         with self.open_read(path) as f:
+            size = f.seek(0, io.SEEK_END)
+            if size > MAX_READ_BYTES:
+                raise too_large(path, size)
+            f.seek(0)
             return f.read()
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:

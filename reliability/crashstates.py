@@ -1,0 +1,954 @@
+"""The ``crash-states`` campaign: every protocol operation, every crash state.
+
+Each scenario builds a durable pre-state in one process (forked, so a manager it
+leaves open leaves its run lock to a process that is gone), then runs one protocol
+operation in another under :class:`reliability.crashsim.Recorder`; that process is
+gone too when recovery runs, as after a power loss. Every crash state of
+the recorded operations (:func:`reliability.crashsim.crash_states`) is materialised
+in a fresh directory and recovered the way a restarted job and its operator would: a
+new ``CheckpointManager`` on the root (run lock takeover, sweep), ``checkpoints()``,
+``latest()``, ``restore()`` of every listed step, a new save, ``close()``, then
+``atomic-checkpoint clean``. Checked there:
+
+- ``torn``: a listed checkpoint that does not restore bit-exactly to a version that
+  was saved under that step (or a step nobody saved);
+- ``lost``: a checkpoint durably committed before the crash is not listed. Durably
+  committed: in the pre-state (unless the operation's retention may delete it), or
+  its ``save()`` returned, or its commit barrier was reached (the state with no
+  volatile change persisted already holds its new manifest);
+- ``stuck``: the start, a listed restore, the next save, ``close()`` or ``clean``
+  raised or failed: a human would have to repair the root;
+- ``leaks``: ``.pending/`` or ``.trash/`` still hold something after that start and
+  ``clean``, or a ``checkpoint-<step>/`` still holds an in-progress marker;
+- ``leftover`` (reported in the figures, not a violation): a ``checkpoint-<step>/``
+  with neither a manifest nor a marker remains, which nothing will ever remove.
+
+After ``rollback()`` returned, the next save is of the step right above the one rolled
+back to: the removed steps must not come back. Recovery runs ``REBOOT_S`` after the
+crash, without fsyncs of its own (its durability is what the other scenarios test).
+
+    python -m reliability.crashstates [--scenario NAME] [--per-cut N] [--max-states N]
+
+prints the states explored per scenario and every violation with its crash state
+(the operation it crashed after, the volatile changes lost, the unsynced files torn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from reliability.crashsim import (
+    CrashState,
+    Exploration,
+    Recorder,
+    Tree,
+    capability_profile,
+    explore,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MANIFEST = "checkpoint.manifest.json"
+_N = 2000  # float64 values per state: 16000 bytes, four 4 KiB blocks
+WIDE = 6  # checkpoints one rotation deletes, crashed saves one sweep removes (*-wide)
+
+
+def state_of(step: int, version: int = 0) -> dict[str, Any]:
+    """The state saved as ``step`` (``version`` > 0: an overwrite's new content)."""
+    import numpy as np
+
+    return {"w": np.arange(_N, dtype=np.float64) + step * 1000 + version * 0.5}
+
+
+def files_of(step: int, version: int = 0) -> dict[str, bytes]:
+    """What a ``saving()`` block writes as ``step``: a file at the top and one in a
+    directory that holds only a directory (DESIGN invariant 2: every directory on the
+    way is fsync'd, not only the parents of files)."""
+    tag = f"{step}.{version}".encode()
+    return {
+        "config.json": b'{"step": "' + tag + b'"}',
+        "model/shards/weights.bin": tag * (9000 // len(tag)),
+    }
+
+
+def _write_files(directory: str, files: dict[str, bytes]) -> None:
+    """Write like user code does (``save_pretrained``): no fsync of its own."""
+    for rel, data in files.items():
+        path = os.path.join(directory, *rel.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+
+def _same(got: Any, want: dict[str, Any]) -> bool:
+    import numpy as np
+
+    return (
+        isinstance(got, dict)
+        and set(got) == set(want)
+        and all(np.array_equal(np.asarray(got[k]), want[k]) for k in want)
+    )
+
+
+# ============================================================================ scenarios
+Record = Callable[[], Recorder]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One protocol operation under test.
+
+    prepare(root): builds the pre-state (its own process; ``os._exit`` follows, so a
+    manager left open leaves its run lock to a dead process). operate(root, record):
+    runs the operation, recording inside ``with record() as rec`` and marking
+    ``rec.mark("committed", step=S, version=V)`` where a ``save()`` returned.
+    initial: step -> version committed in the pre-state. saves: step -> version the
+    operation saves. may_drop: initial steps the operation's retention may delete.
+    exchange: False emulates a filesystem without renameat2 flags (sshfs, NFS).
+    strategy: the commit strategy forced on every manager (None: automatic).
+    """
+
+    name: str
+    prepare: Callable[[str], None]
+    operate: Callable[[str, Record], None]
+    initial: dict[int, int]
+    saves: dict[int, int] = field(default_factory=dict)
+    may_drop: frozenset[int] = frozenset()
+    exchange: bool = True
+    strategy: str | None = None
+    retention: Any = None
+    direct_io: bool = False
+    files: bool = False  # saved with saving() (files_of), not save() (state_of)
+
+
+def _manager(root: str, scen: Scenario, **kw: Any) -> Any:
+    from atomic_checkpoint import CheckpointManager
+
+    kw.setdefault("timeout_s", 60.0)
+    kw.setdefault("visibility_timeout_s", 2.0)
+    return CheckpointManager(root, strategy=scen.strategy, **kw)
+
+
+def _saved(steps: dict[int, int], *, close: bool = True) -> Callable[[str], None]:
+    def prepare(root: str) -> None:
+        from atomic_checkpoint import CheckpointManager
+
+        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        for step, version in sorted(steps.items()):
+            mgr.save(step, state_of(step, version))
+        mgr.wait()
+        if close:
+            mgr.close()
+
+    return prepare
+
+
+def _op_save(step: int, version: int = 0, *, overwrite: bool = False, asynchronous: bool = False):
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint import CheckpointManager
+
+        scen = _CURRENT
+        mgr = CheckpointManager(root, strategy=scen.strategy, retention=scen.retention)
+        with record() as rec:
+            if asynchronous:
+                mgr.save_async(step, state_of(step, version), overwrite=overwrite).result()
+            else:
+                mgr.save(step, state_of(step, version), overwrite=overwrite)
+            rec.mark("committed", step=step, version=version)
+            mgr.wait()
+            mgr.close()
+
+    return operate
+
+
+def _op_saving(step: int):
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint import CheckpointManager
+
+        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        with record() as rec:
+            with mgr.saving(step) as d:
+                _write_files(str(d), files_of(step))
+            rec.mark("committed", step=step, version=0)
+            mgr.close()
+
+    return operate
+
+
+def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
+    def prepare(root: str) -> None:
+        from atomic_checkpoint import CheckpointManager
+
+        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        for step in steps:
+            with mgr.saving(step) as d:
+                _write_files(str(d), files_of(step))
+        mgr.close()
+
+    return prepare
+
+
+def _op_rollback(to: int):
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint import CheckpointManager
+
+        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        with record() as rec:
+            mgr.rollback(to)
+            rec.mark("rolled-back", to=to)
+            mgr.close()
+
+    return operate
+
+
+def _op_start(save_step: int | None = None):
+    """A start on the root (run.json, lock acquire or takeover, sweep), optionally a
+    first save, then close."""
+
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint import CheckpointManager
+
+        scen = _CURRENT
+        with record() as rec:
+            mgr = CheckpointManager(root, strategy=scen.strategy)
+            rec.mark("started")
+            if save_step is not None:
+                mgr.save(save_step, state_of(save_step))
+                rec.mark("committed", step=save_step, version=0)
+            mgr.close()
+
+    return operate
+
+
+def _prepare_crashed(root: str) -> None:
+    """Checkpoints 1 and 2, then what a crashed save and a crashed rotation leave:
+    a pending attempt and a trash entry; the job dies holding the run lock."""
+    from atomic_checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+    mgr.save(1, state_of(1))
+    mgr.save(2, state_of(2))
+    mgr.wait()
+    if _CURRENT.strategy != "marker":
+        shutil.copytree(os.path.join(root, "checkpoint-2"), f"{root}/.pending/checkpoint-3.0a1b")
+        os.remove(f"{root}/.pending/checkpoint-3.0a1b/{MANIFEST}")
+        shutil.copytree(os.path.join(root, "checkpoint-1"), f"{root}/.trash/checkpoint-0.9f8e")
+    else:
+        # A marker save that crashed: in-progress marker and data, no manifest.
+        from atomic_checkpoint.commit import MarkerStrategy
+
+        storage = mgr.storage
+        pending = MarkerStrategy().prepare(storage, 3, "0a1b2c3d4e5f6a7b")
+        with storage.open_write(f"{pending}/rank-00000.safetensors") as w:
+            w.write(b"\0" * 5000)
+    os.sync()
+    # No close: the lock stays with this process, which exits now.
+
+
+def _prepare_many_crashed(n: int) -> Callable[[str], None]:
+    """Checkpoint 1, then ``n`` crashed saves' leftovers (and, with the rename strategy,
+    ``n`` crashed rotations' trash): the sweep of the next start deletes them all."""
+
+    def prepare(root: str) -> None:
+        from atomic_checkpoint import CheckpointManager
+        from atomic_checkpoint.commit import MarkerStrategy
+
+        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        mgr.save(1, state_of(1))
+        mgr.wait()
+        for i in range(n):
+            step = 10 + i
+            if _CURRENT.strategy != "marker":
+                src = os.path.join(root, "checkpoint-1")
+                shutil.copytree(src, f"{root}/.pending/checkpoint-{step}.{i:016x}")
+                os.remove(f"{root}/.pending/checkpoint-{step}.{i:016x}/{MANIFEST}")
+                shutil.copytree(src, f"{root}/.trash/checkpoint-{step}.{i:016x}")
+            else:
+                pending = MarkerStrategy().prepare(mgr.storage, step, f"{i:016x}")
+                for r in range(2):
+                    with mgr.storage.open_write(f"{pending}/rank-{r:05d}.safetensors") as w:
+                        w.write(b"\1" * 5000)
+        os.sync()
+
+    return prepare
+
+
+def _prepare_dead_holder(root: str) -> None:
+    """Checkpoint 1, then the job dies holding the run lock."""
+    from atomic_checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+    mgr.save(1, state_of(1))
+    mgr.wait()
+
+
+def _prepare_empty(root: str) -> None:
+    os.makedirs(root, exist_ok=True)
+
+
+def _scenarios() -> list[Scenario]:
+    from atomic_checkpoint import KeepLast
+
+    out = []
+    for storage, exchange, strategy in (
+        ("local", True, None),
+        ("no-exchange", False, None),
+        ("marker", True, "marker"),
+    ):
+        out += [
+            Scenario(
+                f"save/{storage}",
+                _saved({1: 0}),
+                _op_save(2),
+                {1: 0},
+                {2: 0},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+            Scenario(
+                f"overwrite/{storage}",
+                _saved({1: 0, 2: 0}),
+                _op_save(2, 1, overwrite=True),
+                {1: 0, 2: 0},
+                {2: 1},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+            Scenario(
+                f"retention/{storage}",
+                _saved({1: 0, 2: 0}),
+                _op_save(3),
+                {1: 0, 2: 0},
+                {3: 0},
+                may_drop=frozenset({1, 2}),
+                exchange=exchange,
+                strategy=strategy,
+                retention=KeepLast(1),
+            ),
+            Scenario(
+                f"sweep/{storage}",
+                _prepare_crashed,
+                _op_start(),
+                {1: 0, 2: 0},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+            Scenario(
+                f"takeover/{storage}",
+                _prepare_dead_holder,
+                _op_start(2),
+                {1: 0},
+                {2: 0},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+            Scenario(
+                f"first-start/{storage}",
+                _prepare_empty,
+                _op_start(1),
+                {},
+                {1: 0},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+            Scenario(
+                f"async-save/{storage}",
+                _saved({1: 0}),
+                _op_save(2, asynchronous=True),
+                {1: 0},
+                {2: 0},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+        ]
+    from atomic_checkpoint import CheckpointManager
+
+    for storage, strategy in (("local", None), ("marker", "marker")):
+        out.append(
+            Scenario(
+                f"saving/{storage}",
+                _prepare_saving([1]),
+                _op_saving(2),
+                {1: 0},
+                {2: 0},
+                strategy=strategy,
+                files=True,
+            )
+        )
+        if hasattr(CheckpointManager, "rollback"):
+            out.append(
+                Scenario(
+                    f"rollback/{storage}",
+                    _saved({1: 0, 2: 0, 3: 0}),
+                    _op_rollback(1),
+                    {1: 0, 2: 0, 3: 0},
+                    may_drop=frozenset({2, 3}),
+                    strategy=strategy,
+                )
+            )
+    # Wide operations, for the state count of --full: one rotation deleting WIDE
+    # checkpoints, one start sweeping WIDE crashed saves (their deletes are volatile
+    # together: up to 5**WIDE combinations at one crash point).
+    for storage, exchange, strategy in (
+        ("local", True, None),
+        ("no-exchange", False, None),
+        ("marker", True, "marker"),
+    ):
+        steps = {s: 0 for s in range(1, WIDE + 1)}
+        out += [
+            Scenario(
+                f"retention-wide/{storage}",
+                _saved(steps),
+                _op_save(WIDE + 1),
+                steps,
+                {WIDE + 1: 0},
+                may_drop=frozenset(steps),
+                exchange=exchange,
+                strategy=strategy,
+                retention=KeepLast(1),
+            ),
+            Scenario(
+                f"sweep-wide/{storage}",
+                _prepare_many_crashed(WIDE),
+                _op_start(),
+                {1: 0},
+                exchange=exchange,
+                strategy=strategy,
+            ),
+        ]
+    out += [
+        Scenario("save/local-odirect", _saved({1: 0}), _op_save(2), {1: 0}, {2: 0}, direct_io=True),
+        Scenario(
+            "async-save/local-odirect",
+            _saved({1: 0}),
+            _op_save(2, asynchronous=True),
+            {1: 0},
+            {2: 0},
+            direct_io=True,
+        ),
+    ]
+    return out
+
+
+SCENARIOS: dict[str, Scenario] = {}
+_CURRENT: Scenario = None  # type: ignore[assignment]  # set in the child processes
+
+
+def scenarios() -> dict[str, Scenario]:
+    if not SCENARIOS:
+        SCENARIOS.update({s.name: s for s in _scenarios()})
+    return SCENARIOS
+
+
+# ============================================================================ recording
+def _child(phase: str, name: str, root: str, out: str) -> None:
+    """Run in a fresh process: build the pre-state, then record the operation."""
+    global _CURRENT
+    scen = _CURRENT = scenarios()[name]
+    import logging
+
+    logging.getLogger("atomic_checkpoint").addHandler(logging.NullHandler())
+    logging.getLogger("atomic_checkpoint").propagate = False
+    from atomic_checkpoint import manager as manager_mod
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    if scen.direct_io:
+        # Every state file goes through the O_DIRECT writers (pwrite from aligned
+        # buffers, ftruncate of the padding), however small.
+        manager_mod._DIRECT_MIN_BYTES = 0
+        LocalStorage.direct_io = True
+    else:
+        LocalStorage.direct_io = False
+    # The pre-state is built by a forked child that exits without cleaning up (a
+    # manager it leaves open keeps the run lock, held by a process that is gone).
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with capability_profile(scen.exchange):
+                scen.prepare(root)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise RuntimeError(f"building the pre-state of {name} failed (status {status})")
+    recorders: list[Recorder] = []
+
+    def record() -> Recorder:
+        rec = Recorder(root, exchange=scen.exchange)
+        recorders.append(rec)
+        return rec
+
+    scen.operate(root, record)
+    (rec,) = recorders
+    final_manifests = {}
+    for step in scen.saves:
+        obj = rec.live.resolve(f"checkpoint-{step}/{MANIFEST}")
+        if obj is not None:
+            final_manifests[step] = rec.live.data[obj]
+    with open(out, "wb") as f:
+        pickle.dump({"baseline": rec.baseline, "ops": rec.ops, "manifests": final_manifests}, f)
+
+
+@dataclass
+class Trace:
+    scenario: Scenario
+    baseline: Tree
+    ops: list[Any]
+    manifests: dict[int, bytes]
+
+
+def record_trace(name: str, workdir: str) -> Trace:
+    """Prepare and record scenario ``name`` in a fresh process (the pre-state in a
+    forked child of it) under ``workdir``."""
+    root = os.path.join(workdir, "root")
+    out = os.path.join(workdir, "trace.pickle")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "reliability.crashstates", "--child", "record", name, root, out],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"scenario {name} failed to record:\n{proc.stderr[-3000:]}")
+    with open(out, "rb") as f:
+        doc = pickle.load(f)
+    return Trace(scenarios()[name], doc["baseline"], doc["ops"], doc["manifests"])
+
+
+# ============================================================================ checking
+def expectation(trace: Trace, state: CrashState) -> tuple[tuple[int, frozenset[int]], ...]:
+    """What must be listed after recovery from ``state``: step -> the versions it may
+    have. Initial steps (unless retention may drop them), steps whose save returned
+    (the new version only), steps whose new manifest the barriers alone guarantee."""
+    scen = trace.scenario
+    need: dict[int, frozenset[int]] = {}
+    for step, version in scen.initial.items():
+        if step not in scen.may_drop:
+            versions = {version}
+            if step in scen.saves:
+                versions.add(scen.saves[step])
+            need[step] = frozenset(versions)
+    for step, manifest in trace.manifests.items():
+        obj = state.minimal.resolve(f"checkpoint-{step}/{MANIFEST}")
+        if obj is not None and state.minimal.data.get(obj) == manifest:
+            old = scen.initial.get(step)
+            need[step] = frozenset({scen.saves[step]} | ({old} if old is not None else set()))
+    for m in state.marks:
+        if m.label == "committed":
+            need[m.info["step"]] = frozenset({m.info["version"]})
+    return tuple(sorted(need.items()))
+
+
+#: The restart after a power loss comes at least this long after the crash (a machine
+#: boots for longer): time-based bounds shorter than this (a takeover claim goes stale
+#: after 15 s) have passed when recovery runs. The run lock's lease (60 s) has not.
+REBOOT_S = 30.0
+
+
+@contextlib.contextmanager
+def _after_reboot() -> Iterator[None]:
+    """The run lock's clock ``REBOOT_S`` after the crash (the states are written now),
+    and no fsync."""
+    from atomic_checkpoint.lock import RunLock
+
+    defaults = RunLock.__init__.__kwdefaults__
+    real, real_fsync = defaults["clock"], os.fsync
+    defaults["clock"] = lambda: real() + REBOOT_S
+    # Recovery's own durability is not under test here (its crash states are those
+    # of the scenarios it is made of): skipping its fsyncs makes a state ~5x cheaper.
+    os.fsync = lambda fd: None
+    try:
+        yield
+    finally:
+        defaults["clock"] = real
+        os.fsync = real_fsync
+
+
+def check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
+    """Recover ``path`` as a restarted job would and check the invariants."""
+    with _after_reboot():
+        return _check_state(path, state, need, trace)
+
+
+def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
+    from atomic_checkpoint.cli import main as cli_main
+
+    scen = trace.scenario
+    allowed: dict[int, set[int]] = {}
+    for step, version in [*scen.initial.items(), *scen.saves.items()]:
+        allowed.setdefault(step, set()).add(version)
+    found: list[tuple[str, str]] = []
+    with capability_profile(scen.exchange):
+        try:
+            mgr = _manager(path, scen)
+        except Exception as exc:
+            return [("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
+        try:
+            listed = [c.step for c in mgr.checkpoints()]
+            latest = mgr.latest()
+            if (latest.step if latest else None) != (max(listed) if listed else None):
+                found.append(("torn", f"latest() is {latest} but the newest listed is {listed}"))
+            restored: dict[int, int] = {}
+            for step in listed:
+                if step not in allowed:
+                    found.append(("torn", f"step {step} is listed but was never saved"))
+                    continue
+                if scen.files:
+                    match = _files_match(mgr, step, allowed[step])
+                    if isinstance(match, str):
+                        found.append(("torn", match))
+                    else:
+                        restored[step] = match
+                    continue
+                try:
+                    got = mgr.restore(step=step)
+                except Exception as exc:
+                    found.append(
+                        ("torn", f"restore(step={step}) failed: {type(exc).__name__}: {exc}")
+                    )
+                    continue
+                match = [v for v in allowed[step] if _same(got, state_of(step, v))]
+                if not match:
+                    found.append(("torn", f"step {step} restores to content nobody saved"))
+                else:
+                    restored[step] = match[0]
+            for step, versions in need:
+                if step not in listed:
+                    found.append(
+                        (
+                            "lost",
+                            f"step {step} was durably committed and is gone (listed: {listed})",
+                        )
+                    )
+                elif step in restored and restored[step] not in versions:
+                    found.append(
+                        (
+                            "lost",
+                            f"step {step} restores to version {restored[step]}, "
+                            f"but version {sorted(versions)} was committed",
+                        )
+                    )
+            nxt = max([*listed, *allowed, 0]) + 1
+            rolled = [m.info["to"] for m in state.marks if m.label == "rolled-back"]
+            if rolled:
+                # rollback() returned: saves above its step are allowed from now on,
+                # so the steps it removed must not come back after a power loss.
+                nxt = rolled[-1] + 1
+            try:
+                mgr.save(nxt, state_of(nxt))
+            except Exception as exc:
+                found.append(("stuck", f"the next save failed: {type(exc).__name__}: {exc}"))
+        except Exception as exc:
+            found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
+        finally:
+            try:
+                mgr.close()
+            except Exception as exc:
+                found.append(("stuck", f"close() failed: {type(exc).__name__}: {exc}"))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                rc = cli_main(["clean", path])
+            except SystemExit as exc:
+                rc = exc.code if isinstance(exc.code, int) else 2
+        if rc != 0:
+            found.append(
+                ("stuck", f"`atomic-checkpoint clean` exited {rc}: {out.getvalue()[-300:]}")
+            )
+    for d in (".pending", ".trash"):
+        left = os.listdir(os.path.join(path, d)) if os.path.isdir(os.path.join(path, d)) else []
+        if left:
+            found.append(("leaks", f"{d}/ still holds {left} after a start and clean"))
+    found += _marker_leftovers(path)
+    return found
+
+
+#: Reported, not counted as a violation: a ``checkpoint-<step>`` directory that a start
+#: and ``clean`` left without a manifest (empty, or data without a marker). Nothing is
+#: lost or listed, but nothing will ever remove it either.
+LEFTOVER = "leftover"
+
+
+def _marker_leftovers(path: str) -> list[tuple[str, str]]:
+    """After a start and ``clean``, no in-progress marker is left and every
+    ``checkpoint-<step>`` directory holds a manifest."""
+    from atomic_checkpoint.catalog import parse_marker_name
+
+    out = []
+    for name in sorted(os.listdir(path)):
+        d = os.path.join(path, name)
+        if not name.startswith("checkpoint-") or not os.path.isdir(d):
+            continue
+        markers = [n for n in os.listdir(d) if parse_marker_name(n) is not None]
+        if markers:
+            out.append(("leaks", f"{name}/ still holds markers {markers} after a start and clean"))
+        elif not os.path.exists(os.path.join(d, MANIFEST)):
+            left = sorted(os.listdir(d))
+            out.append((LEFTOVER, f"{name}/ has no manifest and no marker, holding {left[:3]}"))
+    return out
+
+
+def _scratch(workdir: str) -> str:
+    """Where crash states are materialised: /dev/shm when it is a writable tmpfs (the
+    states are thrown away after their check; tmpfs makes them cheap), else
+    ``workdir``."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return workdir
+
+
+def _files_match(mgr: Any, step: int, versions: set[int]) -> int | str:
+    """The version a ``saving()`` checkpoint holds, or what is wrong with it. Files are
+    found through the manifest (the marker strategy keeps them under the attempt's
+    directory)."""
+    import json
+
+    try:
+        mgr.verify(step)
+        where = mgr.checkpoint_path(step)
+        with open(os.path.join(where, MANIFEST), "rb") as f:
+            listed = [e["path"] for e in json.load(f)["files"]]
+        got = {}
+        for path in listed:
+            rel = path.split("/", 1)[1] if path.startswith("attempt-") else path
+            with open(os.path.join(where, *path.split("/")), "rb") as f:
+                got[rel] = f.read()
+    except Exception as exc:
+        return f"verify({step}) or reading its files failed: {type(exc).__name__}: {exc}"
+    for v in sorted(versions):
+        if got == files_of(step, v):
+            return v
+    return f"step {step} holds files nobody saved ({sorted(got)})"
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    ops: int
+    exploration: Exploration
+    seconds: float
+
+
+def run_scenario(
+    name: str,
+    workdir: str,
+    *,
+    per_cut: int = 16,
+    seed: int = 0,
+    max_states: int | None = None,
+    jobs: int = 1,
+) -> ScenarioResult:
+    """Record scenario ``name`` and check every crash state (up to ``max_states``)."""
+    import logging
+
+    t0 = time.monotonic()
+    base = tempfile.mkdtemp(prefix=name.replace("/", "-") + "-", dir=workdir)
+    states: str | None = None
+    try:
+        trace = record_trace(name, base)
+        states = tempfile.mkdtemp(prefix="ac-crash-", dir=_scratch(workdir))
+        lib_log = logging.getLogger("atomic_checkpoint")
+        saved = lib_log.disabled
+        lib_log.disabled = True  # recovery logs takeovers and sweeps by design
+        try:
+            result = explore(
+                trace.baseline,
+                trace.ops,
+                lambda p, s, e: check_state(p, s, e, trace),
+                states,
+                expect=lambda s: expectation(trace, s),
+                per_cut=per_cut,
+                seed=seed,
+                max_states=max_states,
+                jobs=jobs,
+            )
+        finally:
+            lib_log.disabled = saved
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        if states is not None:
+            shutil.rmtree(states, ignore_errors=True)
+    return ScenarioResult(name, len(trace.ops), result, time.monotonic() - t0)
+
+
+def run_all(
+    names: list[str] | None,
+    workdir: str,
+    *,
+    per_cut: int,
+    seed: int,
+    max_states: int | None,
+    jobs: int = 1,
+) -> Iterator[ScenarioResult]:
+    for name in names or list(scenarios()):
+        yield run_scenario(
+            name, workdir, per_cut=per_cut, seed=seed, max_states=max_states, jobs=jobs
+        )
+
+
+# ============================================================================ campaign
+#: The operations ``tests/crash`` recovers from sampled crash states in CI.
+CI_SCENARIOS = (
+    "save/local",
+    "overwrite/local",
+    "retention/local",
+    "sweep/local",
+    "takeover/local",
+    "first-start/local",
+    "async-save/local",
+    "save/no-exchange",
+    "overwrite/no-exchange",
+    "retention/no-exchange",
+    "save/marker",
+    "overwrite/marker",
+    "retention/marker",
+    "sweep/marker",
+    "first-start/marker",
+    "save/local-odirect",
+    "async-save/local-odirect",
+    "saving/local",
+    "saving/marker",
+)
+
+#: --quick / --full sizes: (states sampled per crash point, cap per scenario). --quick
+#: runs the operations ``tests/crash`` does not (so CI covers every one between the
+#: two); --full runs all of them and checks about 108,000 distinct states (most of them
+#: in the *-wide scenarios).
+SIZES = {"quick": (4, 20), "full": (1500, None)}
+
+
+def run(size: str, seed: int, progress: Any, workdir: str) -> Any:
+    """The ``crash-states`` campaign (``reliability/run.py``): every scenario, one
+    trial (and one fault: the power loss) per distinct crash state checked. States are
+    checked in ``min(4, cpu_count)`` processes (one when this process runs threads)."""
+    from reliability.tally import Tally
+
+    per_cut, cap = SIZES[size]
+    # Forked workers: only from a process with no other thread (a fork copies locks
+    # other threads may hold; Python 3.12 warns about it).
+    jobs = max(1, min(4, os.cpu_count() or 1)) if threading.active_count() == 1 else 1
+    tally = Tally("crash-states")
+    names = [n for n in scenarios() if size != "quick" or n not in CI_SCENARIOS]
+    for res in run_all(names, workdir, per_cut=per_cut, seed=seed, max_states=cap, jobs=jobs):
+        ex = res.exploration
+        tally.trials += ex.states
+        tally.faults += ex.states
+        tally.count("states", res.name, ex.states)
+        tally.count("crash_points", res.name, ex.cuts)
+        tally.count("recorded_ops", res.name, res.ops)
+        for v in ex.violations:
+            if v.kind == LEFTOVER:
+                tally.count("leftovers", res.name)
+                notes = tally.stats.setdefault("leftover_examples", [])
+                if len(notes) < 20:
+                    notes.append(f"{res.name}: {v}")
+            else:
+                tally.violate(v.kind, f"{res.name}: {v}")
+        left = sum(1 for v in ex.violations if v.kind == LEFTOVER)
+        progress(
+            f"  {res.name}: {res.ops} ops, {ex.cuts} crash points, {ex.states} states "
+            f"({ex.generated} enumerated), {len(ex.violations) - left} violations, "
+            f"{left} leftovers, {res.seconds:.1f} s"
+        )
+    _run_object_store(tally, progress)
+    return tally.finish()
+
+
+def _run_object_store(tally: Any, progress: Any) -> None:
+    """The object-store scenarios (``reliability/crashstore.py``): every prefix of the
+    completed requests, on ``memory://``. Few states each, so every size runs all."""
+    try:
+        from reliability import crashstore
+    except ImportError as exc:  # pragma: no cover - fsspec is a test dependency
+        tally.stats["object_store"] = f"skipped: {exc}"
+        return
+    for name in crashstore.scenarios():
+        t0 = time.monotonic()
+        ex = crashstore.run_scenario(name)
+        tally.trials += ex.states
+        tally.faults += ex.states
+        tally.count("states", name, ex.states)
+        tally.count("crash_points", name, ex.cuts)
+        for v in ex.violations:
+            tally.violate(v.kind, f"{name}: {v}")
+        progress(
+            f"  {name}: {ex.cuts - 1} requests, {ex.states} states, "
+            f"{len(ex.violations)} violations, {time.monotonic() - t0:.1f} s"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--child"]:
+        code = 1
+        try:
+            _child(*argv[1:5])
+            code = 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # no atexit: a manager left open keeps its lock, as after a crash
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", action="append", choices=sorted(scenarios()))
+    parser.add_argument("--per-cut", type=int, default=16)
+    parser.add_argument("--max-states", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=1, help="processes checking states")
+    parser.add_argument("--show", type=int, default=5, help="violations printed per scenario")
+    args = parser.parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="ac-crash-states-")
+    bad = 0
+    try:
+        for res in run_all(
+            args.scenario,
+            workdir,
+            per_cut=args.per_cut,
+            seed=args.seed,
+            max_states=args.max_states,
+            jobs=args.jobs,
+        ):
+            ex = res.exploration
+            print(
+                f"{res.name}: {res.ops} ops, {ex.cuts} crash points, {ex.states} states "
+                f"({ex.generated} enumerated), violations {ex.counts or 0}, "
+                f"{res.seconds:.1f} s",
+                flush=True,
+            )
+            for v in ex.violations[: args.show]:
+                print(f"    {v}", flush=True)
+            bad += sum(1 for v in ex.violations if v.kind != LEFTOVER)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""What ``verify ROOT``'s exit status promises for names that look like checkpoints.
+
+A script runs ``atomic-checkpoint verify ROOT --quiet && upload ROOT``: exit 0 must
+mean that every ``checkpoint-<step>`` entry of ROOT is a complete checkpoint that was
+just verified, byte for byte. A ``checkpoint-<step>`` directory with no manifest (a
+torn copy, another tool's save, a manifest deleted by hand), a ``checkpoint-<step>``
+symlink, or a crashed object-store save left in place fails verify; the only
+manifest-less ``checkpoint-<step>`` that does not is a marker save in progress of the
+live job that holds the run lock.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from atomic_checkpoint.commit import MarkerStrategy
+from atomic_checkpoint.storage import open_storage
+from tests.cli.helpers import Holder, error_line, make_root, run_cli, run_json
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_verify_fails_on_checkpoint_names_that_are_not_checkpoints(tmp_path):
+    root = tmp_path / "root"
+    make_root(root, (1, 2))
+    # A torn copy: the data of step 2 copied to checkpoint-3, no manifest.
+    shutil.copytree(root / "checkpoint-2", root / "checkpoint-3")
+    os.unlink(root / "checkpoint-3" / "checkpoint.manifest.json")
+    proc = run_cli("verify", root)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    lines = {ln.split(":")[0]: ln for ln in proc.stdout.splitlines()}
+    assert ": ok (" in lines["checkpoint-1"] and ": ok (" in lines["checkpoint-2"]
+    assert "NOT A CHECKPOINT: no manifest" in lines["checkpoint-3"]
+    assert "1 of 3 checkpoint(s) failed verification (checkpoint-3)" in error_line(proc)
+    quiet = run_cli("verify", root, "--quiet")
+    assert quiet.returncode == 1 and "checkpoint-3: NOT A CHECKPOINT" in quiet.stdout
+
+    doc = run_json("verify", root, expect_rc=1)
+    assert doc["ok"] is False
+    assert [(c["name"], c["status"]) for c in doc["checkpoints"]] == [
+        ("checkpoint-1", "ok"),
+        ("checkpoint-2", "ok"),
+        ("checkpoint-3", "not_a_checkpoint"),
+    ]
+    assert "no manifest" in doc["checkpoints"][2]["problem"]
+    assert doc["skipped"] == []
+
+    # A symbolic link named like a checkpoint (to a complete one elsewhere) fails too.
+    os.rename(root / "checkpoint-3", tmp_path / "torn")
+    elsewhere = tmp_path / "elsewhere"
+    make_root(elsewhere, (4,))
+    os.symlink(elsewhere / "checkpoint-4", root / "checkpoint-4")
+    doc = run_json("verify", root, expect_rc=1)
+    bad = {c["name"]: c for c in doc["checkpoints"] if c["status"] != "ok"}
+    assert list(bad) == ["checkpoint-4"] and bad["checkpoint-4"]["status"] == "not_a_checkpoint"
+    assert "symbolic link" in bad["checkpoint-4"]["problem"]
+
+    # Gone: verify exits 0 again; a single step is verified as before; list stays
+    # informational (exit 0) and still shows what it saw.
+    os.unlink(root / "checkpoint-4")
+    assert run_json("verify", root)["ok"] is True
+    shutil.move(str(tmp_path / "torn"), root / "checkpoint-3")
+    assert run_cli("verify", root, 2).returncode == 0
+    listed = run_json("list", root)
+    assert {e["name"]: e["status"] for e in listed["entries"]}["checkpoint-3"] == "foreign"
+
+
+def test_verify_skips_only_a_marker_save_of_the_live_lock_holder(tmp_path):
+    root = tmp_path / "root"
+    make_root(root, (1,))
+    holder = Holder(root)  # a real job, holding the run lock
+    try:
+        # What a marker commit (object stores, s3fs mounts) has in ROOT mid-save: the
+        # marker and an attempt with data under checkpoint-5/, no manifest yet.
+        storage = open_storage(str(root))
+        pending = MarkerStrategy().prepare(storage, 5, "0123456789abcdef")
+        storage.write_bytes_atomic(f"{pending}/rank-00000.safetensors", b"x" * 1000)
+
+        doc = run_json("verify", root)
+        assert doc["ok"] is True and [c["name"] for c in doc["checkpoints"]] == ["checkpoint-1"]
+        skipped = {s["name"]: s for s in doc["skipped"]}
+        assert skipped["checkpoint-5"]["status"] == "pending"
+        assert skipped["checkpoint-5"]["in_progress"] is True
+
+        holder.kill()  # the job dies: what it left is a crashed save's leftover now
+        doc = run_json("verify", root, expect_rc=1)
+        bad = {c["name"]: c for c in doc["checkpoints"] if c["status"] != "ok"}
+        assert bad["checkpoint-5"]["status"] == "not_a_checkpoint"
+        assert "no live job holds the run lock" in bad["checkpoint-5"]["problem"]
+        assert "clean" in bad["checkpoint-5"]["problem"]
+        assert "checkpoint-5" not in {s["name"] for s in doc["skipped"]}
+    finally:
+        holder.close()

@@ -1,0 +1,234 @@
+"""Preemption under a real launcher: ``python -m atomic_checkpoint.launch`` (torchrun's
+own agent) with two gloo workers running the README's loop
+(``scripts/preempt_train.py``), real signals delivered the ways schedulers deliver
+them. Every case must end with the launcher and every rank exiting
+``REQUEUE_EXIT_CODE`` and a verified checkpoint of the step the ranks agreed on.
+
+Stock torchrun exits 1 with a traceback when its agent is signalled and 0 when its
+workers are; a SIGTERM before the guard exists kills the workers on the default action.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atomic_checkpoint import REQUEUE_EXIT_CODE, CheckpointManager
+from atomic_checkpoint.layout import PENDING_DIR
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+
+REPO = str(Path(__file__).resolve().parents[2])
+SCRIPT = os.path.join(REPO, "tests", "dist", "scripts", "preempt_train.py")
+WORLD = 2
+
+
+class Job:
+    """One launch: the launcher's pid is the agent's; the ranks report theirs in CTL."""
+
+    def __init__(self, tmp: Path, *, max_steps: int = 1500, save_every: int = 10**6, **env: str):
+        self.root, self.ctl = tmp / "ckpt", tmp / "ctl"
+        self.ctl.mkdir(parents=True, exist_ok=True)
+        for p in self.ctl.iterdir():
+            p.unlink()
+        self.log = open(tmp / "launch.log", "a")  # noqa: SIM115 - closed in finish()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "atomic_checkpoint.launch",
+                "--standalone",
+                f"--nproc-per-node={WORLD}",
+                "--monitor-interval=0.1",
+                SCRIPT,
+                str(self.root),
+                str(self.ctl),
+                str(max_steps),
+                str(save_every),
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO]),
+                "OMP_NUM_THREADS": "1",
+                "TMPDIR": str(tmp),
+                **env,
+            },
+        )
+        self.tmp = tmp
+
+    def wait_for(self, what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the job exited ({self.proc.returncode}) before {what}: {self.text()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}: {self.text()}")
+            time.sleep(0.01)
+
+    def read(self, name: str) -> str | None:
+        try:
+            return (self.ctl / name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def pid(self, rank: int) -> int:
+        self.wait_for(f"rank {rank}'s pid", lambda: self.read(f"rank{rank}.pid") is not None)
+        return int(self.read(f"rank{rank}.pid") or 0)
+
+    def at_step(self, n: int) -> bool:
+        return all(int(self.read(f"rank{r}.step") or 0) >= n for r in range(WORLD))
+
+    def finish(self, timeout_s: float = 90) -> tuple[int, list[dict[str, Any]]]:
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+            pytest.fail(f"the job did not stop within {timeout_s:g} s: {self.text()}")
+        finally:
+            self.log.close()
+        results = []
+        for r in range(WORLD):
+            text = self.read(f"result-rank{r}.json")
+            assert text is not None, f"rank {r} reported nothing: {self.text()}"
+            results.append(json.loads(text))
+        return rc, results
+
+    def text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.tmp / "launch.log").read_text()[-4000:]
+
+
+def _committed(root: Path, results: list[dict[str, Any]]) -> int:
+    """Every rank stopped at one agreed step, saved it, and it verifies."""
+    decided = {r["decided"] for r in results}
+    assert len(decided) == 1 and None not in decided, results
+    step = decided.pop()
+    assert all(r["saved"][-1:] == [step] and r["exit_code"] == REQUEUE_EXIT_CODE for r in results)
+    reader = CheckpointManager(root, read_only=True)
+    assert reader.latest() is not None and reader.latest().step == step
+    reader.verify(step)
+    assert os.listdir(root / PENDING_DIR) == []
+    return step
+
+
+def _kill(pids: list[int], sig: int = signal.SIGTERM) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+#: Each case is a torchrun launch (~10 s on 2 cores); every delivery pattern runs in CI.
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "agent",
+        "one-worker",
+        "every-worker",
+        "agent-and-workers",
+    ],
+)
+def test_every_delivery_pattern_ends_with_the_requeue_code_and_the_agreed_checkpoint(
+    tmp_path, pattern
+):
+    job = Job(tmp_path)
+    workers = [job.pid(r) for r in range(WORLD)]
+    job.wait_for("both ranks to pass step 3", lambda: job.at_step(3))
+    if pattern == "agent":  # Kubernetes: PID 1 of the container is the launcher
+        _kill([job.proc.pid])
+    elif pattern == "one-worker":
+        _kill(workers[1:])
+    elif pattern == "every-worker":  # a node shutting down: every process but the agent
+        _kill(workers)
+    else:  # SLURM's scancel / preemption: every process of the step
+        _kill([job.proc.pid, *workers])
+    rc, results = job.finish()
+    assert rc == REQUEUE_EXIT_CODE, job.text()
+    _committed(job.root, results)
+    # The ranks stop at the first boundary where any of them has the signal (the
+    # agent forwards it to one worker after the other): the same list on every rank.
+    by = {tuple(r["requested_by"]) for r in results}
+    assert len(by) == 1, results
+    if pattern == "one-worker":
+        assert by == {(1,)}
+    else:
+        assert by.pop() in ((0,), (1,), (0, 1))
+    if pattern in ("one-worker", "every-worker"):  # the agent saw each rank's status
+        assert f"the workers exited with [{REQUEUE_EXIT_CODE}]" in job.text()
+    assert "Traceback" not in job.text()
+
+
+def test_repeated_sigterms_during_the_save_do_not_cut_it_short(tmp_path):
+    # Rank 0 pauses 3 x 1 s in the middle of writing the preemption save: the second
+    # round of signals (agent and workers, as SLURM repeats them) lands inside it.
+    job = Job(
+        tmp_path, ATOMIC_CHECKPOINT_FAULTS="mid_write@0=delay,mid_write@0=delay,mid_write@0=delay"
+    )
+    workers = [job.pid(r) for r in range(WORLD)]
+    job.wait_for("both ranks to pass step 3", lambda: job.at_step(3))
+    _kill([job.proc.pid])
+
+    def writing() -> bool:
+        pend = job.root / PENDING_DIR
+        return pend.is_dir() and any(
+            (pend / d / "rank-00000.safetensors").exists() for d in os.listdir(pend)
+        )
+
+    job.wait_for("rank 0 to be writing the preemption save", writing)
+    _kill([job.proc.pid, *workers])
+    # And again, every few milliseconds, until the launcher is gone (a scheduler that
+    # repeats the signal): once it has decided on the requeue code, no signal may turn
+    # that into a death by SIGTERM, not even during interpreter shutdown.
+    job.wait_for("the launcher to decide", lambda: "preempted:" in job.text())
+    deadline = time.monotonic() + 60
+    while job.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            os.kill(job.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
+    rc, results = job.finish()
+    assert rc == REQUEUE_EXIT_CODE, job.text()
+    _committed(job.root, results)
+    assert "more signal(s) ignored while the workers saved" in job.text()
+
+
+def test_a_sigterm_before_the_process_group_exists_saves_and_the_restart_resumes(tmp_path):
+    # Every worker is signalled while it starts (signals armed, no process group, no
+    # manager, no guard yet): on the default action they would die, and the restart
+    # would begin from scratch.
+    job = Job(tmp_path, PREEMPT_HOLD_STARTUP="1")
+    workers = [job.pid(r) for r in range(WORLD)]
+    job.wait_for(
+        "both ranks to start",
+        lambda: all(job.read(f"startup-rank{r}") is not None for r in range(WORLD)),
+    )
+    _kill(workers)
+    (job.ctl / "go").write_text("")
+    rc, results = job.finish()
+    assert rc == REQUEUE_EXIT_CODE, job.text()
+    step = _committed(job.root, results)
+    assert step == 1 and all(r["signum"] == signal.SIGTERM for r in results), results
+    assert f"the workers exited with [{REQUEUE_EXIT_CODE}]" in job.text()
+
+    # The requeued job resumes from that checkpoint, bit-exactly, and runs to its end.
+    again = Job(tmp_path, max_steps=3, save_every=1)
+    rc, results = again.finish()
+    assert rc == 0, again.text()
+    assert all(r["restored"] == step and r["restored_ok"] is True for r in results), results
+    assert all(r["decided"] is None and r["exit_code"] == 0 for r in results)
+    assert all(r["saved"] == [step + 1, step + 2, step + 3] for r in results)

@@ -1,0 +1,61 @@
+"""``make_atomic(trainer, preemption=True)``: the real Trainer (tiny GPT-2, CPU) gets a
+real SIGTERM mid-training, saves the step it is at atomically, stops, and the process
+exits with the requeue code; the restart resumes from that step. The stock Trainer has
+no handler: the same SIGTERM kills it and nothing is saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from atomic_checkpoint import REQUEUE_EXIT_CODE, CheckpointManager
+from tests.integrations.test_hf_trainer import REPO, SCRIPTS, _communicate, _env, _spawn
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _launch(tmp_path: Path, *args: object) -> tuple[int, str]:
+    # The scripts directory (tiny_hf) first, then this tree's library.
+    path = os.pathsep.join([str(SCRIPTS), str(REPO / "src"), str(REPO)])
+    proc = _spawn(
+        [sys.executable, str(SCRIPTS / "hf_preempt.py"), *map(str, args)],
+        _env(tmp_path, PYTHONPATH=path),
+    )
+    (out,) = _communicate([proc], 120)
+    return int(proc.returncode), out
+
+
+def test_sigterm_saves_the_current_step_stops_and_exits_with_the_requeue_code(tmp_path):
+    rc, out = _launch(tmp_path, tmp_path, 20, 3, 0)  # SIGTERM as step 4 begins
+    assert rc == REQUEUE_EXIT_CODE, out[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {
+        "first_step": 0,
+        "global_step": 4,
+        "decided": 4,
+        "signum": 15,
+        "exit_code": 75,
+    }
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [4]  # save_steps=100: only this one
+    reader.verify(4)
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= {
+        p.name for p in (tmp_path / "run" / "checkpoint-4").iterdir()
+    }
+    assert "every rank saves step 4 now" in out
+
+    # The requeued run resumes from step 4 and runs to its end: exit status 0.
+    rc, out = _launch(tmp_path, tmp_path, 6, 0, 1)
+    assert rc == 0, out[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {
+        "first_step": 4,
+        "global_step": 6,
+        "decided": None,
+        "signum": None,
+        "exit_code": 0,
+    }

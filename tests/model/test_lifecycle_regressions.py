@@ -1,0 +1,134 @@
+"""Shrunk counterexamples of the lifecycle model, replayed exactly.
+
+Each test is a sequence Hypothesis found and shrank (``tests/model/test_lifecycle.py``),
+written out as plain calls of the machine's rules, each followed by the invariant
+check, as Hypothesis replays it. The docstring names the defect and what went wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .lifecycle import ExchangeMachine, LifecycleMachine, MarkerMachine, NoExchangeMachine
+
+__all__ = ["ExchangeMachine", "MarkerMachine", "NoExchangeMachine"]
+
+
+@contextmanager
+def machine(cls: type[LifecycleMachine]) -> Iterator[LifecycleMachine]:
+    state = cls()
+    try:
+        yield state
+    finally:
+        state.teardown()
+
+
+def test_copied_checkpoint_is_adopted_by_the_new_root() -> None:
+    """Issue 11 defect 6. One checkpoint rsynced into a new root (no
+    ``.atomic-checkpoint/``): the manager started there minted a new run id, so the
+    copy was foreign and the job started from scratch silently."""
+    with machine(ExchangeMachine) as state:
+        state.start(policy=0)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.copy_elsewhere(pick=0, two=False)
+        state.check()
+
+
+def test_save_below_the_newest_step_is_refused_and_rollback_goes_back() -> None:
+    """Issue 11 defect 2. With steps 5 and 10 committed, ``save(0)`` returned success
+    and ``KeepLast(2)`` then counted it as the oldest; now it raises ``StepOrderError``
+    naming step 10 and ``rollback()``, and ``rollback(5)`` removes 10 so that saving
+    above 5 works."""
+    with machine(ExchangeMachine) as state:
+        state.start(policy=2)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.save(rel=-2, overwrite=False)
+        state.check()
+        state.rollback(pick=0)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+
+
+def test_close_during_a_slow_async_save_tells_the_truth() -> None:
+    """Issue 11 defect 3. ``close()`` while an async save is past its last fence (slow
+    after its manifest) and ``timeout_s`` is shorter: close raised "not committed",
+    released the lock, and the save committed afterwards. Now close waits for it and
+    returns (committed), and ROOT does not change after close."""
+    with machine(NoExchangeMachine) as state:
+        state.start(policy=1)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.close_during_slow_async(phase="after_manifest", rel=1, skip=0)
+        state.check()
+        state.reopen(policy=1)
+        state.check()
+
+
+def test_restore_skips_a_corrupt_newest_checkpoint() -> None:
+    """Issue 11 defect 4 (single rank). The newest checkpoint fails its checksum (one
+    flipped byte; sizes intact, so it is still listed): ``restore()`` raised
+    ``CorruptCheckpointError`` instead of loading the next older checkpoint."""
+    with machine(MarkerMachine) as state:
+        state.start(policy=0)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.corrupt(pick=1, how="flip-data")
+        state.check()
+        state.restore_newest(verify=True)
+        state.check()
+
+
+def test_async_failure_seen_by_the_handle_is_raised_again_by_wait() -> None:
+    """Issue 11 defect 12 (one rank's view of it). An async save fails (its step
+    exists); ``handle.result()`` shows it; ``wait()`` returned None, so in a job whose
+    other ranks had not looked at their handles, this rank went on alone. Now the
+    manager raises the failure at the next ``wait``/``save``/``close`` regardless."""
+    with machine(ExchangeMachine) as state:
+        state.start(policy=0)
+        state.check()
+        state.save_next(rel=1)
+        state.check()
+        state.save_async(rel=0, overwrite=False)
+        state.check()
+        state.result()
+        state.check()
+        state.wait()
+        state.check()
+
+
+def test_listing_while_an_async_save_starts_its_rotation() -> None:
+    """New find of the lifecycle model (sequence ``save_async``, ``restore_newest``):
+    ``restore()``/``checkpoints()``/``latest()`` on the training thread while the async
+    save's thread commits could join the rotation thread between its creation and its
+    ``start()`` (``RuntimeError: cannot join thread before it is started``, not even a
+    ``CheckpointError``), and could forget a rotation started meanwhile, which then ran
+    on after ``close()``. The race window is a few instructions wide, so the sequence
+    is repeated (bounded) instead of shrunk to one run."""
+    import threading
+
+    from .kinds import METRIC, make_state, metric_of, open_manager
+
+    with machine(ExchangeMachine) as state:
+        mgr = open_manager("exchange", state.root, (("last", 1),))
+        try:
+            for i in range(100):
+                handle = mgr.save_async(i, make_state(i, i), metrics={METRIC: metric_of(i)})
+                while not handle.done():  # ends with the save (bounded by its timeout_s)
+                    mgr.checkpoints()  # raised RuntimeError in the race
+            mgr.close()
+            left = [t.name for t in threading.enumerate() if t.name == "atomic-checkpoint-rotation"]
+            assert not left, f"rotation still running after close(): {left}"
+        finally:
+            mgr.close()

@@ -1,0 +1,161 @@
+"""Preemption in one process: signals armed before any guard exists, the grace period
+and the measured save durations deciding whether a preemption save is started, the
+requeue exit status. Real signals, real saves; the multi-rank and torchrun cases are in
+tests/dist/test_preemption*.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atomic_checkpoint import REQUEUE_EXIT_CODE, CheckpointManager, PreemptionGuard, preemption
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)  # the handler runs between two bytecodes
+
+
+@pytest.fixture
+def clean_signals():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    preemption.disarm()
+    for s, h in before.items():
+        signal.signal(s, h)
+
+
+def test_env_arms_at_import_a_sigterm_before_the_guard_is_adopted_and_exits_75(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import atexit, os, signal, time
+        import atomic_checkpoint                  # ATOMIC_CHECKPOINT_ARM=1: armed here
+        os.kill(os.getpid(), signal.SIGTERM)      # start-up: no manager, no guard yet
+        deadline = time.monotonic() + 10
+        while atomic_checkpoint.preemption.armed() == (None, None):
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        from atomic_checkpoint import CheckpointManager, PreemptionGuard
+        mgr = CheckpointManager({str(tmp_path / "ckpt")!r})
+        guard = PreemptionGuard(mgr)
+        assert guard.requested and guard.signum == signal.SIGTERM
+        assert guard.should_save(1) is True and guard.stopping
+        mgr.save(1, {{"step": 1}})
+        guard.close()
+        mgr.close()
+        # After exit() a late SIGTERM (the launcher stopping the other ranks) is
+        # ignored: the status stays the requeue code, not a death by SIGTERM.
+        atexit.register(lambda: os.kill(os.getpid(), signal.SIGTERM))
+        guard.exit()
+        """
+    )
+    path = os.pathsep.join([os.path.join(REPO, "src"), REPO])  # this tree's library
+    env = {**os.environ, "ATOMIC_CHECKPOINT_ARM": "1", "PYTHONPATH": path}
+    env.pop("ATOMIC_CHECKPOINT_GRACE_S", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == REQUEUE_EXIT_CODE == 75, proc.stderr
+    reader = CheckpointManager(tmp_path / "ckpt", read_only=True)
+    assert reader.latest().step == 1 and reader.restore(1) == {"step": 1}
+
+    # Without the variable, the same early SIGTERM kills the process (the default).
+    env.pop("ATOMIC_CHECKPOINT_ARM")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_arm_records_the_guard_adopts_and_disarm_restores(tmp_path, clean_signals):
+    before = signal.getsignal(signal.SIGTERM)
+    preemption.arm()
+    assert preemption.armed() == (None, None)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    _until(lambda: preemption.armed()[0] is not None, "the armed handler")
+    signum, at = preemption.armed()
+    assert signum == signal.SIGUSR1 and at is not None
+    mgr = CheckpointManager(tmp_path / "r")
+    try:
+        with PreemptionGuard(mgr) as guard:
+            assert guard.requested and guard.signum == signal.SIGUSR1
+            assert guard.should_save(3) is True and guard.exit_code == REQUEUE_EXIT_CODE
+        # The guard puts the armed handler back, not the default action.
+        assert signal.getsignal(signal.SIGTERM) == preemption._armed.handler
+    finally:
+        mgr.close()
+    preemption.disarm()
+    assert preemption.armed() is None
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_save_that_cannot_fit_in_the_grace_period_is_not_started(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    # The last save took over 1 s (a real save, held 1 s by a fault point mid-write);
+    # with a grace period of 1 s, less than that is left when the ranks decide.
+    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
+    mgr = CheckpointManager(tmp_path / "r")
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    try:
+        mgr.save(1, state)
+        monkeypatch.delenv("ATOMIC_CHECKPOINT_FAULTS")
+        assert mgr.last_saved.timings_s["total"] >= 1.0
+        with PreemptionGuard(mgr, grace_s=1.0) as guard:
+            assert guard.should_save(2) is False and not guard.stopping
+            os.kill(os.getpid(), signal.SIGTERM)
+            _until(lambda: guard.requested, "the guard's handler")
+            with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+                assert guard.should_save(3) is False
+            assert guard.stopping and guard.decided_step == 3
+            assert guard.exit_code == REQUEUE_EXIT_CODE
+            assert "grace period" in (guard.skipped_save or "")
+            assert guard.should_save(4) is False  # the same answer later
+        assert [c.step for c in mgr.checkpoints()] == [1]  # the previous one, intact
+        mgr.verify(1)
+        text = caplog.text
+        assert "WITHOUT saving" in text and "step 1" in text and "stays the newest" in text
+    finally:
+        mgr.close()
+
+
+def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environment(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    monkeypatch.setenv("ATOMIC_CHECKPOINT_GRACE_S", "60")
+    mgr = CheckpointManager(tmp_path / "r")
+    try:
+        mgr.save(1, {"step": 1})
+        with PreemptionGuard(mgr) as guard:
+            assert guard.grace_s == 60.0 and guard.save_estimate_s is not None
+            os.kill(os.getpid(), signal.SIGTERM)
+            _until(lambda: guard.requested, "the guard's handler")
+            with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+                assert guard.should_save(2) is True
+            assert guard.skipped_save is None and guard.stopping
+            mgr.save(2, {"step": 2})
+        assert (
+            "every rank saves step 2" in caplog.text and "of the grace period left" in caplog.text
+        )
+        monkeypatch.setenv("ATOMIC_CHECKPOINT_GRACE_S", "soon")
+        with pytest.raises(ValueError, match="ATOMIC_CHECKPOINT_GRACE_S"):
+            PreemptionGuard(mgr)
+        with pytest.raises(ValueError, match="grace_s"):
+            PreemptionGuard(mgr, grace_s=0)
+    finally:
+        mgr.close()

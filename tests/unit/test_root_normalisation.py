@@ -1,0 +1,61 @@
+"""A local root names one directory however it is spelled: relative, ``./x/``, ``~/x``,
+or a ``file://`` URL as ``Path.as_uri()`` writes it (percent-encoded, RFC 8089), both
+for ``open_storage`` (what ``CheckpointManager`` and the CLI use) and for
+``FsspecStorage("file://...")``. Real directories under ``tmp_path``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atomic_checkpoint import CheckpointManager
+from atomic_checkpoint.storage import FsspecStorage, local_root, open_storage
+
+
+def test_spellings_of_one_local_root_name_the_same_directory(tmp_path, monkeypatch):
+    target = tmp_path / "runs" / "exp [1] 50%"
+    target.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spellings = [
+        str(target),
+        f"{target}//",
+        "runs/exp [1] 50%",
+        "./runs/../runs/exp [1] 50%/",
+        "~/runs/exp [1] 50%",
+        target.as_uri(),  # file:///.../exp%20%5B1%5D%2050%25
+        "file://localhost" + target.as_uri()[len("file://") :],
+    ]
+    for text in spellings:
+        assert local_root(text) == str(target), text
+        assert open_storage(text).url() == str(target), text
+    with CheckpointManager(target.as_uri()) as mgr:
+        mgr.save(1, {"w": np.zeros(4)})
+    assert (target / "checkpoint-1").is_dir()
+    assert not (tmp_path / "~").exists()
+    # fsspec's file:// takes the same URL to the same directory.
+    storage = FsspecStorage(target.as_uri())
+    assert storage.local_path() == str(target)
+    assert "checkpoint-1" in storage.listdir("")
+
+
+def test_no_pattern_expanding_fsspec_call_in_the_fsspec_storage():
+    """fsspec's ``rm``, ``glob``, ``expand_path``, ``cat``, ``get``, ``put``, ``copy``
+    and ``mv`` read ``[``, ``*`` and ``?`` in a path as a pattern (a root
+    ``s3://b/exp[12]`` would match runs ``exp1`` and ``exp2``); the storage lists keys
+    (``ls``, ``find``) and acts on exactly those. This keeps it that way."""
+    import ast
+    import inspect
+
+    from atomic_checkpoint.storage import fsspec as module
+
+    expanding = {"rm", "glob", "expand_path", "cat", "get", "put", "copy", "cp", "mv", "move"}
+    calls = [
+        f"line {node.lineno}: fs.{node.func.attr}(...)"
+        for node in ast.walk(ast.parse(inspect.getsource(module)))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in expanding
+        and isinstance(node.func.value, ast.Attribute)
+        and node.func.value.attr == "fs"
+    ]
+    assert calls == [], f"pattern-expanding fsspec calls in storage/fsspec.py: {calls}"
