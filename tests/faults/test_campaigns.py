@@ -64,7 +64,12 @@ TIMEOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CAMPAIGNS))
+#: The lifecycle campaign is the state machine of tests/model run for a time budget with
+#: random seeds; CI runs that machine there, derandomized with a fixed example budget.
+IN_CI = [name for name in CAMPAIGNS if name != "lifecycle"]
+
+
+@pytest.mark.parametrize("name", IN_CI)
 def test_campaign_quick_has_no_violation(name, tmp_path, request):
     request.applymarker(pytest.mark.timeout(TIMEOUTS[name]))
     for facility in NEEDS.get(name, []):
