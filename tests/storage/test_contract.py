@@ -600,7 +600,7 @@ def test_no_operation_goes_through_a_symbolic_link(storage, tmp_path):
 
     root = storage.local_path("")
     if root is None:
-        pytest.skip(f"{storage!r} has no symbolic links (not a mounted filesystem)")
+        pytest.skip(f"{storage.url()} has no symbolic links (not a mounted filesystem)")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "f").write_bytes(b"outside")
