@@ -597,7 +597,6 @@ def check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[t
 
 
 def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
-    from atomic_checkpoint.cli import main as cli_main
 
     scen = trace.scenario
     allowed: dict[int, set[int]] = {}
@@ -660,27 +659,12 @@ def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[
                 # rollback() returned: saves above its step are allowed from now on,
                 # so the steps it removed must not come back after a power loss.
                 nxt = rolled[-1] + 1
-            try:
-                mgr.save(nxt, state_of(nxt))
-            except Exception as exc:
-                found.append(("stuck", f"the next save failed: {type(exc).__name__}: {exc}"))
+            found += next_save(mgr, nxt)
         except Exception as exc:
             found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
         finally:
-            try:
-                mgr.close()
-            except Exception as exc:
-                found.append(("stuck", f"close() failed: {type(exc).__name__}: {exc}"))
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            try:
-                rc = cli_main(["clean", path])
-            except SystemExit as exc:
-                rc = exc.code if isinstance(exc.code, int) else 2
-        if rc != 0:
-            found.append(
-                ("stuck", f"`atomic-checkpoint clean` exited {rc}: {out.getvalue()[-300:]}")
-            )
+            found += closed(mgr)
+        found += cleaned(path)
     for d in (".pending", ".trash"):
         left = os.listdir(os.path.join(path, d)) if os.path.isdir(os.path.join(path, d)) else []
         if left:
@@ -693,6 +677,39 @@ def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[
 #: and ``clean`` left without a manifest (empty, or data without a marker). Nothing is
 #: lost or listed, but nothing will ever remove it either.
 LEFTOVER = "leftover"
+
+
+def next_save(mgr: Any, step: int) -> list[tuple[str, str]]:
+    """The recovered job saves again: a state that blocks it needs a human."""
+    try:
+        mgr.save(step, state_of(step))
+    except Exception as exc:
+        return [("stuck", f"the next save failed: {type(exc).__name__}: {exc}")]
+    return []
+
+
+def closed(mgr: Any) -> list[tuple[str, str]]:
+    """The recovered job closes cleanly."""
+    try:
+        mgr.close()
+    except Exception as exc:
+        return [("stuck", f"close() failed: {type(exc).__name__}: {exc}")]
+    return []
+
+
+def cleaned(target: str) -> list[tuple[str, str]]:
+    """`atomic-checkpoint clean TARGET`, as a user runs it, must succeed."""
+    from atomic_checkpoint.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            rc = cli_main(["clean", target])
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else 2
+    if rc != 0:
+        return [("stuck", f"`atomic-checkpoint clean` exited {rc}: {out.getvalue()[-300:]}")]
+    return []
 
 
 def _marker_leftovers(path: str) -> list[tuple[str, str]]:

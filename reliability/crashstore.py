@@ -18,14 +18,13 @@ manager that was never closed, so it is taken over like a dead holder's.
 from __future__ import annotations
 
 import contextlib
-import io
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from reliability.crashsim import Exploration, Violation
-from reliability.crashstates import REBOOT_S, _same, state_of
+from reliability.crashstates import REBOOT_S, _same, cleaned, closed, next_save, state_of
 
 
 @dataclass
@@ -221,7 +220,6 @@ def scenarios() -> dict[str, StoreScenario]:
 
 def _check(url: str, scen: StoreScenario, need: dict[int, set[int]], rolled: int | None):
     """Recover ``url`` and check it (see ``reliability.crashstates`` for the kinds)."""
-    from atomic_checkpoint.cli import main as cli_main
     from atomic_checkpoint.lock import RunLock
 
     allowed: dict[int, set[int]] = {}
@@ -262,27 +260,12 @@ def _check(url: str, scen: StoreScenario, need: dict[int, set[int]], rolled: int
                 elif step in versions_seen and versions_seen[step] not in versions:
                     found.append(("lost", f"step {step} went back to an older version"))
             nxt = max([*listed, *allowed, 0]) + 1 if rolled is None else rolled + 1
-            try:
-                mgr.save(nxt, state_of(nxt))
-            except Exception as exc:
-                found.append(("stuck", f"the next save failed: {type(exc).__name__}: {exc}"))
+            found += next_save(mgr, nxt)
         except Exception as exc:
             found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
         finally:
-            try:
-                mgr.close()
-            except Exception as exc:
-                found.append(("stuck", f"close() failed: {type(exc).__name__}: {exc}"))
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            try:
-                rc = cli_main(["clean", url])
-            except SystemExit as exc:
-                rc = exc.code if isinstance(exc.code, int) else 2
-        if rc != 0:
-            found.append(
-                ("stuck", f"`atomic-checkpoint clean` exited {rc}: {out.getvalue()[-300:]}")
-            )
+            found += closed(mgr)
+        found += cleaned(url)
     finally:
         defaults["clock"] = clock
     return found

@@ -584,6 +584,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._sync_rotation()
         self._commit(step, vid)
 
+    def _apply_inflight(self, fl: Inflight) -> None:
+        """The async save in flight committed: the model takes its predicted state
+        (its rotation may still run: the victims may stay listed until it ends)."""
+        self._advance_floor(fl.step)
+        self.steps = fl.after
+        self.victims.update(fl.victims)
+        self.ghosts.discard(fl.step)
+        self.ever.add(fl.step)
+
     def _before_save_call(self, what: str) -> None:
         """A save/save_async/wait/close first finishes the async save in flight: its
         success is applied to the model; its failure must be raised by this call."""
@@ -594,11 +603,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if fl.allowed == {"ok"}:
             # Committed; its rotation may still run (a save refused for its step order
             # does not wait for it).
-            self._advance_floor(fl.step)
-            self.steps = fl.after
-            self.victims.update(fl.victims)
-            self.ghosts.discard(fl.step)
-            self.ever.add(fl.step)
+            self._apply_inflight(fl)
             return
         # The outcome is not certain (ok or refused): ask the handle (not collective,
         # not raised-once state).
@@ -615,11 +620,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             return
         if "ok" not in fl.allowed:
             self.fail(f"save_async({fl.step}) committed; expected {sorted(fl.allowed)}")
-        self._advance_floor(fl.step)
-        self.steps = fl.after
-        self.victims.update(fl.victims)
-        self.ghosts.discard(fl.step)
-        self.ever.add(fl.step)
+        self._apply_inflight(fl)
 
     def _consume_async_error(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the earlier async save's failure, raised once here."""
@@ -714,11 +715,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
         # Committed; its rotation may still run.
         self.inflight = None
-        self._advance_floor(fl.step)
-        self.steps = fl.after
-        self.victims.update(fl.victims)
-        self.ghosts.discard(fl.step)
-        self.ever.add(fl.step)
+        self._apply_inflight(fl)
 
     @precondition(lambda self: self.mgr is not None)
     @rule()

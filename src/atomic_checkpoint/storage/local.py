@@ -742,31 +742,17 @@ class LocalStorage:
         """Create ``p`` (which must not exist), write ``data`` and fsync it; on failure
         nothing is left."""
         try:
-            fd = os.open(
-                p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666
-            )
+            fd = _open_new(p)
         except OSError as exc:
             raise map_os_error(exc, "create", p) from exc
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except OSError as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-            raise map_os_error(exc, "write", p) from exc
-        os.close(fd)
+        _fill_new(fd, p, data)
 
     def _create_exclusive_in_place(self, path: str, data: bytes) -> bool:
         """``create_exclusive`` where hard links are not supported: ``O_EXCL`` create,
         write, fsync (a crash in between leaves the name empty or short)."""
         p = self._abs(path)
         try:
-            fd = os.open(
-                p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666
-            )
+            fd = _open_new(p)
         except FileExistsError:
             return False
         except PermissionError as exc:
@@ -776,17 +762,7 @@ class LocalStorage:
             raise map_os_error(exc, "create", p) from exc
         except OSError as exc:
             raise map_os_error(exc, "create", p) from exc
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except OSError as exc:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-            raise map_os_error(exc, "write", p) from exc
-        os.close(fd)
+        _fill_new(fd, p, data)
         self.fsync_dir(path.rsplit("/", 1)[0] if "/" in path else "")
         return True
 
@@ -995,3 +971,24 @@ class LocalStorage:
             if not self._refresh_failed:
                 self._refresh_failed = True
                 log.debug("cannot refresh cached metadata of %s (%s): listings may lag", p, exc)
+
+
+def _open_new(p: str) -> int:
+    """Create ``p`` for writing; it must not exist (``FileExistsError`` otherwise)."""
+    return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+
+
+def _fill_new(fd: int, p: str, data: bytes) -> None:
+    """Write ``data`` through ``fd`` (just created as ``p``), fsync and close it; on
+    failure the file is removed, so nothing half-written keeps the name."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+        raise map_os_error(exc, "write", p) from exc
+    os.close(fd)
