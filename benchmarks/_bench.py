@@ -9,8 +9,13 @@ that holds the result is fsync'd. Every save is read back and compared byte for 
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
+import math
 import os
 import shutil
+import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,7 +54,7 @@ def size_label(n: int) -> str:
 def model_state(size_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """A flat state dict shaped like a transformer: 32 blocks of attention, MLP and
     norm tensors (even blocks float32, odd blocks bfloat16), an embedding and a final
-    norm: 262 tensors from a few KiB to tens of MiB, about ``size_bytes`` in all.
+    norm: 258 tensors from a few KiB to tens of MiB, about ``size_bytes`` in all.
 
     The values are random (incompressible, no page is all zeros).
     """
@@ -80,8 +85,127 @@ def model_state(size_bytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+def train_state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """A training state shaped like a mixed-precision run: bfloat16 model weights and an
+    Adam optimizer's float32 moments (``exp_avg``, ``exp_avg_sq``) and ``step`` per
+    parameter, as ``{"model": model.state_dict(), "optimizer": opt.state_dict()}``.
+
+    17 blocks (4 attention matrices, 3 MLP matrices, 2 norms), an embedding, a final
+    norm and an output head: 156 parameters, 624 tensors from 4 bytes (``step``) and
+    about 1 KiB (a norm) to about 64 MiB (the embedding's moments at 1 GiB), about
+    ``size_bytes`` in all (10 bytes per parameter). Values are random.
+    """
+    layers = 17
+    n_params = size_bytes // 10
+    # Per block 4 h*h + 3 * 4h*h = 16 h^2 elements; the blocks take ~85 %, the rest goes
+    # to the embedding and the head.
+    hidden = max(8, int((n_params * 0.85 / (layers * 16)) ** 0.5) // 8 * 8)
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(layers):
+        p = f"layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes.append((f"{p}.self_attn.{name}.weight", (hidden, hidden)))
+        shapes.append((f"{p}.mlp.gate_proj.weight", (4 * hidden, hidden)))
+        shapes.append((f"{p}.mlp.up_proj.weight", (4 * hidden, hidden)))
+        shapes.append((f"{p}.mlp.down_proj.weight", (hidden, 4 * hidden)))
+        shapes.append((f"{p}.input_layernorm.weight", (hidden,)))
+        shapes.append((f"{p}.post_attention_layernorm.weight", (hidden,)))
+    used = sum(math.prod(s) for _, s in shapes) + hidden
+    vocab = max(1, (n_params - used) // (2 * hidden))
+    shapes.insert(0, ("embed_tokens.weight", (vocab, hidden)))
+    shapes.append(("norm.weight", (hidden,)))
+    shapes.append(("lm_head.weight", (vocab, hidden)))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32).normal_(generator=gen)
+        return t if dtype == torch.float32 else t.to(dtype)
+
+    model = {name: rand(shape, torch.bfloat16) for name, shape in shapes}
+    masters = [torch.nn.Parameter(torch.empty(0)) for _ in shapes]
+    opt = torch.optim.Adam(masters, lr=1e-4)
+    for i, (_, shape) in enumerate(shapes):
+        opt.state[masters[i]] = {
+            "step": torch.tensor(float(i + 1)),
+            "exp_avg": rand(shape, torch.float32),
+            "exp_avg_sq": rand(shape, torch.float32).abs_(),
+        }
+    return {"model": model, "optimizer": opt.state_dict()}
+
+
+STATE_SHAPES: dict[str, Callable[..., Any]] = {"flat": model_state, "train": train_state}
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a state tree by dotted path, in walk order (the file's order)."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(tree, torch.Tensor):
+        out[prefix] = tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            out.update(flatten(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def with_leaves(tree: Any, leaves: dict[str, torch.Tensor], prefix: str = "") -> Any:
+    """``tree`` with each tensor replaced by ``leaves[its path]`` (for ``into=``)."""
+    if isinstance(tree, torch.Tensor):
+        return leaves[prefix]
+    if isinstance(tree, dict):
+        return {
+            k: with_leaves(v, leaves, f"{prefix}.{k}" if prefix else str(k))
+            for k, v in tree.items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return [
+            with_leaves(v, leaves, f"{prefix}.{i}" if prefix else str(i))
+            for i, v in enumerate(tree)
+        ]
+    return tree
+
+
+def state_bytes(state: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in flatten(state).values())
+
+
+class Target:
+    """What ``load_state_dict`` fills: a model whose parameters are shaped like the
+    state's model part, and for a training state an Adam optimizer over float32 master
+    parameters. Resident before any trial (a model that has been trained)."""
+
+    def __init__(self, state: Any):
+        model_sd = state["model"] if "optimizer" in state else state
+        self.model = torch.nn.Module()
+        for name, t in model_sd.items():
+            owner = self.model
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, torch.nn.Module())
+                owner = getattr(owner, part)
+            owner.register_parameter(leaf, torch.nn.Parameter(torch.ones_like(t)))
+        self.opt = None
+        if "optimizer" in state:
+            masters = [
+                torch.nn.Parameter(torch.empty(0))
+                for _ in state["optimizer"]["param_groups"][0]["params"]
+            ]
+            self.opt = torch.optim.Adam(masters, lr=1e-4)
+
+    def reset(self) -> None:
+        """Drop the optimizer state a previous load left (it holds the loaded moments)."""
+        if self.opt is not None:
+            self.opt.state.clear()
+
+    def load(self, loaded: Any) -> None:
+        if self.opt is None:
+            self.model.load_state_dict(loaded)
+        else:
+            self.model.load_state_dict(loaded["model"])
+            self.opt.load_state_dict(loaded["optimizer"])
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -205,6 +329,57 @@ def warm_file(path: str) -> None:
             pass
 
 
+_TORCH_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_DIRECT_ALIGN = 4096
+_DIRECT_CHUNK = 32 * MiB
+_DIRECT_DEPTH = 4
+
+
+def _in_flight(op: Callable[[memoryview, int], int], image: Any) -> int:
+    """Run ``op(view, offset)`` over ``image`` in chunks, ``_DIRECT_DEPTH`` at a time
+    (threads: the device always has requests queued); the bytes done, in total, up to
+    the first short transfer (the end of the file for reads)."""
+    view = memoryview(image)
+    chunks = [(off, view[off : off + _DIRECT_CHUNK]) for off in range(0, len(view), _DIRECT_CHUNK)]
+    lock = threading.Lock()
+    done = [0]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        while True:
+            with lock:
+                if not chunks or errors:
+                    return
+                off, part = chunks.pop(0)
+            try:
+                n = op(part, off)
+            except BaseException as exc:
+                errors.append(exc)
+                return
+            with lock:
+                done[0] += n
+
+    workers = [threading.Thread(target=run) for _ in range(_DIRECT_DEPTH)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return done[0]
+
+
 # -- trials ------------------------------------------------------------------------
 
 
@@ -228,16 +403,23 @@ def timed() -> Iterator[list[float]]:
 class Methods:
     """Every method of one size, sharing one state, one host buffer and one directory."""
 
-    def __init__(self, state: dict[str, torch.Tensor], work: str):
+    def __init__(self, state: Any, work: str):
         self.state = state
+        # Every tensor by path: what raw writes, host copies and peers that take a flat
+        # dict of tensors (safetensors, DCP) save; the same bytes as ``state``.
+        self.leaves = flatten(state)
         self.work = work
         self.size = state_bytes(state)
         self.mgr = CheckpointManager(os.path.join(work, "ours"))
         self.step = 0
         # Header room: the raw read reads our whole file (header + data) into it.
-        self.host = HostBuffers(state, extra_bytes=4 * MiB)
+        self.host = HostBuffers(self.leaves, extra_bytes=4 * MiB)
         self.ref_step: int | None = None
         self.ref_path = ""
+        self._target: Target | None = None
+        self._image: Any = None  # the reference file in page-aligned memory (direct I/O)
+        self._image_size = 0
+        self._layout: list[tuple[str, int, torch.dtype, tuple[int, ...], int]] | None = None
 
     def close(self) -> None:
         self.mgr.close()
@@ -251,8 +433,12 @@ class Methods:
 
     def _check_ours(self, step: int) -> None:
         self.host.scramble()
-        self.mgr.restore(step, into=dict(self.host.views))
-        check_state(self.host.views, self.state, f"ours step {step}")
+        self.mgr.restore(step, into=self.into())
+        check_state(self.host.views, self.leaves, f"ours step {step}")
+
+    def into(self) -> Any:
+        """The state's structure with the host buffers as its tensors (for ``into=``)."""
+        return with_leaves(self.state, self.host.views)
 
     # ---- saves
     def raw_write(self) -> Trial:
@@ -260,7 +446,7 @@ class Methods:
         with timed() as t:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                for tensor in self.state.values():
+                for tensor in self.leaves.values():
                     view = memoryview(byte_view(tensor).numpy())
                     while view:
                         view = view[os.write(fd, view[:_IO_CHUNK]) :]
@@ -274,7 +460,7 @@ class Methods:
             if n != self.size:
                 raise AssertionError(f"raw write: {n} bytes on disk, expected {self.size}")
             off = 0
-            for k, tensor in self.state.items():
+            for k, tensor in self.leaves.items():
                 size = tensor.numel() * tensor.element_size()
                 if not torch.equal(buf[off : off + size], byte_view(tensor)):
                     raise AssertionError(f"raw write: bytes of {k!r} differ")
@@ -315,7 +501,7 @@ class Methods:
 
         def verify() -> None:
             loaded = torch.load(final, weights_only=True, mmap=True)
-            check_state(loaded, self.state, "torch.save")
+            check_state(flatten(loaded), self.leaves, "torch.save")
             del loaded
 
         return Trial({"s": t[0]}, verify, [final, tmp])
@@ -326,7 +512,7 @@ class Methods:
         final = os.path.join(self.work, "model.safetensors")
         tmp = final + ".tmp"
         with timed() as t:
-            save_file(self.state, tmp)
+            save_file(self.leaves, tmp)
             fsync_file(tmp)  # save_file does not fsync
             os.rename(tmp, final)
             fsync_dir(self.work)
@@ -336,7 +522,7 @@ class Methods:
 
             with safe_open(final, "pt") as f:
                 loaded = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-                check_state(loaded, self.state, "safetensors")
+                check_state(loaded, self.leaves, "safetensors")
 
         return Trial({"s": t[0]}, verify, [final, tmp])
 
@@ -347,7 +533,7 @@ class Methods:
             self.host.scramble()
             dest = dict(self.host.views)
             dcp.load(dest, storage_reader=dcp.FileSystemReader(path))
-            check_state(dest, self.state, f"DCP {os.path.basename(path)}")
+            check_state(dest, self.leaves, f"DCP {os.path.basename(path)}")
 
         return verify
 
@@ -358,7 +544,7 @@ class Methods:
         with timed() as t:
             # sync_files=True (the default) fsyncs every file; DCP has no rename, and
             # never fsyncs its directory: we do, as every method must.
-            dcp.save(self.state, storage_writer=dcp.FileSystemWriter(path, thread_count=threads))
+            dcp.save(self.leaves, storage_writer=dcp.FileSystemWriter(path, thread_count=threads))
             fsync_dir(path)
             fsync_dir(self.work)
         return Trial({"s": t[0]}, self._dcp_verify(path), [path])
@@ -371,7 +557,7 @@ class Methods:
 
         path = os.path.join(self.work, "dcp_async")
         t0 = time.perf_counter()
-        future = dcp.async_save(self.state, storage_writer=dcp.FileSystemWriter(path))
+        future = dcp.async_save(self.leaves, storage_writer=dcp.FileSystemWriter(path))
         blocked = time.perf_counter() - t0
         future.result()
         fsync_dir(path)
@@ -383,11 +569,11 @@ class Methods:
     def host_copy(self) -> Trial:
         views = self.host.views
         with timed() as t, torch.no_grad():
-            for k, tensor in self.state.items():
+            for k, tensor in self.leaves.items():
                 views[k].copy_(tensor)
 
         def verify() -> None:
-            check_state(views, self.state, "host copy")
+            check_state(views, self.leaves, "host copy")
 
         return Trial({"s": t[0]}, verify)
 
@@ -408,12 +594,12 @@ class Methods:
             drop_caches()
         else:
             warm_file(self.ref_path)
-        dest = dict(self.host.views)
+        dest = self.into()
         with timed() as t:
             self.mgr.restore(step, into=dest, verify=verify)
 
         def check() -> None:
-            check_state(self.host.views, self.state, "load")
+            check_state(self.host.views, self.leaves, "load")
 
         return Trial({"s": t[0]}, check)
 
@@ -447,6 +633,192 @@ class Methods:
 
     def raw_read_warm(self) -> Trial:
         return self._raw_read(cold=False)
+
+    # ---- the default path: restore() into new tensors, then load_state_dict
+    def layout(self) -> list[tuple[str, int, torch.dtype, tuple[int, ...], int]]:
+        """(name, file offset, dtype, shape, bytes) of every tensor of the reference
+        file, in file order, from its safetensors header."""
+        if self._layout is None:
+            self.ensure_reference()
+            with open(self.ref_path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            rows = []
+            for name, info in header.items():
+                begin, end = info["data_offsets"]
+                dtype = _TORCH_DTYPES[info["dtype"]]
+                rows.append((name, 8 + n + begin, dtype, tuple(info["shape"]), end - begin))
+            self._layout = sorted(rows, key=lambda r: r[1])
+        return self._layout
+
+    def _cache(self, cold: bool) -> None:
+        if cold:
+            drop_caches()
+        else:
+            warm_file(self.ref_path)
+
+    def _raw_fresh(self, *, cold: bool, lsd: bool = False) -> Trial:
+        """The floor of any load that returns new tensors: allocate each tensor
+        (``torch.empty``) and read its bytes straight into it, in file order; with
+        ``lsd``, then the same ``load_state_dict`` as ``restore_lsd``."""
+        layout = self.layout()
+        target = None
+        if lsd:
+            if self._target is None:
+                self._target = Target(self.state)
+            target = self._target
+            target.reset()
+            gc.collect()
+        self._cache(cold)
+        out: dict[str, torch.Tensor] = {}
+        with timed() as t, open(self.ref_path, "rb", buffering=0) as f:
+            for name, offset, dtype, shape, _nbytes in layout:
+                tensor = torch.empty(shape, dtype=dtype)
+                out[name] = tensor
+                view = memoryview(byte_view(tensor).numpy())
+                f.seek(offset)
+                while view:
+                    view = view[f.readinto(view) :]
+            if target is not None:
+                target.load(with_leaves(self.state, out))
+
+        def check() -> None:
+            check_state(out, self.leaves, "raw read into fresh tensors")
+
+        return Trial({"s": t[0]}, check)
+
+    def raw_fresh_cold(self) -> Trial:
+        return self._raw_fresh(cold=True)
+
+    def raw_fresh_warm(self) -> Trial:
+        return self._raw_fresh(cold=False)
+
+    def raw_fresh_lsd_cold(self) -> Trial:
+        return self._raw_fresh(cold=True, lsd=True)
+
+    def raw_fresh_lsd_warm(self) -> Trial:
+        return self._raw_fresh(cold=False, lsd=True)
+
+    def _restore_lsd(self, *, cold: bool) -> Trial:
+        """What the README's "On restart" does: ``state = mgr.restore(step)``, then
+        ``model.load_state_dict`` (and ``optimizer.load_state_dict``)."""
+        self.ensure_reference()
+        if self._target is None:
+            self._target = Target(self.state)
+        target = self._target
+        # The previous trial's optimizer state is dropped first, as the raw read's
+        # tensors are: both then allocate from the same freed memory.
+        target.reset()
+        gc.collect()
+        self._cache(cold)
+        with timed() as t:
+            loaded = self.mgr.restore(self.ref_step)
+            target.load(loaded)
+        del loaded
+
+        def check() -> None:
+            model_sd = self.state["model"] if target.opt is not None else self.state
+            check_state(target.model.state_dict(), model_sd, "restore + load_state_dict")
+            if target.opt is not None:
+                got = flatten(target.opt.state_dict()["state"])
+                check_state(got, flatten(self.state["optimizer"]["state"]), "optimizer")
+
+        return Trial({"s": t[0]}, check)
+
+    def restore_lsd_cold(self) -> Trial:
+        return self._restore_lsd(cold=True)
+
+    def restore_lsd_warm(self) -> Trial:
+        return self._restore_lsd(cold=False)
+
+    # ---- the device limit: direct I/O (no page cache), requests kept in flight
+    def image(self) -> Any:
+        """The reference file in page-aligned memory, padded to whole pages (untimed)."""
+        if self._image is None:
+            import numpy as np
+
+            self.ensure_reference()
+            size = os.path.getsize(self.ref_path)
+            padded = -(-size // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            raw = np.zeros(padded + _DIRECT_ALIGN, dtype=np.uint8)
+            skip = -raw.ctypes.data % _DIRECT_ALIGN
+            self._image = raw[skip : skip + padded]
+            with open(self.ref_path, "rb", buffering=0) as f:
+                view = memoryview(self._image)[:size]
+                while view:
+                    view = view[f.readinto(view) :]
+            self._image_size = size
+        return self._image
+
+    def direct_write(self) -> Trial:
+        """``fio``-style: the same bytes as our file, O_DIRECT from aligned memory,
+        ``_DIRECT_DEPTH`` writes in flight, then ftruncate, fsync, directory fsync."""
+        image = self.image()
+        size = self._image_size
+        path = os.path.join(self.work, "direct.bin")
+        with timed() as t:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            try:
+                _in_flight(lambda view, off: os.pwrite(fd, view, off), image)
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.work)
+
+        def verify() -> None:
+            import xxhash
+
+            with open(path, "rb") as a, open(self.ref_path, "rb") as b:
+                ha, hb = xxhash.xxh3_64(), xxhash.xxh3_64()
+                while chunk := a.read(64 * MiB):
+                    ha.update(chunk)
+                while chunk := b.read(64 * MiB):
+                    hb.update(chunk)
+            if ha.digest() != hb.digest():
+                raise AssertionError("direct write: the file differs from the reference")
+
+        return Trial({"s": t[0]}, verify, [path])
+
+    def direct_read(self) -> Trial:
+        """``fio``-style: our file read with O_DIRECT into aligned memory, several reads
+        in flight; the page cache plays no part, so it is the device's read limit."""
+        image = self.image()
+        with timed() as t:
+            fd = os.open(self.ref_path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                got = _in_flight(lambda view, off: os.preadv(fd, [view], off), image)
+            finally:
+                os.close(fd)
+        size = self._image_size
+
+        def check() -> None:
+            if got != size:
+                raise AssertionError(f"direct read got {got} of {size} bytes")
+
+        return Trial({"s": t[0]}, check)
+
+    # ---- the first async save of a manager: with and without prepare_async
+    def _first_async(self, *, prepared: bool) -> Trial:
+        root = os.path.join(self.work, "first-async")
+        mgr = CheckpointManager(root)
+        try:
+            if prepared:
+                mgr.prepare_async(self.state)
+            t0 = time.perf_counter()
+            handle = mgr.save_async(1, self.state)
+            blocked = time.perf_counter() - t0
+            handle.result()
+        finally:
+            mgr.close()
+        return Trial({"blocked_s": blocked, "s": blocked}, None, [root])
+
+    def async_first(self) -> Trial:
+        return self._first_async(prepared=False)
+
+    def async_first_prepared(self) -> Trial:
+        return self._first_async(prepared=True)
 
     # ---- training-step slowdown while an async save writes
     def train_step_slowdown(self) -> Trial:
@@ -528,6 +900,20 @@ SAVE_METHODS = (
     "dcp_async",
     "host_copy",
 )
-LOAD_METHODS = ("load_cold", "raw_read_cold", "load_warm", "raw_read_warm", "load_warm_noverify")
-OTHER_METHODS = ("train_step_slowdown", "retention_block")
+LOAD_METHODS = (
+    "load_cold",
+    "raw_read_cold",
+    "load_warm",
+    "raw_read_warm",
+    "load_warm_noverify",
+    "restore_lsd_cold",
+    "raw_fresh_cold",
+    "restore_lsd_warm",
+    "raw_fresh_warm",
+    "raw_fresh_lsd_cold",
+    "raw_fresh_lsd_warm",
+    "direct_read",
+)
+DEVICE_METHODS = ("direct_write",)
+OTHER_METHODS = ("async_first", "async_first_prepared", "train_step_slowdown", "retention_block")
 PEERS = ("torch_save", "safetensors_save", "dcp_save", "dcp_save_2threads")

@@ -50,7 +50,8 @@ def train(accelerator, model, optimizer, steps: range) -> float:
 
 def listing(project_dir: str) -> list[str]:
     root = os.path.join(project_dir, "checkpoints")
-    return sorted((n for n in os.listdir(root) if n.startswith("checkpoint-")), key=len)
+    names = [n for n in os.listdir(root) if n.startswith("checkpoint_")]
+    return sorted(names, key=lambda n: int(n.split("_")[1]))  # by step, never by string
 
 
 def main() -> None:
@@ -70,7 +71,7 @@ def main() -> None:
         raise SystemExit("nothing to resume from")
     name = os.path.basename(info.path)
     print(f"load_state() restored {name} ({info.size_bytes} bytes, checksums verified)")
-    print(f"  the next save_state() is checkpoint-{accelerator.save_iteration}")
+    print(f"  the next save_state() is checkpoint_{accelerator.save_iteration}")
     loss = train(accelerator, model, optimizer, range(41, 61))
     close(accelerator)
     print(f"trained 20 more steps (loss {loss:.3f}): {listing(project_dir)}")

@@ -19,9 +19,9 @@ new ``CheckpointManager`` on the root (run lock takeover, sweep), ``checkpoints(
 - ``stuck``: the start, a listed restore, the next save, ``close()`` or ``clean``
   raised or failed: a human would have to repair the root;
 - ``leaks``: ``.pending/`` or ``.trash/`` still hold something after that start and
-  ``clean``, or a ``checkpoint-<step>/`` still holds an in-progress marker;
-- ``leftover`` (reported in the figures, not a violation): a ``checkpoint-<step>/``
-  with neither a manifest nor a marker remains, which nothing will ever remove.
+  ``clean``, a ``checkpoint-<step>/`` still holds an in-progress marker or has no
+  manifest (empty, or data without a marker: nothing would ever remove it), or a
+  temporary file of an atomic write is left anywhere in ROOT.
 
 After ``rollback()`` returned, the next save is of the step right above the one rolled
 back to: the removed steps must not come back. Recovery runs ``REBOOT_S`` after the
@@ -673,9 +673,10 @@ def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[
     return found
 
 
-#: Reported, not counted as a violation: a ``checkpoint-<step>`` directory that a start
-#: and ``clean`` left without a manifest (empty, or data without a marker). Nothing is
-#: lost or listed, but nothing will ever remove it either.
+#: Formerly reported, not counted: a ``checkpoint-<step>`` directory left without a
+#: manifest. It is a ``leaks`` violation now (the sweep removes empty ones, and a delete
+#: makes its data's removal durable before its markers'); kept so callers that filter it
+#: still import.
 LEFTOVER = "leftover"
 
 
@@ -713,9 +714,10 @@ def cleaned(target: str) -> list[tuple[str, str]]:
 
 
 def _marker_leftovers(path: str) -> list[tuple[str, str]]:
-    """After a start and ``clean``, no in-progress marker is left and every
-    ``checkpoint-<step>`` directory holds a manifest."""
+    """After a start and ``clean``, no in-progress marker and no temporary file of an
+    atomic write is left, and every ``checkpoint-<step>`` directory holds a manifest."""
     from atomic_checkpoint.catalog import parse_marker_name
+    from atomic_checkpoint.storage.temps import parse_temp_name
 
     out = []
     for name in sorted(os.listdir(path)):
@@ -727,7 +729,15 @@ def _marker_leftovers(path: str) -> list[tuple[str, str]]:
             out.append(("leaks", f"{name}/ still holds markers {markers} after a start and clean"))
         elif not os.path.exists(os.path.join(d, MANIFEST)):
             left = sorted(os.listdir(d))
-            out.append((LEFTOVER, f"{name}/ has no manifest and no marker, holding {left[:3]}"))
+            out.append(("leaks", f"{name}/ has no manifest and no marker, holding {left[:3]}"))
+    temps = sorted(
+        os.path.relpath(os.path.join(d, n), path)
+        for d, _, names in os.walk(path)
+        for n in names
+        if parse_temp_name(n) is not None
+    )
+    if temps:
+        out.append(("leaks", f"temporary files left after a start and clean: {temps[:3]}"))
     return out
 
 

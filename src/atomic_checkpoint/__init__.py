@@ -5,6 +5,7 @@ only when a feature that needs them is used.
 """
 
 from ._version import __version__
+from .adopt import AdoptResult, adopt, register_framework
 from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .errors import (
     CheckpointError,
@@ -20,6 +21,7 @@ from .errors import (
     RankFailure,
     ReadOnlyError,
     ResumeError,
+    SaveAbandonedError,
     SerializationError,
     StepOrderError,
     StorageError,
@@ -33,9 +35,11 @@ from .manifest import CheckpointInfo
 from .preemption import REQUEUE_EXIT_CODE, PreemptionGuard
 from .retention import AnyOf, KeepAll, KeepBest, KeepEvery, KeepLast, Pin, RetentionPolicy
 from .storage import LocalStorage, MemoryStorage, Storage, StorageCapabilities, open_storage
+from .tiered import Tier, TieredCheckpointInfo, TieredCheckpointManager
 
 __all__ = [
     "REQUEUE_EXIT_CODE",
+    "AdoptResult",
     "AnyOf",
     "CheckpointError",
     "CheckpointExistsError",
@@ -63,6 +67,7 @@ __all__ = [
     "ReadOnlyError",
     "ResumeError",
     "RetentionPolicy",
+    "SaveAbandonedError",
     "SerializationError",
     "SingleProcessCoordinator",
     "StepOrderError",
@@ -71,11 +76,16 @@ __all__ = [
     "StorageError",
     "StorageFullError",
     "StoragePermissionError",
+    "Tier",
+    "TieredCheckpointInfo",
+    "TieredCheckpointManager",
     "TorchDistributedCoordinator",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
     "__version__",
+    "adopt",
     "open_storage",
+    "register_framework",
 ]
 
 

@@ -18,7 +18,10 @@ Save phases, in order: ``before_write``, ``mid_write``, ``after_write``,
 on some paths: ``mid_replace`` (an overwrite without an atomic exchange, between moving
 the old copy out and renaming the new one in) and ``mid_create`` (inside
 ``LocalStorage.create_exclusive``, the temporary file written and fsync'd, not yet
-linked under its name; storage knows no rank: use rank ``*``). Unset, a fault point
+linked under its name; storage knows no rank: use rank ``*``). Replication to a
+persistent tier (``tiered``, on its replicator thread, rank 0): ``mid_replicate`` (the
+first file copied, the others not) and ``before_replica_commit`` (every file copied and
+verified, the manifest not yet published). Unset, a fault point
 costs one dict lookup.
 """
 
@@ -40,7 +43,7 @@ SAVE_PHASES = (
     "during_broadcast",
 )
 ROTATION_PHASES = ("before_uncommit", "after_uncommit", "mid_delete")
-OTHER_PHASES = ("mid_replace", "mid_create")
+OTHER_PHASES = ("mid_replace", "mid_create", "mid_replicate", "before_replica_commit")
 
 _cache: tuple[str, dict[str, list[tuple[str, str, int | None]]]] = ("", {})
 

@@ -21,9 +21,10 @@ background, and raise a failure once, at the same call on every rank.
 
 The snapshot is the exact image of the state file (header, tensors at their file
 offsets, pickle blobs) in one flat, page-aligned host buffer, allocated on the first
-save and reused by every later one: on these VMs memory that was freed and touched
-again can cost up to 15x a copy into already-resident memory, and a save must never
-allocate its state size afresh. Being the file's image, it is written without another
+save (or beforehand, resident, by ``CheckpointManager.prepare_async``) and reused by
+every later one: on these VMs memory that was freed and touched again can cost up to
+15x a copy into already-resident memory, and a save must never allocate its state size
+afresh. Being the file's image, it is written without another
 copy: on local disks straight to the device with O_DIRECT, so the background write
 costs almost no CPU and does not stream the state through the CPU caches that training
 uses. When any source tensor lives on a GPU the buffer is pinned (page-locked), so the
@@ -60,7 +61,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, SaveAbandonedError
 from .manifest import CheckpointInfo
 
 __all__ = ["AsyncSaver", "SaveAbandonedError", "SaveHandle", "SnapshotPool"]
@@ -73,11 +74,6 @@ _PAGE = 4096
 _HUGE_PAGE = 2 << 20
 # The background writer learns of copied bytes in steps of this size (see Snapshot._copy).
 _STREAM_STEP_BYTES = 256 << 20
-
-
-class SaveAbandonedError(CheckpointError):
-    """An in-flight async save was given up (manager closed or interpreter exiting
-    before it could finish); nothing of it was committed by this process."""
 
 
 def _lower_priority() -> None:
@@ -601,6 +597,34 @@ class SnapshotPool:
         self.allocations += 1
         log.debug("snapshot buffer: %d bytes (pinned=%s)", nbytes, pin)
 
+    @staticmethod
+    def _needs(plan: Any) -> tuple[int, bool, bool]:
+        """(capacity in bytes, torch tensors present, any on a GPU) for ``plan``."""
+        torch = sys.modules.get("torch")
+        use_torch = False
+        on_gpu = False
+        for _name, src in plan.tensors():
+            if torch is not None and isinstance(src, torch.Tensor):
+                use_torch = True
+                on_gpu = on_gpu or src.device.type == "cuda"
+        capacity = -(-max(plan.total_size_bytes, 1) // _PAGE) * _PAGE
+        return capacity, use_torch, on_gpu
+
+    def reserve(self, plan: Any) -> int:
+        """Allocate the buffer for ``plan`` now and make every page of it resident, so
+        that the first snapshot copies at the speed of later ones (see the module
+        docstring: untouched memory costs a page fault per page, and on VMs far more).
+        Returns the buffer's size in bytes. Only when no save writes from the buffer.
+        """
+        capacity, use_torch, on_gpu = self._needs(plan)
+        before = self.allocations
+        self._ensure(capacity, use_torch=use_torch, pin=on_gpu)
+        if self.allocations != before and not self._pinned:
+            # One write per 4 KiB page faults each page in (pinned memory already is);
+            # with transparent huge pages, one fault per 2 MiB.
+            self._np_buf[::_PAGE] = 0
+        return self.capacity_bytes
+
     def prepare(self, plan: Any, *, cancel: threading.Event | None = None) -> Snapshot:
         """Lay out ``plan``'s file image in the buffer (growing it if needed), with its
         header and pickle blobs in place; copy no tensor yet.
@@ -613,13 +637,7 @@ class SnapshotPool:
         header, offsets, blobs = plan.image_layout()
         total = plan.total_size_bytes
         torch = sys.modules.get("torch")
-        use_torch = False
-        on_gpu = False
-        for _name, src in items:
-            if torch is not None and isinstance(src, torch.Tensor):
-                use_torch = True
-                on_gpu = on_gpu or src.device.type == "cuda"
-        capacity = -(-max(total, 1) // _PAGE) * _PAGE
+        capacity, use_torch, on_gpu = self._needs(plan)
         self._ensure(capacity, use_torch=use_torch, pin=on_gpu)
         flat = self._np_buf
         flat[: len(header)] = memoryview(header)

@@ -10,6 +10,12 @@ Everything read here is untrusted (DESIGN invariant 9): an entry that is a symbo
 is never a checkpoint (listed as foreign, "unsafe"), no file is read through a link,
 and a manifest that cannot be read or parsed, whatever its shape, makes that one
 checkpoint corrupt while the rest of the root is discovered.
+
+Discovery reads what the answer needs, not the whole root: ``newest`` (``latest()``)
+reads manifests newest first and stops at the first valid one; ``scan`` with a
+``ManifestCache`` (``checkpoints()``, the rotation after each save) reads again only the
+manifests that changed since they were validated, and checks the files of the others
+with one ``stat`` each (on an object store, from one listing of the root).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import operator
 import os
 import re
 import stat
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -252,9 +260,13 @@ def validate(
     *,
     full: bool = False,
     progress: Callable[[int], None] | None = None,
+    sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Check every listed file: inside the checkpoint, present, right size; with
     ``full``, recompute checksums. ``progress`` is called with bytes verified so far.
+    ``sizes``: file sizes from a listing of the checkpoint just taken (object stores:
+    one listing instead of a request per file); a file it does not show at its listed
+    size is asked for again.
 
     Raises:
         CorruptCheckpointError: naming the file and what differs.
@@ -264,7 +276,9 @@ def validate(
     buf = bytearray(_VERIFY_CHUNK) if full else None
     for entry in manifest.files:
         check_inside(storage, rel, entry.path)
-        size = storage.size(f"{rel}/{entry.path}")
+        size = None if sizes is None else sizes.get(entry.path)
+        if size != entry.size_bytes:
+            size = storage.size(f"{rel}/{entry.path}")
         if size != entry.size_bytes and not storage.capabilities.coherent:
             # sshfs: a path deleted and re-created through another client (a step saved
             # again) keeps its old size in this client's cache until it is refreshed.
@@ -386,73 +400,315 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
     return validate_consistent(storage, rel, manifest, full=full)
 
 
-def scan(storage: Storage, *, run_id: str | None = None, full: bool = False) -> list[Entry]:
-    """Every entry of the root with its status, checkpoints ascending by step first."""
-    entries: list[Entry] = []
-    for name in storage.listdir(""):
+class ManifestCache:
+    """What discovery learned about a root, kept between scans (one per manager).
+
+    Maps a checkpoint name to the manifest that was read and validated there, with the
+    storage's token of the manifest file (``Storage.stat_token``: inode, size and
+    times, or an object's ETag and size) taken *before* it was read. A later scan of
+    the same name costs one ``stat`` of the manifest (on an object store, a share of one
+    listing of ROOT: ``stat_tokens``) instead of a read and a parse: an equal token
+    proves the manifest unchanged (a replaced manifest is a new file: new inode and
+    times, a new ETag). Its files are still checked for presence and size, as a full
+    scan checks them, so a listing never shows a checkpoint that ``newest`` would skip.
+    A change between the token and the read leaves an old token next to the new
+    manifest, so the next scan reads it again: the cache can miss, never lie.
+
+    The owner drops the names it commits and deletes (``forget``) as well; names that
+    left the root are dropped at each scan. A storage without ``stat_token`` (the
+    in-memory one) is never cached. At most ``max_files`` file entries are held (a root
+    of many-rank checkpoints would otherwise keep every manifest in memory); past that,
+    the others are read as without a cache. Thread-safe: an async save's commit may
+    invalidate while the training thread lists.
+    """
+
+    def __init__(self, max_files: int = 1 << 20) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[Hashable, Manifest, bool]] = {}
+        self._files = 0
+        self.max_files = max_files
+        #: Manifests read (and parsed) through this cache since it was made.
+        self.reads = 0
+        #: Scans answered from the cache without reading the manifest.
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def forget(self, name: str) -> None:
+        """Drop ``name`` (a commit or delete of it by the cache's owner)."""
+        with self._lock:
+            self._drop(name)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._files = 0
+
+    def _drop(self, name: str) -> None:
+        got = self._entries.pop(name, None)
+        if got is not None:
+            self._files -= len(got[1].files)
+
+    def _keep_only(self, names: set[str]) -> None:
+        with self._lock:
+            for name in [n for n in self._entries if n not in names]:
+                self._drop(name)
+
+    def _listing_is_cheap(self, n: int) -> bool:
+        """Whether one listing of every file in ROOT costs less than ``n`` requests for
+        the manifests alone (object stores): most of ROOT is known, with few files per
+        checkpoint. A root of 4096-rank checkpoints is never listed whole."""
+        with self._lock:
+            known = [m for _, m, _ in self._entries.values()]
+        if not known or 2 * len(known) < n:
+            return False
+        per = sum(len(m.files) + 1 for m in known) / len(known)
+        return per <= _LISTING_FILES_PER_CHECKPOINT
+
+    def _get(self, name: str, token: Hashable) -> tuple[Manifest, bool] | None:
+        with self._lock:
+            got = self._entries.get(name)
+        if got is None or got[0] != token:
+            return None
+        return got[1], got[2]
+
+    def _put(self, name: str, token: Hashable, manifest: Manifest, validated: bool) -> None:
+        with self._lock:
+            self._drop(name)
+            if self._files + len(manifest.files) > self.max_files:
+                return
+            self._entries[name] = (token, manifest, validated)
+            self._files += len(manifest.files)
+
+
+def manifest_token(storage: Storage, rel: str) -> Hashable | None:
+    """The storage's token of checkpoint ``rel``'s manifest (see ``ManifestCache``), or
+    None when it cannot say (no ``stat_token``, missing, a link, an error): the caller
+    then reads the manifest, which reports whatever is wrong."""
+    fn = getattr(storage, "stat_token", None)
+    if fn is None:
+        return None
+    try:
+        token = fn(f"{rel}/{MANIFEST_NAME}")
+    except CheckpointError:
+        return None
+    return token if isinstance(token, Hashable) else None
+
+
+#: Object stores: how many manifest tokens (one HEAD each) are asked for at once. A
+#: HEAD costs a round trip, not bandwidth: thousands of them one after the other would
+#: make a cached listing as slow as reading every manifest.
+_TOKEN_THREADS = 16
+
+
+#: A recursive listing of ROOT replaces a HEAD per manifest while the checkpoints
+#: hold at most this many files on average (the keys listed, a thousand per request).
+_LISTING_FILES_PER_CHECKPOINT = 16
+
+
+def _manifest_tokens(
+    storage: Storage, names: list[str], cache: ManifestCache
+) -> tuple[list[Hashable | None], dict[str, dict[str, int]] | None]:
+    """The manifest token of each of ``names``, and, where one listing of ROOT told
+    them, the sizes of the files in each checkpoint (name -> file path -> size)."""
+    if storage.local_path("") is not None or len(names) < 2:
+        return [manifest_token(storage, name) for name in names], None
+    bulk = getattr(storage, "stat_tokens", None)
+    if bulk is not None and cache._listing_is_cheap(len(names)):
+        try:
+            found = bulk("")
+        except CheckpointError:
+            found = None
+        if found is not None:
+            sizes: dict[str, dict[str, int]] = {}
+            for path, (_, size) in found.items():
+                top, _, rest = path.partition("/")
+                if rest:
+                    sizes.setdefault(top, {})[rest] = size
+            tokens = [found.get(f"{name}/{MANIFEST_NAME}") for name in names]
+            return [None if t is None else t[0] for t in tokens], sizes
+    with ThreadPoolExecutor(min(_TOKEN_THREADS, len(names))) as pool:
+        return list(pool.map(functools.partial(manifest_token, storage), names)), None
+
+
+def _checkpoint_entry(
+    storage: Storage,
+    name: str,
+    step: int,
+    *,
+    run_id: str | None,
+    full: bool,
+    cache: ManifestCache | None,
+    token: Hashable | None = None,
+    sizes: Mapping[str, int] | None = None,
+) -> Entry | None:
+    """The status of the one entry ``name`` (a strict ``checkpoint-<step>`` name) of the
+    root, or None if it vanished while being looked at (un-committed by rotation).
+
+    Raises:
+        StorageError: an I/O error that says nothing about the checkpoint.
+    """
+    if is_link(storage, name):
+        try:
+            target = os.readlink(storage.local_path(name) or name)
+        except OSError:
+            target = "?"
+        return Entry(
+            name,
+            step,
+            "foreign",
+            problem=f"{_UNSAFE}: a symbolic link (to {target}), never a checkpoint: "
+            "not read, not counted, not deleted",
+        )
+    if token is not None and cache is not None:
+        known = cache._get(name, token)
+        if known is not None:
+            manifest, validated = known
+            if run_id is not None and manifest.run_id != run_id:
+                cache.hits += 1
+                return Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
+            if validated:
+                # The manifest is unchanged; its files are checked as a full scan checks
+                # them (present, listed size), so a file damaged since is found, and the
+                # listing agrees with latest(). Any doubt: the full read below decides.
+                if _files_as_listed(storage, name, manifest, sizes):
+                    cache.hits += 1
+                    return Entry(name, step, "ok", manifest)
+                cache.forget(name)
+    try:
+        manifest = read_manifest(storage, name)
+    except CheckpointNotFoundError:
+        if pending_markers(storage, name):
+            return Entry(name, step, "pending", problem="not committed (marker, no manifest)")
+        return Entry(name, step, "foreign", problem="no manifest")
+    except StorageError:
+        # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.
+        # Counting it as corrupt would resume from an older step, or find "nothing
+        # to resume" and start from scratch over good checkpoints, because of one
+        # transient error: report it, unless the checkpoint is gone meanwhile.
+        if _vanished(storage, name):
+            return None
+        raise
+    except CheckpointError as exc:
+        return Entry(name, step, "corrupt", problem=str(exc))
+    finally:
+        if cache is not None:
+            cache.reads += 1
+    if run_id is not None and manifest.run_id != run_id:
+        if token is not None and cache is not None:
+            cache._put(name, token, manifest, False)  # read, not validated: not ours
+        return Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
+    try:
+        checked = validate_consistent(storage, name, manifest, full=full)
+    except CheckpointNotFoundError:
+        return None  # un-committed under us (rotation): gone, not corrupt
+    except StorageError:
+        if _vanished(storage, name):
+            return None
+        raise  # see above: an I/O error is not corruption
+    except CheckpointError as exc:
+        if _vanished(storage, name):
+            # Rotation un-committed it between our manifest read and the file checks
+            # (a reader racing a live job): it is gone, not corrupt.
+            return None
+        return Entry(name, step, "corrupt", manifest, str(exc))
+    if token is not None and cache is not None and checked is manifest:
+        # Replaced while being checked: the token is the old copy's; not cached.
+        cache._put(name, token, checked, True)
+    return Entry(name, step, "ok", checked)
+
+
+def _files_as_listed(
+    storage: Storage, rel: str, manifest: Manifest, sizes: Mapping[str, int] | None
+) -> bool:
+    """Whether every file ``manifest`` lists is still in checkpoint ``rel`` at its listed
+    size: the checks of ``validate``, made cheaply for a manifest known unchanged. On a
+    mounted filesystem one ``lstat`` per file and per directory on the way: every one a
+    directory or a regular file, never a link (so nothing resolves outside, as
+    ``check_inside`` requires). False at the first doubt (including an error): the
+    caller then reads and validates the checkpoint in full, which says what is wrong
+    and waits out a network filesystem's stale sizes."""
+    base = storage.local_path(rel)
+    if base is None:
+        try:
+            validate(storage, rel, manifest, sizes=sizes)
+        except CheckpointError:
+            return False
+        return True
+    dirs: set[str] = set()
+    try:
+        for entry in manifest.files:
+            parts = entry.path.split("/")
+            path = base
+            for part in parts[:-1]:
+                path = os.path.join(path, part)
+                if path not in dirs:
+                    if not stat.S_ISDIR(os.lstat(path).st_mode):
+                        return False
+                    dirs.add(path)
+            st = os.lstat(os.path.join(path, parts[-1]))
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size_bytes:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _checkpoint_names(names: list[str]) -> tuple[list[tuple[int, str]], list[str]]:
+    """The strict ``checkpoint-<step>`` names of a root listing, ascending by step, and
+    the other names (the library's own directories left out)."""
+    steps: list[tuple[int, str]] = []
+    others: list[str] = []
+    for name in names:
         if name in (PENDING_DIR, TRASH_DIR, META_DIR):
             continue
         step = parse_checkpoint_name(name)
         if step is None:
-            entries.append(Entry(name, None, "foreign", problem="not a checkpoint name"))
-            continue
-        if is_link(storage, name):
-            try:
-                target = os.readlink(storage.local_path(name) or name)
-            except OSError:
-                target = "?"
-            entries.append(
-                Entry(
-                    name,
-                    step,
-                    "foreign",
-                    problem=f"{_UNSAFE}: a symbolic link (to {target}), never a checkpoint: "
-                    "not read, not counted, not deleted",
-                )
-            )
-            continue
-        try:
-            manifest = read_manifest(storage, name)
-        except CheckpointNotFoundError:
-            if pending_markers(storage, name):
-                entries.append(
-                    Entry(name, step, "pending", problem="not committed (marker, no manifest)")
-                )
-            else:
-                entries.append(Entry(name, step, "foreign", problem="no manifest"))
-            continue
-        except StorageError:
-            # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.
-            # Counting it as corrupt would resume from an older step, or find "nothing
-            # to resume" and start from scratch over good checkpoints, because of one
-            # transient error: report it, unless the checkpoint is gone meanwhile.
-            if _vanished(storage, name):
-                continue
-            raise
-        except CheckpointError as exc:
-            entries.append(Entry(name, step, "corrupt", problem=str(exc)))
-            continue
-        if run_id is not None and manifest.run_id != run_id:
-            entries.append(
-                Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
-            )
-            continue
-        try:
-            manifest = validate_consistent(storage, name, manifest, full=full)
-        except CheckpointNotFoundError:
-            continue  # un-committed under us (rotation): gone, not corrupt
-        except StorageError:
-            if _vanished(storage, name):
-                continue
-            raise  # see above: an I/O error is not corruption
-        except CheckpointError as exc:
-            if _vanished(storage, name):
-                # Rotation un-committed it between our manifest read and the file checks
-                # (a reader racing a live job): it is gone, not corrupt.
-                continue
-            entries.append(Entry(name, step, "corrupt", manifest, str(exc)))
-            continue
-        entries.append(Entry(name, step, "ok", manifest))
+            others.append(name)
+        else:
+            steps.append((step, name))
+    steps.sort()
+    return steps, others
+
+
+def scan(
+    storage: Storage,
+    *,
+    run_id: str | None = None,
+    full: bool = False,
+    cache: ManifestCache | None = None,
+) -> list[Entry]:
+    """Every entry of the root with its status, checkpoints ascending by step first.
+
+    Reads every checkpoint's manifest and checks its files' sizes, except where
+    ``cache`` (not with ``full``) proves a manifest unchanged since it was validated.
+    """
+    names = storage.listdir("")
+    steps, others = _checkpoint_names(names)
+    tokens: list[Hashable | None] = [None] * len(steps)
+    sizes: dict[str, dict[str, int]] | None = None
+    if cache is not None:
+        cache._keep_only({name for _, name in steps})
+        if not full:
+            # Taken before any manifest is read: see ManifestCache.
+            tokens, sizes = _manifest_tokens(storage, [name for _, name in steps], cache)
+    entries: list[Entry] = [
+        Entry(name, None, "foreign", problem="not a checkpoint name") for name in others
+    ]
+    for (step, name), token in zip(steps, tokens, strict=True):
+        entry = _checkpoint_entry(
+            storage,
+            name,
+            step,
+            run_id=run_id,
+            full=full,
+            cache=cache,
+            token=token,
+            sizes=None if sizes is None else sizes.get(name, {}),
+        )
+        if entry is not None:
+            entries.append(entry)
     for name in storage.listdir(PENDING_DIR):
         parsed = parse_pending_name(name)
         entries.append(
@@ -479,15 +735,62 @@ def _vanished(storage: Storage, rel: str) -> bool:
     return False
 
 
-def committed(storage: Storage, *, run_id: str | None, warn: bool = True) -> list[Manifest]:
+def _warn_skipped(storage: Storage, e: Entry) -> None:
+    if e.status == "corrupt" or (e.status == "foreign" and _UNSAFE in (e.problem or "")):
+        log.warning("skipping %s: %s", storage.url(e.name), e.problem)
+
+
+def committed(
+    storage: Storage,
+    *,
+    run_id: str | None,
+    warn: bool = True,
+    cache: ManifestCache | None = None,
+) -> list[Manifest]:
     """This run's valid checkpoints, ascending by step; invalid ones are skipped with a
-    warning that says what is wrong (DESIGN invariant 6)."""
+    warning that says what is wrong (DESIGN invariant 6). With ``cache``, a manifest
+    validated before and unchanged since is not read again (see ``ManifestCache``)."""
     out = []
-    for e in scan(storage, run_id=run_id):
+    for e in scan(storage, run_id=run_id, cache=cache):
         if e.status == "ok" and e.manifest is not None:
             out.append(e.manifest)
-        elif warn and (
-            e.status == "corrupt" or (e.status == "foreign" and _UNSAFE in (e.problem or ""))
-        ):
-            log.warning("skipping %s: %s", storage.url(e.name), e.problem)
+        elif warn:
+            _warn_skipped(storage, e)
     return out
+
+
+def newest(
+    storage: Storage,
+    *,
+    run_id: str | None,
+    warn: bool = True,
+    skip: Collection[int] = (),
+) -> Manifest | None:
+    """This run's newest valid checkpoint, or None: what ``committed(...)[-1]`` answers,
+    reading manifests newest first and stopping at the first that validates, so a
+    root of thousands of checkpoints costs one listing and, normally, one manifest read
+    and a size check of that checkpoint's files (not of every checkpoint's).
+
+    The same rules as ``committed``: strict names only, links never followed, other
+    runs' checkpoints passed over, and a corrupt one skipped with a warning naming what
+    is wrong (DESIGN invariant 6); each one skipped costs one more manifest read. No
+    cache: the answer is always checked against the storage as it is now. Steps in
+    ``skip`` (``restore()``'s fallback: the ones it already tried) are passed over
+    unread.
+
+    Raises:
+        StorageError: an I/O error on a candidate (as ``scan``): never taken for "no
+            checkpoint", which would resume from an older step or from scratch.
+    """
+    steps, _ = _checkpoint_names(storage.listdir(""))
+    for step, name in reversed(steps):
+        if step in skip:
+            continue
+        entry = _checkpoint_entry(storage, name, step, run_id=run_id, full=False, cache=None)
+        if entry is None:
+            continue
+        if entry.status == "ok" and entry.manifest is not None:
+            return entry.manifest
+        if warn:
+            _warn_skipped(storage, entry)
+    return None

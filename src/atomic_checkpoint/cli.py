@@ -1,4 +1,4 @@
-"""The ``atomic-checkpoint`` command line: list, verify, clean, inspect and prune a root.
+"""The ``atomic-checkpoint`` command line: list, verify, clean, inspect, prune and adopt.
 
 Also runs as ``python -m atomic_checkpoint``. Every command takes ROOT, a checkpoint
 root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
@@ -13,11 +13,21 @@ root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
     atomic-checkpoint prune ROOT [--keep-last N] [--keep-best K [--metric NAME]
                             [--mode min|max]] [--keep-every K] [--pin STEP ...]
                             [--run-id RUN] [--dry-run] [--force] [--json]
+    atomic-checkpoint adopt ROOT [STEP ...] [--framework NAME] [--run-id RUN]
+                            [--dry-run] [--json]
 
 ``list``, ``verify`` and ``inspect`` only read: they take no lock and are safe while a
 job trains and saves into ROOT. ``clean`` and ``prune`` delete, and refuse while a live
 job holds the run lock on ROOT (``--force`` overrides, with a warning); their
-``--dry-run`` changes nothing and never refuses.
+``--dry-run`` changes nothing and never refuses. ``adopt`` records the complete
+checkpoint folders a framework wrote without this library (``adopt.py``) under the run
+lock (exit 3 while a live job holds it), never moves or deletes anything, and exits 1
+if any folder asked for (by default every one found) is refused as incomplete.
+
+``list`` shows the entries of ROOT that are not checkpoints and not named like one (the
+Trainer's ``save_model()`` files, logs) on one line; ``--json`` lists each. ``verify
+ROOT`` on a Lightning ``ModelCheckpoint`` directory verifies its ``.ckpt`` files through
+their sidecar manifests (a file without one fails: it cannot be verified).
 
 The run whose checkpoints are "ours" is the one recorded in
 ``ROOT/.atomic-checkpoint/run.json``. Checkpoints of other runs are shown as
@@ -60,11 +70,11 @@ strings or null. ``list --json``::
       {"name": "checkpoint-200", "step": 200, "status": "ok", "problem": null,
        "run_id": "run-20240501-120000-1a2b3c4d", "created_unix": 1714564800.25,
        "size_bytes": 1048712, "metrics": {"eval_loss": 0.31}, "commit_seq": 2,
-       "path": "/ckpt/run1/checkpoint-200"},
+       "path": "/ckpt/run1/checkpoint-200", "adopted": false},
       {"name": ".pending/checkpoint-300.5f0c9e2a1b3d4c6e", "step": 300,
        "status": "pending", "problem": "not committed", "run_id": null,
        "created_unix": null, "size_bytes": 524288, "metrics": {}, "commit_seq": null,
-       "path": "/ckpt/run1/.pending/checkpoint-300.5f0c9e2a1b3d4c6e"}]}
+       "path": "/ckpt/run1/.pending/checkpoint-300.5f0c9e2a1b3d4c6e", "adopted": false}]}
 
 ``status`` is ``ok``, ``corrupt``, ``pending`` or ``foreign``. The other documents:
 
@@ -86,7 +96,7 @@ strings or null. ``list --json``::
   "status": "ok" | "corrupt" | "foreign", "problem", "manifest": {"step", "run_id",
   "commit_seq", "created_unix", "world_size", "state_kind", "strategy",
   "checksum_algorithm", "schema_version", "library_version", "size_bytes", "metrics",
-  "metadata", "domain_count", "domain_ranks"} | null, "files": [{"path",
+  "metadata", "domain_count", "domain_ranks", "adopted"} | null, "files": [{"path",
   "size_bytes", "checksum", "rank", "tensors": [{"name", "dtype", "shape"}] | null,
   "problem"}]}``. ``tensors`` is null for files that are not ``.safetensors`` or whose
   header cannot be read (``problem`` says why); ``manifest`` is null (and ``files``
@@ -98,6 +108,10 @@ strings or null. ``list --json``::
   "size_bytes", "created_unix", "metrics", "kept": bool, "reason", "deleted": bool}],
   "failed": [{"name", "step", "problem"}], "skipped": [{"name", "step", "status",
   "problem"}], "freed_bytes"}``.
+- ``adopt``: ``{"schema_version", "command": "adopt", "root", "run_id", "dry_run",
+  "adopted": [{"step", "framework", "size_bytes", "seconds"}], "already": [step, ...],
+  "refused": [{"step", "problem"}], "seconds"}``; ``inspect`` and ``list`` entries say
+  ``"adopted": true`` for checkpoints recorded this way.
 - ``<lock>`` is the holder of ``ROOT/.atomic-checkpoint/lock.json``: ``{"run_id",
   "host", "pid", "token", "acquired_unix", "renewed_unix", "expires_unix", "is_live"}``
   (``is_live`` false: the holder is provably gone, its process dead or its lease
@@ -120,7 +134,7 @@ from typing import Any, NoReturn, TextIO
 
 from . import catalog
 from ._version import __version__
-from .commit import MarkerStrategy, choose_strategy, recover_replaced
+from .commit import MarkerStrategy, recover_replaced
 from .coordination import SingleProcessCoordinator
 from .errors import (
     CheckpointError,
@@ -142,6 +156,7 @@ from .layout import (
 from .manifest import CheckpointInfo, Manifest
 from .storage import local_root, open_storage
 from .storage.base import Storage
+from .storage.temps import abandoned_temps
 
 __all__ = ["EXIT_LOCKED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
 
@@ -506,7 +521,32 @@ def _entry_doc(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
         "metrics": dict(m.metrics) if m is not None else {},
         "commit_seq": m.commit_seq if m is not None else None,
         "path": storage.url(e.name),
+        "adopted": bool(m is not None and m.adopted),
     }
+
+
+def _is_other_entry(d: dict[str, Any]) -> bool:
+    """An entry of ROOT that is neither a checkpoint nor named like one (the Trainer's
+    ``save_model()`` files, logs, a README): shown as one line by ``list``. Entries
+    named like checkpoints (``checkpoint-<step>`` torn copies, links and other runs',
+    ``checkpoint-007``, Accelerate's ``checkpoint_<i>``, Lightning's ``.ckpt`` files)
+    keep their own rows."""
+    name = d["name"]
+    return (
+        d["status"] == "foreign"
+        and d["step"] is None
+        and "/" not in name
+        and not name.startswith("checkpoint")
+        and not name.endswith(".ckpt")
+    )
+
+
+def _others_row(others: list[dict[str, Any]], n_columns: int) -> list[str]:
+    names = sorted(d["name"] for d in others)
+    shown = ", ".join(names[:6]) + (f", ... ({len(names) - 6} more)" if len(names) > 6 else "")
+    row = [f"({len(names)} other entries)", "-", "-", "-", "-"]
+    row += ["-"] * (n_columns - 6)
+    return [*row, f"foreign: not checkpoints, left alone: {shown}"]
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -531,8 +571,17 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.all_runs:
         headers.insert(5, "RUN")
     rows = []
+    others = [d for d in docs if _is_other_entry(d)]
     for d in docs:
-        status = d["status"] if d["problem"] is None else f"{d['status']}: {d['problem']}"
+        if _is_other_entry(d):
+            continue
+        status = d["status"] + (" (adopted)" if d["adopted"] else "")
+        if d["problem"] is not None:
+            status = f"{status}: {d['problem']}"
+            if d["problem"] == "no manifest" and "/" not in d["name"]:
+                status += f" (`{PROG} adopt ROOT --dry-run` tells whether it is complete)"
+            elif d["name"].endswith(".ckpt") and d["step"] is None:
+                status += f" (a Lightning checkpoint file: `{PROG} verify ROOT` checks it)"
         row = [
             d["name"],
             "-" if d["step"] is None else str(d["step"]),
@@ -544,6 +593,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         if args.all_runs:
             row.insert(5, d["run_id"] or "-")
         rows.append(row)
+    if others:
+        rows.append(_others_row(others, len(headers)))
     print(_table(headers, rows, right={1, 3}))
     counts: dict[str, int] = {}
     for d in docs:
@@ -734,6 +785,80 @@ def _single_target(storage: Storage, step: int) -> catalog.Entry:
     return catalog.Entry(name, step, "ok", manifest)
 
 
+def _lightning_names(storage: Storage) -> list[str]:
+    """The ``.ckpt`` entries at the top of a mounted ROOT: a Lightning
+    ``ModelCheckpoint`` directory, whose files ``AtomicCheckpointIO`` makes verifiable
+    through a sidecar manifest each (``<name>.manifest.json``)."""
+    if storage.local_path("") is None:
+        return []
+    return sorted(n for n in storage.listdir("") if n.endswith(".ckpt") and "/" not in n)
+
+
+def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
+    """Verify one ``.ckpt`` of a Lightning directory against its sidecar manifest
+    (``integrations.lightning.verify_checkpoint``: size, then the full checksum). A link
+    (``save_last="link"``) is verified through its target, which must be a file of ROOT:
+    nothing outside ROOT is read (DESIGN invariant 9)."""
+    root = os.path.realpath(storage.local_path("") or ".")
+    path = storage.local_path(name) or name
+    doc: dict[str, Any] = {
+        "name": name,
+        "step": None,
+        "status": "ok",
+        "problem": None,
+        "run_id": None,
+        "size_bytes": None,
+        "verified_bytes": 0,
+        "seconds": 0.0,
+    }
+    target = path
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if os.path.dirname(target) != root or not target.endswith(".ckpt"):
+            return {
+                **doc,
+                "status": "not_a_checkpoint",
+                "problem": f"a symbolic link to {target}, which is not a .ckpt file of this "
+                "directory: not read (links are followed only to a checkpoint of ROOT)",
+            }
+    if os.path.isdir(target):
+        return {
+            **doc,
+            "status": "not_a_checkpoint",
+            "problem": "a directory (a sharded checkpoint): AtomicCheckpointIO writes single "
+            "files, so there is no manifest to verify it against",
+        }
+    try:
+        from .integrations.lightning import MANIFEST_SUFFIX, verify_checkpoint
+    except ImportError as exc:
+        return {**doc, "status": "error", "problem": f"cannot verify .ckpt files: {exc}"}
+    sidecar = target + MANIFEST_SUFFIX
+    if os.path.islink(sidecar) or not os.path.isfile(sidecar):
+        what = "is a symbolic link (not read)" if os.path.islink(sidecar) else "is missing"
+        return {
+            **doc,
+            "status": "not_a_checkpoint",
+            "problem": f"its manifest {os.path.basename(sidecar)} {what}: written without "
+            "AtomicCheckpointIO, or torn, so it cannot be verified",
+        }
+    t0 = time.monotonic()
+    try:
+        info = verify_checkpoint(target, full=True, require_manifest=True)
+    except CheckpointNotFoundError as exc:
+        return {**doc, "status": "error", "problem": f"removed while being verified: {exc}"}
+    except CorruptCheckpointError as exc:
+        return {**doc, "status": "corrupt", "problem": str(exc)}
+    except CheckpointError as exc:
+        return {**doc, "status": "error", "problem": str(exc)}
+    return {
+        **doc,
+        "step": info.global_step,
+        "size_bytes": info.size_bytes,
+        "verified_bytes": info.size_bytes,
+        "seconds": time.monotonic() - t0,
+    }
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     run_id = None if args.all_runs else _run_id_for_reading(storage)
@@ -759,6 +884,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"{r['name']}: {word}: {r['problem']}", flush=True)
 
     impostors: list[dict[str, Any]] = []
+    lightning = _lightning_names(storage) if args.step is None else []
     if args.step is not None:
         targets = [_single_target(storage, args.step)]
     else:
@@ -768,6 +894,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if e.status in ("ok", "corrupt"):
                 targets.append(e)
                 continue
+            if lightning and e.name.endswith((".ckpt", ".ckpt.manifest.json")):
+                continue  # verified below, through the sidecar manifests
             in_progress = False
             if _looks_like_checkpoint(e):
                 verdict = _no_manifest_verdict(storage, e, holder)
@@ -795,6 +923,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             report(_broken(storage, e), 0)
     for r in impostors:
         report(r, 0)
+    # A Lightning ModelCheckpoint directory: its .ckpt files, through their sidecars.
+    for name in lightning:
+        report(_verify_lightning(storage, name), 1)
     results.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
     bad = [r for r in results if r["status"] != "ok"]
     ok = bool(results) and not bad
@@ -866,31 +997,54 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 failed.append({**item, "problem": str(exc)})
                 continue
             removed.append(item)
-    # Marker commits (object stores, s3fs-style mounts) stage in place: a crashed save
-    # leaves an attempt and its marker under checkpoint-<step>/ instead of .pending/.
-    # Only what the listing found is removed (never a manifest), and before each entry
-    # the lock is read again: a job that starts meanwhile may be committing that step.
-    strategy = choose_strategy(storage)
-    if isinstance(strategy, MarkerStrategy):
-        for left in strategy.leftovers(storage):
-            name, paths = left.name, left.paths
-            item = {
-                "name": name,
-                "kind": "stale" if left.committed else "pending",
-                "size_bytes": 0,
-            }
+    # A process killed inside an atomic write (run record, lock, claim) left its
+    # temporary file; only one whose writer is provably gone goes (``storage.temps``).
+    for directory in ("", META_DIR):
+        for rel, _why in abandoned_temps(storage, directory):
+            item = {"name": rel, "kind": "temporary", "size_bytes": 0}
             try:
-                item["size_bytes"] = sum(_tree_size(storage, p) for p in paths)
+                item["size_bytes"] = storage.size(rel) or 0
                 if not args.dry_run:
-                    _lock_unchanged(storage, holder, name)
-                    strategy.remove_leftover(storage, left)
-                    log.info("removed %s", ", ".join(storage.url(p) for p in paths))
-            except CliError:
-                raise
+                    storage.delete_file(rel)
+                    log.info("removed %s", storage.url(rel))
             except CheckpointError as exc:
                 failed.append({**item, "problem": str(exc)})
                 continue
             removed.append(item)
+    # Marker commits (object stores, s3fs-style mounts) stage in place: a crashed save
+    # leaves an attempt and its marker under checkpoint-<step>/ instead of .pending/.
+    # Only what the listing found is removed (never a manifest), and before each entry
+    # the lock is read again: a job that starts meanwhile may be committing that step.
+    # Looked for whatever strategy the storage would choose now: a run may have asked
+    # for the marker strategy on a disk whose rename is atomic (``strategy="marker"``).
+    strategy = MarkerStrategy()
+    for left in strategy.leftovers(storage):
+        name, paths = left.name, left.paths
+        item = {
+            "name": name,
+            "kind": (
+                "pending"
+                if not left.committed
+                else "stale"
+                if left.trees or left.markers
+                else "temporary"
+                if left.temps
+                else "empty"
+            ),
+            "size_bytes": 0,
+        }
+        try:
+            item["size_bytes"] = sum(_tree_size(storage, p) for p in paths)
+            if not args.dry_run:
+                _lock_unchanged(storage, holder, name)
+                strategy.remove_leftover(storage, left)
+                log.info("removed %s", ", ".join(storage.url(p) for p in paths))
+        except CliError:
+            raise
+        except CheckpointError as exc:
+            failed.append({**item, "problem": str(exc)})
+            continue
+        removed.append(item)
     lock_removed = False
     if holder is not None and args.force and not args.dry_run and not failed:
         lock_removed = _break_lock(storage, holder)
@@ -1019,6 +1173,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "metadata": dict(m.metadata),
         "domain_count": m.domain_count,
         "domain_ranks": None if m.domain_ranks is None else list(m.domain_ranks),
+        "adopted": m.adopted,
     }
     if args.json:
         _emit_json(
@@ -1068,6 +1223,17 @@ def _print_inspect(
     if m.domain_count > 1:
         ranks = ", ".join(map(str, m.domain_ranks or ()))
         fields.insert(7, ("domains", f"{m.domain_count} (this copy holds ranks {ranks})"))
+    if m.adopted:
+        adoption = m.metadata.get("adoption")
+        by = adoption.get("framework") if isinstance(adoption, dict) else None
+        fields.insert(
+            2,
+            (
+                "adopted",
+                f"yes: written by {by or 'a framework'}, recorded by `{PROG} adopt` (checksums "
+                "taken at adoption, not at save time)",
+            ),
+        )
     print(name)
     for key, value in fields:
         print(f"  {key + ':':<12} {value}")
@@ -1267,6 +1433,80 @@ def _print_prune(
     n = sum(1 for r in rows if not r["kept"]) if dry_run else sum(r["deleted"] for r in rows)
     verb = "would delete" if dry_run else "deleted"
     print(f"{verb} {n} checkpoint(s), {'would free' if dry_run else 'freed'} {_human_bytes(freed)}")
+
+
+# ---------------------------------------------------------------------- adopt
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from .adopt import adopt
+
+    storage = _open_root(args.root, args.storage_option)
+    t0 = time.monotonic()
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        # One line per checkpoint as soon as it is settled: a large root takes minutes
+        # (every byte is read for its checksum).
+        lines.append(line)
+        if not args.json:
+            print(line, flush=True)
+
+    try:
+        result = adopt(
+            storage,
+            args.step or None,
+            framework=args.framework,
+            run_id=args.run_id,
+            dry_run=args.dry_run,
+            progress=say,
+        )
+    except ValueError as exc:  # an unknown --framework
+        raise CliError(str(exc), EXIT_USAGE) from None
+    seconds = time.monotonic() - t0
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "adopt",
+                "root": result.root,
+                "run_id": result.run_id,
+                "dry_run": result.dry_run,
+                "adopted": [
+                    {
+                        "step": s,
+                        "framework": result.frameworks.get(s),
+                        "size_bytes": result.size_bytes.get(s),
+                        "seconds": result.seconds.get(s),
+                    }
+                    for s in result.adopted
+                ],
+                "already": result.already,
+                "refused": [{"step": s, "problem": p} for s, p in sorted(result.refused.items())],
+                "seconds": seconds,
+            }
+        )
+    elif result.adopted or result.already or result.refused:
+        verb = "would adopt" if result.dry_run else "adopted"
+        total = sum(result.size_bytes.get(s, 0) for s in result.adopted)
+        print(
+            f"{result.root}: {verb} {len(result.adopted)} ({_human_bytes(total)}), "
+            f"{len(result.already)} already committed, {len(result.refused)} refused, in "
+            f"{seconds:.2f} s" + (f" (run {result.run_id})" if result.run_id else "")
+        )
+    if result.refused:
+        first = min(result.refused)
+        raise CliError(
+            f"{len(result.refused)} checkpoint(s) not adopted (step(s) "
+            f"{', '.join(map(str, sorted(result.refused)))}); step {first}: "
+            f"{result.refused[first]}. Nothing was written for them; resume ignores them"
+        )
+    if not (result.adopted or result.already):
+        raise CliError(
+            f"nothing to adopt: {result.root} holds no checkpoint folder of a known framework "
+            "(checkpoint-<N> of the Trainer, checkpoints/checkpoint_<i> of Accelerate, "
+            "Lightning's .ckpt files); "
+            "--framework generic adopts other checkpoint-<N> folders"
+        )
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------- arguments
@@ -1470,6 +1710,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_prune, parser=p)
+
+    p = command(
+        "adopt",
+        "record a framework's existing checkpoints as committed checkpoints",
+        "Check the checkpoint folders a framework wrote without atomic-checkpoint "
+        "(checkpoint-<N> of the Hugging Face Trainer, checkpoints/checkpoint_<i> of "
+        "Accelerate) with the framework's own completeness rule, and record each complete "
+        "one with a manifest marked adopted (checksums taken now), so that resume, verify "
+        "and retention use it. A torn folder is refused with the reason and left as it is; "
+        "nothing is ever moved or deleted. Idempotent. Takes the run lock (exit 3 while a "
+        "live job holds it). Exits 1 if any checkpoint asked for (by default: every "
+        "folder found) is refused, or if there is nothing to adopt.",
+        "out/ --dry-run",
+        "out/",
+        "out/ 500 1000 --framework hf",
+    )
+    p.add_argument(
+        "step",
+        metavar="STEP",
+        nargs="*",
+        type=_step_arg,
+        help="only these steps (default: every checkpoint folder found)",
+    )
+    p.add_argument(
+        "--framework",
+        default="auto",
+        metavar="NAME",
+        help="whose completeness rule applies: auto (from the folder names; default), hf, "
+        "accelerate, lightning, dcp (only when named), or generic (any readable files: only "
+        "when asked for)",
+    )
+    p.add_argument(
+        "--run-id", metavar="RUN", help="the run to record them under (default: ROOT's run)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="check and report, write nothing")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_adopt)
     return parser
 
 

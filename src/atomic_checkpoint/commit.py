@@ -98,9 +98,30 @@ from .layout import (
 )
 from .manifest import FileEntry, Manifest
 from .storage.base import Storage
+from .storage.temps import abandoned_temps, parse_temp_name
 
 log = logging.getLogger("atomic_checkpoint")
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class SharedManifest(Manifest):
+    """The committed manifest as the ranks other than the leader get it from a save:
+    everything but the file list (``files`` is empty; ``size_bytes`` is the total of the
+    files), so the outcome of a save costs O(1) bytes per rank. The manifest in storage
+    has the list."""
+
+    total_size_bytes: int = 0
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> SharedManifest:
+        fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(Manifest)}
+        fields["files"] = ()
+        return cls(**fields, total_size_bytes=manifest.size_bytes)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.total_size_bytes
 
 
 @dataclass(frozen=True)
@@ -425,6 +446,10 @@ class MarkerStrategy:
             )
             return
         self._reported.discard(pending)
+        # The attempt's removal is made durable before the marker's: a power loss must
+        # not keep the unlink of the marker and lose those of the data, which would leave
+        # data that no marker names and nothing ever removes.
+        storage.fsync_dir(final)
         storage.delete_file(f"{final}/{marker_name(attempt)}")  # the marker goes last
         _remove_if_empty(storage, final)
 
@@ -458,6 +483,7 @@ class MarkerStrategy:
                 storage.delete_tree(f"{uncommitted}/{name}")
             else:
                 storage.delete_file(f"{uncommitted}/{name}")
+        storage.fsync_dir(uncommitted)  # data gone durably before its markers (discard)
         for name in names:
             if parse_marker_name(name) is not None:
                 storage.delete_file(f"{uncommitted}/{name}")
@@ -476,7 +502,14 @@ class MarkerStrategy:
                 continue
             children = storage.listdir(name)
             markers = [a for a in map(parse_marker_name, children) if a is not None]
+            # A marker or manifest write killed between its temporary file and the
+            # rename leaves the temporary file, beside a manifest or with nothing else.
+            temps = tuple(rel for rel, _ in abandoned_temps(storage, name, children))
             if not markers:
+                # An empty directory is what a delete leaves when the unlink of its last
+                # marker persisted and its rmdir did not (a power loss).
+                if temps or not children:
+                    out.append(Leftover(name, True, (), (), (), temps))
                 continue
             try:
                 manifest: Manifest | None = read_manifest(storage, name)
@@ -491,6 +524,8 @@ class MarkerStrategy:
                 for child in children:
                     if child == MANIFEST_NAME or parse_marker_name(child) is not None:
                         continue  # a manifest that appeared since is a newer job's commit
+                    if parse_temp_name(child) is not None:
+                        continue  # only once its writer is gone (``temps``)
                     rel = f"{name}/{child}"
                     if parse_attempt_dir(child) is not None or storage.is_dir(rel):
                         trees.append(rel)
@@ -502,13 +537,13 @@ class MarkerStrategy:
                     rel = f"{name}/{attempt_dir_name(a)}"
                     if rel not in trees:
                         trees.append(rel)
-                out.append(Leftover(name, False, tuple(trees), tuple(files), marker_paths))
+                out.append(Leftover(name, False, tuple(trees), tuple(files), marker_paths, temps))
                 continue
             keep = {f.path.split("/", 1)[0] for f in manifest.files}
             stale = tuple(
                 f"{name}/{attempt_dir_name(a)}" for a in markers if attempt_dir_name(a) not in keep
             )
-            out.append(Leftover(name, True, stale, (), marker_paths))
+            out.append(Leftover(name, True, stale, (), marker_paths, temps))
         return out
 
     def remove_leftover(self, storage: Storage, leftover: Leftover) -> None:
@@ -544,9 +579,13 @@ class MarkerStrategy:
         for rel in trees:
             storage.delete_tree(rel)
             _remove_if_empty(storage, rel)
-        for rel in [*leftover.files, *leftover.markers]:
+        for rel in [*leftover.files, *leftover.temps]:
             if rel.rsplit("/", 1)[-1] != MANIFEST_NAME:  # never a commit record
                 storage.delete_file(rel)
+        if leftover.markers:
+            storage.fsync_dir(leftover.name)  # data gone durably before its markers
+        for rel in leftover.markers:
+            storage.delete_file(rel)
         _drop_if_empty(storage, leftover.name)
 
     def sweep(self, storage: Storage, fence: Callable[[], None] | None = None) -> list[str]:
@@ -578,6 +617,9 @@ class Leftover:
         trees: attempt directories (and, when uncommitted, stray subdirectories).
         files: stray files of an uncommitted directory (never the manifest).
         markers: the in-progress markers, deleted last.
+        temps: temporary files of marker and manifest writes whose writer is gone
+            (``storage.temps``). A directory holding only these beside a manifest, or
+            nothing at all, is listed with ``committed`` True and nothing else.
     """
 
     name: str
@@ -585,11 +627,12 @@ class Leftover:
     trees: tuple[str, ...]
     files: tuple[str, ...]
     markers: tuple[str, ...]
+    temps: tuple[str, ...] = ()
 
     @property
     def paths(self) -> list[str]:
         """Everything that is removed, in order."""
-        return [*self.trees, *self.files, *self.markers]
+        return [*self.trees, *self.files, *self.temps, *self.markers]
 
 
 class CommitStrategy(Protocol):
@@ -1029,12 +1072,11 @@ class _InPhase(Exception):
         self.error = error
 
 
-def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
-    """Run ``fn`` on this rank (None: nothing to do here), then share the outcome.
-
-    Returns every rank's result, indexed by rank. If any rank failed, every rank raises
-    the same ``DistributedCheckpointError`` (with one rank, the original error).
-    """
+def _run_here(
+    ctx: SaveContext, phase: str, fn: Callable[[], _T] | None
+) -> tuple[Any, tuple[Any, RankFailure | None]]:
+    """Run ``fn`` on this rank; returns its result (None if it failed) and what this rank
+    sends: (result, its failure or None)."""
     value: Any = None
     error: BaseException | None = None
     failed_in = phase
@@ -1045,11 +1087,20 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
             failed_in, error = exc.phase, exc.error
         except Exception as exc:  # every failure is shared, never swallowed
             error = exc
+    if ctx.coord.world_size == 1 and error is not None:
+        raise _Aborted(error)
+    return value, (value, None if error is None else _failure(error, ctx.coord.rank, failed_in))
+
+
+def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
+    """Run ``fn`` on this rank (None: nothing to do here), then share the outcome.
+
+    Returns every rank's result, indexed by rank. If any rank failed, every rank raises
+    the same ``DistributedCheckpointError`` (with one rank, the original error).
+    """
+    value, payload = _run_here(ctx, phase, fn)
     if ctx.coord.world_size == 1:
-        if error is not None:
-            raise _Aborted(error)
         return [value]
-    payload = (value, None if error is None else _failure(error, ctx.coord.rank, failed_in))
     try:
         what = f"save step {step}: {phase}" if step >= 0 else phase
         outcomes = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
@@ -1059,6 +1110,49 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
     if failures:
         raise _Aborted(_shared_error(failures, step))
     return [v for v, _ in outcomes]
+
+
+def gather_phase(
+    ctx: SaveContext,
+    step: int,
+    phase: str,
+    fn: Callable[[], _T],
+    summarize: Callable[[list[_T]], Any],
+) -> tuple[_T, list[_T] | None, Any]:
+    """Like ``run_phase``, but only the domain leader gets every rank's result: the
+    others get ``summarize(results)``, computed once on the leader. Returns this rank's
+    result, every rank's (on the leader; None elsewhere) and the summary. If any rank
+    failed, every rank raises the same error.
+
+    Through a coordinator with ``gather``, a round costs O(N) store requests and O(N)
+    bytes for N ranks; ``run_phase`` sends every rank every result (O(N^2) bytes).
+    """
+    value, payload = _run_here(ctx, phase, fn)
+    if ctx.coord.world_size == 1:
+        return value, [value], summarize([value])
+
+    def reduce(outcomes: list[Any]) -> tuple[list[RankFailure], Any]:
+        failures = [f for _, f in outcomes if f is not None]
+        return (failures, None) if failures else ([], summarize([v for v, _ in outcomes]))
+
+    what = f"save step {step}: {phase}" if step >= 0 else phase
+    gather = getattr(ctx.coord, "gather", None)
+    try:
+        everything: list[Any] | None
+        if gather is None:  # a coordinator that only all-gathers
+            everything = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
+            failures, summary = reduce(everything)
+        else:
+            everything, (failures, summary) = gather(
+                what, payload, dst=ctx.leader, timeout_s=ctx.timeout_s, reduce=reduce
+            )
+    except CoordinationTimeoutError as exc:
+        raise _Aborted(exc) from exc
+    if failures:
+        raise _Aborted(_shared_error(failures, step))
+    if not ctx.is_coordinator or everything is None:
+        return value, None, summary
+    return value, [v for v, _ in everything], summary
 
 
 def save(
@@ -1082,7 +1176,9 @@ def save(
     leader after every rank has finished writing, and reports what is there.
 
     Returns:
-        The committed manifest and the per-phase timings, identical on every rank.
+        The committed manifest and the per-phase timings, identical on every rank
+        (with one storage domain, ranks other than the leader get a ``SharedManifest``:
+        the same manifest without its file list).
 
     Raises:
         CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
@@ -1302,9 +1398,9 @@ def _save_through_leader(
 
     1. the leader checks its input and prepares, then publishes the pending location
        (or its failure): one key, read by every rank;
-    2. every rank checks its own input and step, writes, and all-gathers its report (or
-       its failure): every rank learns of a failure or a missing rank by itself, names
-       the same ranks, and gives up within ``timeout_s``;
+    2. every rank checks its own input and step, writes, and sends its report (or its
+       failure) to the leader, which answers every rank with one summary: every rank
+       names the same failed or missing ranks, and gives up within ``timeout_s``;
     3. the leader commits and publishes the outcome, which every rank returns or raises;
        a rank that timed out waiting for it finds out what was published (or, with the
        store out of reach, whether its own attempt is committed) before it reports
@@ -1312,10 +1408,11 @@ def _save_through_leader(
 
     Decisions are made on the leader only and published (DESIGN invariant 3); a failure
     anywhere, a missing rank or a missing leader ends in the same error on every rank
-    within ``timeout_s`` (invariant 4). Only the write round is an all-gather (each rank
-    reads every rank's key); the other two cost one key per rank. A non-leader whose
-    input is bad writes nothing; the others' data is discarded with the pending
-    directory, before anything is committed.
+    within ``timeout_s`` (invariant 4). Each round costs O(N) store requests and bytes:
+    in the write round the leader collects every report in one read, and every other
+    rank reads one summary (``gather_phase``); the other two cost one key per rank. A
+    non-leader whose input is bad writes nothing; the others' data is discarded with the
+    pending directory, before anything is committed.
     """
     storage, coord = ctx.storage, ctx.coord
     leader, lead, rank = ctx.leader, ctx.is_coordinator, coord.rank
@@ -1360,9 +1457,10 @@ def _save_through_leader(
         replace = overwrite or exists
         timings["prepare"] = time.perf_counter() - t0
 
-        # 2. write on every rank; an all-gather of the reports, so that every rank
-        # learns of a failure or a missing rank by itself, names the same ranks, and
-        # gives up within ``timeout_s`` (a rank late after that fails too).
+        # 2. write on every rank; the leader gathers the reports and every rank gets
+        # its summary (failures, steps that differ), so that every rank names the same
+        # failed or missing ranks and gives up within ``timeout_s`` of its own arrival
+        # (a rank late after that fails too).
         t = time.perf_counter()
 
         def write() -> tuple[int, RankReport | None]:
@@ -1375,12 +1473,13 @@ def _save_through_leader(
                 return step, None  # fails the save on every rank, below; nothing written
             return step, _write_here(ctx, step, staged, write_rank_files)
 
-        written = run_phase(ctx, step, "write", write)
-        _check_same_step([w[0] for w in written])
+        mine, written, (steps, timings["write"], timings["fsync"]) = gather_phase(
+            ctx, step, "write", write, _write_summary
+        )
+        if steps is not None:
+            _check_same_step(steps)
         # Every rank had the leader's step (checked just above), so every rank wrote.
-        reports = [r for _, r in written if r is not None]
-        timings["write"] = max(r.write_s for r in reports)
-        timings["fsync"] = max(r.fsync_s for r in reports)
+        reports = [r for _, r in written or () if r is not None]
         timings["gather"] = time.perf_counter() - t - timings["write"] - timings["fsync"]
 
         # 3. the leader commits and publishes the outcome; the others wait for it.
@@ -1400,7 +1499,9 @@ def _save_through_leader(
                     metadata,
                 )
                 committed = True
-                verdict = ("ok", manifest, publish_s)
+                # Without its file list: N ranks reading N entries each would put
+                # O(N^2) bytes through the store (16 million entries at 4096 ranks).
+                verdict = ("ok", SharedManifest.of(manifest), publish_s)
             except Exception as exc:  # shared, never swallowed
                 discard()
                 verdict = ("error", _shared_error([_failure(exc, rank, "commit")], step))
@@ -1411,10 +1512,12 @@ def _save_through_leader(
         except CoordinationTimeoutError as exc:
             if lead:
                 raise _committed_anyway(ctx, step, exc) if committed else exc from None
-            verdict = _settle_outcome(ctx, step, staged, written[rank][1], exc)
+            verdict = _settle_outcome(ctx, step, staged, mine[1], exc)
         if verdict[0] == "error":
             raise verdict[1]
-        _, manifest, timings["publish"] = verdict
+        _, shared, timings["publish"] = verdict
+        if not lead:
+            manifest = shared
         timings["commit"] = time.perf_counter() - t
     except _Aborted as aborted:
         if lead and not committed:
@@ -1431,6 +1534,18 @@ def _save_through_leader(
         _await_committed(storage, step, ctx.visibility_timeout_s)
     timings["total"] = time.perf_counter() - t0
     return manifest, timings
+
+
+def _write_summary(written: list[tuple[int, RankReport | None]]) -> tuple[Any, float, float]:
+    """What every rank needs of the write round's reports (only the leader gets them):
+    every rank's step if they differ (else None), the slowest write and fsync."""
+    steps = [w[0] for w in written]
+    reports = [r for _, r in written if r is not None]
+    return (
+        steps if len(set(steps)) > 1 else None,
+        max((r.write_s for r in reports), default=0.0),
+        max((r.fsync_s for r in reports), default=0.0),
+    )
 
 
 def _settle_outcome(
@@ -1588,17 +1703,29 @@ def _await_files(
 
     Network filesystems can show another client's new file late, or with a stale size
     (even 0 on sshfs), so we poll with a bound instead of failing at the first stat.
+    One listing of ``pending`` comes first: on an object store a size query is a HEAD
+    request per file, one after another from the leader (16,384 at 4096 ranks of four
+    files each), where a listing costs one request per 1,000 files. Files the listing
+    does not show with their size (a listing may lag behind a lookup on NFS) are asked
+    one by one.
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.005
+    listed: dict[str, int] = {}
+    if len(files) > 1:
+        with contextlib.suppress(CheckpointError):  # the per-file queries decide
+            listed = dict(storage.walk_files(pending))
     while True:
         wrong = []
         for f in files:
+            if listed.get(f.path) == f.size_bytes:
+                continue
             size = storage.size(f"{pending}/{f.path}")
             if size != f.size_bytes:
                 wrong.append((f, size))
         if not wrong:
             return
+        files, listed = [f for f, _ in wrong], {}
         if time.monotonic() >= deadline:
             f, size = wrong[0]
             raise CommitError(

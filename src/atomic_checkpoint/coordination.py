@@ -1,8 +1,7 @@
 """How ranks agree: the ``Coordinator`` protocol and its implementations.
 
-Every exchange is an all-gather with a unique key and a timeout. A broadcast is an
-all-gather where only the source's value is used: every rank then proves it arrived,
-so a missing rank is named in the timeout error rather than hanging the others.
+Every exchange has a unique key and a timeout, and every rank takes part: a missing
+rank is named in the timeout error rather than hanging the others.
 
 ``TorchDistributedCoordinator`` moves small pickled objects through the process
 group's key-value store (the TCPStore that torchrun starts), never through collectives:
@@ -11,15 +10,24 @@ group's key-value store (the TCPStore that torchrun starts), never through colle
   deadlock with, or be killed by the watchdog of, an NCCL collective
   (FAILURE_MODES A8);
 - it is safe from a background thread (async saves use a cloned store connection);
-- a rank that does not arrive is named: we know exactly whose key is missing.
+- a rank that does not arrive is named: each round keeps a list of the ranks that
+  arrived.
 
-Keys are ``atomic_checkpoint/<namespace>/<seq>/<rank>``. ``seq`` advances identically on
-every rank because every rank makes the same sequence of calls (DESIGN invariant 3),
-counted by the calling thread;
-the human-readable ``key`` passed by the caller is only for error messages. Each key
-is written once (see ``_all_gather``). A rank deletes its key of round ``seq-1`` once
-round ``seq`` is complete: by then every rank has finished reading round ``seq-1``, so
-the store does not grow with the run.
+Its rounds cost O(N) store requests for N ranks, through one single-threaded store
+server (``_gather``): one rank collects every rank's key in one wait and one
+``multi_get``, and writes one outcome key that every other rank reads. ``gather``
+keeps the values on the collecting rank and sends every rank only a summary of them,
+so its bytes are O(N) too (a save's write round); ``all_gather`` sends every rank the
+list; ``broadcast`` sends the source's value once every rank arrived; ``publish`` sends
+one rank's value without waiting for the others. docs/scale.md has the counts.
+
+Keys are ``atomic_checkpoint/<namespace>/<seq>/<rank>`` (and ``.../<seq>/arrived``).
+``seq`` advances identically on every rank because every rank makes the same sequence
+of calls (DESIGN invariant 3), counted by the calling thread; the human-readable ``key``
+passed by the caller is only for error messages. Each outcome key is written once, by
+whoever writes it first (see ``_gather``). A rank deletes its keys once a later round is
+complete: by then every rank has finished reading them, so the store does not grow
+with the run.
 
 Timeouts count only time this process was running (``_Worker.run``): a rank frozen or
 descheduled past its deadline finishes the exchange on waking and reads what the
@@ -36,6 +44,7 @@ import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -116,7 +125,32 @@ def _delete_keys(store: Any, keys: list[str]) -> None:
 
 
 def _gave_up_by(raw: bytes) -> str:
-    return raw[len(_GAVE_UP) :].decode(errors="replace")
+    return raw[len(_GAVE_UP) :].decode(errors="replace").partition("|")[0]
+
+
+#: What ``_give_up`` expects in a round's arrival list, to read it without waiting for it:
+#: a missing key answers with the expected value; real lists are digits and commas.
+_NO_LIST = b"\x01none"
+
+
+def _pack_list(raws: list[bytes]) -> bytes:
+    """An all-gather's outcome: every rank's pickled value, equal neighbours stored once
+    (most rounds send the leader's answer and the same ``None`` from every other rank,
+    so this stays small however many ranks there are)."""
+    runs: list[list[Any]] = []
+    for b in raws:
+        if runs and runs[-1][0] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return pickle.dumps(runs, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _unpack_list(raw: bytes) -> list[Any]:
+    out: list[Any] = []
+    for b, n in pickle.loads(raw):
+        out.extend(pickle.loads(b) for _ in range(n))  # one object per rank, as sent
+    return out
 
 
 class _Worker:
@@ -247,7 +281,6 @@ class TorchDistributedCoordinator:
         self._seq = 0
         self._last_publish: tuple[int, int, str] | None = None  # (round, src, key): ``settle``
         self._clones = 0
-        self._last_key: str | None = None
         self._stalled = False
         self._worker = _Worker()
         # Keys this rank published, to delete once every rank is known to have read them.
@@ -258,7 +291,9 @@ class TorchDistributedCoordinator:
 
     def all_gather(self, key: str, obj: Any, *, timeout_s: float) -> list[Any]:
         """All-gather through the store, with a hard deadline even if the store never
-        answers.
+        answers: rank 0 collects every value and publishes the list (``_gather``), so a
+        round costs O(N) store requests; the list itself reaches every rank, so use
+        ``gather`` where only one rank needs the values.
 
         A rank cut off from the store by a network partition (link down, no reset)
         blocks inside TCPStore: its ``wait`` times out, then its next request waits for
@@ -269,7 +304,42 @@ class TorchDistributedCoordinator:
         nothing more is sent through it) and raises; later exchanges fail at once.
         """
         seq = self._next_round(key)
-        return list(self._run(key, lambda: self._all_gather(key, obj, timeout_s, seq), timeout_s))
+        _, raw = self._run(
+            key, lambda: self._gather(key, obj, 0, timeout_s, seq, _pack_list), timeout_s
+        )
+        return _unpack_list(raw)
+
+    def gather(
+        self,
+        key: str,
+        obj: Any,
+        *,
+        dst: int,
+        timeout_s: float,
+        reduce: Callable[[list[Any]], Any],
+    ) -> tuple[list[Any] | None, Any]:
+        """Every rank contributes ``obj``; ``dst`` gets the list indexed by rank, and
+        every rank gets ``reduce(list)``, computed once on ``dst``. Returns ``(list on
+        dst else None, reduced)``. O(N) store requests and, for a small ``reduce``
+        result, O(N) bytes per round: the write round of a save, whose reports only the
+        leader needs.
+
+        Raises:
+            CoordinationTimeoutError: some ranks did not arrive within ``timeout_s``
+                (``dst`` among them if it never answered); the same ranks are named on
+                every rank.
+        """
+        seq = self._next_round(key)
+        box: list[list[Any]] = []
+
+        def outcome_of(raws: list[bytes]) -> bytes:
+            box.append([pickle.loads(b) for b in raws])
+            return pickle.dumps(reduce(box[0]), protocol=pickle.HIGHEST_PROTOCOL)
+
+        _, raw = self._run(
+            key, lambda: self._gather(key, obj, dst, timeout_s, seq, outcome_of), timeout_s
+        )
+        return (box[0] if box else None), pickle.loads(raw)
 
     def publish(self, key: str, obj: Any, *, src: int, timeout_s: float) -> Any:
         """``src`` passes ``obj`` (it does not wait for anyone); every rank gets it. One
@@ -418,60 +488,157 @@ class TorchDistributedCoordinator:
             )
         return pickle.loads(raw)
 
-    def _all_gather(self, key: str, obj: Any, timeout_s: float, seq: int) -> list[Any]:
-        """One round, on the worker thread: four store requests when everyone is on time.
+    def _gather(
+        self,
+        key: str,
+        obj: Any,
+        dst: int,
+        timeout_s: float,
+        seq: int,
+        outcome_of: Callable[[list[bytes]], bytes],
+    ) -> tuple[list[bytes] | None, bytes]:
+        """One round, on the worker thread: ``dst`` collects, every rank reads one outcome.
 
-        Every key is written once, by whoever writes it first (``compare_set`` with an
-        empty expected value): its rank, or a rank that gave up waiting for it, which
-        writes a give-up mark there instead. So every rank that finishes the round reads
-        the same values, and a rank arriving late (frozen, descheduled) finds the mark
-        in its own key and fails like the others instead of returning success while
-        they raise (DESIGN invariant 4).
+        Returns every rank's pickled value (on ``dst``; None elsewhere) and the outcome
+        ``dst`` computed from them (``outcome_of``), the same on every rank.
+
+        Store requests, everyone on time: a rank other than ``dst`` sets its key,
+        appends its rank to the round's arrival list, waits for the outcome key and
+        reads it (4, plus the deferred delete of its key); ``dst`` appends itself, waits
+        for every key at once, reads them in one ``multi_get`` and writes the outcome
+        (4). So O(N) requests and O(N) bytes per round, where reading every rank's key
+        on every rank cost N^2 of both.
+
+        The outcome key is written once, by whoever writes it first (``compare_set``
+        with an empty expected value): ``dst`` with the outcome, or a rank that gave up
+        waiting (``_give_up``), which writes a give-up mark naming the ranks missing
+        from the arrival list. Every rank that finishes the round reads that one value,
+        so every rank returns the same outcome or raises naming the same ranks (DESIGN
+        invariant 4); a rank arriving after the mark (frozen, descheduled) finds it and
+        fails like the others. Each rank waits ``timeout_s`` from its own arrival, as
+        every rank did when each read every key: a missing rank is named by whoever
+        gives up first, ``dst`` included, and a ``dst`` that never answers by the others.
         """
         keys = self._keys(seq)
-        mine = self._claim(keys[self.rank], obj, key, timeout_s)
-        try:
-            self._store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
-        except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
+        out_key = keys[dst]
+        wait = timedelta(seconds=max(timeout_s, 0.001))
+        values: list[bytes] | None = None
+        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.rank != dst:
+            # Set before appended: a rank on the arrival list has its value in place.
+            self._store.set(keys[self.rank], mine)
+            self._store.append(self._arrivals(seq), f"{self.rank},".encode())
             try:
-                now = self._give_up_on({r: k for r, k in enumerate(keys) if r != self.rank})
-                raw = [mine if r == self.rank else now[r] for r in range(self.world_size)]
-            except Exception as exc2:  # pragma: no cover - the store itself failed
-                raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
-            late = tuple(r for r, b in enumerate(raw) if b.startswith(_GAVE_UP))
-            if late:
-                raise CoordinationTimeoutError(
-                    f"rank {self.rank}: rank(s) {list(late)} did not arrive at {key!r} within "
-                    f"{timeout_s:g} s (a rank crashed, hung, or is still writing on slow "
-                    "storage; raise timeout_s if saves legitimately take longer)",
-                    missing_ranks=late,
-                    key=key,
-                ) from exc
-            # Everyone arrived just as we gave up: the round stands.
+                self._store.wait([out_key], wait)
+                raw = self._store.get(out_key)
+            except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
+                raw = self._give_up(key, seq, dst, exc)
         else:
-            raw = list(self._store.multi_get(keys))
-            late = tuple(r for r, b in enumerate(raw) if b.startswith(_GAVE_UP))
-            if late:
-                who = sorted({_gave_up_by(raw[r]) for r in late})
-                raise CoordinationTimeoutError(
-                    f"rank {self.rank}: rank(s) {list(late)} did not arrive at {key!r} in "
-                    f"time: rank(s) {', '.join(who)} gave up waiting for them "
-                    f"({timeout_s:g} s)",
-                    missing_ranks=late,
-                    key=key,
-                )
-        # Everyone has set its key of this round, so everyone finished reading the
-        # previous rounds: our previous key, and what we published since, can go (off
-        # the caller's path).
-        done = [*([self._last_key] if self._last_key is not None else []), *self._read_by_all]
-        self._read_by_all = []
+            others = [k for r, k in enumerate(keys) if r != dst]
+            self._store.append(self._arrivals(seq), f"{self.rank},".encode())
+            raw = b""
+            try:
+                if others:
+                    self._store.wait(others, wait)
+            except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
+                raw = self._give_up(key, seq, dst, exc)
+            if not raw:  # everyone arrived (perhaps just as this rank gave up)
+                got = iter(self._store.multi_get(others) if others else ())
+                values = [mine if r == dst else next(got) for r in range(self.world_size)]
+                if any(v.startswith(_GAVE_UP) for v in values):
+                    # Marked by the rank that gave up on their owners, after it marked
+                    # the outcome key: the round failed.
+                    raw, values = self._store.get(out_key), None
+                else:
+                    raw = self._store.compare_set(out_key, "", outcome_of(values))
+        if raw.startswith(_GAVE_UP):
+            raise self._missing_error(key, raw, dst, timeout_s)
+        # The outcome is out, so every rank has arrived in this round and finished every
+        # earlier one: this rank's key of this round (read by ``dst`` before it wrote the
+        # outcome) and what it published earlier can go, off the caller's path.
+        done = self._read_by_all
+        self._read_by_all = [out_key, self._arrivals(seq)] if self.rank == dst else []
+        if self.rank != dst:
+            done = [*done, keys[self.rank]]
         if done:
             self._worker.defer(functools.partial(_delete_keys, self._store, done))
-        self._last_key = keys[self.rank]
-        return [pickle.loads(b) for b in raw]
+        return values, raw
+
+    def _arrivals(self, seq: int) -> str:
+        return f"{self._ns}/{seq}/arrived"
+
+    def _give_up(self, key: str, seq: int, dst: int, exc: Exception) -> bytes:
+        """After a timeout in ``_gather``: mark the round failed, naming the ranks not on
+        its arrival list (``dst`` if every rank arrived: it never answered),
+        unless its outcome came first. Returns what the outcome key holds now, or b""
+        if this rank is ``dst`` and everyone arrived meanwhile (the round stands).
+        Two requests, whatever the number of ranks, and one per missing rank from the
+        rank whose mark stands: it marks their keys too, so that a ``dst`` still waiting
+        for them (it arrived later) wakes up now and fails like the others rather than
+        at its own deadline."""
+        try:
+            # Reads the list without waiting for it to exist (a missing key answers
+            # with the expected value, which no arrival list can equal).
+            seen = self._store.compare_set(self._arrivals(seq), _NO_LIST, _NO_LIST)
+            arrived = set() if seen == _NO_LIST else {int(r) for r in seen.split(b",") if r}
+            missing = [r for r in range(self.world_size) if r not in arrived]
+            if not missing:
+                if self.rank == dst:
+                    return b""
+                missing = [dst]
+            mark = _GAVE_UP + f"{self.rank}|{','.join(map(str, missing))}".encode()
+            keys = self._keys(seq)
+            stored = self._store.compare_set(keys[dst], "", mark)
+            if stored == mark:
+                for r in missing:
+                    if r != dst:
+                        self._store.compare_set(keys[r], "", mark)
+            return stored
+        except Exception as exc2:  # pragma: no cover - the store itself failed
+            raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
+
+    def _missing_error(
+        self, key: str, raw: bytes, dst: int, timeout_s: float
+    ) -> CoordinationTimeoutError:
+        """The one error of a round that a rank gave up on (``raw``: its mark)."""
+        by, _, listed = raw[len(_GAVE_UP) :].decode(errors="replace").partition("|")
+        late = tuple(int(r) for r in listed.split(",") if r)
+        if by == str(self.rank) and late == (dst,) and dst != self.rank:
+            text = (
+                f"rank {self.rank}: rank {dst}, which collects {key!r}, did not answer within "
+                f"{timeout_s:g} s although every other rank arrived (it crashed, hung, or is "
+                "still working on slow storage; raise timeout_s if saves legitimately take "
+                "longer)"
+            )
+        elif by == str(self.rank):
+            text = (
+                f"rank {self.rank}: rank(s) {list(late)} did not arrive at {key!r} within "
+                f"{timeout_s:g} s (a rank crashed, hung, or is still writing on slow "
+                "storage; raise timeout_s if saves legitimately take longer)"
+            )
+        elif self.rank in late:
+            text = (
+                f"rank {self.rank} arrived at {key!r} after rank {by} gave up waiting for it "
+                f"({timeout_s:g} s): this rank stalled (frozen, descheduled or on slow "
+                "storage), so the exchange failed for every rank"
+            )
+        else:
+            text = (
+                f"rank {self.rank}: rank(s) {list(late)} did not arrive at {key!r} in time: "
+                f"rank {by} gave up waiting for them ({timeout_s:g} s)"
+            )
+        return CoordinationTimeoutError(text, missing_ranks=late, key=key)
 
     def broadcast(self, key: str, obj: Any, *, src: int = 0, timeout_s: float) -> Any:
-        return self.all_gather(key, obj if self.rank == src else None, timeout_s=timeout_s)[src]
+        """``src``'s ``obj`` on every rank, once every rank has arrived (unlike
+        ``publish``, a missing rank fails the round for everyone)."""
+        seq = self._next_round(key)
+        _, raw = self._run(
+            key,
+            lambda: self._gather(key, obj, src, timeout_s, seq, lambda raws: raws[src]),
+            timeout_s,
+        )
+        return pickle.loads(raw)
 
     def clone(self) -> TorchDistributedCoordinator:
         self._clones += 1

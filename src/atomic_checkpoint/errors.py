@@ -10,8 +10,8 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     ├── CheckpointExistsError(CheckpointError, FileExistsError)
     ├── StepOrderError(CheckpointError, ValueError)   a save below the newest step
     ├── CorruptCheckpointError(CheckpointError)
-    │   └── UnsafeCheckpointError        path escapes, pickle not allowed
-    ├── UnsupportedSchemaError(CorruptCheckpointError)
+    │   ├── UnsafeCheckpointError        path escapes, pickle not allowed
+    │   └── UnsupportedSchemaError       written by a newer version
     ├── SerializationError(CheckpointError, TypeError)
     ├── StorageError(CheckpointError, OSError)
     │   ├── StorageFullError             ENOSPC, EDQUOT
@@ -19,6 +19,7 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     ├── CommitError(CheckpointError)
     ├── CoordinationTimeoutError(CheckpointError, TimeoutError)
     ├── DistributedCheckpointError(CheckpointError)   carries every rank's failure
+    ├── SaveAbandonedError(CheckpointError)   an async save stopped by close() or exit
     ├── LockError(CheckpointError)
     │   ├── LockHeldError                another live job owns ROOT
     │   └── FencedError                  this job's token is stale (a zombie)
@@ -47,6 +48,7 @@ __all__ = [
     "RankFailure",
     "ReadOnlyError",
     "ResumeError",
+    "SaveAbandonedError",
     "SerializationError",
     "StepOrderError",
     "StorageError",
@@ -177,24 +179,46 @@ class DistributedCheckpointError(CheckpointError):
 
     Attributes:
         failures: one :class:`RankFailure` per failing rank, ordered by rank.
-        step: the step being saved, when known.
+        step: the step being saved (or loaded), when known.
+        operation: ``"save"`` or ``"load"``: what failed, which decides what the
+            message promises about the checkpoints on storage.
     """
 
     def __init__(
-        self, failures: list[RankFailure] | tuple[RankFailure, ...], *, step: int | None = None
+        self,
+        failures: list[RankFailure] | tuple[RankFailure, ...],
+        *,
+        step: int | None = None,
+        operation: str = "save",
     ):
         self.failures = tuple(sorted(failures, key=lambda f: f.rank))
         self.step = step
+        self.operation = operation
         what = f"checkpoint step {step}" if step is not None else "checkpoint operation"
-        lines = "; ".join(str(f) for f in self.failures)
-        super().__init__(
-            f"{what} failed on {len(self.failures)} rank(s): {lines}. "
-            "No partial checkpoint is visible; the previous checkpoints are intact."
-        )
+        # A rank's message may end a sentence already: never "..".
+        lines = "; ".join(str(f).rstrip().rstrip(".") for f in self.failures)
+        if operation == "load":
+            outcome = (
+                f"loading {what} failed on {len(self.failures)} rank(s): {lines}. Nothing "
+                "on storage was changed; the state being loaded into may be partly "
+                "overwritten, so load again (another step, or a state matching the "
+                "checkpoint) before training from it."
+            )
+        else:
+            outcome = (
+                f"{what} failed on {len(self.failures)} rank(s): {lines}. "
+                "No partial checkpoint is visible; the previous checkpoints are intact."
+            )
+        super().__init__(outcome)
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:
         return tuple(f.rank for f in self.failures)
+
+
+class SaveAbandonedError(CheckpointError):
+    """An in-flight async save was given up (manager closed or interpreter exiting
+    before it could finish); nothing of it was committed by this process."""
 
 
 class LockError(CheckpointError):

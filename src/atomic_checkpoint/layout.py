@@ -17,6 +17,19 @@ Layout under a checkpoint root::
 Steps are parsed with a strict regex: ``checkpoint-007`` and ``checkpoint-1.5`` are not
 ours, and ordering is always by the integer step, never by string or mtime
 (FAILURE_MODES B1, B2).
+
+The names above are the ones the protocol works with everywhere. One other layout keeps
+a framework's own convention on disk: Accelerate's automatic naming, where ROOT is the
+project directory (recorded in ``ROOT/.atomic-checkpoint/layout.json``)::
+
+    ROOT/                                   Accelerate's project_dir
+      checkpoints/checkpoint_<step>/        a committed checkpoint (name: checkpoint-<step>)
+      .pending/  .trash/  .atomic-checkpoint/
+
+Accelerate's ``save_state()``/``load_state()`` list ``checkpoints/`` and sort every
+entry by its digits, so nothing of ours but committed checkpoints may sit there.
+``storage.project.ProjectStorage`` maps the protocol's names to these; the naming here
+is pure, the same strict regex with ``_`` in place of ``-``.
 """
 
 from __future__ import annotations
@@ -33,6 +46,12 @@ CHECKPOINT_PREFIX = "checkpoint-"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})$")
 _PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})$")
 _REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.replaced$")
+
+#: The Accelerate layout: committed checkpoints are ``ROOT/checkpoints/checkpoint_<step>``.
+LAYOUT_FILE = f"{META_DIR}/layout.json"
+ACCELERATE_LAYOUT = "accelerate"
+ACCELERATE_DIR = "checkpoints"
+_ACCELERATE_RE = re.compile(r"^checkpoint_(0|[1-9][0-9]{0,18})$")
 
 
 def validate_step(step: object) -> int:
@@ -66,6 +85,18 @@ def checkpoint_name(step: int) -> str:
 def parse_checkpoint_name(name: str) -> int | None:
     """The step of a committed-checkpoint directory name, or None if the name is not ours."""
     m = _CHECKPOINT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def accelerate_name(step: int) -> str:
+    """``checkpoint_<step>``, the folder name of Accelerate's automatic naming."""
+    return f"checkpoint_{validate_step(step)}"
+
+
+def parse_accelerate_name(name: str) -> int | None:
+    """The step of an Accelerate-named folder (``checkpoint_<step>``), or None. As strict
+    as :func:`parse_checkpoint_name`: ``checkpoint_007`` is not a step."""
+    m = _ACCELERATE_RE.match(name)
     return int(m.group(1)) if m else None
 
 

@@ -60,7 +60,6 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -69,6 +68,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
 
+from ._process import HOST_ENV, current_host
+from ._process import pid_namespace as _pid_namespace
+from ._process import proc_stat as _proc_stat
+from ._process import read_text as _read_text
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -98,9 +101,6 @@ TOKEN_FILE = f"{META_DIR}/lock.token"
 _LEASE_PREFIX = "lock.lease-"
 _CLAIM_PREFIX = "lock.takeover-"
 
-#: Environment variable that overrides the host name recorded in and compared with the
-#: lock (all processes of a test machine share one host name; containers may too).
-HOST_ENV = "ATOMIC_CHECKPOINT_HOST"
 
 DEFAULT_LEASE_S = 60.0
 #: A takeover claim older than this belongs to a contender that died mid-takeover.
@@ -126,43 +126,8 @@ _READ_ATTEMPTS = 5
 _IS_WINDOWS = os.name == "nt"
 
 
-def current_host() -> str:
-    """The host name this process records in the lock (``$ATOMIC_CHECKPOINT_HOST``
-    overrides ``socket.gethostname()``)."""
-    return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
-
-
 def _fmt_time(unix: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
-
-
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            return f.read().strip()
-    except (OSError, ValueError):
-        return None
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of ``pid`` from /proc, or None."""
-    text = _read_text(f"/proc/{pid}/stat")
-    if not text or ")" not in text:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after the
-    # last ')'. Field 3 is the state, field 22 the start time.
-    fields = text.rsplit(")", 1)[1].split()
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
 
 
 @dataclass(frozen=True)

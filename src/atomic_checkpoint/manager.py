@@ -68,6 +68,7 @@ from .lock import DEFAULT_LEASE_S, RunLock
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest, check_metadata, check_metrics
 from .storage import open_storage
 from .storage.base import Storage
+from .storage.temps import abandoned_temps
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -184,6 +185,10 @@ class CheckpointManager:
         if self.rank == 0:
             _log_strategy_once(self.storage, self.commit_strategy, forced=strategy is not None)
         self._closed = False
+        # What discovery learned about ROOT (validated manifests and the tokens that
+        # prove them unchanged): the rotation after each save and checkpoints() read only
+        # what changed since, not every manifest again (catalog.ManifestCache).
+        self._manifests = catalog.ManifestCache()
         self._rotation: threading.Thread | None = None
         # Rotations start on the thread that commits (the async save's, for save_async)
         # and are joined on the training thread: the hand-over goes through this lock.
@@ -339,11 +344,15 @@ class CheckpointManager:
         if self.read_only:
             # An explicit run id needs no run file (which may be unreadable).
             recorded = None if run_id is not None else self._recorded_run_id()
-            manifests = catalog.committed(self.storage, run_id=run_id or recorded, warn=False)
+            # A reader only needs to know whether there is a valid checkpoint (resume
+            # modes): the newest one, not a read of every manifest in ROOT.
+            newest = catalog.newest(self.storage, run_id=run_id or recorded, warn=False)
             return {
                 "run_id": run_id or recorded or "",
                 "last_seq": 0,
-                "n_valid": len(manifests),
+                "n_valid": int(newest is not None),
+                "n_valid_counted": False,
+                "newest": None if newest is None else newest.step,
                 "n_corrupt": 0,
             }
         self.storage.makedirs(META_DIR)
@@ -378,7 +387,7 @@ class CheckpointManager:
             if torn is not None:
                 self._repair_run_file(run_id, torn)
             self._sweep()
-            entries = catalog.scan(self.storage, run_id=run_id)
+            entries = catalog.scan(self.storage, run_id=run_id, cache=self._manifests)
         except BaseException:
             self._release_lock()
             raise
@@ -501,6 +510,16 @@ class CheckpointManager:
                     log.warning(
                         "could not remove abandoned %s: %s", self.storage.url(f"{d}/{name}"), exc
                     )
+        # A process killed inside an atomic write (run record, lock, claim) left its
+        # temporary file: removed once its writer is provably gone (``storage.temps``).
+        for d in ("", META_DIR):
+            for rel, why in abandoned_temps(self.storage, d):
+                self._lock.check()
+                try:
+                    self.storage.delete_file(rel)
+                    log.info("removed temporary file %s: %s", self.storage.url(rel), why)
+                except CheckpointError as exc:
+                    log.warning("could not remove %s: %s", self.storage.url(rel), exc)
         if isinstance(self._strategy, MarkerStrategy):
             # Marker saves leave their remains in place (checkpoint-<step>/ holding an
             # in-progress marker and no manifest): only those directories are touched,
@@ -542,8 +561,13 @@ class CheckpointManager:
                 "over them. Repair or move them, or pass resume='never' with a new run_id"
             )
         if resume == "never" and setup["n_valid"] > 0:
+            found = (
+                f"{setup['n_valid']} checkpoint(s)"
+                if setup.get("n_valid_counted", True)
+                else f"checkpoints (the newest is step {setup['newest']})"
+            )
             raise ResumeError(
-                f"resume='never' but {self.root} already has {setup['n_valid']} checkpoint(s) of "
+                f"resume='never' but {self.root} already has {found} of "
                 f"run {self.run_id!r}; pass a new run_id to start a separate run there"
             )
 
@@ -684,6 +708,33 @@ class CheckpointManager:
     _snapshots: SnapshotPool | None = None
     _async_coord: Coordinator | None = None
 
+    def prepare_async(self, state: Any, *, replicated: bool = False) -> int:
+        """Allocate the host buffers of ``save_async`` for ``state`` now, resident, so
+        that the first ``save_async`` blocks training only for the copy, like every
+        later one (the first call otherwise also allocates and faults in memory of the
+        state's size, several times the copy on VMs).
+
+        Call it once before the training loop, with the state as it will be saved
+        (after the optimizer has created its state, e.g. after one step): a later state
+        that needs more bytes grows the buffers at that save. Local to this rank, not
+        collective; it waits for an async save in flight (and raises its failure, as
+        ``save_async`` would) before touching the buffers.
+
+        Returns:
+            The size of the buffers in bytes (0 on a rank that writes nothing, i.e.
+            every rank but the coordinator with ``replicated=True``).
+        """
+        from .serialization import plan_state
+
+        self._check_writable()
+        self._finish_async()
+        if replicated and not self.is_coordinator:
+            return 0
+        plan = plan_state(state, allow_pickle=self.allow_pickle)
+        if self._snapshots is None:
+            self._snapshots = SnapshotPool()
+        return self._snapshots.reserve(plan)
+
     def save_async(
         self,
         step: int,
@@ -739,7 +790,8 @@ class CheckpointManager:
             # key namespace is the same on every rank.
             self._async_coord = self.coordinator.clone()
             self._async = AsyncSaver()
-            self._snapshots = SnapshotPool()
+            if self._snapshots is None:  # else made by prepare_async()
+                self._snapshots = SnapshotPool()
             register_exit(self)
         saver, pool = self._async, self._snapshots
         if pool is None or self._async_coord is None:  # pragma: no cover - set together
@@ -878,6 +930,7 @@ class CheckpointManager:
             manifest.info(self.storage.url(checkpoint_name(manifest.step))), timings
         )
         self.last_saved = info
+        self._manifests.forget(checkpoint_name(manifest.step))
         if self._newest_step is None or manifest.step > self._newest_step:
             self._newest_step = manifest.step
         if self.is_coordinator and self.retention is not None:
@@ -961,7 +1014,10 @@ class CheckpointManager:
                     if step != newest:
                         self._delete_checkpoint(step)
                 return
-            manifests = catalog.committed(self.storage, run_id=self.run_id, warn=False)
+            # Only what changed since the last scan is read: the step just committed.
+            manifests = catalog.committed(
+                self.storage, run_id=self.run_id, warn=False, cache=self._manifests
+            )
             infos = [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
             if newest not in {i.step for i in infos}:
                 return  # our own commit is not visible: decide nothing on a stale view
@@ -977,6 +1033,7 @@ class CheckpointManager:
         fault_point("before_uncommit", self.rank, step)
         # Rename: into .trash/ by one rename. Marker: delete the manifest first.
         uncommitted = self._strategy.uncommit(self.storage, step)
+        self._manifests.forget(name)
         if uncommitted is None:
             return  # already gone: deletes tolerate ENOENT
         fault_point("after_uncommit", self.rank, step)
@@ -1003,6 +1060,12 @@ class CheckpointManager:
 
         Waits for this manager's own rotation first, so the answer never includes a
         checkpoint it is about to delete.
+
+        The first listing reads every manifest; later ones (and the rotation after each
+        save) read only the manifests that changed since: a ``stat`` of each manifest
+        (on an object store, one listing of ROOT) proves the others unchanged
+        (``catalog.ManifestCache``). Every listed file is still checked for presence
+        and size each time, as ``latest()`` checks them.
         """
         self._finish_rotation()
         views = self._collective_all(
@@ -1012,7 +1075,7 @@ class CheckpointManager:
         return [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
 
     def _list_coordinator(self) -> list[Manifest]:
-        return catalog.committed(self.storage, run_id=self.run_id or None)
+        return catalog.committed(self.storage, run_id=self.run_id or None, cache=self._manifests)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest valid checkpoint of this run, or None. Collective: every rank gets
@@ -1024,9 +1087,42 @@ class CheckpointManager:
         (that is a full read of every file); ``restore()`` without a step checks them
         while it loads, and falls back to an older checkpoint on every rank if the
         newest one fails (see ``restore``).
+
+        Only the newest candidates are read: one listing of ROOT, then manifests newest
+        first until one validates (normally one; each corrupt or other run's checkpoint
+        above it costs one more, and a corrupt one is skipped with a warning), so the
+        answer costs the same with 10 or 10,000 checkpoints. With several storage
+        domains a step counts only once every domain has it, which takes every
+        domain's full list (``checkpoints()``).
         """
-        found = self.checkpoints()
-        return found[-1] if found else None
+        self._finish_rotation()
+        if self.domain.count > 1:
+            found = self.checkpoints()
+            return found[-1] if found else None
+        manifest = self._collective(
+            "latest", self._latest_coordinator if self.is_coordinator else None
+        )
+        if manifest is None:
+            return None
+        return manifest.info(self.storage.url(checkpoint_name(manifest.step)))
+
+    def _latest_coordinator(self, skip: frozenset[int] = frozenset()) -> Manifest | None:
+        return catalog.newest(self.storage, run_id=self.run_id or None, skip=skip)
+
+    def _newest_untried(self, tried: set[int]) -> int | None:
+        """``restore()``'s next candidate: the newest valid checkpoint not in ``tried``
+        (the same set on every rank), found as ``latest()`` finds its answer, newest
+        first, not by listing every checkpoint. Collective."""
+        self._finish_rotation()
+        if self.domain.count > 1:
+            found = [c.step for c in self.checkpoints() if c.step not in tried]
+            return found[-1] if found else None
+        manifest = self._collective(
+            "restore: next candidate",
+            self._latest_coordinator if self.is_coordinator else None,
+            skip=frozenset(tried),
+        )
+        return None if manifest is None else manifest.step
 
     def restore(
         self,
@@ -1090,9 +1186,10 @@ class CheckpointManager:
             return self._restore_agreed(validate_step(step), load)
         skipped: list[str] = []
         tried: set[int] = set()
+        vanished: dict[int, int] = {}
         while True:
-            candidates = [c for c in self.checkpoints() if c.step not in tried]
-            if not candidates:
+            newest = self._newest_untried(tried)
+            if newest is None:
                 if skipped:
                     raise CorruptCheckpointError(
                         f"no checkpoint of run {self.run_id!r} in {self.root} verifies: "
@@ -1103,12 +1200,18 @@ class CheckpointManager:
                 raise CheckpointNotFoundError(
                     f"no valid checkpoint of run {self.run_id!r} in {self.root}"
                 )
-            newest = candidates[-1].step
             tried.add(newest)
             try:
                 state = self._restore_agreed(newest, load)
             except CheckpointNotFoundError:
-                continue  # un-committed meanwhile (retention, rollback): list again
+                # Un-committed meanwhile (retention, rollback: list again, it is gone),
+                # or replaced by an overwrite of the same step whose old copy's files
+                # went while they were read: the step is listed again, with its new
+                # copy, a bounded number of times (found by the lifecycle model test).
+                vanished[newest] = vanished.get(newest, 0) + 1
+                if vanished[newest] <= catalog.READ_ATTEMPTS:
+                    tried.discard(newest)
+                continue
             except UnsafeCheckpointError:
                 raise  # a refusal (pickle) that an older checkpoint would repeat
             except CorruptCheckpointError as exc:
@@ -1190,9 +1293,11 @@ class CheckpointManager:
 
         rel = checkpoint_name(manifest.step)
         if manifest.state_kind == "files":
+            how = "adopted from a framework's files" if manifest.adopted else "saved with saving()"
             raise CheckpointError(
-                f"checkpoint step {manifest.step} was written with saving(): read its files "
-                f"from {self.storage.url(rel)} (checkpoint_path(step))"
+                f"checkpoint step {manifest.step} was {how}: read its files "
+                f"from {self.storage.url(rel)} (checkpoint_path(step); verify(step) checks "
+                "them first)"
             )
         if manifest.state_kind == "replicated":
             file_rel = REPLICATED_STATE_FILE
@@ -1218,33 +1323,36 @@ class CheckpointManager:
         catalog.check_inside(self.storage, rel, file_rel)
         path = f"{rel}/{file_rel}"
         pickle_ok = self.allow_pickle if allow_pickle is None else allow_pickle
+        # Every byte is hashed (by this thread, as positioned reads from a local file
+        # come in; in line with sequential reads elsewhere) before load_state returns,
+        # and the state is handed out only if the checksum matches.
+        digest = Hasher(manifest.checksum_algorithm) if verify else None
+        # Where saves write with O_DIRECT, loads read what is not cached with it too.
+        direct = bool(getattr(self.storage, "direct_io_enabled", lambda: False)())
         with self.storage.open_read(path) as raw:
-            reader = (
-                _HashingReader(
-                    raw, Hasher(manifest.checksum_algorithm), size_bytes=entry.size_bytes
-                )
-                if verify
-                else raw
-            )
             try:
                 state = load_state(
-                    reader,
+                    raw,
                     allow_pickle=pickle_ok,
                     into=into,
                     device=device,
                     size_bytes=entry.size_bytes,
+                    digest=digest,
+                    direct=direct,
                 )
             except BaseException as exc:
-                if isinstance(reader, _HashingReader):
-                    with contextlib.suppress(BaseException):
-                        reader.close()
                 where = self.storage.url(path)
                 if isinstance(exc, CorruptCheckpointError) and where not in str(exc):
                     # Say which file is bad: a job has one per rank.
                     raise type(exc)(f"{where}: {exc}") from exc
                 raise
-        if verify and isinstance(reader, _HashingReader):
-            reader.check(entry, self.storage.url(path), self.storage)
+        if digest is not None:
+            got = digest.hexdigest()
+            if got != entry.checksum:
+                raise CorruptCheckpointError(
+                    f"{self.storage.url(path)}: checksum {got} does not match the manifest "
+                    f"({entry.checksum}): the file is corrupt"
+                )
         return state
 
     def _resolve_coordinator(self, step: int) -> Manifest | CheckpointError:
@@ -1524,7 +1632,9 @@ def _agreed_restore_error(
     if len(failures) == world and len(types) == 1 and mine is not None:
         return mine  # every rank failed alike: its own error (same type everywhere)
     return DistributedCheckpointError(
-        [RankFailure(f.rank, f"restore step {step}", f.error_type, f.message) for f, _ in failures]
+        [RankFailure(f.rank, f"restore step {step}", f.error_type, f.message) for f, _ in failures],
+        step=step,
+        operation="load",
     )
 
 
@@ -1596,19 +1706,17 @@ def _fsync_file(path: str, reader: Any) -> None:
 
 # Below this size hashing runs inline: a helper thread costs more than it saves.
 _PIPELINE_MIN_BYTES = 16 << 20
-# Reads are split into pieces of this size so hashing one piece overlaps reading the next.
-_READ_PIECE_BYTES = 8 << 20
 
 
 class _HashPipe:
     """Feeds a ``Hasher`` from a helper thread, so the checksum of one chunk is computed
-    while the next chunk is written or read.
+    while the next chunk is written (loads hash as their reads come in, in
+    ``serialization._read_pieces``).
 
-    xxhash and ``os.write``/``os.readinto`` release the GIL, so with two cores the
-    checksum costs no wall time (in line, it adds ~6 % to a disk-speed write: xxh3
-    runs at ~17 GB/s here). Chunks are hashed in the order they are fed; a fed chunk
-    must stay unchanged until ``close`` (the chunks of a plan and the destination
-    tensors of a load do).
+    xxhash and ``os.write`` release the GIL, so with two cores the checksum costs no
+    wall time (in line, it adds ~6 % to a disk-speed write: xxh3 runs at ~17 GB/s
+    here). Chunks are hashed in the order they are fed; a fed chunk must stay unchanged
+    until ``close`` (the chunks of a plan do).
     """
 
     _DEPTH = 4  # chunks queued ahead of the hasher (references, not copies)
@@ -1914,86 +2022,6 @@ def _write_image(
             w.abort()
         raise
     return RankReport((FileEntry(rel, total, digest, rank),), t_write, time.perf_counter() - t)
-
-
-class _HashingReader:
-    """Hashes bytes as ``load_state`` reads them, so verification costs no second pass.
-
-    If the reader is used out of order (seek backwards), hashing falls back to a
-    separate sequential pass in ``check``.
-    """
-
-    def __init__(self, raw: Any, hasher: Hasher, *, size_bytes: int = 0):
-        self._raw = raw
-        self._h = _HashPipe(hasher, background=size_bytes >= _PIPELINE_MIN_BYTES)
-        self._pos = 0
-        self._hashed = 0
-        self._sequential = True
-
-    def readinto(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        if self._pos != self._hashed:
-            self._sequential = False
-            n = self._raw.readinto(view) or 0
-            self._pos += n
-            return n
-        # Read in pieces, so the helper hashes one piece while the next is read into
-        # its final memory (the destination tensor).
-        done = 0
-        while done < view.nbytes:
-            piece = view[done : done + _READ_PIECE_BYTES]
-            n = self._raw.readinto(piece) or 0
-            if n:
-                self._h.update(piece[:n])
-                done += n
-            if n < piece.nbytes:  # end of file or a short read: report what we have
-                break
-        self._hashed += done
-        self._pos += done
-        return done
-
-    def close(self) -> None:
-        """Stop the hashing helper (after a failed load; ``check`` does it otherwise)."""
-        self._h.close()
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._raw.read(n)
-        if data:
-            if self._pos == self._hashed:
-                self._h.update(data)
-                self._hashed += len(data)
-            else:
-                self._sequential = False
-            self._pos += len(data)
-        return bytes(data or b"")
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = self._raw.seek(pos, whence)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def check(self, entry: FileEntry, where: str, storage: Storage) -> None:
-        if not self._sequential or self._hashed != entry.size_bytes:
-            # Read the rest (or all) sequentially to finish the checksum.
-            self._h.close()
-            h = Hasher(self._h.hasher.algorithm)
-            with storage.open_read(
-                where
-                if storage.local_path("") is None
-                else os.path.relpath(where, storage.local_path("") or "")
-            ) as f:
-                while chunk := f.read(8 << 20):
-                    h.update(chunk)
-            digest = h.hexdigest()
-        else:
-            digest = self._h.hexdigest()
-        if digest != entry.checksum:
-            raise CorruptCheckpointError(
-                f"{where}: checksum {digest} does not match the manifest ({entry.checksum}): "
-                "the file is corrupt"
-            )
 
 
 def _with_timings(info: CheckpointInfo, timings: dict[str, float]) -> CheckpointInfo:

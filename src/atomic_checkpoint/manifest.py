@@ -103,6 +103,8 @@ class CheckpointInfo:
         commit_seq: monotonically increasing commit number within ROOT.
         timings_s: per-phase durations of the save that produced it (only on the
             ``CheckpointInfo`` returned by ``save``): write, fsync, gather, commit, rotation.
+        adopted: written by a framework and recorded afterwards by ``adopt()``: its
+            checksums were taken at adoption, not while the files were written.
     """
 
     step: int
@@ -114,6 +116,7 @@ class CheckpointInfo:
     commit_seq: int = 0
     metadata: Mapping[str, Any] = field(default_factory=dict)
     timings_s: Mapping[str, float] = field(default_factory=dict)
+    adopted: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,9 @@ class Manifest:
     # domains must commit the step before it counts (see domains.py).
     domain_ranks: tuple[int, ...] | None = None
     domain_count: int = 1
+    # Recorded by ``adopt()`` over files a framework wrote (checksums taken then). Written
+    # only when true, as a key older readers ignore: schema version 1 still reads it.
+    adopted: bool = False
 
     @property
     def size_bytes(self) -> int:
@@ -165,6 +171,8 @@ class Manifest:
         }
         if self.domain_count > 1:
             doc["domain"] = {"ranks": list(self.domain_ranks or ()), "count": self.domain_count}
+        if self.adopted:
+            doc["adopted"] = True
         return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
 
     @classmethod
@@ -245,6 +253,9 @@ class Manifest:
                 ):
                     raise CorruptCheckpointError(f"{where}: invalid storage-domain record")
                 domain_ranks = tuple(ranks)
+            adopted = doc.get("adopted", False)
+            if not isinstance(adopted, bool):
+                raise CorruptCheckpointError(f"{where}: manifest field 'adopted' is not a bool")
             kind = _get(doc, "state_kind", str, where)
             if kind not in ("per_rank", "replicated", "files"):
                 raise CorruptCheckpointError(f"{where}: unknown state_kind {kind!r:.80}")
@@ -277,6 +288,7 @@ class Manifest:
                 library_version=str(doc.get("library_version", "")),
                 domain_ranks=domain_ranks,
                 domain_count=domain_count,
+                adopted=adopted,
             )
         except (TypeError, ValueError, OverflowError, RecursionError) as exc:
             # A check above that does not cover some hostile shape: still "corrupt",
@@ -293,6 +305,7 @@ class Manifest:
             run_id=self.run_id,
             commit_seq=self.commit_seq,
             metadata=dict(self.metadata),
+            adopted=self.adopted,
         )
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,6 +36,12 @@ def test_reader_polling_during_50_saves_sees_no_torn_checkpoint(tmp_path):
         env={**os.environ, "PYTHONPATH": REPO},
     )
     try:
+        ready = tmp_path / "reader.json.ready"
+        for _ in range(1200):  # bounded: 120 s for the reader's imports and start
+            if ready.exists() or reader.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert ready.exists(), "the reader process did not start"
         results = run_ranks(
             workers.w_save_steps,
             4,

@@ -103,11 +103,11 @@ def test_torchrun_job_saves_rotates_and_resumes_identically(tmp_path: Path) -> N
     for rank in (0, 1):
         r = _load(tmp_path / f"result-{rank}.json")
         assert r["saved_a"] == [0, 1, 2, 3]  # step = Accelerate's save iteration
-        assert _checkpoints(r["listing_a"]) == ["checkpoint-2", "checkpoint-3"]
+        assert _checkpoints(r["listing_a"]) == ["checkpoint_2", "checkpoint_3"]
         assert r["loaded_step"] == 3
         assert r["iteration_after_load"] == 4  # the next save does not collide
         assert r["saved_b"] == [4, 5]
-        assert _checkpoints(r["listing_b"]) == ["checkpoint-4", "checkpoint-5"]
+        assert _checkpoints(r["listing_b"]) == ["checkpoint_4", "checkpoint_5"]
         # model, optimizer, scheduler and RNG after load_state == right after the save
         assert r["restored_vs_saved"] == []
         assert r["losses_b"] == r["losses_c"] and len(r["losses_b"]) == 4
@@ -151,7 +151,7 @@ def test_sigkill_mid_save_stock_loses_everything_atomic_resumes_exactly(tmp_path
     assert r["atomic_on_empty"].startswith("CheckpointNotFoundError")
     assert r["atomic_on_empty_missing_ok"] == "returned None"
     # Atomic: the previous checkpoint is intact and is what load_state() restores.
-    assert _checkpoints(r["atomic_listing"]) == ["checkpoint-1"]
+    assert _checkpoints(r["atomic_listing"]) == ["checkpoint_1"]
     assert r["atomic_loaded_step"] == 1
     assert r["restored_vs_reference"] == []
     assert r["losses_resumed"] == r["losses_reference"] and len(r["losses_resumed"]) == 4
@@ -165,8 +165,8 @@ def test_example_runs_and_says_what_happened(tmp_path: Path) -> None:
         tmp_path,
         "examples/accelerate_save_state.py",
     )
-    assert "committed: ['checkpoint-2', 'checkpoint-3']" in stdout
-    assert "load_state() restored checkpoint-3" in stdout
-    assert "the next save_state() is checkpoint-4" in stdout
-    assert "['checkpoint-4', 'checkpoint-5']" in stdout
-    assert (project / "checkpoints" / "checkpoint-5" / "checkpoint.manifest.json").is_file()
+    assert "committed: ['checkpoint_2', 'checkpoint_3']" in stdout
+    assert "load_state() restored checkpoint_3" in stdout
+    assert "the next save_state() is checkpoint_4" in stdout
+    assert "['checkpoint_4', 'checkpoint_5']" in stdout
+    assert (project / "checkpoints" / "checkpoint_5" / "checkpoint.manifest.json").is_file()

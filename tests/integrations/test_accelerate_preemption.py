@@ -32,5 +32,5 @@ def test_sigterm_saves_the_current_step_stops_and_exits_with_the_requeue_code(tm
     reader = CheckpointManager(root, read_only=True)
     assert [c.step for c in reader.checkpoints()] == [3, 5]
     reader.verify(5)
-    assert any(p.name.startswith("model") for p in (root / "checkpoint-5").iterdir())
+    assert any(p.name.startswith("model") for p in (root / "checkpoint_5").iterdir())
     assert "every rank saves step 5 now" in out

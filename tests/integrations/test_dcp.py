@@ -4,6 +4,7 @@ real SIGKILLs (tests/dist/launcher.run_ranks forks real processes)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,14 +20,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from atomic_checkpoint import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointManager,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     DistributedCheckpointError,
     KeepLast,
+    RankFailure,
     ResumeError,
 )
 from atomic_checkpoint._faults import ENV as FAULTS_ENV
-from atomic_checkpoint.integrations.dcp import DCP_METADATA_KEY, load_dcp, save_dcp
+from atomic_checkpoint.integrations.dcp import (
+    DCP_METADATA_KEY,
+    async_save_dcp,
+    load,
+    load_dcp,
+    save,
+    save_dcp,
+)
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
 from tests.dist.launcher import run_ranks
 
@@ -89,6 +100,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
         "is_exception": isinstance(exc, Exception),
         "is_checkpoint_error": isinstance(exc, CheckpointError),
         "failed_ranks": list(getattr(exc, "failed_ranks", ())),
+        "missing_ranks": list(getattr(exc, "missing_ranks", ())),
         "message": str(exc),
         "cause": type(exc.__cause__).__name__ if exc.__cause__ is not None else None,
     }
@@ -248,7 +260,7 @@ def test_coordinator_killed_after_dcp_finished_leaves_nothing_discoverable(tmp_p
     assert results[1].ok, results[1].error_text
     err = results[1].value["err"]
     assert err is not None and err["type"] == "CoordinationTimeoutError", err
-    assert "[0]" in err["message"]
+    assert err["missing_ranks"] == [0], err  # the coordinator that died is named
     reader = CheckpointManager(root, read_only=True)
     assert reader.latest().step == 10
     (pending,) = [p for p in os.listdir(os.path.join(root, PENDING_DIR)) if "checkpoint-20" in p]
@@ -355,3 +367,250 @@ def test_example_dcp_sharded_runs(tmp_path):
     assert "4 ranks saved steps [100, 200, 300]" in out, out
     assert "2 ranks loaded step 300" in out, out
     assert "identical to what was saved: True" in out, out
+
+
+# ---------------------------------------------------------------------- async and path-style
+def _bump(sd: dict[str, Any]) -> None:
+    """What training does right after an async save returns: update in place."""
+    with torch.no_grad():
+        for part in ("model", "optim"):
+            stack = [sd[part]]
+            while stack:
+                node = stack.pop()
+                for v in node.values():
+                    if isinstance(v, dict):
+                        stack.append(v)
+                    elif hasattr(v, "to_local"):  # a DTensor: this rank's shard
+                        v.to_local().add_(1000)
+                    elif isinstance(v, torch.Tensor):
+                        v.add_(1000)
+
+
+def w_async_and_path(rank: int, world: int, root: str, paths: str) -> dict[str, Any]:
+    """Path-style: step 7 fails inside DCP on rank 1, step 8 commits. Async: steps 10 and
+    20 commit while training updates the state and runs its own collectives; step 30
+    fails inside DCP on rank 1; step 40 loses rank 2 to SIGKILL in the middle of it."""
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {}
+    try:
+        save(_sharded(world, 7), checkpoint_id=os.path.join(paths, "step-7"), step=7)
+        out["err7"] = None
+    except BaseException as exc:
+        out["err7"] = _error(exc)
+    out["path8"] = save(
+        _sharded(world, 8), checkpoint_id=os.path.join(paths, "step-8"), step=8
+    ).path
+    try:
+        save(_sharded(world, 8), checkpoint_id=os.path.join(paths, "step-8"))
+        out["err8_again"] = None
+    except BaseException as exc:
+        out["err8_again"] = _error(exc)
+    back = _sharded(world, None)
+    out["load8"] = load(back, checkpoint_id=os.path.join(paths, "step-8")).step
+    out["load8_ok"] = _matches(back, 8)
+
+    mgr = CheckpointManager(root, retention=KeepLast(2), timeout_s=4)
+    infos = []
+    for s in (10, 20):
+        sd = _sharded(world, s)
+        handle = async_save_dcp(mgr, s, sd, metrics={"loss": 1.0 / s})
+        # Training goes on: in-place updates (the snapshot must not see them) and the
+        # training's own collectives on the default group, while the save runs.
+        _bump(sd)
+        for _ in range(20):
+            t = torch.ones(4)
+            dist.all_reduce(t)
+            if not torch.equal(t, torch.full((4,), float(world))):
+                raise AssertionError(f"the training's all_reduce got {t}")
+        infos.append(handle.result(timeout=60))
+        out[f"wait{s}"] = mgr.wait() is not None  # the same save: committed
+    out["infos"] = [(i.step, i.path, i.commit_seq) for i in infos]
+    for s in (10, 20):  # what was staged, not the updates made during the write
+        back = _sharded(world, None)
+        out[f"load{s}"] = load_dcp(mgr, back, step=s).step  # type: ignore[union-attr]
+        out[f"ok{s}"] = _matches(back, s)
+    handle = async_save_dcp(mgr, 30, _sharded(world, 30))
+    try:
+        handle.result(timeout=60)
+        out["result30"] = None
+    except BaseException as exc:
+        out["result30"] = _error(exc)
+    try:
+        mgr.wait()
+        out["err30"] = None
+    except BaseException as exc:
+        out["err30"] = _error(exc)
+    out["wait30_again"] = mgr.wait()  # raised once only
+    out["steps_after_30"] = [i.step for i in mgr.checkpoints()]
+    t0 = time.monotonic()
+    async_save_dcp(mgr, 40, _sharded(world, 40))
+    try:
+        mgr.wait()
+        out["err40"] = None
+    except BaseException as exc:
+        out["err40"] = _error(exc)
+    out["err40_s"] = time.monotonic() - t0
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+def test_async_and_path_style_saves_commit_atomically_and_fail_on_every_rank(tmp_path):
+    root, paths = str(tmp_path / "ckpt"), str(tmp_path / "paths")
+    faults = {FAULTS_ENV: "mid_write@1=raise:7,mid_write@1=raise:30,mid_write@2=kill:40"}
+    saved = run_ranks(
+        w_async_and_path,
+        3,
+        root,
+        paths,
+        tmp_dir=str(tmp_path),
+        env=faults,
+        pg_timeout_s=3,
+        timeout_s=150,
+    )
+    assert saved[2].killed, saved[2].error_text
+    for r in (saved[0], saved[1]):
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    values = [saved[r].value for r in (0, 1)]
+
+    # Path-style: a DCP failure on rank 1 reached every rank, same error, nothing at
+    # PATH; the next save committed; a second save onto it is refused on every rank.
+    for v in values:
+        e = v["err7"]
+        # DCP itself shares rank 1's failure with every rank (as for save_dcp).
+        assert e["type"] == "DistributedCheckpointError" and 1 in e["failed_ranks"], e
+        assert "injected fault at mid_write on rank 1" in e["message"]
+        assert v["path8"] == os.path.join(paths, "step-8")
+        assert v["err8_again"]["type"] == "CheckpointExistsError", v["err8_again"]
+        assert v["load8"] == 8 and v["load8_ok"]
+    assert len({v["err7"]["message"] for v in values}) == 1
+    assert sorted(os.listdir(paths)) == ["step-8"]  # no step-7, no pending left
+    assert MANIFEST_NAME in os.listdir(os.path.join(paths, "step-8"))
+
+    # Async: identical results on every rank; each step holds the state as it was when
+    # async_save_dcp returned, not the updates made while it was written (loaded back
+    # by the same job).
+    assert all(v["infos"] == values[0]["infos"] for v in values)
+    assert [i[0] for i in values[0]["infos"]] == [10, 20]
+    assert all(v["wait10"] and v["wait20"] for v in values)
+    for v in values:
+        assert (v["load10"], v["load20"]) == (10, 20) and v["ok10"] and v["ok20"], v
+    # Step 30: DCP failed on rank 1; the handle and then mgr.wait() (once) raised the
+    # same DistributedCheckpointError on every rank, with rank 1's error and DCP's.
+    for v in values:
+        for key in ("result30", "err30"):
+            e = v[key]
+            assert e["type"] == "DistributedCheckpointError" and 1 in e["failed_ranks"], e
+            assert "'dcp_write'" in e["message"], e
+            assert "injected fault at mid_write on rank 1" in e["message"], e
+            assert "CheckpointException" in e["message"]
+        assert v["wait30_again"] is None
+        assert v["steps_after_30"] == [10, 20]
+    assert len({v["err30"]["message"] for v in values}) == 1
+    # Step 40: rank 2 was SIGKILLed mid-write; every survivor's wait() raised a
+    # CheckpointError naming it, bounded by the timeouts (3 s group + 4 s exchange).
+    for v in values:
+        e = v["err40"]
+        assert e is not None and e["is_checkpoint_error"] and e["is_exception"], e
+        assert 2 in e["failed_ranks"] + e["missing_ranks"] or "[2]" in e["message"], e
+        assert v["err40_s"] < 30, v["err40_s"]
+
+    # Nothing of 30 or 40 is discoverable; the pending directories were discarded.
+    reader = CheckpointManager(root, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [10, 20]
+    assert os.listdir(os.path.join(root, PENDING_DIR)) == []
+    for step in (10, 20):
+        reader.verify(step)
+        manifest = json.loads(Path(root, f"checkpoint-{step}", MANIFEST_NAME).read_text())
+        assert DCP_METADATA_KEY in manifest["metadata"]
+
+
+@pytest.mark.timeout(60)
+def test_single_process_async_and_path_style(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, timeout_s=10)
+    sd = _plain(3)
+    handle = async_save_dcp(mgr, 3, sd, metrics={"loss": 0.5})
+    sd["model"]["w"].add_(1000)  # after the call: not in the checkpoint
+    info = handle.result(timeout=30)
+    assert mgr.wait() == info and info.step == 3 and info.metrics == {"loss": 0.5}
+    target = {
+        "model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()},
+        "step": 0,
+    }
+    assert load_dcp(mgr, target).step == 3
+    assert torch.equal(target["model"]["w"], _full(3)["w"]) and target["step"] == 3
+
+    # A DCP failure in the background: an Exception on handle.result() and once on the
+    # next call of the manager, naming rank 0 and DCP's error; nothing left behind.
+    monkeypatch.setenv(FAULTS_ENV, "mid_write@0=raise:4")
+    handle = async_save_dcp(mgr, 4, _plain(4))
+    with pytest.raises(DistributedCheckpointError) as err:
+        handle.result(timeout=30)
+    assert err.value.failed_ranks == (0,) and "injected fault" in str(err.value)
+    assert isinstance(err.value.__cause__, CheckpointException)
+    with pytest.raises(DistributedCheckpointError):
+        async_save_dcp(mgr, 5, _plain(5))  # the next save raises it, once
+    monkeypatch.delenv(FAULTS_ENV)
+    assert mgr.wait() is None
+    assert [c.step for c in mgr.checkpoints()] == [3]
+    assert os.listdir(root / PENDING_DIR) == []
+    assert async_save_dcp(mgr, 5, _plain(5)).result(timeout=30).step == 5
+
+    # A failed load says it was a load: not the save's "No partial checkpoint is
+    # visible", and no doubled full stop.
+    with pytest.raises(DistributedCheckpointError) as err:
+        load_dcp(mgr, {"model": {"w": torch.zeros(3, 3), "emb": torch.zeros(5, 8)}, "step": 0})
+    message = str(err.value)
+    assert message.startswith("loading checkpoint step 5 failed on 1 rank(s)"), message
+    assert "No partial checkpoint" not in message and ".." not in message
+    assert err.value.operation == "load"
+    # A rank's message that ends a sentence is not followed by a second full stop.
+    ends = DistributedCheckpointError([RankFailure(1, "dcp_read", "E", "Bad shard.")], step=5)
+    assert "Bad shard. No partial" in str(ends) and ".." not in str(ends), str(ends)
+
+    # A background failure not raised yet: close() raises it, and releases the run
+    # lock all the same (the next manager of ROOT does not have to take it over).
+    monkeypatch.setenv(FAULTS_ENV, "mid_write@0=raise:6")
+    async_save_dcp(mgr, 6, _plain(6))
+    with pytest.raises(DistributedCheckpointError, match="injected fault"):
+        mgr.close()
+    monkeypatch.delenv(FAULTS_ENV)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        CheckpointManager(root, timeout_s=10).close()
+    assert "took over the run lock" not in caplog.text
+
+    # Path-style, one process.
+    path = tmp_path / "plain" / "step-9"
+    assert save(_plain(9), checkpoint_id=path, step=9).path == str(path)
+    back = {"model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()}}
+    back["step"] = 0
+    assert load(back, checkpoint_id=str(path)).step == 9
+    assert torch.equal(back["model"]["w"], _full(9)["w"]) and back["step"] == 9
+    with pytest.raises(CheckpointExistsError):
+        save(_plain(9), checkpoint_id=path)
+    with pytest.raises(CheckpointNotFoundError):
+        load(back, checkpoint_id=tmp_path / "plain" / "nothing")
+    # Torn: a truncated shard is refused before DCP reads anything.
+    shard = path / "__0_0.distcp"
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-7])
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp"):
+        load(back, checkpoint_id=path)
+    shard.write_bytes(good)
+    # A stock dcp.save directory (DCP calls it complete) has no manifest: refused.
+    stock = tmp_path / "plain" / "stock"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_plain(1), checkpoint_id=str(stock))
+    with pytest.raises(CorruptCheckpointError, match=r"no checkpoint\.manifest\.json"):
+        load(back, checkpoint_id=stock)
+    # A failure after the manifest, before the rename: PATH stays absent, and the
+    # pending directory is discarded.
+    monkeypatch.setenv(FAULTS_ENV, "after_manifest@0=raise:10")
+    with pytest.raises(DistributedCheckpointError, match="'commit'"):
+        save(_plain(10), checkpoint_id=tmp_path / "plain" / "step-10", step=10)
+    monkeypatch.delenv(FAULTS_ENV)
+    assert sorted(os.listdir(tmp_path / "plain")) == ["step-9", "stock"]

@@ -155,6 +155,51 @@ def _require_strace() -> None:
 
 
 # ---------------------------------------------------------------------- multi-process
+def _kill_stock_run_while_last_ckpt_is_truncated(
+    tmp_path: Path, stage: SmallDisk, ckpt: Path, ref: Path
+) -> str:
+    """Run the stock plugin with $TMPDIR on another filesystem (``stage``) for 8 steps;
+    SIGKILL it while its copy into ``last.ckpt`` at step 6 has truncated that file.
+
+    strace delays the return of the third ``openat`` of ``CKPT/last.ckpt`` (``-P``
+    counts only the calls on that path): each save opens it exactly once, for the
+    copy's ``open(dst, "wb")``, so the third is step 6's copy, held after the truncate
+    and before any byte is written. The kill waits for that state (step 6's own file,
+    copied first, exists and last.ckpt is empty), which lasts as long as strace holds
+    it; the saves of steps 2 to 6 take milliseconds, so no poll has to catch anything
+    in between. Returns the job's log."""
+    _require_strace()
+    assert os.stat(stage.path).st_dev != os.stat(tmp_path).st_dev
+    trace = tmp_path / "strace.log"
+    argv = [
+        "strace", "-qq", "-f", "-o", str(trace), "-P", str(ckpt / "last.ckpt"),
+        "-e", "trace=openat", "-e", "inject=openat:delay_exit=120000000:when=3",
+        sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref),
+        "--io", "stock", "--devices", "1", "--max-steps", "8",
+    ]  # fmt: skip
+
+    def held_at_step_6() -> bool:
+        try:
+            size = os.path.getsize(ckpt / "last.ckpt")
+        except FileNotFoundError:
+            return False
+        return size == 0 and (ckpt / "epoch=0-step=6.ckpt").exists()
+
+    _rc, log = _run_until_killed(
+        tmp_path, argv, kill_when=held_at_step_6, env={"TMPDIR": str(stage.path)}
+    )
+    assert held_at_step_6(), log
+    # Steps 2 and 4 had written last.ckpt whole; the third open, step 6's, truncated
+    # it and was held there (strace logs it "(DELAYED)"): the only "last" is gone.
+    opens = [line for line in trace.read_text().splitlines() if "last.ckpt" in line]
+    assert len(opens) == 3 and all("O_TRUNC" in line for line in opens), opens
+    assert [("(DELAYED)" in line) for line in opens] == [False, False, True], opens
+    assert (ckpt / "last.ckpt").stat().st_size == 0
+    # Step 6's own file was copied before last.ckpt: complete, like step 4's.
+    assert {"epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"} <= set(os.listdir(ckpt))
+    return log
+
+
 @pytest.mark.dist
 @pytest.mark.faults
 @pytest.mark.slow
@@ -162,44 +207,38 @@ def _require_strace() -> None:
 def test_stock_checkpoint_io_tears_last_ckpt_when_killed_and_resume_trips(tmp_path, tmpfs):
     """Stock TorchCheckpointIO stages in $TMPDIR. On another filesystem than the
     checkpoint directory (HPC: node-local /tmp, checkpoints on Lustre) its "rename"
-    becomes an in-place copy that truncates the previous last.ckpt first."""
-    _require_strace()
-    stage = tmpfs(64)
+    becomes an in-place copy that truncates the previous last.ckpt first: killed then,
+    a stock resume from "last" trips. The same run continued with AtomicCheckpointIO
+    and ``latest_checkpoint(dir, adopt=True)`` adopts the complete stock files (not the
+    torn last.ckpt) and resumes from the newest complete one, step 6, with exactly the
+    state saved there."""
     ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
-    assert os.stat(stage.path).st_dev != os.stat(tmp_path).st_dev
-    # Saves at steps 2, 4, 6 copy two files each (top-k file, then last.ckpt), with two
-    # sendfile calls per copy: call 11 is the copy into last.ckpt at step 6. strace
-    # holds it there, after the copy opened (and truncated) last.ckpt.
-    argv = [
-        "strace", "-qq", "-o", os.devnull, "-e", "trace=sendfile",
-        "-e", "inject=sendfile:delay_enter=120000000:when=11",
-        sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref),
-        "--io", "stock", "--devices", "1", "--max-steps", "8",
-    ]  # fmt: skip
-    seen = {"complete": False}
-
-    def last_truncated() -> bool:
-        try:
-            size = os.path.getsize(ckpt / "last.ckpt")
-        except FileNotFoundError:
-            return False
-        if size > 0:
-            seen["complete"] = True
-        return seen["complete"] and size == 0
-
-    _rc, log = _run_until_killed(
-        tmp_path, argv, kill_when=last_truncated, env={"TMPDIR": str(stage.path)}
-    )
-    assert seen["complete"], log
-    assert (ckpt / "last.ckpt").stat().st_size == 0  # the only "last" is gone
-    assert {"epoch=0-step=4.ckpt", "epoch=0-step=6.ckpt"} <= set(os.listdir(ckpt))
+    _kill_stock_run_while_last_ckpt_is_truncated(tmp_path, tmpfs(64), ckpt, ref)
     # Stock resume from "last" loads the torn file and fails.
-    resumed = _run_script(
+    stock = _run_script(
         tmp_path, "--dir", str(ckpt), "--ref", str(tmp_path / "ref2"), "--io", "stock",
         "--max-steps", "10", "--resume", "last",
     )  # fmt: skip
-    assert resumed.returncode != 0
-    assert "EOFError" in resumed.stderr or "zip archive" in resumed.stderr, resumed.stderr[-2000:]
+    assert stock.returncode != 0
+    assert "EOFError" in stock.stderr or "zip archive" in stock.stderr, stock.stderr[-2000:]
+
+    ours = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic",
+        "--max-steps", "10", "--resume", "latest", "--adopt", "1",
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    assert "not adopting" not in ours.stderr  # last.ckpt names no step: not a candidate
+    report = _report(ref)
+    assert report["start_step"] == 6 and report["final_step"] == 10, report
+    assert report["resumed_from"] == str(ckpt / "epoch=0-step=6.ckpt")
+    _assert_resumed_state_equals_saved(ref, 6, world=1)
+    # Adopted: checksum taken at adoption, marked so; the stock file itself untouched.
+    info = verify_checkpoint(ckpt / "epoch=0-step=6.ckpt", require_manifest=True)
+    assert (info.global_step, info.epoch, info.adopted) == (6, 0, True)
+    # Training went on with ours: last.ckpt is now a complete, verified step 10.
+    last = verify_checkpoint(ckpt / "last.ckpt", require_manifest=True)
+    assert last.global_step == 10 and not last.adopted
+    assert _strays(ckpt) == []
 
 
 @pytest.mark.dist
@@ -607,3 +646,138 @@ def test_fabric_save_and_load_go_through_the_plugin(tmp_path):
     fabric.load(path, state)
     assert state["global_step"] == 7
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------------- links and adoption
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_save_last_link_loads_verified_through_its_target(tmp_path, caplog):
+    """``ModelCheckpoint(save_last="link")`` makes last.ckpt a symbolic link to the
+    newest file: the plugin verifies it through its target and that target's manifest
+    (it used to load it "unverified", with a warning)."""
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    run = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic",
+        "--max-steps", "4", "--save-last", "link",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = ckpt / "last.ckpt"
+    assert last.is_symlink() and not (ckpt / ("last.ckpt" + MANIFEST_SUFFIX)).exists()
+    target = ckpt / "epoch=0-step=4.ckpt"
+    info = verify_checkpoint(last, require_manifest=True)
+    assert (info.path, info.link, info.global_step, info.has_manifest) == (
+        str(target),
+        str(last),
+        4,
+        True,
+    )
+    io = AtomicCheckpointIO(require_manifest=True)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert io.load_checkpoint(last)["global_step"] == 4
+    assert "no manifest" not in caplog.text and "unverified" not in caplog.text
+    # A corrupt target is refused through the link; a dangling link is "not found".
+    good = target.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    target.write_bytes(bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        io.load_checkpoint(last)
+    target.unlink()
+    with pytest.raises(CheckpointNotFoundError, match="symbolic link"):
+        io.load_checkpoint(last)
+
+
+def _stock_save(path: Path, step: int) -> None:
+    """What Lightning's own TorchCheckpointIO writes (no manifest)."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    TorchCheckpointIO().save_checkpoint(_state(step), path)
+
+
+@pytest.mark.timeout(120)
+def test_adopting_stock_files_records_complete_ones_and_refuses_torn_ones(tmp_path):
+    from atomic_checkpoint import CheckpointManager, LockHeldError, adopt
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for step in (2, 4, 6, 8):
+        _stock_save(ckpt / f"epoch=0-step={step}.ckpt", step)
+    _stock_save(ckpt / "last.ckpt", 8)
+    # Torn as by a crash in the stock in-place copy: truncated...
+    torn = ckpt / "epoch=0-step=8.ckpt"
+    torn.write_bytes(torn.read_bytes()[:-100])
+    # ...and one byte changed in the middle (same size: only the CRC-32 sees it).
+    data = bytearray((ckpt / "epoch=0-step=6.ckpt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (ckpt / "epoch=0-step=6.ckpt").write_bytes(bytes(data))
+    before = {n: (ckpt / n).read_bytes() for n in os.listdir(ckpt)}
+    assert latest_checkpoint(ckpt) is None  # nothing verifiable yet
+
+    dry = adopt(ckpt, framework="lightning", dry_run=True)
+    assert dry.adopted == [2, 4] and sorted(dry.refused) == [6, 8]
+    assert sorted(os.listdir(ckpt)) == sorted(before)  # a dry run writes nothing
+
+    # A live job holds the run lock of the directory: adoption does not take it over,
+    # and leaves no sidecar; once the job is gone, it adopts.
+    holder = CheckpointManager(ckpt)
+    with pytest.raises(LockHeldError):
+        latest_checkpoint(ckpt, adopt=True)
+    assert not any(n.endswith(MANIFEST_SUFFIX) for n in os.listdir(ckpt))
+    holder.close()
+
+    assert latest_checkpoint(ckpt, adopt=True) == str(ckpt / "epoch=0-step=4.ckpt")
+    result = adopt(ckpt, framework="lightning")  # idempotent
+    assert result.adopted == [] and result.already == [2, 4], result
+    assert "CRC" in result.refused[6] and "torn" in result.refused[8], result.refused
+    for step in (2, 4):
+        info = verify_checkpoint(ckpt / f"epoch=0-step={step}.ckpt", require_manifest=True)
+        assert (info.global_step, info.epoch, info.adopted) == (step, 0, True)
+    for name in ("epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"):
+        assert not (ckpt / (name + MANIFEST_SUFFIX)).exists(), name
+    # Nothing a stock run wrote was changed or moved.
+    assert all((ckpt / n).read_bytes() == b for n, b in before.items())
+    # The plugin loads an adopted file verified, and refuses it once modified.
+    io = AtomicCheckpointIO(require_manifest=True)
+    assert io.load_checkpoint(ckpt / "epoch=0-step=4.ckpt")["global_step"] == 4
+    (ckpt / "epoch=0-step=4.ckpt").write_bytes(before["epoch=0-step=2.ckpt"])
+    with pytest.raises(CorruptCheckpointError):
+        io.load_checkpoint(ckpt / "epoch=0-step=4.ckpt")
+    assert al.stock_checkpoint_problem(ckpt / "epoch=0-step=8.ckpt") is not None
+
+
+@pytest.mark.dist
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_one_rank_saves_the_current_step_on_all_and_exits_for_requeue(tmp_path):
+    """PreemptionCallback in a 2-rank DDP job: a SIGTERM to rank 1 alone (rank 0 is the
+    one that writes) stops both ranks at the next step boundary with one atomic
+    checkpoint of that step, and the job exits with 75 (requeue); the requeued job
+    resumes from it with exactly the state saved."""
+    from atomic_checkpoint.preemption import REQUEUE_EXIT_CODE
+
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    common = ["--dir", str(ckpt), "--ref", str(ref), "--io", "atomic", "--every", "4",
+              "--devices", "2", "--preempt", "1"]  # fmt: skip
+    run = _run_script(tmp_path, *common, "--max-steps", "40", "--signal-self-at", "5",
+                      "--signal-rank", "1")  # fmt: skip
+    assert run.returncode == REQUEUE_EXIT_CODE, run.stderr[-3000:]
+    # Signalled at the start of step 5: that step ran to its end on both ranks, then
+    # the save of step 6 (global_step after it), then the stop; not the 40 steps asked.
+    for r in (0, 1):
+        report = _report(ref, r)
+        assert report["final_step"] == 6, report
+        assert report["preempted"] == str(ckpt / "preempted-step=6.ckpt")
+    info = verify_checkpoint(ckpt / "preempted-step=6.ckpt", require_manifest=True)
+    assert info.global_step == 6 and not info.adopted
+    assert latest_checkpoint(ckpt, full=True) == str(ckpt / "preempted-step=6.ckpt")
+    assert _strays(ckpt) == []
+
+    # The requeued job (one process is enough: the state is replicated across ranks).
+    resumed = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic", "--every", "4",
+        "--preempt", "1", "--max-steps", "8", "--resume", "latest",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]  # ran to its end: exit 0
+    assert _report(ref)["start_step"] == 6 and _report(ref)["final_step"] == 8
+    _assert_resumed_state_equals_saved(ref, 6, world=1)

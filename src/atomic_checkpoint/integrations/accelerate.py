@@ -1,6 +1,16 @@
 """Atomic ``save_state`` / ``load_state`` for Hugging Face Accelerate.
 
-Two lines replace the stock calls::
+Installed once on the ``Accelerator``, the switch makes every ``accelerator.save_state()``
+and ``accelerator.load_state()`` of the program atomic, third-party code's included::
+
+    from atomic_checkpoint.integrations.accelerate import make_atomic
+
+    accelerator = make_atomic(Accelerator(project_config=config))
+    accelerator.load_state()      # newest complete checkpoint (CheckpointNotFoundError if none)
+    ...
+    accelerator.save_state()      # committed atomically, named as Accelerate names it
+
+Or call the two functions at the call sites::
 
     from atomic_checkpoint.integrations.accelerate import load_state, save_state
 
@@ -19,19 +29,29 @@ so a crash during the save with ``total_limit=1`` leaves nothing to resume from 
 Here Accelerate's own ``save_state`` writes into the pending directory of a
 :class:`~atomic_checkpoint.CheckpointManager`; the coordinator of each storage domain
 checksums and fsyncs every file, writes the manifest last and renames the directory
-into place, and only then applies retention, un-committing before deleting::
+into place, and only then applies retention, un-committing before deleting. The root
+is the project directory, and Accelerate's names are kept (``storage.project``)::
 
-    ROOT/                                  (default: <project_dir>/checkpoints)
-      checkpoint-3/                        committed: listed by load_state()
+    <project_dir>/                           ROOT
+      checkpoints/checkpoint_3/              committed: listed by load_state()
         model.safetensors  optimizer.bin  scheduler.bin  random_states_<rank>.pkl
-        checkpoint.manifest.json           written last
-      .pending/checkpoint-4.<attempt>/     a save in progress: never loaded
+        checkpoint.manifest.json             written last
+      .pending/checkpoint-4.<attempt>/       a save in progress: never loaded
+      .atomic-checkpoint/                    run, lock, layout record
+
+``checkpoints/`` holds committed checkpoints only, so Accelerate's own ``save_state()``
+and ``load_state()`` (which list it and sort by the digits in each name) keep working
+beside ours. With ``root=...`` checkpoints are ``ROOT/checkpoint-<step>`` instead. A
+project written by an earlier version (our folders inside ``checkpoints/``) is used as
+it is.
 
 The step defaults to ``accelerator.save_iteration`` (Accelerate's automatic naming
 counter); ``load_state`` sets that counter past the loaded step, so the next save does
 not collide. ``total_limit`` becomes ``KeepLast(total_limit)`` unless a ``retention``
 policy is given. ``save_on_each_node`` keeps its meaning, verified against the storage
-(see :class:`FrameworkRoot`).
+(see :class:`FrameworkRoot`). ``load_state(..., adopt_existing=True)`` first adopts the
+complete folders that Accelerate's own ``save_state`` wrote (``atomic_checkpoint.adopt``).
+An error raised by ``save_state``/``load_state`` releases the root's run lock.
 
 This module also holds the machinery the Trainer integration (``hf.py``) shares: a
 checkpoint root written by a framework's own save function, over one or several
@@ -48,9 +68,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..adopt import CheckpointFolder, accelerate_is_complete, adopt
 from ..catalog import parse_attempt_dir, parse_marker_name, read_manifest
 from ..errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CommitError,
     CorruptCheckpointError,
@@ -61,17 +83,32 @@ from ..errors import (
     map_os_error,
 )
 from ..layout import (
+    ACCELERATE_DIR,
+    META_DIR,
     TRASH_DIR,
     checkpoint_name,
     new_attempt_token,
+    parse_accelerate_name,
+    parse_checkpoint_name,
     validate_step,
 )
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard
 from ..retention import KeepLast
+from ..storage.base import Storage
+from ..storage.detect import local_capabilities
+from ..storage.local import LocalStorage
+from ..storage.project import ProjectStorage, layout_of, record_layout
 
-__all__ = ["FrameworkRoot", "close", "load_state", "preemption_guard", "save_state"]
+__all__ = [
+    "FrameworkRoot",
+    "close",
+    "load_state",
+    "make_atomic",
+    "preemption_guard",
+    "save_state",
+]
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -103,7 +140,8 @@ class FrameworkRoot:
     the same order.
 
     Args:
-        root: the directory checkpoints are committed under.
+        root: the directory checkpoints are committed under (with ``storage``: the
+            directory that storage is a view of, for messages).
         per_node: the framework's ``save_on_each_node``: every node's local rank 0
             writes a full copy. Without it only global rank 0 writes the model and
             optimizer, so storage that is not shared by all ranks is an error.
@@ -112,6 +150,8 @@ class FrameworkRoot:
         timeout_s: bound on every wait for other ranks.
         visibility_timeout_s: bound on waits for network filesystems.
         strategy: the commit strategy (None: chosen from the storage).
+        storage: the storage of ``root`` when it is not a plain directory of
+            ``checkpoint-<step>`` folders (``storage.project.ProjectStorage``).
 
     Raises:
         StorageError: ``per_node`` is False but some ranks cannot see the storage
@@ -128,12 +168,13 @@ class FrameworkRoot:
         timeout_s: float = 600.0,
         visibility_timeout_s: float = 30.0,
         strategy: str | None = None,
+        storage: Storage | None = None,
     ):
         self.root = os.path.abspath(os.fspath(root))
         self.label = label
         self.timeout_s = timeout_s
         self.manager = CheckpointManager(
-            self.root,
+            self.root if storage is None else storage,
             retention=retention,
             timeout_s=timeout_s,
             visibility_timeout_s=visibility_timeout_s,
@@ -153,6 +194,18 @@ class FrameworkRoot:
             )
         atexit.register(self.close)
 
+    def _local(self, name: str) -> str:
+        """The OS path of ``name`` (``ROOT/checkpoint-<step>``, or the folder that the
+        storage keeps it in, e.g. Accelerate's ``checkpoints/checkpoint_<step>``)."""
+        local = self.manager.storage.local_path(name)
+        return local if local is not None else os.path.join(self.root, name)
+
+    @property
+    def folders(self) -> str:
+        """The directory that holds the checkpoint folders (``ROOT``, or Accelerate's
+        ``checkpoints/`` in a project directory)."""
+        return os.path.dirname(self._local(checkpoint_name(0)))
+
     @property
     def is_coordinator(self) -> bool:
         """True on the one rank of this storage domain that commits and rotates."""
@@ -164,7 +217,7 @@ class FrameworkRoot:
         ``attempt-<token>/`` directory under the marker strategy (object-store mounts,
         where files are written in place)."""
         name = checkpoint_name(step)
-        base = os.path.join(self.root, name)
+        base = self._local(name)
         if self.manager.commit_strategy != "marker":
             return base
         manifest = read_manifest(self.manager.storage, name)
@@ -202,7 +255,7 @@ class FrameworkRoot:
         """
         step = validate_step(step)
         mgr = self.manager
-        final_base = os.path.join(self.root, checkpoint_name(step))
+        final_base = self._local(checkpoint_name(step))
         if mgr.is_coordinator:
             self._set_aside_torn(step)
         with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
@@ -346,7 +399,7 @@ class FrameworkRoot:
                 raise CorruptCheckpointError(
                     f"{self.label}: checkpoint step {step} failed verification: {bad[0]}"
                 )
-        names = _checkpoint_like_names(self.root) if mgr.is_coordinator else []
+        names = _checkpoint_like_names(self.folders) if mgr.is_coordinator else []
         seen = mgr.coordinator.all_gather(
             f"{self.label}: checkpoint folders", names, timeout_s=self.timeout_s
         )
@@ -354,7 +407,7 @@ class FrameworkRoot:
         if not torn:
             return None
         raise ResumeError(
-            f"{self.label}: asked to resume, but no checkpoint under {self.root} is complete "
+            f"{self.label}: asked to resume, but no checkpoint under {self.folders} is complete "
             f"and valid in every storage domain; found {torn} without a valid manifest "
             "(torn by a crash mid-save, or written without atomic-checkpoint). Move them "
             "away to start from scratch, or resume from an explicit path"
@@ -417,21 +470,64 @@ def _flatten(pending: Path, nested: str, *, step: int, label: str) -> None:
 
 # ---------------------------------------------------------------------- Accelerate API
 _ROOTS_ATTR = "_atomic_checkpoint_roots"
+# The stock bound save_state/load_state that make_atomic() replaced on an instance.
+_STOCK_ATTR = "_atomic_checkpoint_stock"
+_warned: set[str] = set()
+
+
+def _stock(accelerator: Any, name: str) -> Callable[..., Any]:
+    """Accelerate's own ``save_state``/``load_state`` of ``accelerator`` (what ours call
+    to write and read the files, also after :func:`make_atomic` replaced them)."""
+    stock = accelerator.__dict__.get(_STOCK_ATTR)
+    return stock[name] if stock else getattr(accelerator, name)
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
+
+
+def _project_root(project: str) -> tuple[str, Storage | None]:
+    """The root and storage of an Accelerate project directory: the project directory
+    itself, viewed with Accelerate's names (``checkpoints/checkpoint_<i>``; the layout is
+    recorded on first use), or, for a project an earlier version wrote (with our folders
+    inside ``checkpoints/``), that folder as a plain root, so its checkpoints stay
+    resumable."""
+    folder = os.path.join(project, ACCELERATE_DIR)
+    if os.path.isdir(os.path.join(folder, META_DIR)):
+        _warn_once(
+            folder,
+            "accelerate: %s holds checkpoint-<n> folders written by an earlier version of "
+            "atomic-checkpoint, and its .pending/ and .atomic-checkpoint/ folders make "
+            "Accelerate's own save_state()/load_state() fail there (IndexError); it is used "
+            "as it is. Start a new project_dir to get Accelerate's checkpoint_<n> names",
+            folder,
+        )
+        return folder, None
+    try:
+        os.makedirs(project, exist_ok=True)
+    except OSError as exc:
+        raise map_os_error(exc, "create", project) from exc
+    base = LocalStorage(project, capabilities=local_capabilities(project))
+    view = ProjectStorage(base)  # refuses a checkpoints/ that is a link or a mount point
+    if layout_of(project) is None:
+        record_layout(base)
+    return project, view
 
 
 def _root_for(
     accelerator: Any, root: str | os.PathLike[str] | None, retention: Any, timeout_s: float
-) -> FrameworkRoot:
+) -> tuple[str, FrameworkRoot]:
+    """The open root of ``accelerator`` (opened on first use) and its key."""
     config = accelerator.project_configuration
-    if root is None:
-        if not accelerator.project_dir:
-            raise CheckpointError(
-                "save_state/load_state: pass root=..., or give the Accelerator a "
-                "ProjectConfiguration(project_dir=...) (checkpoints then go to "
-                "<project_dir>/checkpoints, as with automatic_checkpoint_naming)"
-            )
-        root = os.path.join(accelerator.project_dir, "checkpoints")
-    key = os.path.abspath(os.fspath(root))
+    if root is None and not accelerator.project_dir:
+        raise CheckpointError(
+            "save_state/load_state: pass root=..., or give the Accelerator a "
+            "ProjectConfiguration(project_dir=...) (checkpoints then go to "
+            "<project_dir>/checkpoints/checkpoint_<n>, as with automatic_checkpoint_naming)"
+        )
+    key = os.path.abspath(os.fspath(root if root is not None else accelerator.project_dir))
     roots: dict[str, tuple[FrameworkRoot, Any]] = accelerator.__dict__.setdefault(_ROOTS_ATTR, {})
     if key in roots:
         opened, policy = roots[key]
@@ -440,18 +536,66 @@ def _root_for(
                 f"{key} is already open with retention {policy!r}; pass retention only on "
                 "the first save_state/load_state call for a root"
             )
-        return opened
+        return key, opened
+    where, storage = (key, None) if root is not None else _project_root(key)
     if retention is None and config.total_limit is not None and config.total_limit > 0:
         retention = KeepLast(int(config.total_limit))
     opened = FrameworkRoot(
-        key,
+        where,
         per_node=bool(config.save_on_each_node),
         retention=retention,
         label="accelerate",
         timeout_s=timeout_s,
+        storage=storage,
     )
     roots[key] = (opened, retention)
-    return opened
+    return key, opened
+
+
+def _forget(accelerator: Any, key: str) -> None:
+    """Close the root ``key`` of ``accelerator`` (releasing its run lock) after an error:
+    the next call opens it again. Not collective (every rank that raised calls it)."""
+    roots: dict[str, tuple[FrameworkRoot, Any]] = accelerator.__dict__.get(_ROOTS_ATTR, {})
+    entry = roots.pop(key, None)
+    if entry is not None:
+        try:
+            entry[0].close()
+        except Exception as exc:  # the error being raised is the one to report
+            log.warning("accelerate: closing %s after an error failed too: %s", key, exc)
+
+
+def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
+    """Collective: refuse to save over a *complete* folder of the same step that
+    Accelerate's own ``save_state`` wrote (no manifest). A torn one is replaced, as the
+    commit protocol does; a complete one is the user's checkpoint, and Accelerate itself
+    refuses to overwrite it too."""
+    mgr = opened.manager
+    problem = None
+    if mgr.is_coordinator:
+        name = checkpoint_name(step)
+        if mgr.storage.is_dir(name):
+            try:
+                read_manifest(mgr.storage, name)
+            except CheckpointNotFoundError:
+                folder = CheckpointFolder(mgr.storage, name, step)
+                try:
+                    if accelerate_is_complete(folder) is None:
+                        problem = mgr.storage.url(name)
+                except CheckpointError:
+                    pass  # unreadable: torn, replaced like one
+            except CheckpointError:
+                pass
+    found = mgr.coordinator.all_gather(
+        f"accelerate step {step}: stock checkpoint in the way", problem, timeout_s=opened.timeout_s
+    )
+    where = next((p for p in found if p), None)
+    if where is not None:
+        raise CheckpointExistsError(
+            f"save_state: {where} is a complete checkpoint that Accelerate's own save_state() "
+            f"wrote (it has no manifest); not replacing it with step {step}. Resume from it "
+            "with load_state(accelerator, adopt_existing=True) (the next save then follows "
+            f"it), or set accelerator.project_configuration.iteration = {step + 1}"
+        )
 
 
 def save_state(
@@ -468,7 +612,9 @@ def save_state(
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
-        root: where checkpoints are committed; default ``<project_dir>/checkpoints``.
+        root: where checkpoints are committed; default the project directory, with
+            Accelerate's names: ``<project_dir>/checkpoints/checkpoint_<step>``. An
+            explicit root holds ``ROOT/checkpoint-<step>`` folders.
         step: the checkpoint's step; default ``accelerator.save_iteration`` (the
             automatic-naming counter, which ``save_state`` advances).
         retention: e.g. ``KeepLast(3) | KeepBest(1, metric="eval_loss")``; default
@@ -481,30 +627,41 @@ def save_state(
             ``safe_serialization``).
 
     Returns:
-        The committed checkpoint (``info.path`` is ``ROOT/checkpoint-<step>``).
+        The committed checkpoint (``info.path`` is its folder).
+
+    Raises:
+        CheckpointExistsError: a complete folder of that step written by Accelerate's
+            own ``save_state`` is in the way (a torn one is replaced).
+
+    An error releases the root's run lock (the next call opens the root again).
     """
-    opened = _root_for(accelerator, root, retention, timeout_s)
-    config = accelerator.project_configuration
-    if step is None:
-        step = int(accelerator.save_iteration)
+    key, opened = _root_for(accelerator, root, retention, timeout_s)
+    try:
+        config = accelerator.project_configuration
+        if step is None:
+            step = int(accelerator.save_iteration)
+        _refuse_stock_checkpoint(opened, step)
 
-    def write(directory: Path, final: str) -> None:
-        # With automatic naming, Accelerate ignores output_dir, deletes old folders and
-        # picks its own: turn it off for this call, so it writes into our pending
-        # directory and leaves deletion to the retention that runs after the commit.
-        automatic = config.automatic_checkpoint_naming
-        config.automatic_checkpoint_naming = False
-        try:
-            accelerator.save_state(output_dir=str(directory), **save_state_kwargs)
-        finally:
-            config.automatic_checkpoint_naming = automatic
+        def write(directory: Path, final: str) -> None:
+            # With automatic naming, Accelerate ignores output_dir, deletes old folders
+            # and picks its own: turn it off for this call, so it writes into our pending
+            # directory and leaves deletion to the retention that runs after the commit.
+            automatic = config.automatic_checkpoint_naming
+            config.automatic_checkpoint_naming = False
+            try:
+                _stock(accelerator, "save_state")(output_dir=str(directory), **save_state_kwargs)
+            finally:
+                config.automatic_checkpoint_naming = automatic
 
-    return opened.save(
-        step,
-        write,
-        metrics=metrics,
-        metadata={"accelerate": {"iteration": int(accelerator.save_iteration)}},
-    )
+        return opened.save(
+            step,
+            write,
+            metrics=metrics,
+            metadata={"accelerate": {"iteration": int(accelerator.save_iteration)}},
+        )
+    except BaseException:
+        _forget(accelerator, key)
+        raise
 
 
 def load_state(
@@ -514,6 +671,7 @@ def load_state(
     *,
     missing_ok: bool = False,
     verify: bool = True,
+    adopt_existing: bool = False,
     retention: Any = None,
     timeout_s: float = 600.0,
     **load_state_kwargs: Any,
@@ -531,6 +689,11 @@ def load_state(
         missing_ok: return None when ``root`` holds no checkpoint at all (a first run)
             instead of raising.
         verify: recompute every checksum before loading.
+        adopt_existing: first adopt the ``checkpoint_<n>`` folders that Accelerate's
+            own ``save_state`` wrote there (``atomic_checkpoint.adopt``): each one that
+            Accelerate's completeness rule (``adopt.accelerate_is_complete``) accepts
+            gets a manifest with checksums taken now; a torn one is never adopted (a
+            warning says why). Idempotent.
         retention: as for :func:`save_state` (only on the first call for a root).
         timeout_s: bound on every wait for other processes.
         **load_state_kwargs: passed to ``Accelerator.load_state``.
@@ -541,28 +704,176 @@ def load_state(
     Raises:
         CheckpointNotFoundError: nothing to load (without ``missing_ok``), or ``step``
             is not a valid checkpoint.
-        ResumeError: checkpoint folders exist but none is complete and valid.
+        ResumeError: checkpoint folders exist but none is complete and valid (folders
+            written by Accelerate's own ``save_state``: pass ``adopt_existing=True``).
+
+    An error releases the root's run lock (the next call opens the root again).
     """
-    opened = _root_for(accelerator, root, retention, timeout_s)
-    chosen = opened.resolve(step, verify=verify)
-    if chosen is None:
-        if missing_ok:
+    key, opened = _root_for(accelerator, root, retention, timeout_s)
+    try:
+        if adopt_existing:
+            opened = _adopt_existing(accelerator, key, opened, root, retention, timeout_s)
+        try:
+            chosen = opened.resolve(step, verify=verify)
+        except ResumeError as exc:
+            if adopt_existing:
+                raise
+            raise ResumeError(
+                f"{exc}. Folders that Accelerate's own save_state() wrote are adopted by "
+                "load_state(accelerator, adopt_existing=True) when they are complete"
+            ) from None
+        if chosen is None:
+            if missing_ok:
+                return None
+            raise CheckpointNotFoundError(
+                f"load_state: no checkpoint under {opened.folders}; pass missing_ok=True to "
+                "start from scratch when there is none"
+            )
+        _stock(accelerator, "load_state")(opened.path(chosen), **load_state_kwargs)
+        # Continue the automatic-naming counter after the loaded step, so the next
+        # save_state() does not collide with (and replace) a newer checkpoint.
+        accelerator.project_configuration.iteration = chosen + 1
+        found = [i for i in opened.manager.checkpoints() if i.step == chosen]
+        if not found:
+            raise CheckpointNotFoundError(
+                f"load_state: checkpoint step {chosen} under {opened.folders} vanished while "
+                "it was being loaded (another job rotating this root?)"
+            )
+        return found[0]
+    except BaseException:
+        _forget(accelerator, key)
+        raise
+
+
+def _adopt_existing(
+    accelerator: Any,
+    key: str,
+    opened: FrameworkRoot,
+    root: str | os.PathLike[str] | None,
+    retention: Any,
+    timeout_s: float,
+) -> FrameworkRoot:
+    """Collective: adopt the stock checkpoints of ``opened`` (on the coordinator of each
+    storage domain, under the run lock that ``adopt`` takes itself, so ours is released
+    first), share the outcome, and open the root again."""
+    mgr = opened.manager
+    lead, rank, coordinator, run_id = mgr.is_coordinator, mgr.rank, mgr.coordinator, mgr.run_id
+    _forget(accelerator, key)
+    own: BaseException | None = None
+    if lead:
+        try:
+            result = adopt(mgr.storage, framework="accelerate", run_id=run_id)
+            for step, why in sorted(result.refused.items()):
+                log.warning("accelerate: not adopting step %d under %s: %s", step, opened.root, why)
+            if result.adopted:
+                log.info("accelerate: adopted steps %s under %s", result.adopted, opened.root)
+        except Exception as exc:
+            own = exc
+    outcomes = coordinator.all_gather(
+        "accelerate: adopted existing checkpoints",
+        None if own is None else _rank_failure(own, rank, "adopt"),
+        timeout_s=timeout_s,
+    )
+    _raise_if_failed(outcomes, own, step=None)
+    return _root_for(accelerator, root, retention, timeout_s)[1]
+
+
+def make_atomic(
+    accelerator: Any,
+    *,
+    root: str | os.PathLike[str] | None = None,
+    retention: Any = None,
+    adopt_existing: bool = False,
+    verify: bool = True,
+    timeout_s: float = 600.0,
+) -> Any:
+    """Make ``accelerator.save_state()`` and ``accelerator.load_state()`` atomic, once
+    for the whole program (third-party code that calls them included)::
+
+        accelerator = make_atomic(Accelerator(project_config=ProjectConfiguration(
+            project_dir="runs/exp1", automatic_checkpoint_naming=True, total_limit=3)))
+
+    After it, ``accelerator.save_state()`` is :func:`save_state` and
+    ``accelerator.load_state()`` is :func:`load_state` (newest complete checkpoint;
+    with ``adopt_existing``, stock folders are adopted first). With automatic naming,
+    ``save_state`` ignores its ``output_dir``, as Accelerate does. Otherwise, and for
+    ``load_state``, a folder that is one of the root's checkpoints
+    (``".../checkpoints/checkpoint_7"``) is that step, committed or loaded atomically,
+    and any other folder is left to Accelerate (a warning says it is not atomic). Call
+    it on every process; idempotent.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``.
+        root, retention, verify, timeout_s: as for :func:`save_state`/:func:`load_state`.
+        adopt_existing: as for :func:`load_state`.
+
+    Returns:
+        ``accelerator`` (the same object).
+    """
+    if _STOCK_ATTR in accelerator.__dict__:
+        return accelerator
+    if root is None and not accelerator.project_dir:
+        raise CheckpointError(
+            "make_atomic: the Accelerator has no project_dir: give it a "
+            "ProjectConfiguration(project_dir=...) (checkpoints then go to "
+            "<project_dir>/checkpoints/checkpoint_<n>), or pass root=..."
+        )
+    stock = {"save_state": accelerator.save_state, "load_state": accelerator.load_state}
+
+    def step_of(path: str | os.PathLike[str]) -> int | None:
+        _, opened = _root_for(accelerator, root, retention, timeout_s)
+        name = os.path.basename(os.path.normpath(os.fspath(path)))
+        step = parse_accelerate_name(name)
+        step = parse_checkpoint_name(name) if step is None else step
+        if step is None or os.path.abspath(path) != opened._local(checkpoint_name(step)):
+            _warn_once(
+                f"outside:{path}",
+                "accelerate: %s is not a checkpoint folder of %s: saved and loaded by "
+                "Accelerate itself, not atomically",
+                path,
+                opened.folders,
+            )
             return None
-        raise CheckpointNotFoundError(
-            f"load_state: no checkpoint under {opened.root}; pass missing_ok=True to start "
-            "from scratch when there is none"
+        return step
+
+    def atomic_save_state(
+        output_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any
+    ) -> str:
+        # With automatic naming Accelerate ignores output_dir (so do we).
+        explicit = not accelerator.project_configuration.automatic_checkpoint_naming
+        step = step_of(output_dir) if explicit and output_dir is not None else None
+        if explicit and output_dir is not None and step is None:
+            return stock["save_state"](output_dir, *args, **kwargs)
+        if args:  # safe_serialization, positionally
+            kwargs["safe_serialization"] = args[0]
+        info = save_state(
+            accelerator, root, step, retention=retention, timeout_s=timeout_s, **kwargs
         )
-    accelerator.load_state(opened.path(chosen), **load_state_kwargs)
-    # Continue the automatic-naming counter after the loaded step, so the next
-    # save_state() does not collide with (and replace) a newer checkpoint.
-    accelerator.project_configuration.iteration = chosen + 1
-    found = [i for i in opened.manager.checkpoints() if i.step == chosen]
-    if not found:
-        raise CheckpointNotFoundError(
-            f"load_state: checkpoint step {chosen} under {opened.root} vanished while it "
-            "was being loaded (another job rotating this root?)"
+        return info.path
+
+    def atomic_load_state(
+        input_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any
+    ) -> CheckpointInfo | None:
+        step = None if input_dir is None else step_of(input_dir)
+        if input_dir is not None and step is None:
+            return stock["load_state"](input_dir, *args, **kwargs)
+        if args:  # load_kwargs, positionally
+            kwargs["load_kwargs"] = args[0]
+        return load_state(
+            accelerator,
+            root,
+            step,
+            verify=verify,
+            adopt_existing=adopt_existing,
+            retention=retention,
+            timeout_s=timeout_s,
+            **kwargs,
         )
-    return found[0]
+
+    accelerator.__dict__[_STOCK_ATTR] = stock
+    accelerator.save_state = atomic_save_state
+    accelerator.load_state = atomic_load_state
+    return accelerator
 
 
 def preemption_guard(
@@ -597,7 +908,7 @@ def preemption_guard(
         retention: as for :func:`save_state` (only on the first call for a root).
         timeout_s: bound on the wait for the other processes at each check.
     """
-    opened = _root_for(accelerator, root, retention, timeout_s)
+    _, opened = _root_for(accelerator, root, retention, timeout_s)
     return PreemptionGuard(opened.manager, timeout_s=timeout_s, grace_s=grace_s)
 
 

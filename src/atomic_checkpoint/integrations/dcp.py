@@ -7,6 +7,13 @@ Two lines, on every rank::
     info = load_dcp(mgr, state_dict, missing_ok=True)  # newest complete step, resharded
     save_dcp(mgr, step, state_dict)                    # instead of dcp.save(...)
 
+``async_save_dcp(mgr, step, state_dict)`` is the counterpart of ``dcp.async_save``: it
+returns once the state is staged in host memory, and writes and commits in the
+background (``mgr.wait()``, the next save or ``mgr.close()`` raise its failure, once,
+on every rank). Without a manager, :func:`save` and :func:`load` take
+``checkpoint_id=PATH`` like ``dcp.save``/``dcp.load``, and make that one directory
+atomic and verified (see "Path-style" below).
+
 DCP plans and writes the shards (``FileSystemWriter``: one file per rank plus
 ``.metadata``); this module points it at the pending directory of
 ``mgr.saving(step)``, so atomicity, the manifest, retention and discovery are ours::
@@ -29,39 +36,104 @@ died) makes every surviving rank raise the same ``DistributedCheckpointError`` (
 
 Loading goes through DCP's planner, so the world size and the sharding may differ from
 the save (a 4-rank DTensor save loads into a 2-rank mesh). Before DCP reads, the files
-are checked against the manifest, each rank checksumming a share of them.
+are checked against the manifest, each rank checksumming a share of them. A failed
+load says so ("loading checkpoint step N failed ..."): nothing on storage changed, but
+the state dict may be partly filled.
+
+Async saves
+-----------
+``async_save_dcp`` stages the state dict with DCP's own stager (``DefaultStager``, the
+one ``dcp.async_save`` uses: every tensor copied into host memory) on the calling
+thread, then runs the commit above on the manager's background save thread. Two
+things keep the background from colliding with training: our agreement goes through
+the manager's cloned store connection (never a collective), and DCP's own collectives
+(plan gathering, the final barrier) run on a gloo group created for the purpose by the
+first ``async_save_dcp`` (or on the ``process_group`` passed in), never on the group
+training uses: two threads issuing collectives on one group interleave them.
+
+Path-style
+----------
+For a job without a manager, ``save(state_dict, checkpoint_id=PATH)`` writes DCP's
+files into a sibling pending directory, checksums them into our manifest, and renames
+it onto PATH (never replacing an existing PATH)::
+
+    ckpts/
+      step-100/                       committed: .metadata, shards, manifest
+      .step-200.<token>.pending/      a save in progress, or killed: never loaded
+
+``load(state_dict, checkpoint_id=PATH)`` verifies PATH against its manifest (each rank
+a share of the checksums) before DCP reads it, and refuses a directory without one
+(a stock ``dcp.save``: DCP calls any directory with ``.metadata`` complete) unless
+asked to adopt it (below). Ranks agree through DCP's ``process_group``
+(``all_gather_object``), as DCP itself does; no run lock, retention or discovery is
+involved (that is what a manager is for).
+
+Adopting a stock DCP run
+------------------------
+A run that saved with plain ``dcp.save(sd, checkpoint_id=ROOT/checkpoint-<step>)``
+(``save_dcp``'s names) has directories without a manifest, and one a kill tore looks
+like the others until DCP reads it. ``load_dcp(mgr, sd, adopt_existing=True)``, or
+``atomic_checkpoint.adopt(ROOT, framework="dcp")`` before the job, checks each with
+DCP's completeness rule (:func:`stock_checkpoint_problem`: ``.metadata``, written last,
+reads with DCP's reader and every data file it references holds its bytes) and records
+the complete ones (manifest marked adopted, checksums taken now; DCP's files are never
+changed); a torn one is refused with the reason and never loaded. This module registers
+the rule as ``"dcp"`` at import, applied only when named (the Trainer's folders have the
+same names). ``load(sd, checkpoint_id=PATH, adopt=True)`` does the same for one path.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
+import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from typing import Any
+from datetime import timedelta
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import catalog
 from .._faults import fault_point
+from .._version import __version__
+from ..async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool, register_exit
+from ..commit import RankReport, _InPhase
+from ..commit import save as commit_save
 from ..errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     CoordinationTimeoutError,
     CorruptCheckpointError,
     DistributedCheckpointError,
+    LockError,
     RankFailure,
     ResumeError,
 )
-from ..layout import checkpoint_name
-from ..manager import CheckpointManager
-from ..manifest import CheckpointInfo, FileEntry
+from ..layout import MANIFEST_NAME, checkpoint_name, validate_step
+from ..manager import CheckpointManager, _report_files
+from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata, check_metrics
+from ..storage.local import LocalStorage
 
-__all__ = ["DCP_METADATA_KEY", "load_dcp", "save_dcp"]
+__all__ = [
+    "DCP_METADATA_KEY",
+    "async_save_dcp",
+    "load",
+    "load_dcp",
+    "save",
+    "save_dcp",
+    "stock_checkpoint_problem",
+]
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -219,6 +291,222 @@ def save_dcp(
     return info
 
 
+class _DCPFailure(Exception):
+    """DCP's failure on this rank, as an ``Exception`` the commit's exchange shares (DCP's
+    ``CheckpointException`` is a ``BaseException``, which the exchange lets escape).
+    Built by :func:`_dcp_failure` under the name of DCP's error type, so every rank
+    reports it as the synchronous save does."""
+
+    dcp_error: BaseException | None = None
+
+
+_FAILURE_TYPES: dict[str, type[_DCPFailure]] = {}
+
+
+def _dcp_failure(exc: BaseException) -> _DCPFailure:
+    kind, message = _describe(exc)
+    cls = _FAILURE_TYPES.get(kind)
+    if cls is None:
+        cls = _FAILURE_TYPES.setdefault(kind, type(kind, (_DCPFailure,), {"__module__": __name__}))
+    failure = cls(message)
+    # Kept apart from __cause__, which the commit's "raise ... from None" clears.
+    failure.dcp_error = exc
+    return failure
+
+
+# The gloo group each manager's background saves run DCP's collectives on (see the
+# module docstring, "Async saves"); created by the first async_save_dcp on every rank.
+_BACKGROUND_GROUPS: weakref.WeakKeyDictionary[CheckpointManager, Any] = weakref.WeakKeyDictionary()
+
+
+def _background_group(mgr: CheckpointManager, process_group: Any) -> Any:
+    if process_group is not None or not _is_distributed():
+        return process_group
+    group = _BACKGROUND_GROUPS.get(mgr)
+    if group is None:
+        # Collective on the default group, so created here, on the calling thread, by
+        # the first async_save_dcp (which every rank calls in the same order). Its
+        # timeout bounds a collective that waits for a dead rank like our own waits.
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=mgr.timeout_s))
+        _BACKGROUND_GROUPS[mgr] = group
+    return group
+
+
+def _stage(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A host-memory copy of ``state_dict`` that later in-place updates do not reach:
+    DCP's ``DefaultStager``, configured as ``dcp.async_save`` configures it."""
+    flat = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # older torch: the stager its dcp.async_save used
+        try:
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+        except ImportError as exc:
+            raise CheckpointError(
+                f"async_save_dcp needs DCP's staging (torch >= 2.3); this is torch "
+                f"{torch.__version__}: use save_dcp, or upgrade torch"
+            ) from exc
+        return dict(BlockingAsyncStager().stage(flat))
+    stager = DefaultStager(
+        StagingOptions(
+            use_pinned_memory=False,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+    try:
+        staged = stager.stage(flat)
+    finally:
+        stager.close()
+    if not isinstance(staged, dict):  # pragma: no cover - synchronous staging returns it
+        raise CheckpointError("DCP's stager returned no state dict")
+    return staged
+
+
+def async_save_dcp(
+    mgr: CheckpointManager,
+    step: int,
+    state_dict: dict[str, Any],
+    *,
+    metrics: Mapping[str, float] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    planner: Any = None,
+    process_group: Any = None,
+    thread_count: int = 1,
+) -> SaveHandle:
+    """Stage ``state_dict`` in host memory, then save it with DCP as checkpoint ``step``
+    of ``mgr`` in the background: the counterpart of ``dcp.async_save``. Collective.
+
+    Returns once every tensor is copied (training may then update them in place). The
+    write and commit are those of :func:`save_dcp`, with its guarantees: nothing is
+    visible until the manifest is committed, a failure on any rank (a DCP error, a rank
+    that died) fails the save on every rank, and the previous checkpoints stay intact.
+    At most one save of ``mgr`` is in flight: this call first waits for the previous
+    one (``save_async`` or ``async_save_dcp``) and raises its failure if it was not
+    raised yet.
+
+    Args:
+        mgr: the manager of ROOT (created on every rank, in the same order).
+        step: the training step.
+        state_dict: what ``dcp.async_save`` would get (``Stateful`` values are asked
+            for their ``state_dict()`` now).
+        metrics: recorded in the manifest, for ``KeepBest`` retention.
+        metadata: JSON-serialisable user metadata.
+        overwrite: replace a committed ``step`` atomically.
+        planner: a DCP ``SavePlanner`` (default: DCP's).
+        process_group: the group DCP's collectives use in the background; default: a
+            gloo group over every rank, made by the first call (collective), so they
+            never interleave with the training's collectives.
+        thread_count: DCP's writer threads per rank.
+
+    Returns:
+        A ``SaveHandle``: ``handle.result()`` is the committed ``CheckpointInfo``,
+        identical on every rank. ``mgr.wait()`` waits for it too.
+
+    Raises:
+        CheckpointError: the previous async save failed (raised once, every rank).
+        StepOrderError: ``step`` is below the newest committed step of this run.
+
+    The save's own failure (``DistributedCheckpointError`` naming each failing rank,
+    ``CoordinationTimeoutError`` naming a rank that died, ``CheckpointExistsError``)
+    is raised by ``handle.result()``, and once by the next ``mgr.wait()``, save or
+    ``mgr.close()``, on every rank.
+    """
+    root = _local_root(mgr)
+    meta = dict(metadata or {})
+    meta[DCP_METADATA_KEY] = {"torch_version": torch.__version__, "world_size": mgr.world_size}
+    mgr._check_writable()
+    step = validate_step(step)
+    metrics_d, metadata_d = check_metrics(metrics), check_metadata(meta)
+    t0 = time.perf_counter()
+    mgr._finish_async()  # at most one save in flight; raises its failure once
+    mgr._finish_rotation()
+    mgr._check_step_order(step)
+    if mgr._async is None:
+        # As save_async does: created once, by the first async save on every rank, so
+        # the clone's key namespace is the same on every rank.
+        mgr._async_coord = mgr.coordinator.clone()
+        mgr._async = AsyncSaver()
+        mgr._snapshots = SnapshotPool()
+        register_exit(mgr)
+    saver, coord = mgr._async, mgr._async_coord
+    if coord is None:  # pragma: no cover - set together above
+        raise CheckpointError("async save state is incomplete")
+    group = _background_group(mgr, process_group)
+    staged: dict[str, Any] | None = None
+    input_error: Exception | None = None
+    try:
+        staged = _stage(state_dict)
+    except Exception as exc:  # shared with every rank in the first phase
+        input_error = exc
+    cancel = saver.cancel
+    base_fence = mgr._ctx.fence
+
+    def fence() -> None:
+        base_fence()
+        # Checked by the coordinator before it creates the pending location and before
+        # it commits: an abandoned save (close() past timeout_s) is never committed.
+        if cancel.is_set():
+            raise SaveAbandonedError(
+                f"the async DCP save of step {step} was abandoned; it is not committed"
+            )
+
+    ctx = replace(mgr._ctx, coord=coord, fence=fence)
+
+    def check_input() -> None:
+        if input_error is not None:
+            raise CheckpointError(
+                f"rank {mgr.rank}: DCP's stager could not copy the state dict of step "
+                f"{step} into host memory: {type(input_error).__name__}: {input_error}"
+            ) from input_error
+
+    def write(pending: str) -> RankReport:
+        saver.demote()  # staged already: training keeps the CPU
+        path = os.path.join(root, *pending.split("/"))
+        writer = _PendingWriter(path, rank=mgr.rank, step=step, thread_count=thread_count)
+        try:
+            dcp.save(
+                staged,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
+                no_dist=not _is_distributed(),
+            )
+        except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
+            raise _InPhase("dcp_write", _dcp_failure(exc)) from exc
+        return RankReport((), 0.0, 0.0)
+
+    def collect(pending: str) -> RankReport:
+        # DCP's files, found and checksummed on the leader once every rank wrote.
+        return _report_files(mgr.storage, pending, mgr.rank)
+
+    def run() -> CheckpointInfo:
+        try:
+            manifest, timings = commit_save(
+                ctx,
+                step,
+                write,
+                state_kind="files",
+                metrics=metrics_d,
+                metadata=metadata_d,
+                overwrite=overwrite,
+                check_input=check_input,
+                collect_files=collect,
+            )
+        except _DCPFailure as exc:
+            # One rank: the exchange hands back the rank's own error; report it as
+            # every multi-rank failure is reported.
+            failure = RankFailure(mgr.rank, "dcp_write", type(exc).__name__, str(exc))
+            raise DistributedCheckpointError([failure], step=step) from exc.dcp_error
+        return mgr._after_commit(manifest, timings)
+
+    handle = saver.submit(step, run)
+    handle.blocked_s = time.perf_counter() - t0
+    return handle
+
+
 def _assign(files: tuple[FileEntry, ...], world: int) -> list[list[FileEntry]]:
     """Split files across ranks for verification: largest first, to the least loaded
     rank (deterministic, so every rank computes the same split)."""
@@ -251,6 +539,7 @@ def load_dcp(
     *,
     verify: bool = True,
     missing_ok: bool = False,
+    adopt_existing: bool = False,
     planner: Any = None,
     process_group: Any = None,
 ) -> CheckpointInfo | None:
@@ -268,6 +557,12 @@ def load_dcp(
         verify: checksum every file first, each rank a share (one extra read of
             the checkpoint, spread over the ranks); False checks sizes only.
         missing_ok: return None instead of raising when there is no checkpoint.
+        adopt_existing: first adopt the ``checkpoint-<step>`` directories that a stock
+            ``dcp.save(sd, checkpoint_id=ROOT/checkpoint-<step>)`` run left in ROOT:
+            each complete one (:func:`stock_checkpoint_problem`: ``.metadata`` and
+            every data file it references, whole) gets a manifest marked adopted, with
+            checksums taken now; a torn one is never adopted, nor loaded (a warning
+            says why). Then the newest is loaded as usual.
         planner: a DCP ``LoadPlanner`` (default: DCP's, which reshards).
         process_group: the group DCP's collectives use.
 
@@ -283,6 +578,8 @@ def load_dcp(
             raises it).
     """
     _local_root(mgr)
+    if adopt_existing:
+        _adopt_existing(mgr)
     infos = mgr.checkpoints()
     if step is not None:
         candidates = [i for i in infos if i.step == step]
@@ -302,7 +599,7 @@ def load_dcp(
     chosen: CheckpointInfo | None = None
     problems: list[str] = []
     for info in candidates:
-        if DCP_METADATA_KEY not in info.metadata:
+        if not _written_for_dcp(info):
             problem = f"checkpoint step {info.step} was not written by save_dcp"
             if step is not None:
                 raise CheckpointError(
@@ -346,5 +643,525 @@ def load_dcp(
         failure = RankFailure(mgr.rank, "dcp_read", kind, message)
     failures = _agree(mgr, f"load step {chosen.step}: dcp_read", "dcp_read", failure)
     if failures:
-        raise DistributedCheckpointError(failures, step=chosen.step) from cause
+        raise DistributedCheckpointError(failures, step=chosen.step, operation="load") from cause
     return chosen
+
+
+# ---------------------------------------------------------------------- path-style
+def _checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str]:
+    """(parent directory, name) of a path-style checkpoint."""
+    text = os.fspath(checkpoint_id)
+    if "://" in text and not text.startswith("file://"):
+        raise CheckpointError(
+            f"path-style DCP checkpoints live on mounted filesystems (DCP's FileSystemWriter "
+            f"writes by OS path), not at {text!r}: use a CheckpointManager on an "
+            "object-store root, or a mounted path"
+        )
+    text = text.removeprefix("file://")
+    final = os.path.abspath(text)
+    parent, name = os.path.split(final)
+    if not name or name in (".", "..") or name.startswith("."):
+        raise ValueError(
+            f"checkpoint_id must name a directory whose name does not start with '.' "
+            f"(pending saves use such names), got {text!r}"
+        )
+    return parent, name
+
+
+def _group_rank(group: Any) -> int:
+    return int(dist.get_rank(group)) if _is_distributed() else 0
+
+
+def _exchange(what: str, obj: Any, group: Any) -> list[Any]:
+    """Every rank's ``obj`` (indexed by rank in ``group``), as DCP exchanges its plans:
+    ``all_gather_object`` on ``group``. A rank that died fails this on every survivor
+    (gloo: the connection drops; otherwise the group's timeout)."""
+    if not _is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except Exception as exc:  # a gloo/NCCL error: a peer died or the group timed out
+        raise CheckpointError(
+            f"rank {dist.get_rank()}: the ranks could not exchange {what} over the process "
+            f"group ({type(exc).__name__}: {exc}): a rank died or hangs. Nothing was "
+            "committed; restart the job"
+        ) from exc
+    return out
+
+
+def _raise_agreed(failures: list[RankFailure], step: int | None, operation: str) -> NoReturn:
+    if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
+        raise CheckpointExistsError(failures[0].message)
+    raise DistributedCheckpointError(failures, step=step, operation=operation)
+
+
+def _prepare_path(parent: str, name: str) -> str:
+    """On the first rank: the pending directory beside ``name``, created."""
+    os.makedirs(parent, exist_ok=True)
+    storage = LocalStorage(parent)
+    if os.path.lexists(os.path.join(parent, name)):
+        raise CheckpointExistsError(
+            f"{os.path.join(parent, name)!r} already exists: a path-style save never "
+            "replaces a checkpoint; choose a new checkpoint_id"
+        )
+    pending = f".{name}.{uuid.uuid4().hex[:16]}.pending"
+    storage.makedirs(pending)
+    storage.fsync_dir("")
+    return pending
+
+
+def _commit_path(
+    parent: str, name: str, pending: str, world: int, step: int, meta: dict[str, Any]
+) -> Manifest:
+    """On the first rank, after every rank wrote: checksum and fsync DCP's files, write
+    the manifest last, rename the pending directory onto ``name``, fsync the parent."""
+    storage = LocalStorage(parent)
+    report = _report_files(storage, pending, 0)
+    manifest = Manifest(
+        step=step,
+        run_id="",
+        commit_seq=0,
+        world_size=world,
+        files=tuple(FileEntry(f.path, f.size_bytes, f.checksum) for f in report.files),
+        state_kind="files",
+        metadata=meta,
+        library_version=__version__,
+    )
+    storage.write_bytes_atomic(f"{pending}/{MANIFEST_NAME}", manifest.to_json_bytes())
+    storage.fsync_dir(pending)
+    fault_point("after_manifest", 0, step)
+    storage.rename_dir(pending, name)  # never replaces: CheckpointExistsError
+    storage.fsync_dir("")
+    return manifest
+
+
+def _discard_pending(parent: str, pending: str) -> None:
+    try:
+        LocalStorage(parent).delete_tree(pending)
+    except CheckpointError as exc:
+        log.warning(
+            "could not remove the pending DCP save %s: %s (never loaded; delete it by hand)",
+            os.path.join(parent, pending),
+            exc,
+        )
+
+
+def save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    step: int = 0,
+    metadata: Mapping[str, Any] | None = None,
+    planner: Any = None,
+    process_group: Any = None,
+    thread_count: int = 1,
+) -> CheckpointInfo:
+    """``dcp.save(state_dict, checkpoint_id=PATH)``, atomic and verifiable. Collective
+    over ``process_group`` (every rank, as for ``dcp.save``).
+
+    DCP's files go to a pending directory beside PATH; once every rank has written
+    them, the first rank checksums them into a manifest and renames the directory onto
+    PATH. A failure on any rank raises the same error on every rank and leaves PATH
+    absent.
+
+    Args:
+        state_dict: what ``dcp.save`` would get.
+        checkpoint_id: the checkpoint directory; it must not exist yet.
+        step: recorded in the manifest (shown by ``atomic-checkpoint inspect``).
+        metadata: JSON-serialisable user metadata for the manifest.
+        planner: a DCP ``SavePlanner``.
+        process_group: the group DCP and the agreement use (default: the default).
+        thread_count: DCP's writer threads per rank.
+
+    Returns:
+        The committed checkpoint (``path`` is PATH), identical on every rank.
+
+    Raises:
+        CheckpointExistsError: PATH exists (every rank; nothing written).
+        DistributedCheckpointError: DCP or the commit failed on some rank (every rank).
+        CheckpointError: a rank died (the survivors; nothing committed).
+    """
+    parent, name = _checkpoint_dir(checkpoint_id)
+    step = validate_step(step)
+    meta = check_metadata(dict(metadata or {}))
+    group = process_group
+    rank = _group_rank(group)
+    world = dist.get_world_size(group) if _is_distributed() else 1
+    meta[DCP_METADATA_KEY] = {"torch_version": torch.__version__, "world_size": world}
+
+    # 1. the first rank makes the pending directory; every rank learns it (or why not).
+    pending: str | None = None
+    failure: RankFailure | None = None
+    if rank == 0:
+        try:
+            pending = _prepare_path(parent, name)
+        except Exception as exc:
+            failure = RankFailure(rank, "prepare", type(exc).__name__, str(exc))
+    agreed, failure = _exchange(f"the pending directory of {name}", (pending, failure), group)[0]
+    if failure is not None:
+        _raise_agreed([failure], step, "save")
+    if not isinstance(agreed, str):  # pragma: no cover - rank 0 sends one of the two
+        raise CheckpointError(f"the first rank sent no pending directory for {name}")
+    pending = agreed
+
+    # 2. every rank writes its shards (DCP's own collectives inside).
+    failure, cause = None, None
+    writer = _PendingWriter(
+        os.path.join(parent, pending), rank=rank, step=step, thread_count=thread_count
+    )
+    try:
+        with _single_process_quiet():
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=planner,
+                process_group=group,
+                no_dist=not _is_distributed(),
+            )
+    except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
+        cause = exc
+        kind, message = _describe(exc)
+        failure = RankFailure(rank, "dcp_write", kind, message)
+    try:
+        failures = [f for f in _exchange(f"the outcome of writing {name}", failure, group) if f]
+    except CheckpointError:
+        if rank == 0:
+            _discard_pending(parent, pending)
+        raise
+    if failures:
+        if rank == 0:
+            _discard_pending(parent, pending)
+        raise DistributedCheckpointError(failures, step=step) from cause
+
+    # 3. the first rank commits; every rank learns the outcome.
+    outcome: Manifest | RankFailure | None = None
+    if rank == 0:
+        try:
+            outcome = _commit_path(parent, name, pending, world, step, meta)
+        except Exception as exc:
+            _discard_pending(parent, pending)
+            outcome = RankFailure(rank, "commit", type(exc).__name__, str(exc))
+    result = _exchange(f"the commit of {name}", outcome, group)[0]
+    if isinstance(result, RankFailure):
+        _raise_agreed([result], step, "save")
+    if not isinstance(result, Manifest):  # pragma: no cover - rank 0 sends one of the two
+        raise CheckpointError(f"the commit of {name} returned no result")
+    return result.info(os.path.join(parent, name))
+
+
+def load(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: str | os.PathLike[str],
+    verify: bool = True,
+    adopt: bool = False,
+    planner: Any = None,
+    process_group: Any = None,
+) -> CheckpointInfo:
+    """``dcp.load(state_dict, checkpoint_id=PATH)`` after checking PATH against its
+    manifest (written by :func:`save`). Collective over ``process_group``.
+
+    The world size and sharding may differ from the save (DCP reshards).
+
+    Args:
+        state_dict: filled in place, as by ``dcp.load``.
+        checkpoint_id: a directory written by :func:`save`.
+        verify: checksum every file first, each rank a share; False checks sizes only.
+        adopt: PATH may be a stock ``dcp.save`` directory: when it has no manifest and
+            is complete by :func:`stock_checkpoint_problem`, the first rank records
+            one (marked adopted, checksums taken now); a torn one is refused and
+            nothing is written.
+        planner: a DCP ``LoadPlanner``.
+        process_group: the group DCP and the agreement use.
+
+    Returns:
+        What the manifest records (``step``, ``metadata``, ``size_bytes``).
+
+    Raises:
+        CheckpointNotFoundError: PATH does not exist (every rank).
+        CorruptCheckpointError: PATH has no manifest (a stock ``dcp.save``, or a save
+            that did not finish; with ``adopt``: a torn one), or a file does not match
+            it (every rank).
+        DistributedCheckpointError: DCP failed to read on some rank (every rank);
+            nothing on storage changed, ``state_dict`` may be partly filled.
+    """
+    parent, name = _checkpoint_dir(checkpoint_id)
+    group = process_group
+    rank = _group_rank(group)
+    world = dist.get_world_size(group) if _is_distributed() else 1
+    final = os.path.join(parent, name)
+    manifest: Manifest | None = None
+    failure: RankFailure | None = None
+    if adopt:
+        if rank == 0:
+            try:
+                _adopt_path(parent, name)
+            except Exception as exc:
+                failure = RankFailure(rank, "adopt", type(exc).__name__, str(exc))
+        adopted = [f for f in _exchange(f"the adoption of {name}", failure, group) if f]
+        if adopted:
+            if adopted[0].error_type == "CheckpointNotFoundError":
+                raise CheckpointNotFoundError(adopted[0].message)
+            raise CorruptCheckpointError(f"nothing was loaded: {adopted[0].message}")
+    try:
+        if not os.path.isdir(final):
+            raise CheckpointNotFoundError(f"no checkpoint at {final!r}")
+        storage = LocalStorage(parent)
+        if storage.size(f"{name}/{MANIFEST_NAME}") is None:
+            raise CorruptCheckpointError(
+                f"{final!r} has no {MANIFEST_NAME}: it was not committed by "
+                "atomic_checkpoint.integrations.dcp.save (a stock dcp.save, or a save that "
+                "did not finish), so nothing proves it complete. Pass adopt=True to check it "
+                "with DCP's completeness rule and record it"
+            )
+        manifest = catalog.read_manifest(storage, name)
+        share = _assign(manifest.files, world)[rank]
+        catalog.validate(storage, name, replace(manifest, files=tuple(share)), full=verify)
+    except Exception as exc:
+        failure = RankFailure(rank, "verify", type(exc).__name__, str(exc))
+    failures = [f for f in _exchange(f"the verification of {name}", failure, group) if f]
+    if failures:
+        if all(f.error_type == "CheckpointNotFoundError" for f in failures):
+            raise CheckpointNotFoundError(failures[0].message)
+        detail = "; ".join(f"rank {f.rank}: {f.message}" for f in failures)
+        raise CorruptCheckpointError(f"{final!r} does not verify, nothing was loaded: {detail}")
+    if manifest is None:  # pragma: no cover - set when this rank reported no failure
+        raise CheckpointError(f"{final!r}: no manifest was read")
+    failure, cause = None, None
+    try:
+        with _single_process_quiet():
+            dcp.load(
+                state_dict,
+                storage_reader=dcp.FileSystemReader(final),
+                planner=planner,
+                process_group=group,
+                no_dist=not _is_distributed(),
+            )
+    except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
+        cause = exc
+        kind, message = _describe(exc)
+        failure = RankFailure(rank, "dcp_read", kind, message)
+    failures = [f for f in _exchange(f"the outcome of loading {name}", failure, group) if f]
+    if failures:
+        raise DistributedCheckpointError(failures, step=manifest.step, operation="load") from cause
+    return manifest.info(final)
+
+
+# ---------------------------------------------------------------------- adoption
+# The folders a stock DCP run is adopted from: ``checkpoint-<step>``, the names
+# ``save_dcp`` gives (so a job that switches to a manager keeps its layout). They are
+# the Trainer's names too, so the rule applies only when named (``framework="dcp"``).
+_DCP_NAME_RE = re.compile(r"^checkpoint-(?P<step>0|[1-9][0-9]{0,18})$")
+_DCP_METADATA_FILE = ".metadata"
+_ADOPTED_BY = "dcp"
+
+
+def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+    """DCP's completeness rule for a directory ``dcp.save`` wrote without this library:
+    None when it is complete, else why not (one sentence).
+
+    DCP's ``FileSystemWriter`` writes every rank's data files (``__<rank>_<n>.distcp``),
+    then, on the coordinator, ``.metadata`` (written to ``.metadata.tmp`` and renamed),
+    which maps every saved item to ``(relative_path, offset, length)`` in those files.
+    So a directory is complete when ``.metadata`` parses with DCP's own reader
+    (``FileSystemReader.read_metadata``) and every file it references exists and holds
+    at least ``offset + length`` bytes of each item. A save killed before ``.metadata``
+    (or a data file lost or truncated since) is refused. Reading ``.metadata`` unpickles
+    it, as ``dcp.load`` does: adopt only directories you would load. Never writes.
+
+    Not provable here (DCP records no checksums): a stock save killed while it rewrote
+    an existing directory (``dcp.save`` to the same path again) can leave the old
+    ``.metadata`` over data files of the new save with the same layout.
+    """
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return (
+            "not on a mounted filesystem: DCP's FileSystemReader reads by OS path, so its "
+            "checkpoints are adopted from a mounted path"
+        )
+    local = text.removeprefix("file://")
+    if not os.path.isdir(local):
+        return "not a directory (DCP writes a directory per checkpoint)"
+    if not os.path.isfile(os.path.join(local, _DCP_METADATA_FILE)):
+        tmp = os.path.exists(os.path.join(local, _DCP_METADATA_FILE + ".tmp"))
+        return (
+            f"{_DCP_METADATA_FILE} is missing"
+            + (f" (only {_DCP_METADATA_FILE}.tmp)" if tmp else "")
+            + ": DCP writes it last, after every rank's data files, so this save did not "
+            "finish (or the directory is not a DCP checkpoint)"
+        )
+    try:
+        metadata = dcp.FileSystemReader(local).read_metadata()
+    except Exception as exc:  # unpickling a torn file raises anything
+        return (
+            f"{_DCP_METADATA_FILE} cannot be read by DCP ({type(exc).__name__}: {exc}): torn, "
+            "or not written by torch.distributed.checkpoint"
+        )
+    storage_data = getattr(metadata, "storage_data", None)
+    if not isinstance(storage_data, Mapping) or (
+        not storage_data and getattr(metadata, "state_dict_metadata", None)
+    ):
+        return f"{_DCP_METADATA_FILE} maps no item to a data file: not a FileSystemWriter save"
+    needed: dict[str, int] = {}
+    for index, info in storage_data.items():
+        rel = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if (
+            not isinstance(rel, str)
+            or not rel
+            or os.path.isabs(rel)
+            or ".." in rel.replace("\\", "/").split("/")
+            or not all(isinstance(n, int) and n >= 0 for n in (offset, length))
+        ):
+            return (
+                f"{_DCP_METADATA_FILE} has an invalid location for {getattr(index, 'fqn', index)!r}"
+                f" ({rel!r}, {offset!r}, {length!r})"
+            )
+        needed[rel] = max(needed.get(rel, 0), int(offset) + int(length))  # type: ignore[arg-type]
+    missing, short = [], []
+    for rel, end in sorted(needed.items()):
+        try:
+            size = os.stat(os.path.join(local, rel)).st_size
+        except FileNotFoundError:
+            missing.append(rel)
+            continue
+        except OSError as exc:
+            return f"{rel} cannot be read: {exc}"
+        if size < end:
+            short.append(f"{rel} ({size} of at least {end} bytes)")
+    if missing:
+        return (
+            f"{_DCP_METADATA_FILE} references {len(needed)} data file(s) and "
+            f"{', '.join(missing[:5])} {'is' if len(missing) == 1 else 'are'} missing"
+        )
+    if short:
+        return f"truncated data file(s): {', '.join(short[:5])}"
+    return None
+
+
+def _adopt_held(mgr: CheckpointManager) -> dict[int, str]:
+    """On the coordinator, under the run lock ``mgr`` holds: record each complete stock
+    ``checkpoint-<step>`` of ROOT (``stock_checkpoint_problem``) as ``adopt`` does
+    (checksums taken now, every file and directory fsync'd, the manifest created once,
+    marked adopted). ``atomic_checkpoint.adopt`` takes the lock itself, which this job
+    already holds. Returns the refused steps with the reason."""
+    from ..adopt import _classify, _record
+
+    lock = mgr._lock
+    if lock is None:
+        raise CheckpointError(
+            f"load_dcp(adopt_existing=True) writes manifests, and this manager of {mgr.root} "
+            "is read-only: open it writable, or run `atomic-checkpoint adopt ROOT "
+            "--framework dcp` first"
+        )
+    refused: dict[int, str] = {}
+    strategy = mgr._strategy.name
+    for c in _classify(mgr.storage, _ADOPTED_BY, None, mgr.run_id):
+        if c.already:
+            continue
+        if c.problem is not None or c.framework is None:
+            refused[c.step] = c.problem or "no framework rule applies"
+            continue
+        lock.check()
+        try:
+            written, _, _ = _record(
+                mgr.storage, c, mgr.run_id, mgr._next_seq(), strategy, fence=lock.check
+            )
+        except LockError:
+            raise  # fenced: another job took ROOT over
+        except CheckpointError as exc:  # a file vanished or changed size: that folder only
+            refused[c.step] = str(exc)
+            continue
+        if written:
+            log.info("load_dcp: adopted the stock DCP checkpoint %s", mgr.storage.url(c.name))
+    return refused
+
+
+def _adopt_existing(mgr: CheckpointManager) -> None:
+    """Collective: the coordinators adopt the complete stock DCP checkpoints of ROOT;
+    every rank raises the same error if that failed, and warns about the torn ones."""
+    refused: dict[int, str] = {}
+    failure: RankFailure | None = None
+    cause: BaseException | None = None
+    if mgr.is_coordinator:
+        try:
+            refused = _adopt_held(mgr)
+        except Exception as exc:
+            cause = exc
+            failure = RankFailure(mgr.rank, "adopt", type(exc).__name__, str(exc))
+    failures = _agree(mgr, "load: adopt stock DCP checkpoints", "adopt", failure)
+    if failures:
+        detail = "; ".join(f"rank {f.rank}: {f.error_type}: {f.message}" for f in failures)
+        raise CheckpointError(
+            f"load_dcp: adopting the stock DCP checkpoints in {mgr.root} failed ({detail}). "
+            "Nothing was loaded; the checkpoints recorded before the failure stay adopted "
+            "(adopting again skips them)"
+        ) from cause
+    for step, why in sorted(refused.items()):
+        log.warning(
+            "load_dcp: not adopting the stock checkpoint %s in %s (never loaded): %s",
+            checkpoint_name(step),
+            mgr.root,
+            why,
+        )
+
+
+def _written_for_dcp(info: CheckpointInfo) -> bool:
+    """Saved by ``save_dcp``/``async_save_dcp``, or a stock DCP checkpoint adopted."""
+    if DCP_METADATA_KEY in info.metadata:
+        return True
+    adoption = info.metadata.get("adoption")
+    return isinstance(adoption, dict) and adoption.get("framework") == _ADOPTED_BY
+
+
+def _adopt_path(parent: str, name: str) -> None:
+    """On the first rank: give the stock DCP directory ``parent/name`` a manifest
+    marked adopted (checksums taken now), or raise why not. A directory with a
+    manifest is left as it is (its manifest is verified by the load)."""
+    from ..adopt import _checksum_and_sync
+
+    final = os.path.join(parent, name)
+    if not os.path.isdir(final):
+        raise CheckpointNotFoundError(f"no checkpoint at {final!r}")
+    storage = LocalStorage(parent)
+    if storage.size(f"{name}/{MANIFEST_NAME}") is not None:
+        return
+    problem = stock_checkpoint_problem(final)
+    if problem is not None:
+        raise CorruptCheckpointError(
+            f"{final!r} is not a complete DCP checkpoint, so it is not adopted (nothing "
+            f"written): {problem}"
+        )
+    files = _checksum_and_sync(storage, name)
+    storage.fsync_dir("")  # DCP never fsyncs the directory's entry in its parent
+    m = re.search(r"(0|[1-9][0-9]{0,18})$", name)
+    manifest = Manifest(
+        step=int(m.group(1)) if m else 0,
+        run_id="",
+        commit_seq=0,
+        world_size=1,
+        files=files,
+        state_kind="files",
+        metadata={"adoption": {"framework": _ADOPTED_BY, "adopted_unix": time.time()}},
+        library_version=__version__,
+        adopted=True,
+    )
+    # Created once: never over a manifest that appeared meanwhile.
+    if not storage.create_exclusive(f"{name}/{MANIFEST_NAME}", manifest.to_json_bytes()):
+        return
+    storage.fsync_dir(name)
+    log.info("adopted the stock DCP checkpoint %s (checksums taken now)", final)
+
+
+def _register_adoption() -> None:
+    """Make ``adopt(..., framework="dcp")`` (and ``atomic-checkpoint adopt --framework
+    dcp``) know DCP's rule; never under ``"auto"`` (the Trainer's names)."""
+    try:
+        from ..adopt import register_framework
+    except ImportError:  # pragma: no cover - the adopt module is part of the package
+        return
+    register_framework(_ADOPTED_BY, _DCP_NAME_RE, stock_checkpoint_problem, auto=False)
+
+
+_register_adoption()

@@ -1,13 +1,23 @@
 """Atomic checkpoints for the Hugging Face ``Trainer``.
 
-Two lines::
+One callback, the Trainer's own way to extend it::
 
-    from atomic_checkpoint.integrations.hf import make_atomic
+    from atomic_checkpoint.integrations.hf import AtomicCheckpointCallback
 
-    trainer = make_atomic(Trainer(model=model, args=args, train_dataset=ds))
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[AtomicCheckpointCallback()])
     trainer.train(resume_from_checkpoint=True)  # as before
 
-Works with any ``Trainer`` subclass (``Seq2SeqTrainer``, TRL trainers, yours).
+or ``trainer = make_atomic(trainer)`` for a Trainer built elsewhere (the callback calls
+it). Works with any ``Trainer`` subclass (``Seq2SeqTrainer``, TRL trainers, yours), in
+the releases named by ``SUPPORTED_TRANSFORMERS`` (both ends tested).
+
+A run that already has stock checkpoints (saved without this library) is refused by
+``resume_from_checkpoint=True``, with the complete ones named and the opt-in spelled
+out: ``adopt_existing=True`` adopts them through :func:`atomic_checkpoint.adopt` (the
+Trainer's completeness rule; a torn one is refused and never resumed from) at the start
+of ``train()``. An explicit ``resume_from_checkpoint`` path to a stock checkpoint that
+the rule accepts is loaded as is, without writing anything.
 
 Checkpoints still appear as ``output_dir/checkpoint-<step>`` with exactly the files the
 Trainer writes, but only complete ones ever appear there, so the Trainer's own resume
@@ -27,7 +37,10 @@ touched at three private methods that Trainer subclasses in the wild (PEFT and
 multimodal trainers) build on too: ``_save_checkpoint`` (wrapped, arguments passed
 through), ``_get_output_dir`` (redirected during the save) and
 ``_push_from_checkpoint`` (deferred until the commit); ``train`` is wrapped to resolve
-``resume_from_checkpoint=True``. A subclass whose ``_save_checkpoint`` writes extra
+``resume_from_checkpoint=True``. A Trainer whose private methods take other parameters
+is refused with a ``TypeError`` naming the supported releases. The roots ``train()``
+opens, and with them the run lock, are closed on every way out of it, errors included.
+A subclass whose ``_save_checkpoint`` writes extra
 files under ``_get_output_dir(trial)/checkpoint-N`` gets them committed too.
 
 What the options keep meaning (and what changes):
@@ -52,27 +65,56 @@ What the options keep meaning (and what changes):
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..catalog import parse_attempt_dir
-from ..errors import CheckpointError, ResumeError
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    ResumeError,
+)
 from ..layout import checkpoint_name, parse_checkpoint_name
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard
 from ..retention import AnyOf, KeepLast
 from .accelerate import FrameworkRoot, _is_under
 
-__all__ = ["KeepTrainerBest", "make_atomic"]
+try:  # the callback must be a TrainerCallback; everything else works without transformers
+    from transformers import TrainerCallback as _TrainerCallback
+except ImportError:  # pragma: no cover - the integration is only used with transformers
+    _TrainerCallback = object  # type: ignore[assignment,misc,unused-ignore]
+
+__all__ = ["AtomicCheckpointCallback", "KeepTrainerBest", "make_atomic"]
 
 log = logging.getLogger("atomic_checkpoint")
 
 _TRAINER_STATE_NAME = "trainer_state.json"
 _ATTR = "_atomic_checkpoint"
+
+#: The transformers releases the integration is tested with (oldest and newest; CI runs
+#: both). Older 4.x releases cannot resume under torch>=2.6 even without this library:
+#: their Trainer loads its RNG state with torch.load's new weights_only default.
+SUPPORTED_TRANSFORMERS = "transformers 4.47.0 to 5.24.0"
+
+# The private Trainer methods the integration wraps, with the leading parameters it
+# relies on (it passes the trial by keyword and reads it from the second positional).
+_PRIVATE_METHODS = {
+    "_save_checkpoint": ("model", "trial"),
+    "_get_output_dir": ("trial",),
+    "_push_from_checkpoint": ("checkpoint_folder",),
+}
+
+_OPT_IN = (
+    "make_atomic(trainer, adopt_existing=True), or "
+    "Trainer(..., callbacks=[AtomicCheckpointCallback(adopt_existing=True)])"
+)
 
 
 class KeepTrainerBest:
@@ -156,8 +198,10 @@ class _AtomicTrainer:
         timeout_s: float,
         preemption: bool = False,
         grace_s: float | None = None,
+        adopt_existing: bool = False,
     ):
         self.trainer = trainer
+        self.adopt_existing = adopt_existing
         self.preemption = preemption
         self.grace_s = grace_s
         self.user_retention = retention
@@ -175,6 +219,8 @@ class _AtomicTrainer:
         self.last_saved: CheckpointInfo | None = None
         # The commit strategy; None chooses from the storage (tests force "marker").
         self.strategy: str | None = None
+        # Stock checkpoints the last adoption refused (step -> why), for error messages.
+        self.refused: dict[int, str] = {}
 
     # ------------------------------------------------------------------ roots
     def retention_for(self, run_dir: str) -> Any:
@@ -270,33 +316,22 @@ class _AtomicTrainer:
         return self._orig_push(checkpoint_folder, *args, **kwargs)
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """Replaces ``trainer.train``: resolves ``resume_from_checkpoint=True`` to the
-        newest complete checkpoint, and owns rotation for the duration."""
+        """Replaces ``trainer.train``: adopts stock checkpoints when opted in, resolves
+        ``resume_from_checkpoint=True`` to the newest complete checkpoint, checks an
+        explicit path, and owns rotation for the duration. The roots it opens (and
+        with them the run lock) are closed on every way out, errors included."""
         trainer = self.trainer
         output_dir = trainer.args.output_dir
         # Rotation is ours for the whole run: with save_total_limit unset the Trainer's
         # rotate_checkpoints() and its end-of-training deletion do nothing.
         limit = trainer.args.save_total_limit
         self.save_total_limit = limit  # KeepLast(limit) for the roots this run opens
-        if resume_from_checkpoint is True:
-            opened = self.root(output_dir)
-            step = opened.resolve(verify=self.verify_on_resume)
-            if step is None:
-                raise ResumeError(
-                    f"resume_from_checkpoint=True but {opened.root} holds no checkpoint; "
-                    "pass resume_from_checkpoint=None to start from scratch"
-                )
-            resume_from_checkpoint = opened.path(step)
-            log.info("Trainer: resuming from %s", resume_from_checkpoint)
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            path = os.path.abspath(os.fspath(resume_from_checkpoint))
-            step = parse_checkpoint_name(os.path.basename(path))
-            if step is not None and os.path.dirname(path) == os.path.abspath(output_dir):
-                # One of ours: refuse a torn or corrupt one instead of half-loading it.
-                self.root(output_dir).resolve(step, verify=self.verify_on_resume)
-        trainer.args.save_total_limit = None
         callback = None
         try:
+            if self.adopt_existing:
+                self.adopt(output_dir)
+            resume_from_checkpoint = self._resume_path(resume_from_checkpoint, output_dir)
+            trainer.args.save_total_limit = None
             if self.preemption:
                 callback = _preemption_callback(
                     PreemptionGuard(
@@ -314,6 +349,175 @@ class _AtomicTrainer:
                 callback.guard.close()
             trainer.args.save_total_limit = limit
             self.close()
+
+    def _resume_path(self, resume_from_checkpoint: Any, output_dir: str) -> Any:
+        """What to hand the Trainer's ``train``: ``True`` becomes the newest complete
+        checkpoint; an explicit path under ``output_dir`` is checked (never half-load a
+        torn one); anything else passes through."""
+        if resume_from_checkpoint is True:
+            opened = self.root(output_dir)
+            try:
+                step = opened.resolve(verify=self.verify_on_resume)
+            except ResumeError as exc:
+                hint = self._stock_hint(opened)
+                raise ResumeError(f"{exc}. {hint}" if hint else str(exc)) from None
+            if step is None:
+                raise ResumeError(
+                    f"resume_from_checkpoint=True but {opened.root} holds no checkpoint; "
+                    "pass resume_from_checkpoint=None to start from scratch"
+                )
+            path = opened.path(step)
+            log.info("Trainer: resuming from %s", path)
+            return path
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.path.abspath(os.fspath(resume_from_checkpoint))
+            step = parse_checkpoint_name(os.path.basename(path))
+            if step is not None and os.path.dirname(path) == os.path.abspath(output_dir):
+                opened = self.root(output_dir)
+                try:
+                    # One of ours: refuse a torn or corrupt one instead of half-loading it.
+                    opened.resolve(step, verify=self.verify_on_resume)
+                except CheckpointNotFoundError as exc:
+                    self._check_stock(opened, step, path, exc)
+        return resume_from_checkpoint
+
+    # ------------------------------------------------------------------ adoption
+    def adopt(self, run_dir: str) -> None:
+        """Adopt the complete stock checkpoints under ``run_dir`` (``adopt_existing``).
+
+        ``adopt`` takes the run lock, so it runs before this job opens the root, on
+        the processes that write checkpoints (``args.should_save``: process 0, or each
+        node's first process with ``save_on_each_node``) one after the other, under the
+        run id the first one recorded: on storage those nodes share, the later ones find
+        the folders already adopted; on node-local disks each adopts its own copy.
+        Every process gets the same outcome; a failure raises on every process.
+        """
+        from ..adopt import adopt
+
+        rank, world, gather = _collective()
+        writers = gather(bool(self.trainer.args.should_save))
+        own: BaseException | None = None
+        refused: dict[int, str] = {}
+        run_id: str | None = None  # one run for every node's copy (node-local disks)
+        for writer in [r for r, w in enumerate(writers) if w] if world > 1 else [0]:
+            mine: Any = None
+            if rank == writer:
+                try:
+                    result = adopt(run_dir, framework="hf", run_id=run_id)
+                    mine = ("ok", result.adopted, result.refused, result.run_id)
+                    if result.adopted:
+                        log.info(
+                            "Trainer: adopted the stock checkpoints %s under %s",
+                            [checkpoint_name(s) for s in result.adopted],
+                            result.root,
+                        )
+                except Exception as exc:
+                    own = exc
+                    mine = ("error", f"{type(exc).__name__}: {exc}")
+            views = gather(mine)
+            for view in views:
+                if view is None:
+                    continue
+                if view[0] == "error":
+                    if own is not None:
+                        raise own
+                    raise CheckpointError(
+                        f"Trainer: adopting the stock checkpoints under {run_dir} failed on "
+                        f"process {writer}: {view[1]}"
+                    )
+                refused.update(view[2])
+                run_id = run_id or view[3]
+        self.refused = refused
+        for step, why in sorted(refused.items()):
+            log.warning(
+                "Trainer: not adopting %s under %s (never resumed from): %s",
+                checkpoint_name(step),
+                run_dir,
+                why,
+            )
+
+    def _dry_adopt(self, opened: FrameworkRoot, steps: list[int] | None) -> dict[int, str | None]:
+        """Which stock folders ``adopt`` would take (step -> None) or refuse (step -> why),
+        checked by each storage domain's coordinator (nothing written) and merged, so
+        every rank gets the same answer."""
+        from ..adopt import adopt
+
+        mgr = opened.manager
+        view: dict[int, str | None] | None = None
+        if mgr.is_coordinator:
+            try:
+                result = adopt(opened.root, steps, framework="hf", dry_run=True)
+                view = {s: None for s in result.adopted}
+                view.update(result.refused)
+            except (CheckpointError, OSError, ValueError) as exc:
+                view = {s: f"could not be checked: {exc}" for s in steps or ()}
+        views = mgr.coordinator.all_gather(
+            f"{opened.label}: stock checkpoints", view, timeout_s=self.timeout_s
+        )
+        merged: dict[int, str | None] = {}
+        for v in views:
+            for step, why in (v or {}).items():
+                if merged.get(step) is None:
+                    merged[step] = why
+        return merged
+
+    def _stock_hint(self, opened: FrameworkRoot) -> str:
+        """The end of the "nothing to resume from" error: which stock checkpoints are
+        complete, which are not (and why), and exactly how to opt in."""
+        found = self.refused if self.adopt_existing else self._dry_adopt(opened, None)
+        complete = sorted(s for s, why in found.items() if why is None)
+        torn = {s: why for s, why in sorted(found.items()) if why is not None}
+        parts = []
+        if torn:
+            parts.append(
+                "Not adoptable (never resumed from): "
+                + "; ".join(f"{checkpoint_name(s)}: {why}" for s, why in torn.items())
+            )
+        if complete:
+            parts.append(
+                f"Complete stock Trainer checkpoints {[checkpoint_name(s) for s in complete]} "
+                f"can be adopted (checked now, nothing written). To resume from the newest, "
+                f"opt in: {_OPT_IN}, or run `atomic-checkpoint adopt {opened.root}` once"
+            )
+        return ". ".join(parts) + "." if parts else ""
+
+    def _check_stock(
+        self, opened: FrameworkRoot, step: int, path: str, exc: CheckpointNotFoundError
+    ) -> None:
+        """An explicit ``resume_from_checkpoint`` path to a folder without a manifest:
+        load it as the stock Trainer would if the Trainer's completeness rule accepts it
+        (``trainer_state.json``, written last, the weights, each file whole), else
+        refuse it with the reason. Nothing is written here (adopting is opt-in)."""
+        why = self._dry_adopt(opened, [step]).get(step, "not found")
+        if why is not None:
+            raise CheckpointNotFoundError(
+                f"{exc}. {path} is not a complete stock Trainer checkpoint either: {why}"
+            ) from None
+        log.info(
+            "Trainer: resuming from the stock checkpoint %s (complete by the Trainer's rule; "
+            "no manifest, so no checksums to verify; adopt it with %s)",
+            path,
+            _OPT_IN,
+        )
+
+
+def _collective() -> tuple[int, int, Any]:
+    """(rank, world size, all_gather of one picklable value) of the job, before any
+    root is open: torch.distributed when the Trainer initialised it, else one process."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - transformers needs torch
+        dist = None  # type: ignore[assignment]
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1, lambda value: [value]
+    world = dist.get_world_size()
+
+    def gather(value: Any) -> list[Any]:
+        out: list[Any] = [None] * world
+        dist.all_gather_object(out, value)
+        return out
+
+    return dist.get_rank(), world, gather
 
 
 def _preemption_callback(guard: PreemptionGuard) -> Any:
@@ -381,6 +585,37 @@ def _transformers_version() -> str:
         return "unknown"
 
 
+def _unsupported(trainer: Any) -> list[str]:
+    """What keeps the integration from wrapping ``trainer``: missing methods, or private
+    methods whose parameters are not the ones the supported releases have."""
+    problems = [
+        f"no {m}()" for m in ("train", *_PRIVATE_METHODS) if not callable(getattr(trainer, m, None))
+    ]
+    if problems:
+        return problems
+    if not hasattr(trainer, "args") or not hasattr(trainer, "state"):
+        return ["no args/state attributes"]
+    for name, expected in _PRIVATE_METHODS.items():
+        try:
+            params = list(inspect.signature(getattr(trainer, name)).parameters.values())
+        except (TypeError, ValueError):
+            continue  # a builtin or C-level wrapper: nothing to check
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+            continue  # (*args, **kwargs): a wrapper that passes everything through
+        positional = [
+            p.name
+            for p in params
+            if p.kind
+            in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ]
+        head = positional[: len(expected)]
+        if len(head) < len(expected) or (
+            name != "_push_from_checkpoint" and head != list(expected)
+        ):
+            problems.append(f"{name}({', '.join(p.name for p in params)})")
+    return problems
+
+
 def make_atomic(
     trainer: Any,
     *,
@@ -389,10 +624,12 @@ def make_atomic(
     timeout_s: float = 600.0,
     preemption: bool = False,
     grace_s: float | None = None,
+    adopt_existing: bool = False,
 ) -> Any:
     """Make a ``transformers.Trainer``'s checkpoints atomic; returns the same trainer.
 
-    Call it once, on every process, before ``train()``.
+    Call it once, on every process, before ``train()`` (or pass
+    :class:`AtomicCheckpointCallback` in ``Trainer(callbacks=[...])``, which calls it).
 
     Args:
         trainer: a ``transformers.Trainer`` (or subclass) instance.
@@ -411,28 +648,36 @@ def make_atomic(
         grace_s: the scheduler's grace period for the preemption save (default
             ``ATOMIC_CHECKPOINT_GRACE_S``): a save that recent saves say cannot
             finish in time is not started.
+        adopt_existing: at the start of ``train()``, adopt the stock Trainer
+            checkpoints already in ``output_dir`` (saved without this library) through
+            :func:`atomic_checkpoint.adopt`: each complete one (by the Trainer's own
+            rule: ``trainer_state.json``, written last, the weights, every file whole)
+            gets a manifest marked adopted, with checksums taken now; a torn one is
+            refused, logged, and never resumed from. Nothing is moved or deleted.
 
     Returns:
         ``trainer``, with ``trainer.train``, ``_save_checkpoint`` and
         ``_push_from_checkpoint`` wrapped.
 
     Raises:
-        TypeError: ``trainer`` lacks the methods the integration relies on.
+        TypeError: ``trainer`` lacks the methods the integration relies on, or they take
+            other parameters than in the supported transformers releases.
         CheckpointError: ``make_atomic`` was already applied to it.
     """
-    missing = [
-        m
-        for m in ("_save_checkpoint", "_get_output_dir", "_push_from_checkpoint", "train")
-        if not callable(getattr(trainer, m, None))
-    ]
-    if missing or not hasattr(trainer, "args") or not hasattr(trainer, "state"):
+    problems = _unsupported(trainer)
+    if problems:
         raise TypeError(
-            f"make_atomic needs a transformers.Trainer; {type(trainer).__name__} lacks "
-            f"{missing or ['args/state']} (transformers {_transformers_version()}); "
-            "please report this version"
+            f"make_atomic needs a transformers.Trainer as in {SUPPORTED_TRANSFORMERS}; "
+            f"{type(trainer).__name__} (transformers {_transformers_version()}) has "
+            f"{', '.join(problems)}: the integration wraps _save_checkpoint(model, trial), "
+            "_get_output_dir(trial) and _push_from_checkpoint(checkpoint_folder). Use a "
+            "supported release, or report this version"
         )
     if getattr(trainer, _ATTR, None) is not None:
-        raise CheckpointError("make_atomic was already applied to this Trainer")
+        raise CheckpointError(
+            "make_atomic was already applied to this Trainer (by a call, or by an "
+            "AtomicCheckpointCallback passed in callbacks=[...]): use one of the two"
+        )
     integration = _AtomicTrainer(
         trainer,
         retention=retention,
@@ -440,9 +685,97 @@ def make_atomic(
         timeout_s=timeout_s,
         preemption=preemption,
         grace_s=grace_s,
+        adopt_existing=adopt_existing,
     )
     setattr(trainer, _ATTR, integration)
     trainer._save_checkpoint = integration.save_checkpoint
     trainer._push_from_checkpoint = integration.push_from_checkpoint
     trainer.train = integration.train
     return trainer
+
+
+class AtomicCheckpointCallback(_TrainerCallback):  # type: ignore[misc,valid-type,unused-ignore]
+    """The Trainer's own way to switch atomic checkpoints on: pass it at construction.
+
+    ::
+
+        trainer = Trainer(..., callbacks=[AtomicCheckpointCallback()])
+        trainer.train(resume_from_checkpoint=True)  # as before
+
+    It gives exactly what :func:`make_atomic` gives (it calls it, with the same
+    arguments), for code that builds the Trainer elsewhere (TRL, scripts that take a
+    list of callbacks). A callback is not handed the Trainer, so it finds the one
+    whose ``__init__`` is running when the Trainer announces ``on_init_end`` (the
+    Trainer that holds this very callback), before ``train()`` can be called; added
+    later with ``trainer.add_callback()`` it is too late for that, and ``train()``
+    refuses to start, saying so.
+
+    Args:
+        retention, verify_on_resume, timeout_s, preemption, grace_s, adopt_existing:
+            as for :func:`make_atomic`.
+    """
+
+    def __init__(
+        self,
+        *,
+        retention: Any = None,
+        verify_on_resume: bool = True,
+        timeout_s: float = 600.0,
+        preemption: bool = False,
+        grace_s: float | None = None,
+        adopt_existing: bool = False,
+    ):
+        self.options: dict[str, Any] = dict(
+            retention=retention,
+            verify_on_resume=verify_on_resume,
+            timeout_s=timeout_s,
+            preemption=preemption,
+            grace_s=grace_s,
+            adopt_existing=adopt_existing,
+        )
+        self.trainer: Any = None
+
+    def __repr__(self) -> str:
+        return f"AtomicCheckpointCallback(adopt_existing={self.options['adopt_existing']})"
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        trainer = _trainer_holding(self)
+        if trainer is None:
+            raise CheckpointError(
+                "AtomicCheckpointCallback: could not find the Trainer that announced "
+                f"on_init_end (transformers {_transformers_version()}; supported: "
+                f"{SUPPORTED_TRANSFORMERS}); call make_atomic(trainer) instead"
+            )
+        if self.trainer is not None and self.trainer is not trainer:
+            raise CheckpointError(
+                "AtomicCheckpointCallback: this instance already serves another Trainer; "
+                "give each Trainer its own AtomicCheckpointCallback()"
+            )
+        make_atomic(trainer, **self.options)
+        self.trainer = trainer
+        return control
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if self.trainer is None:
+            raise CheckpointError(
+                "AtomicCheckpointCallback was added after the Trainer was built (with "
+                "add_callback?): the checkpoints of this run would not be atomic. Pass "
+                "it as Trainer(..., callbacks=[AtomicCheckpointCallback()]), or call "
+                "make_atomic(trainer) before train()"
+            )
+        return control
+
+
+def _trainer_holding(callback: Any) -> Any:
+    """The Trainer whose ``callback_handler`` holds ``callback``, found among the
+    callers of ``on_init_end`` (``Trainer.__init__`` and its subclasses' ``__init__``)."""
+    frame: Any = sys._getframe(1)
+    for _ in range(64):  # bounded: the Trainer is a few frames up
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        handler = getattr(candidate, "callback_handler", None)
+        if any(cb is callback for cb in getattr(handler, "callbacks", ())):
+            return candidate
+        frame = frame.f_back
+    return None

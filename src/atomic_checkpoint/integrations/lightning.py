@@ -44,11 +44,13 @@ plugin):
 
 1. ``torch.save`` streams into ``.<name>.<token>.pending`` in the destination
    directory (same filesystem, so the rename in 3 never degrades to a copy:
-   FAILURE_MODES D5), hashing every byte as it is written; the file is fsync'd.
-2. The manifest is replaced atomically (temp, fsync, rename, directory fsync) with one
-   listing the new version first and the versions the file may still hold after it.
-3. The pending file is renamed onto ``<name>`` (``os.replace``: readers see the old or
-   the new file, never a part) and the directory is fsync'd.
+   FAILURE_MODES D5), hashing every byte as it is written; the file is fsync'd
+   (``LocalStorage.open_write``).
+2. The manifest is replaced atomically (``LocalStorage.write_bytes_atomic``: temp,
+   fsync, rename, directory fsync) with one listing the new version first and the
+   versions the file may still hold after it.
+3. The pending file is renamed onto ``<name>`` (``LocalStorage.replace_file``: readers
+   see the old or the new file, never a part) and the directory is fsync'd.
 4. The manifest is replaced again, listing only the new version.
 
 At every instant the file at ``<name>`` is one of the versions its manifest lists, so a
@@ -59,7 +61,20 @@ A load checks the file against its manifest: size, then (``verify=True``) the ch
 before ``torch.load`` with ``weights_only=True`` unless the caller passes
 ``weights_only=False`` (loading pickle executes code from the file: DESIGN invariant 8).
 A file without a manifest (written by another plugin) loads with a warning, or is
-refused with ``require_manifest=True``.
+refused with ``require_manifest=True``. A symbolic link (``save_last="link"`` makes
+``last.ckpt`` one) is verified through its target and the target's manifest.
+
+Adopting a stock run
+--------------------
+A run saved with Lightning's own plugin has ``.ckpt`` files without manifests, and a
+crash may have torn one (the in-place copy above). ``atomic_checkpoint.adopt(DIR,
+framework="lightning")`` (or ``latest_checkpoint(DIR, adopt=True)``, or
+``atomic-checkpoint adopt DIR --framework lightning``) checks each
+``...step=<N>...ckpt`` with Lightning's completeness rule (a whole ``torch.save``
+archive: its central directory, then every member's CRC-32) and writes a manifest
+marked ``"adopted"`` beside each complete one; a torn one is refused and gets none.
+From then on those files verify like the plugin's own, and :func:`latest_checkpoint`
+resumes from the newest complete one.
 
 ``remove_checkpoint`` unlinks the ``.ckpt`` first (after which nothing is loadable under
 that name), then its manifest, and never touches a directory. The async plugin queues
@@ -71,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import json
 import logging
@@ -80,12 +96,13 @@ import re
 import threading
 import time
 import uuid
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import torch
 
@@ -107,8 +124,12 @@ __all__ = [
     "AtomicCheckpointIO",
     "CheckpointFile",
     "LightningClasses",
+    "PreemptionCallback",
+    "adopt_checkpoints",
     "checkpoint_io_classes",
     "latest_checkpoint",
+    "preemption_callback_class",
+    "stock_checkpoint_problem",
     "verify_checkpoint",
 ]
 
@@ -121,10 +142,10 @@ _SCHEMA = 1
 # a completed save it lists one; each save that crashed between steps 2 and 3 adds one.
 _MAX_VERSIONS = 8
 _PENDING_RE = re.compile(r"^\..+\.[0-9a-f]{16}\.pending$")
-# Temporary names of LocalStorage.write_bytes_atomic (the manifest's replace).
-_MANIFEST_TMP_RE = re.compile(r"^.+\.ckpt\.manifest\.json\.tmp-[0-9]+-[0-9]+$")
+# Temporary names of LocalStorage.write_bytes_atomic (the manifest's replace; see
+# storage.temps: ``.tmp-<writer tag>-<pid>-<tid>-<ns>``, formerly ``.tmp-<pid>-<ns>``).
+_MANIFEST_TMP_RE = re.compile(r"^.+\.ckpt\.manifest\.json\.tmp-[0-9a-f]+(?:-[0-9]+)+$")
 _READ_CHUNK = 8 << 20
-_IS_WINDOWS = os.name == "nt"
 
 
 # ---------------------------------------------------------------------- manifests
@@ -179,6 +200,10 @@ class CheckpointFile:
         has_manifest: False for files written without this plugin (unverified).
         is_newest: False when the newest save of this path did not complete and the
             file is an earlier complete version.
+        link: the symbolic link that was asked for (``save_last="link"``'s
+            ``last.ckpt``), when ``path`` is its target; None otherwise.
+        adopted: the manifest was written by adoption (checksum taken then, not
+            while the file was written).
     """
 
     path: str
@@ -188,6 +213,8 @@ class CheckpointFile:
     checksum: str | None
     has_manifest: bool
     is_newest: bool = True
+    link: str | None = None
+    adopted: bool = False
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -210,6 +237,12 @@ def _read_versions(path: str) -> list[_Version] | None:
     Raises:
         CorruptCheckpointError: the manifest exists but is unreadable.
     """
+    found = _read_manifest(path)
+    return None if found is None else found[0]
+
+
+def _read_manifest(path: str) -> tuple[list[_Version], bool] | None:
+    """(versions, adopted) from the manifest of ``path``; None when it has none."""
     where = _manifest_path(path)
     try:
         with open(where, "rb") as f:
@@ -232,16 +265,20 @@ def _read_versions(path: str) -> list[_Version] | None:
     versions = doc.get("versions")
     if not isinstance(versions, list) or not versions:
         raise CorruptCheckpointError(f"{where}: the manifest lists no version")
-    return [_Version.from_json(v, where) for v in versions]
+    return [_Version.from_json(v, where) for v in versions], doc.get("adopted") is True
 
 
-def _manifest_bytes(name: str, versions: list[_Version]) -> bytes:
-    doc = {
+def _manifest_bytes(name: str, versions: list[_Version], *, adopted: bool = False) -> bytes:
+    doc: dict[str, Any] = {
         "format": _FORMAT,
         "schema": _SCHEMA,
         "file": name,
         "versions": [v.to_json() for v in versions],
     }
+    if adopted:
+        # Written by adoption: the checksum was taken then, not while the file was
+        # written (what it proves starts at adoption).
+        doc["adopted"] = True
     return json.dumps(doc, indent=1).encode()
 
 
@@ -272,19 +309,34 @@ def verify_checkpoint(
         full: recompute the checksum (one sequential read); otherwise sizes only.
         require_manifest: refuse a file that has no manifest.
 
+    A symbolic link (``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` one) is
+    verified through its target, against the target's manifest: the returned ``path``
+    is the target (load that, not the link, which Lightning may repoint meanwhile)
+    and ``link`` the link.
+
     Raises:
-        CheckpointNotFoundError: the file does not exist.
+        CheckpointNotFoundError: the file (or a link's target) does not exist.
         CorruptCheckpointError: it is not a version its manifest lists (torn,
             truncated or modified), or it has no manifest and one is required.
     """
     final = _local_path(path)
+    if os.path.islink(final):
+        target = os.path.realpath(final)
+        if not os.path.lexists(target):
+            raise CheckpointNotFoundError(
+                f"checkpoint file {final!r} is a symbolic link to {target!r}, which does not "
+                "exist (its target was removed); resume from another checkpoint"
+            )
+        resolved = verify_checkpoint(target, full=full, require_manifest=require_manifest)
+        return dataclasses.replace(resolved, link=final)
     try:
         st = os.stat(final)
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"checkpoint file {final!r} does not exist") from exc
     except OSError as exc:
         raise map_os_error(exc, "stat", final) from exc
-    versions = _read_versions(final)
+    recorded = _read_manifest(final)
+    versions = None if recorded is None else recorded[0]
     if versions is None:
         if require_manifest:
             raise CorruptCheckpointError(
@@ -329,11 +381,20 @@ def verify_checkpoint(
             match.global_step,
         )
     return CheckpointFile(
-        final, st.st_size, match.global_step, match.epoch, digest, True, is_newest=newest
+        final,
+        st.st_size,
+        match.global_step,
+        match.epoch,
+        digest,
+        True,
+        is_newest=newest,
+        adopted=recorded is not None and recorded[1],
     )
 
 
-def latest_checkpoint(dirpath: str | os.PathLike[str], *, full: bool = False) -> str | None:
+def latest_checkpoint(
+    dirpath: str | os.PathLike[str], *, full: bool = False, adopt: bool = False
+) -> str | None:
     """The ``.ckpt`` file in ``dirpath`` with the highest recorded ``global_step`` that
     verifies against its manifest; None if there is none.
 
@@ -345,8 +406,20 @@ def latest_checkpoint(dirpath: str | os.PathLike[str], *, full: bool = False) ->
     Args:
         dirpath: ``ModelCheckpoint``'s directory.
         full: verify checksums too (a full read of every candidate).
+        adopt: first adopt the complete ``.ckpt`` files a stock run left there
+            (``atomic_checkpoint.adopt(dirpath, framework="lightning")``; torn ones are
+            refused with a warning), so a stock run continued with this plugin resumes
+            from its newest complete checkpoint. Only the process of global rank 0
+            (``RANK``, else ``NODE_RANK`` and ``LOCAL_RANK``, 0 when unset) adopts: with
+            Lightning's own DDP launcher the other ranks start after it has. Under
+            ``torchrun``, adopt once before the job (``atomic-checkpoint adopt``).
+
+    Raises:
+        LockHeldError: ``adopt`` and a job holds the run lock of ``dirpath``.
     """
     directory = _local_path(dirpath)
+    if adopt and _launch_rank() == 0 and os.path.isdir(directory):
+        adopt_checkpoints(directory)
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
@@ -371,6 +444,130 @@ def latest_checkpoint(dirpath: str | os.PathLike[str], *, full: bool = False) ->
         if best is None or key > best:
             best = key
     return os.path.join(directory, best[1]) if best is not None else None
+
+
+# ---------------------------------------------------------------------- adoption
+# The ``.ckpt`` names adoption considers: those carrying the step (Lightning's default
+# ``{epoch}-{step}``, with its ``-v<n>`` version suffix); ``last.ckpt`` names none.
+_CKPT_NAME_RE = re.compile(
+    r"^(?:.*[^A-Za-z0-9])?step=(?P<step>0|[1-9][0-9]{0,18})(?:-v[0-9]+)?\.ckpt$"
+)
+_EPOCH_RE = re.compile(r"(?:^|[^A-Za-z0-9])epoch=(0|[1-9][0-9]{0,18})(?:[^0-9]|$)")
+
+
+def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+    """Lightning's completeness rule for a ``.ckpt`` written without this plugin: None
+    when it is a whole ``torch.save`` archive, else why not (one sentence).
+
+    Whole means: the zip central directory (written last) is there, every member lies
+    inside the file, and every member's CRC-32 (recorded by ``torch.save``) matches its
+    bytes; the archive holds ``data.pkl``. A file this plugin wrote is judged by its
+    manifest instead. Reads the whole file; never writes.
+    """
+    final = _local_path(path)
+    try:
+        if os.path.exists(final + MANIFEST_SUFFIX):
+            verify_checkpoint(final, full=False, require_manifest=True)
+            return None
+        size = os.path.getsize(final)
+    except CheckpointError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"cannot be read: {exc}"
+    if size == 0:
+        return "it is empty (0 bytes): torn by a crash during the save (Lightning truncates first)"
+    try:
+        with zipfile.ZipFile(final) as archive:
+            names = archive.namelist()
+            if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
+                return "it is a zip archive without data.pkl: not a torch.save file"
+            bad = archive.testzip()  # reads every member, checks its CRC-32
+    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
+        return (
+            f"it is not a whole torch.save archive ({exc}): truncated or torn by a crash "
+            "during the save"
+        )
+    except OSError as exc:
+        return f"cannot be read: {exc}"
+    if bad is not None:
+        return f"member {bad!r} does not match its CRC-32: the file is torn or corrupt"
+    return None
+
+
+def _record_adopted(path: str) -> bool:
+    """Write the manifest of a complete stock ``.ckpt`` (adoption's ``record``): its
+    checksum taken now, the step from its name (Lightning formats ``step=`` from
+    ``global_step``), marked adopted. False when it has a manifest already."""
+    final = _local_path(path)
+    directory, name = os.path.split(final)
+    if os.path.exists(final + MANIFEST_SUFFIX):
+        return False
+    match = _CKPT_NAME_RE.match(name)
+    epoch = _EPOCH_RE.search(name)
+    digest, size = _hash_file(final, DEFAULT_ALGORITHM)
+    _fsync_path(final)  # a stock save never fsyncs: the manifest must not outlive the data
+    version = _Version(
+        size,
+        digest,
+        DEFAULT_ALGORITHM,
+        int(match.group("step")) if match else None,
+        int(epoch.group(1)) if epoch else None,
+        time.time(),
+    )
+    store = LocalStorage(directory)
+    store.fsync_dir("")
+    store.write_bytes_atomic(name + MANIFEST_SUFFIX, _manifest_bytes(name, [version], adopted=True))
+    return True
+
+
+def _fsync_path(path: str) -> None:
+    # Windows: only a writable handle can be flushed.
+    flags = os.O_RDWR if os.name == "nt" else os.O_RDONLY
+    try:
+        fd = os.open(path, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise map_os_error(exc, "fsync", path) from exc
+
+
+def adopt_checkpoints(dirpath: str | os.PathLike[str], *, dry_run: bool = False) -> Any:
+    """Adopt the complete ``.ckpt`` files of a stock Lightning run in ``dirpath``:
+    ``atomic_checkpoint.adopt(dirpath, framework="lightning")``, with each refused
+    (torn) file named in a warning. Returns its ``AdoptResult`` (steps adopted,
+    refused with the reason, already recorded).
+
+    Raises:
+        LockHeldError: a job holds the run lock of ``dirpath``.
+    """
+    from ..adopt import adopt
+
+    result = adopt(_local_path(dirpath), framework="lightning", dry_run=dry_run)
+    for step, why in sorted(result.refused.items()):
+        log.warning("not adopting the checkpoint of step %d in %s: %s", step, dirpath, why)
+    return result
+
+
+def _launch_rank() -> int:
+    """This process's global rank from the launcher's environment (before any process
+    group exists): ``RANK``, else Lightning's ``NODE_RANK`` and ``LOCAL_RANK``."""
+    rank = os.environ.get("RANK", "").strip()
+    if rank.isdigit():
+        return int(rank)
+    node = os.environ.get("NODE_RANK", "0").strip()
+    local = os.environ.get("LOCAL_RANK", "0").strip()
+    return 0 if node in ("", "0") and local in ("", "0") else 1
+
+
+def _register_adoption() -> None:
+    """Make ``adopt(..., framework="lightning")`` know Lightning's rule and record."""
+    try:
+        from ..adopt import register_framework
+    except ImportError:  # pragma: no cover - the adopt module is part of the package
+        return
+    register_framework("lightning", _CKPT_NAME_RE, stock_checkpoint_problem, record=_record_adopted)
 
 
 # ---------------------------------------------------------------------- file writes
@@ -402,25 +599,6 @@ def _ensure_dir(directory: str) -> None:
     LocalStorage(directory).makedirs("")
     for created in reversed(missing):
         LocalStorage(os.path.dirname(created)).fsync_dir("")
-
-
-def _replace(directory: str, src: str, dst: str) -> None:
-    """``os.replace`` inside ``directory``; Windows: retry sharing violations briefly."""
-    s, d = os.path.join(directory, src), os.path.join(directory, dst)
-    delay = 0.01
-    for attempt in range(8):
-        try:
-            os.replace(s, d)
-            return
-        except PermissionError as exc:
-            # Windows: a virus scanner or indexer holding a handle on the old file
-            # (winerror 5 or 32) makes the replace fail for a moment.
-            if not _IS_WINDOWS or getattr(exc, "winerror", None) not in (5, 32) or attempt == 7:
-                raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
-            time.sleep(delay)
-            delay *= 2
-        except OSError as exc:
-            raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
 
 
 class _HashingSink:
@@ -567,8 +745,7 @@ class _AtomicFileIO:
                 name + MANIFEST_SUFFIX, _manifest_bytes(name, [new, *previous][:_MAX_VERSIONS])
             )
             fault_point("after_manifest", rank, step)
-            _replace(directory, pending, name)
-            store.fsync_dir("")
+            store.replace_file(pending, name)  # atomic rename, then the directory fsync
         except BaseException:
             with contextlib.suppress(CheckpointError):
                 store.delete_file(pending)
@@ -846,6 +1023,125 @@ class _AsyncAtomicFileIO:
         self._raise_pending_error()
 
 
+# ---------------------------------------------------------------------- preemption
+class _GuardHost:
+    """What ``PreemptionGuard`` asks of a manager, for a job that has none: the
+    coordinator that carries the vote, the bound on its waits, the last save (whose
+    duration the guard's deadline check uses)."""
+
+    def __init__(self, coordinator: Any, timeout_s: float):
+        self.coordinator = coordinator
+        self.timeout_s = timeout_s
+        self.last_saved: Any = None
+
+
+class _SaveTiming(NamedTuple):
+    timings_s: dict[str, float]
+
+
+class _PreemptionCallback:
+    """Lightning callback: SIGTERM/SIGUSR1 (to any rank) stops training at the next
+    step boundary with one checkpoint of that step on every rank, then ``exit()``
+    ends the process with 75 (requeue).
+
+    Lightning's own handling does not do this: its SIGTERM handler stops the run
+    without saving, and its SLURM requeue saves from inside the SIGUSR1 handler, at
+    an arbitrary point of the step, on whichever rank got the signal. Here the
+    handlers only record the signal (a ``PreemptionGuard``, installed when training
+    starts, replacing Lightning's until it ends); at each batch end every rank takes
+    part in one small vote through the launcher's key-value store (never a training
+    collective); once any rank was signalled, all of them call
+    ``trainer.save_checkpoint`` for the same step (atomic through
+    ``AtomicCheckpointIO``) and stop. Call ``preemption.arm()`` at the top of the
+    script so that a signal during start-up is recorded too.
+
+    Args:
+        dirpath: where the preemption checkpoint goes; default: ``ModelCheckpoint``'s
+            directory, else the trainer's ``default_root_dir``. Its name,
+            ``preempted-step=<N>.ckpt``, carries the step, so ``latest_checkpoint``
+            and adoption order it with the others.
+        grace_s: the scheduler's grace period (see ``PreemptionGuard``): a save that
+            recent saves say cannot finish in time is not started.
+        signals: the signals that mean "save and stop".
+        timeout_s: bound on each vote's wait for the other ranks.
+    """
+
+    def __init__(
+        self,
+        *,
+        dirpath: str | os.PathLike[str] | None = None,
+        grace_s: float | None = None,
+        signals: tuple[int, ...] | None = None,
+        timeout_s: float = 600.0,
+    ):
+        super().__init__()
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+        self.grace_s = grace_s
+        self.signals = signals
+        self.timeout_s = timeout_s
+        self.guard: Any = None
+        #: The preemption checkpoint written, when one was.
+        self.saved_path: str | None = None
+        self._host: _GuardHost | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Spawn launchers pickle callbacks: the guard (handlers, locks) does not travel.
+        return {**self.__dict__, "guard": None, "_host": None}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from ..coordination import default_coordinator
+        from ..preemption import DEFAULT_SIGNALS, PreemptionGuard
+
+        self._host = _GuardHost(default_coordinator(), self.timeout_s)
+        self.guard = PreemptionGuard(
+            self._host, signals=self.signals or DEFAULT_SIGNALS, grace_s=self.grace_s
+        )
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        guard = self.guard
+        if guard is None or self.saved_path is not None or guard.stopping:
+            return
+        step = int(trainer.global_step)
+        if guard.should_save(step):
+            path = os.path.join(self._directory(trainer), f"preempted-step={step}.ckpt")
+            t0 = time.monotonic()
+            trainer.save_checkpoint(path)  # every rank; rank 0 writes, atomically
+            if self._host is not None:
+                self._host.last_saved = _SaveTiming({"total": time.monotonic() - t0})
+            self.saved_path = path
+        if guard.stopping:
+            trainer.should_stop = True
+
+    def _directory(self, trainer: Any) -> str:
+        if self.dirpath is not None:
+            return self.dirpath
+        callback = getattr(trainer, "checkpoint_callback", None)
+        directory = getattr(callback, "dirpath", None)
+        return os.fspath(directory) if directory else os.fspath(trainer.default_root_dir)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is not None:
+            self.guard.close()  # Lightning's handlers are back; the decision stays
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.guard is not None:
+            self.guard.close()
+
+    @property
+    def exit_code(self) -> int:
+        """75 (``REQUEUE_EXIT_CODE``) once the ranks stopped for a preemption, else 0."""
+        return 0 if self.guard is None else int(self.guard.exit_code)
+
+    def exit(self) -> NoReturn:
+        """End the process with :attr:`exit_code` (``raise SystemExit``): call it after
+        ``trainer.fit`` returns, on every rank."""
+        if self.guard is not None:
+            self.guard.exit()  # ignores further preemption signals, then raises
+        raise SystemExit(self.exit_code)
+
+
 # ---------------------------------------------------------------------- namespaces
 class LightningClasses(NamedTuple):
     """The two plugins, subclassing one namespace's ``CheckpointIO``."""
@@ -910,6 +1206,47 @@ def checkpoint_io_classes(namespace: str = "lightning") -> LightningClasses:
         return found
 
 
+_CALLBACK_BASES = {
+    "lightning": "lightning.pytorch.callbacks",
+    "pytorch_lightning": "pytorch_lightning.callbacks",
+}
+_callbacks: dict[str, type[_PreemptionCallback]] = {}
+
+
+def preemption_callback_class(namespace: str = "lightning") -> type[_PreemptionCallback]:
+    """The preemption callback for ``namespace`` (``"lightning"`` or
+    ``"pytorch_lightning"``): ``PreemptionCallback`` / ``PLPreemptionCallback``.
+
+    Raises:
+        ValueError: unknown namespace.
+        ImportError: that package is not installed (the message names the pip command).
+    """
+    if namespace not in _CALLBACK_BASES:
+        raise ValueError(f"namespace must be one of {sorted(_CALLBACK_BASES)}, got {namespace!r}")
+    with _classes_lock:
+        found = _callbacks.get(namespace)
+        if found is not None:
+            return found
+        try:
+            base = importlib.import_module(_CALLBACK_BASES[namespace]).Callback
+        except ImportError as exc:
+            dist = _BASES[namespace][1]
+            raise ImportError(
+                f"the {namespace} callback of atomic-checkpoint needs the {dist!r} package: "
+                f"pip install {dist} (or pip install 'atomic-checkpoint[lightning]')"
+            ) from exc
+        name = ("" if namespace == "lightning" else "PL") + "PreemptionCallback"
+        attrs = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": _PreemptionCallback.__doc__,
+        }
+        cls = type(name, (_PreemptionCallback, base), attrs)
+        globals()[name] = cls  # pickle finds classes by module attribute
+        _callbacks[namespace] = cls
+        return cls
+
+
 def _default_classes() -> LightningClasses:
     for namespace in ("lightning", "pytorch_lightning"):
         with contextlib.suppress(ImportError):
@@ -930,11 +1267,15 @@ _LAZY = {
 if TYPE_CHECKING:
     AtomicCheckpointIO: type[_AtomicFileIO]
     AsyncAtomicCheckpointIO: type[_AsyncAtomicFileIO]
+    PreemptionCallback: type[_PreemptionCallback]
 
 
 def __getattr__(name: str) -> Any:
     # The plugin classes are built on first use, so importing this module (for
     # verify_checkpoint, latest_checkpoint) does not import Lightning (~5 s).
+    if name in ("PreemptionCallback", "PLPreemptionCallback"):
+        namespace = "pytorch_lightning" if name.startswith("PL") else "lightning"
+        return preemption_callback_class(namespace)
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     namespace, index = _LAZY[name]
@@ -942,3 +1283,6 @@ def __getattr__(name: str) -> Any:
     cls = classes[index]
     globals()[name] = cls
     return cls
+
+
+_register_adoption()

@@ -12,6 +12,7 @@ from .base import Storage, StorageCapabilities, Writer
 from .detect import local_capabilities
 from .local import LocalStorage
 from .memory import MemoryStorage
+from .project import open_project
 
 if TYPE_CHECKING:
     from .fsspec import FsspecStorage
@@ -63,7 +64,8 @@ def open_storage(
 
     Object-store URLs name keys literally: no pattern (``[``, ``*``, ``?``) and no
     ``%`` escape in them is interpreted (as in the AWS CLI and s3fs). Local roots are
-    normalised by ``local_root``."""
+    normalised by ``local_root``; one that records the Accelerate layout (or its
+    ``checkpoints/`` folder) opens as a ``project.ProjectStorage``."""
     text = os.fspath(root)
     if "://" in text and not text.startswith("file://"):
         from .fsspec import FsspecStorage  # imports fsspec: only for URL roots
@@ -75,4 +77,9 @@ def open_storage(
             f"path {text!r}"
         )
     path = local_root(text)
+    # An Accelerate project directory (or its checkpoints/ folder) keeps Accelerate's
+    # names on disk: opened through the view that its layout record asks for.
+    view = open_project(path, lambda p: LocalStorage(p, capabilities=local_capabilities(p)))
+    if view is not None:
+        return view
     return LocalStorage(path, capabilities=local_capabilities(path))

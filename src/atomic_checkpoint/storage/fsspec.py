@@ -47,7 +47,6 @@ import json
 import logging
 import os
 import shutil
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -59,6 +58,7 @@ from ..errors import (
     map_os_error,
 )
 from .base import MAX_READ_BYTES, Reader, StorageCapabilities, check_no_links, linked, too_large
+from .temps import temp_name
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -516,7 +516,7 @@ class FsspecStorage:
         reader ever opens a half-written file."""
         self._beneath(path, final=False)
         final = self._abs(path)
-        tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = temp_name(final)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             try:
@@ -555,18 +555,62 @@ class FsspecStorage:
             raise self._error(exc, "list", path) from exc
         return self._rel_children(p, [str(n) for n in names])
 
-    def size(self, path: str) -> int | None:
+    def _info(self, path: str) -> dict[str, Any] | None:
+        """fsspec's ``info`` of ``path`` (one HEAD on an object store), None if missing."""
         p = self._abs(path)
         self._beneath(path)
         try:
-            info = self.fs.info(p)
+            return dict(self.fs.info(p))
         except (FileNotFoundError, NotADirectoryError):
             return None
         except Exception as exc:
             raise self._error(exc, "stat", path) from exc
-        if info.get("type") != "file" or str(info.get("name", "")).endswith("/"):
+
+    def size(self, path: str) -> int | None:
+        info = self._info(path)
+        if info is None or info.get("type") != "file" or str(info.get("name", "")).endswith("/"):
             return None
         return int(info["size"])
+
+    def stat_token(self, path: str) -> tuple[str, ...] | None:
+        """What identifies this version of file ``path`` without reading it (one HEAD on
+        an object store: ETag and size; inode, size and times on file://), or None if it
+        is missing or not a file. An object store's ETag is derived from the content (the
+        MD5 of a single-part upload, of the parts' MD5s for a multipart one), so an equal
+        token means the same bytes. Used by ``catalog.ManifestCache``."""
+        info = self._info(path)
+        return None if info is None else self._token(info)
+
+    def stat_tokens(self, path: str) -> dict[str, tuple[tuple[str, ...], int]] | None:
+        """``stat_token`` and size of every file under ``path`` (paths relative to it)
+        from one recursive listing: on an object store a thousand keys per request,
+        where ``stat_token`` and ``size`` cost one request per file. None on file://,
+        where a ``stat`` per file is cheaper than a walk of every file."""
+        if not self._is_object_store:
+            return None
+        p = self._abs(path)
+        try:
+            found = self.fs.find(p, detail=True)
+        except FileNotFoundError:
+            return {}
+        except Exception as exc:
+            raise self._error(exc, "walk", path) from exc
+        prefix = p.rstrip("/") + "/"
+        out = {}
+        for name, info in found.items():
+            name = str(name)
+            token = self._token(info)
+            if name.startswith(prefix) and not name.endswith("/") and token is not None:
+                out[name[len(prefix) :]] = (token, int(info["size"]))
+        return out
+
+    def _token(self, info: Mapping[str, Any]) -> tuple[str, ...] | None:
+        if info.get("type") != "file" or info.get("islink"):
+            return None
+        # The same fields from a HEAD and from a listing, so tokens taken either way
+        # compare equal.
+        keys = ("ETag", "size") if self._is_object_store else ("size", "mtime", "ino", "created")
+        return tuple(f"{k}={info.get(k, info.get(k.lower()))}" for k in keys)
 
     def is_dir(self, path: str) -> bool:
         try:

@@ -90,6 +90,7 @@ from ..errors import (
 )
 from .base import MAX_READ_BYTES, Reader, StorageCapabilities, check_no_links, linked, too_large
 from .detect import local_capabilities, mount_of
+from .temps import temp_name
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -573,12 +574,9 @@ class LocalStorage:
     direct_io: bool | None = None
     _direct_io_auto: bool | None = None
 
-    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> Any:
-        """Open ``path`` for O_DIRECT writes from block-aligned memory (see
-        ``_DirectWriter``), or return None where this filesystem should not get them.
-
-        Called by the rank that writes a large state file, from the thread that saves.
-        """
+    def direct_io_enabled(self) -> bool:
+        """Whether large state files are written, and read where the page cache does not
+        hold them, with O_DIRECT here (see ``direct_io``)."""
         use = self.direct_io
         if use is None:
             if self._direct_io_auto is None:
@@ -589,7 +587,15 @@ class LocalStorage:
                     and self.capabilities.coherent
                 )
             use = self._direct_io_auto
-        if not use or not hasattr(os, "O_DIRECT"):
+        return bool(use) and hasattr(os, "O_DIRECT")
+
+    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> Any:
+        """Open ``path`` for O_DIRECT writes from block-aligned memory (see
+        ``_DirectWriter``), or return None where this filesystem should not get them.
+
+        Called by the rank that writes a large state file, from the thread that saves.
+        """
+        if not self.direct_io_enabled():
             return None
         self.check_root()
         try:
@@ -661,7 +667,7 @@ class LocalStorage:
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
         self.check_root()
         final = self._abs(path)
-        tmp = f"{final}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        tmp = temp_name(final)
         w = _LocalWriter(self, os.path.relpath(tmp, self.root).replace(os.sep, "/"), None)
         try:
             w.write(data)
@@ -677,6 +683,28 @@ class LocalStorage:
             raise
         self.fsync_dir(os.path.dirname(path.rstrip("/")) if "/" in path else "")
 
+    def replace_file(self, src: str, dst: str) -> None:
+        """Rename file ``src`` onto ``dst`` in one step, then fsync ``dst``'s directory:
+        readers see the old or the new ``dst``, never a part of either. The streaming
+        counterpart of ``write_bytes_atomic`` for files written with ``open_write``
+        (Lightning's ``.ckpt``: a pending file beside ``dst``, so the rename never
+        degrades to a copy across filesystems).
+
+        Called by the one writer of ``dst``; blocks; ``src`` must be closed (fsync'd).
+
+        Raises:
+            StorageError: the rename failed (``src`` is left where it was).
+        """
+        self.check_root()
+        s, d = self._abs(src), self._abs(dst)
+        try:
+            # Windows: a virus scanner or indexer holding the old file open fails the
+            # replace for a moment (winerror 5 or 32); retried.
+            _retry_windows(lambda: os.replace(s, d))
+        except OSError as exc:
+            raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
+        self.fsync_dir(dst.rsplit("/", 1)[0] if "/" in dst else "")
+
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Create ``path`` holding ``data`` unless it exists; True if this call did.
 
@@ -687,7 +715,8 @@ class LocalStorage:
         exactly one wins; a crash at any moment leaves the name absent or complete. (An
         ``O_EXCL`` create, then write, then fsync, froze a 0-byte file there when the
         process died in between, and every later start tripped over it.) A crash can
-        leave the temporary file (``<name>.tmp-<pid>-...``): a few bytes, never read.
+        leave the temporary file (``<name>.tmp-<writer>-...``): a few bytes, never read,
+        removed by the next sweep or ``clean`` (``storage.temps``).
 
         NFS: a link whose reply was lost is retransmitted and then answers EEXIST
         although it succeeded; the temporary file's link count (2) tells. Where hard
@@ -696,7 +725,7 @@ class LocalStorage:
         """
         self.check_root()
         p = self._abs(path)
-        tmp = f"{p}.tmp-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+        tmp = temp_name(p)
         self._write_new_file(tmp, data)
         try:
             fault_point("mid_create", -1)
@@ -719,10 +748,11 @@ class LocalStorage:
 
     @staticmethod
     def _drop_temporary(tmp: str) -> None:
-        """Unlink ``create_exclusive``'s temporary file. Nothing lists or sweeps these
-        names later, so a failed unlink (a transient EIO or ENOSPC from the filesystem,
-        found by the libfiu campaign on s3fs-fuse) is retried once and, if it fails
-        again, named in a warning rather than left silently."""
+        """Unlink ``create_exclusive``'s temporary file. Only the next start's sweep
+        (or ``clean``) would remove it otherwise, so a failed unlink (a transient EIO or
+        ENOSPC from the filesystem, found by the libfiu campaign on s3fs-fuse) is
+        retried once and, if it fails again, named in a warning rather than left
+        silently."""
         for attempt in range(2):
             try:
                 os.unlink(tmp)
@@ -795,6 +825,25 @@ class LocalStorage:
         if stat.S_ISLNK(st.st_mode):
             raise linked(p)  # its target's size is outside's business
         return st.st_size
+
+    def stat_token(self, path: str) -> tuple[int, ...] | None:
+        """What identifies this version of file ``path`` without reading it (device,
+        inode, size, modification and change times in ns), or None if it is missing, a
+        link or not a regular file. A file replaced by a rename (``write_bytes_atomic``,
+        a checkpoint directory renamed over) is a new inode with new times, so an equal
+        token means the same bytes. On network filesystems the attributes come from this
+        client's cache: its own changes show at once, other clients' within the cache's
+        timeout. Used by ``catalog.ManifestCache``."""
+        p = self._abs(path)
+        try:
+            st = os.lstat(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            raise map_os_error(exc, "stat", p) from exc
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def is_dir(self, path: str) -> bool:
         """Whether ``path`` is a directory of this root: a link to one is not."""

@@ -37,6 +37,10 @@ class _Count(logging.Handler):
 warnings_seen = _Count()
 logging.getLogger("atomic_checkpoint").addHandler(warnings_seen)
 mgr = CheckpointManager(root, read_only=True)
+# Ready: the job may start saving (on a loaded machine this process's imports can take
+# longer than the job's whole run).
+with open(out + ".ready", "w") as f:
+    f.write("ready")
 reads = torn = vanished = 0
 steps_seen = set()
 problems = []

@@ -9,6 +9,11 @@ hf_kill.py check STOCK_DIR ATOMIC_DIR REF_DIR RESULT_JSON RESUME_STEP
     Resumes each killed run with resume_from_checkpoint=True (stock Trainer on the
     stock run, make_atomic on the atomic run), runs an uninterrupted reference, and
     writes what happened to RESULT_JSON.
+
+hf_kill.py adopt STOCK_DIR REF_DIR RESULT_JSON RESUME_STEP
+    Continues a killed stock run with the integration switched on the Trainer's way
+    (AtomicCheckpointCallback(adopt_existing=True)) and resume_from_checkpoint=True,
+    runs an uninterrupted reference, and writes what happened to RESULT_JSON.
 """
 
 from __future__ import annotations
@@ -120,6 +125,45 @@ def check(stock_dir: str, atomic_dir: str, ref_dir: str, result: str, resume_ste
     dump(result, doc)
 
 
+def adopt(stock_dir: str, ref_dir: str, result: str, resume_step: int) -> None:
+    from atomic_checkpoint import CheckpointManager
+    from atomic_checkpoint.integrations.hf import AtomicCheckpointCallback
+    from atomic_checkpoint.storage import open_storage
+
+    doc: dict[str, object] = {"before": sorted(os.listdir(stock_dir))}
+    storage = open_storage(stock_dir)
+    snap = SnapshotAt(resume_step)
+    seen = Manifests(storage)
+    continued = Trainer(
+        model=tiny_model(),
+        args=tiny_args(stock_dir, max_steps=MAX_STEPS, save_total_limit=2),
+        train_dataset=RandomTokens(64),
+        callbacks=[AtomicCheckpointCallback(adopt_existing=True, timeout_s=60), snap, seen],
+    )
+    continued.train(resume_from_checkpoint=True)
+    adopted = seen.at_train_begin
+    doc["at_resume"] = adopted
+    doc["refused"] = {str(k): v for k, v in continued._atomic_checkpoint.refused.items()}
+    doc["first_step"] = snap.first_step_seen
+
+    ref_snap = SnapshotAt(resume_step)
+    reference = build(ref_dir, atomic=False, callbacks=[ref_snap])
+    reference.train()
+    doc["restored_vs_reference"] = differences(snap.taken, ref_snap.taken)
+    doc["losses_resumed"] = {
+        k: v for k, v in losses(continued.state.log_history).items() if k > resume_step
+    }
+    doc["losses_reference"] = {
+        k: v for k, v in losses(reference.state.log_history).items() if k > resume_step
+    }
+    doc["final_vs_reference"] = differences(
+        continued.model.state_dict(), reference.model.state_dict()
+    )
+    doc["after"] = sorted(os.listdir(stock_dir))
+    doc["committed"] = [c.step for c in CheckpointManager(stock_dir, read_only=True).checkpoints()]
+    dump(result, doc)
+
+
 def _files(top: str) -> list[str]:
     """Every file under ``top``, relative, '/'-separated."""
     return sorted(
@@ -127,6 +171,25 @@ def _files(top: str) -> list[str]:
         for d, _, files in os.walk(top)
         for f in files
     )
+
+
+class Manifests(TrainerCallback):
+    """Records, when training begins (after adoption, before any save), whether each
+    checkpoint folder has a manifest marked adopted (or the error reading it)."""
+
+    def __init__(self, storage) -> None:
+        self.storage = storage
+        self.at_train_begin: dict[str, object] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        from atomic_checkpoint.catalog import read_manifest
+
+        for name in sorted(os.listdir(args.output_dir)):
+            if name.startswith("checkpoint-"):
+                try:
+                    self.at_train_begin[name] = bool(read_manifest(self.storage, name).adopted)
+                except Exception as exc:
+                    self.at_train_begin[name] = type(exc).__name__
 
 
 class StopAt(TrainerCallback):
@@ -141,5 +204,7 @@ class StopAt(TrainerCallback):
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "adopt":
+        adopt(*sys.argv[2:5], int(sys.argv[5]))
     else:
         check(*sys.argv[2:6], int(sys.argv[6]))

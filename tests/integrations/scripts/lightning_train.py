@@ -14,9 +14,13 @@ Options (all ``--name value``):
     --max-steps N
     --every N           ModelCheckpoint(every_n_train_steps=N)
     --top-k K           save_top_k (monitor="step", mode="max" when K > 1)
-    --save-last 0|1
+    --save-last 0|1|link
     --resume R          none | last (Lightning's ckpt_path="last") | latest (newest
                         complete file by recorded step: integrations.lightning)
+    --adopt 0|1         with --resume latest: adopt the complete stock files first
+    --preempt 0|1       add integrations.lightning.PreemptionCallback; exit with its code
+    --signal-self-at S  one rank sends itself SIGTERM at the start of step S
+    --signal-rank R     that rank (default 0)
     --hold-at S         after the save of step S, write REF/held and sleep (the test
                         kills the job then)
     --settle 0|1        with --hold-at: before step S, wait for each background save
@@ -32,6 +36,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 import warnings
 
@@ -94,11 +99,21 @@ def live_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
 
 
 class Recorder(Callback):
-    def __init__(self, ref: str, resumed: bool, hold_at: int | None, settle: bool):
+    def __init__(
+        self,
+        ref: str,
+        resumed: bool,
+        hold_at: int | None,
+        settle: bool,
+        signal_at: int | None = None,
+        signal_rank: int = 0,
+    ):
         self.ref = ref
         self.resumed = resumed
         self.hold_at = hold_at
         self.settle = settle
+        self.signal_at = signal_at
+        self.signal_rank = signal_rank
         self.start_step: int | None = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
@@ -117,6 +132,8 @@ class Recorder(Callback):
         pl_module.restored_rng = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.signal_at and trainer.global_rank == self.signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
         if self.settle and self.hold_at is not None and trainer.global_step < self.hold_at:
             # Before the save the test is about, let background saves land, as they
             # do when steps take longer than saves (real training); otherwise a
@@ -156,8 +173,12 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--save-last", type=int, default=1)
+    p.add_argument("--save-last", choices=["0", "1", "link"], default="1")
     p.add_argument("--resume", choices=["none", "last", "latest"], default="none")
+    p.add_argument("--adopt", type=int, default=0)
+    p.add_argument("--preempt", type=int, default=0)
+    p.add_argument("--signal-self-at", type=int, default=None)
+    p.add_argument("--signal-rank", type=int, default=0)
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--settle", type=int, default=0)
     p.add_argument("--slow-stock-at", type=int, default=None)
@@ -183,26 +204,38 @@ def main() -> None:
     elif a.resume == "latest":
         from atomic_checkpoint.integrations.lightning import latest_checkpoint
 
-        ckpt_path = latest_checkpoint(a.dir)
+        ckpt_path = latest_checkpoint(a.dir, adopt=bool(a.adopt))
 
     monitor = {"monitor": "step", "mode": "max"} if a.top_k > 1 else {}
     checkpoint = ModelCheckpoint(
         dirpath=a.dir,
         every_n_train_steps=a.every,
         save_top_k=a.top_k,
-        save_last=bool(a.save_last),
+        save_last="link" if a.save_last == "link" else a.save_last == "1",
         **monitor,
     )
     recorder = Recorder(
-        a.ref, resumed=ckpt_path is not None, hold_at=a.hold_at, settle=bool(a.settle)
+        a.ref,
+        resumed=ckpt_path is not None,
+        hold_at=a.hold_at,
+        settle=bool(a.settle),
+        signal_at=a.signal_self_at,
+        signal_rank=a.signal_rank,
     )
+    callbacks = [checkpoint, recorder]
+    preempt = None
+    if a.preempt:
+        from atomic_checkpoint.integrations.lightning import PreemptionCallback
+
+        preempt = PreemptionCallback()
+        callbacks.append(preempt)
     trainer = pl.Trainer(
         max_steps=a.max_steps,
         accelerator="cpu",
         devices=a.devices,
         strategy="ddp" if a.devices > 1 else "auto",
         plugins=[plugin],
-        callbacks=[checkpoint, recorder],
+        callbacks=callbacks,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -216,8 +249,12 @@ def main() -> None:
         "world_size": trainer.world_size,
         "best_k": sorted(os.path.basename(k) for k in checkpoint.best_k_models),
     }
+    if preempt is not None:
+        report["preempted"] = preempt.saved_path
     with open(os.path.join(a.ref, f"report-rank{trainer.global_rank}.json"), "w") as f:
         json.dump(report, f)
+    if preempt is not None:
+        preempt.exit()  # 75 when preempted: requeue
 
 
 if __name__ == "__main__":

@@ -1,0 +1,225 @@
+"""Discovery cost against the number of checkpoints in ROOT: ``latest()`` and
+``checkpoints()`` against a full scan, on a local filesystem and on the S3 server.
+
+    python benchmarks/discovery.py [--sizes 10,1000,10000] [--backends local,s3]
+                                   [--repeat 3] [--json PATH] [--dir DIR] [--quick]
+
+For every backend and size N, a root of N real checkpoints of one run is made
+(``tests/testbed/roots.py``: one saved by ``CheckpointManager``, the others copies of
+it with their own manifests; on S3 put through boto3 into a fresh bucket of a local
+moto server, started the way ``tests/testbed`` does). A read-only manager is opened on
+it through a storage that counts manifest reads, then, in one run:
+
+- full scan: ``catalog.committed(storage, run_id=...)``, what ``latest()`` and
+  ``checkpoints()`` ran before discovery stopped reading the whole root (every
+  manifest read, every file's size checked), taking its last entry as the answer;
+- ``latest()``: newest first, stopping at the first valid checkpoint;
+- ``checkpoints()`` cold (the manager's first listing: every manifest read, as a full
+  scan, plus the tokens it keeps) and warm (a later listing, as the rotation after each
+  save runs it: no manifest read; locally an ``lstat`` of each manifest and each file,
+  on S3 one recursive listing of ROOT).
+
+Every answer is checked against the full scan's. Each time is the best of
+``--repeat`` calls (one call for a full scan or cold listing of more than 1,000 S3
+checkpoints: each takes minutes on moto). Ratios are full scan / new, from the same run.
+``--quick``: sizes 10 and 1000, local only (seconds).
+Exit status: 0, or 1 if an answer differed from the full scan's or ``latest()`` read
+more than a handful (3) of manifests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "src"))
+
+from atomic_checkpoint import CheckpointManager, catalog  # noqa: E402
+from atomic_checkpoint.layout import MANIFEST_NAME  # noqa: E402
+from atomic_checkpoint.storage.fsspec import FsspecStorage  # noqa: E402
+from atomic_checkpoint.storage.local import LocalStorage  # noqa: E402
+
+_T = TypeVar("_T")
+HANDFUL = 3
+
+
+class _Counting:
+    """Counts manifest reads (mixed into the real storage classes)."""
+
+    manifest_reads = 0
+
+    def read_bytes(self, path: str) -> bytes:
+        if path.endswith(f"/{MANIFEST_NAME}"):
+            self.manifest_reads += 1
+        return super().read_bytes(path)  # type: ignore[misc]
+
+
+class CountingLocal(_Counting, LocalStorage):
+    pass
+
+
+class CountingS3(_Counting, FsspecStorage):
+    pass
+
+
+def timed(storage: _Counting, fn: Callable[[], _T], repeat: int) -> tuple[float, int, _T]:
+    """The best time of ``repeat`` calls, the manifest reads of the first, its answer."""
+    best, reads, out = float("inf"), -1, None
+    for i in range(max(1, repeat)):
+        before = storage.manifest_reads
+        t = time.perf_counter()
+        got = fn()
+        best = min(best, time.perf_counter() - t)
+        if i == 0:
+            reads, out = storage.manifest_reads - before, got
+    return best, reads, out  # type: ignore[return-value]
+
+
+def measure(storage: Any, backend: str, n: int, repeat: int) -> dict[str, Any]:
+    mgr = CheckpointManager(storage, read_only=True)
+    slow = 1 if backend == "s3" and n > 1000 else repeat
+    full_s, full_reads, full = timed(
+        storage, lambda: catalog.committed(storage, run_id=mgr.run_id), slow
+    )
+    latest_s, latest_reads, latest = timed(storage, mgr.latest, repeat)
+    cold_s, cold_reads, cold = timed(storage, mgr.checkpoints, 1)  # fills the cache
+    warm_s, warm_reads, warm = timed(storage, mgr.checkpoints, repeat)
+    mgr.close()
+    steps = [m.step for m in full]
+    ok = (
+        latest is not None
+        and latest.step == steps[-1]
+        and [c.step for c in cold] == steps
+        and [c.step for c in warm] == steps
+        and latest_reads <= HANDFUL
+    )
+    return {
+        "backend": backend,
+        "checkpoints": n,
+        "full_scan_s": full_s,
+        "full_scan_manifest_reads": full_reads,
+        "latest_s": latest_s,
+        "latest_manifest_reads": latest_reads,
+        "latest_speedup": full_s / latest_s,
+        "checkpoints_cold_s": cold_s,
+        "checkpoints_cold_manifest_reads": cold_reads,
+        "checkpoints_warm_s": warm_s,
+        "checkpoints_warm_manifest_reads": warm_reads,
+        "checkpoints_warm_speedup": full_s / warm_s,
+        "answers_agree": ok,
+    }
+
+
+@contextlib.contextmanager
+def s3_server(scratch: Path) -> Iterator[Any]:
+    from tests.testbed import S3Server
+
+    with S3Server(scratch / "moto") as server:
+        yield server
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tests.testbed.roots import make_local_root, make_s3_root
+
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="discovery-bench-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with contextlib.ExitStack() as stack:
+        server = None
+        for backend in args.backends:
+            for n in args.sizes:
+                t = time.perf_counter()
+                if backend == "local":
+                    root = make_local_root(scratch / f"local-{n}", range(n))
+                    storage: Any = CountingLocal(root)
+                else:
+                    if server is None:
+                        server = stack.enter_context(s3_server(scratch))
+                    bucket = server.create_bucket(f"discovery-{n}")
+                    url = make_s3_root(server, bucket, "run", range(n), threads=args.threads)
+                    storage = CountingS3(url, server.storage_options())
+                made = time.perf_counter() - t
+                print(f"{backend}: {n} checkpoints made in {made:.1f} s", file=sys.stderr)
+                row = measure(storage, backend, n, args.repeat)
+                row["setup_s"] = made
+                rows.append(row)
+                print(_line(row), file=sys.stderr)
+                if backend == "local":
+                    shutil.rmtree(scratch / f"local-{n}", ignore_errors=True)
+    if args.dir is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['backend']:<5} | {r['checkpoints']:>6} | {r['full_scan_s']:>10.4f} | "
+        f"{r['full_scan_manifest_reads']:>6} | {r['latest_s']:>9.4f} | "
+        f"{r['latest_manifest_reads']:>5} | {r['latest_speedup']:>8.0f}x | "
+        f"{r['checkpoints_cold_s']:>9.3f} | {r['checkpoints_warm_s']:>9.4f} | "
+        f"{r['checkpoints_warm_manifest_reads']:>5} | {r['checkpoints_warm_speedup']:>7.1f}x | "
+        f"{'yes' if r['answers_agree'] else 'NO'} |"
+    )
+
+
+HEADER = (
+    "| store | ckpts  | full scan s | reads | latest() s | reads | latest x | "
+    "list cold | list warm | reads | list x | same |\n"
+    "|-------|--------|-------------|-------|------------|-------|----------|"
+    "-----------|-----------|-------|--------|------|"
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="10,1000,10000", help="checkpoint counts (comma-separated)")
+    p.add_argument("--backends", default="local,s3", help="local, s3 or both (comma-separated)")
+    p.add_argument("--repeat", type=int, default=3, help="calls per figure; the best is kept")
+    p.add_argument("--threads", type=int, default=8, help="boto3 threads making an S3 root")
+    p.add_argument("--json", help="write every figure here")
+    p.add_argument("--dir", help="scratch directory for local roots (kept if given)")
+    p.add_argument("--quick", action="store_true", help="10 and 1000 checkpoints, local only")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.backends = "10,1000", "local"
+    args.sizes = [int(s) for s in args.sizes.split(",") if s]
+    args.backends = [b for b in args.backends.split(",") if b]
+    for b in args.backends:
+        if b not in ("local", "s3"):
+            p.error(f"unknown backend {b!r}: local or s3")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    print(HEADER, file=sys.stderr)
+    rows = run(args)
+    print(
+        f"\ndiscovery: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
+        f"python {platform.python_version()}; times in seconds (best of {args.repeat}; one "
+        "call for S3 full scans and cold listings above 1,000)"
+    )
+    print(HEADER)
+    for r in rows:
+        print(_line(r))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["answers_agree"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1108 @@
+"""Adopting checkpoints that a framework wrote without atomic-checkpoint.
+
+A run that saved with the stock Hugging Face ``Trainer`` (``checkpoint-<N>/``) or with
+Accelerate's automatic naming (``checkpoints/checkpoint_<i>/``) has folders without a
+manifest: nothing tells a complete one from one torn by a crash. ``adopt`` checks each
+with the framework's own completeness rule and records the complete ones as committed
+checkpoints, so ``CheckpointManager``, the integrations and the CLI resume from them::
+
+    from atomic_checkpoint import adopt
+
+    result = adopt("out/")            # or: atomic-checkpoint adopt out/
+    result.adopted                    # [2, 4]
+    result.refused                    # {6: "trainer_state.json is missing: ..."}
+
+What adopting one folder does (under the run lock, like a commit; nothing is moved or
+deleted, ever)::
+
+    before                                   after
+    ROOT/checkpoint-4/                       ROOT/checkpoint-4/
+      model.safetensors  optimizer.pt ...      model.safetensors  optimizer.pt ...
+      trainer_state.json                       trainer_state.json
+                                               checkpoint.manifest.json  (written last)
+
+1. The framework's rule decides whether the folder is complete (for the Trainer:
+   ``trainer_state.json``, which it writes last, and the model weights, every shard an
+   index lists, each file whole). A folder that fails is refused, with the reason,
+   and nothing is written for it.
+2. Every file is read once for its checksum (taken now: the framework wrote no
+   checksums) and fsync'd; then its directories and ROOT: the framework never fsyncs,
+   and a manifest must never outlive the data it lists (DESIGN invariant 2).
+3. The run lock's fencing token is checked, then the manifest, marked ``"adopted":
+   true``, is created once (exclusive create: never over a manifest that appeared
+   meanwhile) and the folder is fsync'd. On object stores this is the marker
+   strategy's commit (a conditional PUT); no in-progress marker is written first, as
+   the sweep would then treat the framework's files as an abandoned save of ours.
+
+Adopting is idempotent (a folder with a valid manifest of the run is reported as
+``already``), and a dry run reads and checks but writes nothing, not even the run file.
+An Accelerate project keeps its names: the folders stay ``checkpoints/checkpoint_<i>``
+and the run's own files go beside ``checkpoints/``, never into it (Accelerate lists and
+digit-sorts that folder), through the project layout of ``storage.project``, which
+adopting records.
+
+Completeness rules are registered per framework (:func:`register_framework`): ``hf``
+and ``accelerate`` are built in, ``generic`` (any readable files) is used only when
+asked for, and an integration registers its own (Lightning's ``.ckpt`` files, whose
+record is their sidecar manifest, through ``record=``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import importlib
+import json
+import logging
+import os
+import posixpath
+import re
+import time
+import zipfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import catalog
+from ._version import __version__
+from .commit import _create_or_own, choose_strategy
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    LockError,
+    LockHeldError,
+    ResumeError,
+    StorageError,
+)
+from .layout import MANIFEST_NAME, META_DIR, PENDING_DIR, TRASH_DIR, validate_step
+from .manager import RUN_FILE, _fsync_file, _new_run_id, _run_doc
+from .manifest import FileEntry, Hasher, Manifest
+from .storage import open_storage
+from .storage.base import Storage
+
+__all__ = [
+    "AdoptResult",
+    "CheckpointFolder",
+    "Framework",
+    "accelerate_is_complete",
+    "adopt",
+    "frameworks",
+    "generic_is_complete",
+    "hf_is_complete",
+    "register_framework",
+]
+
+log = logging.getLogger("atomic_checkpoint")
+
+#: The ``framework`` values with a meaning of their own.
+AUTO = "auto"
+GENERIC = "generic"
+
+_CHUNK = 8 << 20
+# JSON files larger than this are not parsed by the completeness checks (a tokenizer
+# can be tens of MB; the rules only need the small ones).
+_MAX_JSON_BYTES = 64 << 20
+# safetensors caps its header at 100 MB; a larger length field is a torn or foreign file.
+_MAX_SAFETENSORS_HEADER = 100 << 20
+_STEP = r"(0|[1-9][0-9]{0,18})"
+
+
+# ---------------------------------------------------------------------- the folder
+class CheckpointFolder(str):
+    """What a completeness rule is given: the folder's path as a ``str`` (its local
+    path, or its URL on an object store), with read access through the root's storage
+    for rules that must work on object stores too.
+
+    Attributes:
+        storage: the root's storage.
+        rel: the folder, relative to the root (the protocol's name, ``checkpoint-<step>``).
+        step: the step its name gives.
+    """
+
+    storage: Storage
+    rel: str
+    step: int
+
+    def __new__(cls, storage: Storage, rel: str, step: int) -> CheckpointFolder:
+        obj = super().__new__(cls, storage.local_path(rel) or storage.url(rel))
+        obj.storage, obj.rel, obj.step = storage, rel, step
+        obj._files = None
+        return obj
+
+    _files: dict[str, int] | None
+
+    def files(self) -> dict[str, int]:
+        """Every file under the folder (relative path -> size). A symbolic link raises
+        ``UnsafeCheckpointError``: a checkpoint holds regular files only."""
+        if self._files is None:
+            self._files = dict(self.storage.walk_files(self.rel))
+        return self._files
+
+    def read_head(self, name: str, n: int) -> bytes:
+        """At most ``n`` bytes from the start of file ``name``."""
+        with self.storage.open_read(f"{self.rel}/{name}") as f:
+            return bytes(f.read(n))
+
+    def read_json(self, name: str) -> Any:
+        """File ``name`` parsed as JSON (bounded). Raises ``ValueError`` saying why not."""
+        size = self.files().get(name)
+        if size is None:
+            raise ValueError(f"{name} is missing")
+        if size > _MAX_JSON_BYTES:
+            raise ValueError(f"{name} is {size} bytes, too large to check")
+        data = self.read_head(name, size + 1)
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(
+                f"{name} is not valid JSON ({type(exc).__name__}: {exc}): torn by a crash "
+                "mid-write, or not written whole"
+            ) from None
+
+
+# ---------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class Framework:
+    """A framework's checkpoint naming and completeness rule (see ``register_framework``)."""
+
+    name: str
+    names: re.Pattern[str]
+    is_complete: Callable[[str], str | None]
+    record: Callable[[str], bool] | None = None
+    auto: bool = True
+
+    def step_of(self, on_disk_name: str) -> int | None:
+        m = self.names.match(on_disk_name)
+        if m is None:
+            return None
+        text = m.group("step") if "step" in self.names.groupindex else m.group(1)
+        try:
+            return validate_step(int(text))
+        except (TypeError, ValueError):
+            return None
+
+
+_FRAMEWORKS: dict[str, Framework] = {}
+
+
+def register_framework(
+    name: str,
+    names_regex: str | re.Pattern[str],
+    is_complete: Callable[[str], str | None],
+    *,
+    record: Callable[[str], bool] | None = None,
+    auto: bool = True,
+) -> None:
+    """Register (or replace) the completeness rule of a framework for ``adopt``.
+
+    Args:
+        name: what ``adopt(..., framework=name)`` and ``--framework`` call it.
+        names_regex: matches the on-disk names of the framework's checkpoints (the last
+            path component) and captures the step: the group named ``step``, else the
+            first group. Example: ``r"^checkpoint-(0|[1-9][0-9]*)$"``.
+        is_complete: ``(path) -> None`` when the checkpoint at ``path`` is complete,
+            else the reason it is not (one sentence a user can act on). ``path`` is a
+            :class:`CheckpointFolder`. Called without the run lock for dry runs, under
+            it otherwise; it must not write.
+        record: for checkpoints that are files, not folders (no manifest can go inside
+            them): ``(path) -> bool`` writes the framework's own record of a complete
+            checkpoint (e.g. a sidecar manifest) and returns False when it was already
+            recorded. Called under the run lock, never for a dry run.
+        auto: whether ``framework="auto"`` considers it. False for a framework whose
+            names are another's too (DCP's ``checkpoint-<N>`` are the Trainer's): it is
+            then applied only when asked for by name.
+
+    Raises:
+        ValueError: the name is reserved, or the regex captures no step.
+    """
+    if not isinstance(name, str) or not name or name == AUTO:
+        raise ValueError(f"framework name must be a non-empty string other than {AUTO!r}")
+    pattern = re.compile(names_regex) if isinstance(names_regex, str) else names_regex
+    if "step" not in pattern.groupindex and pattern.groups < 1:
+        raise ValueError(
+            f"names_regex {pattern.pattern!r} of framework {name!r} captures no step: add a "
+            "group, e.g. r'^checkpoint-(0|[1-9][0-9]*)$'"
+        )
+    if not callable(is_complete):
+        raise TypeError(f"is_complete of framework {name!r} must be callable")
+    _FRAMEWORKS[name] = Framework(name, pattern, is_complete, record, auto)
+
+
+def frameworks() -> list[str]:
+    """The names ``adopt(..., framework=...)`` accepts, besides ``"auto"``."""
+    return sorted(_FRAMEWORKS)
+
+
+# ---------------------------------------------------------------------- file checks
+def _safetensors_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
+    """A safetensors file is whole when its header parses and the tensors it lists end
+    exactly at the end of the file (a truncated file ends early)."""
+    if size < 8:
+        return f"{name} is {size} bytes: truncated (not even a safetensors header)"
+    head = folder.read_head(name, 8)
+    n = int.from_bytes(head[:8], "little")
+    if n > _MAX_SAFETENSORS_HEADER or 8 + n > size:
+        return f"{name} is truncated or not a safetensors file (header of {n} bytes, file {size})"
+    raw = folder.read_head(name, 8 + n)[8:]
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError):
+        return f"{name}: its safetensors header is not valid JSON (torn or not safetensors)"
+    if not isinstance(header, dict):
+        return f"{name}: its safetensors header is not a JSON object"
+    end = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            return f"{name}: tensor {key!r:.80} has no valid data_offsets"
+        end = max(end, offsets[1])
+    if 8 + n + end != size:
+        return (
+            f"{name} is {size} bytes but its header says {8 + n + end}: "
+            f"{'truncated' if size < 8 + n + end else 'trailing bytes after the data'}"
+        )
+    return None
+
+
+def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
+    """``torch.save`` files are zip archives: a truncated one has no end-of-archive
+    record (written last), and every member must lie inside the file. Files in the
+    legacy (non-zip) format cannot be checked beyond being non-empty."""
+    if size == 0:
+        return f"{name} is empty (0 bytes)"
+    with folder.storage.open_read(f"{folder.rel}/{name}") as f:
+        magic = f.read(4)
+        if magic != b"PK\x03\x04":
+            return None  # legacy torch format or another writer's: not checkable
+        f.seek(0)
+        try:
+            with zipfile.ZipFile(f) as z:
+                for info in z.infolist():
+                    if info.header_offset + info.compress_size > size:
+                        return f"{name} is truncated (member {info.filename!r} ends past the end)"
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            return f"{name} is not a whole torch.save archive ({exc}): truncated or torn"
+    return None
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".pkl")
+
+
+def _files_problem(folder: CheckpointFolder) -> str | None:
+    """Each file whole by its own format: safetensors headers against sizes, torch.save
+    archives, JSON that parses; files of other kinds are only read (checksummed)."""
+    for name, size in sorted(folder.files().items()):
+        base = posixpath.basename(name)
+        if base.endswith(".safetensors"):
+            problem = _safetensors_problem(folder, name, size)
+        elif base.endswith((".bin", ".pt", ".pth", ".pkl")):
+            problem = _zip_problem(folder, name, size)
+        elif base.endswith(".json") and size <= _MAX_JSON_BYTES:
+            try:
+                folder.read_json(name)
+                problem = None
+            except ValueError as exc:
+                problem = str(exc)
+        else:
+            problem = None
+        if problem is not None:
+            return problem
+    return None
+
+
+def _index_problem(folder: CheckpointFolder, index: str) -> str | None:
+    """A sharded checkpoint's index lists every shard: each must be there."""
+    try:
+        doc = folder.read_json(index)
+    except ValueError as exc:
+        return str(exc)
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        return f"{index} has no weight_map: not a sharded-checkpoint index"
+    prefix = posixpath.dirname(index)
+    files = folder.files()
+    missing = sorted(
+        {
+            str(shard)
+            for shard in weight_map.values()
+            if posixpath.join(prefix, str(shard)) not in files
+        }
+    )
+    if missing:
+        return (
+            f"{index} lists {len(set(map(str, weight_map.values())))} shard(s) and "
+            f"{', '.join(missing[:5])} {'is' if len(missing) == 1 else 'are'} missing"
+        )
+    return None
+
+
+def _weights_problem(folder: CheckpointFolder, stems: tuple[str, ...], what: str) -> str | None:
+    """Whether the model weights are there: a single file, a sharded index with every
+    shard, or a torch.distributed.checkpoint folder (FSDP) with its ``.metadata``
+    (written last)."""
+    files = folder.files()
+    tops = {n for n in files if "/" not in n}
+    indexes = sorted(n for n in tops if n.endswith((".safetensors.index.json", ".bin.index.json")))
+    for index in indexes:
+        problem = _index_problem(folder, index)
+        if problem is not None:
+            return problem
+    if indexes:
+        return None
+    pattern = re.compile(
+        r"^(?:" + "|".join(map(re.escape, stems)) + r")(?:_[0-9]+)?\.(?:safetensors|bin)$"
+    )
+    if any(pattern.match(n) for n in tops):
+        return None
+    dcp = re.compile(r"^(?:pytorch_model_fsdp|model)_[0-9]+/\.metadata$")
+    if any(dcp.match(n) for n in files):
+        return None
+    if any(re.match(r"^global_step[0-9]+/", n) for n in files):
+        return None  # DeepSpeed's own folder (its engine checks it when loading)
+    return (
+        f"no {what} weights ({', '.join(s + '.safetensors' for s in stems)}, a sharded "
+        "index, or an FSDP folder): the save stopped before the model was written"
+    )
+
+
+def _contiguous(folder: CheckpointFolder, pattern: str, what: str) -> str | None:
+    """Per-process files numbered 0..n-1 (one per rank): none missing in between."""
+    regex = re.compile(pattern)
+    found = sorted(int(m.group(1)) for n in folder.files() if (m := regex.match(n)))
+    if found and found != list(range(found[-1] + 1)):
+        missing = sorted(set(range(found[-1] + 1)) - set(found))
+        return f"{what} of process(es) {missing} missing (found {found})"
+    return None
+
+
+# ---------------------------------------------------------------------- built-in rules
+_TRAINER_STATE = "trainer_state.json"
+
+
+def hf_is_complete(path: str) -> str | None:
+    """The Hugging Face ``Trainer``'s ``checkpoint-<N>``: ``trainer_state.json`` (the
+    Trainer writes it after the model, optimizer, scheduler and RNG states) for step
+    N, the model weights (every shard of a sharded index), and every file whole."""
+    folder = _folder(path)
+    files = folder.files()
+    if not files:
+        return "the folder is empty"
+    if _TRAINER_STATE not in files:
+        return (
+            f"{_TRAINER_STATE} is missing: the Trainer writes it last, so this save did not "
+            "finish (or the folder is not a Trainer checkpoint: try --framework generic)"
+        )
+    try:
+        state = folder.read_json(_TRAINER_STATE)
+    except ValueError as exc:
+        return str(exc)
+    step = state.get("global_step") if isinstance(state, dict) else None
+    if isinstance(step, int) and not isinstance(step, bool) and step != folder.step:
+        return f"{_TRAINER_STATE} records global_step {step}, not {folder.step}: a copied folder?"
+    return (
+        _weights_problem(folder, ("model", "pytorch_model", "adapter_model"), "model")
+        or _contiguous(folder, r"^rng_state_([0-9]+)\.pth$", "rng_state_<i>.pth")
+        or _files_problem(folder)
+    )
+
+
+def accelerate_is_complete(path: str) -> str | None:
+    """Accelerate's ``checkpoint_<i>`` (``save_state``): the model weights, the
+    optimizer state and the RNG states of process 0 (``random_states_0.pkl``, written
+    after the models, optimizers, schedulers and samplers), with one RNG file per
+    process and every file whole."""
+    folder = _folder(path)
+    files = folder.files()
+    if not files:
+        return "the folder is empty"
+    problem = _weights_problem(folder, ("model", "pytorch_model"), "model")
+    if problem is not None:
+        return problem
+    tops = {n for n in files if "/" not in n}
+    if not any(re.match(r"^optimizer(?:_[0-9]+)?\.bin$", n) for n in tops) and not any(
+        re.match(r"^optimizer_[0-9]+/\.metadata$", n) for n in files
+    ):
+        return "no optimizer state (optimizer.bin): the save stopped after the model"
+    if "random_states_0.pkl" not in tops:
+        return (
+            "random_states_0.pkl is missing: Accelerate writes the RNG states after the "
+            "model, optimizer and scheduler, so this save did not finish"
+        )
+    return (
+        _contiguous(folder, r"^random_states_([0-9]+)\.pkl$", "random_states_<i>.pkl")
+        or _contiguous(folder, r"^custom_checkpoint_([0-9]+)\.pkl$", "custom_checkpoint_<i>.pkl")
+        or _files_problem(folder)
+    )
+
+
+def generic_is_complete(path: str) -> str | None:
+    """No framework rule: any folder whose files can all be read (checked by reading
+    the first bytes of each; the checksum pass reads the rest)."""
+    folder = _folder(path)
+    files = folder.files()
+    if not files:
+        return "the folder is empty"
+    for name in files:
+        folder.read_head(name, 1)
+    return None
+
+
+def _folder(path: str) -> CheckpointFolder:
+    if isinstance(path, CheckpointFolder):
+        return path
+    # Called directly on a local path (tests, other tools): a root of one folder.
+    parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+    storage = open_storage(parent)
+    m = re.search(_STEP + r"$", name)
+    return CheckpointFolder(storage, name, int(m.group(1)) if m else 0)
+
+
+register_framework("hf", rf"^checkpoint-{_STEP}$", hf_is_complete)
+register_framework("accelerate", rf"^checkpoint_{_STEP}$", accelerate_is_complete)
+register_framework(GENERIC, rf"^checkpoint[-_]{_STEP}$", generic_is_complete)
+
+
+# ---------------------------------------------------------------------- the result
+@dataclass(frozen=True)
+class AdoptResult:
+    """What ``adopt`` did (or, for a dry run, would do).
+
+    Attributes:
+        root: the root, as a path or URL.
+        run_id: the run the checkpoints were recorded under (for a dry run, the run they
+            would be recorded under; None when that run does not exist yet).
+        adopted: steps recorded now (dry run: that would be), ascending.
+        refused: step -> why it is not adopted (torn, unreadable, ...); nothing was
+            written for those.
+        already: steps that were committed checkpoints of the run already (nothing
+            written: adopting is idempotent).
+        frameworks: step -> the framework whose rule accepted it (adopted steps).
+        seconds: step -> time spent checksumming and recording it (adopted steps).
+        size_bytes: step -> its size (adopted steps).
+        dry_run: nothing was written.
+    """
+
+    root: str
+    run_id: str | None
+    adopted: list[int] = field(default_factory=list)
+    refused: dict[int, str] = field(default_factory=dict)
+    already: list[int] = field(default_factory=list)
+    frameworks: dict[int, str] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
+    size_bytes: dict[int, int] = field(default_factory=dict)
+    dry_run: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Nothing was refused."""
+        return not self.refused
+
+
+@dataclass
+class _Candidate:
+    step: int
+    name: str  # the protocol's name in the storage
+    framework: Framework | None = None
+    problem: str | None = None
+    already: bool = False
+
+
+# ---------------------------------------------------------------------- adopt
+def adopt(
+    root: str | os.PathLike[str] | Storage,
+    steps: Iterable[int] | int | None = None,
+    *,
+    framework: str = AUTO,
+    run_id: str | None = None,
+    dry_run: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> AdoptResult:
+    """Record a framework's existing checkpoints under ``root`` as committed checkpoints.
+
+    Not collective: call it on one process, before any ``CheckpointManager`` of the job
+    opens ``root`` (it takes the run lock, which a live job holds).
+
+    Args:
+        root: the run's checkpoint root (the Trainer's ``output_dir``, Accelerate's
+            ``project_dir`` or its ``checkpoints/`` folder, a URL such as
+            ``s3://bucket/run``), or a ``Storage``.
+        steps: only these steps (each must be adoptable or already committed, else it
+            is refused); default: every checkpoint folder found.
+        framework: whose completeness rule applies: ``"auto"`` (the framework whose
+            names the folder has: ``checkpoint-<N>`` is the Trainer's, Accelerate's
+            ``checkpoint_<i>``; never ``generic``), ``"hf"``, ``"accelerate"``,
+            ``"lightning"`` and ``"dcp"`` (registered by their integrations; ``dcp``
+            only when named: its ``checkpoint-<N>`` are the Trainer's names too),
+            ``"generic"`` (no rule beyond readable files), or any registered name.
+        run_id: the run to record them under; default: the run recorded in ``root``, else
+            the one run its committed checkpoints carry, else a new one. A ``run_id``
+            other than the recorded one is an error.
+        dry_run: check and report, write nothing (no lock, no run file).
+        storage_options: for URL roots, fsspec's options.
+        progress: called with one line of text per checkpoint as it is settled
+            (adopted, already committed, or refused), for long adoptions.
+
+    Returns:
+        What was adopted, refused (with the reason) or already committed.
+
+    Raises:
+        LockHeldError: a live job (or a ``CheckpointManager`` of this process) holds the
+            run lock on ``root``: adopt before it opens, or after it closes.
+        ValueError: ``framework`` is unknown; a step is not a valid step.
+        CheckpointError: ``run_id`` differs from the recorded run; storage errors.
+    """
+    t0 = time.monotonic()
+    if framework != AUTO and framework not in _FRAMEWORKS:
+        _load_integration_rule(framework)
+    if framework != AUTO and framework not in _FRAMEWORKS:
+        raise ValueError(
+            f"unknown framework {framework!r}: one of {[AUTO, *frameworks()]} (integrations "
+            "register theirs with atomic_checkpoint.register_framework)"
+        )
+    if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
+        raise ValueError("run_id must be a non-empty string")
+    wanted = _wanted_steps(steps)
+    storage = (
+        root if not isinstance(root, (str, os.PathLike)) else open_storage(root, storage_options)
+    )
+    local = storage.local_path("")
+    if local is not None and not os.path.isdir(local):
+        # Never created by adopting (a typo would otherwise become an empty root).
+        raise CheckpointNotFoundError(
+            f"checkpoint root {local!r} does not exist or is not a directory: pass the "
+            "directory that holds the framework's checkpoint folders"
+        )
+    if (
+        framework == AUTO
+        and local is not None
+        and "lightning" not in _FRAMEWORKS
+        and any(n.endswith(".ckpt") for n in storage.listdir(""))
+    ):
+        # A Lightning ModelCheckpoint directory: its rule comes with its integration.
+        _load_integration_rule("lightning")
+    storage, record_layout = _accelerate_project(storage, framework)
+    say = progress or (lambda line: None)
+    if dry_run:
+        rid = _run_id_for(storage, run_id, create=False)
+        result = _classify(storage, framework, wanted, rid)
+        return _dry_result(storage, rid, result, say)
+    rid = _run_id_for(storage, run_id, create=False) or _new_run_id()
+    lock = _acquire(storage, rid)
+    try:
+        # Under the lock: the run file is created (or matched) once, by the holder.
+        rid = _run_id_for(storage, run_id, create=True, new=rid) or rid
+        if record_layout is not None:
+            record_layout()
+        out = AdoptResult(storage.url(""), rid)
+        seq = _last_commit_seq(storage)
+        strategy = choose_strategy(storage).name
+        for c in _classify(storage, framework, wanted, rid):
+            shown = _shown(storage, c.name)
+            if c.already:
+                out.already.append(c.step)
+                say(f"already {shown}: a committed checkpoint of run {rid} (nothing written)")
+                continue
+            if c.problem is not None or c.framework is None:
+                out.refused[c.step] = c.problem or "no framework rule applies"
+                say(f"REFUSED {shown}: {out.refused[c.step]}")
+                continue
+            lock.check()
+            t = time.monotonic()
+            try:
+                if c.framework.record is not None:
+                    written = c.framework.record(CheckpointFolder(storage, c.name, c.step))
+                    size = storage.size(c.name) or 0
+                    n_files = 1
+                else:
+                    seq += 1
+                    written, size, n_files = _record(
+                        storage, c, rid, seq, strategy, fence=lock.check
+                    )
+            except LockError:
+                raise  # fenced: another job took ROOT over; stop writing at once
+            except CheckpointError as exc:
+                if isinstance(exc, StorageError) and not _is_content_error(exc):
+                    raise
+                out.refused[c.step] = str(exc)
+                say(f"REFUSED {shown}: {exc}")
+                continue
+            if not written:
+                out.already.append(c.step)
+                say(f"already {shown}: recorded meanwhile (nothing written)")
+                continue
+            took = time.monotonic() - t
+            out.adopted.append(c.step)
+            out.frameworks[c.step] = c.framework.name
+            out.seconds[c.step] = took
+            out.size_bytes[c.step] = size
+            say(
+                f"adopted {shown} ({c.framework.name}): {_fmt_bytes(size)} in {n_files} "
+                f"file(s), checksummed and recorded in {took:.2f} s"
+                + (f" ({_fmt_bytes(size / took)}/s)" if took > 0 else "")
+            )
+            log.info("adopted %s (%s) into run %r", storage.url(c.name), c.framework.name, rid)
+    finally:
+        lock.release()
+    log.debug("adopt %s: %.2f s", storage.url(""), time.monotonic() - t0)
+    return out
+
+
+def _load_integration_rule(framework: str) -> None:
+    """``framework="lightning"`` or ``"dcp"``: its rule is registered by its
+    integration module, imported on demand (it imports torch)."""
+    if framework not in ("lightning", "dcp"):
+        return
+    with contextlib.suppress(ImportError):
+        importlib.import_module(f"{__package__}.integrations.{framework}")
+
+
+def _wanted_steps(steps: Iterable[int] | int | None) -> list[int] | None:
+    if steps is None:
+        return None
+    if isinstance(steps, int):
+        return [validate_step(steps)]  # a bool raises there
+    return sorted({validate_step(s) for s in steps})
+
+
+def _dry_result(
+    storage: Storage, rid: str | None, found: list[_Candidate], say: Callable[[str], None]
+) -> AdoptResult:
+    out = AdoptResult(storage.url(""), rid, dry_run=True)
+    for c in found:
+        shown = _shown(storage, c.name)
+        if c.already:
+            out.already.append(c.step)
+            say(f"already {shown}: a committed checkpoint (nothing to do)")
+        elif c.problem is not None or c.framework is None:
+            out.refused[c.step] = c.problem or "no framework rule applies"
+            say(f"would refuse {shown}: {out.refused[c.step]}")
+        else:
+            out.adopted.append(c.step)
+            out.frameworks[c.step] = c.framework.name
+            size = sum(_tree_sizes(storage, c.name))
+            out.size_bytes[c.step] = size
+            say(f"would adopt {shown} ({c.framework.name}): complete, {_fmt_bytes(size)}")
+    return out
+
+
+def _tree_sizes(storage: Storage, rel: str) -> list[int]:
+    """Sizes of the files under ``rel`` (a file: its own size)."""
+    if storage.is_dir(rel):
+        return [s for _, s in storage.walk_files(rel)]
+    return [storage.size(rel) or 0]
+
+
+def _is_content_error(exc: StorageError) -> bool:
+    # A file the folder lists that vanished or cannot be read is the folder's problem
+    # (refused, with the reason); ROOT itself failing is the caller's (raised).
+    return exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR)
+
+
+# ---------------------------------------------------------------------- classification
+def _shown(storage: Storage, name: str) -> str:
+    """``name`` as the user sees it on disk, relative to the root they gave
+    (``checkpoints/checkpoint_3`` in an Accelerate project)."""
+    base, url = storage.url("").rstrip("/"), storage.url(name)
+    return url[len(base) + 1 :] if url.startswith(base + "/") else name
+
+
+def _on_disk_name(storage: Storage, name: str) -> str:
+    """The last component of ``name`` as it is on disk (Accelerate's project view names
+    ``checkpoints/checkpoint_<i>`` as ``checkpoint-<i>``)."""
+    return posixpath.basename(storage.url(name).rstrip("/"))
+
+
+def _classify(
+    storage: Storage, framework: str, wanted: list[int] | None, rid: str | None
+) -> list[_Candidate]:
+    """Every candidate of ROOT (or of ``wanted``), ascending by step, with its verdict."""
+    rules = (
+        [f for n, f in sorted(_FRAMEWORKS.items()) if n != GENERIC and f.auto]
+        if framework == AUTO
+        else [_FRAMEWORKS[framework]]
+    )
+    by_step: dict[int, list[tuple[str, list[Framework]]]] = {}
+    for name in storage.listdir(""):
+        if name in (PENDING_DIR, TRASH_DIR, META_DIR):
+            continue
+        disk = _on_disk_name(storage, name)
+        matching = [f for f in rules if f.step_of(disk) is not None]
+        if not matching:
+            continue
+        step = matching[0].step_of(disk)
+        if step is None or (wanted is not None and step not in wanted):
+            continue
+        by_step.setdefault(step, []).append((name, matching))
+    out: list[_Candidate | None] = []
+    for step in sorted(set(by_step) | set(wanted or ())):
+        entries = by_step.get(step)
+        if not entries:
+            names = ", ".join(f.names.pattern for f in rules)
+            out.append(
+                _Candidate(
+                    step,
+                    f"step {step}",
+                    problem=f"no folder for step {step} under {storage.url('')} (names "
+                    f"matching {names})",
+                )
+            )
+            continue
+        if len(entries) > 1:
+            names = ", ".join(n for n, _ in entries)
+            out.append(
+                _Candidate(
+                    step,
+                    entries[0][0],
+                    problem=f"several entries hold step {step} ({names}): adopt with "
+                    "--framework naming the one that wrote it",
+                )
+            )
+            continue
+        ((name, matching),) = entries
+        out.append(_judge(storage, name, step, matching, rid, explicit=wanted is not None))
+    return [c for c in out if c is not None]
+
+
+def _judge(
+    storage: Storage,
+    name: str,
+    step: int,
+    matching: list[Framework],
+    rid: str | None,
+    *,
+    explicit: bool,
+) -> _Candidate | None:
+    c = _Candidate(step, name)
+    if catalog.is_link(storage, name):
+        c.problem = "a symbolic link: never adopted (links are never followed)"
+        return c
+    fw = matching[0]
+    if len(matching) > 1:
+        c.problem = (
+            f"its name fits the checkpoints of {[f.name for f in matching]}: pass the "
+            "framework that wrote it"
+        )
+        return c
+    if fw.record is None:
+        if not storage.is_dir(name):
+            c.problem = "not a folder"
+            return c
+        settled = _existing_manifest(storage, name, rid)
+        if settled is not None:
+            kind, text = settled
+            if kind == "foreign" and not explicit:
+                return None  # another run's checkpoint: not a candidate unless asked for
+            if kind == "already":
+                c.already = True
+            else:
+                c.problem = text
+            return c
+    try:
+        problem = fw.is_complete(CheckpointFolder(storage, name, step))
+    except CheckpointError as exc:
+        problem = str(exc)
+    except Exception as exc:  # a registered rule's failure refuses its folder only
+        problem = f"the {fw.name} completeness rule failed: {type(exc).__name__}: {exc}"
+    c.framework = fw
+    c.problem = problem
+    return c
+
+
+def _existing_manifest(storage: Storage, name: str, rid: str | None) -> tuple[str, str] | None:
+    """A folder that already holds a manifest (or our in-progress marker) is never
+    adopted: ``("already", ...)`` for a valid checkpoint of the run, else
+    ``("refused", why)``. None: no manifest, a candidate."""
+    try:
+        manifest = catalog.read_manifest(storage, name)
+    except CheckpointNotFoundError:
+        names = storage.listdir(name)
+        if any(
+            catalog.parse_marker_name(n) is not None or catalog.parse_attempt_dir(n) is not None
+            for n in names
+        ):
+            return (
+                "refused",
+                "an interrupted atomic-checkpoint save (marker strategy), not a framework's "
+                "checkpoint: `atomic-checkpoint clean` removes it",
+            )
+        return None
+    except CheckpointError as exc:
+        return (
+            "refused",
+            f"it has a manifest that does not validate ({exc}); adoption never replaces a "
+            "manifest: see `atomic-checkpoint verify`",
+        )
+    try:
+        catalog.validate(storage, name, manifest)
+    except CheckpointError as exc:
+        return (
+            "refused",
+            f"it is committed but does not validate ({exc}); adoption never replaces a "
+            "manifest: see `atomic-checkpoint verify`",
+        )
+    if rid is not None and manifest.run_id != rid:
+        return (
+            "foreign",
+            f"already a checkpoint of run {manifest.run_id!r}, not of run {rid!r}",
+        )
+    return ("already", "")
+
+
+# ---------------------------------------------------------------------- recording
+def _record(
+    storage: Storage,
+    c: _Candidate,
+    run_id: str,
+    seq: int,
+    strategy: str,
+    *,
+    fence: Callable[[], None],
+) -> tuple[bool, int, int]:
+    """Checksum and fsync every file of ``c``, then write its manifest once. Returns
+    (written, size in bytes, number of files)."""
+    files = _checksum_and_sync(storage, c.name)
+    # The framework never fsyncs: the folder's own entry in ROOT must be durable before
+    # a manifest inside it is (else a power cut loses the folder with its manifest).
+    storage.fsync_dir("")
+    metrics, metadata = _describe(storage, c)
+    manifest = Manifest(
+        step=c.step,
+        run_id=run_id,
+        commit_seq=seq,
+        world_size=1,
+        files=files,
+        state_kind="files",
+        metrics=metrics,
+        metadata=metadata,
+        strategy=strategy,
+        library_version=__version__,
+        adopted=True,
+    )
+    fence()
+    data = manifest.to_json_bytes()
+    path = f"{c.name}/{MANIFEST_NAME}"
+    if not _create_or_own(storage, path, data, c.step):
+        settled = _existing_manifest(storage, c.name, run_id)
+        if settled is not None and settled[0] == "already":
+            return False, manifest.size_bytes, len(files)
+        raise CheckpointError(
+            f"{storage.url(c.name)}: a manifest appeared there while it was being adopted "
+            f"({settled[1] if settled else 'unreadable'}); left as it is"
+        )
+    storage.fsync_dir(c.name)
+    return True, manifest.size_bytes, len(files)
+
+
+def _checksum_and_sync(storage: Storage, rel: str) -> tuple[FileEntry, ...]:
+    """Read every file once for its checksum and fsync it; then fsync every directory,
+    deepest first. A file whose size changes meanwhile (a writer still at work) makes
+    the folder refused: adopting it would record a torn state."""
+    listed = storage.walk_files(rel)
+    local = storage.local_path(rel)
+    entries = []
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    for name, listed_size in listed:
+        h = Hasher()
+        size = 0
+        with storage.open_read(f"{rel}/{name}") as f:
+            while n := f.readinto(view):
+                h.update(view[:n])
+                size += n
+            if local is not None:
+                _fsync_file(os.path.join(local, *name.split("/")), f)
+        if size != listed_size or storage.size(f"{rel}/{name}") != size:
+            raise CheckpointError(
+                f"{storage.url(rel)}: {name} changed size while it was read ({listed_size} "
+                f"-> {size} bytes): is a job still writing this checkpoint? Adopt it once "
+                "that job has stopped"
+            )
+        entries.append(FileEntry(name, size, h.hexdigest(), 0))
+    if local is not None:
+        dirs = {posixpath.dirname(n) for n, _ in listed}
+        for d in list(dirs):
+            while d:
+                d = posixpath.dirname(d)
+                dirs.add(d)
+        for d in sorted(dirs, key=lambda d: (d.count("/"), d), reverse=True):
+            storage.fsync_dir(f"{rel}/{d}" if d else rel)
+    return tuple(entries)
+
+
+def _describe(storage: Storage, c: _Candidate) -> tuple[dict[str, float], dict[str, Any]]:
+    """Metrics and metadata recorded with an adopted checkpoint: for the Trainer, its
+    evaluation metrics at that step (``KeepBest(metric="eval_loss")`` works on adopted
+    checkpoints too) and its step and epoch, as the Trainer integration records them."""
+    fw = c.framework.name if c.framework is not None else GENERIC
+    metadata: dict[str, Any] = {"adoption": {"framework": fw, "adopted_unix": time.time()}}
+    metrics: dict[str, float] = {}
+    if fw != "hf":
+        return metrics, metadata
+    try:
+        state = CheckpointFolder(storage, c.name, c.step).read_json(_TRAINER_STATE)
+    except (ValueError, CheckpointError):
+        return metrics, metadata
+    if not isinstance(state, dict):
+        return metrics, metadata
+    for entry in state.get("log_history") or ():
+        if not isinstance(entry, dict) or entry.get("step") != c.step:
+            continue
+        for key, value in entry.items():
+            if (
+                isinstance(key, str)
+                and key.startswith("eval_")
+                and not key.endswith(("_runtime", "_per_second"))
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and abs(value) < float("inf")
+            ):
+                metrics[key] = float(value)
+    epoch = state.get("epoch")
+    metadata["trainer"] = {
+        "global_step": c.step,
+        "epoch": float(epoch) if isinstance(epoch, (int, float)) else 0.0,
+    }
+    return metrics, metadata
+
+
+def _last_commit_seq(storage: Storage) -> int:
+    """The highest commit sequence number of any manifest in ROOT."""
+    seqs = [e.manifest.commit_seq for e in catalog.scan(storage) if e.manifest is not None]
+    return max(seqs, default=0)
+
+
+# ---------------------------------------------------------------------- run and lock
+def _recorded_run_id(storage: Storage) -> str | None:
+    try:
+        data = storage.read_bytes(RUN_FILE)
+    except CheckpointNotFoundError:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        doc = None
+    rid = doc.get("run_id") if isinstance(doc, dict) else None
+    if not isinstance(rid, str) or not rid:
+        raise CheckpointError(
+            f"{storage.url(RUN_FILE)} is empty or damaged: open a CheckpointManager on "
+            f"{storage.url('')} once (it repairs the run file), then adopt"
+        )
+    return rid
+
+
+def _run_id_for(
+    storage: Storage, run_id: str | None, *, create: bool, new: str | None = None
+) -> str | None:
+    """The run the adopted checkpoints belong to: the recorded one (which an explicit
+    ``run_id`` must match), else the one run of the committed checkpoints, else
+    ``run_id`` or ``new``, recorded in the run file (``create``)."""
+    recorded = _recorded_run_id(storage)
+    if recorded is not None:
+        if run_id is not None and run_id != recorded:
+            raise CheckpointError(
+                f"{storage.url('')} records run {recorded!r} ({storage.url(RUN_FILE)}), not "
+                f"{run_id!r}: checkpoints adopted into another run would be foreign to the "
+                "job that resumes there. Omit run_id, or pass the recorded one"
+            )
+        return recorded
+    runs = sorted({m.run_id for m in catalog.committed(storage, run_id=None, warn=False)})
+    if run_id is None and len(runs) > 1:
+        raise ResumeError(
+            f"{storage.url('')} has no run file and holds checkpoints of {len(runs)} runs "
+            f"({', '.join(map(repr, runs))}): pass run_id= with the run to adopt into"
+        )
+    rid = run_id or (runs[0] if runs else None)
+    if not create:
+        return rid
+    rid = rid or new or _new_run_id()
+    storage.makedirs(META_DIR)
+    storage.fsync_dir("")
+    if not storage.create_exclusive(RUN_FILE, _run_doc(rid)):
+        return _run_id_for(storage, run_id, create=False) or rid
+    return rid
+
+
+def _acquire(storage: Storage, run_id: str) -> Any:
+    """Take the run lock. A holder that is this very process (an open
+    ``CheckpointManager``) is refused rather than taken over: taking it would fence
+    that manager in the middle of its run."""
+    from .lock import RunLock, _Me, read_lock_holder
+
+    storage.makedirs(META_DIR)
+    storage.fsync_dir("")
+    holder = read_lock_holder(storage)
+    if holder is not None and holder._is_process(_Me.now()) and holder.is_live():
+        raise LockHeldError(
+            f"the run lock on {storage.url('')} is held by this process (an open "
+            "CheckpointManager or integration): adopt before opening it, or close it first"
+        )
+    lock = RunLock(storage, run_id=run_id)
+    lock.acquire()
+    return lock
+
+
+def _accelerate_project(
+    storage: Storage, framework: str
+) -> tuple[Storage, Callable[[], None] | None]:
+    """Accelerate keeps its checkpoints in ``<project>/checkpoints/checkpoint_<i>`` and
+    lists that folder itself, so nothing of ours may go there: a root that is such a
+    project (or its ``checkpoints/`` folder) is adopted through the project view
+    (``storage.project``), and the layout is recorded (not for a dry run) so that every
+    later tool sees the same names. Returns the storage to use and the recorder."""
+    fw = _FRAMEWORKS.get(framework)
+    if fw is not None and fw.record is not None:
+        return storage, None  # checkpoints that are files: their framework's own layout
+    try:
+        from .layout import ACCELERATE_DIR, parse_accelerate_name
+        from .storage.project import ProjectStorage, record_layout
+    except ImportError:  # pragma: no cover - the project layout is part of the package
+        return storage, None
+    if isinstance(storage, ProjectStorage):
+        return storage, None
+    local = storage.local_path("")
+    if local is None:
+        return storage, None
+
+    def has_steps(path: str) -> bool:
+        try:
+            return any(parse_accelerate_name(n) is not None for n in os.listdir(path))
+        except OSError:
+            return False
+
+    project: str | None = None
+    if has_steps(os.path.join(local, ACCELERATE_DIR)):
+        project = local
+    elif (
+        os.path.basename(local) == ACCELERATE_DIR
+        and has_steps(local)
+        and not os.path.lexists(os.path.join(local, META_DIR))
+    ):
+        project = os.path.dirname(local)
+    if project is None:
+        return storage, None
+    base = open_storage(project)
+    if isinstance(base, ProjectStorage):
+        return base, None
+    view = ProjectStorage(base)
+    log.info("%s is an Accelerate project: adopting %s/checkpoint_<i>", project, ACCELERATE_DIR)
+    return view, lambda: record_layout(base)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# ``adopt.register_framework(...)`` reads naturally where ``adopt`` is the function
+# imported from the package.
+adopt.register_framework = register_framework  # type: ignore[attr-defined]

@@ -1,0 +1,150 @@
+"""Coordination that grows O(N) (issue 14), on one real TCPStore.
+
+- The real commit path (``commit.save``) with ranks as threads, each with its own client
+  connection, counted by ``benchmarks/scale.py``'s counting store: store requests, keys
+  touched and bytes per save grow linearly with the number of ranks, and every rank
+  but the leader makes the same few requests whatever the number of ranks. Counts are
+  deterministic; nothing is timed.
+- A round's failure is one answer: whoever gives up first names the missing rank, and
+  a leader that arrives later learns it from the store at once rather than waiting out
+  its own timeout; a leader that never answers is named by the others.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from benchmarks import scale
+
+from atomic_checkpoint import CoordinationTimeoutError
+from atomic_checkpoint.coordination import TorchDistributedCoordinator
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+
+
+def test_store_operations_per_save_grow_linearly(tmp_path):
+    rows = {
+        n: scale.run_saves(n, 2, str(tmp_path / f"r{n}"), timeout_s=60, procs=0)
+        for n in (1, 8, 16, 32)
+    }
+    for n, row in rows.items():
+        assert row["deterministic"], (n, row["per_save"])
+    assert rows[1]["requests"] == 0  # one rank coordinates nothing
+    # Linear, exactly: equal steps in N add equal counts (N^2 would not).
+    for what in ("requests", "keys"):
+        step8 = rows[16][what] - rows[8][what]
+        assert step8 > 0 and rows[32][what] - rows[16][what] == 2 * step8, (what, rows)
+    # Bytes: linear within what the values hold (a rank number grows a digit).
+    assert rows[32]["bytes"] <= 4 * rows[8]["bytes"] * 1.1, rows
+    # The ranks other than the leader each make the same few requests, touch the same
+    # few keys and read the same few bytes whatever N; the leader's requests are constant
+    # too (its one wait and one read cover every rank's key).
+    for what in ("max_other_requests", "max_other_keys", "leader_requests"):
+        assert rows[8][what] == rows[16][what] == rows[32][what], (what, rows)
+    assert rows[32]["max_other_bytes"] <= rows[8]["max_other_bytes"] * 1.1, rows
+    assert rows[32]["leader_keys"] - rows[16]["leader_keys"] == 2 * (
+        rows[16]["leader_keys"] - rows[8]["leader_keys"]
+    )
+
+
+def _clients(world: int, namespace: str) -> tuple[object, list[TorchDistributedCoordinator]]:
+    import torch.distributed as dist
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    # One client connection per rank, as in separate processes.
+    coords = [
+        TorchDistributedCoordinator(
+            dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30)),
+            rank=r,
+            world_size=world,
+            namespace=namespace,
+        )
+        for r in range(world)
+    ]
+    return server, coords
+
+
+def _raises(fn) -> CoordinationTimeoutError:
+    with pytest.raises(CoordinationTimeoutError) as err:
+        fn()
+    return err.value
+
+
+@pytest.mark.timeout(30)
+def test_a_missing_rank_is_named_by_the_first_to_give_up_and_a_late_leader_learns_it():
+    server, (lead, r1, r2, r3) = _clients(4, "missing")
+    # Rank 3 never comes, the leader comes late. Ranks 1 and 2 give up after their own
+    # timeout: whoever gives up first names both, and the other reads that.
+    errors: dict[int, CoordinationTimeoutError] = {}
+    threads = [
+        threading.Thread(
+            target=lambda c=c: errors.__setitem__(
+                c.rank, _raises(lambda: c.all_gather("save step 4: write", c.rank, timeout_s=0.3))
+            )
+        )
+        for c in (r1, r2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(errors) == [1, 2]
+    assert {e.missing_ranks for e in errors.values()} == {(0, 3)}
+    assert all("did not arrive" in str(e) and "3" in str(e) for e in errors.values())
+    # The leader arrives afterwards with a long timeout: the give-up marks tell it at
+    # once (this test's own 30 s limit would end a leader waiting out 600 s).
+    late_lead = _raises(lambda: lead.all_gather("save step 4: write", 0, timeout_s=600))
+    assert late_lead.missing_ranks == (0, 3) and "arrived at 'save step 4: write' after" in str(
+        late_lead
+    )
+    # Rank 3 arriving now fails too, as the other one that was late.
+    late = _raises(lambda: r3.all_gather("save step 4: write", 3, timeout_s=600))
+    assert late.missing_ranks == (0, 3) and "arrived at 'save step 4: write' after" in str(late)
+    del server
+
+
+@pytest.mark.timeout(30)
+def test_a_leader_that_never_answers_is_named_and_fails_when_it_comes_back():
+    server, (lead, r1, r2) = _clients(3, "leader")
+    errors: dict[int, CoordinationTimeoutError] = {}
+    threads = [
+        threading.Thread(
+            target=lambda c=c: errors.__setitem__(
+                c.rank,
+                _raises(
+                    lambda: c.gather("save step 9: write", c.rank, dst=0, timeout_s=0.3, reduce=len)
+                ),
+            )
+        )
+        for c in (r1, r2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(errors) == [1, 2]
+    assert all(e.missing_ranks == (0,) for e in errors.values())
+    assert any("rank 0, which collects" in str(e) for e in errors.values())
+    late = _raises(lambda: lead.gather("save step 9: write", 0, dst=0, timeout_s=600, reduce=len))
+    assert late.missing_ranks == (0,) and "after rank" in str(late)
+    # The next round, everyone on time: the leader gets every value, the others only
+    # the summary.
+    out: dict[int, tuple] = {}
+    threads = [
+        threading.Thread(
+            target=lambda c=c: out.__setitem__(
+                c.rank, c.gather("g", c.rank * 10, dst=0, timeout_s=10, reduce=sum)
+            )
+        )
+        for c in (lead, r1, r2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert out == {0: ([0, 10, 20], 30), 1: (None, 30), 2: (None, 30)}
+    del server

@@ -1,0 +1,77 @@
+"""The parts of the documentation site that can go stale without a build: the README
+sections its pages include, and README.md's links between its own sections. The whole
+site is built, in strict mode, by ``scripts/docs.sh``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import pytest
+
+from tests.docs import samples as S
+
+
+def test_every_readme_section_the_site_includes_exists() -> None:
+    hooks = S.hooks
+    asked = 0
+    for page in (S.REPO / "docs").rglob("*.md"):
+        for line in page.read_text().splitlines():
+            m = hooks._DIRECTIVE.match(line.strip())
+            if m and m.group(1) == "readme-section":
+                assert hooks.readme_section(m.group(2)).strip(), f"{page}: {line}"
+                asked += 1
+            elif m and m.group(1) == "readme-intro":
+                assert hooks.readme_intro().strip(), f"{page}: {line}"
+    assert asked >= 10
+
+
+def test_readme_sections_end_at_the_next_heading_not_at_a_comment_in_code() -> None:
+    hooks = S.hooks
+    lines = ["# t", "## A", "```bash", "# not a heading", "```", "### A.1", "x", "## B", "y"]
+    assert hooks.section_lines(lines, "A") == ["```bash", "# not a heading", "```", "## A.1", "x"]
+    with pytest.raises(hooks.DocsBuildError, match="no section titled 'C'"):
+        hooks.section_lines(lines, "C")
+
+
+def test_every_link_between_readme_sections_lands_on_a_page_of_the_site() -> None:
+    hooks = S.hooks
+    readme = hooks.README.read_text()
+    assert hooks._ANCHOR_LINK.findall(readme), "README.md has no links to its own sections"
+    text = hooks.repoint_links(readme, "cli.md", S.REPO / "docs")
+    pages = re.findall(r"\]\(([^)#\s:]+\.md)(?:#[^)\s]*)?\)", text)
+    assert pages, text
+    missing = [p for p in pages if not (S.REPO / "docs" / p).is_file()]
+    assert missing == [], f"README.md links to pages the site does not have: {missing}"
+    with pytest.raises(hooks.DocsBuildError, match="which no heading has"):
+        hooks.repoint_links("see [x](#no-such-section)", "cli.md", S.REPO / "docs")
+
+
+def test_grouped_args_become_one_entry_per_parameter_for_the_api_reference() -> None:
+    spec = importlib.util.spec_from_file_location(
+        "_grouped_args", S.REPO / "docs/_mkdocs/grouped_args.py"
+    )
+    if spec is None or spec.loader is None:
+        raise ImportError("cannot load docs/_mkdocs/grouped_args.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    doc = (
+        "Doc.\n\nArgs:\n    a, b: as for x.\n    c: own.\n    d, e:\n        as for y.\n\n"
+        "Note:\n    f, g: h"
+    )
+    assert module.split_grouped_args(doc).splitlines() == [
+        "Doc.",
+        "",
+        "Args:",
+        "    a: as for x.",
+        "    b: as for x.",
+        "    c: own.",
+        "    d:",
+        "        as for y.",
+        "    e:",
+        "        as for y.",
+        "",
+        "Note:",
+        "    f, g: h",
+    ]

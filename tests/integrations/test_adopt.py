@@ -1,0 +1,371 @@
+"""Adopting checkpoints the stock frameworks wrote (``atomic_checkpoint.adopt`` and
+``atomic-checkpoint adopt``): real Trainer and Accelerate runs without this library
+(tests/integrations/scripts/stock_runs.py), torn for real, adopted on real
+filesystems (and the S3 server), then resumed through ``CheckpointManager`` and the
+stock frameworks."""
+
+# Fixtures imported from tests.testbed are requested by parameter name.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from atomic_checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    LockHeldError,
+    adopt,
+    register_framework,
+)
+from atomic_checkpoint.layout import MANIFEST_NAME, META_DIR
+from atomic_checkpoint.storage import FsspecStorage
+from tests.cli.helpers import run_cli, run_json
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+STOCK = REPO / "tests" / "integrations" / "scripts" / "stock_runs.py"
+
+
+def _stock(*args: Any) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("ATOMIC_CHECKPOINT_FAULTS", None)
+    proc = subprocess.run(
+        [sys.executable, str(STOCK), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def stock_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stock Trainer run: checkpoint-2 ... checkpoint-10, then save_model() files at
+    the top of output_dir. Copied by each test (``_copy``), never changed."""
+    out = tmp_path_factory.mktemp("stock") / "out"
+    _stock("hf", out, 10)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock_accelerate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A stock Accelerate project: checkpoints/checkpoint_0 ... checkpoint_2."""
+    project = tmp_path_factory.mktemp("stock") / "project"
+    _stock("accelerate", project, 3)
+    return project
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / src.name
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``root``: (size, mtime in ns)."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            st = os.stat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _tear_hf(out: Path) -> None:
+    """Three ways a Trainer save is torn by a crash (or a power cut: nothing fsync'd):
+    the weights cut short, trainer_state.json (written last) never written, and the
+    weights never written."""
+    weights = out / "checkpoint-6" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 100)
+    (out / "checkpoint-8" / "trainer_state.json").unlink()
+    (out / "checkpoint-10" / "model.safetensors").unlink()
+
+
+# ---------------------------------------------------------------------- Trainer
+@pytest.mark.timeout(180)
+def test_stock_trainer_checkpoints_are_adopted_torn_ones_refused_then_resumed(
+    stock_hf: Path, tmp_path: Path
+) -> None:
+    out = _copy(stock_hf, tmp_path)
+    _tear_hf(out)
+    torn_before = {s: _tree(out / f"checkpoint-{s}") for s in (6, 8, 10)}
+
+    result = adopt(out)
+    assert result.adopted == [2, 4], result
+    assert sorted(result.refused) == [6, 8, 10]
+    assert "model.safetensors" in result.refused[6] and "truncated" in result.refused[6]
+    assert "trainer_state.json is missing" in result.refused[8]
+    assert "no model weights" in result.refused[10]
+    assert result.frameworks == {2: "hf", 4: "hf"}
+    # Nothing written for a refused folder, not even a manifest.
+    assert {s: _tree(out / f"checkpoint-{s}") for s in (6, 8, 10)} == torn_before
+
+    manifest = json.loads((out / "checkpoint-4" / MANIFEST_NAME).read_text())
+    assert manifest["adopted"] is True and manifest["state_kind"] == "files"
+    assert manifest["metrics"]["eval_loss"] > 0  # the Trainer's eval at step 4
+    listed = {f["path"] for f in manifest["files"]}
+    assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= listed
+
+    # The job continues through the manager: the newest adopted checkpoint is the one
+    # to resume from; its checksums verify; the torn ones are never candidates.
+    mgr = CheckpointManager(out)
+    try:
+        assert [c.step for c in mgr.checkpoints()] == [2, 4]
+        latest = mgr.latest()
+        assert latest is not None and latest.step == 4 and latest.adopted
+        assert mgr.verify(4).adopted
+        with pytest.raises(CheckpointError, match="adopted from a framework's files"):
+            mgr.restore(4)  # the Trainer's files: the Trainer loads them, from this path
+        path = mgr.checkpoint_path(4)
+    finally:
+        mgr.close()
+    # ... and the stock Trainer resumes from the path it is given: step 5 onwards.
+    result_json = tmp_path / "resumed.json"
+    _stock("hf-resume", tmp_path / "resumed", path, 6, result_json)
+    resumed = json.loads(result_json.read_text())
+    assert resumed == {"first_step": 4, "global_step": 6}
+
+
+@pytest.mark.timeout(180)
+def test_adopt_is_idempotent_and_a_dry_run_writes_nothing(stock_hf: Path, tmp_path: Path) -> None:
+    out = _copy(stock_hf, tmp_path)
+    _tear_hf(out)
+    before = _tree(out)
+    dry = adopt(out, dry_run=True)
+    assert dry.dry_run and dry.adopted == [2, 4] and sorted(dry.refused) == [6, 8, 10]
+    assert _tree(out) == before and not (out / META_DIR).exists()
+
+    first = adopt(out, [4])
+    assert first.adopted == [4] and first.refused == {}
+    manifest = (out / "checkpoint-4" / MANIFEST_NAME).read_bytes()
+    run = json.loads((out / META_DIR / "run.json").read_text())["run_id"]
+    again = adopt(out, [2, 4])
+    assert again.adopted == [2] and again.already == [4] and again.run_id == run
+    third = adopt(out)
+    assert third.adopted == [] and third.already == [2, 4] and sorted(third.refused) == [6, 8, 10]
+    assert (out / "checkpoint-4" / MANIFEST_NAME).read_bytes() == manifest
+    # Asked for a step that is not there: refused, saying so.
+    assert "no folder for step 12" in adopt(out, [12]).refused[12]
+    # The recorded run is matched, never replaced.
+    with pytest.raises(CheckpointError, match="records run"):
+        adopt(out, run_id="another-run")
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(
+    stock_hf: Path, tmp_path: Path
+) -> None:
+    out = _copy(stock_hf, tmp_path)
+    folder = out / "checkpoint-4"
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}
+    index["weight_map"]["b.weight"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "model-00002-of-00002.safetensors is missing" in adopt(out, [4]).refused[4]
+    shutil.copy(
+        folder / "model-00001-of-00002.safetensors", folder / "model-00002-of-00002.safetensors"
+    )
+    assert adopt(out, [4]).adopted == [4]
+
+
+@pytest.mark.timeout(120)
+def test_adopt_refuses_while_a_manager_of_the_root_is_open(stock_hf: Path, tmp_path: Path) -> None:
+    out = _copy(stock_hf, tmp_path)
+    mgr = CheckpointManager(out)
+    try:
+        with pytest.raises(LockHeldError, match="adopt before opening it"):
+            adopt(out)
+        assert not (out / "checkpoint-2" / MANIFEST_NAME).exists()
+    finally:
+        mgr.close()
+    assert adopt(out, [2]).adopted == [2]
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_rule_decides_for_its_names(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    for step, ok in ((1, True), (2, False)):
+        (root / f"snap.{step}").mkdir(parents=True)
+        (root / f"snap.{step}" / ("DONE" if ok else "partial")).write_text("x")
+    register_framework(
+        "snapshots-test",
+        r"^snap\.(?P<step>[0-9]+)$",
+        lambda path: None if os.path.exists(os.path.join(path, "DONE")) else "no DONE file",
+    )
+    assert adopt(root, dry_run=True).adopted == [1]  # auto: every registered rule
+    result = adopt(root, framework="snapshots-test")
+    assert result.adopted == [1] and result.refused == {2: "no DONE file"}
+    assert (root / "snap.1" / MANIFEST_NAME).exists()
+    with pytest.raises(ValueError, match="unknown framework"):
+        adopt(root, framework="nope")
+
+
+# ---------------------------------------------------------------------- Accelerate
+@pytest.mark.timeout(180)
+def test_stock_accelerate_project_is_adopted_and_keeps_accelerates_layout(
+    stock_accelerate: Path, tmp_path: Path
+) -> None:
+    project = _copy(stock_accelerate, tmp_path)
+    torn = project / "checkpoints" / "checkpoint_2"
+    (torn / "random_states_0.pkl").unlink()  # the save died before the RNG states
+    weights = project / "checkpoints" / "checkpoint_1" / "optimizer.bin"
+    result = adopt(project)
+    assert result.adopted == [0, 1] and list(result.refused) == [2], result
+    assert "random_states_0.pkl is missing" in result.refused[2]
+    assert (project / "checkpoints" / "checkpoint_1" / MANIFEST_NAME).exists()
+    assert not (torn / MANIFEST_NAME).exists()
+    # Nothing of ours inside checkpoints/: Accelerate lists and digit-sorts that folder.
+    assert sorted(os.listdir(project / "checkpoints")) == [f"checkpoint_{i}" for i in range(3)]
+    mgr = CheckpointManager(project, read_only=True)
+    assert [c.step for c in mgr.checkpoints()] == [0, 1]
+    assert mgr.verify(1).adopted
+    # A torn optimizer file in an adopted checkpoint is found by its checksum.
+    with open(weights, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    with pytest.raises(CheckpointError, match="checksum"):
+        mgr.verify(1)
+
+
+# ---------------------------------------------------------------------- object store
+@pytest.mark.netfs
+@pytest.mark.timeout(180)
+def test_adopt_on_an_s3_root_commits_like_a_marker_save(
+    stock_hf: Path, s3_server: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    url = f"s3://{s3_bucket}/out"
+    opts = s3_server.storage_options()
+    store = FsspecStorage(url, opts)
+    for step in (2, 4):
+        for name in sorted(os.listdir(stock_hf / f"checkpoint-{step}")):
+            data = (stock_hf / f"checkpoint-{step}" / name).read_bytes()
+            store.write_bytes_atomic(f"checkpoint-{step}/{name}", data)
+    store.write_bytes_atomic("checkpoint-6/config.json", b"{}")  # torn: model only begun
+    result = adopt(url, storage_options=opts)
+    assert result.adopted == [2, 4] and list(result.refused) == [6], result
+    manifest = json.loads(store.read_bytes(f"checkpoint-4/{MANIFEST_NAME}"))
+    assert manifest["adopted"] is True and manifest["strategy"] == "marker"
+    mgr = CheckpointManager(url, storage_options=opts, read_only=True)
+    assert [c.step for c in mgr.checkpoints()] == [2, 4]
+    assert mgr.verify(4).adopted
+    assert adopt(url, storage_options=opts, steps=[2, 4]).already == [2, 4]
+
+
+# ---------------------------------------------------------------------- the CLI
+@pytest.mark.timeout(180)
+def test_cli_adopt_reports_and_exit_codes(stock_hf: Path, tmp_path: Path) -> None:
+    out = _copy(stock_hf, tmp_path)
+    _tear_hf(out)
+    dry = run_cli("adopt", out, "--dry-run")
+    assert dry.returncode == 1, dry.stderr
+    assert "would adopt checkpoint-2 (hf)" in dry.stdout
+    assert "would refuse checkpoint-8: trainer_state.json is missing" in dry.stdout
+    assert not (out / META_DIR).exists()
+
+    asked = run_cli("adopt", out, "2", "4")
+    assert asked.returncode == 0, asked.stderr
+    assert "adopted checkpoint-4 (hf):" in asked.stdout and "checksummed" in asked.stdout
+    assert "adopted 2" in asked.stdout.splitlines()[-1]
+
+    doc = run_json("adopt", out, expect_rc=1)
+    assert doc["already"] == [2, 4] and doc["adopted"] == []
+    assert [r["step"] for r in doc["refused"]] == [6, 8, 10]
+    proc = run_cli("adopt", out, "6")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("atomic-checkpoint: error: 1 checkpoint(s) not adopted")
+    assert "truncated" in proc.stderr
+
+    assert run_cli("adopt", out, "--framework", "nope").returncode == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = run_cli("adopt", empty)
+    assert nothing.returncode == 1 and "nothing to adopt" in nothing.stderr
+
+    # A live job holds the run lock: refused (3), nothing written.
+    mgr = CheckpointManager(out)
+    try:
+        held = run_cli("adopt", out, "6", "--framework", "generic")
+        assert held.returncode == 3, held.stderr
+        assert not (out / "checkpoint-6" / MANIFEST_NAME).exists()
+    finally:
+        mgr.close()
+
+    inspected = run_json("inspect", out, "4")
+    assert inspected["manifest"]["adopted"] is True
+    assert "adopted:" in run_cli("inspect", out, "4").stdout
+
+
+@pytest.mark.timeout(120)
+def test_cli_list_groups_files_that_are_not_checkpoints(stock_hf: Path, tmp_path: Path) -> None:
+    out = _copy(stock_hf, tmp_path)
+    _tear_hf(out)
+    adopted_run = adopt(out, [2, 4]).run_id
+    proc = run_cli("list", out)
+    assert proc.returncode == 0, proc.stderr
+    rows = proc.stdout.splitlines()
+    # save_model()'s files (config.json, model.safetensors, ...): one line, not a row each.
+    assert not any(r.startswith(("config.json", "model.safetensors")) for r in rows), rows
+    (grouped,) = [r for r in rows if "other entries" in r]
+    assert grouped.startswith("(4 other entries)")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        assert name in grouped
+    # Torn checkpoint-<N> folders keep a row each, and adopted ones say so.
+    for step in (6, 8, 10):
+        (row,) = [r for r in rows if r.startswith(f"checkpoint-{step} ")]
+        assert "no manifest" in row and "adopt" in row
+    (row4,) = [r for r in rows if r.startswith("checkpoint-4 ")]
+    assert "ok (adopted)" in row4
+    assert rows[-1].endswith("7 foreign, 2 ok (run " + adopted_run + ")"), rows[-1]
+    # --json keeps one entry per name (its keys are stable).
+    doc = run_json("list", out)
+    names = {e["name"] for e in doc["entries"]}
+    assert {"config.json", "checkpoint-6"} <= names
+    assert {e["name"]: e["adopted"] for e in doc["entries"]}["checkpoint-4"] is True
+
+
+@pytest.mark.timeout(120)
+def test_cli_verify_checks_a_lightning_directory_through_its_sidecars(tmp_path: Path) -> None:
+    # The plugin's file writer (what AtomicCheckpointIO.save_checkpoint runs), without
+    # importing Lightning itself (seconds).
+    from atomic_checkpoint.integrations.lightning import _AtomicFileIO
+    from tests.integrations.scripts.lightning_workers import checkpoint_dict
+
+    ckpts = tmp_path / "ckpts"
+    io = _AtomicFileIO()
+    io.save_checkpoint(checkpoint_dict(2), ckpts / "epoch=0-step=2.ckpt")
+    io.save_checkpoint(checkpoint_dict(4), ckpts / "epoch=0-step=4.ckpt")
+    # ModelCheckpoint(save_last="link"): last.ckpt is a relative link to the newest.
+    os.symlink("epoch=0-step=4.ckpt", ckpts / "last.ckpt")
+    # Each run imports torch (the sidecar reader's module): few runs, seconds each.
+    doc = run_json("verify", ckpts)
+    assert doc["ok"] is True and doc["skipped"] == []
+    assert {c["name"]: c["step"] for c in doc["checkpoints"]} == {
+        "epoch=0-step=2.ckpt": 2,
+        "epoch=0-step=4.ckpt": 4,
+        "last.ckpt": 4,
+    }
+    # One flipped byte in a .ckpt: verify finds it and fails.
+    path = ckpts / "epoch=0-step=2.ckpt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    bad = run_cli("verify", ckpts)
+    assert bad.returncode == 1
+    assert "epoch=0-step=2.ckpt: CORRUPT" in bad.stdout and "last.ckpt: ok" in bad.stdout
+    # A .ckpt without a sidecar (another plugin's) cannot be verified: it fails too.
+    shutil.copy(ckpts / "epoch=0-step=4.ckpt", ckpts / "stock.ckpt")
+    path.unlink()
+    (ckpts / ("epoch=0-step=2.ckpt" + ".manifest.json")).unlink()
+    stock = run_cli("verify", ckpts)
+    assert stock.returncode == 1 and "stock.ckpt: NOT A CHECKPOINT" in stock.stdout

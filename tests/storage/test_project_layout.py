@@ -1,0 +1,100 @@
+"""The Accelerate layout (``storage.project``) on a real directory: committed
+checkpoints are ``<project>/checkpoints/checkpoint_<step>`` and nothing else of ours is
+in that folder; steps are parsed strictly and ordered by integer; retention and the
+start-up sweep work through the view and never touch foreign entries; every tool that
+opens the project, or its ``checkpoints/`` folder, sees the same checkpoints."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from atomic_checkpoint import CheckpointManager, KeepLast
+from atomic_checkpoint.errors import CorruptCheckpointError, StorageError
+from atomic_checkpoint.layout import accelerate_name, parse_accelerate_name
+from atomic_checkpoint.storage import LocalStorage, open_storage
+from atomic_checkpoint.storage.project import ProjectStorage, record_layout
+
+FOREIGN = ["checkpoint_007", "checkpoint_1.5", "checkpoint-4", "notes.txt", "checkpoint_x"]
+
+
+def _project(tmp_path: Path) -> Path:
+    project = tmp_path / "run"
+    (project / "checkpoints").mkdir(parents=True)
+    record_layout(LocalStorage(str(project)))
+    for name in FOREIGN:
+        if name.endswith(".txt"):
+            (project / "checkpoints" / name).write_text("x")
+        else:
+            (project / "checkpoints" / name).mkdir()
+            (project / "checkpoints" / name / "model.safetensors").write_bytes(b"0" * 8)
+    return project
+
+
+def _save(mgr: CheckpointManager, step: int) -> None:
+    with mgr.saving(step) as pending:
+        (pending / "model.safetensors").write_bytes(b"w" * (step + 1))
+
+
+def test_strict_names() -> None:
+    assert accelerate_name(0) == "checkpoint_0"
+    assert parse_accelerate_name("checkpoint_12") == 12
+    for name in (
+        "checkpoint_007",
+        "checkpoint_1.5",
+        "checkpoint-3",
+        "checkpoint_",
+        "checkpoint_-1",
+    ):
+        assert parse_accelerate_name(name) is None, name
+
+
+def test_discovery_retention_and_sweep_through_the_view(tmp_path: Path) -> None:
+    project = _project(tmp_path)
+    # A save killed in an earlier job: its pending folder is in the project directory.
+    leftover = project / ".pending" / "checkpoint-11.0123456789abcdef"
+    leftover.mkdir(parents=True)
+    (leftover / "model.safetensors").write_bytes(b"torn")
+
+    mgr = CheckpointManager(str(project), retention=KeepLast(1))
+    assert isinstance(mgr.storage, ProjectStorage)
+    assert not leftover.exists()  # swept at start-up, under the run lock
+    for step in (9, 10):
+        _save(mgr, step)
+    assert mgr.latest().step == 10  # by integer: "10" < "9" as strings
+    mgr.close()  # waits for the rotation
+
+    names = sorted(os.listdir(project / "checkpoints"))
+    assert names == sorted([*FOREIGN, "checkpoint_10"])  # 9 rotated, foreign kept
+    assert (project / "checkpoints" / "checkpoint_10" / "checkpoint.manifest.json").is_file()
+    assert not any(n.startswith(".") for n in names)
+
+    # The checkpoints/ folder opens as the same project; so does the project itself.
+    for root in (project, project / "checkpoints"):
+        reader = CheckpointManager(str(root), read_only=True)
+        assert [c.step for c in reader.checkpoints()] == [10]
+        assert reader.checkpoints()[0].path == str(project / "checkpoints" / "checkpoint_10")
+        reader.verify(10)
+        reader.close()
+    view = open_storage(str(project / "checkpoints"))
+    listed = view.listdir("")
+    assert "checkpoint-10" in listed and "checkpoints/checkpoint-4" in listed
+    assert "checkpoint_007" in listed  # foreign: never parsed as step 7
+
+
+def test_checkpoints_folder_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    project = tmp_path / "run"
+    project.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", project / "checkpoints")
+    with pytest.raises(StorageError, match="symbolic link"):
+        ProjectStorage(LocalStorage(str(project)))
+
+
+def test_damaged_layout_record_is_an_error_not_another_layout(tmp_path: Path) -> None:
+    project = _project(tmp_path)
+    (project / ".atomic-checkpoint" / "layout.json").write_text("{torn")
+    with pytest.raises(CorruptCheckpointError, match=r"layout\.json"):
+        open_storage(str(project))

@@ -1,0 +1,205 @@
+"""Discovery that does not read the whole root (issue 14), counted.
+
+A root of 2,000 real checkpoints on the local filesystem; every manifest read and every
+file size check goes through a ``LocalStorage`` that counts them. ``latest()`` must read
+a handful of manifests, newest first; the rotation after a save must not read again
+what it already validated. Every guarantee of the full scan stays: strict names, other
+runs passed over, links never followed, corrupt ones skipped with a warning, and a
+manifest changed behind the cache read again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from atomic_checkpoint import CheckpointManager, KeepLast, catalog
+from atomic_checkpoint.layout import MANIFEST_NAME
+from atomic_checkpoint.storage.local import LocalStorage
+from tests.testbed.roots import make_local_root
+
+N = 2000
+#: "A handful": what latest() may read on a root whose newest checkpoint is valid.
+HANDFUL = 2
+
+
+class CountingStorage(LocalStorage):
+    """The real LocalStorage, counting manifest reads and file size checks."""
+
+    def __init__(self, root: Path):
+        super().__init__(root)
+        self.manifest_reads = 0
+        self.size_checks = 0
+
+    def read_bytes(self, path: str) -> bytes:
+        if path.endswith(f"/{MANIFEST_NAME}"):
+            self.manifest_reads += 1
+        return super().read_bytes(path)
+
+    def size(self, path: str) -> int | None:
+        self.size_checks += 1
+        return super().size(path)
+
+    def reset(self) -> None:
+        self.manifest_reads = self.size_checks = 0
+
+
+@pytest.fixture(scope="module")
+def big_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2,000 checkpoints of one run (made once per module; tests copy it to change it)."""
+    return make_local_root(tmp_path_factory.mktemp("big") / "root", range(N))
+
+
+@pytest.fixture
+def root(big_root: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "root"
+    shutil.copytree(big_root, dst, symlinks=True)
+    return dst
+
+
+def test_latest_reads_the_newest_manifest_only(big_root: Path) -> None:
+    storage = CountingStorage(big_root)
+    mgr = CheckpointManager(storage, read_only=True)
+    # A reader's start only asks whether there is a valid checkpoint: the newest.
+    assert storage.manifest_reads <= HANDFUL, storage.manifest_reads
+    storage.reset()
+    got = mgr.latest()
+    assert got is not None and got.step == N - 1
+    assert storage.manifest_reads <= HANDFUL, storage.manifest_reads
+    # One checkpoint's files are checked (one file here), not every checkpoint's.
+    assert storage.size_checks <= HANDFUL, storage.size_checks
+    # The same answer as the full scan.
+    assert catalog.committed(storage, run_id=mgr.run_id)[-1].step == got.step
+
+
+def test_restore_finds_its_checkpoint_newest_first(big_root: Path) -> None:
+    storage = CountingStorage(big_root)
+    mgr = CheckpointManager(storage, read_only=True)
+    storage.reset()
+    state = mgr.restore()
+    assert mgr.last_restored is not None and mgr.last_restored.step == N - 1
+    assert state["w"].shape == (256,)
+    # Finding it (1), resolving it (1), and the re-read that proves it was not replaced
+    # while being read (1): not a listing of every checkpoint.
+    assert storage.manifest_reads <= 3, storage.manifest_reads
+
+
+def test_latest_skips_corrupt_other_runs_and_links_newest_first(
+    root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run_id = CheckpointManager(root, read_only=True).run_id
+    # Newest: a torn manifest; then a missing state file; then another run's checkpoint;
+    # then a link to a valid checkpoint outside ROOT; then strict-name impostors.
+    (root / f"checkpoint-{N + 3}").mkdir()
+    (root / f"checkpoint-{N + 3}" / MANIFEST_NAME).write_bytes(b'{"format": "atomic-ch')
+    shutil.copytree(root / f"checkpoint-{N - 1}", root / f"checkpoint-{N + 2}")
+    os.rename(root / f"checkpoint-{N - 1}", root / "moved-away")  # reused below
+    make_local_root(tmp_path / "other", [N + 1], run_id="other-run")
+    os.rename(tmp_path / "other" / f"checkpoint-{N + 1}", root / f"checkpoint-{N + 1}")
+    shutil.copytree(root / "moved-away", tmp_path / "outside")
+    os.symlink(tmp_path / "outside", root / f"checkpoint-{N}")
+    shutil.copytree(root / "moved-away", root / f"checkpoint-0{N + 9}")
+    shutil.copytree(root / "moved-away", root / f"checkpoint-{N + 9}.5")
+    shutil.rmtree(root / "moved-away")
+    data = [f for f in os.listdir(root / f"checkpoint-{N + 2}") if f != MANIFEST_NAME]
+    os.unlink(root / f"checkpoint-{N + 2}" / data[0])
+
+    storage = CountingStorage(root)
+    mgr = CheckpointManager(storage, read_only=True, run_id=run_id)
+    storage.reset()
+    caplog.set_level(logging.WARNING, logger="atomic_checkpoint")
+    got = mgr.latest()
+    assert got is not None and got.step == N - 2
+    # N+3 (torn), N+2 (a file missing), N+1 (other run), N-2: the link is not read.
+    assert storage.manifest_reads == 4, storage.manifest_reads
+    warned = caplog.text
+    assert f"checkpoint-{N + 3}" in warned and f"checkpoint-{N + 2}" in warned
+    assert f"checkpoint-{N}" in warned and "symbolic link" in warned
+    assert catalog.committed(storage, run_id=run_id)[-1].step == got.step
+
+
+def test_latest_on_an_empty_root_is_none(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    mgr = CheckpointManager(empty)
+    assert mgr.latest() is None
+    mgr.close()
+
+
+def test_rotation_reads_only_the_new_manifest(root: Path) -> None:
+    storage = CountingStorage(root)
+    mgr = CheckpointManager(storage, retention=KeepLast(N))
+    # The first save's rotation already knows every checkpoint the open scan validated.
+    for step in (N, N + 1, N + 2):
+        storage.reset()
+        mgr.save(step, {"w": np.full(64, step, dtype=np.float32)})
+        mgr.wait()  # the rotation ran
+        # Only the checkpoint just committed is read (and its step's existence checked
+        # before the commit); the others' files are checked by one lstat each (not
+        # through the storage); the one the policy dropped is gone.
+        assert storage.manifest_reads <= HANDFUL, (step, storage.manifest_reads)
+        assert storage.size_checks <= 2 * HANDFUL, (step, storage.size_checks)
+        assert not (root / f"checkpoint-{step - N}").exists()
+    storage.reset()
+    listed = mgr.checkpoints()
+    assert [c.step for c in listed] == list(range(3, N + 3))
+    assert storage.manifest_reads == 0
+    mgr.close()
+
+
+def test_the_cache_never_hides_a_change(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    storage = CountingStorage(root)
+    mgr = CheckpointManager(storage, retention=KeepLast(10 * N))
+    mgr.save(N, {"w": np.zeros(4, dtype=np.float32)}, metrics={"loss": 1.0})
+    assert mgr.checkpoints()[-1].metrics == {"loss": 1.0}
+    # This manager's own overwrite: the cached manifest of step N is dropped.
+    mgr.save(N, {"w": np.ones(4, dtype=np.float32)}, metrics={"loss": 0.5}, overwrite=True)
+    assert mgr.checkpoints()[-1].metrics == {"loss": 0.5}
+    # A manifest changed behind the manager's back (a disk error, an operator): its
+    # token changed, so it is read again and found corrupt.
+    victim = root / "checkpoint-7" / MANIFEST_NAME
+    victim.write_bytes(victim.read_bytes()[:100])
+    storage.reset()
+    caplog.set_level(logging.WARNING, logger="atomic_checkpoint")
+    steps = [c.step for c in mgr.checkpoints()]
+    assert 7 not in steps and len(steps) == N
+    assert storage.manifest_reads == 1
+    assert "checkpoint-7" in caplog.text
+    # A checkpoint removed behind its back leaves the list too.
+    shutil.rmtree(root / "checkpoint-8")
+    assert 8 not in [c.step for c in mgr.checkpoints()]
+    # A state file damaged under an unchanged manifest: the listing checks sizes as a
+    # full scan does, so it agrees with latest() (which reads the newest afresh).
+    newest = root / f"checkpoint-{N}"
+    data = next(f for f in os.listdir(newest) if f != MANIFEST_NAME)
+    os.truncate(newest / data, 3)
+    assert N not in [c.step for c in mgr.checkpoints()]
+    assert mgr.latest().step == N - 1
+    # A state file replaced by a link to a file of the same size outside ROOT: never
+    # followed (DESIGN invariant 9), the checkpoint is not listed.
+    ck = root / "checkpoint-9"
+    data = next(f for f in os.listdir(ck) if f != MANIFEST_NAME)
+    outside = root.parent / "outside.bin"
+    shutil.copyfile(ck / data, outside)
+    os.unlink(ck / data)
+    os.symlink(outside, ck / data)
+    caplog.clear()
+    assert 9 not in [c.step for c in mgr.checkpoints()]
+    assert "symbolic link" in caplog.text
+    mgr.close()
+
+
+def test_the_cache_holds_a_bounded_number_of_file_entries(tmp_path: Path) -> None:
+    root = make_local_root(tmp_path / "root", range(10))
+    storage = CountingStorage(root)
+    cache = catalog.ManifestCache(max_files=3)  # one state file per checkpoint here
+    for _ in range(2):
+        storage.reset()
+        found = catalog.committed(storage, run_id=None, cache=cache)
+        assert [m.step for m in found] == list(range(10))
+    assert len(cache) == 3
+    assert storage.manifest_reads == 7  # the three cached ones are not read again

@@ -1,0 +1,65 @@
+"""The public API is stable: ``atomic_checkpoint.__all__`` changes only on purpose.
+
+Removing or renaming a public name breaks users' imports: this list must be edited in
+the same change, with a note in the README (and a deprecation path for a removal).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import atomic_checkpoint
+from atomic_checkpoint.errors import CheckpointError
+
+PUBLIC = {
+    # managers and their records
+    "CheckpointManager", "CheckpointInfo", "Tier", "TieredCheckpointInfo",
+    "TieredCheckpointManager", "adopt", "AdoptResult", "register_framework",
+    # retention
+    "RetentionPolicy", "KeepAll", "KeepBest", "KeepEvery", "KeepLast", "AnyOf", "Pin",
+    # storage and coordination
+    "Storage", "StorageCapabilities", "LocalStorage", "FsspecStorage", "MemoryStorage",
+    "open_storage", "Coordinator", "SingleProcessCoordinator",
+    "TorchDistributedCoordinator",
+    # preemption
+    "PreemptionGuard", "REQUEUE_EXIT_CODE",
+    # errors
+    "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StepOrderError",
+    "CorruptCheckpointError", "UnsafeCheckpointError", "UnsupportedSchemaError",
+    "SerializationError", "StorageError", "StorageFullError", "StoragePermissionError",
+    "CommitError", "CoordinationTimeoutError", "RankFailure", "DistributedCheckpointError",
+    "LockError", "LockHeldError", "FencedError", "ResumeError", "ReadOnlyError",
+    "SaveAbandonedError",
+    "__version__",
+}  # fmt: skip
+
+
+def test_all_is_the_documented_public_api():
+    assert set(atomic_checkpoint.__all__) == PUBLIC
+    assert len(atomic_checkpoint.__all__) == len(set(atomic_checkpoint.__all__))
+    for name in PUBLIC:
+        assert getattr(atomic_checkpoint, name) is not None, name
+
+
+def test_every_error_the_package_raises_is_exported_from_the_top_level():
+    # An exception users may need to catch must be importable from atomic_checkpoint
+    # and be a CheckpointError, so `except CheckpointError` catches everything we raise.
+    errors = {}
+    for mod in pkgutil.walk_packages(atomic_checkpoint.__path__, "atomic_checkpoint."):
+        if mod.name.startswith("atomic_checkpoint.integrations") or mod.name.endswith("__main__"):
+            continue  # framework imports; their errors are the package's own
+        module = importlib.import_module(mod.name)
+        for name, obj in vars(module).items():
+            if (
+                inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == module.__name__
+                and not name.startswith("_")
+            ):
+                errors[name] = obj
+    errors.pop("CliError", None)  # the command line's own exit path, never raised to users
+    missing = sorted(n for n in errors if n not in atomic_checkpoint.__all__)
+    assert missing == [], f"public exceptions not exported from atomic_checkpoint: {missing}"
+    assert all(issubclass(e, CheckpointError) for e in errors.values())
