@@ -10,6 +10,25 @@ right above its fence (an HTML comment, invisible once rendered):
     runs after the setup ``NAME`` of :data:`SETUPS` (a small model and optimizer for
     samples that, like the README's two lines, use the names of the reader's training
     script).
+``<!-- sample: run prelude=NAME -->``
+    runs between the two parts of ``tests/docs/preludes/NAME.py`` (split at its line
+    ``# --- sample ---``; the part after it, if any, checks what the sample did). A
+    prelude builds what the sample assumes without showing it on the site: a tiny model
+    and Trainer, a process group, a stock run's output. Its ``# needs:`` line names the
+    real services the test starts for it: ``s3`` (the testbed's S3 server; the endpoint
+    ``http://127.0.0.1:9000`` a sample shows is replaced by the server's, and the
+    environment holds its address as ``SAMPLE_S3_ENDPOINT`` and credentials as
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``), ``sshfs:DIR`` or ``s3fs:DIR`` (a real
+    sshfs mount, or an s3fs-fuse mount of a bucket of that server, at ``DIR`` in the
+    sample's working directory), ``launch:N`` (the sample is a training script,
+    ``train.py``, launched on N ranks by ``python -m atomic_checkpoint.launch``; the
+    part of the prelude after the sample then runs after the launch, in a fresh
+    interpreter). The NCCL backend a sample names runs as gloo: the tests run on CPUs.
+``<!-- sample: run exit=N ... -->``
+    must exit with status N (a launched job's requeue code).
+``<!-- sample: run raises=NAME ... -->``
+    must end with the exception ``NAME`` (a "before" sample showing the failure a
+    stock run meets).
 ``<!-- sample: run continue -->``
     runs in the same interpreter right after the sample above it in the same file (the
     README's save, then its restart).
@@ -21,8 +40,10 @@ A ``python`` block without a marker is an error: a new sample must say whether i
 A ``print(...)`` whose comment starts like a value (``# [200, 300]: ...``, ``# 200 True``)
 shows the sample's output: the printed line must be that comment, or its beginning up
 to a colon or a space.
-Checkpoint roots written as absolute paths (``"/checkpoints/run1"``, ``"/ckpt/run1"``)
-are rewritten to relative ones, so that the sample writes into its temporary directory.
+Checkpoint roots written as absolute paths (``"/checkpoints/run1"``, ``"/ckpt/run1"``,
+``"/dev/shm/run1"``, ``"/mnt/nfs/..."``, ``"/mnt/bucket/..."``) are rewritten to relative
+ones, so that the sample writes into its temporary directory (where a prelude's
+``# needs:`` puts the mount the path stands for).
 """
 
 from __future__ import annotations
@@ -38,7 +59,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 _MARKER = re.compile(r"^<!--\s*sample:\s*(run|skip)\b(.*?)-->\s*$")
 _FENCE_OPEN = re.compile(r"^(```+|~~~+)\s*([\w+-]*)")
-_ABSOLUTE_ROOT = re.compile(r"""(["'])/(checkpoints|ckpt)/""")
+_ABSOLUTE_ROOT = re.compile(r"""(["'])/(checkpoints|ckpt|dev/shm|mnt/nfs|mnt/bucket)/""")
+#: The S3 endpoint samples show; the test replaces it by its S3 server's.
+SHOWN_S3_ENDPOINT = "http://127.0.0.1:9000"
+PRELUDES = Path(__file__).resolve().parent / "preludes"
+_SPLIT = "# --- sample ---"
+_NEEDS = re.compile(r"^# needs:(.*)$", re.M)
 _SHOWN = re.compile(r"""^\s*print\(.*\)\s+#\s*([\[{(0-9'"-].*)$""")
 
 
@@ -92,6 +118,9 @@ class Block:
     code: str
     action: str | None  # "run", "skip" or None (unmarked)
     setup: str | None = None
+    prelude: str | None = None
+    raises: str | None = None
+    exit: int = 0
     continues: bool = False
     reason: str = ""
 
@@ -113,9 +142,43 @@ class Sample:
 
     @property
     def needs_torch(self) -> bool:
+        code = [b.code for b in self.blocks] + list(self._prelude())
         return self.blocks[0].setup is not None or any(
-            re.search(r"^\s*(import|from) torch\b", b.code, re.M) for b in self.blocks
+            re.search(r"^\s*(import|from) (torch|transformers|accelerate|lightning)\b", c, re.M)
+            for c in code
         )
+
+    @property
+    def raises(self) -> str | None:
+        return self.blocks[-1].raises
+
+    @property
+    def exit(self) -> int:
+        return self.blocks[-1].exit
+
+    def launch_ranks(self) -> int | None:
+        """N when its prelude needs ``launch:N``: the sample is a job of N ranks."""
+        for need in self.needs():
+            if need.startswith("launch:"):
+                return int(need.split(":", 1)[1])
+        return None
+
+    def after_script(self) -> str:
+        """The prelude's check of what a launched sample did, run after the launch."""
+        return self._prelude()[1]
+
+    def needs(self) -> list[str]:
+        """The services its prelude's ``# needs:`` line asks for (``s3``, ``sshfs:DIR``...)."""
+        m = _NEEDS.search("".join(self._prelude()))
+        return m.group(1).split() if m else []
+
+    def _prelude(self) -> tuple[str, str]:
+        name = self.blocks[0].prelude
+        if name is None:
+            return "", ""
+        text = (PRELUDES / f"{name}.py").read_text()
+        before, _, after = text.partition(_SPLIT)
+        return before, after
 
     def shown_output(self) -> list[str]:
         """The outputs the comments of its ``print(...)`` lines show, in order."""
@@ -127,13 +190,22 @@ class Sample:
                     shown.append(m.group(1).strip())
         return shown
 
-    def script(self) -> str:
+    def script(self, s3_endpoint: str | None = None, *, check: bool = True) -> str:
         parts = []
         setup = self.blocks[0].setup
         if setup is not None:
             parts.append(f"# setup={setup}\n" + SETUPS[setup])
+        before, after = self._prelude()
+        if before:
+            parts.append(f"# prelude={self.blocks[0].prelude}\n" + before)
         for b in self.blocks:
-            parts.append(f"# {b.where}\n" + _ABSOLUTE_ROOT.sub(r"\1\2/", b.code))
+            code = _ABSOLUTE_ROOT.sub(r"\1\2/", b.code)
+            code = code.replace('init_process_group("nccl")', 'init_process_group("gloo")')
+            if s3_endpoint is not None:
+                code = code.replace(SHOWN_S3_ENDPOINT, s3_endpoint)
+            parts.append(f"# {b.where}\n" + code)
+        if check and after.strip():
+            parts.append(f"# after the sample: {self.blocks[0].prelude}\n" + after)
         return "\n".join(parts)
 
 
@@ -165,6 +237,12 @@ def python_blocks(path: Path) -> list[Block]:
                             block.continues = True
                         elif word.startswith("setup="):
                             block.setup = word.split("=", 1)[1]
+                        elif word.startswith("prelude="):
+                            block.prelude = word.split("=", 1)[1]
+                        elif word.startswith("raises="):
+                            block.raises = word.split("=", 1)[1]
+                        elif word.startswith("exit=") and word[5:].isdigit():
+                            block.exit = int(word[5:])
                         else:
                             block.reason = f"unknown word {word!r} in the marker"
             blocks.append(block)
@@ -210,6 +288,11 @@ def problems(blocks: list[Block]) -> list[str]:
             out.append(f"{b.where}: {b.reason}")
         elif b.setup is not None and b.setup not in SETUPS:
             out.append(f"{b.where}: unknown setup {b.setup!r}; known: {sorted(SETUPS)}")
+        elif b.prelude is not None and not (PRELUDES / f"{b.prelude}.py").is_file():
+            known = sorted(p.stem for p in PRELUDES.glob("*.py"))
+            out.append(f"{b.where}: no prelude tests/docs/preludes/{b.prelude}.py; known: {known}")
+        elif b.continues and (b.prelude or b.setup):
+            out.append(f"{b.where}: a `continue` sample runs after the one above: no setup")
         elif b.continues and (
             previous is None or previous.path != b.path or previous.action != "run"
         ):

@@ -1,0 +1,66 @@
+# What README.md's Trainer adoption sample assumes: a stock Trainer run's output_dir (a
+# real Trainer without the library saved checkpoint-2 and checkpoint-4; a crash then tore
+# checkpoint-4: the Trainer writes trainer_state.json last), and a model,
+# TrainingArguments (now to step 6) and a data set for the continued run.
+# ruff: noqa: F401  (the sample uses these names, or defines them)
+import os
+
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
+
+from atomic_checkpoint import CheckpointManager, ResumeError
+from atomic_checkpoint.integrations.hf import AtomicCheckpointCallback, make_atomic
+
+transformers.logging.set_verbosity_error()
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _args(max_steps: int) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir="out",
+        max_steps=max_steps,
+        per_device_train_batch_size=4,
+        save_steps=2,
+        logging_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+
+
+def _model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+
+
+ds = _Tokens()
+_stock = Trainer(model=_model(), args=_args(4), train_dataset=ds)
+_stock.remove_callback(PrinterCallback)
+_stock.train()
+os.remove("out/checkpoint-4/trainer_state.json")
+# As the sample's first comment says, without the opt-in the resume refuses them.
+_before = make_atomic(Trainer(model=_model(), args=_args(6), train_dataset=ds))
+try:
+    _before.train(resume_from_checkpoint=True)
+    raise AssertionError("the stock checkpoints were not refused")
+except ResumeError as _exc:
+    print("before:", _exc)
+model, args = _model(), _args(6)
+# --- sample ---
+# It adopted checkpoint-2, refused the torn checkpoint-4, resumed from step 2 and saved on.
+with CheckpointManager("out", read_only=True) as _m:
+    _steps = [c.step for c in _m.checkpoints()]
+    assert 2 in _steps and 6 in _steps, _steps
+    assert _m.checkpoints()[0].adopted, _m.checkpoints()
+    _m.verify(6)
