@@ -609,15 +609,9 @@ def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[
         except Exception as exc:
             return [("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
         try:
-            listed = [c.step for c in mgr.checkpoints()]
-            latest = mgr.latest()
-            if (latest.step if latest else None) != (max(listed) if listed else None):
-                found.append(("torn", f"latest() is {latest} but the newest listed is {listed}"))
+            listed = listed_steps(mgr, allowed, found)
             restored: dict[int, int] = {}
             for step in listed:
-                if step not in allowed:
-                    found.append(("torn", f"step {step} is listed but was never saved"))
-                    continue
                 if scen.files:
                     match = _files_match(mgr, step, allowed[step])
                     if isinstance(match, str):
@@ -673,11 +667,17 @@ def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[
     return found
 
 
-#: Formerly reported, not counted: a ``checkpoint-<step>`` directory left without a
-#: manifest. It is a ``leaks`` violation now (the sweep removes empty ones, and a delete
-#: makes its data's removal durable before its markers'); kept so callers that filter it
-#: still import.
-LEFTOVER = "leftover"
+def listed_steps(mgr: Any, allowed: dict[int, set[int]], found: list[tuple[str, str]]) -> list[int]:
+    """The recovered job's listed steps that were ever saved; ``latest()`` must be the
+    newest of them, and a step never saved must not be listed (``torn`` into ``found``)."""
+    listed = [c.step for c in mgr.checkpoints()]
+    latest = mgr.latest()
+    if (latest.step if latest else None) != (max(listed) if listed else None):
+        found.append(("torn", f"latest() is {latest} but the newest listed is {listed}"))
+    for step in listed:
+        if step not in allowed:
+            found.append(("torn", f"step {step} is listed but was never saved"))
+    return [step for step in listed if step in allowed]
 
 
 def next_save(mgr: Any, step: int) -> list[tuple[str, str]]:
@@ -891,18 +891,11 @@ def run(size: str, seed: int, progress: Any, workdir: str) -> Any:
         tally.count("crash_points", res.name, ex.cuts)
         tally.count("recorded_ops", res.name, res.ops)
         for v in ex.violations:
-            if v.kind == LEFTOVER:
-                tally.count("leftovers", res.name)
-                notes = tally.stats.setdefault("leftover_examples", [])
-                if len(notes) < 20:
-                    notes.append(f"{res.name}: {v}")
-            else:
-                tally.violate(v.kind, f"{res.name}: {v}")
-        left = sum(1 for v in ex.violations if v.kind == LEFTOVER)
+            tally.violate(v.kind, f"{res.name}: {v}")
         progress(
             f"  {res.name}: {res.ops} ops, {ex.cuts} crash points, {ex.states} states "
-            f"({ex.generated} enumerated), {len(ex.violations) - left} violations, "
-            f"{left} leftovers, {res.seconds:.1f} s"
+            f"({ex.generated} enumerated), {len(ex.violations)} violations, "
+            f"{res.seconds:.1f} s"
         )
     _run_object_store(tally, progress)
     return tally.finish()
@@ -971,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for v in ex.violations[: args.show]:
                 print(f"    {v}", flush=True)
-            bad += sum(1 for v in ex.violations if v.kind != LEFTOVER)
+            bad += len(ex.violations)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 1 if bad else 0

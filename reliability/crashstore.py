@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reliability.crashsim import Exploration, Violation
-from reliability.crashstates import REBOOT_S, _same, cleaned, closed, next_save, state_of
+from reliability.crashstates import (
+    REBOOT_S,
+    _same,
+    cleaned,
+    closed,
+    listed_steps,
+    next_save,
+    state_of,
+)
 
 
 @dataclass
@@ -235,15 +243,9 @@ def _check(url: str, scen: StoreScenario, need: dict[int, set[int]], rolled: int
         except Exception as exc:
             return [("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
         try:
-            listed = [c.step for c in mgr.checkpoints()]
-            latest = mgr.latest()
-            if (latest.step if latest else None) != (max(listed) if listed else None):
-                found.append(("torn", f"latest() is {latest} but the newest listed is {listed}"))
+            listed = listed_steps(mgr, allowed, found)
             versions_seen: dict[int, int] = {}
             for step in listed:
-                if step not in allowed:
-                    found.append(("torn", f"step {step} is listed but was never saved"))
-                    continue
                 try:
                     got = mgr.restore(step=step)
                 except Exception as exc:

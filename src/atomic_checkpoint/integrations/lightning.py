@@ -117,6 +117,7 @@ from ..errors import (
 )
 from ..manifest import DEFAULT_ALGORITHM, Hasher
 from ..storage.local import LocalStorage
+from ..storage.temps import parse_temp_name
 
 __all__ = [
     "MANIFEST_SUFFIX",
@@ -142,9 +143,6 @@ _SCHEMA = 1
 # a completed save it lists one; each save that crashed between steps 2 and 3 adds one.
 _MAX_VERSIONS = 8
 _PENDING_RE = re.compile(r"^\..+\.[0-9a-f]{16}\.pending$")
-# Temporary names of LocalStorage.write_bytes_atomic (the manifest's replace; see
-# storage.temps: ``.tmp-<writer tag>-<pid>-<tid>-<ns>``, formerly ``.tmp-<pid>-<ns>``).
-_MANIFEST_TMP_RE = re.compile(r"^.+\.ckpt\.manifest\.json\.tmp-[0-9a-f]+(?:-[0-9]+)+$")
 _READ_CHUNK = 8 << 20
 
 
@@ -782,7 +780,10 @@ class _AtomicFileIO:
         self._swept.add(directory)
         store = LocalStorage(directory)
         for name in store.listdir(""):
-            if _PENDING_RE.match(name) or _MANIFEST_TMP_RE.match(name):
+            temp = parse_temp_name(name)  # a manifest's replace, killed half way
+            if _PENDING_RE.match(name) or (
+                temp is not None and temp.final.endswith(".ckpt" + MANIFEST_SUFFIX)
+            ):
                 try:
                     store.delete_file(name)
                     log.info("removed abandoned %s", os.path.join(directory, name))

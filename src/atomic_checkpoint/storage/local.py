@@ -136,6 +136,16 @@ _fallocate = _load_fallocate()
 _FALLOC_FL_KEEP_SIZE = 1
 
 
+def _replace(src: str, dst: str) -> None:
+    """``os.replace`` of one file onto another, errors mapped. Windows: a virus scanner
+    or indexer holding the old file open fails the replace for a moment (winerror 5 or
+    32); retried."""
+    try:
+        _retry_windows(lambda: os.replace(src, dst))
+    except OSError as exc:
+        raise map_os_error(exc, "rename", f"{src} -> {dst}") from exc
+
+
 def _retry_windows(fn: Callable[[], _T], attempts: int = 8) -> _T:
     """Retry ``fn`` on Windows sharing violations; elsewhere call it once."""
     if not _IS_WINDOWS:
@@ -674,10 +684,7 @@ class LocalStorage:
             w.close()
             # A reader on another NFS/sshfs client can open a file after it is created and
             # before it is written: publish by rename, never by writing in place.
-            try:
-                _retry_windows(lambda: os.replace(tmp, final))
-            except OSError as exc:
-                raise map_os_error(exc, "rename", f"{tmp} -> {final}") from exc
+            _replace(tmp, final)
         except BaseException:
             w.abort()
             raise
@@ -696,13 +703,7 @@ class LocalStorage:
             StorageError: the rename failed (``src`` is left where it was).
         """
         self.check_root()
-        s, d = self._abs(src), self._abs(dst)
-        try:
-            # Windows: a virus scanner or indexer holding the old file open fails the
-            # replace for a moment (winerror 5 or 32); retried.
-            _retry_windows(lambda: os.replace(s, d))
-        except OSError as exc:
-            raise map_os_error(exc, "rename", f"{s} -> {d}") from exc
+        _replace(self._abs(src), self._abs(dst))
         self.fsync_dir(dst.rsplit("/", 1)[0] if "/" in dst else "")
 
     def create_exclusive(self, path: str, data: bytes) -> bool:

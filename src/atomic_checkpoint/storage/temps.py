@@ -104,6 +104,8 @@ def abandoned_temps(
     (relative to the storage's root; ``names``: its listing, if already read). Object
     stores write whole objects and leave none; where the storage has a local path, the
     file's age comes from ``lstat`` (a symbolic link is never ours)."""
+    if storage.local_path(directory) is None:
+        return []  # an object store: whole objects, no temporary files, no listing spent
     found = []
     for name in storage.listdir(directory) if names is None else names:
         if parse_temp_name(name) is None:
