@@ -11,6 +11,7 @@ leave a torn checkpoint that a later reader (through the mount or through S3) ta
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -39,6 +40,7 @@ from tests.testbed.pytest_fixtures import (  # noqa: F401
     s3_server,
     s3fs_fuse_mount,
 )
+from tests.testbed.s3proxy import Rule, S3Proxy
 
 pytestmark = pytest.mark.netfs
 
@@ -109,17 +111,31 @@ BIG_ELEMS = 16 << 20  # 64 MiB of float32: s3fs uploads it as 13 sequential 5 MB
 @pytest.mark.parametrize("when", ["mid_upload", "data_durable"])
 def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_path, when):
     """``mid_upload``: s3fs dies while it is uploading step 3's data (a multipart upload
-    in progress on the server, observed there). ``data_durable``: the data is complete
-    in S3 and the writer is stopped just before its manifest, then s3fs dies."""
+    in progress on the server, its second part held by a proxy between s3fs and the
+    server). ``data_durable``: the data is complete in S3 and the writer is stopped just
+    before its manifest, then s3fs dies."""
     require_facility("s3fs_fuse")
     mountpoint = tmp_path / "mnt"
-    # Small sequential parts make the upload window long enough to observe and hit.
-    mount = S3fsFuseMount(
-        s3_server, s3_bucket, mountpoint, extra_opts=["multipart_size=5", "parallel_count=1"]
-    )
-    mount.mount()
     prefix = "run/checkpoint-3/"
-    try:
+    with contextlib.ExitStack() as stack:
+        # mid_upload: s3fs talks to the server through the fault-injecting proxy, which
+        # holds the second part of step 3's data upload: the upload is then in progress
+        # on the server for as long as the test needs (no window to catch by polling).
+        proxy = stack.enter_context(S3Proxy(s3_server)) if when == "mid_upload" else None
+        held = None
+        if proxy is not None:
+            held = proxy.add(
+                Rule("delay", kind="part", key=r"^run/checkpoint-3/.*\.safetensors$", skip=1)
+            )
+        # Small sequential parts: step 3's data is uploaded as 13 parts, one at a time.
+        mount = S3fsFuseMount(
+            proxy if proxy is not None else s3_server,  # anything with an endpoint_url
+            s3_bucket,
+            mountpoint,
+            extra_opts=["multipart_size=5", "parallel_count=1"],
+        )
+        mount.mount()
+        stack.callback(mount.close)
         root = mount.path / "run"
         env = dict(os.environ)
         if when == "data_durable":
@@ -141,19 +157,19 @@ def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_pat
                 writer.kill()
                 out, err = writer.communicate(timeout=10)
                 pytest.fail(
-                    f"never saw step 3 {when.replace('_', ' ')} (the upload window was "
-                    f"missed?): {out[-1000:]} {err[-2000:]}"
+                    f"never saw step 3 {when.replace('_', ' ')}: {out[-1000:]} {err[-2000:]}"
                 )
-            if when == "mid_upload":
-                if _uploads(s3_server, s3_bucket, prefix):
-                    observed = "a multipart upload of step 3's data in progress"
-            else:
-                data = [k for k in keys(s3_server, s3_bucket, prefix) if k.endswith(".safetensors")]
-                if data:
-                    head = s3_server.boto3_client().head_object(Bucket=s3_bucket, Key=data[0])
-                    if head["ContentLength"] >= BIG_ELEMS * 4:
-                        observed = f"step 3's data complete in S3 ({head['ContentLength']} B)"
-            time.sleep(0.002)
+            if held is not None:
+                if held.arrived.wait(0.2):
+                    assert _uploads(s3_server, s3_bucket, prefix), "no upload open on the server"
+                    observed = "a multipart upload of step 3's data in progress (part 2 held)"
+                continue
+            data = [k for k in keys(s3_server, s3_bucket, prefix) if k.endswith(".safetensors")]
+            if data:
+                head = s3_server.boto3_client().head_object(Bucket=s3_bucket, Key=data[0])
+                if head["ContentLength"] >= BIG_ELEMS * 4:
+                    observed = f"step 3's data complete in S3 ({head['ContentLength']} B)"
+            time.sleep(0.01)
         mount.kill()  # SIGKILL s3fs: every access through the mount now fails
         if when == "data_durable":
             writer.kill()
@@ -172,8 +188,6 @@ def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_pat
         raised = [x for x in err.splitlines() if x.startswith("atomic_checkpoint.errors.")]
         what = raised[-1][:300] if raised else f"killed (exit {writer.returncode})"
         print(f"OBSERVED: killed s3fs with {observed}; the writer: {what}")
-    finally:
-        mount.close()
 
     # Nothing committed for step 3 reached S3.
     assert f"{prefix}{MANIFEST_NAME}" not in keys(s3_server, s3_bucket, prefix)
