@@ -9,6 +9,7 @@ that holds the result is fsync'd. Every save is read back and compared byte for 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -603,14 +604,9 @@ class Methods:
 
         return Trial({"s": t[0]}, check)
 
-    def load_cold(self) -> Trial:
-        return self._load(cold=True)
-
-    def load_warm(self) -> Trial:
-        return self._load(cold=False)
-
-    def load_warm_noverify(self) -> Trial:
-        return self._load(cold=False, verify=False)
+    load_cold = functools.partialmethod(_load, cold=True)
+    load_warm = functools.partialmethod(_load, cold=False)
+    load_warm_noverify = functools.partialmethod(_load, cold=False, verify=False)
 
     def _raw_read(self, *, cold: bool) -> Trial:
         self.ensure_reference()
@@ -628,11 +624,8 @@ class Methods:
 
         return Trial({"s": t[0], "bytes": float(n)}, check)
 
-    def raw_read_cold(self) -> Trial:
-        return self._raw_read(cold=True)
-
-    def raw_read_warm(self) -> Trial:
-        return self._raw_read(cold=False)
+    raw_read_cold = functools.partialmethod(_raw_read, cold=True)
+    raw_read_warm = functools.partialmethod(_raw_read, cold=False)
 
     # ---- the default path: restore() into new tensors, then load_state_dict
     def layout(self) -> list[tuple[str, int, torch.dtype, tuple[int, ...], int]]:
@@ -663,13 +656,7 @@ class Methods:
         (``torch.empty``) and read its bytes straight into it, in file order; with
         ``lsd``, then the same ``load_state_dict`` as ``restore_lsd``."""
         layout = self.layout()
-        target = None
-        if lsd:
-            if self._target is None:
-                self._target = Target(self.state)
-            target = self._target
-            target.reset()
-            gc.collect()
+        target = self._reset_target() if lsd else None
         self._cache(cold)
         out: dict[str, torch.Tensor] = {}
         with timed() as t, open(self.ref_path, "rb", buffering=0) as f:
@@ -688,29 +675,26 @@ class Methods:
 
         return Trial({"s": t[0]}, check)
 
-    def raw_fresh_cold(self) -> Trial:
-        return self._raw_fresh(cold=True)
+    raw_fresh_cold = functools.partialmethod(_raw_fresh, cold=True)
+    raw_fresh_warm = functools.partialmethod(_raw_fresh, cold=False)
+    raw_fresh_lsd_cold = functools.partialmethod(_raw_fresh, cold=True, lsd=True)
+    raw_fresh_lsd_warm = functools.partialmethod(_raw_fresh, cold=False, lsd=True)
 
-    def raw_fresh_warm(self) -> Trial:
-        return self._raw_fresh(cold=False)
-
-    def raw_fresh_lsd_cold(self) -> Trial:
-        return self._raw_fresh(cold=True, lsd=True)
-
-    def raw_fresh_lsd_warm(self) -> Trial:
-        return self._raw_fresh(cold=False, lsd=True)
+    def _reset_target(self) -> Target:
+        """The model and optimizer that ``load_state_dict`` fills, the previous trial's
+        optimizer state dropped first (as the raw read's tensors are): every trial then
+        allocates from the same freed memory."""
+        if self._target is None:
+            self._target = Target(self.state)
+        self._target.reset()
+        gc.collect()
+        return self._target
 
     def _restore_lsd(self, *, cold: bool) -> Trial:
         """What the README's "On restart" does: ``state = mgr.restore(step)``, then
         ``model.load_state_dict`` (and ``optimizer.load_state_dict``)."""
         self.ensure_reference()
-        if self._target is None:
-            self._target = Target(self.state)
-        target = self._target
-        # The previous trial's optimizer state is dropped first, as the raw read's
-        # tensors are: both then allocate from the same freed memory.
-        target.reset()
-        gc.collect()
+        target = self._reset_target()
         self._cache(cold)
         with timed() as t:
             loaded = self.mgr.restore(self.ref_step)
@@ -726,11 +710,8 @@ class Methods:
 
         return Trial({"s": t[0]}, check)
 
-    def restore_lsd_cold(self) -> Trial:
-        return self._restore_lsd(cold=True)
-
-    def restore_lsd_warm(self) -> Trial:
-        return self._restore_lsd(cold=False)
+    restore_lsd_cold = functools.partialmethod(_restore_lsd, cold=True)
+    restore_lsd_warm = functools.partialmethod(_restore_lsd, cold=False)
 
     # ---- the device limit: direct I/O (no page cache), requests kept in flight
     def image(self) -> Any:
@@ -814,11 +795,8 @@ class Methods:
             mgr.close()
         return Trial({"blocked_s": blocked, "s": blocked}, None, [root])
 
-    def async_first(self) -> Trial:
-        return self._first_async(prepared=False)
-
-    def async_first_prepared(self) -> Trial:
-        return self._first_async(prepared=True)
+    async_first = functools.partialmethod(_first_async, prepared=False)
+    async_first_prepared = functools.partialmethod(_first_async, prepared=True)
 
     # ---- training-step slowdown while an async save writes
     def train_step_slowdown(self) -> Trial:

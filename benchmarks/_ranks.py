@@ -1,31 +1,23 @@
 """Commit overhead across N real processes (a gloo process group, like torchrun).
 
-The parent hosts the TCPStore, as torchrun's agent does; each rank is a process forked
-from a forkserver that imported torch once, so a launch costs well under a second.
+The ranks are launched by the repository's one launcher, ``tests.dist.launcher``: the
+parent hosts the TCPStore, as torchrun's agent does; each rank is a process forked from a
+forkserver that imported torch once, so a launch costs well under a second.
 Every rank saves a tiny state several times; the figures are the slowest rank's per save
 (the next collective waits for it), the phase timings rank 0's.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import pickle
-import signal
 import statistics
+import sys
 import time
-from datetime import timedelta
 from typing import Any
 
-_CTX: Any = None
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "atomic_checkpoint", "_ranks"])
-    return _CTX
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # the launcher is the tests' (tests.dist.launcher)
+    sys.path.insert(0, REPO)
 
 
 def _tiny_state(rank: int, i: int) -> dict[str, Any]:
@@ -34,100 +26,71 @@ def _tiny_state(rank: int, i: int) -> dict[str, Any]:
     return {"w": torch.full((256,), float(rank * 1000 + i)), "step": i, "rank": rank}
 
 
-def _rank_main(rank: int, world: int, port: int, root: str, saves: int, out: str) -> None:
+def _rank_main(rank: int, world: int, root: str, saves: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from atomic_checkpoint import CheckpointManager
     from atomic_checkpoint.layout import checkpoint_name
 
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world)})
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-    result: dict[str, Any] = {}
-    try:
-        mgr = CheckpointManager(root, timeout_s=60)
-        totals, overheads, fsyncs, cpus = [], [], [], []
-        phases: dict[str, list[float]] = {}
-        for i in range(saves + 1):  # the first save warms caches and is not counted
-            # Every save starts together, as after a training step's gradient
-            # all-reduce: without this, back-to-back saves bill each rank the previous
-            # save's stragglers.
-            dist.barrier()
-            t, c = time.perf_counter(), time.process_time()
-            info = mgr.save(i, _tiny_state(rank, i))
-            total = time.perf_counter() - t
-            cpu = time.process_time() - c
-            timings = info.timings_s
-            data = float(timings.get("write", 0.0)) + float(timings.get("fsync", 0.0))
-            if i:
-                totals.append(total)
-                overheads.append(total - data)
-                fsyncs.append(float(timings.get("fsync", 0.0)))
-                cpus.append(cpu)
-                for key, value in timings.items():
-                    phases.setdefault(key, []).append(float(value))
-        # Check every save landed, complete: restore our part of each.
-        ok = True
-        for i in range(saves + 1):
-            state = mgr.restore(i)
-            ok = ok and state["step"] == i and float(state["w"][0]) == float(rank * 1000 + i)
-            ok = ok and os.path.isdir(os.path.join(root, checkpoint_name(i)))
-        mgr.close()
-        result = {
-            "totals_s": totals,
-            "data_s": [t - o for t, o in zip(totals, overheads, strict=True)],
-            "total_s": statistics.median(totals),
-            "overhead_s": statistics.median(overheads),
-            "data_fsync_s": statistics.median(fsyncs),
-            "cpu_s": statistics.median(cpus),
-            "phases_s": {k: statistics.median(v) for k, v in phases.items()},
-            "verified": ok,
-        }
-    except BaseException as exc:
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(out + ".tmp", "wb") as f:
-        f.write(pickle.dumps(result))
-    os.replace(out + ".tmp", out)
-    os._exit(0)
+    mgr = CheckpointManager(root, timeout_s=60)
+    totals, overheads, fsyncs, cpus = [], [], [], []
+    phases: dict[str, list[float]] = {}
+    for i in range(saves + 1):  # the first save warms caches and is not counted
+        # Every save starts together, as after a training step's gradient
+        # all-reduce: without this, back-to-back saves bill each rank the previous
+        # save's stragglers.
+        dist.barrier()
+        t, c = time.perf_counter(), time.process_time()
+        info = mgr.save(i, _tiny_state(rank, i))
+        total = time.perf_counter() - t
+        cpu = time.process_time() - c
+        timings = info.timings_s
+        data = float(timings.get("write", 0.0)) + float(timings.get("fsync", 0.0))
+        if i:
+            totals.append(total)
+            overheads.append(total - data)
+            fsyncs.append(float(timings.get("fsync", 0.0)))
+            cpus.append(cpu)
+            for key, value in timings.items():
+                phases.setdefault(key, []).append(float(value))
+    # Check every save landed, complete: restore our part of each.
+    ok = True
+    for i in range(saves + 1):
+        state = mgr.restore(i)
+        ok = ok and state["step"] == i and float(state["w"][0]) == float(rank * 1000 + i)
+        ok = ok and os.path.isdir(os.path.join(root, checkpoint_name(i)))
+    mgr.close()
+    return {
+        "totals_s": totals,
+        "data_s": [t - o for t, o in zip(totals, overheads, strict=True)],
+        "total_s": statistics.median(totals),
+        "overhead_s": statistics.median(overheads),
+        "data_fsync_s": statistics.median(fsyncs),
+        "cpu_s": statistics.median(cpus),
+        "phases_s": {k: statistics.median(v) for k, v in phases.items()},
+        "verified": ok,
+    }
 
 
 def commit_overhead(world: int, root: str, saves: int, timeout_s: float = 120.0) -> dict[str, Any]:
     """Launch ``world`` ranks that each save a tiny state ``saves`` times into ``root``;
     return the medians over saves of the slowest rank's time in ``save()`` (total) and
     of that less the write and fsync of the data (overhead); rank 0's phase timings."""
-    import torch.distributed as dist
+    from tests.dist.launcher import run_ranks
 
-    ctx = _context()
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world + 1, True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    tmp_dir = os.path.dirname(os.path.abspath(root))
+    ranks = run_ranks(
+        _rank_main, world, root, saves, tmp_dir=tmp_dir, timeout_s=timeout_s, pg_timeout_s=60
     )
-    outs = [os.path.join(root + f".rank{r}.pkl") for r in range(world)]
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, store.port, root, saves, outs[r]))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    results = []
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
-            raise RuntimeError(f"commit benchmark: rank {r} of {world} still running at deadline")
-        if not os.path.exists(outs[r]):
-            raise RuntimeError(f"commit benchmark: rank {r} of {world} exited {p.exitcode}")
-        with open(outs[r], "rb") as f:
-            results.append(pickle.loads(f.read()))
-        os.unlink(outs[r])
-    del store
-    for r, res in enumerate(results):
-        if "error" in res:
-            raise RuntimeError(f"commit benchmark: rank {r} of {world} failed: {res['error']}")
+    for r in ranks:
+        where = f"commit benchmark: rank {r.rank} of {world}"
+        if r.exitcode is None:
+            raise RuntimeError(f"{where} still running at deadline")
+        if r.error is not None:
+            raise RuntimeError(f"{where} failed: {type(r.error).__name__}: {r.error}")
+        if not r.ok:
+            raise RuntimeError(f"{where} exited {r.exitcode}")
+    results = [r.value for r in ranks]
     out = dict(results[0])
     out["verified"] = all(res["verified"] for res in results)
     # The training waits for the slowest rank (its next collective does): per save, the

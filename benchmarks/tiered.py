@@ -19,6 +19,18 @@ One run, interleaved, medians:
   holds it (a process restart), against one whose tier 0 is empty (a replaced node:
   it loads from S3). Both verify every byte; both are compared with the saved state.
 
+With ``--ranks N`` (N > 1): a real N-rank gloo job (``tests/dist/launcher.py``), each
+rank its own "node" with its own tier 0 directory, tier 1 on the S3 server, ``--size``
+per rank. One save (how long it blocks, how long until tier 1 has every rank's files),
+then ``restore()`` by a new job after (a) a process crash (every node's tier 0 intact),
+(b) node 1's tier 0 wiped (its ranks read from S3), (c) every tier 0 lost (all from
+S3); the slowest rank's time, each compared with the saved state. With ``--peers K``
+(default 1; 0 skips it), a second job saves with ``peers=K`` and node 1's tier 0 is
+wiped before each of ``--rounds`` pairs of restores, alternating: one with ``peers=K``
+(node 1's files come from a peer over gloo, verified) and one without (node 1 reads
+from S3): the peer restore against the persistent-tier restore, in one run. Target:
+S3 / peers >= 3.
+
 Exit status 0, or 1 when a restored state differs from the saved one.
 """
 
@@ -87,9 +99,13 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="seconds of 'training'")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write every raw figure here")
+    ap.add_argument("--ranks", type=int, default=1, help="N > 1: a multi-rank gloo job")
+    ap.add_argument("--peers", type=int, default=1, help="--ranks N: peer copies (0: skip)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     size = parse_size(args.size)
+    if args.ranks > 1:
+        return multi_rank(args, size)
 
     from tests.testbed import S3Server
 
@@ -186,6 +202,107 @@ def main() -> int:
                 indent=1,
             )
         )
+    return 0 if ok else 1
+
+
+_peer_ok = True
+
+
+def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> list[tuple[str, float]]:
+    """Node 1 wiped: restore from a peer's copy (``peers=K``) against restore from S3
+    (``peers=0``), alternating, ``--rounds`` pairs; medians of the slowest rank."""
+    global _peer_ok
+    shutil.rmtree(nodes, ignore_errors=True)
+    saved = job("save", args.peers)
+    from_peer: list[float] = []
+    from_s3: list[float] = []
+    for _ in range(max(1, args.rounds)):
+        for peers, into in ((args.peers, from_peer), (0, from_s3)):
+            shutil.rmtree(Path(nodes) / "node1")  # its own peer copies and fetched files too
+            got = job("restore", peers)
+            into.append(max(v["restore_s"] for v in got))
+            want = (1,) if peers else ()
+            _peer_ok &= all(v["from_peers"] == want for v in got)
+            _peer_ok &= all(v["tiers"] == ((0,) if peers else (0, 1)) for v in got)
+    p, s = statistics.median(from_peer), statistics.median(from_s3)
+    return [
+        (
+            f"save blocks training, peers={args.peers} (slowest rank)",
+            max(v["blocked_s"] for v in saved),
+        ),
+        (
+            f"save until {args.peers} peer(s) hold every node's files (slowest rank)",
+            max(v["peered_s"] for v in saved),
+        ),
+        (f"restore, node 1 wiped: its rank from a peer (median of {len(from_peer)})", p),
+        (f"restore, node 1 wiped: its rank from S3 (median of {len(from_s3)})", s),
+        ("  ratio S3 / peer (target >= 3)", s / p),
+    ]
+
+
+def multi_rank(args: argparse.Namespace, size: int) -> int:
+    from tests.dist.launcher import run_ranks
+    from tests.testbed import S3Server
+    from tests.tiered import workers
+
+    scratch = Path(tempfile.mkdtemp(prefix="bench-tiered-", dir=args.dir))
+    rows: list[tuple[str, float]] = []
+    ok = True
+    try:
+        with S3Server(scratch / "moto") as s3:
+            url = f"s3://{s3.create_bucket('bench-tiered')}/run"
+            opts = s3.storage_options()
+            nodes = str(scratch / "nodes")
+
+            def job(mode: str, peers: int = 0) -> list[dict[str, Any]]:
+                nonlocal ok
+                res = run_ranks(
+                    workers.w_bench,
+                    args.ranks,
+                    nodes,
+                    url,
+                    opts,
+                    size,
+                    mode,
+                    peers,
+                    tmp_dir=str(scratch),
+                    timeout_s=1200,
+                )
+                bad = [r for r in res if not r.ok]
+                if bad:
+                    raise RuntimeError(f"rank {bad[0].rank}: {bad[0].error_text}")
+                ok &= all(r.value["ok"] for r in res)
+                return [r.value for r in res]
+
+            saved = job("save")
+            rows.append(("save blocks training (slowest rank)", max(v["blocked_s"] for v in saved)))
+            rows.append(("save until tier 1 has every rank", max(v["replicated_s"] for v in saved)))
+            crash = job("restore")
+            ok &= all(v["tiers"] == (0,) for v in crash)
+            shutil.rmtree(Path(nodes) / "node1")
+            wiped = job("restore")
+            ok &= all(v["tiers"] == (0, 1) for v in wiped)
+            shutil.rmtree(nodes)
+            lost = job("restore")
+            ok &= all(v["tiers"] == (1,) for v in lost)
+            a, b, c = (max(v["restore_s"] for v in r) for r in (crash, wiped, lost))
+            rows += [
+                ("restore (a) process crash: every rank from tier 0", a),
+                ("restore (b) node 1 wiped: its rank from S3", b),
+                ("restore (c) every tier 0 lost: all from S3", c),
+                ("  ratio (b) / (a)", b / a),
+                ("  ratio (c) / (a)", c / a),
+            ]
+            if args.peers:
+                rows += peer_rows(args, nodes, job)
+                ok &= _peer_ok
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\n{args.ranks} ranks, {size / MiB:.0f} MiB per rank, seconds (slowest rank)")
+    print("| figure | value |\n|---|---|")
+    for name, v in rows:
+        print(f"| {name} | {v:.3f} |")
+    print(f"restored states bit-exact on every rank, from the expected tiers: {ok}")
     return 0 if ok else 1
 
 

@@ -18,7 +18,7 @@ import errno as errno_mod
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator, catalog
 from atomic_checkpoint.layout import (
@@ -33,6 +33,9 @@ from atomic_checkpoint.layout import (
 from atomic_checkpoint.storage import open_storage
 from atomic_checkpoint.storage.base import Storage
 from atomic_checkpoint.storage.local import LocalStorage
+
+if TYPE_CHECKING:
+    from reliability.tally import Tally
 
 #: Error types a storage fault of each errno must map to (errors.map_os_error).
 STORAGE_TYPES = {
@@ -316,6 +319,35 @@ def strays(storage: Storage) -> list[str]:
         if parse_checkpoint_name(name) is not None and name not in valid and empty:
             out.append(f"{name}/")
     return sorted(out)
+
+
+def leaks_after_clean(
+    tally: Tally,
+    label: str,
+    direct: Storage,
+    leaked: set[str],
+    root: str,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """On an object store, after the next start: every object belongs to a committed
+    checkpoint or to the run's metadata (:func:`strays`); what the start left must go
+    with ``atomic-checkpoint clean`` on ``root`` (run as a user would), else a ``leaks``
+    violation. ``leaked`` carries the objects already reported, across trials, so each
+    leaked object counts once, in the trial after which it was first seen."""
+    left = strays(direct)
+    if not left:
+        return
+    tally.count("left_for_clean", str(len(left)))
+    tally.stats.setdefault("left_by_next_start", []).append(len(left))
+    rc, out = clean_root(root, storage_options)
+    still = [k for k in strays(direct) if k not in leaked]
+    leaked.update(still)
+    if still:
+        tally.violate(
+            "leaks",
+            f"{label}: left after the next start {left}, and after clean (exit {rc}) "
+            f"{still}: {out[-300:]}",
+        )
 
 
 def clean_root(root: str, storage_options: dict[str, Any] | None = None) -> tuple[int, str]:

@@ -139,6 +139,7 @@ class Scenario:
     retention: Any = None
     direct_io: bool = False
     files: bool = False  # saved with saving() (files_of), not save() (state_of)
+    tiered: bool = False  # ROOT/fast and ROOT/slow of a TieredCheckpointManager
 
 
 def _manager(root: str, scen: Scenario, **kw: Any) -> Any:
@@ -447,6 +448,7 @@ def _scenarios() -> list[Scenario]:
             direct_io=True,
         ),
     ]
+    out += _tiered_scenarios()
     return out
 
 
@@ -458,6 +460,191 @@ def scenarios() -> dict[str, Scenario]:
     if not SCENARIOS:
         SCENARIOS.update({s.name: s for s in _scenarios()})
     return SCENARIOS
+
+
+# ============================================================================ tiered
+# A TieredCheckpointManager with ROOT/fast as tier 0 and ROOT/slow as the persistent
+# tier, both on the recorded filesystem: one power loss hits both (the worst case; on
+# separate machines each tier's crash states are a subset of these). ``retention`` is
+# (tier 0's KeepLast, tier 1's KeepLast), None for keep-all.
+
+
+def _tiers(root: str, keep: Any) -> list[Any]:
+    from atomic_checkpoint import KeepLast, Tier
+
+    fast_keep, slow_keep = keep or (None, None)
+    return [
+        Tier(os.path.join(root, "fast"), retention=KeepLast(fast_keep) if fast_keep else None),
+        Tier(os.path.join(root, "slow"), retention=KeepLast(slow_keep) if slow_keep else None),
+    ]
+
+
+def _prepare_tiered(steps: list[int]) -> Callable[[str], None]:
+    def prepare(root: str) -> None:
+        from atomic_checkpoint import TieredCheckpointManager
+
+        mgr = TieredCheckpointManager(_tiers(root, _CURRENT.retention))
+        for step in steps:
+            mgr.save(step, state_of(step))
+            if not mgr.wait_replicated(step, timeout_s=60):
+                raise RuntimeError(f"step {step} was not replicated")
+        mgr.close()
+        os.sync()
+
+    return prepare
+
+
+def _op_tiered(steps: list[int], *, block: int | None = None):
+    """Save ``steps`` on tier 0 and wait until the persistent tier has them. With
+    ``block``, replication of that step fails (an injected EIO mid-copy: the attempt
+    is discarded) until every step was saved, so tier 0's rotation meets a step that
+    exists nowhere else and must hold it."""
+
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint import TieredCheckpointManager
+        from atomic_checkpoint._faults import ENV
+
+        mgr = TieredCheckpointManager(_tiers(root, _CURRENT.retention), retry_max_s=0.05)
+        if not mgr.wait_replicated(timeout_s=60):  # reconciled before recording
+            raise RuntimeError("the pre-state's steps were not replicated")
+        with record() as rec:
+            if block is not None:
+                os.environ[ENV] = f"mid_replicate@0=raise:{block}"
+            for step in steps:
+                mgr.save(step, state_of(step))
+                rec.mark("committed", step=step, version=0)
+            os.environ.pop(ENV, None)
+            for step in steps:
+                if not mgr.wait_replicated(step, timeout_s=60):
+                    raise RuntimeError(f"step {step} was not replicated")
+                rec.mark("persisted", step=step)
+            if mgr.close() != []:
+                raise RuntimeError("close() left steps unreplicated")
+
+    return operate
+
+
+def _tiered_expectation(trace: Trace, state: CrashState) -> Any:
+    """Which steps were acknowledged on tier 0 (``save`` returned) and as persisted
+    (``wait_replicated`` returned True) before the crash."""
+    wanted = ("committed", "persisted")
+    marks = [(m.label, m.info["step"]) for m in state.marks if m.label in wanted]
+    return tuple(sorted(marks))
+
+
+def _tier_view(path: str, allowed: dict[int, set[int]]) -> tuple[set[int], list[tuple[str, str]]]:
+    """A tier's valid steps after the crash, read-only (nothing repaired yet), each
+    restored bit-exactly or reported ``torn``."""
+    from atomic_checkpoint import CheckpointManager
+
+    if not os.path.isdir(path):
+        return set(), []
+    found: list[tuple[str, str]] = []
+    reader = CheckpointManager(path, read_only=True)
+    steps = {c.step for c in reader.checkpoints()}
+    for step in sorted(steps):
+        if step not in allowed:
+            found.append(("torn", f"{path}: step {step} is listed but was never saved"))
+            continue
+        try:
+            got = reader.restore(step=step)
+        except Exception as exc:
+            found.append(("torn", f"{path}: restore(step={step}): {type(exc).__name__}: {exc}"))
+            continue
+        if not any(_same(got, state_of(step, v)) for v in allowed[step]):
+            found.append(("torn", f"{path}: step {step} restores to content nobody saved"))
+    reader.close()
+    return steps, found
+
+
+def _check_tiered(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
+    """Recover a tiered root: first read each tier as the crash left it (a step
+    acknowledged as persisted must be on the persistent tier; a step acknowledged on
+    tier 0 must be on some tier: retention never deleted its only copy), then start
+    the tiered job, which must finish replication, restore, save, close and clean."""
+    from atomic_checkpoint import TieredCheckpointManager
+
+    scen = trace.scenario
+    allowed: dict[int, set[int]] = {}
+    for step, version in [*scen.initial.items(), *scen.saves.items()]:
+        allowed.setdefault(step, set()).add(version)
+    fast, slow = os.path.join(path, "fast"), os.path.join(path, "slow")
+    found: list[tuple[str, str]] = []
+    on_fast, bad = _tier_view(fast, allowed)
+    found += bad
+    on_slow, bad = _tier_view(slow, allowed)
+    found += bad
+    committed = {s for label, s in need if label == "committed"}
+    persisted = {s for label, s in need if label == "persisted"}
+    for step in sorted(persisted - on_slow):
+        found.append(("lost", f"step {step} was acknowledged as persisted and is not on {slow}"))
+    kept = committed | (set(scen.initial) - scen.may_drop)
+    for step in sorted(kept - on_fast - on_slow):
+        found.append(("lost", f"step {step} is on no tier (tier 0: {on_fast}, 1: {on_slow})"))
+    try:
+        mgr = TieredCheckpointManager(_tiers(path, scen.retention), retry_max_s=0.05)
+    except Exception as exc:
+        return [*found, ("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
+    try:
+        if not mgr.wait_replicated(timeout_s=60):
+            found.append(("stuck", f"replication did not finish: {mgr.replication_backlog()}"))
+        held = {c.step: c.tiers for c in mgr.checkpoints()}
+        for step in sorted(committed):
+            if 1 not in held.get(step, ()):
+                found.append(("lost", f"step {step} did not reach {slow} after the restart"))
+        if held:
+            newest = max(held)
+            got = mgr.restore()
+            if not any(_same(got, state_of(newest, v)) for v in allowed.get(newest, ())):
+                found.append(("torn", f"restore() of step {newest} gave content nobody saved"))
+        nxt = max([*held, *allowed, 0]) + 1
+        mgr.save(nxt, state_of(nxt))
+        if not mgr.wait_replicated(nxt, timeout_s=60):
+            found.append(("stuck", f"the next save {nxt} was not replicated"))
+    except Exception as exc:
+        found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
+    finally:
+        try:
+            if mgr.close(timeout_s=60):
+                found.append(("stuck", "close() left steps unreplicated"))
+        except Exception as exc:
+            found.append(("stuck", f"close() failed: {type(exc).__name__}: {exc}"))
+    for tier in (fast, slow):
+        found += cleaned(tier)
+        for d in (".pending", ".trash"):
+            where = os.path.join(tier, d)
+            left = os.listdir(where) if os.path.isdir(where) else []
+            if left:
+                found.append(("leaks", f"{tier}/{d}/ still holds {left} after a start and clean"))
+        found += _marker_leftovers(tier)
+    return found
+
+
+def _tiered_scenarios() -> list[Scenario]:
+    return [
+        # One step's replication: copy, read-back, publish on tier 1.
+        Scenario(
+            "tiered-replicate/local",
+            _prepare_tiered([1]),
+            _op_tiered([2]),
+            {1: 0},
+            {2: 0},
+            tiered=True,
+        ),
+        # Cross-tier retention: tier 0 keeps 1 and must hold step 4 (its replication
+        # fails until step 5 is saved), tier 1 keeps 2 (it drops steps 2 and 3, the
+        # user's policy: step 3 has left tier 0 by then, step 2 long before).
+        Scenario(
+            "tiered-retention/local",
+            _prepare_tiered([1, 2, 3]),
+            _op_tiered([4, 5], block=4),
+            {1: 0, 2: 0, 3: 0},
+            {4: 0, 5: 0},
+            may_drop=frozenset({1, 2, 3}),
+            retention=(1, 2),
+            tiered=True,
+        ),
+    ]
 
 
 # ============================================================================ recording
@@ -547,6 +734,8 @@ def expectation(trace: Trace, state: CrashState) -> tuple[tuple[int, frozenset[i
     have. Initial steps (unless retention may drop them), steps whose save returned
     (the new version only), steps whose new manifest the barriers alone guarantee."""
     scen = trace.scenario
+    if scen.tiered:
+        return _tiered_expectation(trace, state)
     need: dict[int, frozenset[int]] = {}
     for step, version in scen.initial.items():
         if step not in scen.may_drop:
@@ -593,6 +782,8 @@ def _after_reboot() -> Iterator[None]:
 def check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
     """Recover ``path`` as a restarted job would and check the invariants."""
     with _after_reboot():
+        if trace.scenario.tiered:
+            return _check_tiered(path, state, need, trace)
         return _check_state(path, state, need, trace)
 
 

@@ -35,7 +35,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,17 +127,7 @@ def _hang_trial(
     victim = 0 if role == "coordinator" else rng.randrange(1, WORLD)
     label = f"hang at {phase} on rank {victim}"
     env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@{victim}=hang:{step}"}
-    job = ForkJob(
-        w_timed_save,
-        WORLD,
-        [root] * WORLD,
-        step,
-        SIZE,
-        {},
-        cfg.timeout_s,
-        tmp_dir=os.path.join(base, "jobs"),
-        env=env,
-    )
+    job = _save_job(base, cfg, [root] * WORLD, step, {}, env=env)
     try:
         # The others raise after one timeout; the victim sleeps on and is killed.
         job.join([r for r in range(WORLD) if r != victim], 20 + 3 * cfg.timeout_s)
@@ -158,11 +148,39 @@ def _hang_trial(
     _judge_root(tally, label, root, step, state["big"])
 
 
-def _judge_after_last_message(tally: Tally, label: str, results: list[Any], victim: int) -> None:
-    """The others must all return (no hang) with one outcome between them."""
-    outcomes = set()
+def _save_job(
+    base: str,
+    cfg: HangSize,
+    roots: list[str],
+    step: int,
+    sizes: dict[int, int],
+    *args: Any,
+    fn: Callable[..., Any] = w_timed_save,
+    env: dict[str, str] | None = None,
+) -> ForkJob:
+    """``WORLD`` ranks running ``fn`` (:func:`reliability.workers.w_timed_save` or a
+    variant): save ``step`` into ``roots`` (one per rank) with tensor ``sizes``, under
+    the campaign's coordination timeout."""
+    return ForkJob(
+        fn,
+        WORLD,
+        roots,
+        step,
+        SIZE,
+        sizes,
+        cfg.timeout_s,
+        *args,
+        tmp_dir=os.path.join(base, "jobs"),
+        env=env,
+    )
+
+
+def _outcomes(tally: Tally, label: str, results: list[Any], skip: int | None = None) -> list[str]:
+    """Each rank's outcome (``"saved"`` or the type of its error), but for ``skip``'s; a
+    rank that did not return is a ``hangs`` violation, one that crashed ``stuck``."""
+    outcomes = []
     for r in results:
-        if r.rank == victim:
+        if r.rank == skip:
             continue
         if r.exitcode is None:
             tally.violate("hangs", f"{label}: rank {r.rank} did not return")
@@ -170,7 +188,13 @@ def _judge_after_last_message(tally: Tally, label: str, results: list[Any], vict
             tally.violate("stuck", f"{label}: rank {r.rank} crashed: {r.error_text[-300:]}")
         else:
             err = r.value["error"]
-            outcomes.add("saved" if err is None else err["type"])
+            outcomes.append("saved" if err is None else err["type"])
+    return outcomes
+
+
+def _judge_after_last_message(tally: Tally, label: str, results: list[Any], victim: int) -> None:
+    """The others must all return (no hang) with one outcome between them."""
+    outcomes = set(_outcomes(tally, label, results, skip=victim))
     if len(outcomes) > 1:
         tally.violate("split", f"{label}: the other ranks disagree: {sorted(outcomes)}")
     elif outcomes:
@@ -186,16 +210,7 @@ def _frozen_trial(
     # Bigger states make the save last long enough to be caught in the middle.
     sizes = {r: 1 << 18 for r in range(WORLD)}
     state["big"][step] = sizes
-    job = ForkJob(
-        w_timed_save,
-        WORLD,
-        [root] * WORLD,
-        step,
-        SIZE,
-        sizes,
-        cfg.timeout_s,
-        tmp_dir=os.path.join(base, "jobs"),
-    )
+    job = _save_job(base, cfg, [root] * WORLD, step, sizes)
     label = f"frozen rank {victim}"
     try:
         deadline = time.monotonic() + 30
@@ -283,17 +298,7 @@ def _outcome_trial(
     step = _next(state)
     victim = rng.randrange(1, WORLD)
     label = f"rank {victim} frozen at the outcome of the commit"
-    job = ForkJob(
-        w_frozen_at_outcome,
-        WORLD,
-        [root] * WORLD,
-        step,
-        SIZE,
-        {},
-        cfg.timeout_s,
-        victim,
-        tmp_dir=os.path.join(base, "jobs"),
-    )
+    job = _save_job(base, cfg, [root] * WORLD, step, {}, victim, fn=w_frozen_at_outcome)
     try:
         pid = job.procs[victim].pid or -1
         deadline = time.monotonic() + 30 + 3 * cfg.timeout_s
@@ -316,15 +321,7 @@ def _outcome_trial(
         tally.violate("stuck", f"{label}: the rank never reached the outcome")
         return
     tally.faults += 1
-    outcomes = []
-    for r in results:
-        if r.exitcode is None:
-            tally.violate("hangs", f"{label}: rank {r.rank} never finished")
-        elif r.error is not None or r.value is None or r.value.get("setup_error"):
-            tally.violate("stuck", f"{label}: rank {r.rank} crashed: {r.error_text[-300:]}")
-        else:
-            err = r.value["error"]
-            outcomes.append("saved" if err is None else err["type"])
+    outcomes = _outcomes(tally, label, results)
     if len(set(outcomes)) > 1:
         tally.violate("split", f"{label}: ranks report {outcomes}")
     elif outcomes:
@@ -454,16 +451,7 @@ def _slow_trial(
     roots = [fast_root] * (WORLD - 1) + [slow_root]
     sizes = {victim: 1 << 19}
     state["big"][step] = sizes
-    job = ForkJob(
-        w_timed_save,
-        WORLD,
-        roots,
-        step,
-        SIZE,
-        sizes,
-        cfg.timeout_s,
-        tmp_dir=os.path.join(base, "jobs"),
-    )
+    job = _save_job(base, cfg, roots, step, sizes)
     try:
         results = job.wait(timeout_s=120)
     finally:

@@ -61,7 +61,7 @@ from typing import Any
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
 from . import REPO_ROOT
-from .checks import clean_root, inspect_root, strays, unclear_reason
+from .checks import inspect_root, leaks_after_clean, unclear_reason
 from .fiuctl import EXTRA_ENV, build_extra, compiler, fiu_argv
 from .fiuctl import POINTS as ALL_POINTS
 from .tally import Progress, Tally
@@ -191,16 +191,7 @@ def combos(size: str, rng: random.Random) -> list[dict[str, Any]]:
                 out.append(_combo(point, name, phase, role, mode, api))
     else:
         for point, phase in itertools.product(POINTS, PHASES):
-            out.append(
-                _combo(
-                    point,
-                    rng.choice(list(ERRNOS)),
-                    phase,
-                    rng.choice(ROLES),
-                    rng.choice(MODES),
-                    rng.choice(APIS),
-                )
-            )
+            out.append(_random_combo(rng, point, phase))
     rng.shuffle(out)
     return out
 
@@ -221,17 +212,7 @@ def combos_s3fs(size: str, rng: random.Random) -> list[dict[str, Any]]:
             out.append(_combo(point, rng.choice(list(ERRNOS)), phase, role, mode, api))
     else:
         for point in POINTS:
-            for phase in [rng.choice(QUICK_S3FS_PHASES)]:
-                out.append(
-                    _combo(
-                        point,
-                        rng.choice(list(ERRNOS)),
-                        phase,
-                        rng.choice(ROLES),
-                        rng.choice(MODES),
-                        rng.choice(APIS),
-                    )
-                )
+            out.append(_random_combo(rng, point, rng.choice(QUICK_S3FS_PHASES)))
     rng.shuffle(out)
     return out
 
@@ -269,6 +250,13 @@ def _combo(point: str, name: str, phase: str, role: str, mode: str, api: str) ->
         "mode": mode,
         "api": api,
     }
+
+
+def _random_combo(rng: random.Random, point: str, phase: str) -> dict[str, Any]:
+    """``point`` failing in ``phase`` with a random errno, role, mode and API (drawn in
+    that order, so a seed names the same trials)."""
+    errno_name = rng.choice(list(ERRNOS))
+    return _combo(point, errno_name, phase, rng.choice(ROLES), rng.choice(MODES), rng.choice(APIS))
 
 
 def run(
@@ -414,28 +402,9 @@ def _trial(
     final = inspect_root(where.truth, world=WORLD, size=TENSOR_ELEMS)
     _judge_b(tally, label, a, b, final, step)
     if where.direct is not None:
-        _object_leaks(tally, label, where)
+        # After part B (the next start, a save, its close); clean runs on the mount.
+        leaks_after_clean(tally, label, where.direct, where.leaked, where.root)
     return group
-
-
-def _object_leaks(tally: Tally, label: str, where: _Where) -> None:
-    """After part B (the next start, a save, its close): every object belongs to a
-    committed checkpoint or to the run's metadata; what is left must go with ``clean``
-    (run on the mount, as a user would)."""
-    left = strays(where.direct)
-    if not left:
-        return
-    tally.count("left_for_clean", str(len(left)))
-    rc, out = clean_root(where.root)
-    # Each leaked object counts once, in the trial after which it was first seen.
-    still = [k for k in strays(where.direct) if k not in where.leaked]
-    where.leaked |= set(still)
-    if still:
-        tally.violate(
-            "leaks",
-            f"{label}: left after the next start {left}, and after clean (exit {rc}) "
-            f"{still}: {out[-300:]}",
-        )
 
 
 def _restart(group: RankGroup, base: str, extra: str) -> RankGroup:

@@ -47,7 +47,7 @@ from typing import Any
 
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
-from .checks import clean_root, inspect_root, next_start_leftovers, strays, unclear_reason
+from .checks import inspect_root, leaks_after_clean, next_start_leftovers, unclear_reason
 from .jobs import ForkJob
 from .tally import Progress, Tally
 from .workers import w_save_loop
@@ -405,24 +405,6 @@ def _judge(
     if left:
         tally.violate("leaks", f"{label}: still there after the next start: {left}")
     if where.direct is not None and not error:
-        _object_leaks(tally, where, label)
-
-
-def _object_leaks(tally: Tally, where: _Where, label: str) -> None:
-    """On an object store: after the next start, every object belongs to a committed
-    checkpoint or to the run's metadata; what the start left must go with ``clean``."""
-    left = strays(where.direct)
-    if not left:
-        return
-    tally.count("left_for_clean", str(len(left)))
-    tally.stats.setdefault("left_by_next_start", []).append(len(left))
-    rc, out = clean_root(where.clean_root, where.clean_options)
-    # Each leaked object counts once, in the trial after which it was first seen.
-    still = [k for k in strays(where.direct) if k not in where.leaked]
-    where.leaked |= set(still)
-    if still:
-        tally.violate(
-            "leaks",
-            f"{label}: left after the next start {left}, and after clean (exit {rc}) "
-            f"{still}: {out[-300:]}",
+        leaks_after_clean(
+            tally, label, where.direct, where.leaked, where.clean_root, where.clean_options
         )

@@ -11,6 +11,7 @@ split, stuck, unsafe: see ``reliability.tally.VIOLATIONS``), 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import shutil
@@ -35,98 +36,31 @@ from reliability.tally import (
 Campaign = Callable[[str, int, Progress, str], Tally]
 
 
-def _kill_local(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import kill
+def _campaign(module: str, **options: str) -> Campaign:
+    """``reliability.<module>.run`` with ``options``; the module is imported only when
+    the campaign runs (campaigns pull in torch, the test bed and their services)."""
 
-    return kill.run(size, seed, progress, workdir, fs="local")
+    def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
+        campaign = importlib.import_module(f"reliability.{module}")
+        return campaign.run(size, seed, progress, workdir, **options)
 
-
-def _kill_sshfs(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import kill
-
-    return kill.run(size, seed, progress, workdir, fs="sshfs")
-
-
-def _kill_s3(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import kill
-
-    return kill.run(size, seed, progress, workdir, fs="s3")
-
-
-def _kill_s3fs(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import kill
-
-    return kill.run(size, seed, progress, workdir, fs="s3fs")
-
-
-def _libfiu(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import iofaults
-
-    return iofaults.run(size, seed, progress, workdir)
-
-
-def _libfiu_s3fs(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import iofaults
-
-    return iofaults.run(size, seed, progress, workdir, fs="s3fs")
-
-
-def _disk_full(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import diskfull
-
-    return diskfull.run(size, seed, progress, workdir)
-
-
-def _hang(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import hang
-
-    return hang.run(size, seed, progress, workdir)
-
-
-def _bad_input(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import badinput
-
-    return badinput.run(size, seed, progress, workdir)
-
-
-def _crash_states(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import crashstates
-
-    return crashstates.run(size, seed, progress, workdir)
-
-
-def _s3_faults(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import s3faults
-
-    return s3faults.run(size, seed, progress, workdir)
-
-
-def _lifecycle(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import lifecycle
-
-    return lifecycle.run(size, seed, progress, workdir)
-
-
-def _preemption(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
-    from reliability import preemption
-
-    return preemption.run(size, seed, progress, workdir)
+    return run
 
 
 CAMPAIGNS: dict[str, Campaign] = {
-    "kill-local": _kill_local,
-    "kill-sshfs": _kill_sshfs,
-    "kill-s3": _kill_s3,
-    "kill-s3fs": _kill_s3fs,
-    "libfiu": _libfiu,
-    "libfiu-s3fs": _libfiu_s3fs,
-    "disk-full": _disk_full,
-    "hang": _hang,
-    "bad-input": _bad_input,
-    "crash-states": _crash_states,
-    "s3-faults": _s3_faults,
-    "lifecycle": _lifecycle,
-    "preemption": _preemption,
+    "kill-local": _campaign("kill", fs="local"),
+    "kill-sshfs": _campaign("kill", fs="sshfs"),
+    "kill-s3": _campaign("kill", fs="s3"),
+    "kill-s3fs": _campaign("kill", fs="s3fs"),
+    "libfiu": _campaign("iofaults"),
+    "libfiu-s3fs": _campaign("iofaults", fs="s3fs"),
+    "disk-full": _campaign("diskfull"),
+    "hang": _campaign("hang"),
+    "bad-input": _campaign("badinput"),
+    "crash-states": _campaign("crashstates"),
+    "s3-faults": _campaign("s3faults"),
+    "lifecycle": _campaign("lifecycle"),
+    "preemption": _campaign("preemption"),
 }
 
 

@@ -9,11 +9,13 @@ Operations (one root per operation, reused across its trials):
   the rotation of the oldest step (un-commit, batch delete, upload abort);
 - **save-mpu**: the same with a state large enough for a multipart upload (start,
   parts, complete);
-- **start**: a manager starting over what crashed saves left (an uncommitted attempt,
-  a stale attempt beside a committed step), then closing: the conditional-create
-  probe, the lock's acquisition, the sweep and the lock's release;
+- **start**: a manager starting over what crashed saves left (an uncommitted attempt
+  with an unfinished multipart upload, a stale attempt beside a committed step), then
+  closing: the conditional-create probe, the lock's acquisition, the sweep (its batch
+  deletes and upload aborts) and the lock's release;
 - **kill**: a separate process saving (and rotating) is SIGKILLed at its n-th request,
-  half the time after the request landed, half the time before.
+  half the time after the request landed, half the time before; in the larger sizes
+  also one saving a multipart state (killed mid-upload: an upload left open).
 
 Each operation is first run without a fault to count its requests; then a fault is
 injected at request ``i`` for every ``i`` (``full``) or a random sample (``quick``):
@@ -83,10 +85,12 @@ class S3Size:
     rounds: int
     kills: int | None  # None: a kill at every request of a save
     ops: tuple[str, ...] = ("save", "start", "save-mpu")
+    #: also kill a save of the multipart state (the same number of kills)
+    mpu_kills: bool = True
 
 
 SIZES = {
-    "quick": S3Size(sample=4, rounds=1, kills=1),
+    "quick": S3Size(sample=4, rounds=1, kills=1, mpu_kills=False),
     "full": S3Size(sample=None, rounds=3, kills=None),
     # Sampled, between the two: a wider look in minutes.
     "medium": S3Size(sample=25, rounds=1, kills=6),
@@ -111,14 +115,14 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
         camp = _Campaign(tally, rng, server, proxy)
         for r in range(cfg.rounds):
             for op in cfg.ops:
-                if op == "save-mpu" and r % 3:
-                    continue  # the large state costs: one round in three
                 camp.enumerate(op, cfg.sample)
                 progress(
                     f"s3-faults: round {r + 1} {op}: {tally.trials} trials, {tally.faults} "
                     f"faults, {tally.violations} violations"
                 )
-        camp.kills(cfg.kills)
+        camp.kills(cfg.kills, SMALL)
+        if cfg.mpu_kills:
+            camp.kills(cfg.kills, LARGE)
         progress(f"s3-faults: kills: {tally.trials} trials, {tally.violations} violations")
     return tally.finish()
 
@@ -181,16 +185,17 @@ class _Campaign:
             root.fault_trial(op, index, fault, kinds)
         root.finish()
 
-    def kills(self, count: int | None) -> None:
-        root = self.root("kill")
-        kinds = root.dry_run("save")
+    def kills(self, count: int | None, elems: int) -> None:
+        op = "save-mpu" if elems == LARGE else "save"
+        root = self.root(f"kill-{op}")
+        kinds = root.dry_run(op)
         if kinds is None:
             return
         indices = list(range(len(kinds)))
         if count is not None:
             indices = self.rng.sample(indices, min(count, len(indices)))
         for i in indices:
-            root.kill_trial(i, kinds[i], land=self.rng.random() < 0.5)
+            root.kill_trial(i, kinds[i], land=self.rng.random() < 0.5, elems=elems)
         root.finish()
 
 
@@ -375,7 +380,7 @@ class _Root:
         saved = step if op != "start" else None
         self._judge(label, error, saved, error)
 
-    def kill_trial(self, index: int, kind: str, *, land: bool) -> None:
+    def kill_trial(self, index: int, kind: str, *, land: bool, elems: int = SMALL) -> None:
         from tests.testbed.s3proxy import Rule
 
         mgr = self._setup()
@@ -390,7 +395,7 @@ class _Root:
             "url": self.url,
             "opts": self._opts(via_proxy=True),
             "step": step,
-            "n": SMALL,
+            "n": elems,
             "run_id": self.run_id,
         }
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -448,8 +453,8 @@ class _Root:
             self.tally.violate("stuck", f"{self.name}: close() without a fault failed: {exc}")
 
     def _leftovers(self) -> None:
-        """What crashed saves leave: an attempt never committed, a stale attempt beside
-        the newest committed step."""
+        """What crashed saves leave: an attempt never committed (with a multipart upload
+        its writer never finished), a stale attempt beside the newest committed step."""
         from atomic_checkpoint.commit import MarkerStrategy
         from atomic_checkpoint.layout import new_attempt_token
 
@@ -458,6 +463,10 @@ class _Root:
         for step in (crashed, max(self.committed, default=crashed)):
             pending = MarkerStrategy().prepare(s, step, new_attempt_token())
             s.write_bytes_atomic(f"{pending}/rank-00000.safetensors", b"x" * 1000)
+            if step == crashed:
+                self.camp.server.boto3_client().create_multipart_upload(
+                    Bucket=BUCKET, Key=f"{self.name}/{pending}/rank-00001.safetensors"
+                )
 
     def _owed(self) -> list[int]:
         """Retention keeps the newest KEEP; older ones may go (or stay, if a rotation

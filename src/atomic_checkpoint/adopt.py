@@ -69,15 +69,16 @@ from .commit import _create_or_own, choose_strategy
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     LockError,
     LockHeldError,
     ResumeError,
     StorageError,
 )
 from .layout import MANIFEST_NAME, META_DIR, PENDING_DIR, TRASH_DIR, validate_step
-from .manager import RUN_FILE, _fsync_file, _new_run_id, _run_doc
-from .manifest import FileEntry, Hasher, Manifest
-from .storage import open_storage
+from .manager import RUN_FILE, _new_run_id, _run_doc
+from .manifest import FileEntry, Hasher, Manifest, format_size
+from .storage import open_storage, posix
 from .storage.base import Storage
 
 __all__ = [
@@ -573,7 +574,7 @@ def adopt(
         root if not isinstance(root, (str, os.PathLike)) else open_storage(root, storage_options)
     )
     local = storage.local_path("")
-    if local is not None and not os.path.isdir(local):
+    if local is not None and not posix.is_dir(local):
         # Never created by adopting (a typo would otherwise become an empty root).
         raise CheckpointNotFoundError(
             f"checkpoint root {local!r} does not exist or is not a directory: pass the "
@@ -643,9 +644,9 @@ def adopt(
             out.seconds[c.step] = took
             out.size_bytes[c.step] = size
             say(
-                f"adopted {shown} ({c.framework.name}): {_fmt_bytes(size)} in {n_files} "
+                f"adopted {shown} ({c.framework.name}): {format_size(size)} in {n_files} "
                 f"file(s), checksummed and recorded in {took:.2f} s"
-                + (f" ({_fmt_bytes(size / took)}/s)" if took > 0 else "")
+                + (f" ({format_size(size / took)}/s)" if took > 0 else "")
             )
             log.info("adopted %s (%s) into run %r", storage.url(c.name), c.framework.name, rid)
     finally:
@@ -688,7 +689,7 @@ def _dry_result(
             out.frameworks[c.step] = c.framework.name
             size = sum(_tree_sizes(storage, c.name))
             out.size_bytes[c.step] = size
-            say(f"would adopt {shown} ({c.framework.name}): complete, {_fmt_bytes(size)}")
+            say(f"would adopt {shown} ({c.framework.name}): complete, {format_size(size)}")
     return out
 
 
@@ -911,13 +912,10 @@ def _checksum_and_sync(storage: Storage, rel: str) -> tuple[FileEntry, ...]:
     view = memoryview(buf)
     for name, listed_size in listed:
         h = Hasher()
-        size = 0
         with storage.open_read(f"{rel}/{name}") as f:
-            while n := f.readinto(view):
-                h.update(view[:n])
-                size += n
+            size = h.consume(f, view)
             if local is not None:
-                _fsync_file(os.path.join(local, *name.split("/")), f)
+                posix.fsync_file(os.path.join(local, *name.split("/")), f)
         if size != listed_size or storage.size(f"{rel}/{name}") != size:
             raise CheckpointError(
                 f"{storage.url(rel)}: {name} changed size while it was read ({listed_size} "
@@ -981,20 +979,12 @@ def _last_commit_seq(storage: Storage) -> int:
 # ---------------------------------------------------------------------- run and lock
 def _recorded_run_id(storage: Storage) -> str | None:
     try:
-        data = storage.read_bytes(RUN_FILE)
-    except CheckpointNotFoundError:
-        return None
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        doc = None
-    rid = doc.get("run_id") if isinstance(doc, dict) else None
-    if not isinstance(rid, str) or not rid:
+        return catalog.recorded_run_id(storage)
+    except CorruptCheckpointError:
         raise CheckpointError(
             f"{storage.url(RUN_FILE)} is empty or damaged: open a CheckpointManager on "
             f"{storage.url('')} once (it repairs the run file), then adopt"
-        )
-    return rid
+        ) from None
 
 
 def _run_id_for(
@@ -1071,10 +1061,7 @@ def _accelerate_project(
         return storage, None
 
     def has_steps(path: str) -> bool:
-        try:
-            return any(parse_accelerate_name(n) is not None for n in os.listdir(path))
-        except OSError:
-            return False
+        return any(parse_accelerate_name(n) is not None for n in posix.list_names(path))
 
     project: str | None = None
     if has_steps(os.path.join(local, ACCELERATE_DIR)):
@@ -1082,7 +1069,7 @@ def _accelerate_project(
     elif (
         os.path.basename(local) == ACCELERATE_DIR
         and has_steps(local)
-        and not os.path.lexists(os.path.join(local, META_DIR))
+        and not posix.lexists(os.path.join(local, META_DIR))
     ):
         project = os.path.dirname(local)
     if project is None:
@@ -1093,14 +1080,6 @@ def _accelerate_project(
     view = ProjectStorage(base)
     log.info("%s is an Accelerate project: adopting %s/checkpoint_<i>", project, ACCELERATE_DIR)
     return view, lambda: record_layout(base)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 # ``adopt.register_framework(...)`` reads naturally where ``adopt`` is the function

@@ -194,11 +194,6 @@ class AsyncSaver:
         its parent's saves)."""
         return self._pid
 
-    @property
-    def in_flight(self) -> SaveHandle | None:
-        """The handle of the save not yet waited for, if any."""
-        return self._handle
-
     def submit(self, step: int, fn: Callable[[], CheckpointInfo]) -> SaveHandle:
         """Start ``fn`` (write + commit of ``step``) in the background.
 

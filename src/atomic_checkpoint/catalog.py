@@ -21,11 +21,10 @@ with one ``stat`` each (on an object store, from one listing of the root).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import operator
-import os
 import re
-import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -38,18 +37,19 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StorageError,
-    UnsafeCheckpointError,
 )
 from .layout import (
     MANIFEST_NAME,
     META_DIR,
     PENDING_DIR,
+    RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
     parse_checkpoint_name,
     parse_pending_name,
 )
 from .manifest import FileEntry, Hasher, Manifest
+from .storage import posix
 from .storage.base import Storage
 
 _T = TypeVar("_T")
@@ -209,7 +209,7 @@ def is_link(storage: Storage, rel: str) -> bool:
     never a checkpoint (DESIGN invariant 9): ``ROOT/checkpoint-9 -> /elsewhere`` would
     make restore read, and retention delete, another root's data."""
     local = storage.local_path(rel)
-    return local is not None and os.path.islink(local)
+    return local is not None and posix.is_link(local)
 
 
 def check_inside(storage: Storage, rel: str, file_rel: str) -> None:
@@ -219,38 +219,8 @@ def check_inside(storage: Storage, rel: str, file_rel: str) -> None:
     opening a FIFO for reading blocks until a writer comes (never), a device reads
     forever."""
     base = storage.local_path(rel)
-    if base is None:
-        return
-    paths = [base]
-    for part in file_rel.split("/"):
-        paths.append(os.path.join(paths[-1], part))
-    for path in paths:
-        if os.path.islink(path):
-            target = os.path.realpath(path)
-            real_base = os.path.realpath(base)
-            inside = path != base and os.path.commonpath([real_base, target]) == real_base
-            what = "the checkpoint" if path == base else f"file {file_rel!r}"
-            raise UnsafeCheckpointError(
-                f"{storage.url(rel)}: {what} is a symbolic link that resolves "
-                f"{'inside' if inside else 'outside'} the checkpoint ({target}); links are "
-                "never followed, so it is not read (nor deleted through)"
-            )
-    target = os.path.realpath(os.path.join(base, *file_rel.split("/")))
-    if os.path.commonpath([os.path.realpath(base), target]) != os.path.realpath(base):
-        raise UnsafeCheckpointError(
-            f"{storage.url(rel)}: file {file_rel!r} resolves outside the checkpoint "
-            f"({target}); refusing to read it"
-        )
-    try:
-        mode = os.stat(target).st_mode
-    except OSError:
-        return  # missing or unreadable: the size check or the open says so
-    if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
-        raise CorruptCheckpointError(
-            f"{storage.url(rel)}: file {file_rel!r} is not a regular file ({kind}); "
-            "refusing to read it"
-        )
+    if base is not None:
+        posix.check_inside(base, file_rel, storage.url(rel))
 
 
 def validate(
@@ -300,14 +270,7 @@ def validate(
         h = Hasher(manifest.checksum_algorithm)
         view = memoryview(buf)
         with storage.open_read(f"{rel}/{entry.path}") as f:
-            while True:
-                n = f.readinto(view)
-                if not n:
-                    break
-                h.update(view[:n])
-                done += n
-                if progress is not None:
-                    progress(done)
+            done += h.consume(f, view, progress, done)
         if h.hexdigest() != entry.checksum:
             raise CorruptCheckpointError(
                 f"{where}: file {entry.path!r} checksum {h.hexdigest()} does not match the "
@@ -550,10 +513,7 @@ def _checkpoint_entry(
         StorageError: an I/O error that says nothing about the checkpoint.
     """
     if is_link(storage, name):
-        try:
-            target = os.readlink(storage.local_path(name) or name)
-        except OSError:
-            target = "?"
+        target = posix.link_target(storage.local_path(name) or name)
         return Entry(
             name,
             step,
@@ -636,23 +596,7 @@ def _files_as_listed(
         except CheckpointError:
             return False
         return True
-    dirs: set[str] = set()
-    try:
-        for entry in manifest.files:
-            parts = entry.path.split("/")
-            path = base
-            for part in parts[:-1]:
-                path = os.path.join(path, part)
-                if path not in dirs:
-                    if not stat.S_ISDIR(os.lstat(path).st_mode):
-                        return False
-                    dirs.add(path)
-            st = os.lstat(os.path.join(path, parts[-1]))
-            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size_bytes:
-                return False
-    except OSError:
-        return False
-    return True
+    return posix.files_as_listed(base, [(f.path, f.size_bytes) for f in manifest.files])
 
 
 def _checkpoint_names(names: list[str]) -> tuple[list[tuple[int, str]], list[str]]:
@@ -794,3 +738,27 @@ def newest(
         if warn:
             _warn_skipped(storage, entry)
     return None
+
+
+def recorded_run_id(storage: Storage) -> str | None:
+    """The run recorded in ROOT's run file (``RUN_FILE``), or None when there is none.
+
+    Read by the CLI and by ``adopt`` (the manager reads it too, but repairs a damaged
+    one instead of refusing).
+
+    Raises:
+        CorruptCheckpointError: the run file exists but is not JSON or holds no run id.
+        StorageError: it cannot be read.
+    """
+    try:
+        data = storage.read_bytes(RUN_FILE)
+    except CheckpointNotFoundError:
+        return None
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} is not valid JSON ({exc})") from exc
+    rid = doc.get("run_id") if isinstance(doc, dict) else None
+    if not isinstance(rid, str) or not rid:
+        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} holds no run_id")
+    return rid

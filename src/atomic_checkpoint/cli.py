@@ -1,4 +1,4 @@
-"""The ``atomic-checkpoint`` command line: list, verify, clean, inspect, prune and adopt.
+"""The ``atomic-checkpoint`` command line: list, verify, clean, inspect, prune, adopt, drain.
 
 Also runs as ``python -m atomic_checkpoint``. Every command takes ROOT, a checkpoint
 root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
@@ -6,8 +6,9 @@ root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
 (credentials and endpoint from the environment, ``AWS_ENDPOINT_URL`` included, or
 ``--storage-option KEY=VALUE``)::
 
-    atomic-checkpoint list ROOT [--json] [--all-runs]
+    atomic-checkpoint list ROOT [--json] [--all-runs] [--tier ROOT2 ...]
     atomic-checkpoint verify ROOT [STEP] [--json] [--quiet] [--progress | --no-progress]
+                            [--tier ROOT2 ...]
     atomic-checkpoint clean ROOT [--dry-run] [--force] [--json]
     atomic-checkpoint inspect ROOT STEP [--json]
     atomic-checkpoint prune ROOT [--keep-last N] [--keep-best K [--metric NAME]
@@ -15,6 +16,20 @@ root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
                             [--run-id RUN] [--dry-run] [--force] [--json]
     atomic-checkpoint adopt ROOT [STEP ...] [--framework NAME] [--run-id RUN]
                             [--dry-run] [--json]
+    atomic-checkpoint drain ROOT --to PERSISTENT [--to-storage-option KEY=VALUE]
+                            [--timeout S] [--json]
+
+``drain`` finishes a tiered job's replication (``tiered.py``) after the job ended:
+every step committed on ROOT (the fast tier) that PERSISTENT lacks is copied, verified
+as it is read and once it arrived, and committed there; it never deletes. It takes
+ROOT's run lock (exit 3 while the job is alive), exits 1 when a step cannot be
+replicated (ROOT's copy is corrupt), 2 when PERSISTENT did not answer within
+``--timeout`` (the steps stay on ROOT). ``--json``: ``{"schema_version", "command":
+"drain", "root", "to", "run_id", "replicated": [{"step", "size_bytes", "seconds"}],
+"failed": [{"step", "problem"}], "left": [step, ...], "ok": bool}``. ``list --tier
+ROOT2`` and ``verify --tier ROOT2`` (repeatable) also read the run's other tiers: each
+``list`` entry gets ``tiers`` (indexes, 0 = ROOT) and a step held only elsewhere gets a
+row of its own; ``verify`` checks every copy on every tier, each result with ``tier``.
 
 ``list``, ``verify`` and ``inspect`` only read: they take no lock and are safe while a
 job trains and saves into ROOT. ``clean`` and ``prune`` delete, and refuse while a live
@@ -91,7 +106,9 @@ strings or null. ``list --json``::
   "trash" | "stale", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
   "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed. With
   marker commits (object stores) an uncommitted ``checkpoint-<step>`` is ``pending``,
-  and the attempts and markers a crash left beside a committed one are ``stale``.
+  and the attempts and markers a crash left beside a committed one are ``stale``. On
+  S3, an unfinished multipart upload under ROOT/ that ``clean`` aborted is ``upload``
+  (``size_bytes`` 0: unknown); none is aborted while a live job holds the lock.
 - ``inspect``: ``{"schema_version", "command": "inspect", "root", "name", "path",
   "status": "ok" | "corrupt" | "foreign", "problem", "manifest": {"step", "run_id",
   "commit_seq", "created_unix", "world_size", "state_kind", "strategy",
@@ -143,18 +160,18 @@ from .errors import (
     LockError,
     LockHeldError,
     StorageError,
-    map_os_error,
 )
 from .layout import (
     META_DIR,
     PENDING_DIR,
+    RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
     parse_checkpoint_name,
     validate_step,
 )
 from .manifest import CheckpointInfo, Manifest
-from .storage import local_root, open_storage
+from .storage import local_root, open_storage, posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps
 
@@ -168,7 +185,6 @@ EXIT_USAGE = 2
 EXIT_LOCKED = 3
 EXIT_INTERRUPTED = 130
 
-RUN_FILE = f"{META_DIR}/run.json"
 # The progress bar appears on its own (stderr a terminal) only for checkpoints that
 # take noticeably long to hash; --progress shows it for every checkpoint.
 _AUTO_PROGRESS_MIN_BYTES = 32 << 20
@@ -184,6 +200,7 @@ examples:
   atomic-checkpoint inspect /ckpt/run1 4000         manifest, files, tensor shapes
   atomic-checkpoint clean /ckpt/run1 --dry-run      what crashed saves left behind
   atomic-checkpoint prune /ckpt/run1 --keep-last 3 --keep-best 1 --metric eval_loss --dry-run
+  atomic-checkpoint drain /local/run1 --to s3://bucket/run1   finish a tiered job's replication
 
 exit status: 0 ok, 1 problem found, 2 usage or environment error,
              3 refused because a live job holds the run lock, 130 interrupted.
@@ -299,19 +316,19 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
     if not path:
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
     path = local_root(text)  # ~, relative, trailing slashes, file:// escapes
-    if not os.path.lexists(path):
+    if not posix.lexists(path):
         raise CliError(
             f"checkpoint root {path!r} does not exist (check the path, and that its "
             "filesystem is mounted)",
             EXIT_USAGE,
         )
-    if not os.path.isdir(path):
+    if not posix.is_dir(path):
         raise CliError(
             f"checkpoint root {path!r} is not a directory: pass the directory that holds "
             "checkpoint-<step>/ entries",
             EXIT_USAGE,
         )
-    if not os.access(path, os.R_OK | os.X_OK):
+    if not posix.is_accessible(path):
         raise CliError(f"checkpoint root {path!r} is not readable by this user", EXIT_USAGE)
     # Capabilities from the mount table, as the manager gets them (s3fs-fuse: marker).
     return open_storage(path)
@@ -336,31 +353,10 @@ def _open_url_root(url: str, options: dict[str, Any]) -> Storage:
     return storage
 
 
-def _recorded_run_id(storage: Storage) -> str | None:
-    """The run recorded in ``ROOT/.atomic-checkpoint/run.json`` (what a read-only
-    ``CheckpointManager`` uses), or None when there is none.
-
-    Raises:
-        CorruptCheckpointError: the run file exists but cannot be parsed.
-    """
-    try:
-        data = storage.read_bytes(RUN_FILE)
-    except CheckpointNotFoundError:
-        return None
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} is not valid JSON ({exc})") from exc
-    rid = doc.get("run_id") if isinstance(doc, dict) else None
-    if not isinstance(rid, str) or not rid:
-        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} holds no run_id")
-    return rid
-
-
 def _run_id_for_reading(storage: Storage) -> str | None:
     """The recorded run, or None (every run) with a warning if the run file is bad."""
     try:
-        return _recorded_run_id(storage)
+        return catalog.recorded_run_id(storage)
     except CheckpointError as exc:
         _warn(f"{exc}; showing the checkpoints of every run")
         return None
@@ -371,22 +367,7 @@ def _tree_size(storage: Storage, rel: str) -> int:
     local = storage.local_path(rel)
     if local is None:
         return sum(size for _, size in storage.walk_files(rel))
-    try:
-        st = os.lstat(local)
-    except FileNotFoundError:
-        return 0
-    except OSError as exc:
-        raise map_os_error(exc, "stat", local) from exc
-    if not os.path.isdir(local) or os.path.islink(local):
-        return st.st_size
-    total = 0
-    for dirpath, _dirs, files in os.walk(local):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except FileNotFoundError:
-                continue  # removed under us by a concurrent cleaner
-    return total
+    return posix.tree_size(local)
 
 
 # ---------------------------------------------------------------------- the run lock
@@ -549,10 +530,56 @@ def _others_row(others: list[dict[str, Any]], n_columns: int) -> list[str]:
     return [*row, f"foreign: not checkpoints, left alone: {shown}"]
 
 
+def _open_tier(text: str) -> Storage:
+    """Another tier of ROOT's run (``--tier``): a directory that must exist, or a URL
+    (credentials from the environment) that may still be empty: a persistent tier
+    nothing reached yet."""
+    if "://" in (text[len("file://") :] if text.startswith("file://") else text):
+        return _open_target(text, None)
+    return _open_root(text)
+
+
+def _tier_docs(args: argparse.Namespace, run_id: str | None) -> list[tuple[Storage, dict]]:
+    """Each ``--tier``'s storage and its valid checkpoints of the run, by step."""
+    out: list[tuple[Storage, dict[int, dict[str, Any]]]] = []
+    for text in getattr(args, "tier", None) or ():
+        st = _open_tier(text)
+        docs = {
+            e.step: _entry_doc(st, e)
+            for e in catalog.scan(st, run_id=run_id)
+            if e.status == "ok" and e.step is not None and "/" not in e.name
+        }
+        out.append((st, docs))
+    return out
+
+
+def _add_tiers(docs: list[dict[str, Any]], tiers: list[tuple[Storage, dict]]) -> None:
+    """``tiers`` of each entry: the tiers holding a valid copy of its step (0: ROOT, then
+    each ``--tier`` in order); steps valid only on other tiers get an entry of their own
+    (the first such tier's), sorted in among ROOT's by step."""
+    on_root = {d["step"] for d in docs if d["status"] == "ok" and d["step"] is not None}
+    for d in docs:
+        if d["status"] != "ok" or d["step"] is None or "/" in d["name"]:
+            d["tiers"] = []
+            continue
+        d["tiers"] = [0] + [i + 1 for i, (_st, held) in enumerate(tiers) if d["step"] in held]
+    extra: dict[int, dict[str, Any]] = {}
+    for i, (_st, held) in enumerate(tiers):
+        for step, d in held.items():
+            if step in on_root:
+                continue
+            extra.setdefault(step, {**d, "tiers": []})["tiers"].append(i + 1)
+    docs.extend(extra.values())
+    docs.sort(key=lambda d: (d["step"] is None, d["step"] or 0))
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     run_id = None if args.all_runs else _run_id_for_reading(storage)
     docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
+    tiers = _tier_docs(args, run_id)
+    if tiers:
+        _add_tiers(docs, tiers)
     if args.json:
         _emit_json(
             {
@@ -561,6 +588,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "root": storage.url(),
                 "run_id": run_id,
                 "entries": docs,
+                **({"tiers": [storage.url()] + [st.url() for st, _ in tiers]} if tiers else {}),
             }
         )
         return EXIT_OK
@@ -570,6 +598,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     headers = ["NAME", "STEP", "COMMITTED", "SIZE", "METRICS", "STATUS"]
     if args.all_runs:
         headers.insert(5, "RUN")
+    if tiers:
+        headers.insert(len(headers) - 1, "TIERS")
     rows = []
     others = [d for d in docs if _is_other_entry(d)]
     for d in docs:
@@ -592,6 +622,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         ]
         if args.all_runs:
             row.insert(5, d["run_id"] or "-")
+        if tiers:
+            row.insert(len(row) - 1, ",".join(map(str, d["tiers"])) or "-")
         rows.append(row)
     if others:
         rows.append(_others_row(others, len(headers)))
@@ -601,6 +633,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         counts[d["status"]] = counts.get(d["status"], 0) + 1
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     print(f"\n{storage.url()}: {summary}" + (f" (run {run_id})" if run_id else ""))
+    for i, (st, held) in enumerate(tiers):
+        print(f"tier {i + 1}: {st.url()}: {len(held)} ok")
     return EXIT_OK
 
 
@@ -799,7 +833,7 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
     (``integrations.lightning.verify_checkpoint``: size, then the full checksum). A link
     (``save_last="link"``) is verified through its target, which must be a file of ROOT:
     nothing outside ROOT is read (DESIGN invariant 9)."""
-    root = os.path.realpath(storage.local_path("") or ".")
+    root = posix.real_path(storage.local_path("") or ".")
     path = storage.local_path(name) or name
     doc: dict[str, Any] = {
         "name": name,
@@ -812,8 +846,8 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
         "seconds": 0.0,
     }
     target = path
-    if os.path.islink(path):
-        target = os.path.realpath(path)
+    if posix.is_link(path):
+        target = posix.real_path(path)
         if os.path.dirname(target) != root or not target.endswith(".ckpt"):
             return {
                 **doc,
@@ -821,7 +855,7 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
                 "problem": f"a symbolic link to {target}, which is not a .ckpt file of this "
                 "directory: not read (links are followed only to a checkpoint of ROOT)",
             }
-    if os.path.isdir(target):
+    if posix.is_dir(target):
         return {
             **doc,
             "status": "not_a_checkpoint",
@@ -833,8 +867,8 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
     except ImportError as exc:
         return {**doc, "status": "error", "problem": f"cannot verify .ckpt files: {exc}"}
     sidecar = target + MANIFEST_SUFFIX
-    if os.path.islink(sidecar) or not os.path.isfile(sidecar):
-        what = "is a symbolic link (not read)" if os.path.islink(sidecar) else "is missing"
+    if posix.is_link(sidecar) or not posix.is_file(sidecar):
+        what = "is a symbolic link (not read)" if posix.is_link(sidecar) else "is missing"
         return {
             **doc,
             "status": "not_a_checkpoint",
@@ -869,11 +903,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         results.append(r)
         if args.json:
             return
+        name = r["name"] if not r.get("tier") else f"{r['name']} (tier {r['tier']})"
         if r["status"] == "ok":
             if not args.quiet:
                 rate = r["size_bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0
                 print(
-                    f"{r['name']}: ok ({_human_bytes(r['size_bytes'])} in {n_files} file(s), "
+                    f"{name}: ok ({_human_bytes(r['size_bytes'])} in {n_files} file(s), "
                     f"{r['seconds']:.2f} s, {_human_bytes(rate)}/s)",
                     flush=True,
                 )
@@ -881,7 +916,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             word = {"corrupt": "CORRUPT", "not_a_checkpoint": "NOT A CHECKPOINT"}.get(
                 r["status"], "ERROR"
             )
-            print(f"{r['name']}: {word}: {r['problem']}", flush=True)
+            print(f"{name}: {word}: {r['problem']}", flush=True)
 
     impostors: list[dict[str, Any]] = []
     lightning = _lightning_names(storage) if args.step is None else []
@@ -926,7 +961,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # A Lightning ModelCheckpoint directory: its .ckpt files, through their sidecars.
     for name in lightning:
         report(_verify_lightning(storage, name), 1)
-    results.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"]))
+    # Other tiers of the run (--tier): every copy of every step is verified, each
+    # result says its tier (0: ROOT).
+    tiers = [_open_tier(t) for t in args.tier or ()]
+    for r in results if tiers else ():
+        r["tier"] = 0
+    for i, st in enumerate(tiers, start=1):
+        for e in catalog.scan(st, run_id=run_id):
+            if e.status not in ("ok", "corrupt") or e.step is None or "/" in e.name:
+                continue
+            if args.step is not None and e.step != args.step:
+                continue
+            r = (
+                _verify_one(st, e.name, e.manifest, args)
+                if e.status == "ok" and e.manifest is not None
+                else _broken(st, e)
+            )
+            r["tier"] = i
+            report(r, len(e.manifest.files) if e.manifest is not None else 0)
+    results.sort(
+        key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"], r.get("tier", 0))
+    )
     bad = [r for r in results if r["status"] != "ok"]
     ok = bool(results) and not bad
     if args.json:
@@ -939,9 +994,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 "ok": ok,
                 "checkpoints": results,
                 "skipped": skipped,
+                **({"tiers": [storage.url()] + [st.url() for st in tiers]} if tiers else {}),
             }
         )
     elif not args.quiet:
+        held: dict[int, list[int]] = {}
+        for r in results:
+            if tiers and r["status"] == "ok" and r["step"] is not None:
+                held.setdefault(r["step"], []).append(r["tier"])
+        for step, where in sorted(held.items()):
+            print(f"{checkpoint_name(step)}: verified on tier(s) {','.join(map(str, where))}")
         extra = f", {len(skipped)} skipped (pending or foreign: see `{PROG} list`)"
         print(
             f"{storage.url()}: {len(results) - len(bad)} ok, {len(bad)} failed"
@@ -963,14 +1025,69 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- clean
 def _remove(storage: Storage, rel: str) -> None:
     local = storage.local_path(rel)
-    if local is not None and (os.path.islink(local) or not os.path.isdir(local)):
+    if local is not None and (posix.is_link(local) or not posix.is_dir(local)):
         storage.delete_file(rel)  # a stray file or link: unlink it, never follow it
     else:
         storage.delete_tree(rel)
 
 
+def _clean_uploads(
+    storage: Storage, holder: Any | None, since: float, *, dry_run: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Abort the unfinished multipart uploads under ROOT/ (S3): a writer killed in the
+    middle of a large file leaves one, its parts stored and billed but in no listing,
+    and a sweep whose own abort failed leaves one no later sweep can find (the keys
+    beside it are gone). Returns (removed, failed) items of kind ``upload``.
+
+    Which ones: only uploads under the prefix ``<root>/`` (never a sibling such as
+    ``run10`` beside ``run1``, never another run's prefix), and never one a live writer
+    may still be doing. So nothing while a live job, or an unreadable lock file, holds
+    the run lock (``--force`` then leaves the uploads for a later clean: aborting
+    them would fail that job's save in progress), and none that started after ``clean``
+    read the lock (``since``; a job that took the lock meanwhile). The lock is read
+    again right before the aborts (exit 3 if it changed hands).
+    """
+    listing = getattr(storage, "open_uploads", None)
+    abort = getattr(storage, "abort_upload", None)
+    if listing is None or abort is None:
+        return [], []
+    try:
+        uploads = listing("")
+    except CheckpointError as exc:
+        return [], [
+            {"name": "(unfinished uploads)", "kind": "upload", "size_bytes": 0, "problem": str(exc)}
+        ]
+    if not uploads:
+        return [], []
+    if holder is not None and holder.is_live():
+        _warn(
+            f"left {len(uploads)} unfinished upload(s) under {storage.url()}: the run lock "
+            f"is held by {holder.describe()}, which may be writing them. Run clean again "
+            "once that job has ended"
+        )
+        return [], []
+    removed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    if not dry_run:
+        _lock_unchanged(storage, holder, uploads[0].path)
+    for upload in uploads:
+        if upload.initiated_unix is not None and upload.initiated_unix >= since:
+            continue  # started after clean read the lock: not provably abandoned
+        item: dict[str, Any] = {"name": upload.path, "kind": "upload", "size_bytes": 0}
+        try:
+            if not dry_run:
+                abort(upload)
+                log.info("aborted the unfinished upload of %s", storage.url(upload.path))
+        except CheckpointError as exc:
+            failed.append({**item, "problem": str(exc)})
+            continue
+        removed.append(item)
+    return removed, failed
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
+    since = time.time()
     holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)
     removed: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
@@ -1045,6 +1162,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
             failed.append({**item, "problem": str(exc)})
             continue
         removed.append(item)
+    aborted, not_aborted = _clean_uploads(storage, holder, since, dry_run=args.dry_run)
+    removed += aborted
+    failed += not_aborted
     lock_removed = False
     if holder is not None and args.force and not args.dry_run and not failed:
         lock_removed = _break_lock(storage, holder)
@@ -1073,7 +1193,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 f"{r['copy']} copy of an interrupted overwrite ({r['from']})"
             )
         for i in removed:
-            print(f"{verb} {i['name']} ({i['kind']}, {_human_bytes(i['size_bytes'])})")
+            if i["kind"] == "upload":
+                print(f"{verb} {i['name']} (unfinished multipart upload)")
+            else:
+                print(f"{verb} {i['name']} ({i['kind']}, {_human_bytes(i['size_bytes'])})")
         for i in failed:
             print(f"FAILED {i['name']}: {i['problem']}")
         if not removed and not failed:
@@ -1122,19 +1245,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if target.manifest is None:
         problem = _short_problem(storage, name, target.problem)
         if args.json:
-            _emit_json(
-                {
-                    "schema_version": JSON_SCHEMA_VERSION,
-                    "command": "inspect",
-                    "root": storage.url(),
-                    "name": name,
-                    "path": storage.url(name),
-                    "status": "corrupt",
-                    "problem": problem,
-                    "manifest": None,
-                    "files": [],
-                }
-            )
+            _emit_inspect_json(storage, name, "corrupt", problem, None, [])
         raise CliError(f"{storage.url(name)} is corrupt: {problem}")
     m = target.manifest
     status, problem = "ok", None
@@ -1176,24 +1287,35 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "adopted": m.adopted,
     }
     if args.json:
-        _emit_json(
-            {
-                "schema_version": JSON_SCHEMA_VERSION,
-                "command": "inspect",
-                "root": storage.url(),
-                "name": name,
-                "path": storage.url(name),
-                "status": status,
-                "problem": problem,
-                "manifest": manifest_doc,
-                "files": files,
-            }
-        )
+        _emit_inspect_json(storage, name, status, problem, manifest_doc, files)
     else:
         _print_inspect(storage, name, status, problem, m, files)
     if status == "corrupt":
         raise CliError(f"{storage.url(name)} is corrupt: {problem}")
     return EXIT_OK
+
+
+def _emit_inspect_json(
+    storage: Storage,
+    name: str,
+    status: str,
+    problem: str | None,
+    manifest_doc: dict[str, Any] | None,
+    files: list[dict[str, Any]],
+) -> None:
+    _emit_json(
+        {
+            "schema_version": JSON_SCHEMA_VERSION,
+            "command": "inspect",
+            "root": storage.url(),
+            "name": name,
+            "path": storage.url(name),
+            "status": status,
+            "problem": problem,
+            "manifest": manifest_doc,
+            "files": files,
+        }
+    )
 
 
 def _print_inspect(
@@ -1298,7 +1420,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     policy = _policy(args, args.parser)
     storage = _open_root(args.root, args.storage_option)
     try:
-        run_id = args.run_id or _recorded_run_id(storage)
+        run_id = args.run_id or catalog.recorded_run_id(storage)
     except CheckpointError as exc:
         raise CliError(f"{exc}: pass --run-id RUN to say whose checkpoints to prune", EXIT_USAGE)
     if run_id is None:
@@ -1510,6 +1632,105 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- arguments
+# ---------------------------------------------------------------------- drain
+def _open_target(text: str, options: Sequence[str] | None) -> Storage:
+    """The persistent tier of ``drain``: like ROOT, but it may be empty or new (a
+    directory is created, an empty object-store prefix is a fresh tier)."""
+    if "://" in (text[len("file://") :] if text.startswith("file://") else text):
+        return open_storage(text, _storage_options(options) or None)
+    if options:
+        raise CliError("--to-storage-option applies to URL targets (s3://, ...)", EXIT_USAGE)
+    return open_storage(local_root(text))
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    from .tiered import Tier, TieredCheckpointManager
+
+    fast = _open_root(args.root, args.storage_option)
+    slow = _open_target(args.to, args.to_storage_option)
+    done: list[dict[str, Any]] = []
+    last = [time.monotonic()]
+
+    def on_commit(tier: int, info: CheckpointInfo) -> None:
+        if tier != 1:
+            return
+        now = time.monotonic()
+        doc = {"step": info.step, "size_bytes": info.size_bytes, "seconds": now - last[0]}
+        last[0] = now
+        done.append(doc)
+        if not args.json:
+            rate = _human_bytes(info.size_bytes / doc["seconds"] if doc["seconds"] > 0 else 0)
+            print(
+                f"{checkpoint_name(info.step)}: replicated and verified "
+                f"({_human_bytes(info.size_bytes)}, {doc['seconds']:.2f} s, {rate}/s)",
+                flush=True,
+            )
+
+    # Opening the tiers with the job's run id would take its lock over (a restarted job
+    # does that): a live job's lock on either tier is a refusal first (exit 3).
+    _check_lock(fast, "drain", force=args.force, dry_run=False)
+    try:
+        _check_lock(slow, "drain into", force=args.force, dry_run=False)
+    except StorageError as exc:
+        raise CliError(
+            f"cannot read the run lock of {slow.url()} ({exc}): nothing was copied; run "
+            f"`{PROG} drain` again once it answers",
+            EXIT_USAGE,
+        ) from None
+    # No retention on either tier: drain copies, it never deletes.
+    mgr = TieredCheckpointManager([Tier(fast), Tier(slow)], on_commit=on_commit)
+    try:
+        todo = mgr.replication_backlog()
+        if not args.json:
+            print(
+                f"{fast.url()} -> {slow.url()}: "
+                + (f"{len(todo)} step(s) to replicate: {todo}" if todo else "checking"),
+                flush=True,
+            )
+        if todo:
+            mgr.wait_replicated(timeout_s=args.timeout)
+    except CheckpointError:
+        pass  # a failed step: reported below with the others
+    finally:
+        left = mgr.close(timeout_s=0)
+    failed = mgr.replication_failures()
+    error = mgr.last_replication_error
+    doc = {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "command": "drain",
+        "root": fast.url(),
+        "to": slow.url(),
+        "run_id": mgr.run_id,
+        "replicated": done,
+        "failed": [{"step": s, "problem": str(e)} for s, e in sorted(failed.items())],
+        "left": left,
+        "ok": not failed and not left,
+    }
+    if args.json:
+        _emit_json(doc)
+    else:
+        for s, e in sorted(failed.items()):
+            print(f"{checkpoint_name(s)}: NOT REPLICATED: {e}", flush=True)
+        print(
+            f"{slow.url()}: {len(done)} replicated, {len(failed)} failed, {len(left)} left "
+            f"on {fast.url()}"
+        )
+    if failed:
+        first = min(failed)
+        raise CliError(
+            f"{len(failed)} step(s) cannot be replicated ({sorted(failed)}); step {first}: "
+            f"{failed[first]}"
+        )
+    if left:
+        why = f"{type(error).__name__}: {error}" if error is not None else "time ran out"
+        raise CliError(
+            f"steps {left} did not reach {slow.url()} within {args.timeout:g} s ({why}); "
+            f"they stay on {fast.url()}: run `{PROG} drain` again once it answers",
+            EXIT_USAGE,
+        )
+    return EXIT_OK
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (and exit 2), like every
     other error of this command."""
@@ -1532,6 +1753,13 @@ def _count_arg(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"invalid count {text!r}: an integer >= 1")
     return int(text)
+
+
+_TIER_HELP = (
+    "another tier of ROOT's run (a TieredCheckpointManager's persistent tier, a directory or "
+    "a URL with credentials from the environment); repeatable: shows which tiers (0: ROOT, "
+    "then each --tier in order) hold each step"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1605,6 +1833,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate and show the checkpoints of every run, not only ROOT's recorded run",
     )
+    p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
     p.set_defaults(func=cmd_list)
 
     p = command(
@@ -1636,6 +1865,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--all-runs", action="store_true", help="verify the checkpoints of every run in ROOT"
     )
+    p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
     p.set_defaults(func=cmd_verify)
 
     p = command(
@@ -1747,6 +1977,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="check and report, write nothing")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.set_defaults(func=cmd_adopt)
+
+    p = command(
+        "drain",
+        "finish a tiered job's replication to the persistent tier",
+        "Copy every step committed on ROOT (a TieredCheckpointManager's fast tier) that "
+        "the persistent tier TO lacks, oldest first, as the job's replicator would: each "
+        "file's checksum is checked as it is read from ROOT and again once it arrived, "
+        "and the step is committed on TO only if both match the save's manifest. Never "
+        "deletes (no retention on either tier). Takes ROOT's run lock: exit 3 while the "
+        "job is alive. Exit 1 if a step cannot be replicated (ROOT's copy is corrupt, or "
+        "TO holds another copy), 2 if TO did not answer within --timeout (the steps stay "
+        "on ROOT; run it again).",
+        "/local/run1 --to /nfs/run1",
+        "/local/run1 --to s3://bucket/run1 --timeout 600 --json",
+    )
+    p.add_argument(
+        "--to", required=True, metavar="PERSISTENT", help="the persistent tier (dir or URL)"
+    )
+    p.add_argument(
+        "--to-storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an fsspec storage option for a URL --to; repeatable",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="give up after S seconds without finishing (default 3600)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="drain even though a live job holds a run lock (that job is fenced)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.set_defaults(func=cmd_drain)
     return parser
 
 

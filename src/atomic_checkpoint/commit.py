@@ -57,7 +57,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from ._faults import fault_point
@@ -71,7 +71,7 @@ from .catalog import (
 )
 from .catalog import committed as committed_manifests
 from .catalog import validate as validate_checkpoint
-from .coordination import Coordinator
+from .coordination import Coordinator, exchange_outcomes
 from .domains import Domain
 from .errors import (
     CheckpointError,
@@ -97,6 +97,7 @@ from .layout import (
     replaced_name,
 )
 from .manifest import FileEntry, Manifest
+from .storage import posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps, parse_temp_name
 
@@ -131,7 +132,6 @@ class RankReport:
     files: tuple[FileEntry, ...]
     write_s: float
     fsync_s: float
-    seen_sizes: Mapping[str, int] = field(default_factory=dict)
 
 
 class RenameStrategy:
@@ -824,8 +824,7 @@ def _remove_if_empty(storage: Storage, rel: str) -> None:
     no empty directories; in-memory storages keep theirs (harmless: no manifest)."""
     local = storage.local_path(rel)
     if local is not None:
-        with contextlib.suppress(OSError):
-            os.rmdir(local)
+        posix.remove_empty_dir(local)
 
 
 def _drop_if_empty(storage: Storage, rel: str) -> None:
@@ -1098,18 +1097,29 @@ def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | No
     Returns every rank's result, indexed by rank. If any rank failed, every rank raises
     the same ``DistributedCheckpointError`` (with one rank, the original error).
     """
-    value, payload = _run_here(ctx, phase, fn)
+    value, (_, failure) = _run_here(ctx, phase, fn)
     if ctx.coord.world_size == 1:
         return [value]
+    what = f"save step {step}: {phase}" if step >= 0 else phase
     try:
-        what = f"save step {step}: {phase}" if step >= 0 else phase
-        outcomes = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
+        values, failures = exchange_outcomes(
+            ctx.coord, what, value, failure, timeout_s=ctx.timeout_s
+        )
     except CoordinationTimeoutError as exc:
         raise _Aborted(exc) from exc
-    failures = [f for _, f in outcomes if f is not None]
     if failures:
         raise _Aborted(_shared_error(failures, step))
-    return [v for v, _ in outcomes]
+    return values
+
+
+def run_collective(ctx: SaveContext, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
+    """``run_phase`` outside a save (start-up, listing, restore): returns every rank's
+    result, or raises on every rank the one shared error itself (the original error
+    with one rank)."""
+    try:
+        return run_phase(ctx, -1, phase, fn)
+    except _Aborted as aborted:
+        raise aborted.error from None
 
 
 def gather_phase(

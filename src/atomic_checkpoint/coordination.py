@@ -48,13 +48,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import CheckpointError, CoordinationTimeoutError
+from .errors import CheckpointError, CoordinationTimeoutError, RankFailure
 
 __all__ = [
     "Coordinator",
     "SingleProcessCoordinator",
     "TorchDistributedCoordinator",
     "default_coordinator",
+    "exchange_outcomes",
 ]
 
 
@@ -649,6 +650,36 @@ class TorchDistributedCoordinator:
             world_size=self.world_size,
             namespace=f"{self._ns}/clone{self._clones}",
         )
+
+
+def exchange_outcomes(
+    coord: Coordinator, key: str, value: Any, failure: RankFailure | None, *, timeout_s: float
+) -> tuple[list[Any], list[RankFailure]]:
+    """Share this rank's outcome of one step with every rank: what it produced, or what
+    failed. Collective; called by every rank, from the thread that runs the step.
+
+    The one exchange behind DESIGN invariant 4 (if any rank fails, every rank raises
+    the same error): every rank gets the same answer, so every rank decides the same
+    way whether, and what, to raise. Used by the commit's phases, and by the DCP and
+    Accelerate integrations around the framework's own writes and reads.
+
+    Args:
+        coord: the job's coordinator.
+        key: names the step in a timeout error (e.g. ``"save step 40: write"``).
+        value: this rank's result (small and picklable), or None.
+        failure: what failed on this rank, or None.
+        timeout_s: bound on the wait for the other ranks.
+
+    Returns:
+        Every rank's value, indexed by rank, and every rank's failure in rank order
+        (empty when every rank succeeded); identical on every rank.
+
+    Raises:
+        CoordinationTimeoutError: a rank did not report within ``timeout_s`` (it
+            crashed or hangs); it names the missing ranks.
+    """
+    outcomes = coord.all_gather(key, (value, failure), timeout_s=timeout_s)
+    return [v for v, _ in outcomes], [f for _, f in outcomes if f is not None]
 
 
 def default_coordinator() -> Coordinator:

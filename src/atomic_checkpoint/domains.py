@@ -53,10 +53,6 @@ class Domain:
     def count(self) -> int:
         return len(self.leaders)
 
-    @property
-    def is_shared(self) -> bool:
-        return len(self.leaders) == 1
-
 
 def single_domain(world_size: int) -> Domain:
     return Domain(0, 0, tuple(range(world_size)), (0,))

@@ -49,6 +49,8 @@ _REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.
 
 #: The Accelerate layout: committed checkpoints are ``ROOT/checkpoints/checkpoint_<step>``.
 LAYOUT_FILE = f"{META_DIR}/layout.json"
+#: The run file: which run owns ROOT (``{"run_id": ..., "created_unix": ..., "host": ...}``).
+RUN_FILE = f"{META_DIR}/run.json"
 ACCELERATE_LAYOUT = "accelerate"
 ACCELERATE_DIR = "checkpoints"
 _ACCELERATE_RE = re.compile(r"^checkpoint_(0|[1-9][0-9]{0,18})$")
@@ -154,8 +156,3 @@ def validate_relative_path(path: object) -> str:
         if part in ("", ".", ".."):
             raise ValueError(f"file path {path!r} has a {part or 'empty'!r} component")
     return path
-
-
-def join(*parts: str) -> str:
-    """Join storage paths with '/' (storage paths are always '/'-separated)."""
-    return "/".join(p.strip("/") for p in parts if p not in ("", "/"))

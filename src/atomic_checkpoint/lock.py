@@ -81,6 +81,7 @@ from .errors import (
     LockHeldError,
 )
 from .layout import META_DIR
+from .storage import posix
 from .storage.base import Storage
 from .storage.fsspec import CONDITIONAL_CREATE_ENV, CONDITIONAL_CREATE_OPTION, PROBE_PREFIX
 
@@ -594,12 +595,8 @@ class RunLock:
 
     def _file_age_s(self, now: float, path: str = LOCK_FILE) -> float | None:
         local = self.storage.local_path(path)
-        if local is None:
-            return None
-        try:
-            return now - os.stat(local).st_mtime
-        except OSError:
-            return None
+        modified = None if local is None else posix.mtime(local)
+        return None if modified is None else now - modified
 
     def _held_error(self, holder: LockHolder) -> LockHeldError:
         now = self._clock()
@@ -708,9 +705,16 @@ class RunLock:
 
     def _tidy(self, mine: LockHolder) -> None:
         """Remove earlier holders' heartbeats and old claims (best effort: a stale
-        listing on a network filesystem only delays this to a later holder)."""
+        listing on a network filesystem only delays this to a later holder).
+
+        Claims are kept for :data:`_CLAIM_KEEP_S`, so a job restarted in a loop leaves
+        one per restart; reading every one at each start made each start cost a read
+        per restart of the last hour. They are read oldest generation first (the token
+        in their name only grows) and the reading stops at the first one still kept:
+        a start reads the claims it removes, plus one."""
         now = self._clock()
         own_lease = _lease_path(mine.nonce)
+        claims: list[tuple[int, str]] = []
         for name in self.storage.listdir(META_DIR):
             path = f"{META_DIR}/{name}"
             if name.startswith(_LEASE_PREFIX) and path != own_lease:
@@ -724,13 +728,17 @@ class RunLock:
                 if now - created > PROBE_STALE_S:
                     self._remove_quietly(path)
             elif name.startswith(_CLAIM_PREFIX):
-                try:
-                    claimed = float(json.loads(self.storage.read_bytes(path))["claimed_unix"])
-                except (CheckpointError, *_UNPARSEABLE):
-                    continue
-                # Claims must outlive any contender's view of their generation.
-                if now - claimed > _CLAIM_KEEP_S:
-                    self._remove_quietly(path)
+                claims.append((_claim_token(name), name))
+        for _token, name in sorted(claims):
+            path = f"{META_DIR}/{name}"
+            try:
+                claimed = float(json.loads(self.storage.read_bytes(path))["claimed_unix"])
+            except (CheckpointError, *_UNPARSEABLE):
+                continue
+            # Claims must outlive any contender's view of their generation.
+            if now - claimed <= _CLAIM_KEEP_S:
+                break  # the claims of later generations are younger still
+            self._remove_quietly(path)
 
     def _remove_quietly(self, path: str) -> None:
         self._best_effort("remove", path, lambda: self.storage.delete_file(path))
@@ -881,6 +889,15 @@ class RunLock:
         if ours:
             log.info("released the run lock on %s (token %d)", self.storage.url(""), holder.token)
         return ours
+
+
+def _claim_token(name: str) -> int:
+    """The token of the generation a claim file (``lock.takeover-<token>-<nonce>.<k>.json``)
+    was made for; -1 for a name that does not parse (read first, like the oldest)."""
+    try:
+        return int(name[len(_CLAIM_PREFIX) :].split("-", 1)[0])
+    except ValueError:
+        return -1
 
 
 def _raw_generation(raw: bytes) -> str:

@@ -36,7 +36,7 @@ from .commit import (
     SaveContext,
     choose_strategy,
     recover_replaced,
-    run_phase,
+    run_collective,
 )
 from .commit import save as commit_save
 from .coordination import Coordinator, default_coordinator
@@ -59,20 +59,28 @@ from .layout import (
     META_DIR,
     PENDING_DIR,
     REPLICATED_STATE_FILE,
+    RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
     rank_state_file,
     validate_step,
 )
 from .lock import DEFAULT_LEASE_S, RunLock
-from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest, check_metadata, check_metrics
-from .storage import open_storage
+from .manifest import (
+    CheckpointInfo,
+    FileEntry,
+    Hasher,
+    Manifest,
+    check_metadata,
+    check_metrics,
+    format_size,
+)
+from .storage import open_storage, posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps
 
 log = logging.getLogger("atomic_checkpoint")
 
-RUN_FILE = f"{META_DIR}/run.json"
 _RESUME_MODES = ("auto", "must", "never")
 
 
@@ -84,20 +92,6 @@ def _run_doc(run_id: str) -> bytes:
     """The content of ROOT's run file."""
     doc = {"run_id": run_id, "created_unix": time.time(), "host": socket.gethostname()}
     return json.dumps(doc).encode()
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
-
-
-class _Aborted(Exception):
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
 
 
 class CheckpointManager:
@@ -278,18 +272,9 @@ class CheckpointManager:
         self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any
     ) -> list[Any]:
         """Like ``_collective``, returning every rank's result (indexed by rank)."""
-        try:
-            return run_phase(
-                self._ctx_or_bootstrap(),
-                -1,
-                phase,
-                (lambda: fn(**kwargs)) if fn is not None else None,
-            )
-        except Exception as exc:
-            error = getattr(exc, "error", None)
-            if error is not None:
-                raise error from None
-            raise
+        return run_collective(
+            self._ctx_or_bootstrap(), phase, (lambda: fn(**kwargs)) if fn is not None else None
+        )
 
     def _ctx_or_bootstrap(self) -> SaveContext:
         ctx = getattr(self, "_ctx", None)
@@ -336,7 +321,7 @@ class CheckpointManager:
         self, run_id: str | None, agreed_run_id: str | None = None
     ) -> dict[str, Any]:
         local = self.storage.local_path("")
-        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+        if local is not None and posix.exists(local) and not posix.is_dir(local):
             raise StorageError(
                 f"checkpoint root {local!r} is a file, not a directory: pass a directory path",
                 path=local,
@@ -359,7 +344,7 @@ class CheckpointManager:
         self.storage.makedirs(PENDING_DIR)
         # Their entries in ROOT must be durable before anything is created inside them.
         self.storage.fsync_dir("")
-        if not os.access(local, os.W_OK) if local is not None else False:
+        if local is not None and not posix.is_accessible(local, write=True):
             raise StorageError(
                 f"checkpoint root {local!r} is not writable by this user", path=local
             )
@@ -941,9 +926,9 @@ class CheckpointManager:
                 "committed %s: %d rank(s), %s in %.3f s (%s/s; write %.3f s, commit %.3f s)",
                 checkpoint_name(manifest.step),
                 manifest.world_size,
-                _fmt_bytes(manifest.size_bytes),
+                format_size(manifest.size_bytes, digits=2),
                 total,
-                _fmt_bytes(manifest.size_bytes / total if total > 0 else 0.0),
+                format_size(manifest.size_bytes / total if total > 0 else 0.0, digits=2),
                 timings.get("write", 0.0),
                 timings.get("commit", 0.0),
             )
@@ -1656,16 +1641,11 @@ def _report_files(storage: Storage, pending: str, rank: int) -> RankReport:
     local = storage.local_path(pending)
     for rel, _size in storage.walk_files(pending):
         h = Hasher()
-        size = 0
         path = os.path.join(local, *rel.split("/")) if local else None
         with storage.open_read(f"{pending}/{rel}") as f:
-            buf = bytearray(8 << 20)
-            view = memoryview(buf)
-            while n := f.readinto(view):
-                h.update(view[:n])
-                size += n
+            size = h.consume(f, memoryview(bytearray(8 << 20)))
             if path is not None:
-                _fsync_file(path, f)
+                posix.fsync_file(path, f)
         entries.append(FileEntry(rel, size, h.hexdigest(), rank))
     t_write = time.perf_counter() - t
     t = time.perf_counter()
@@ -1674,34 +1654,9 @@ def _report_files(storage: Storage, pending: str, rank: int) -> RankReport:
         # holding only subdirectories has entries too, and they are durable only once
         # it is fsync'd (DESIGN invariant 2). Bottom-up, so each directory is fsync'd
         # after everything below it is final; symlinked directories are not followed.
-        dirs = [dirpath for dirpath, _dirs, _files in os.walk(local)]
-        for d in sorted(dirs, key=lambda d: d.count(os.sep), reverse=True):
-            rel = os.path.relpath(d, local).replace(os.sep, "/")
-            storage.fsync_dir(pending if rel == "." else f"{pending}/{rel}")
+        for rel in posix.dirs_deepest_first(local):
+            storage.fsync_dir(f"{pending}/{rel}" if rel else pending)
     return RankReport(tuple(entries), t_write, time.perf_counter() - t)
-
-
-def _fsync_file(path: str, reader: Any) -> None:
-    """fsync ``path`` through a descriptor opened for writing: Windows cannot flush a
-    file through a read-only handle (EBADF; FAILURE_MODES A7), POSIX can but the same
-    rule keeps one code path. A file its writer left read-only (mode 0444, not root)
-    cannot be opened for writing: POSIX then fsyncs the read descriptor."""
-    from .errors import map_os_error
-
-    fd: int | None
-    try:
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
-    except PermissionError:
-        fd = None
-    except OSError as exc:
-        raise map_os_error(exc, "open for fsync", path) from exc
-    try:
-        os.fsync(reader.fileno() if fd is None else fd)
-    except OSError as exc:
-        raise map_os_error(exc, "fsync", path) from exc
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 # Below this size hashing runs inline: a helper thread costs more than it saves.

@@ -15,7 +15,7 @@ import json
 import math
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +71,31 @@ class Hasher:
         if self._h is not None:
             return str(self._h.hexdigest())
         return f"{self._crc:08x}"
+
+    def consume(
+        self,
+        reader: Any,
+        view: memoryview,
+        progress: Callable[[int], None] | None = None,
+        done: int = 0,
+    ) -> int:
+        """Hash everything ``reader`` has left, read into the caller's buffer ``view``
+        (``readinto``: no copy per chunk); the one loop that checksums a file, for the
+        save, adoption and verification. Returns the bytes read.
+
+        Args:
+            reader: a file open for reading (``Storage.open_read`` or ``open``).
+            view: the buffer each chunk is read into; its size is the chunk size.
+            progress: called after each chunk with ``done`` plus the bytes read so far.
+            done: what ``progress`` counts from (bytes of earlier files).
+        """
+        size = 0
+        while n := reader.readinto(view):
+            self.update(view[:n])
+            size += n
+            if progress is not None:
+                progress(done + size)
+        return size
 
 
 @dataclass(frozen=True)
@@ -307,6 +332,17 @@ class Manifest:
             metadata=dict(self.metadata),
             adopted=self.adopted,
         )
+
+
+def format_size(size_bytes: float, *, digits: int = 1) -> str:
+    """``size_bytes`` (or a rate in bytes/s) for a log line: ``"512 B"``, ``"1.5 GiB"``,
+    with ``digits`` decimals above a KiB."""
+    n = float(size_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return f"{n:.{digits}f} TiB"
 
 
 def _no_constant(name: str) -> Any:

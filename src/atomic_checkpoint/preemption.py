@@ -42,7 +42,10 @@ process group forms, the model is built, the first checkpoint is restored) would
 the process on the default action. :func:`arm` (or ``ATOMIC_CHECKPOINT_ARM=1`` in the
 environment, read when ``atomic_checkpoint`` is imported) installs the same recording
 handler at once; the guard created later adopts what it recorded, with the time it
-arrived, and its first ``should_save`` stops the job on every rank.
+arrived, and its first ``should_save`` stops the job on every rank. With the grace
+period known, a process still without a guard shortly before the grace period ends
+exits with the requeue code on its own (:func:`arm`): a start-up that outlasts the
+grace period ends in a requeue, not in the scheduler's SIGKILL.
 
 The deadline: the guard knows the grace period (``grace_s=``, else
 ``ATOMIC_CHECKPOINT_GRACE_S``) and measures the saves it sees (``mgr.last_saved``).
@@ -114,6 +117,10 @@ GRACE_ENV = "ATOMIC_CHECKPOINT_GRACE_S"
 MARGIN = 1.25
 #: How many recent saves the estimate looks at.
 RECENT_SAVES = 5
+#: Seconds of the grace period kept for the way out after an armed process gives up
+#: waiting for its guard (at most half the grace period): the rank's exit, then the
+#: launcher noticing it and exiting, on a busy node.
+EXIT_RESERVE_S = 3.0
 
 
 class _Record:
@@ -148,6 +155,8 @@ class _Armed:
         self.record = _Record()
         self.previous: dict[int, Any] = {}
         self.handler = self._on_signal  # one bound method: disarm() recognises it
+        #: Set by the first guard of the process: from then on the guard decides.
+        self.adopted = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.record.on_signal(signum, self.previous)
@@ -156,7 +165,7 @@ class _Armed:
 _armed: _Armed | None = None
 
 
-def arm(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = None) -> None:
     """Record preemption signals from now on, before any guard, manager or process
     group exists; the first :class:`PreemptionGuard` of the process adopts the record.
 
@@ -164,11 +173,22 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
     ``ATOMIC_CHECKPOINT_ARM=1`` in the training processes' environment). Until a guard
     exists, a signal only sets the record: the start-up goes on, and the guard's first
     ``should_save`` stops every rank (and saves, when a save fits in the grace
-    period). Only for processes that create a guard: a process that never does would
-    ignore SIGTERM until the scheduler's SIGKILL. Idempotent; :func:`disarm` undoes it.
+    period). Idempotent; :func:`disarm` undoes it.
+
+    The start-up deadline: with the grace period known (``grace_s``, else
+    ``ATOMIC_CHECKPOINT_GRACE_S``), a process that got a signal and still has no guard
+    ``EXIT_RESERVE_S`` (at most half the grace period) before the grace period ends
+    exits at once with ``REQUEUE_EXIT_CODE``, from a watcher thread (``os._exit``: the
+    main thread may be inside an import or a C call for seconds). Nothing was trained
+    since the start, so nothing is lost; the scheduler's SIGKILL would have ended it a
+    moment later with no exit status to requeue on. Importing a framework, building a
+    model and forming the process group can take longer than a 10 s grace period on a
+    busy node. Without a known grace period there is no deadline: a process that never
+    creates a guard then ignores SIGTERM until the scheduler's SIGKILL.
 
     Raises:
         CheckpointError: not called from the main thread.
+        ValueError: no signals, or a grace period that is not a positive number.
     """
     global _armed
     if threading.current_thread() is not threading.main_thread():
@@ -179,6 +199,9 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
     wanted = tuple(signal.Signals(s) for s in signals)
     if not wanted:
         raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
+    if grace_s is not None and not grace_s > 0:
+        raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
+    grace = grace_s if grace_s is not None else _grace_from_env()
     if _armed is not None and _armed.record.pid == os.getpid():
         if set(wanted) <= set(_armed.signals):
             return
@@ -188,6 +211,33 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
         state.previous[s] = signal.getsignal(s)
         signal.signal(s, state.handler)
     _armed = state
+    if grace is not None:
+        threading.Thread(
+            target=_startup_deadline,
+            args=(state, grace),
+            name="atomic-checkpoint-startup-deadline",
+            daemon=True,
+        ).start()
+
+
+def _startup_deadline(state: _Armed, grace_s: float) -> None:
+    """Exit with the requeue code if a signal came and no guard took it over in time
+    (see :func:`arm`). Polls: a signal handler must not start threads or wake locks."""
+    reserve = min(EXIT_RESERVE_S, grace_s / 2)
+    while _armed is state and not state.adopted:
+        at = state.record.at
+        if at is not None and time.monotonic() - at >= grace_s - reserve:
+            name = signal.Signals(state.record.signum or signal.SIGTERM).name
+            # os.write, not logging: the main thread may hold the logging lock.
+            os.write(
+                2,
+                f"atomic_checkpoint.preemption: {name} arrived {grace_s - reserve:.1f} s ago "
+                f"and no PreemptionGuard has taken it over (the job is still starting); "
+                f"exiting with {REQUEUE_EXIT_CODE} (requeue) before the {grace_s:g} s grace "
+                "period ends. Nothing was trained since the start.\n".encode(),
+            )
+            os._exit(REQUEUE_EXIT_CODE)
+        time.sleep(0.05)
 
 
 def disarm() -> None:
@@ -290,6 +340,8 @@ class PreemptionGuard:
             signal.signal(s, self._handler)
         # After the handlers are in place, so that no signal falls between the two.
         early = armed()
+        if early is not None and _armed is not None:
+            _armed.adopted = True  # the start-up deadline stops watching: we decide
         if early is not None and early[0] is not None and self._record.signum is None:
             self._record.signum, self._record.at = early
         self._note_save()

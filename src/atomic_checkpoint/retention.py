@@ -77,6 +77,17 @@ class _Composable:
     """Shared behaviour of the built-in policies: ``keep`` from ``reasons``, and ``|``."""
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
+        """Why each kept step is kept, for ``describe_plan`` and logs.
+
+        Pure: no I/O; called on the coordinator after a commit is durable. Each policy
+        names its reason in its own docstring.
+
+        Args:
+            checkpoints: this run's committed checkpoints, in any order.
+
+        Returns:
+            The kept steps, each mapped to its reason.
+        """
         raise NotImplementedError  # pragma: no cover - every subclass overrides it
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> frozenset[int]:
@@ -130,16 +141,7 @@ class KeepLast(_Composable):
         return f"KeepLast({self.n})"
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
-        """Why each kept step is kept: ``"last <n>"``.
-
-        Pure: no I/O; called on the coordinator after a commit is durable.
-
-        Args:
-            checkpoints: this run's committed checkpoints, in any order.
-
-        Returns:
-            The kept steps, each mapped to its reason.
-        """
+        """Why each kept step is kept: ``"last <n>"``; see :meth:`_Composable.reasons`."""
         newest_first = sorted(_index(checkpoints), reverse=True)
         return dict.fromkeys(newest_first[: self.n], f"last {self.n}")
 
@@ -190,16 +192,8 @@ class KeepBest(_Composable):
         return f"KeepBest({self.k}, metric={self.metric!r}, mode={self.mode!r})"
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
-        """Why each kept step is kept: ``"best <metric>=<value>"``.
-
-        Pure: no I/O; called on the coordinator after a commit is durable.
-
-        Args:
-            checkpoints: this run's committed checkpoints, in any order.
-
-        Returns:
-            The kept steps, each mapped to its reason.
-        """
+        """Why each kept step is kept: ``"best <metric>=<value>"``; see
+        :meth:`_Composable.reasons`."""
         sign = 1.0 if self.mode == "min" else -1.0
         ranked: list[tuple[float, int, float]] = []
         for step, info in _index(checkpoints).items():
@@ -236,16 +230,7 @@ class KeepEvery(_Composable):
         return f"KeepEvery({self.k})"
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
-        """Why each kept step is kept: ``"every <k>"``.
-
-        Pure: no I/O; called on the coordinator after a commit is durable.
-
-        Args:
-            checkpoints: this run's committed checkpoints, in any order.
-
-        Returns:
-            The kept steps, each mapped to its reason.
-        """
+        """Why each kept step is kept: ``"every <k>"``; see :meth:`_Composable.reasons`."""
         return {step: f"every {self.k}" for step in _index(checkpoints) if step % self.k == 0}
 
 
@@ -285,16 +270,7 @@ class Pin(_Composable):
         return f"Pin({list(self.steps)!r})"
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
-        """Why each kept step is kept: ``"pinned"``.
-
-        Pure: no I/O; called on the coordinator after a commit is durable.
-
-        Args:
-            checkpoints: this run's committed checkpoints, in any order.
-
-        Returns:
-            The kept steps, each mapped to its reason.
-        """
+        """Why each kept step is kept: ``"pinned"``; see :meth:`_Composable.reasons`."""
         pinned = frozenset(self.steps)
         return {step: "pinned" for step in _index(checkpoints) if step in pinned}
 
@@ -310,16 +286,8 @@ class KeepAll(_Composable):
         return "KeepAll()"
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
-        """Why each kept step is kept: ``"keep all"``.
-
-        Pure: no I/O; called on the coordinator after a commit is durable.
-
-        Args:
-            checkpoints: this run's committed checkpoints, in any order.
-
-        Returns:
-            Every step, mapped to its reason.
-        """
+        """Why each kept step is kept: ``"keep all"`` (every step); see
+        :meth:`_Composable.reasons`."""
         return dict.fromkeys(_index(checkpoints), "keep all")
 
 
@@ -357,16 +325,8 @@ class AnyOf(_Composable):
         return " | ".join(repr(policy) for policy in self.policies)
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
-        """Why each kept step is kept: the reasons of every policy that keeps it.
-
-        Pure: no I/O; called on the coordinator after a commit is durable.
-
-        Args:
-            checkpoints: this run's committed checkpoints, in any order.
-
-        Returns:
-            The kept steps, each mapped to its reasons joined by ``", "``.
-        """
+        """Why each kept step is kept: the reasons of every policy that keeps it,
+        joined by ``", "``; see :meth:`_Composable.reasons`."""
         ordered = _ordered(checkpoints)
         merged: dict[int, list[str]] = {}
         for policy in self.policies:

@@ -11,8 +11,8 @@ tier's own strategy (rename on a filesystem, manifest-last marker on an object s
                                                  checkpoint-200/  committed
                                                  checkpoint-100/  committed
 
-Replication of one step, on the replicator thread of the process that coordinates
-tier 0 (rank 0):
+Replication of one step, on the replicator thread (single process; multi-rank jobs
+below):
 
 1. Read tier 0's manifest of the step (committed only: a pending save has none, so it
    is never replicated) and check its files' presence and sizes.
@@ -39,8 +39,70 @@ the link returns.
 copy that verifies, else from tier 1, so a wiped tier 0 restores from tier 1 without
 user action.
 
-This module supports single-process jobs (one rank per tier root); multi-rank jobs and
-peer replicas across nodes are the next step (see the README).
+Multi-rank jobs (a ``torch.distributed`` process group, or ``coordinator=``): tier 0 is
+node-local (each node its own disk under the same path, found by the storage-domain
+probe of ``domains.py``, or ``fast_domains="per-host"``), so each node's leader commits
+its node's copy of a step with the ordinary protocol: that copy's manifest lists its
+own ranks' files only. Every rank runs a replicator thread; they move in lockstep
+through a coordinator of their own (``Coordinator.clone()``: its own store connection
+and keys, never the training's collectives), one agreed round per step, oldest first:
+
+A. rank 0 (which alone opens tier 1, holds its run lock and runs its retention) picks
+   the step and creates its pending location on tier 1, and broadcasts it;
+B. each node's leader streams its node's files into that location, verified as read
+   and read back on arrival, as above; every rank gathers every node's result;
+C. rank 0 publishes one manifest (every rank's file, the checksums of the save,
+   ``domain_count`` 1) only if every node's upload verified and every rank's file is
+   there, else discards the attempt; it broadcasts the outcome (committed, failed: a
+   corrupt tier 0 copy, never retried; or retry after a back-off), so every rank's
+   ``wait_replicated``/``replication_backlog`` agree.
+
+At start (and after tier 1 was unreachable) one round agrees what tier 1 lacks: the
+steps every node committed on tier 0, newer than tier 1's newest. A rank that dies
+mid-round makes the others' round time out (``timeout_s``): replication stops there
+and the steps stay held on tier 0 until the job restarts. ``latest()``,
+``checkpoints()`` and ``restore()`` are collective: each rank says which steps it can
+load from its own node's tier 0 copy, rank 0 says what tier 1 holds, and every rank
+picks the newest step that every rank can load from some tier. Each rank then reads
+its own file, from its node's copy, else from tier 1 (a node whose local tier was wiped
+or replaced), and every rank learns every rank's outcome: all return that step, or
+all move to an older one (a copy failed its checksums) or raise alike. ``save()``,
+``save_async()`` and ``restore()`` are supported; ``saving()`` is single-process.
+
+Peer replicas (``peers=K``, multi-node ``torch.distributed`` jobs): each node's files
+of every step also go to the tier 0 of the next K nodes (ring order of the node
+leaders), so a node's files survive the loss of up to K nodes before tier 1 has them.
+The bytes travel point to point over a gloo group created at construction
+(``new_group(backend="gloo")``, collectively, on every rank): a group of its own, so
+the transfers never mix with the training's collectives and may run on the replicator
+thread while the training thread runs those. The replicator threads run one agreed
+peer round per step, before any tier 1 work (peer copies need no persistent tier):
+
+P1. every node leader reads its committed tier 0 manifest of the step, and every rank
+    gathers them (through the replicator's coordinator): the file list, sizes and
+    checksums of the save;
+P2. each leader streams its node's files to the next K leaders while it receives the
+    previous K leaders' files, chunk by chunk (both sides know every size from P1, so a
+    file the sender cannot read goes out as zeros and fails the receiver's checksums).
+    The receiver writes them under ``.peers/node-<n>/.incoming-<token>/`` on its own
+    tier 0, hashing every byte, fsyncs them and, only if every file matches the
+    sender's manifest, writes that manifest last and renames the directory to
+    ``.peers/node-<n>/checkpoint-<step>`` (the commit); a mismatch leaves nothing;
+P3. every rank gathers every leader's outcome: the step is "recoverable without the
+    persistent tier" (``peer_recoverable``, ``wait_peers``) only if every node's copy
+    committed on K peers, i.e. every node's files are on K+1 nodes.
+
+Peer copies are outside tier 0's catalog (which lists ``checkpoint-<step>`` names
+only) and follow tier 0's retention: a node drops its peer copies of a step once its
+own tier 0 dropped the step (its policy holds every step not yet on tier 1, so the
+only copy of an unpersisted step is never dropped). ``checkpoints()``/``latest()``
+count the nodes holding each rank's file (``node_copies``). ``restore()`` counts a
+peer copy as loadable: a node whose ranks lack the step locally gets its node's files
+from the nearest node holding a copy (the holder reads its copy and sends it over the
+group, the receiver verifies every byte against the manifest recorded at save and
+commits it under its own ``.peers/``, as in P2), then its ranks load from it; a copy
+that is rejected or fails to load falls back to tier 1, and every rank agrees on the
+step as above (``last_restored.from_peers`` names the ranks served by a peer).
 """
 
 from __future__ import annotations
@@ -61,7 +123,7 @@ from . import catalog
 from ._faults import fault_point
 from ._version import __version__
 from .async_save import _lower_priority
-from .coordination import Coordinator, SingleProcessCoordinator
+from .coordination import Coordinator, SingleProcessCoordinator, default_coordinator
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -73,7 +135,14 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from .layout import checkpoint_name, new_attempt_token, validate_step
+from .layout import (
+    MANIFEST_NAME,
+    checkpoint_name,
+    new_attempt_token,
+    parse_checkpoint_name,
+    rank_state_file,
+    validate_step,
+)
 from .manager import RUN_FILE, CheckpointManager
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage
@@ -115,6 +184,12 @@ class TieredCheckpointInfo(CheckpointInfo):
     indexes of the tiers that hold a valid copy of it, fastest first."""
 
     tiers: tuple[int, ...] = ()
+    #: Multi-rank jobs with ``peers=``: the fewest nodes whose tier 0 holds any one
+    #: rank's file (its own node's copy and peer copies); the step survives the loss
+    #: of ``node_copies - 1`` nodes without the persistent tier.
+    node_copies: int = 0
+    #: After a ``restore()``: the ranks that loaded a copy sent by a peer node.
+    from_peers: tuple[int, ...] = ()
 
 
 class _HoldUnreplicated:
@@ -136,8 +211,27 @@ class _HoldUnreplicated:
         return frozenset(kept | (self._owner._held_steps(steps) & steps))
 
 
+@dataclass
+class _Views:
+    """What a collective listing gathered (see ``_views_multi``)."""
+
+    locals_: list[set[int]]
+    slow: set[int]
+    infos: dict[int, CheckpointInfo]
+    leader: list[int] = dataclasses.field(default_factory=list)  # peers only
+    held: dict[int, dict[int, list[tuple[int, tuple[int, ...]]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    slow_error: str | None = None  # peers only: why rank 0 could not list tier 1
+
+
 class _Stopped(Exception):
     """Internal: ``close()`` asked the replicator to stop mid-copy."""
+
+
+class _RoundFailed(Exception):
+    """Internal: a multi-rank replication round failed alike on every rank (tier 1
+    unreachable, a node's upload failed): every rank backs off and retries."""
 
 
 class _ArrivalMismatch(CommitError):
@@ -166,11 +260,18 @@ class TieredCheckpointManager:
             tier 0 continues the persistent tier's run), else a new one.
         on_commit: called as ``on_commit(tier_index, info)`` after each commit is
             durable on a tier: tier 0 on the saving thread, tier 1 on the replicator
-            thread (an exception there is logged, never stops replication).
+            thread (an exception there is logged, never stops replication); multi-rank:
+            on rank 0 only.
         timeout_s, allow_pickle, resume, takeover: as for ``CheckpointManager``
             (``resume`` and ``takeover`` apply to tier 0).
         retry_max_s: the longest wait between attempts while tier 1 fails.
-        coordinator: this slice supports one process (the default).
+        coordinator: how ranks agree (default: ``torch.distributed`` when a process
+            group is initialised, else one process); see the module docstring.
+        fast_domains: how tier 0 is laid out across ranks (``"auto"``: probe,
+            ``"per-host"``: one node-local disk per host, ``"shared"``); multi-rank only.
+        peers: K, how many other nodes' tier 0 also receive each node's files of every
+            step saved (ring order, over a gloo group of its own); 0 (default): none.
+            Multi-node ``torch.distributed`` jobs only; see the module docstring.
     """
 
     def __init__(
@@ -185,6 +286,8 @@ class TieredCheckpointManager:
         takeover: bool = False,
         retry_max_s: float = 5.0,
         coordinator: Coordinator | None = None,
+        fast_domains: str = "auto",
+        peers: int = 0,
     ):
         tiers = list(tiers)
         if len(tiers) != 2 or not all(isinstance(t, Tier) for t in tiers):
@@ -192,13 +295,11 @@ class TieredCheckpointManager:
                 "tiers must be two Tier(...) objects, fastest first: "
                 "[Tier(local_root, ...), Tier(persistent_root, ...)]"
             )
-        coord = coordinator or SingleProcessCoordinator()
-        if coord.world_size != 1:
-            raise ValueError(
-                f"TieredCheckpointManager supports single-process jobs for now (this job has "
-                f"{coord.world_size} ranks): use CheckpointManager on the persistent root, "
-                "or one process per tier root"
-            )
+        coord = coordinator or default_coordinator()
+        self._coord = coord
+        self.rank = coord.rank
+        self.world_size = coord.world_size
+        self._multi = coord.world_size > 1
         self.tiers = tuple(tiers)
         self.on_commit = on_commit
         self.timeout_s = float(timeout_s)
@@ -226,11 +327,31 @@ class TieredCheckpointManager:
         # Tier 0 holds no run file when its manager was opened with a run id (below):
         # then its newest checkpoint names the run.
         rid = run_id or _recorded_run_id(self._fast_storage) or _newest_run_id(self._fast_storage)
+        unread: StorageError | None = None
         if rid is None:
             # A fresh or wiped tier 0: the persistent tier says which run this is
             # (never a silent fresh start over its checkpoints, DESIGN invariant 6). If
             # it cannot be read, that error is raised: nobody can tell.
-            rid = _recorded_run_id(self._slow_storage) or _newest_run_id(self._slow_storage)
+            try:
+                rid = _recorded_run_id(self._slow_storage) or _newest_run_id(self._slow_storage)
+            except StorageError as exc:
+                if not (self._multi and peers):
+                    raise
+                unread = exc  # the other nodes may know (a wiped node, peer copies)
+        if self._multi:
+            # One run on every node: rank 0's answer, else any node's (a wiped node
+            # learns it from the persistent tier or from the others).
+            rids = coord.all_gather(
+                "tiered: run id", (rid, unread is not None), timeout_s=self.timeout_s
+            )
+            rid = next((r for r, _u in rids if r), None)
+            if rid is None and any(u for _r, u in rids):
+                # Every rank raises alike: nobody can tell which run this is.
+                raise unread or StorageError(
+                    f"{self._slow_storage.url('')} cannot be read on some node and no node's "
+                    f"{self._fast_storage.url('')} names the run: retry once the persistent "
+                    "tier answers"
+                )
         self.fast = CheckpointManager(
             self._fast_storage,
             retention=(
@@ -244,9 +365,35 @@ class TieredCheckpointManager:
             allow_pickle=allow_pickle,
             takeover=takeover,
             strategy=fast.strategy,
-            storage_domains="shared",
+            storage_domains=fast_domains if self._multi else "shared",
         )
         self.run_id: str = self.fast.run_id
+        self._local_reader_mgr: CheckpointManager | None = None
+        self._peers = 0
+        self._peer_group: Any = None
+        self._peer_todo: set[int] = set()  # committed on tier 0, peer round not run yet
+        self._peer_done: set[int] = set()
+        self._peer_safe: set[int] = set()  # every node's files on peers + 1 nodes
+        self._peer_failed: dict[int, str] = {}
+        self._peer_readers: dict[int, CheckpointManager] = {}
+        if peers:
+            try:
+                self._open_peers(int(peers))
+            except BaseException:
+                self.fast.close()  # every rank alike: the same arguments, the same job
+                raise
+        if self._multi:
+            # Replication is agreed among ranks through a coordinator of its own (its
+            # own store connection and keys), from the replicator threads only.
+            self._rc = coord.clone()
+            self._thread = threading.Thread(
+                target=self._replicate_loop_multi,
+                name="atomic-checkpoint-replicator",
+                daemon=True,
+            )
+            self._thread.start()
+            atexit.register(_stop_at_exit, weakref.ref(self), os.getpid())
+            return
         try:
             self._open_persistent()
         except StorageError as exc:  # unreachable: saves go on, replication retries
@@ -280,13 +427,36 @@ class TieredCheckpointManager:
         arguments); returns once it is committed there. Replication follows in the
         background."""
         self._check_open()
-        return self.fast.save(step, state, **kwargs)
+        info = self.fast.save(step, state, **kwargs)
+        if self._multi:
+            self._queue(info.step)  # every rank: the replicators go step by step together
+        return info
 
     def save_async(self, step: int, state: Any, **kwargs: Any) -> Any:
         """``CheckpointManager.save_async`` on tier 0; replication starts once the
         step commits there."""
         self._check_open()
-        return self.fast.save_async(step, state, **kwargs)
+        handle = self.fast.save_async(step, state, **kwargs)
+        if self._multi:
+            # Every rank queues the step once its commit is known here (rank 0's
+            # on_commit alone would leave the other replicators behind).
+            threading.Thread(target=self._queue_when_done, args=(handle,), daemon=True).start()
+        return handle
+
+    def _queue_when_done(self, handle: Any) -> None:
+        try:
+            info = handle.result()
+        except BaseException:  # a failed save has nothing to replicate; save raises it
+            return
+        self._queue(info.step)
+
+    def _queue(self, step: int) -> None:
+        with self._cv:
+            self._todo.add(step)
+            if self._peer_group is not None and step not in self._peer_done:
+                self._peer_todo.add(step)
+            self._kick = True
+            self._cv.notify_all()
 
     def prepare_async(self, state: Any, **kwargs: Any) -> int:
         """``CheckpointManager.prepare_async`` on tier 0."""
@@ -298,8 +468,11 @@ class TieredCheckpointManager:
         return self.fast.wait(timeout_s)
 
     def saving(self, step: int, **kwargs: Any) -> Any:
-        """``CheckpointManager.saving`` on tier 0 (tier 0 must be a mounted filesystem)."""
+        """``CheckpointManager.saving`` on tier 0 (tier 0 must be a mounted filesystem;
+        single-process jobs)."""
         self._check_open()
+        if self._multi:
+            raise NotImplementedError("saving() of a multi-rank tiered job: use save()")
         return self.fast.saving(step, **kwargs)
 
     def _on_fast_commit(self, info: CheckpointInfo) -> None:
@@ -331,18 +504,7 @@ class TieredCheckpointManager:
     def _open_persistent(self) -> None:
         """Open tier 1 (taking its run lock) and queue what tier 0 holds that tier 1
         lacks. Called at start and by the replicator after a failure."""
-        slow = self.tiers[1]
-        pm = CheckpointManager(
-            self._slow_storage,
-            retention=slow.retention,
-            run_id=self.run_id,
-            coordinator=SingleProcessCoordinator(),
-            timeout_s=self.timeout_s,
-            on_commit=self._on_slow_commit,
-            allow_pickle=self.allow_pickle,
-            strategy=slow.strategy,
-            storage_domains="shared",
-        )
+        pm = self._new_persistent()
         try:
             on_slow = {c.step for c in pm.checkpoints()}
             # Read from storage, not through tier 0's manager: this may run on the
@@ -480,6 +642,15 @@ class TieredCheckpointManager:
         # every file present at its recorded size.
         source = catalog.load_checkpoint(src_store, step)
         name = checkpoint_name(step)
+        if source.domain_count > 1:
+            # One node's copy of a multi-node save holds its own ranks' files only:
+            # published alone it would be a checkpoint missing the other nodes' ranks.
+            raise UnsafeCheckpointError(
+                f"{src_store.url(name)} is one node's copy of a {source.domain_count}-node "
+                f"save (ranks {list(source.domain_ranks or ())} of {source.world_size}): it "
+                "is replicated only by the multi-rank job that has every node's copy; "
+                "restart the job on the same nodes to finish its replication"
+            )
         pm._finish_rotation()  # one rotation at a time on tier 1, as a save does
         try:
             there = catalog.load_checkpoint(dst, step)
@@ -589,6 +760,757 @@ class TieredCheckpointManager:
                 f"{entry.checksum}; the attempt is discarded and retried"
             )
 
+    # ------------------------------------------------------------------ multi-rank
+    def _replicate_loop_multi(self) -> None:
+        """Every rank's replicator, in lockstep through ``self._rc``: reconcile once,
+        then one agreed round per step (see the module docstring). Each decision comes
+        from values every rank received alike, so every rank takes the same next step."""
+        _lower_priority()
+        delay = _RETRY_MIN_S
+        while True:
+            with self._cv:
+                while (
+                    not self._stop.is_set()
+                    and self._reconciled
+                    and not self._todo
+                    and not self._peer_todo
+                ):
+                    self._cv.wait()
+                if self._stop.is_set():
+                    return
+                reconciled = self._reconciled
+                step = min(self._todo) if self._todo else None
+                peer_step = min(self._peer_todo) if self._peer_todo else None
+                self._kick = False
+            try:
+                if self._peer_group is not None:
+                    # Peer rounds first: they need no persistent tier (it may be the
+                    # reason the others wait). A rank whose save has not returned yet
+                    # reports None; the oldest step any rank reports is everyone's.
+                    picks = self._rc.all_gather(
+                        "tiered: peer step", peer_step, timeout_s=self.timeout_s
+                    )
+                    chosen = min((p for p in picks if p is not None), default=None)
+                    if chosen is not None:
+                        self._peer_round(chosen)
+                        continue
+                if not reconciled:
+                    self._reconcile_multi()
+                else:
+                    self._replicate_multi(step)
+                delay = _RETRY_MIN_S
+            except _Stopped:
+                return
+            except _RoundFailed as exc:  # every rank got the same outcome: all retry
+                delay = self._back_off(exc, delay)
+            except CheckpointError as exc:  # a rank is gone (exchange timed out)
+                with self._cv:
+                    self._fatal = exc
+                    self._cv.notify_all()
+                log.error("replication stopped on rank %d: %s", self.rank, exc)
+                return
+
+    def _reconcile_multi(self) -> None:
+        """Agree on what tier 1 lacks: the steps every node committed on tier 0, newer
+        than tier 1's newest, minus tier 1's. Rank 0 opens tier 1 (its run lock)."""
+        on_fast = None
+        if self.fast.is_coordinator:
+            on_fast = {
+                m.step
+                for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
+            }
+        on_slow, error = None, None
+        if self.rank == 0:
+            try:
+                if self._persistent is None:
+                    self._persistent = self._new_persistent()
+                on_slow = {c.step for c in self._persistent.checkpoints()}
+            except LockHeldError as exc:
+                error = ("fatal", str(exc))
+            except CheckpointError as exc:
+                self._drop_persistent()
+                error = ("retry", f"{type(exc).__name__}: {exc}")
+        views = self._rc.all_gather(
+            "tiered: reconcile", (on_fast, on_slow, error), timeout_s=self.timeout_s
+        )
+        kind, msg = views[0][2] or (None, None)
+        if kind == "fatal":
+            raise CheckpointError(f"replication to {self._slow_storage.url('')}: {msg}")
+        if kind == "retry":
+            raise _RoundFailed(f"opening {self._slow_storage.url('')}: {msg}")
+        slow_steps: set[int] = views[0][1]
+        common = set.intersection(*(v[0] for v in views if v[0] is not None))
+        newest_slow = max(slow_steps, default=None)
+        missing = {s for s in common - slow_steps if newest_slow is None or s > newest_slow}
+        with self._cv:
+            self._todo = {s for s in self._todo | missing if s not in slow_steps}
+            self._replicated |= common & slow_steps
+            self._reconciled = True
+            self._cv.notify_all()
+
+    def _new_persistent(self) -> CheckpointManager:
+        """A manager of tier 1 (taking its run lock), driven by this process alone."""
+        slow = self.tiers[1]
+        return CheckpointManager(
+            self._slow_storage,
+            retention=slow.retention,
+            run_id=self.run_id,
+            coordinator=SingleProcessCoordinator(),
+            timeout_s=self.timeout_s,
+            on_commit=self._on_slow_commit,
+            allow_pickle=self.allow_pickle,
+            strategy=slow.strategy,
+            storage_domains="shared",
+        )
+
+    def _replicate_multi(self, mine: int | None) -> None:
+        """One agreed replication round of the step rank 0 picks (its oldest waiting).
+
+        A: rank 0 creates the pending location on tier 1 and sends it. B: each node's
+        leader copies its node's files into it, verified as read and on arrival, and
+        every rank gathers the results. C: rank 0 publishes the manifest (every rank's
+        files, the checksums of the save) only if every node's copy verified, and sends
+        the outcome: committed, failed (a corrupt copy: never retried) or retry."""
+        rc, t0 = self._rc, time.perf_counter()
+        plan: dict[str, Any] | None = None
+        if self.rank == 0:
+            plan = self._plan_multi(mine)
+        plan = rc.broadcast("tiered: plan", plan, src=0, timeout_s=self.timeout_s)
+        assert plan is not None
+        step = plan["step"]
+        if "error" in plan:
+            raise _RoundFailed(plan["error"])
+        copied: tuple[str, Any] = ("ok", [])
+        if not plan.get("done") and self.fast.is_coordinator:
+            try:
+                copied = ("ok", self._copy_node_files(step, plan["staged"]))
+            except _Stopped:
+                raise
+            except (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError) as e:
+                copied = ("failed", f"rank {self.rank}: {e}")
+            except Exception as e:
+                copied = ("retry", f"rank {self.rank}: {type(e).__name__}: {e}")
+        results = rc.all_gather("tiered: copied", copied, timeout_s=self.timeout_s)
+        outcome: tuple[str, str | None] = ("committed", None)
+        if self.rank == 0 and not plan.get("done"):
+            outcome = self._commit_multi(step, plan, results, t0)
+        outcome = rc.broadcast("tiered: outcome", outcome, src=0, timeout_s=self.timeout_s)
+        kind, msg = outcome
+        with self._cv:
+            if kind == "committed":
+                self._todo.discard(step)
+                self._replicated.add(step)
+                self._last_error = None
+            elif kind == "failed":
+                log.error("replication of step %s failed: %s; it stays on tier 0 only", step, msg)
+                self._todo.discard(step)
+                self._failed[step] = CorruptCheckpointError(f"step {step}: {msg}")
+            self._cv.notify_all()
+        if kind == "retry":
+            raise _RoundFailed(f"step {step}: {msg}")
+
+    def _plan_multi(self, step: int | None) -> dict[str, Any]:
+        """Rank 0's part of round A."""
+        if step is None:  # rank 0 is ahead of nobody: its queue is never empty here
+            return {"step": -1, "error": "rank 0 has no step to replicate"}
+        try:
+            pm = self._persistent
+            if pm is None:
+                pm = self._persistent = self._new_persistent()
+            pm._finish_rotation()
+            try:
+                there = catalog.load_checkpoint(self._slow_storage, step)
+            except CheckpointError:
+                there = None
+            if there is not None:
+                return {"step": step, "done": True}  # an attempt whose end we never saw
+            pm._check_fence()
+            strategy = pm._strategy
+            staged = strategy.prepare(self._slow_storage, step, new_attempt_token())
+            return {"step": step, "staged": staged}
+        except CheckpointError as exc:
+            self._drop_persistent()
+            return {"step": step, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _copy_node_files(self, step: int, staged: str) -> list[FileEntry]:
+        """A node leader's part of round B: its node's files of ``step`` into
+        ``staged`` on tier 1, each verified as read and again on arrival."""
+        source = catalog.load_checkpoint(self._fast_storage, step)
+        name = checkpoint_name(step)
+        files = []
+        for i, entry in enumerate(source.files):
+            rel = _plain_path(entry.path)
+            catalog.check_inside(self._fast_storage, name, entry.path)
+            self._copy_verified(
+                f"{name}/{entry.path}", f"{staged}/{rel}", entry, source.checksum_algorithm
+            )
+            files.append(FileEntry(rel, entry.size_bytes, entry.checksum, entry.rank))
+            if i == 0:
+                fault_point("mid_replicate", self.rank, step)
+        for f in files:
+            self._check_arrived(f"{staged}/{f.path}", f, source.checksum_algorithm, step)
+        return files
+
+    def _commit_multi(
+        self, step: int, plan: dict[str, Any], results: list[tuple[str, Any]], t0: float
+    ) -> tuple[str, str | None]:
+        """Rank 0's part of round C: publish tier 1's manifest if every node's copy
+        verified, else discard the attempt."""
+        pm = self._persistent
+        staged = plan["staged"]
+        bad = [(k, m) for k, m in results if k != "ok"]
+        written = None
+        try:
+            if bad:
+                kind = "failed" if any(k == "failed" for k, _ in bad) else "retry"
+                return kind, "; ".join(m for k, m in bad if k == kind)
+            if pm is None:
+                return "retry", "the persistent tier was closed"
+            source = catalog.load_checkpoint(self._fast_storage, step)
+            files = sorted((f for _k, fs in results for f in fs), key=lambda f: f.path)
+            expected = {_plain_path(rank_state_file(r)) for r in range(source.world_size)}
+            have = {f.path for f in files}
+            if source.state_kind != "replicated" and not expected <= have:
+                return "failed", (
+                    f"the nodes' copies hold {sorted(have)}, not every rank's file "
+                    f"({sorted(expected - have)} missing)"
+                )
+            fault_point("before_replica_commit", 0, step)
+            pm._check_fence()
+            manifest = dataclasses.replace(
+                source,
+                run_id=pm.run_id,
+                commit_seq=pm._next_seq(),
+                files=tuple(files),
+                strategy=pm._strategy.name,
+                library_version=__version__,
+                domain_ranks=None,
+                domain_count=1,
+            )
+            written = pm._strategy.publish(
+                self._slow_storage, staged, manifest, rank=0, overwrite=False
+            )
+        except CheckpointError as exc:
+            if written is None:
+                self._discard(pm, step, staged)
+            if isinstance(exc, LockError):
+                self._drop_persistent()
+            return "retry", f"{type(exc).__name__}: {exc}"
+        finally:
+            if bad:
+                self._discard(pm, step, staged)
+        pm._after_commit(written, {"total": time.perf_counter() - t0})
+        log.info("replicated %s of %d ranks", checkpoint_name(step), self.world_size)
+        return "committed", None
+
+    def _discard(self, pm: CheckpointManager | None, step: int, staged: str) -> None:
+        if pm is None:
+            return
+        try:
+            if not pm._strategy.is_committed(self._slow_storage, step, staged):
+                pm._strategy.discard(self._slow_storage, staged)
+        except CheckpointError as exc:
+            log.warning(
+                "could not discard %s (the next start of the persistent tier sweeps it): %s",
+                self._slow_storage.url(staged),
+                exc,
+            )
+
+    # ------------------------------------------------------------------ peer replicas
+    def _open_peers(self, k: int) -> None:
+        """Collective, at construction: the gloo group of the peer transfers (its own
+        group: never mixed with the training's collectives, and usable from the
+        replicator thread while the training thread runs those)."""
+        if k < 0:
+            raise ValueError(f"peers must be >= 0, got {k}")
+        nodes = self.fast.domain.count
+        if not self._multi or nodes < 2:
+            log.warning(
+                "peers=%d: this job has %d node(s) with a tier 0 of its own; no peer copies",
+                k,
+                nodes,
+            )
+            return
+        if self._fast_storage.local_path("") is None:
+            raise ValueError(
+                f"peers= needs tier 0 on a mounted filesystem, not {self._fast_storage.url('')}"
+            )
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "peers= sends files between nodes over torch.distributed: initialise the "
+                "process group (init_process_group) before the TieredCheckpointManager"
+            )
+        if k > nodes - 1:
+            log.warning("peers=%d but only %d other node(s): each holds a copy", k, nodes - 1)
+        self._peers = min(k, nodes - 1)
+        self._peer_group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s)
+        )
+
+    def _peer_dir(self, node: int) -> str:
+        return f"{_PEERS}/node-{node}"
+
+    def _peer_storage(self, node: int) -> Storage:
+        path = self._fast_storage.local_path(self._peer_dir(node))
+        assert path is not None
+        return open_storage(path)
+
+    def _peer_round(self, step: int) -> None:
+        """One agreed peer round of ``step`` (every rank): each node leader sends its
+        node's files to the leaders of the next K nodes and receives the previous K
+        nodes' files, verifies them against the sender's manifest, commits them under
+        ``.peers/node-<n>/`` by rename; every rank gathers every leader's outcome."""
+        domain, k = self.fast.domain, self._peers
+        meta: dict[str, Any] | None = None
+        if self.fast.is_coordinator:
+            self._prune_peer_copies()
+            meta = _node_meta(self._fast_storage, step)
+        metas = self._rc.all_gather(f"tiered: peer meta {step}", meta, timeout_s=self.timeout_s)
+        report: dict[int, str | None] = {}
+        if self.fast.is_coordinator:
+            n, me = domain.count, domain.index
+            node_meta = [metas[leader] for leader in domain.leaders]
+            for d in range(1, k + 1):
+                dst, src = (me + d) % n, (me - d) % n
+                report[src] = self._transfer(
+                    step,
+                    send=(domain.leaders[dst], self._fast_storage, checkpoint_name(step), meta),
+                    recv=(domain.leaders[src], src, node_meta[src]),
+                    tag=_TAG_REPLICATE,
+                )
+        results = self._rc.all_gather(f"tiered: peer done {step}", report, timeout_s=self.timeout_s)
+        problems = [
+            f"node {src} -> rank {r}: {msg}"
+            for r, rep in enumerate(results)
+            for src, msg in (rep or {}).items()
+            if msg is not None
+        ]
+        problems += [
+            f"node {i}: {metas[lead]['error']}"
+            for i, lead in enumerate(domain.leaders)
+            if "error" in metas[lead]
+        ]
+        with self._cv:
+            self._peer_todo.discard(step)
+            self._peer_done.add(step)
+            if problems:
+                self._peer_failed[step] = "; ".join(problems)
+                log.warning("peer copies of step %d incomplete: %s", step, "; ".join(problems))
+            else:
+                self._peer_safe.add(step)
+            self._cv.notify_all()
+
+    def _transfer(
+        self,
+        step: int,
+        *,
+        send: tuple[int, Storage, str, dict[str, Any] | None] | None,
+        recv: tuple[int, int, dict[str, Any] | None] | None,
+        tag: int,
+    ) -> str | None:
+        """Send one node's copy of ``step`` (``(to rank, storage, checkpoint dir, its
+        meta)``) and receive another's (``(from rank, its node index, its meta)``) at
+        once, chunk by chunk, over the peer group. Both sides know every size from the
+        metas gathered before, so the streams stay aligned whatever happens: a file the
+        sender cannot read goes out as zeros and fails the receiver's checksums. The
+        received copy commits under ``.peers/node-<n>/checkpoint-<step>`` (files
+        verified and fsync'd, manifest last, then one rename) only if every byte
+        matches the sender's manifest. Returns None, or why the received copy was
+        rejected (None too when nothing was to be received)."""
+        import torch
+        import torch.distributed as dist
+
+        group = self._peer_group
+        out: Any = iter(())
+        if send is not None and send[3] is not None and "error" not in send[3]:
+            out = _read_chunks(send[1], send[2], _files_of(send[3]))
+        sink: _PeerSink | None = None
+        if recv is not None and recv[2] is not None and "error" not in recv[2]:
+            sink = _PeerSink(self._fast_storage, self._peer_dir(recv[1]), step, recv[2])
+        sizes = sink.chunk_sizes() if sink is not None else []
+        try:
+            i = 0
+            while True:
+                chunk = next(out, None)
+                work = (
+                    dist.isend(chunk, send[0], group=group, tag=tag)  # type: ignore[index]
+                    if chunk is not None
+                    else None
+                )
+                if i < len(sizes):
+                    buf = torch.empty(sizes[i], dtype=torch.uint8)
+                    dist.recv(buf, recv[0], group=group, tag=tag)  # type: ignore[index]
+                    assert sink is not None
+                    sink.write(buf.numpy())
+                    i += 1
+                if work is not None:
+                    work.wait()
+                if chunk is None and i >= len(sizes):
+                    break
+        except RuntimeError as exc:  # gloo: a peer gone or timed out
+            if sink is not None:
+                sink.abort()
+            raise CheckpointError(
+                f"rank {self.rank}: peer transfer of step {step} failed ({exc}); the peer "
+                "rank is gone or timed out"
+            ) from exc
+        if sink is None:
+            return None
+        return sink.commit()
+
+    def _prune_peer_copies(self) -> None:
+        """Tier 0's retention, applied to the peer copies this node holds: a step's
+        copies go once this node's own tier 0 dropped the step (its policy, holding
+        every step not yet on the persistent tier, decides for both)."""
+        try:
+            local = [
+                m.step
+                for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
+            ]
+            if not local:
+                return
+            for node in self._fast_storage.listdir(_PEERS):
+                for name in self._fast_storage.listdir(f"{_PEERS}/{node}"):
+                    s = parse_checkpoint_name(name)
+                    dropped = s is not None and s < max(local) and s not in local
+                    if dropped or (s is None and name.startswith(_INCOMING)):
+                        self._fast_storage.delete_tree(f"{_PEERS}/{node}/{name}")
+        except CheckpointError as exc:
+            log.warning("could not drop old peer copies under %s: %s", self.fast.root, exc)
+
+    def _peer_holdings(
+        self,
+    ) -> tuple[dict[int, list[tuple[int, tuple[int, ...]]]], dict[int, CheckpointInfo]]:
+        """The committed peer copies on this node (presence and sizes checked):
+        step -> [(node index, its ranks)], and an info of each step."""
+        out: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        infos: dict[int, CheckpointInfo] = {}
+        for node in self._fast_storage.listdir(_PEERS):
+            if not node.startswith("node-") or not node[5:].isdigit():
+                continue
+            store = self._peer_storage(int(node[5:]))
+            for m in catalog.committed(store, run_id=self.run_id, warn=False):
+                ranks = tuple(m.domain_ranks or range(m.world_size))
+                out.setdefault(m.step, []).append((int(node[5:]), ranks))
+                infos.setdefault(m.step, m.info(store.url(checkpoint_name(m.step))))
+        return out, infos
+
+    def peer_recoverable(self) -> list[int]:
+        """The steps saved by this job whose every node's files are committed on
+        ``peers + 1`` nodes' tier 0 (agreed by a gathered round on every rank): they
+        survive the loss of ``peers`` nodes without the persistent tier."""
+        with self._cv:
+            return sorted(self._peer_safe)
+
+    def wait_peers(self, step: int | None = None, timeout_s: float | None = None) -> bool:
+        """Wait until the peer round of ``step`` (default: every step saved so far)
+        ran. Returns True when it made the step(s) recoverable without the persistent
+        tier, False on a timeout or when a copy failed (``peer_recoverable``)."""
+        with self._cv:
+            self._cv.wait_for(
+                lambda: (
+                    self._fatal is not None
+                    or (step not in self._peer_todo if step is not None else not self._peer_todo)
+                ),
+                timeout=timeout_s,
+            )
+            if step is not None:
+                return step in self._peer_safe
+            return not self._peer_todo and not (self._peer_done - self._peer_safe)
+
+    def _local_reader(self) -> CheckpointManager:
+        if self._local_reader_mgr is None:
+            self._local_reader_mgr = CheckpointManager(
+                self._fast_storage,
+                read_only=True,
+                run_id=self.run_id,
+                coordinator=SingleProcessCoordinator(),
+                timeout_s=self.timeout_s,
+                allow_pickle=self.allow_pickle,
+                storage_domains="shared",
+            )
+        return self._local_reader_mgr
+
+    def _views_multi(self) -> _Views:
+        """Collective: what each rank can load from its own tier 0 (its node's copy
+        holds its file), what tier 1 holds (read by rank 0 only), and rank 0's infos;
+        with peer copies, also each rank's node leader and the peer copies each leader's
+        tier 0 holds."""
+        local = {
+            m.step: m
+            for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
+            if m.domain_ranks is None or self.rank in m.domain_ranks
+        }
+        slow: dict[int, CheckpointInfo] | None = None
+        infos: dict[int, CheckpointInfo] = {}
+        slow_error: str | None = None
+        if self.rank == 0:
+            try:
+                slow = {c.step: c for c in self._slow_reader().checkpoints()}
+            except (StorageError, CommitError) as exc:
+                slow_error = f"{type(exc).__name__}: {exc}"
+                log.warning(
+                    "persistent tier %s cannot be read: %s", self._slow_storage.url(""), exc
+                )
+            infos = {
+                s: m.info(self._fast_storage.url(checkpoint_name(s))) for s, m in local.items()
+            }
+            infos.update(slow or {})
+        mine: tuple[Any, ...] = (
+            set(local),
+            None if slow is None else set(slow),
+            infos if self.rank == 0 else None,
+        )
+        if self._peer_group is not None:
+            held: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+            more: dict[int, CheckpointInfo] = {}
+            if self.fast.is_coordinator:
+                try:
+                    held, more = self._peer_holdings()
+                except CheckpointError as exc:
+                    log.warning("peer copies under %s cannot be listed: %s", self.fast.root, exc)
+                more.update(
+                    (s, m.info(self._fast_storage.url(checkpoint_name(s))))
+                    for s, m in local.items()
+                )
+            mine += (self.fast.domain.leader, held, more, slow_error)
+        views = self._coord.all_gather("tiered: loadable", mine, timeout_s=self.timeout_s)
+        infos = dict(views[0][2])
+        out = _Views([v[0] for v in views], views[0][1] or set(), infos)
+        if self._peer_group is not None:
+            for v in views:
+                for s, info in v[5].items():
+                    infos.setdefault(s, info)
+            out.leader = [v[3] for v in views]
+            out.held = {r: v[4] for r, v in enumerate(views) if r == v[3]}
+            out.slow_error = views[0][6]
+        return out
+
+    def _peer_loadable(self, v: _Views, rank: int) -> set[int]:
+        """The steps some node holds a peer copy of ``rank``'s file of."""
+        return {
+            s
+            for held in v.held.values()
+            for s, copies in held.items()
+            if any(rank in ranks for _n, ranks in copies)
+        }
+
+    def _node_copies(self, v: _Views, step: int) -> int:
+        """The fewest nodes whose tier 0 holds any one rank's file of ``step``."""
+        if not v.leader:
+            return 1 if all(step in loc for loc in v.locals_) else 0
+        counts = []
+        for r, loc in enumerate(v.locals_):
+            nodes = {v.leader[r]} if step in loc else set()
+            nodes |= {
+                h
+                for h, held in v.held.items()
+                if any(r in ranks for _n, ranks in held.get(step, ()))
+            }
+            counts.append(len(nodes))
+        return min(counts)
+
+    def _checkpoints_multi(self) -> list[TieredCheckpointInfo]:
+        v = self._views_multi()
+        fast = [loc | self._peer_loadable(v, r) for r, loc in enumerate(v.locals_)]
+        everywhere = set.intersection(*fast)
+        out = []
+        for step in sorted(set.intersection(*(loc | v.slow for loc in fast))):
+            tiers = tuple(t for t, held in ((0, step in everywhere), (1, step in v.slow)) if held)
+            info = _tiered(v.infos[step], tiers)
+            if self._peer_group is not None:
+                info = dataclasses.replace(info, node_copies=self._node_copies(v, step))
+            out.append(info)
+        if not out and v.slow_error is not None:
+            raise self._unreadable(v)
+        return out
+
+    def _unreadable(self, v: _Views) -> StorageError:
+        """Nothing loadable while tier 1 could not be read: "no checkpoint" would be a
+        claim nobody can check (a silent fresh start over a run, DESIGN invariant 6)."""
+        return StorageError(
+            f"no step every rank can load from tier 0 or a peer's copy, and the persistent "
+            f"tier {self._slow_storage.url('')} cannot be read ({v.slow_error}): retry once "
+            "it answers"
+        )
+
+    def _fetch_from_peers(self, v: _Views, step: int) -> int | None:
+        """Collective, during a restore: every node whose ranks lack ``step`` on their
+        own tier 0 gets its node's files from a peer holding them (the holder reads its
+        copy and sends it over the peer group; the receiver verifies every byte against
+        the manifest recorded at save and commits it under ``.peers/``). Returns the
+        node index of the peer copy this rank can load from (on its own tier 0), or
+        None."""
+        if not v.leader:
+            return None
+        plan: list[tuple[int, int, int]] = []  # (receiver leader, holder leader, node)
+        world = len(v.locals_)
+        for lead in sorted(set(v.leader)):
+            members = [r for r in range(world) if v.leader[r] == lead]
+            need = [r for r in members if step not in v.locals_[r]]
+            if not need:
+                continue
+            holders = sorted(
+                (
+                    ((h - lead) % world, h, n)
+                    for h, held in v.held.items()
+                    for n, ranks in held.get(step, ())
+                    if all(r in ranks for r in need)
+                ),
+            )
+            if holders:
+                _d, h, n = holders[0]
+                plan.append((lead, h, n))
+        if not plan:
+            return None
+        metas = {
+            lead: _node_meta(self._peer_storage(n), step)
+            for lead, h, n in plan
+            if h == self.rank and h != lead
+        }
+        gathered = self._coord.all_gather(
+            f"tiered: peer fetch {step}", metas, timeout_s=self.timeout_s
+        )
+        result: str | None = None
+        for lead, h, n in plan:
+            if h == lead or self.rank not in (lead, h):
+                continue
+            meta = gathered[h][lead]
+            try:
+                if self.rank == h:
+                    self._transfer(
+                        step,
+                        send=(lead, self._peer_storage(n), checkpoint_name(step), meta),
+                        recv=None,
+                        tag=_TAG_RESTORE,
+                    )
+                else:
+                    result = meta.get("error") or self._transfer(
+                        step, send=None, recv=(h, n, meta), tag=_TAG_RESTORE
+                    )
+            except CheckpointError as exc:
+                result = str(exc) if self.rank == lead else result
+        fetched = self._coord.all_gather(
+            f"tiered: peer fetched {step}", result, timeout_s=self.timeout_s
+        )
+        for lead, h, n in plan:
+            if v.leader[self.rank] != lead:
+                continue
+            if fetched[lead] is not None:
+                log.warning(
+                    "restore: the peer copy of step %d from rank %d is rejected: %s",
+                    step,
+                    h,
+                    fetched[lead],
+                )
+                return None
+            return n
+        return None
+
+    def _restore_multi(self, step: int | None, kwargs: dict[str, Any]) -> Any:
+        """Each rank loads its own file of the newest step every rank can load: from its
+        node's tier 0 copy, else from a peer's copy (sent over and verified), else from
+        tier 1; every rank learns every rank's outcome, so all return the same step or
+        all raise (DESIGN invariant 11)."""
+        v = self._views_multi()
+        locals_, slow, infos = v.locals_, v.slow, v.infos
+        mine = locals_[self.rank]
+        reach = [loc | self._peer_loadable(v, r) for r, loc in enumerate(locals_)]
+        loadable = set.intersection(*(loc | slow for loc in reach))
+        candidates = [validate_step(step)] if step is not None else sorted(loadable, reverse=True)
+        if not candidates and v.slow_error is not None:
+            raise self._unreadable(v)
+        if not candidates:
+            raise CheckpointNotFoundError(
+                f"no checkpoint of run {self.run_id!r} that every rank can load from "
+                f"{self.fast.root} (each node's own) or {self._slow_storage.url('')}"
+            )
+        skipped: list[str] = []
+        for s in candidates:
+            peer_node = self._fetch_from_peers(v, s) if self._peer_group is not None else None
+            tiers: list[int | str] = [
+                t
+                for t, held in ((0, s in mine), ("peer", peer_node is not None), (1, s in slow))
+                if held
+            ]
+            state: Any = None
+            used: int | str | None = None
+            problem: tuple[str, str] | None = None
+            for tier in tiers:
+                try:
+                    state = self._load_mine(tier, s, kwargs, peer_node)
+                    used, problem = tier, None
+                    break
+                except Exception as exc:  # shared below: every rank raises alike
+                    kind = "corrupt" if isinstance(exc, CorruptCheckpointError) else "error"
+                    problem = (kind, f"rank {self.rank}, tier {tier}: {type(exc).__name__}: {exc}")
+                    log.warning("restore: step %d %s; trying the next copy", s, problem[1])
+            if not tiers:
+                problem = ("missing", f"rank {self.rank}: step {s} is on no tier it can read")
+            outcomes = self._coord.all_gather(
+                f"tiered: restore {s}", (used, problem), timeout_s=self.timeout_s
+            )
+            problems = [p for _u, p in outcomes if p is not None]
+            if not problems:
+                info = infos.get(s)
+                if info is not None:
+                    # A peer's copy is on tier 0 (another node's).
+                    used_tiers = {0 if u == "peer" else u for u, _p in outcomes if u is not None}
+                    self.last_restored = dataclasses.replace(
+                        _tiered(info, tuple(sorted(used_tiers))),
+                        from_peers=tuple(r for r, (u, _p) in enumerate(outcomes) if u == "peer"),
+                    )
+                return state
+            text = "; ".join(m for _k, m in problems)
+            if step is not None or any(k == "error" for k, _m in problems):
+                error_type = (
+                    CorruptCheckpointError
+                    if all(k == "corrupt" for k, _m in problems)
+                    else CheckpointNotFoundError
+                    if all(k == "missing" for k, _m in problems)
+                    else CheckpointError
+                )
+                raise error_type(f"restore of step {s}: {text}")
+            skipped.append(f"step {s}: {text}")
+        raise CorruptCheckpointError(
+            "no checkpoint every rank can load verifies: " + "; ".join(skipped)
+        )
+
+    def _load_mine(
+        self, tier: int | str, step: int, kwargs: dict[str, Any], peer_node: int | None = None
+    ) -> Any:
+        if tier == "peer":
+            assert peer_node is not None
+            reader = self._peer_reader(peer_node)
+        else:
+            reader = self._local_reader() if tier == 0 else self._slow_reader()
+        manifest = catalog.load_checkpoint(reader.storage, step)
+        return reader._load_here(
+            manifest,
+            into=kwargs.get("into"),
+            device=kwargs.get("device"),
+            verify=kwargs.get("verify", True),
+            allow_pickle=kwargs.get("allow_pickle"),
+            rank=self.rank,
+        )
+
+    def _peer_reader(self, node: int) -> CheckpointManager:
+        if node not in self._peer_readers:
+            self._peer_readers[node] = CheckpointManager(
+                self._peer_storage(node),
+                read_only=True,
+                run_id=self.run_id,
+                coordinator=SingleProcessCoordinator(),
+                timeout_s=self.timeout_s,
+                allow_pickle=self.allow_pickle,
+                storage_domains="shared",
+            )
+        return self._peer_readers[node]
+
     # ------------------------------------------------------------------ waiting
     def wait_replicated(self, step: int | None = None, timeout_s: float | None = None) -> bool:
         """Wait until ``step`` (default: every step committed so far) is committed on the
@@ -660,6 +1582,19 @@ class TieredCheckpointManager:
             return False
         return True
 
+    @property
+    def last_replication_error(self) -> BaseException | None:
+        """Why the last attempt to reach the persistent tier failed (None once an
+        attempt succeeded): replication is retrying while this is set."""
+        with self._cv:
+            return self._last_error
+
+    def replication_failures(self) -> dict[int, CheckpointError]:
+        """The steps that will never be replicated from this tier 0, with why (a copy
+        that fails its checksums, another copy of the step already on tier 1)."""
+        with self._cv:
+            return dict(self._failed)
+
     def replication_backlog(self) -> list[int]:
         """The steps committed on tier 0 and not yet on the persistent tier (before the
         persistent tier was first reached: every step tier 0 holds)."""
@@ -711,7 +1646,11 @@ class TieredCheckpointManager:
 
     def checkpoints(self) -> list[TieredCheckpointInfo]:
         """Every step valid on some tier, ascending, each with the tiers that hold it
-        (``tiers``); the info is the fastest holder's."""
+        (``tiers``); the info is the fastest holder's. Multi-rank (collective): the steps
+        every rank can load from some tier; ``tiers`` has 0 when every rank's node holds
+        it locally."""
+        if self._multi:
+            return self._checkpoints_multi()
         fast, slow = self._tier_lists()
         by_step: dict[int, tuple[CheckpointInfo, list[int]]] = {}
         for tier, infos in ((0, fast), (1, slow or [])):
@@ -722,7 +1661,11 @@ class TieredCheckpointManager:
 
     def latest(self) -> TieredCheckpointInfo | None:
         """The newest step valid on some tier (presence and sizes checked, as
-        ``CheckpointManager.latest``), with the tiers that hold it."""
+        ``CheckpointManager.latest``), with the tiers that hold it. Multi-rank
+        (collective): the newest step every rank can load from some tier."""
+        if self._multi:
+            held = self._checkpoints_multi()
+            return held[-1] if held else None
         found = [(0, self.fast.latest())]
         try:
             found.append((1, self._slow_reader().latest()))
@@ -752,7 +1695,14 @@ class TieredCheckpointManager:
         Raises:
             CheckpointNotFoundError: no tier holds a checkpoint (of ``step``).
             CorruptCheckpointError: no copy (of ``step``) verifies.
+
+        Multi-rank (collective): the newest step every rank can load; each rank reads
+        its own file from its node's tier 0 copy, else from the persistent tier (a node
+        whose local tier was wiped), and every rank returns that step or raises alike.
+        ``last_restored.tiers`` lists the tiers the ranks read from.
         """
+        if self._multi:
+            return self._restore_multi(step, kwargs)
         candidates: list[tuple[int, tuple[int, ...]]]
         if step is not None:
             candidates = [(validate_step(step), (0, 1))]
@@ -812,6 +1762,10 @@ class TieredCheckpointManager:
         Returns:
             The steps that did not reach the persistent tier (empty when drained). They
             stay on tier 0 and are replicated at the next start on the same tier 0.
+
+        Multi-rank: collective (tier 0's close is). With the persistent tier
+        unreachable, a rank may wait up to ``timeout_s`` more for the other ranks'
+        replicators to leave a round they started before the close.
         """
         if self._closed:
             return []
@@ -827,8 +1781,11 @@ class TieredCheckpointManager:
             self._cv.notify_all()
         self._thread.join()
         self._drop_persistent()
-        if self._reader is not None:
-            self._reader.close()
+        if self._peer_group is not None and self.fast.is_coordinator:
+            self._prune_peer_copies()  # tier 0's last rotation is done (closed above)
+        for reader in (self._reader, self._local_reader_mgr, *self._peer_readers.values()):
+            if reader is not None:
+                reader.close()
         left = self.replication_backlog()
         if left:
             log.warning(
@@ -846,7 +1803,10 @@ class TieredCheckpointManager:
     def _drain(self, timeout_s: float | None) -> None:
         with self._cv:
             self._cv.wait_for(
-                lambda: (self._reconciled and not self._todo) or self._fatal is not None,
+                lambda: (
+                    (self._reconciled and not self._todo and not self._peer_todo)
+                    or self._fatal is not None
+                ),
                 timeout=timeout_s,
             )
 
@@ -933,3 +1893,178 @@ def _same_content(a: Manifest, b: Manifest) -> bool:
 def _tiered(info: CheckpointInfo, tiers: tuple[int, ...]) -> TieredCheckpointInfo:
     fields = {f.name: getattr(info, f.name) for f in dataclasses.fields(CheckpointInfo)}
     return TieredCheckpointInfo(**fields, tiers=tiers)
+
+
+# Peer copies live on tier 0 beside the node's own checkpoints, out of the catalog's
+# sight (it lists ``checkpoint-<step>`` names only): ``.peers/node-<n>/checkpoint-<S>``.
+_PEERS = ".peers"
+_INCOMING = ".incoming-"
+# Gloo tags: a replication round (replicator thread) and a restore (training thread)
+# never take each other's messages.
+_TAG_REPLICATE = 1
+_TAG_RESTORE = 2
+
+
+def _chunk_sizes(size: int) -> list[int]:
+    return [min(_CHUNK, size - off) for off in range(0, size, _CHUNK)]
+
+
+def _node_meta(storage: Storage, step: int) -> dict[str, Any]:
+    """What a sender tells every rank before a transfer: its committed manifest's bytes
+    (files, sizes, checksums of the save), or why it has none."""
+    name = checkpoint_name(step)
+    try:
+        manifest = catalog.load_checkpoint(storage, step)
+        for entry in manifest.files:
+            catalog.check_inside(storage, name, entry.path)
+        raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
+        Manifest.from_json_bytes(raw, where=storage.url(name))
+    except CheckpointError as exc:
+        return {"error": f"{storage.url(name)}: {type(exc).__name__}: {exc}"}
+    return {"manifest": raw}
+
+
+def _files_of(meta: Mapping[str, Any]) -> Manifest:
+    return Manifest.from_json_bytes(meta["manifest"], where="a peer's manifest")
+
+
+def _read_chunks(storage: Storage, name: str, manifest: Manifest) -> Any:
+    """The sender's stream: every file of the manifest, in order, in ``_CHUNK`` pieces
+    of exactly the recorded sizes. What cannot be read goes out as zeros (the receiver's
+    checksums reject it): the receiver expects exactly these sizes."""
+    import torch
+
+    for entry in manifest.files:
+        reader: Any = None
+        try:
+            reader = storage.open_read(f"{name}/{entry.path}")
+        except Exception as exc:
+            log.warning("peer copy: cannot read %s: %s", storage.url(name), exc)
+        try:
+            for n in _chunk_sizes(entry.size_bytes):
+                buf = torch.empty(n, dtype=torch.uint8)
+                got = 0
+                if reader is not None:
+                    try:
+                        view = memoryview(buf.numpy())  # type: ignore[arg-type]
+                        while got < n and (k := reader.readinto(view[got:])):
+                            got += k
+                    except Exception as exc:
+                        log.warning("peer copy: reading %s failed: %s", entry.path, exc)
+                        reader.close()
+                        reader = None
+                if got < n:
+                    buf[got:] = 0  # a short or failed read: zeros, which the checksum rejects
+                yield buf
+        finally:
+            if reader is not None:
+                reader.close()
+
+
+class _PeerSink:
+    """The receiver's side of one transfer: writes a node's files under a staged
+    directory, hashing every byte, and commits them as ``checkpoint-<step>`` only if
+    each file matches the sender's manifest (size and checksum)."""
+
+    def __init__(self, storage: Storage, peer_dir: str, step: int, meta: Mapping[str, Any]):
+        self.storage = storage
+        self.peer_dir = peer_dir
+        self.raw: bytes = meta["manifest"]
+        self.manifest = _files_of(meta)
+        self.final = f"{peer_dir}/{checkpoint_name(step)}"
+        self.staged = f"{peer_dir}/{_INCOMING}{new_attempt_token()}"
+        self.error: str | None = None
+        self._i = -1
+        self._left = 0
+        self._writer: Any = None
+        self._hasher: Hasher | None = None
+        try:
+            storage.makedirs(self.staged)
+        except CheckpointError as exc:
+            self.error = f"{storage.url(self.staged)}: {exc}"
+
+    def chunk_sizes(self) -> list[int]:
+        return [n for e in self.manifest.files for n in _chunk_sizes(e.size_bytes)]
+
+    def _advance(self) -> None:
+        """Finish the current file (if any) and open the next one."""
+        if self._i >= 0:
+            self._finish()
+        self._i += 1
+        entry = self.manifest.files[self._i]
+        self._left = entry.size_bytes
+        self._hasher = Hasher(self.manifest.checksum_algorithm)
+        self._writer = None
+        if self.error is None:
+            path = f"{self.staged}/{entry.path}"
+            try:
+                if "/" in entry.path:
+                    self.storage.makedirs(path.rsplit("/", 1)[0])
+                self._writer = self.storage.open_write(path, size_hint=entry.size_bytes)
+            except CheckpointError as exc:
+                self.error = f"{self.storage.url(path)}: {exc}"
+
+    def _finish(self) -> None:
+        entry = self.manifest.files[self._i]
+        assert self._hasher is not None
+        digest = self._hasher.hexdigest()
+        if self._writer is not None:
+            try:
+                self._writer.close()  # fsync'd through its descriptor
+            except CheckpointError as exc:
+                self.error = self.error or f"{self.storage.url(self.staged)}: {exc}"
+            self._writer = None
+        if self.error is None and digest != entry.checksum:
+            self.error = (
+                f"{entry.path} arrived with checksum {digest}, the sender's manifest records "
+                f"{entry.checksum}: the copy is rejected"
+            )
+
+    def write(self, data: Any) -> None:
+        while self._left == 0:
+            self._advance()
+        view = memoryview(data)
+        assert self._hasher is not None
+        self._hasher.update(view)
+        self._left -= len(view)
+        if self._writer is not None:
+            try:
+                self._writer.write(view)
+            except CheckpointError as exc:
+                self.error = self.error or f"{self.storage.url(self.staged)}: {exc}"
+                self._writer.abort()
+                self._writer = None
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        try:
+            self.storage.delete_tree(self.staged)
+        except CheckpointError as exc:
+            log.warning("could not remove %s: %s", self.storage.url(self.staged), exc)
+
+    def commit(self) -> str | None:
+        """Verify the last files, then publish: manifest last, one rename. Returns
+        None, or why the copy was rejected (then nothing of it remains)."""
+        try:
+            while self._i + 1 < len(self.manifest.files):
+                self._advance()  # zero-byte files after the last chunk
+            if self._i >= 0:
+                self._finish()
+        except CheckpointError as exc:
+            self.error = self.error or str(exc)
+        if self.error is not None:
+            self.abort()
+            return self.error
+        try:
+            self.storage.write_bytes_atomic(f"{self.staged}/{MANIFEST_NAME}", self.raw)
+            self.storage.fsync_dir(self.staged)
+            if self.storage.is_dir(self.final):
+                self.storage.delete_tree(self.final)  # an older copy of the step
+            self.storage.rename_dir(self.staged, self.final)
+            self.storage.fsync_dir(self.peer_dir)
+        except CheckpointError as exc:
+            self.abort()
+            return f"committing {self.storage.url(self.final)}: {exc}"
+        return None

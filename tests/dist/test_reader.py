@@ -3,39 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from atomic_checkpoint import CheckpointManager
 from tests.dist import workers
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import beside, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_reader_polling_during_50_saves_sees_no_torn_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     stop, out = tmp_path / "stop", tmp_path / "reader.json"
-    reader = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(REPO, "tests", "dist", "scripts", "reader.py"),
-            str(root),
-            "4",
-            str(stop),
-            str(out),
-            "180",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    try:
+    with beside("reader.py", root, 4, stop, out, 180, stop=stop) as reader:
         ready = tmp_path / "reader.json.ready"
         for _ in range(1200):  # bounded: 120 s for the reader's imports and start
             if ready.exists() or reader.poll() is not None:
@@ -53,9 +35,6 @@ def test_reader_polling_during_50_saves_sees_no_torn_checkpoint(tmp_path):
             tmp_dir=str(tmp_path),
             timeout_s=180,
         )
-    finally:
-        stop.write_text("stop")
-        reader.wait(60)
     for r in results:
         assert r.ok, r.error_text
         assert r.value["done"] == list(range(1, 51))

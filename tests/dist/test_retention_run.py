@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,29 +11,15 @@ from atomic_checkpoint import CheckpointManager, catalog
 from atomic_checkpoint._faults import ROTATION_PHASES
 from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR
 from tests.dist import workers
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import beside, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_200_saves_keep_last_3_and_best_1_under_an_observer(tmp_path):
     root = tmp_path / "ckpt"
     stop, out = tmp_path / "stop", tmp_path / "observer.json"
-    observer = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.join(REPO, "tests", "dist", "scripts", "observer.py"),
-            str(root),
-            str(stop),
-            str(out),
-            "200",
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-    try:
+    with beside("observer.py", root, stop, out, 200, stop=stop):
         results = run_ranks(
             workers.w_retention_run,
             4,
@@ -44,9 +28,6 @@ def test_200_saves_keep_last_3_and_best_1_under_an_observer(tmp_path):
             tmp_dir=str(tmp_path),
             timeout_s=200,
         )
-    finally:
-        stop.write_text("stop")
-        observer.wait(60)
     for r in results:
         assert r.ok, r.error_text
     report = json.loads(out.read_text())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from benchmarks import scale
@@ -68,6 +69,20 @@ def _clients(world: int, namespace: str) -> tuple[object, list[TorchDistributedC
     return server, coords
 
 
+def _at_once(clients: tuple[TorchDistributedCoordinator, ...], call: Any) -> dict[int, Any]:
+    """``call(c)`` for every client at the same time, a thread each (as ranks would):
+    what each returned, by rank."""
+    out: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=lambda c=c: out.__setitem__(c.rank, call(c))) for c in clients
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return out
+
+
 def _raises(fn) -> CoordinationTimeoutError:
     with pytest.raises(CoordinationTimeoutError) as err:
         fn()
@@ -79,19 +94,10 @@ def test_a_missing_rank_is_named_by_the_first_to_give_up_and_a_late_leader_learn
     server, (lead, r1, r2, r3) = _clients(4, "missing")
     # Rank 3 never comes, the leader comes late. Ranks 1 and 2 give up after their own
     # timeout: whoever gives up first names both, and the other reads that.
-    errors: dict[int, CoordinationTimeoutError] = {}
-    threads = [
-        threading.Thread(
-            target=lambda c=c: errors.__setitem__(
-                c.rank, _raises(lambda: c.all_gather("save step 4: write", c.rank, timeout_s=0.3))
-            )
-        )
-        for c in (r1, r2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    errors = _at_once(
+        (r1, r2),
+        lambda c: _raises(lambda: c.all_gather("save step 4: write", c.rank, timeout_s=0.3)),
+    )
     assert sorted(errors) == [1, 2]
     assert {e.missing_ranks for e in errors.values()} == {(0, 3)}
     assert all("did not arrive" in str(e) and "3" in str(e) for e in errors.values())
@@ -110,22 +116,12 @@ def test_a_missing_rank_is_named_by_the_first_to_give_up_and_a_late_leader_learn
 @pytest.mark.timeout(30)
 def test_a_leader_that_never_answers_is_named_and_fails_when_it_comes_back():
     server, (lead, r1, r2) = _clients(3, "leader")
-    errors: dict[int, CoordinationTimeoutError] = {}
-    threads = [
-        threading.Thread(
-            target=lambda c=c: errors.__setitem__(
-                c.rank,
-                _raises(
-                    lambda: c.gather("save step 9: write", c.rank, dst=0, timeout_s=0.3, reduce=len)
-                ),
-            )
-        )
-        for c in (r1, r2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    errors = _at_once(
+        (r1, r2),
+        lambda c: _raises(
+            lambda: c.gather("save step 9: write", c.rank, dst=0, timeout_s=0.3, reduce=len)
+        ),
+    )
     assert sorted(errors) == [1, 2]
     assert all(e.missing_ranks == (0,) for e in errors.values())
     assert any("rank 0, which collects" in str(e) for e in errors.values())
@@ -133,18 +129,8 @@ def test_a_leader_that_never_answers_is_named_and_fails_when_it_comes_back():
     assert late.missing_ranks == (0,) and "after rank" in str(late)
     # The next round, everyone on time: the leader gets every value, the others only
     # the summary.
-    out: dict[int, tuple] = {}
-    threads = [
-        threading.Thread(
-            target=lambda c=c: out.__setitem__(
-                c.rank, c.gather("g", c.rank * 10, dst=0, timeout_s=10, reduce=sum)
-            )
-        )
-        for c in (lead, r1, r2)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    out = _at_once(
+        (lead, r1, r2), lambda c: c.gather("g", c.rank * 10, dst=0, timeout_s=10, reduce=sum)
+    )
     assert out == {0: ([0, 10, 20], 30), 1: (None, 30), 2: (None, 30)}
     del server

@@ -14,7 +14,9 @@ right above its fence (an HTML comment, invisible once rendered):
     runs between the two parts of ``tests/docs/preludes/NAME.py`` (split at its line
     ``# --- sample ---``; the part after it, if any, checks what the sample did). A
     prelude builds what the sample assumes without showing it on the site: a tiny model
-    and Trainer, a process group, a stock run's output. Its ``# needs:`` line names the
+    and Trainer, a process group, a stock run's output. A line ``# include: PART`` stands
+    for the text of ``tests/docs/preludes/PART.py``, what several preludes share (their
+    names start with ``_``). Its ``# needs:`` line names the
     real services the test starts for it: ``s3`` (the testbed's S3 server; the endpoint
     ``http://127.0.0.1:9000`` a sample shows is replaced by the server's, and the
     environment holds its address as ``SAMPLE_S3_ENDPOINT`` and credentials as
@@ -65,6 +67,7 @@ SHOWN_S3_ENDPOINT = "http://127.0.0.1:9000"
 PRELUDES = Path(__file__).resolve().parent / "preludes"
 _SPLIT = "# --- sample ---"
 _NEEDS = re.compile(r"^# needs:(.*)$", re.M)
+_INCLUDE = re.compile(r"^# include: (\w+)\n", re.M)
 _SHOWN = re.compile(r"""^\s*print\(.*\)\s+#\s*([\[{(0-9'"-].*)$""")
 
 
@@ -177,6 +180,7 @@ class Sample:
         if name is None:
             return "", ""
         text = (PRELUDES / f"{name}.py").read_text()
+        text = _INCLUDE.sub(lambda m: (PRELUDES / f"{m.group(1)}.py").read_text(), text)
         before, _, after = text.partition(_SPLIT)
         return before, after
 

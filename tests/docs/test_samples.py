@@ -51,6 +51,15 @@ def test_an_unmarked_or_unexplained_block_is_reported(tmp_path: Path) -> None:
     assert "a `continue` sample runs after the one above" in found[4]
 
 
+def test_a_prelude_takes_in_the_parts_it_includes() -> None:
+    (hf,) = [s for s in SAMPLES if s.blocks[0].prelude == "hf"]
+    script = hf.script()
+    assert "# include:" not in script
+    # The shared part stands where the prelude names it: before the sample uses it.
+    assert script.index("class _Tokens") < script.index(hf.blocks[0].code)
+    assert hf.needs_torch
+
+
 def test_a_prelude_wraps_its_sample_and_says_what_it_needs(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text(

@@ -27,6 +27,7 @@ from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.layout import META_DIR
 from atomic_checkpoint.storage.temps import parse_temp_name
 from tests.cli.helpers import run_cli
+from tests.helpers import run_python
 from tests.unit.test_failure_modes import REPO, assert_killed, np_state, same
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
@@ -74,16 +75,7 @@ def temps(root: Path) -> list[str]:
 
 
 def run_child(root: Path, strategy: str, kill_at: int) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env.pop("ATOMIC_CHECKPOINT_FAULTS", None)
-    return subprocess.run(
-        [sys.executable, "-c", _CHILD.format(repo=REPO), str(root), strategy, str(kill_at)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_python(_CHILD.format(repo=REPO), root, strategy, kill_at)
 
 
 @pytest.mark.parametrize("strategy", ["marker", "rename"])

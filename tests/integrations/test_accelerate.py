@@ -8,73 +8,20 @@ Each multi-process test is one launch whose job writes what it saw to JSON files
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-RUN_TIMEOUT_S = 120  # each launch; a test's launches stay within its timeout
+from .helpers import RUN_TIMEOUT_S, SCRIPTS, communicate, job_env, run_example, run_job, spawn
+
 STATE_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin"}
-
-
-def _env(tmp_path: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("ATOMIC_CHECKPOINT_FAULTS", None)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        TMPDIR=str(tmp_path),  # torchrun leaves torchelastic_* directories there
-    )
-    return env
-
-
-def _run(cmd: list[str], tmp_path: Path, what: str) -> str:
-    """Run ``cmd`` to completion; fail the test with its output unless it exits 0."""
-    proc = _spawn(cmd, _env(tmp_path))
-    (out,) = _communicate([proc], RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        pytest.fail(f"{what} exited with {proc.returncode}:\n{out[-6000:]}")
-    return out
 
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
-
-
-def _communicate(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
-    """Wait for every process; on timeout kill each one's whole process group (torchrun
-    workers included) so nothing outlives the test."""
-    deadline = time.monotonic() + timeout_s
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return outs
-
-
-def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, for _communicate's kill
-    )
 
 
 def _checkpoints(names: list[str]) -> list[str]:
@@ -87,7 +34,7 @@ def test_torchrun_job_saves_rotates_and_resumes_identically(tmp_path: Path) -> N
     """2 processes: save_state with automatic naming and total_limit=2 commits both
     ranks' files and rotates after each commit; a fresh Accelerator's load_state
     restores exactly the saved state and continues the naming."""
-    _run(
+    run_job(
         [
             sys.executable,
             "-m",
@@ -97,7 +44,7 @@ def test_torchrun_job_saves_rotates_and_resumes_identically(tmp_path: Path) -> N
             str(SCRIPTS / "accel_dist.py"),
             str(tmp_path),
         ],
-        tmp_path,
+        job_env(tmp_path),
         "torchrun accel_dist.py",
     )
     for rank in (0, 1):
@@ -127,16 +74,16 @@ def test_sigkill_mid_save_stock_loses_everything_atomic_resumes_exactly(tmp_path
     stock, atomic, ref = tmp_path / "stock", tmp_path / "atomic", tmp_path / "ref"
     script = str(SCRIPTS / "accel_kill.py")
     runs = [
-        _spawn([sys.executable, script, "run", kind, str(out)], _env(tmp_path))
+        spawn([sys.executable, script, "run", kind, str(out)], job_env(tmp_path))
         for kind, out in (("stock", stock), ("atomic", atomic))
     ]
-    for p, out in zip(runs, _communicate(runs, RUN_TIMEOUT_S), strict=True):
+    for p, out in zip(runs, communicate(runs, RUN_TIMEOUT_S), strict=True):
         assert p.returncode == -signal.SIGKILL, out[-4000:]
 
     result = tmp_path / "result.json"
-    _run(
+    run_job(
         [sys.executable, script, "check", str(stock), str(atomic), str(ref), str(result)],
-        tmp_path,
+        job_env(tmp_path),
         "accel_kill.py check",
     )
     r = _load(result)
@@ -160,11 +107,7 @@ def test_sigkill_mid_save_stock_loses_everything_atomic_resumes_exactly(tmp_path
 @pytest.mark.timeout(180)
 def test_example_runs_and_says_what_happened(tmp_path: Path) -> None:
     project = tmp_path / "project"
-    stdout = _run(
-        [sys.executable, str(REPO / "examples" / "accelerate_save_state.py"), str(project)],
-        tmp_path,
-        "examples/accelerate_save_state.py",
-    )
+    stdout = run_example(tmp_path, "accelerate_save_state.py", project)
     assert "committed: ['checkpoint_2', 'checkpoint_3']" in stdout
     assert "load_state() restored checkpoint_3" in stdout
     assert "the next save_state() is checkpoint_4" in stdout

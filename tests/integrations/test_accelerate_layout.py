@@ -25,7 +25,7 @@ from atomic_checkpoint.errors import (
     CorruptCheckpointError,
     ResumeError,
 )
-from tests.integrations.test_accelerate import RUN_TIMEOUT_S, SCRIPTS, _communicate, _env, _spawn
+from tests.integrations.helpers import RUN_TIMEOUT_S, SCRIPTS, communicate, job_env, spawn
 
 pytest.importorskip("accelerate", reason="the Accelerate integration needs accelerate")
 sys.path.insert(0, str(SCRIPTS))
@@ -253,16 +253,16 @@ def test_run_lock_released_on_error_path(tmp_path: Path, path: str) -> None:
 
 
 def _launch(args: list[str], tmp_path: Path) -> subprocess.Popen[str]:
-    return _spawn([sys.executable, str(SCRIPTS / "accel_layout.py"), *args], _env(tmp_path))
+    return spawn([sys.executable, str(SCRIPTS / "accel_layout.py"), *args], job_env(tmp_path))
 
 
 def _killed_then_checked(kind: str, tmp_path: Path) -> dict:
     project, ref, result = tmp_path / "project", tmp_path / "ref", tmp_path / "result.json"
     proc = _launch(["run", kind, str(project)], tmp_path)
-    (out,) = _communicate([proc], RUN_TIMEOUT_S)
+    (out,) = communicate([proc], RUN_TIMEOUT_S)
     assert proc.returncode == -signal.SIGKILL, out[-4000:]
     proc = _launch(["check", kind, str(project), str(ref), str(result)], tmp_path)
-    (out,) = _communicate([proc], RUN_TIMEOUT_S)
+    (out,) = communicate([proc], RUN_TIMEOUT_S)
     assert proc.returncode == 0, out[-6000:]
     return json.loads(result.read_text())
 

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from atomic_checkpoint import REQUEUE_EXIT_CODE, CheckpointManager
-from tests.integrations.test_hf_trainer import REPO, SCRIPTS, _communicate, _env, _spawn
+from tests.integrations.helpers import REPO, SCRIPTS
+from tests.integrations.helpers import communicate as _communicate
+from tests.integrations.helpers import job_env as _env
+from tests.integrations.helpers import spawn as _spawn
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -40,17 +40,8 @@ from atomic_checkpoint.integrations.hf import (
 from atomic_checkpoint.lock import read_lock_holder
 from atomic_checkpoint.storage import open_storage
 
-from .test_hf_trainer import (
-    RUN_TIMEOUT_S,
-    SCRIPTS,
-    _communicate,
-    _env,
-    _load,
-    _run,
-    _spawn,
-    _torchrun,
-    cpu_multiprocess_resume,
-)
+from .helpers import RUN_TIMEOUT_S, SCRIPTS, communicate, job_env, run_job, spawn
+from .test_hf_trainer import _load, _torchrun, cpu_multiprocess_resume
 
 sys.path.insert(0, str(SCRIPTS))
 from tiny_hf import RandomTokens, SnapshotAt, tiny_args, tiny_model
@@ -294,16 +285,16 @@ def test_stock_run_killed_mid_save_continues_from_its_newest_complete_checkpoint
     and the run resumes from 4 with exactly the state of an uninterrupted run."""
     stock, ref = tmp_path / "stock", tmp_path / "ref"
     script = str(SCRIPTS / "hf_kill.py")
-    proc = _spawn([sys.executable, script, "run", "stock", str(stock), "6"], _env(tmp_path))
-    (out,) = _communicate([proc], RUN_TIMEOUT_S)
+    proc = spawn([sys.executable, script, "run", "stock", str(stock), "6"], job_env(tmp_path))
+    (out,) = communicate([proc], RUN_TIMEOUT_S)
     assert proc.returncode == -signal.SIGKILL, out[-4000:]
     torn = set(os.listdir(stock / "checkpoint-6"))
     assert "model.safetensors" in torn and "trainer_state.json" not in torn
 
     result = tmp_path / "result.json"
-    _run(
+    run_job(
         [sys.executable, script, "adopt", str(stock), str(ref), str(result), "4"],
-        _env(tmp_path),
+        job_env(tmp_path),
         "hf_kill.py adopt",
     )
     r = _load(result)
@@ -329,11 +320,11 @@ def test_torchrun_job_adopts_on_the_writing_process_and_every_rank_resumes_alike
 ) -> None:
     """2 processes: rank 0 adopts while rank 1 waits, both get the same refusals, and
     both resume from the newest complete stock checkpoint (checkpoint-4 torn)."""
-    _run(
+    run_job(
         _torchrun(
             "--standalone", "--nproc_per_node=2", str(SCRIPTS / "hf_adopt_dist.py"), str(tmp_path)
         ),
-        _env(tmp_path),
+        job_env(tmp_path),
         "torchrun hf_adopt_dist.py",
     )
     r0, r1 = _load(tmp_path / "result-0.json"), _load(tmp_path / "result-1.json")

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ from atomic_checkpoint import CheckpointInfo, KeepLast
 from atomic_checkpoint.integrations.hf import KeepTrainerBest, make_atomic
 from atomic_checkpoint.retention import plan_deletions
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
-RUN_TIMEOUT_S = 120  # each launch; a test's launches stay within its timeout
+from . import helpers
+from .helpers import REPO, RUN_TIMEOUT_S, SCRIPTS, communicate, job_env, run_job, spawn
+
 TRAINER_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt"}
 TRAINER_FILES |= {"trainer_state.json", "training_args.bin"}
 
@@ -52,67 +51,12 @@ cpu_multiprocess_resume = pytest.mark.skipif(
 )
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("ATOMIC_CHECKPOINT_FAULTS", None)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        TMPDIR=str(tmp_path),  # torchrun leaves torchelastic_* directories there
-    )
-    env.update(extra)
-    return env
-
-
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def _run(cmd: list[str], env: dict[str, str], what: str) -> str:
-    """Run ``cmd`` to completion; fail the test with its output unless it exits 0."""
-    proc = _spawn(cmd, env)
-    (out,) = _communicate([proc], RUN_TIMEOUT_S)
-    _check(proc, out, what)
-    return out
-
-
-def _check(proc: subprocess.Popen[str], out: str, what: str) -> None:
-    if proc.returncode != 0:
-        pytest.fail(f"{what} exited with {proc.returncode}:\n{out[-6000:]}")
-
-
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
-
-
-def _communicate(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
-    """Wait for every process; on timeout kill each one's whole process group (torchrun
-    workers included) so nothing outlives the test."""
-    deadline = time.monotonic() + timeout_s
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return outs
-
-
-def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, for _communicate's kill
-    )
 
 
 def _free_port() -> int:
@@ -128,9 +72,9 @@ def test_torchrun_job_saves_rotates_and_resumes_identically(tmp_path: Path) -> N
     """2 processes: atomic saves with both ranks' files, rotation that keeps the best,
     pushes and on_save callbacks that only see committed paths, and a resume whose
     state and losses equal an uninterrupted run's."""
-    _run(
+    run_job(
         _torchrun("--standalone", "--nproc_per_node=2", str(SCRIPTS / "hf_dist.py"), str(tmp_path)),
-        _env(tmp_path),
+        job_env(tmp_path),
         "torchrun hf_dist.py",
     )
     r0, r1 = _load(tmp_path / "result-0.json"), _load(tmp_path / "result-1.json")
@@ -202,10 +146,10 @@ def test_nodes_with_their_own_disks_commit_full_copies_and_agree_on_resume(
             str(SCRIPTS / "hf_nodes.py"),
             str(tmp_path),
         )
-        procs.append(_spawn(cmd, _env(tmp_path, ATOMIC_CHECKPOINT_HOST=f"node{node}")))
-    outs = _communicate(procs, RUN_TIMEOUT_S)
+        procs.append(spawn(cmd, job_env(tmp_path, ATOMIC_CHECKPOINT_HOST=f"node{node}")))
+    outs = communicate(procs, RUN_TIMEOUT_S)
     for node, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        _check(p, out, f"node {node}")
+        helpers.check_exit(p, out, f"node {node}")
 
     for rank in (0, 1):
         r = _load(tmp_path / f"result-{rank}.json")
@@ -235,10 +179,10 @@ def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Pa
     stock, atomic, ref = tmp_path / "stock", tmp_path / "atomic", tmp_path / "ref"
     script = str(SCRIPTS / "hf_kill.py")
     runs = [
-        _spawn([sys.executable, script, "run", kind, str(out), "6"], _env(tmp_path))
+        spawn([sys.executable, script, "run", kind, str(out), "6"], job_env(tmp_path))
         for kind, out in (("stock", stock), ("atomic", atomic))
     ]
-    for p, out in zip(runs, _communicate(runs, RUN_TIMEOUT_S), strict=True):
+    for p, out in zip(runs, communicate(runs, RUN_TIMEOUT_S), strict=True):
         assert p.returncode == -signal.SIGKILL, out[-4000:]
 
     # What the kill left: stock, a torn checkpoint-6 under the final name; atomic, only
@@ -252,9 +196,9 @@ def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Pa
     ]
 
     result = tmp_path / "result.json"
-    _run(
+    run_job(
         [sys.executable, script, "check", str(stock), str(atomic), str(ref), str(result), "4"],
-        _env(tmp_path),
+        job_env(tmp_path),
         "hf_kill.py check",
     )
     r = _load(result)
@@ -285,11 +229,7 @@ def test_sigkill_mid_save_stock_resume_fails_atomic_resume_is_exact(tmp_path: Pa
 @pytest.mark.timeout(180)
 def test_example_runs_and_says_what_happened(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    stdout = _run(
-        [sys.executable, str(REPO / "examples" / "hf_trainer.py"), str(out)],
-        _env(tmp_path),
-        "examples/hf_trainer.py",
-    )
+    stdout = helpers.run_example(tmp_path, "hf_trainer.py", out)
     assert "['checkpoint-4', 'checkpoint-6']" in stdout
     assert "the stock resume would load checkpoint-8" in stdout
     assert "continued from step 6" in stdout
@@ -334,7 +274,6 @@ def test_make_atomic_refuses_what_is_not_a_trainer() -> None:
         make_atomic(object())
 
 
-
 _OLDER_RESUME = r"""
 import sys
 sys.path.insert(0, sys.argv[2])
@@ -367,7 +306,7 @@ def test_resuming_an_older_checkpoint_continues_and_replaces_the_newer_ones(
     proc = subprocess.run(
         [sys.executable, "-c", _OLDER_RESUME, str(out), str(SCRIPTS)],
         cwd=REPO,
-        env=_env(tmp_path),
+        env=job_env(tmp_path),
         capture_output=True,
         text=True,
         timeout=150,

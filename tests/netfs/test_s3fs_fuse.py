@@ -134,7 +134,7 @@ def test_killing_s3fs_mid_save_leaves_nothing_torn(s3_server, s3_bucket, tmp_pat
             mountpoint,
             extra_opts=["multipart_size=5", "parallel_count=1"],
         )
-        mount.mount()
+        mount.start()
         stack.callback(mount.close)
         root = mount.path / "run"
         env = dict(os.environ)

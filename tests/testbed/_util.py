@@ -1,4 +1,5 @@
-"""Shared plumbing for the testbed: deadlines, processes, mounts and ports.
+"""Shared plumbing for the testbed: deadlines, processes, the base of every service
+(:class:`Service`), mounts and ports.
 
 Everything here is bounded: every wait has a deadline and raises
 :class:`TestbedTimeout` naming what did not happen, and every teardown step
@@ -19,9 +20,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import IO, TypeVar
 
 T = TypeVar("T")
+S = TypeVar("S", bound="Service")
 
 # Directories searched for system binaries in addition to $PATH: sshd, ip and
 # mkfs live in sbin, which is not on $PATH for every shell a test runs from.
@@ -353,6 +356,33 @@ class ManagedProcess:
         """The child's pid (also its process group and session id)."""
         return self.popen.pid
 
+    def wait_ready(
+        self, ready: Callable[[], bool], timeout_s: float, what: str, *, interval_s: float = 0.05
+    ) -> None:
+        """Waits until ``ready()`` holds; on failure stops the child and raises.
+
+        Args:
+            ready: Probe of the service (a port that answers, a line in the log).
+            timeout_s: Seconds to wait at most.
+            what: Name of the awaited condition, e.g. ``"sshd listening on H:P"``.
+            interval_s: Sleep between probes.
+
+        Raises:
+            TestbedError: The child exited first (with its exit status and log).
+            TestbedTimeout: ``ready()`` did not hold in time (with the log tail).
+        """
+
+        def check() -> bool:
+            if not self.alive():
+                raise TestbedError(f"exited before {what}: {self.describe_exit()}")
+            return ready()
+
+        try:
+            wait_until(check, timeout_s, what, interval_s=interval_s, detail=self.log_tail)
+        except TestbedError:
+            self.stop(timeout_s=2.0)
+            raise
+
     def alive(self) -> bool:
         """Tells whether the child is still running."""
         return self.popen.poll() is None
@@ -393,6 +423,35 @@ class ManagedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=5)
         self._log.close()
+
+
+class Service:
+    """A testbed resource used as a context manager: ``with`` starts it and releases
+    it on exit, even after an exception.
+
+    Subclasses implement :meth:`start` (bounded: every wait has a deadline) and
+    :meth:`close` (safe after a failed or partial start, and when called twice).
+    """
+
+    def start(self) -> None:
+        """Starts the resource (a process, a mount, a namespace, a filesystem)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Releases everything :meth:`start` made."""
+        raise NotImplementedError
+
+    def __enter__(self: S) -> S:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------

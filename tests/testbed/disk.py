@@ -18,9 +18,8 @@ import errno
 import os
 import tempfile
 from pathlib import Path
-from types import TracebackType
 
-from ._util import TestbedError, require_binary, resolve_mountpoint, run, unmount
+from ._util import Service, TestbedError, require_binary, resolve_mountpoint, run, unmount
 
 KINDS = ("tmpfs", "ext4", "xfs")
 
@@ -31,7 +30,7 @@ _XFS_MIN_MB = 16
 _XFS_UNFLAGGED_MIN_MB = 300
 
 
-class SmallDisk:
+class SmallDisk(Service):
     """A freshly made filesystem of ``size_mb`` MiB mounted under ``base_dir``."""
 
     def __init__(self, base_dir: Path | str, size_mb: int, kind: str = "tmpfs"):
@@ -53,23 +52,11 @@ class SmallDisk:
         self.base_dir = Path(base_dir)
         self.size_mb = size_mb
         self.kind = kind
-        self.path = self.base_dir / f"{kind}-disk"  # Made unique in create().
+        self.path = self.base_dir / f"{kind}-disk"  # Made unique in start().
         self.image: Path | None = None
         self._mounted = False
 
-    def __enter__(self) -> SmallDisk:
-        self.create()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def create(self) -> None:
+    def start(self) -> None:
         """Makes and mounts the filesystem.
 
         Raises:

@@ -19,9 +19,9 @@ import contextlib
 import re
 import signal
 from pathlib import Path
-from types import TracebackType
 
 from ._util import (
+    Service,
     TestbedError,
     kill_pids,
     require_binary,
@@ -45,7 +45,7 @@ def list_netns() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-class NetnsPair:
+class NetnsPair(Service):
     """Namespaces ``<prefix><n>a`` and ``<prefix><n>b`` linked by a veth pair.
 
     Side ``"a"`` has address ``10.77.<n>.1/24`` and side ``"b"``
@@ -77,19 +77,7 @@ class NetnsPair:
 
     # -- lifecycle ---------------------------------------------------------
 
-    def __enter__(self) -> NetnsPair:
-        self.create()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def create(self) -> None:
+    def start(self) -> None:
         """Claims two namespace names, links them and brings the link up.
 
         Raises:

@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import tempfile
@@ -25,11 +24,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from ._util import (
     ManagedProcess,
+    Service,
     TestbedError,
     find_mount,
     free_port,
@@ -37,7 +36,6 @@ from ._util import (
     resolve_mountpoint,
     unmount,
     wait_for_mount,
-    wait_until,
     wait_until_live,
     which,
 )
@@ -62,7 +60,7 @@ def moto_server_path() -> str | None:
     return which("moto_server")
 
 
-class S3Server:
+class S3Server(Service):
     """``moto_server`` on 127.0.0.1 and a free port."""
 
     def __init__(self, log_dir: Path | str | None = None, startup_timeout_s: float = 20.0):
@@ -82,18 +80,6 @@ class S3Server:
 
     # -- lifecycle ---------------------------------------------------------
 
-    def __enter__(self) -> S3Server:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def start(self) -> None:
         """Starts moto_server and waits until it answers HTTP.
 
@@ -109,16 +95,14 @@ class S3Server:
             self.port = free_port(self.host)
             proc = ManagedProcess([binary, "-H", self.host, "-p", str(self.port)], self._log_path())
             try:
-                wait_until(
-                    functools.partial(self._ready, proc),
+                proc.wait_ready(
+                    self._ready,
                     self.startup_timeout_s,
                     f"moto_server HTTP on {self.endpoint_url}",
                     interval_s=0.1,
-                    detail=proc.log_tail,
                 )
             except TestbedError as exc:
                 errors.append(str(exc))
-                proc.stop(timeout_s=2.0)
                 continue
             self._proc = proc
             return
@@ -201,9 +185,7 @@ class S3Server:
         self._tmp_logs.append(Path(name))
         return Path(name)
 
-    def _ready(self, proc: ManagedProcess) -> bool:
-        if not proc.alive():
-            raise TestbedError(f"moto_server exited: {proc.describe_exit()}")
+    def _ready(self) -> bool:
         try:
             with urllib.request.urlopen(self.endpoint_url + "/", timeout=1.0):
                 return True
@@ -213,7 +195,7 @@ class S3Server:
             return False
 
 
-class S3fsFuseMount:
+class S3fsFuseMount(Service):
     """An s3fs-fuse mount of one bucket of an :class:`S3Server`."""
 
     def __init__(
@@ -244,18 +226,6 @@ class S3fsFuseMount:
         self._proc: ManagedProcess | None = None
         self._passwd: Path | None = None
 
-    def __enter__(self) -> S3fsFuseMount:
-        self.mount()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     @property
     def pid(self) -> int:
         """The s3fs daemon's pid (kill it to crash the mount)."""
@@ -263,7 +233,7 @@ class S3fsFuseMount:
             raise TestbedError("S3fsFuseMount is not mounted")
         return self._proc.pid
 
-    def mount(self) -> None:
+    def start(self) -> None:
         """Runs s3fs in the foreground and waits for ``fuse.s3fs`` in /proc/mounts.
 
         Raises:

@@ -19,6 +19,12 @@ networks really do:
 - ``call``: run ``rule.callback(request)`` (e.g. SIGKILL the client), then drop
   (or, with ``land=False``, cut).
 
+Pages: moto answers ``ListMultipartUploads`` in one page whatever ``max-uploads``
+says. With :attr:`S3Proxy.list_uploads_page` set, the proxy cuts that answer into pages
+of at most that many uploads as S3 does (ordered by key, then upload id; ``key-marker``
+and ``upload-id-marker`` honoured; ``IsTruncated``, ``NextKeyMarker`` and
+``NextUploadIdMarker`` set), so a client that reads only the first page is caught.
+
 Requests are matched by method, request type (:func:`classify`: ``put``,
 ``put-create`` (a conditional PUT), ``part``, ``mpu-start``, ``mpu-complete``,
 ``mpu-abort``, ``delete``, ``delete-many``, ``list``, ``list-uploads``, ``head``,
@@ -56,9 +62,9 @@ import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
+from ._util import Service
 from .s3 import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 
 __all__ = ["ACTIONS", "KINDS", "ProxiedRequest", "Rule", "S3Proxy", "classify"]
@@ -345,7 +351,7 @@ class _Sink:
     closed = False
 
 
-class S3Proxy:
+class S3Proxy(Service):
     """The proxy in front of ``server``, on 127.0.0.1 and a free port, in a thread.
 
     Args:
@@ -371,20 +377,11 @@ class S3Proxy:
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
         self._timer: threading.Timer | None = None
+        #: Cut ``ListMultipartUploads`` answers into pages of at most this many uploads
+        #: (None: as the server answers; moto: everything in one page).
+        self.list_uploads_page: int | None = None
 
     # -- lifecycle -------------------------------------------------------------
-    def __enter__(self) -> S3Proxy:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def start(self) -> None:
         httpd = _Server((self.host, 0), _Handler)
         httpd.proxy = self
@@ -575,6 +572,8 @@ class S3Proxy:
             status, reason, resp_headers = resp.status, resp.reason, resp.getheaders()
         finally:
             conn.close()
+        if status == 200 and req.kind == "list-uploads" and self.list_uploads_page:
+            data = _uploads_page(data, h.path, self.list_uploads_page)
         if answer:
             h.send_response_only(status, reason)
             length_sent = False
@@ -622,6 +621,50 @@ class S3Proxy:
             h.end_headers()
             h.wfile.write(body)
         h.wfile.flush()
+
+
+def _uploads_page(data: bytes, path: str, page: int) -> bytes:
+    """One page of a ``ListMultipartUploads`` answer that lists every upload: the
+    uploads after the request's markers, at most ``min(max-uploads, page)`` of them."""
+    import xml.etree.ElementTree as ET
+
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query, keep_blank_values=True)
+    key_marker = query.get("key-marker", [""])[0]
+    id_marker = query.get("upload-id-marker", [""])[0]
+    limit = min(page, int(query.get("max-uploads", ["1000"])[0]))
+    root = ET.fromstring(data)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    if ns:
+        ET.register_namespace("", ns[1:-1])
+
+    def text(el: Any, name: str) -> str:
+        child = el.find(ns + name)
+        return "" if child is None or child.text is None else child.text
+
+    uploads = sorted(
+        root.findall(ns + "Upload"), key=lambda u: (text(u, "Key"), text(u, "UploadId"))
+    )
+    if key_marker:
+        uploads = [
+            u
+            for u in uploads
+            if text(u, "Key") > key_marker
+            or (id_marker and text(u, "Key") == key_marker and text(u, "UploadId") > id_marker)
+        ]
+    for el in list(root):
+        if el.tag in {
+            ns + n
+            for n in ("Upload", "IsTruncated", "MaxUploads", "NextKeyMarker", "NextUploadIdMarker")
+        }:
+            root.remove(el)
+    shown, truncated = uploads[:limit], len(uploads) > limit
+    for name, value in (("MaxUploads", str(limit)), ("IsTruncated", str(truncated).lower())):
+        ET.SubElement(root, ns + name).text = value
+    if truncated:
+        ET.SubElement(root, ns + "NextKeyMarker").text = text(shown[-1], "Key")
+        ET.SubElement(root, ns + "NextUploadIdMarker").text = text(shown[-1], "UploadId")
+    root.extend(shown)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True)
 
 
 def _without(headers: Any, name: str) -> Any:

@@ -24,10 +24,10 @@ import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 
 from ._util import (
     ManagedProcess,
+    Service,
     TestbedError,
     find_mount,
     free_port,
@@ -57,8 +57,9 @@ _HOST_ALIAS = "testbed-export"
 _START_ATTEMPTS = 5
 
 
-class SshfsMount:
-    """One sshfs mount of an :class:`SshfsExport` (one "node")."""
+class SshfsMount(Service):
+    """One sshfs mount of an :class:`SshfsExport` (one "node"); made live by
+    :meth:`SshfsExport.mount`, so ``with`` only unmounts it on exit."""
 
     def __init__(self, path: Path, proc: ManagedProcess):
         """Wraps an already-mounted sshfs process.
@@ -121,19 +122,15 @@ class SshfsMount:
         finally:
             self.proc.stop(timeout_s=3.0)
 
-    def __enter__(self) -> SshfsMount:
-        return self
+    def start(self) -> None:
+        """Nothing to do: the mount is live from :meth:`SshfsExport.mount` on."""
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """Same as :meth:`unmount`."""
         self.unmount()
 
 
-class SshfsExport:
+class SshfsExport(Service):
     """A private sshd on loopback (or in a namespace) exporting a directory."""
 
     def __init__(
@@ -172,18 +169,6 @@ class SshfsExport:
         self._mounts: list[SshfsMount] = []
 
     # -- lifecycle ---------------------------------------------------------
-
-    def __enter__(self) -> SshfsExport:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def start(self) -> None:
         """Generates keys and configs and starts sshd.
@@ -349,22 +334,11 @@ class SshfsExport:
         log = self.base_dir / f"sshd-{self.port}.log"
         proc = ManagedProcess(argv, log)
         ready = f"Server listening on {self.host} port {self.port}"
-
-        def listening() -> bool:
-            if not proc.alive():
-                raise TestbedError(f"sshd exited: {proc.describe_exit()}")
-            return ready in proc.log_tail(20_000)
-
-        try:
-            wait_until(
-                listening,
-                self.startup_timeout_s,
-                f"sshd listening on {self.host}:{self.port}",
-                detail=proc.log_tail,
-            )
-        except TestbedError:
-            proc.stop(timeout_s=2.0)
-            raise
+        proc.wait_ready(
+            lambda: ready in proc.log_tail(20_000),
+            self.startup_timeout_s,
+            f"sshd listening on {self.host}:{self.port}",
+        )
         self._sshd = proc
 
 

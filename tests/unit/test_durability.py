@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import atomic_checkpoint.storage.local as local_storage
 from atomic_checkpoint import CheckpointManager, KeepLast, ResumeError
 from atomic_checkpoint.layout import META_DIR, PENDING_DIR, TRASH_DIR
 from tests.cli.helpers import run_cli
+from tests.helpers import last_json, run_python
 from tests.testbed.pytest_fixtures import small_disk, sshfs_export  # noqa: F401
 from tests.unit.test_failure_modes import (
     REPO,
@@ -87,16 +87,7 @@ print("done")
 def run_child(
     root: Path, plan: list[tuple[int, int, bool]], *, opts: str = "", fault: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env["ATOMIC_CHECKPOINT_FAULTS"] = fault
-    return subprocess.run(
-        [sys.executable, "-c", _CHILD.format(repo=REPO), str(root), json.dumps(plan), opts],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_python(_CHILD.format(repo=REPO), root, json.dumps(plan), opts, faults=fault)
 
 
 def assert_done(proc: subprocess.CompletedProcess[str]) -> None:
@@ -373,15 +364,9 @@ print(json.dumps({{"pending": pending, "dirs": dirs}}))
 
 
 def test_saving_fsyncs_every_directory_bottom_up(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", _FSYNC_WATCH.format(repo=REPO), str(tmp_path / "r")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_python(_FSYNC_WATCH.format(repo=REPO), tmp_path / "r")
     assert proc.returncode == 0, proc.stderr
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = last_json(proc)
     pending, dirs = out["pending"], out["dirs"]
     order = {}
     for i, d in enumerate(dirs):

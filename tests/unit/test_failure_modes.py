@@ -34,6 +34,7 @@ from atomic_checkpoint import (
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR, TRASH_DIR
 from atomic_checkpoint.preemption import PreemptionGuard
+from tests.helpers import last_json, run_python
 from tests.testbed.pytest_fixtures import small_disk  # noqa: F401 - fixture used by name
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,16 +94,7 @@ print("done")
 def run_saver(
     root: Path, plan: list[tuple[int, int, bool]], *, keep: int = 0, fault: str = ""
 ) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env["ATOMIC_CHECKPOINT_FAULTS"] = fault
-    return subprocess.run(
-        [sys.executable, "-c", _SAVER.format(repo=REPO), str(root), json.dumps(plan), str(keep)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_python(_SAVER.format(repo=REPO), root, json.dumps(plan), keep, faults=fault)
 
 
 def assert_killed(proc: subprocess.CompletedProcess[str]) -> None:
@@ -154,15 +146,9 @@ print(json.dumps({{"seen": seen, "ok": ok, "steps": steps}}))
 
 @pytest.mark.parametrize("profile", ["windows", "posix"])
 def test_a7_fsync_goes_through_writable_handles_and_directory_fsync_is_optional(tmp_path, profile):
-    proc = subprocess.run(
-        [sys.executable, "-c", _DURABILITY_PROBE.format(repo=REPO), str(tmp_path / "r"), profile],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_python(_DURABILITY_PROBE.format(repo=REPO), tmp_path / "r", profile)
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(proc)
     # Every save kind committed and the newest restores (the durability steps that the
     # platform cannot do did not break the save).
     assert out["ok"] and out["steps"] == [3]
@@ -415,18 +401,9 @@ def test_d5_staging_is_a_sibling_of_the_checkpoints_never_in_tmpdir(tmp_path, sm
     # Lightning #20270 (EXDEV from /tmp) and #21744 (a small $TMPDIR filled up).
     tmpdir = small_disk(1)  # a 1 MiB tmpfs as $TMPDIR
     root = tmp_path / "r"
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    env["TMPDIR"] = str(tmpdir.path)
-    proc = subprocess.run(
-        [sys.executable, "-c", _TMPDIR_SAVER.format(repo=REPO), str(root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_python(_TMPDIR_SAVER.format(repo=REPO), root, env={"TMPDIR": str(tmpdir.path)})
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(proc)
     assert out["tmpdir"] == str(tmpdir.path)  # $TMPDIR was really in effect
     assert out["size"] > 4 << 20
     assert Path(out["pending"]).parent == root / PENDING_DIR  # a sibling of the checkpoints
@@ -601,15 +578,9 @@ print(json.dumps(out))
 def test_e4_a_forked_worker_never_saves_and_still_dies_of_sigterm(tmp_path):
     # EgoVerse #621: forked DataLoader workers inherit the handler and must not save;
     # swallowing their SIGTERM would also leave them running.
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORKED_WORKER.format(repo=REPO), str(tmp_path / "r")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_python(_FORKED_WORKER.format(repo=REPO), tmp_path / "r")
     assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = last_json(proc)
     assert out == {
         "signaled": True,
         "sig": signal.SIGTERM,

@@ -159,3 +159,49 @@ def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environ
             PreemptionGuard(mgr, grace_s=0)
     finally:
         mgr.close()
+
+
+_STARTING = """
+import os, signal, sys, time
+from atomic_checkpoint import preemption
+preemption.arm()                      # the grace period comes from the environment
+os.kill(os.getpid(), signal.SIGTERM)  # preempted while the job is still starting
+deadline = time.monotonic() + 10
+while preemption.armed() == (None, None):
+    assert time.monotonic() < deadline
+    time.sleep(0.001)
+if sys.argv[1] == "guard":            # the job gets as far as its guard
+    from atomic_checkpoint import CheckpointManager, PreemptionGuard
+    mgr = CheckpointManager(sys.argv[2])
+    guard = PreemptionGuard(mgr)
+time.sleep(4)                         # a start-up (imports, model, process group) > grace
+print("still here")
+"""
+
+
+def _start(tmp_path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    path = os.pathsep.join([os.path.join(REPO, "src"), REPO])  # this tree's library
+    env = {**os.environ, "PYTHONPATH": path, "ATOMIC_CHECKPOINT_GRACE_S": "1"}
+    env.pop("ATOMIC_CHECKPOINT_ARM", None)
+    return subprocess.run(
+        [sys.executable, "-c", _STARTING, mode, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_start_up_that_outlasts_the_grace_period_exits_with_the_requeue_code(tmp_path):
+    # Grace 1 s: no guard 0.5 s after the SIGTERM, so the process exits with 75 at
+    # once instead of starting up until the scheduler's SIGKILL (no exit status).
+    proc = _start(tmp_path, "starting")
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr
+    assert "still here" not in proc.stdout
+    assert "no PreemptionGuard has taken it over" in proc.stderr
+
+
+def test_once_a_guard_adopts_the_signal_the_start_up_deadline_stands_down(tmp_path):
+    proc = _start(tmp_path, "guard")
+    assert proc.returncode == 0, proc.stderr  # the guard decides, not the deadline
+    assert "still here" in proc.stdout

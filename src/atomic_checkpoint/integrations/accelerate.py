@@ -64,12 +64,13 @@ import atexit
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt
 from ..catalog import parse_attempt_dir, parse_marker_name, read_manifest
+from ..coordination import Coordinator, exchange_outcomes
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -80,7 +81,6 @@ from ..errors import (
     RankFailure,
     ResumeError,
     StorageError,
-    map_os_error,
 )
 from ..layout import (
     ACCELERATE_DIR,
@@ -96,6 +96,7 @@ from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard
 from ..retention import KeepLast
+from ..storage import posix
 from ..storage.base import Storage
 from ..storage.detect import local_capabilities
 from ..storage.local import LocalStorage
@@ -117,12 +118,20 @@ def _rank_failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
     return RankFailure(rank, phase, type(exc).__name__, str(exc) or repr(exc))
 
 
-def _raise_if_failed(
-    outcomes: Sequence[RankFailure | None], own: BaseException | None, *, step: int | None
+def _share_outcome(
+    coordinator: Coordinator,
+    key: str,
+    own: BaseException | None,
+    *,
+    phase: str,
+    step: int | None,
+    timeout_s: float,
 ) -> None:
-    """After an exchange of outcomes: the failing rank re-raises its own error, every
-    other rank raises one error naming each failing rank."""
-    failures = [f for f in outcomes if f is not None]
+    """Collective: share this rank's outcome of ``phase`` (``own``: its error, or None);
+    then the failing rank re-raises its own error, every other rank raises one error
+    naming each failing rank."""
+    failure = None if own is None else _rank_failure(own, coordinator.rank, phase)
+    _, failures = exchange_outcomes(coordinator, key, None, failure, timeout_s=timeout_s)
     if not failures:
         return
     if own is not None:
@@ -270,12 +279,14 @@ class FrameworkRoot:
             # Every rank's writes must be finished before the coordinator moves the
             # nested entries up, and every rank must leave the block the same way:
             # this exchange is that barrier, and it shares failures.
-            outcomes = mgr.coordinator.all_gather(
+            _share_outcome(
+                mgr.coordinator,
                 f"{self.label} step {step}: files written",
-                None if failure is None else _rank_failure(failure, mgr.rank, "write"),
+                failure,
+                phase="write",
+                step=step,
                 timeout_s=self.timeout_s,
             )
-            _raise_if_failed(outcomes, failure, step=step)
             if mgr.domain.count > 1:
                 self._check_copies_match(target, step)
             if nested and mgr.is_coordinator:
@@ -424,13 +435,7 @@ def _is_under(path: str, parent: str) -> bool:
 
 
 def _masked_names(directory: Path) -> list[str]:
-    out = []
-    for dirpath, _dirs, files in os.walk(directory):
-        rel = os.path.relpath(dirpath, directory)
-        for name in files:
-            path = name if rel == "." else f"{rel}/{name}"
-            out.append(re.sub(r"[0-9]+", "#", path.replace(os.sep, "/")))
-    return out
+    return [re.sub(r"[0-9]+", "#", path) for path in posix.file_paths(str(directory))]
 
 
 # Names frameworks give checkpoint folders: ours and the Trainer's (checkpoint-N), and
@@ -439,11 +444,7 @@ _CHECKPOINT_LIKE = re.compile(r"^checkpoint[-_][0-9]+$")
 
 
 def _checkpoint_like_names(root: str) -> list[str]:
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
-    return sorted(n for n in names if _CHECKPOINT_LIKE.match(n))
+    return sorted(n for n in posix.list_names(root) if _CHECKPOINT_LIKE.match(n))
 
 
 def _flatten(pending: Path, nested: str, *, step: int, label: str) -> None:
@@ -456,16 +457,9 @@ def _flatten(pending: Path, nested: str, *, step: int, label: str) -> None:
             "directory it was pointed at; this version writes checkpoints somewhere else "
             "and is not supported by the integration"
         )
-    for name in sorted(os.listdir(inner)):
-        src, dst = inner / name, pending / name
-        try:
-            os.rename(src, dst)
-        except OSError as exc:
-            raise map_os_error(exc, "rename", f"{src} -> {dst}") from exc
-    try:
-        os.rmdir(inner)
-    except OSError as exc:
-        raise map_os_error(exc, "remove", str(inner)) from exc
+    for name in sorted(posix.list_names(str(inner))):
+        posix.rename(str(inner / name), str(pending / name))
+    posix.remove_dir(str(inner))
 
 
 # ---------------------------------------------------------------------- Accelerate API
@@ -495,7 +489,7 @@ def _project_root(project: str) -> tuple[str, Storage | None]:
     inside ``checkpoints/``), that folder as a plain root, so its checkpoints stay
     resumable."""
     folder = os.path.join(project, ACCELERATE_DIR)
-    if os.path.isdir(os.path.join(folder, META_DIR)):
+    if posix.is_dir(os.path.join(folder, META_DIR)):
         _warn_once(
             folder,
             "accelerate: %s holds checkpoint-<n> folders written by an earlier version of "
@@ -505,10 +499,7 @@ def _project_root(project: str) -> tuple[str, Storage | None]:
             folder,
         )
         return folder, None
-    try:
-        os.makedirs(project, exist_ok=True)
-    except OSError as exc:
-        raise map_os_error(exc, "create", project) from exc
+    posix.make_dirs(project)
     base = LocalStorage(project, capabilities=local_capabilities(project))
     view = ProjectStorage(base)  # refuses a checkpoints/ that is a link or a mount point
     if layout_of(project) is None:
@@ -757,7 +748,7 @@ def _adopt_existing(
     storage domain, under the run lock that ``adopt`` takes itself, so ours is released
     first), share the outcome, and open the root again."""
     mgr = opened.manager
-    lead, rank, coordinator, run_id = mgr.is_coordinator, mgr.rank, mgr.coordinator, mgr.run_id
+    lead, coordinator, run_id = mgr.is_coordinator, mgr.coordinator, mgr.run_id
     _forget(accelerator, key)
     own: BaseException | None = None
     if lead:
@@ -769,12 +760,14 @@ def _adopt_existing(
                 log.info("accelerate: adopted steps %s under %s", result.adopted, opened.root)
         except Exception as exc:
             own = exc
-    outcomes = coordinator.all_gather(
+    _share_outcome(
+        coordinator,
         "accelerate: adopted existing checkpoints",
-        None if own is None else _rank_failure(own, rank, "adopt"),
+        own,
+        phase="adopt",
+        step=None,
         timeout_s=timeout_s,
     )
-    _raise_if_failed(outcomes, own, step=None)
     return _root_for(accelerator, root, retention, timeout_s)[1]
 
 

@@ -109,6 +109,7 @@ from .._version import __version__
 from ..async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool, register_exit
 from ..commit import RankReport, _InPhase
 from ..commit import save as commit_save
+from ..coordination import exchange_outcomes
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -119,10 +120,12 @@ from ..errors import (
     LockError,
     RankFailure,
     ResumeError,
+    StorageError,
 )
 from ..layout import MANIFEST_NAME, checkpoint_name, validate_step
 from ..manager import CheckpointManager, _report_files
 from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata, check_metrics
+from ..storage import posix
 from ..storage.local import LocalStorage
 
 __all__ = [
@@ -194,7 +197,9 @@ def _agree(
     that gets an answer. A rank that does not report within ``mgr.timeout_s`` counts as
     failed. Collective."""
     try:
-        outcomes = mgr.coordinator.all_gather(key, failure, timeout_s=mgr.timeout_s)
+        _, failures = exchange_outcomes(
+            mgr.coordinator, key, None, failure, timeout_s=mgr.timeout_s
+        )
     except CoordinationTimeoutError as exc:
         failures = [failure] if failure is not None else []
         failures += [
@@ -207,8 +212,7 @@ def _agree(
             for r in exc.missing_ranks
             if r != mgr.rank
         ]
-        return failures
-    return [f for f in outcomes if f is not None]
+    return failures
 
 
 def _local_root(mgr: CheckpointManager) -> str:
@@ -698,9 +702,9 @@ def _raise_agreed(failures: list[RankFailure], step: int | None, operation: str)
 
 def _prepare_path(parent: str, name: str) -> str:
     """On the first rank: the pending directory beside ``name``, created."""
-    os.makedirs(parent, exist_ok=True)
+    posix.make_dirs(parent)
     storage = LocalStorage(parent)
-    if os.path.lexists(os.path.join(parent, name)):
+    if posix.lexists(os.path.join(parent, name)):
         raise CheckpointExistsError(
             f"{os.path.join(parent, name)!r} already exists: a path-style save never "
             "replaces a checkpoint; choose a new checkpoint_id"
@@ -905,7 +909,7 @@ def load(
                 raise CheckpointNotFoundError(adopted[0].message)
             raise CorruptCheckpointError(f"nothing was loaded: {adopted[0].message}")
     try:
-        if not os.path.isdir(final):
+        if not posix.is_dir(final):
             raise CheckpointNotFoundError(f"no checkpoint at {final!r}")
         storage = LocalStorage(parent)
         if storage.size(f"{name}/{MANIFEST_NAME}") is None:
@@ -981,10 +985,10 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
             "checkpoints are adopted from a mounted path"
         )
     local = text.removeprefix("file://")
-    if not os.path.isdir(local):
+    if not posix.is_dir(local):
         return "not a directory (DCP writes a directory per checkpoint)"
-    if not os.path.isfile(os.path.join(local, _DCP_METADATA_FILE)):
-        tmp = os.path.exists(os.path.join(local, _DCP_METADATA_FILE + ".tmp"))
+    if not posix.is_file(os.path.join(local, _DCP_METADATA_FILE)):
+        tmp = posix.exists(os.path.join(local, _DCP_METADATA_FILE + ".tmp"))
         return (
             f"{_DCP_METADATA_FILE} is missing"
             + (f" (only {_DCP_METADATA_FILE}.tmp)" if tmp else "")
@@ -1022,12 +1026,12 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     missing, short = [], []
     for rel, end in sorted(needed.items()):
         try:
-            size = os.stat(os.path.join(local, rel)).st_size
-        except FileNotFoundError:
+            size = posix.file_size(os.path.join(local, rel))
+        except StorageError as exc:
+            return f"{rel} cannot be read: {exc}"
+        if size is None:
             missing.append(rel)
             continue
-        except OSError as exc:
-            return f"{rel} cannot be read: {exc}"
         if size < end:
             short.append(f"{rel} ({size} of at least {end} bytes)")
     if missing:
@@ -1122,7 +1126,7 @@ def _adopt_path(parent: str, name: str) -> None:
     from ..adopt import _checksum_and_sync
 
     final = os.path.join(parent, name)
-    if not os.path.isdir(final):
+    if not posix.is_dir(final):
         raise CheckpointNotFoundError(f"no checkpoint at {final!r}")
     storage = LocalStorage(parent)
     if storage.size(f"{name}/{MANIFEST_NAME}") is not None:

@@ -112,10 +112,11 @@ from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     SerializationError,
+    StorageError,
     UnsafeCheckpointError,
-    map_os_error,
 )
 from ..manifest import DEFAULT_ALGORITHM, Hasher
+from ..storage import posix
 from ..storage.local import LocalStorage
 from ..storage.temps import parse_temp_name
 
@@ -242,13 +243,9 @@ def _read_versions(path: str) -> list[_Version] | None:
 def _read_manifest(path: str) -> tuple[list[_Version], bool] | None:
     """(versions, adopted) from the manifest of ``path``; None when it has none."""
     where = _manifest_path(path)
-    try:
-        with open(where, "rb") as f:
-            data = f.read(1 << 20)
-    except FileNotFoundError:
+    data = posix.read_head(where, 1 << 20)
+    if data is None:
         return None
-    except OSError as exc:
-        raise map_os_error(exc, "read", where) from exc
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:  # untrusted: may nest too deeply to parse
@@ -282,18 +279,7 @@ def _manifest_bytes(name: str, versions: list[_Version], *, adopted: bool = Fals
 
 def _hash_file(path: str, algorithm: str) -> tuple[str, int]:
     h = Hasher(algorithm)
-    size = 0
-    buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
-    try:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(view):
-                h.update(view[:n])
-                size += n
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"checkpoint file {path!r} does not exist") from exc
-    except OSError as exc:
-        raise map_os_error(exc, "read", path) from exc
+    size = posix.hash_file(path, h, _READ_CHUNK)
     return h.hexdigest(), size
 
 
@@ -318,21 +304,18 @@ def verify_checkpoint(
             truncated or modified), or it has no manifest and one is required.
     """
     final = _local_path(path)
-    if os.path.islink(final):
-        target = os.path.realpath(final)
-        if not os.path.lexists(target):
+    if posix.is_link(final):
+        target = posix.real_path(final)
+        if not posix.lexists(target):
             raise CheckpointNotFoundError(
                 f"checkpoint file {final!r} is a symbolic link to {target!r}, which does not "
                 "exist (its target was removed); resume from another checkpoint"
             )
         resolved = verify_checkpoint(target, full=full, require_manifest=require_manifest)
         return dataclasses.replace(resolved, link=final)
-    try:
-        st = os.stat(final)
-    except FileNotFoundError as exc:
-        raise CheckpointNotFoundError(f"checkpoint file {final!r} does not exist") from exc
-    except OSError as exc:
-        raise map_os_error(exc, "stat", final) from exc
+    size_bytes = posix.file_size(final)
+    if size_bytes is None:
+        raise CheckpointNotFoundError(f"checkpoint file {final!r} does not exist")
     recorded = _read_manifest(final)
     versions = None if recorded is None else recorded[0]
     if versions is None:
@@ -342,12 +325,12 @@ def verify_checkpoint(
                 "was not written by AtomicCheckpointIO, so it cannot be verified; pass "
                 "require_manifest=False to load it unverified"
             )
-        return CheckpointFile(final, st.st_size, None, None, None, has_manifest=False)
-    sized = [v for v in versions if v.size_bytes == st.st_size]
+        return CheckpointFile(final, size_bytes, None, None, None, has_manifest=False)
+    sized = [v for v in versions if v.size_bytes == size_bytes]
     if not sized:
         listed = ", ".join(str(v.size_bytes) for v in versions)
         raise CorruptCheckpointError(
-            f"{final!r} is {st.st_size} bytes but its manifest records {listed}: the file "
+            f"{final!r} is {size_bytes} bytes but its manifest records {listed}: the file "
             "is torn or truncated, or was modified after the save. Resume from another "
             "checkpoint (atomic_checkpoint.integrations.lightning.latest_checkpoint)"
         )
@@ -380,7 +363,7 @@ def verify_checkpoint(
         )
     return CheckpointFile(
         final,
-        st.st_size,
+        size_bytes,
         match.global_step,
         match.epoch,
         digest,
@@ -416,17 +399,15 @@ def latest_checkpoint(
         LockHeldError: ``adopt`` and a job holds the run lock of ``dirpath``.
     """
     directory = _local_path(dirpath)
-    if adopt and _launch_rank() == 0 and os.path.isdir(directory):
+    if adopt and _launch_rank() == 0 and posix.is_dir(directory):
         adopt_checkpoints(directory)
-    try:
-        names = sorted(os.listdir(directory))
-    except FileNotFoundError:
+    listed = posix.list_dir(directory)
+    if listed is None:
         return None
-    except OSError as exc:
-        raise map_os_error(exc, "list", directory) from exc
+    names = sorted(listed)
     best: tuple[int, str] | None = None
     for name in names:
-        if not name.endswith(".ckpt") or not os.path.exists(
+        if not name.endswith(".ckpt") or not posix.exists(
             os.path.join(directory, name + MANIFEST_SUFFIX)
         ):
             continue
@@ -464,14 +445,16 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     """
     final = _local_path(path)
     try:
-        if os.path.exists(final + MANIFEST_SUFFIX):
+        if posix.exists(final + MANIFEST_SUFFIX):
             verify_checkpoint(final, full=False, require_manifest=True)
             return None
-        size = os.path.getsize(final)
+        size = posix.file_size(final)
+    except StorageError as exc:
+        return f"cannot be read: {exc}"
     except CheckpointError as exc:
         return str(exc)
-    except OSError as exc:
-        return f"cannot be read: {exc}"
+    if size is None:
+        return "cannot be read: it does not exist"
     if size == 0:
         return "it is empty (0 bytes): torn by a crash during the save (Lightning truncates first)"
     try:
@@ -498,12 +481,12 @@ def _record_adopted(path: str) -> bool:
     ``global_step``), marked adopted. False when it has a manifest already."""
     final = _local_path(path)
     directory, name = os.path.split(final)
-    if os.path.exists(final + MANIFEST_SUFFIX):
+    if posix.exists(final + MANIFEST_SUFFIX):
         return False
     match = _CKPT_NAME_RE.match(name)
     epoch = _EPOCH_RE.search(name)
     digest, size = _hash_file(final, DEFAULT_ALGORITHM)
-    _fsync_path(final)  # a stock save never fsyncs: the manifest must not outlive the data
+    posix.fsync_file(final)  # a stock save never fsyncs: the manifest must not outlive the data
     version = _Version(
         size,
         digest,
@@ -516,19 +499,6 @@ def _record_adopted(path: str) -> bool:
     store.fsync_dir("")
     store.write_bytes_atomic(name + MANIFEST_SUFFIX, _manifest_bytes(name, [version], adopted=True))
     return True
-
-
-def _fsync_path(path: str) -> None:
-    # Windows: only a writable handle can be flushed.
-    flags = os.O_RDWR if os.name == "nt" else os.O_RDONLY
-    try:
-        fd = os.open(path, flags)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise map_os_error(exc, "fsync", path) from exc
 
 
 def adopt_checkpoints(dirpath: str | os.PathLike[str], *, dry_run: bool = False) -> Any:
@@ -586,7 +556,7 @@ def _ensure_dir(directory: str) -> None:
     """Create ``directory`` and make every new entry durable (fsync of each parent)."""
     missing = []
     d = directory
-    while not os.path.isdir(d):
+    while not posix.is_dir(d):
         missing.append(d)
         parent = os.path.dirname(d)
         if parent == d:
@@ -763,7 +733,7 @@ class _AtomicFileIO:
             versions = None
         if versions is not None:
             return versions
-        if not os.path.isfile(final):
+        if not posix.is_file(final):
             return []
         digest, size = _hash_file(final, DEFAULT_ALGORITHM)
         return [_Version(size, digest, DEFAULT_ALGORITHM, None, None, 0.0)]
@@ -825,7 +795,7 @@ class _AtomicFileIO:
         """
         final = _local_path(path)
         directory, name = os.path.split(final)
-        if os.path.isdir(final):
+        if posix.is_dir(final):
             log.warning(
                 "not removing %s: it is a directory, and AtomicCheckpointIO only removes "
                 "the .ckpt files it writes",
@@ -835,7 +805,7 @@ class _AtomicFileIO:
         store = LocalStorage(directory)
         store.delete_file(name)
         store.delete_file(name + MANIFEST_SUFFIX)
-        if os.path.isdir(directory):
+        if posix.is_dir(directory):
             store.fsync_dir("")
         log.info("removed %s", final)
 

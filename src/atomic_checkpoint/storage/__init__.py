@@ -1,7 +1,8 @@
 """Storage backends. ``LocalStorage`` for mounted filesystems, ``MemoryStorage`` for
 unit tests of pure logic; ``FsspecStorage`` (object stores) lives in ``fsspec.py`` and
 imports fsspec only when used: it is exported lazily, so ``import atomic_checkpoint``
-never imports fsspec."""
+never imports fsspec. ``posix.py`` holds the calls by OS path that the rest of the
+package makes on a mounted filesystem, with their OSError mapped here too."""
 
 import os
 import urllib.parse

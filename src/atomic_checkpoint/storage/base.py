@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
@@ -70,6 +70,29 @@ class Writer(Protocol):
     def close(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+_W = TypeVar("_W", bound="AbortOnError")
+
+
+class AbortOnError:
+    """What the backends' writers share: in a ``with`` block, ``close()`` (durable) when
+    the block succeeds, ``abort()`` (nothing left behind) when it raises."""
+
+    def close(self) -> None:
+        raise NotImplementedError  # pragma: no cover - every writer overrides it
+
+    def abort(self) -> None:
+        raise NotImplementedError  # pragma: no cover - every writer overrides it
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
 @runtime_checkable

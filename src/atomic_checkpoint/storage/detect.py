@@ -195,6 +195,19 @@ def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> Mount
     return best
 
 
+def _copy_delete_capabilities(fstype: str) -> StorageCapabilities:
+    """The cautious capabilities of a mount whose rename may be copy+delete: no atomic
+    directory rename (so the marker strategy), no directory fsync, no exclusive create
+    across clients, not coherent."""
+    return StorageCapabilities(
+        name=fstype,
+        atomic_dir_rename=False,
+        dir_fsync=False,
+        exclusive_create=False,
+        coherent=False,
+    )
+
+
 def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
     """Capabilities of a ``LocalStorage`` rooted at ``path``, from its mount.
 
@@ -216,13 +229,7 @@ def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
     if mount is None:
         return StorageCapabilities(name="local", dir_fsync=dir_fsync)
     if mount.is_copy_delete:
-        return StorageCapabilities(
-            name=mount.fstype,
-            atomic_dir_rename=False,
-            dir_fsync=False,
-            exclusive_create=False,
-            coherent=False,
-        )
+        return _copy_delete_capabilities(mount.fstype)
     network = _NETWORK.get(mount.fstype)
     if network is not None:
         return StorageCapabilities(
@@ -231,13 +238,7 @@ def local_capabilities(path: str | os.PathLike[str]) -> StorageCapabilities:
     fuse = mount.fuse_name
     if fuse is not None and mount.fstype != "fuseblk" and fuse not in LOCAL_FUSE:
         _warn_unknown_fuse(mount)
-        return StorageCapabilities(
-            name=mount.fstype,
-            atomic_dir_rename=False,
-            dir_fsync=False,
-            exclusive_create=False,
-            coherent=False,
-        )
+        return _copy_delete_capabilities(mount.fstype)
     return StorageCapabilities(name="local", dir_fsync=dir_fsync)
 
 

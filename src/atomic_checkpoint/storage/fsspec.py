@@ -49,6 +49,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import (
@@ -57,10 +58,31 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from .base import MAX_READ_BYTES, Reader, StorageCapabilities, check_no_links, linked, too_large
+from .base import (
+    MAX_READ_BYTES,
+    AbortOnError,
+    Reader,
+    StorageCapabilities,
+    check_no_links,
+    linked,
+    too_large,
+)
+from .posix import fsync_directory
 from .temps import temp_name
 
 log = logging.getLogger("atomic_checkpoint")
+
+
+@dataclass(frozen=True)
+class OpenUpload:
+    """An unfinished multipart upload: its parts are stored (and billed) but no object
+    exists until it completes; ``path`` is the key relative to the root."""
+
+    path: str
+    upload_id: str
+    #: When the store says it started (unix seconds), or None if it does not say.
+    initiated_unix: float | None
+
 
 #: Protocols whose paths start with a bucket (or container) and that have no real
 #: directories: ``makedirs`` is a no-op there and an empty "directory" does not exist.
@@ -656,18 +678,7 @@ class FsspecStorage:
         # Object stores: an object is durable when its PUT returns; nothing to flush.
         if not self.capabilities.dir_fsync:
             return
-        p = self._abs(path)
-        try:
-            fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        except OSError as exc:
-            raise map_os_error(exc, "open directory", p) from exc
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise map_os_error(exc, "fsync directory", p) from exc
-        finally:
-            os.close(fd)
+        fsync_directory(self._abs(path))
 
     def delete_file(self, path: str) -> None:
         self._beneath(path, final=False)  # a link itself may go, never what is behind one
@@ -797,32 +808,79 @@ class FsspecStorage:
     def _abort_uploads(self, path: str) -> None:
         """S3: abort unfinished multipart uploads under ``path/``. A writer killed in the
         middle of a large file leaves its uploaded parts invisible but stored (and
-        billed) until aborted; the sweep of its attempt gets here. The listing asks for
-        the prefix only and follows every page (1,000 uploads per page): a bucket busy
-        with other uploads must not hide ours behind the first page."""
-        call_s3 = getattr(self.fs, "call_s3", None)
-        abort = getattr(self.fs, "abort_mpu", None)
-        if self.protocol not in ("s3", "s3a") or call_s3 is None or abort is None:
-            return
-        bucket, _, key = self._abs(path).partition("/")
-        prefix = key.rstrip("/") + "/"
-        markers: dict[str, str] = {}
+        billed) until aborted; the sweep of its attempt gets here. Failures are logged:
+        what is left, ``atomic-checkpoint clean`` removes."""
         try:
-            for _page in range(10_000):  # bounded: 10^7 uploads under one prefix
-                out = call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
-                for upload in out.get("Uploads", []) or []:
-                    name = str(upload.get("Key", ""))
-                    if name.startswith(prefix):  # the store filtered; never trust blindly
-                        abort(bucket, name, upload["UploadId"])
-                following = {
-                    "KeyMarker": str(out.get("NextKeyMarker") or ""),
-                    "UploadIdMarker": str(out.get("NextUploadIdMarker") or ""),
-                }
-                if not out.get("IsTruncated") or following == markers:
-                    break  # the last page (or a store that does not advance: stop)
-                markers = following
-        except Exception as exc:
+            for upload in self.open_uploads(path):
+                self.abort_upload(upload)
+        except CheckpointError as exc:
             log.warning("could not abort unfinished uploads under %s: %s", self.url(path), exc)
+
+    def open_uploads(self, path: str = "") -> list[OpenUpload]:
+        """The unfinished multipart uploads under ``path/`` (the root itself by
+        default); ``[]`` on stores without them (anything but S3).
+
+        The listing asks the store for the prefix ``<root key>/<path>/`` only, so a
+        sibling prefix (``run10`` beside ``run1``) or another run in the bucket is never
+        returned, and each key is checked against the prefix again. It follows every
+        page (``IsTruncated``, ``NextKeyMarker``/``NextUploadIdMarker``; S3 answers at
+        most 1,000 uploads a page): a bucket busy with uploads must not hide ours
+        behind the first page.
+
+        Raises:
+            StorageError: the store could not be listed (the uploads are then unknown).
+        """
+        call_s3 = getattr(self.fs, "call_s3", None)
+        if self.protocol not in ("s3", "s3a") or call_s3 is None:
+            return []
+        bucket, _, key = self._abs(path).partition("/")
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        base = self._abs("").partition("/")[2].rstrip("/")
+        base = base + "/" if base else ""
+        found: list[OpenUpload] = []
+        markers: dict[str, str] = {}
+        for _page in range(10_000):  # bounded: 10^7 uploads under one prefix
+            with self._mapped("list unfinished uploads under", path):
+                out = call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            for upload in out.get("Uploads", []) or []:
+                name = str(upload.get("Key", ""))
+                if name.startswith(prefix) and name.startswith(base):  # never trust blindly
+                    started = upload.get("Initiated")
+                    found.append(
+                        OpenUpload(
+                            path=name[len(base) :],
+                            upload_id=str(upload["UploadId"]),
+                            initiated_unix=started.timestamp()
+                            if hasattr(started, "timestamp")
+                            else None,
+                        )
+                    )
+            following = {
+                "KeyMarker": str(out.get("NextKeyMarker") or ""),
+                "UploadIdMarker": str(out.get("NextUploadIdMarker") or ""),
+            }
+            if not out.get("IsTruncated") or following == markers:
+                break  # the last page (or a store that does not advance: stop)
+            markers = following
+        return found
+
+    def abort_upload(self, upload: OpenUpload) -> None:
+        """Abort one unfinished multipart upload (its parts are deleted); an upload
+        already gone (completed or aborted meanwhile) is fine.
+
+        Raises:
+            StorageError: the store refused or could not be reached.
+        """
+        call_s3 = getattr(self.fs, "call_s3", None)
+        if call_s3 is None:
+            return
+        bucket, _, key = self._abs(upload.path).partition("/")
+        try:
+            call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload.upload_id)
+        except FileNotFoundError:
+            pass  # NoSuchUpload: completed or aborted by someone else meanwhile
+        except Exception as exc:
+            raise self._error(exc, "abort the unfinished upload of", upload.path) from exc
 
     def refresh(self, path: str) -> None:
         # Listings are never cached (use_listings_cache=False); drop whatever a driver
@@ -831,7 +889,7 @@ class FsspecStorage:
             self.fs.invalidate_cache(self._abs(path))
 
 
-class _FsspecWriter:
+class _FsspecWriter(AbortOnError):
     """Streams one object. Large writes go out as multipart parts of ``block_size``;
     ``close()`` completes the upload (the object appears whole, at once); ``abort()``
     aborts it, so nothing appears."""
@@ -893,15 +951,6 @@ class _FsspecWriter:
             self._s.delete_file(self._rel)
         except CheckpointError as exc:
             log.warning("could not remove the partial file %s: %s", self._s.url(self._rel), exc)
-
-    def __enter__(self) -> _FsspecWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 class _RangeReader:

@@ -88,8 +88,17 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from .base import MAX_READ_BYTES, Reader, StorageCapabilities, check_no_links, linked, too_large
+from .base import (
+    MAX_READ_BYTES,
+    AbortOnError,
+    Reader,
+    StorageCapabilities,
+    check_no_links,
+    linked,
+    too_large,
+)
 from .detect import local_capabilities, mount_of
+from .posix import fsync_directory
 from .temps import temp_name
 
 log = logging.getLogger("atomic_checkpoint")
@@ -134,6 +143,27 @@ def _load_fallocate() -> Callable[..., int] | None:
 
 _fallocate = _load_fallocate()
 _FALLOC_FL_KEEP_SIZE = 1
+
+
+def _reserve(fd: int, size_hint: int | None, path: str, abort: Callable[[], None]) -> None:
+    """Reserve ``size_hint`` bytes for the new file ``fd`` before writing it, so a full
+    disk fails at open (``abort`` is called first, then StorageError) instead of after
+    gigabytes were written.
+
+    KEEP_SIZE: the blocks are reserved without changing the file's size, so a short
+    write can never leave a file longer than what was written. EOPNOTSUPP, EINVAL and
+    ENOSYS (FUSE, NFSv3: the filesystem cannot reserve) are ignored; the write loop
+    still catches ENOSPC.
+    """
+    if not size_hint or _fallocate is None:
+        return
+    if _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, size_hint) == 0:
+        return
+    code = ctypes.get_errno()
+    if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        abort()
+        reserve_error = OSError(code, os.strerror(code), path)
+        raise map_os_error(reserve_error, "reserve space for", path) from None
 
 
 def _replace(src: str, dst: str) -> None:
@@ -213,7 +243,7 @@ class _LocalReader:
         self.close()
 
 
-class _LocalWriter:
+class _LocalWriter(AbortOnError):
     """Writes through one descriptor; ``close()`` fsyncs it before closing."""
 
     def __init__(self, storage: LocalStorage, rel: str, size_hint: int | None):
@@ -226,20 +256,7 @@ class _LocalWriter:
             self._fd: int | None = os.open(self._path, flags, 0o666)
         except OSError as exc:
             raise _open_error(exc, "create", self._path) from exc
-        # KEEP_SIZE: reserve the blocks without changing the file's size, so a short
-        # write can never leave a file longer than what was written.
-        if (
-            size_hint
-            and _fallocate is not None
-            and _fallocate(self._fd, _FALLOC_FL_KEEP_SIZE, 0, size_hint) != 0
-        ):
-            code = ctypes.get_errno()
-            # EOPNOTSUPP/EINVAL/ENOSYS: the filesystem cannot reserve (FUSE, NFSv3); the
-            # write loop still catches ENOSPC.
-            if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-                self.abort()
-                reserve_error = OSError(code, os.strerror(code), self._path)
-                raise map_os_error(reserve_error, "reserve space for", self._path) from None
+        _reserve(self._fd, size_hint, self._path, self.abort)
 
     def write(self, data: bytes | memoryview) -> None:
         fd = self._fd
@@ -275,23 +292,30 @@ class _LocalWriter:
 
     def abort(self) -> None:
         fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
-
-    def __enter__(self) -> _LocalWriter:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        _discard(fd, self._path)
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _discard(fd: int | None, path: str) -> None:
+    """Close ``fd`` (if open) and remove the partial file ``path``; best effort, as an
+    abort runs on a path that is failing already."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def _lstat(p: str) -> os.stat_result | None:
+    """``os.lstat(p)``, or None if ``p`` (or a directory on its way) is missing."""
+    try:
+        return os.lstat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise map_os_error(exc, "stat", p) from exc
 
 
 def _open_error(exc: OSError, action: str, path: str) -> CheckpointError:
@@ -363,16 +387,7 @@ class _DirectWriter:
         self._aborting = False
         self._queue: queue.Queue[Any] = queue.Queue()
         self._threads: list[threading.Thread] = []
-        if (
-            size_hint
-            and _fallocate is not None
-            and _fallocate(self._fd, _FALLOC_FL_KEEP_SIZE, 0, size_hint) != 0
-        ):
-            code = ctypes.get_errno()
-            if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-                self.abort()
-                reserve_error = OSError(code, os.strerror(code), self._path)
-                raise map_os_error(reserve_error, "reserve space for", self._path) from None
+        _reserve(self._fd, size_hint, self._path, self.abort)
         self._threads = [
             threading.Thread(target=self._run, name="atomic-checkpoint-io", daemon=True)
             for _ in range(depth)
@@ -456,11 +471,7 @@ class _DirectWriter:
         self._aborting = True  # queued writes are skipped
         self._stop()
         fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(self._path)
+        _discard(fd, self._path)
 
 
 class _NoDirectIO(Exception):
@@ -817,12 +828,9 @@ class LocalStorage:
 
     def size(self, path: str) -> int | None:
         p = self._abs(path)
-        try:
-            st = os.lstat(p)
-        except (FileNotFoundError, NotADirectoryError):
+        st = _lstat(p)
+        if st is None:
             return None
-        except OSError as exc:
-            raise map_os_error(exc, "stat", p) from exc
         if stat.S_ISLNK(st.st_mode):
             raise linked(p)  # its target's size is outside's business
         return st.st_size
@@ -835,14 +843,8 @@ class LocalStorage:
         token means the same bytes. On network filesystems the attributes come from this
         client's cache: its own changes show at once, other clients' within the cache's
         timeout. Used by ``catalog.ManifestCache``."""
-        p = self._abs(path)
-        try:
-            st = os.lstat(p)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        except OSError as exc:
-            raise map_os_error(exc, "stat", p) from exc
-        if not stat.S_ISREG(st.st_mode):
+        st = _lstat(self._abs(path))
+        if st is None or not stat.S_ISREG(st.st_mode):
             return None
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
@@ -945,20 +947,7 @@ class LocalStorage:
     def fsync_dir(self, path: str) -> None:
         if not self.capabilities.dir_fsync:
             return
-        p = self._abs(path)
-        try:
-            fd = os.open(p, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        except OSError as exc:
-            raise map_os_error(exc, "open directory", p) from exc
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            # EINVAL: the filesystem does not support directory fsync (some FUSE); the
-            # entries are as durable as that filesystem makes them.
-            if exc.errno != errno.EINVAL:
-                raise map_os_error(exc, "fsync directory", p) from exc
-        finally:
-            os.close(fd)
+        fsync_directory(self._abs(path))
 
     def delete_file(self, path: str) -> None:
         self.check_root()

@@ -12,29 +12,7 @@ from atomic_checkpoint import CheckpointManager
 
 transformers.logging.set_verbosity_error()
 
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def _args(max_steps: int) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir="out",
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        save_steps=2,
-        logging_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+# include: _tiny_trainer
 
 
 torch.manual_seed(0)

@@ -2,7 +2,7 @@
 # real Trainer without the library saved checkpoint-2 and checkpoint-4; a crash then tore
 # checkpoint-4: the Trainer writes trainer_state.json last), and a model,
 # TrainingArguments (now to step 6) and a data set for the continued run.
-# ruff: noqa: F401  (the sample uses these names, or defines them)
+# ruff: noqa: F401, F821  (the sample uses these names, or defines them)
 import os
 
 import torch
@@ -14,29 +14,7 @@ from atomic_checkpoint.integrations.hf import AtomicCheckpointCallback, make_ato
 
 transformers.logging.set_verbosity_error()
 
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def _args(max_steps: int) -> TrainingArguments:
-    return TrainingArguments(
-        output_dir="out",
-        max_steps=max_steps,
-        per_device_train_batch_size=4,
-        save_steps=2,
-        logging_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+# include: _tiny_trainer
 
 
 def _model() -> GPT2LMHeadModel:

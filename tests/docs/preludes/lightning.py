@@ -12,28 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from atomic_checkpoint.integrations.lightning import AtomicCheckpointIO, latest_checkpoint
 
-
-class _Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-        return torch.utils.data.DataLoader(data, batch_size=8)
-
-
-_quiet = dict(
-    accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
-)
+# include: _regressor
 Trainer = functools.partial(pl.Trainer, max_steps=6, **_quiet)
 model = _Regressor()
 # --- sample ---

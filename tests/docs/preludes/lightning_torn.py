@@ -12,28 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from atomic_checkpoint.integrations.lightning import AtomicCheckpointIO, latest_checkpoint
 
-
-class _Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.05)
-
-    def train_dataloader(self):
-        x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
-        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
-        return torch.utils.data.DataLoader(data, batch_size=8)
-
-
-_quiet = dict(
-    accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False
-)
+# include: _regressor
 _every2 = ModelCheckpoint(dirpath="ckpts", save_last=True, every_n_train_steps=2, save_top_k=-1)
 pl.Trainer(max_steps=6, callbacks=[_every2], **_quiet).fit(_Regressor())
 open("ckpts/last.ckpt", "wb").close()  # the kill's state: truncated, nothing written yet

@@ -14,15 +14,13 @@ accel_kill.py check STOCK_DIR ATOMIC_DIR REF_DIR RESULT_JSON
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch
 from compare import differences, dump, snapshot
-from tiny_accel import build, train_step
+from tiny_accel import build, kill_during_save, train_step
 
 from atomic_checkpoint.integrations.accelerate import close, load_state, save_state
 
@@ -31,15 +29,7 @@ KILL_AT_SAVE = 2
 
 def run(kind: str, project: str) -> None:
     acc, model, opt, sched = build(project, total_limit=1)
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        name = os.path.basename(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else ""
-        if name == "optimizer.bin" and acc.save_iteration == KILL_AT_SAVE:
-            os.kill(os.getpid(), signal.SIGKILL)  # the model file is on disk, nothing else
-        return real_save(obj, f, *args, **kwargs)
-
-    torch.save = save
+    kill_during_save(acc, KILL_AT_SAVE)
     for step in range(1, 7):
         train_step(acc, model, opt, sched, step)
         if step % 2 == 0:

@@ -19,15 +19,13 @@ accel_layout.py check {stock|switch} PROJECT_DIR REF_DIR RESULT_JSON
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch
 from compare import differences, dump, snapshot
-from tiny_accel import build, train_step
+from tiny_accel import build, kill_during_save, train_step
 
 from atomic_checkpoint.integrations.accelerate import close, load_state, make_atomic, save_state
 
@@ -38,15 +36,7 @@ def run(kind: str, project: str) -> None:
     acc, model, opt, sched = build(project, total_limit=None if kind == "stock" else 1)
     if kind == "switch":
         make_atomic(acc, timeout_s=60)
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        name = os.path.basename(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else ""
-        if name == "optimizer.bin" and acc.save_iteration == KILL_AT_SAVE:
-            os.kill(os.getpid(), signal.SIGKILL)  # the model file is on disk, nothing else
-        return real_save(obj, f, *args, **kwargs)
-
-    torch.save = save
+    kill_during_save(acc, KILL_AT_SAVE)
     for step in range(1, 7):
         train_step(acc, model, opt, sched, step)
         if step % 2 == 0:

@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from compare import differences, dump
-from tiny_hf import RandomTokens, SnapshotAt, losses, tiny_args, tiny_model
+from tiny_hf import RandomTokens, SnapshotAt, StopAt, losses, tiny_args, tiny_model
 from transformers import Trainer, TrainerCallback
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
@@ -68,15 +68,6 @@ class Recorder(TrainerCallback):
         self.saves.append(
             {"step": state.global_step, "committed": os.path.isfile(os.path.join(path, MANIFEST))}
         )
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def trainer(out: str, *, first_eval: int, callbacks: list[TrainerCallback]) -> Trainer:

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 from compare import differences, dump
-from tiny_hf import RandomTokens, SnapshotAt, losses, tiny_args, tiny_model
+from tiny_hf import RandomTokens, SnapshotAt, StopAt, losses, tiny_args, tiny_model
 from transformers import Trainer, TrainerCallback
 
 from atomic_checkpoint.integrations.hf import make_atomic
@@ -63,6 +63,29 @@ def run(kind: str, out: str, kill_step: int) -> None:
     raise SystemExit(f"the run finished without reaching the kill at step {kill_step}")
 
 
+def compare_to_reference(
+    doc: dict, resumed: Trainer, snap: SnapshotAt, ref_dir: str, resume_step: int
+) -> SnapshotAt:
+    """Train an uninterrupted reference run in ``ref_dir`` and record in ``doc`` how the
+    resumed run differs from it: the state restored at ``resume_step`` (``snap``), the
+    losses after it, and the final weights (all empty/equal when the resume is exact).
+    Returns the reference's own snapshot at ``resume_step``."""
+    ref_snap = SnapshotAt(resume_step)
+    reference = build(ref_dir, atomic=False, callbacks=[ref_snap])
+    reference.train()
+    doc["restored_vs_reference"] = differences(snap.taken, ref_snap.taken)
+    doc["losses_resumed"] = {
+        k: v for k, v in losses(resumed.state.log_history).items() if k > resume_step
+    }
+    doc["losses_reference"] = {
+        k: v for k, v in losses(reference.state.log_history).items() if k > resume_step
+    }
+    doc["final_vs_reference"] = differences(
+        resumed.model.state_dict(), reference.model.state_dict()
+    )
+    return ref_snap
+
+
 def check(stock_dir: str, atomic_dir: str, ref_dir: str, result: str, resume_step: int) -> None:
     doc: dict[str, object] = {}
     try:
@@ -90,19 +113,7 @@ def check(stock_dir: str, atomic_dir: str, ref_dir: str, result: str, resume_ste
     resumed.train(resume_from_checkpoint=True)
     doc["atomic_first_step"] = snap.first_step_seen
 
-    ref_snap = SnapshotAt(resume_step)
-    reference = build(ref_dir, atomic=False, callbacks=[ref_snap])
-    reference.train()
-    doc["restored_vs_reference"] = differences(snap.taken, ref_snap.taken)
-    doc["losses_resumed"] = {
-        k: v for k, v in losses(resumed.state.log_history).items() if k > resume_step
-    }
-    doc["losses_reference"] = {
-        k: v for k, v in losses(reference.state.log_history).items() if k > resume_step
-    }
-    doc["final_vs_reference"] = differences(
-        resumed.model.state_dict(), reference.model.state_dict()
-    )
+    ref_snap = compare_to_reference(doc, resumed, snap, ref_dir, resume_step)
     doc["atomic_listing"] = sorted(os.listdir(atomic_dir))
 
     # The marker strategy (chosen on object-store mounts such as s3fs, where directory
@@ -146,19 +157,7 @@ def adopt(stock_dir: str, ref_dir: str, result: str, resume_step: int) -> None:
     doc["refused"] = {str(k): v for k, v in continued._atomic_checkpoint.refused.items()}
     doc["first_step"] = snap.first_step_seen
 
-    ref_snap = SnapshotAt(resume_step)
-    reference = build(ref_dir, atomic=False, callbacks=[ref_snap])
-    reference.train()
-    doc["restored_vs_reference"] = differences(snap.taken, ref_snap.taken)
-    doc["losses_resumed"] = {
-        k: v for k, v in losses(continued.state.log_history).items() if k > resume_step
-    }
-    doc["losses_reference"] = {
-        k: v for k, v in losses(reference.state.log_history).items() if k > resume_step
-    }
-    doc["final_vs_reference"] = differences(
-        continued.model.state_dict(), reference.model.state_dict()
-    )
+    compare_to_reference(doc, continued, snap, ref_dir, resume_step)
     doc["after"] = sorted(os.listdir(stock_dir))
     doc["committed"] = [c.step for c in CheckpointManager(stock_dir, read_only=True).checkpoints()]
     dump(result, doc)
@@ -190,15 +189,6 @@ class Manifests(TrainerCallback):
                     self.at_train_begin[name] = bool(read_manifest(self.storage, name).adopted)
                 except Exception as exc:
                     self.at_train_begin[name] = type(exc).__name__
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 if __name__ == "__main__":

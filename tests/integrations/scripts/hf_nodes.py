@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.distributed as dist
 from compare import dump
-from tiny_hf import RandomTokens, SnapshotAt, tiny_args, tiny_model
+from tiny_hf import RandomTokens, SnapshotAt, StopAt, tiny_args, tiny_model
 from transformers import Trainer, TrainerCallback
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
@@ -36,15 +36,6 @@ BASE = sys.argv[1]
 RANK = int(os.environ["RANK"])
 NODE = int(os.environ["GROUP_RANK"])
 OUT = os.path.join(BASE, f"node{NODE}")
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 class HalfCopyTrainer(Trainer):

@@ -78,5 +78,17 @@ class SnapshotAt(TrainerCallback):
             self.taken = snapshot(model, optimizer, lr_scheduler)
 
 
+class StopAt(TrainerCallback):
+    """Stops the training once it has done ``step`` steps (a run cut short, as a kill
+    or a preemption would, but cleanly)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
 def losses(log_history: list[dict]) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in log_history if "loss" in e}

@@ -1,0 +1,90 @@
+"""Running the integration tests' real jobs (torchrun launches, example scripts) as
+child processes.
+
+Each job starts in a process group of its own, so that a test that runs out of time
+can kill the whole group (torchrun's agent and its workers, which outlive a killed
+agent otherwise); every wait is bounded by :data:`RUN_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+RUN_TIMEOUT_S = 120  # each launch; a test's launches stay within its timeout
+
+
+def job_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a job: offline (no model hub), one OpenMP thread
+    per process (the machine's cores are shared by every rank), no fault injection
+    inherited, and ``TMPDIR`` in the test's directory (torchrun leaves
+    ``torchelastic_*`` directories there); ``extra`` on top."""
+    env = dict(os.environ)
+    env.pop("ATOMIC_CHECKPOINT_FAULTS", None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TMPDIR=str(tmp_path),
+    )
+    env.update(extra)
+    return env
+
+
+def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """Start ``cmd`` in the repository, in its own process group, its output captured."""
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, for communicate's kill
+    )
+
+
+def communicate(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Wait for every process; on timeout kill each one's whole process group (torchrun
+    workers included) so nothing outlives the test."""
+    deadline = time.monotonic() + timeout_s
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return outs
+
+
+def check_exit(proc: subprocess.Popen[str], out: str, what: str) -> None:
+    """Fail the test with the end of ``out`` unless ``proc`` exited 0."""
+    if proc.returncode != 0:
+        pytest.fail(f"{what} exited with {proc.returncode}:\n{out[-6000:]}")
+
+
+def run_job(cmd: list[str], env: dict[str, str], what: str) -> str:
+    """Run ``cmd`` to completion; fail the test with its output unless it exits 0."""
+    proc = spawn(cmd, env)
+    (out,) = communicate([proc], RUN_TIMEOUT_S)
+    check_exit(proc, out, what)
+    return out
+
+
+def run_example(tmp_path: Path, name: str, *args: object) -> str:
+    """Run ``python examples/NAME ARGS`` as a reader of the docs would, to completion;
+    fail the test with its output unless it exits 0; return that output."""
+    cmd = [sys.executable, str(REPO / "examples" / name), *map(str, args)]
+    return run_job(cmd, job_env(tmp_path), f"examples/{name}")

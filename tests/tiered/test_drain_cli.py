@@ -1,0 +1,193 @@
+"""``atomic-checkpoint drain`` and the tier columns of ``list``/``verify``: a tiered job
+that ended with replication unfinished (its process SIGKILLed on the replicator thread
+at a named fault point), drained afterwards by the real command line in a subprocess,
+to a local directory and to the real S3 server; a cut link is the fault-injecting proxy
+answering 503."""
+
+# Fixtures imported from tests.testbed are requested by parameter name.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tests.cli.helpers import run_cli
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import Rule, S3Proxy
+from tests.tiered.test_tiered import REPO, fast_root, same, state  # noqa: F401
+
+from atomic_checkpoint import CheckpointManager, catalog
+from atomic_checkpoint.layout import checkpoint_name
+
+JOB = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, os.environ["TEST_DIR"])
+    from test_tiered import state
+    from atomic_checkpoint import Tier, TieredCheckpointManager
+
+    cfg = json.loads(os.environ["TIERED_CFG"])
+    mgr = TieredCheckpointManager(
+        [Tier(cfg["fast"]), Tier(cfg["slow"], storage_options=cfg.get("opts"))]
+    )
+    for s in (1, 2, 3):
+        mgr.save(s, state(s))
+        print("saved", s, flush=True)
+    mgr.wait_replicated(timeout_s=60)
+    print("replicated", flush=True)
+    """
+)
+
+
+def crashed_job(fast: Path, slow: str, opts: dict | None = None) -> None:
+    """A tiered job SIGKILLed while its replicator copies step 2: steps 2 and 3 are
+    committed on tier 0 only."""
+    env = dict(
+        os.environ,
+        TIERED_CFG=json.dumps({"fast": str(fast), "slow": slow, "opts": opts}),
+        TEST_DIR=str(Path(__file__).parent),
+        ATOMIC_CHECKPOINT_FAULTS="mid_replicate@0=kill:2",
+        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
+    )
+    env.pop("WORLD_SIZE", None)
+    child = subprocess.run(
+        [sys.executable, "-c", JOB], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    assert "saved 1" in child.stdout and "replicated" not in child.stdout
+
+
+def steps(root: str, **kw) -> list[int]:
+    return [c.step for c in CheckpointManager(root, read_only=True, **kw).checkpoints()]
+
+
+@pytest.mark.timeout(90)
+def test_drain_finishes_a_crashed_jobs_replication_and_list_verify_show_the_tiers(
+    fast_root, tmp_path
+):
+    slow = str(tmp_path / "persistent")
+    crashed_job(fast_root, slow)
+    before = steps(slow)
+    assert 3 not in before  # the job died with step 3 (at least) on tier 0 only
+
+    # list --tier: which tiers hold each step, before the drain.
+    doc = json.loads(run_cli("list", fast_root, "--tier", slow, "--json").stdout)
+    assert doc["tiers"] == [str(fast_root), slow]
+    held = {e["step"]: e["tiers"] for e in doc["entries"] if e["step"] is not None}
+    assert held[3] == [0] and all(held[s] == [0, 1] for s in before)
+
+    proc = run_cli("drain", fast_root, "--to", slow)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    drained = [s for s in (1, 2, 3) if s not in before]
+    for s in drained:  # progress: one line per step, as it is committed
+        assert f"checkpoint-{s}: replicated and verified" in proc.stdout
+    assert f"{len(drained)} replicated, 0 failed, 0 left" in proc.stdout
+
+    assert steps(slow) == [1, 2, 3]
+    reader = CheckpointManager(slow, read_only=True)
+    for s in (1, 2, 3):
+        there = catalog.load_checkpoint(reader.storage, s, full=True)
+        here = catalog.load_checkpoint(CheckpointManager(fast_root, read_only=True).storage, s)
+        assert {(f.size_bytes, f.checksum) for f in there.files} == {
+            (f.size_bytes, f.checksum) for f in here.files
+        }
+        assert same(reader.restore(step=s), state(s))
+    # Nothing was deleted on tier 0: drain never applies retention.
+    assert steps(str(fast_root)) == [1, 2, 3]
+
+    # A second drain has nothing to do and says so.
+    again = json.loads(run_cli("drain", fast_root, "--to", slow, "--json").stdout)
+    assert again["ok"] and again["replicated"] == [] and again["left"] == []
+
+    # verify --tier checks every copy on every tier; a corrupt persistent copy fails it.
+    doc = json.loads(run_cli("verify", fast_root, "--tier", slow, "--json").stdout)
+    assert doc["ok"] and sorted((r["step"], r["tier"]) for r in doc["checkpoints"]) == [
+        (s, t) for s in (1, 2, 3) for t in (0, 1)
+    ]
+    m = catalog.load_checkpoint(reader.storage, 2)
+    data = Path(slow) / checkpoint_name(2) / m.files[0].path
+    raw = bytearray(data.read_bytes())
+    raw[-10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    proc = run_cli("verify", fast_root, "--tier", slow)
+    assert proc.returncode == 1
+    assert "checkpoint-2 (tier 1): CORRUPT" in proc.stdout
+    assert "checkpoint-2: verified on tier(s) 0\n" in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_drain_refuses_a_live_job_and_never_replicates_a_corrupt_fast_copy(fast_root, tmp_path):
+    slow = str(tmp_path / "persistent")
+    plain = CheckpointManager(fast_root)
+    for s in (1, 2):
+        plain.save(s, state(s))
+    # The job is alive (it holds tier 0's run lock): drain refuses, exit 3.
+    proc = run_cli("drain", fast_root, "--to", slow)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "lock" in proc.stderr
+    plain.close()
+
+    m = catalog.load_checkpoint(plain.storage, 2)
+    data = fast_root / checkpoint_name(2) / m.files[0].path
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # same size: only the checksum tells
+    data.write_bytes(bytes(raw))
+    proc = run_cli("drain", fast_root, "--to", slow)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "checkpoint-2: NOT REPLICATED" in proc.stdout and "corrupt" in proc.stdout
+    assert "step 2" in proc.stderr
+    assert steps(slow) == [1]
+    assert os.listdir(Path(slow) / ".pending") == []
+
+
+@pytest.mark.netfs
+@pytest.mark.timeout(120)
+def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_bucket, fast_root):
+    url = f"s3://{s3_bucket}/run"
+    opts = s3_server.storage_options()
+    crashed_job(fast_root, url, opts)
+    before = steps(url, storage_options=opts)
+    opt_args = [a for k, v in opts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")]
+
+    # The link to S3 is cut: drain gives up after --timeout, exit 2, nothing lost.
+    with S3Proxy(s3_server, lifetime_s=60) as proxy:
+        cut = proxy.add(Rule("error", status=503, times=None))
+        popts = proxy.storage_options(max_attempts=1)
+        popt_args = [
+            a for k, v in popts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")
+        ]
+        proc = run_cli("drain", fast_root, "--to", url, *popt_args, "--json")
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "nothing was copied" in proc.stderr and "drain` again" in proc.stderr
+        proxy.remove(cut)
+        # Reads answer, every write fails: the lock check passes, the copies do not.
+        proxy.add(Rule("error", method="PUT", status=503, times=None))
+        popts = proxy.storage_options(max_attempts=1)
+        popt_args = [
+            a for k, v in popts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")
+        ]
+        proc = run_cli("drain", fast_root, "--to", url, *popt_args, "--timeout", "1", "--json")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert not doc["ok"] and 3 in doc["left"] and doc["replicated"] == []
+    assert "run `atomic-checkpoint drain` again" in proc.stderr
+    assert steps(str(fast_root)) == [1, 2, 3] and steps(url, storage_options=opts) == before
+
+    proc = run_cli("drain", fast_root, "--to", url, *opt_args, "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and [r["step"] for r in doc["replicated"]] == [
+        s for s in (1, 2, 3) if s not in before
+    ]
+    reader = CheckpointManager(url, storage_options=opts, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
+    for s in (1, 2, 3):
+        catalog.load_checkpoint(reader.storage, s, full=True)
+        assert same(reader.restore(step=s), state(s))

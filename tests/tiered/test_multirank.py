@@ -1,0 +1,192 @@
+"""Multi-rank tiered checkpoints in real gloo jobs: every rank a separate "node" with its
+own local directory as tier 0, the persistent tier a local directory or the real S3
+server. Each node's leader uploads its node's files, rank 0 publishes one manifest on
+the persistent tier once every upload verified; a node whose local tier was wiped
+restores its ranks' state from the persistent tier, bit-exactly."""
+
+# Fixtures imported from tests.testbed are requested by parameter name.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from tests.dist.launcher import run_ranks
+from tests.dist.workers import make_state, states_equal
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import Rule, S3Proxy
+from tests.tiered import workers
+
+from atomic_checkpoint import CheckpointManager, catalog
+from atomic_checkpoint.layout import checkpoint_name, rank_state_file
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+WORLD = 3
+
+
+def _ok(results):
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    return [r.value for r in results]
+
+
+@pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.netfs)])
+def persistent(request, tmp_path):
+    """The persistent tier: a local directory, or a prefix on the real S3 server."""
+    if request.param == "dir":
+        return str(tmp_path / "persistent"), None
+    server = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/run", server.storage_options()
+
+
+def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persistent_tier(
+    tmp_path, persistent
+):
+    slow, opts = persistent
+    base = str(tmp_path / "nodes")
+    first = _ok(
+        run_ranks(workers.w_tiered, WORLD, base, slow, opts, [1, 2, 3], tmp_dir=str(tmp_path))
+    )
+    assert all(v["latest"] is None and v["replicated"] and v["left"] == [] for v in first)
+    assert len({v["run_id"] for v in first}) == 1
+    # Every rank got the same answer: every step on tier 1, and on every node's tier 0
+    # until replicated (held past KeepLast(1)); a step replicated before the next
+    # save's rotation may be gone from tier 0 by then.
+    assert all([s for s, _t in v["listed"]] == [1, 2, 3] for v in first), first
+    assert all(v["listed"][-1] == (3, (0, 1)) for v in first), first
+    assert all(t in ((0, 1), (1,)) for v in first for _s, t in v["listed"]), first
+    assert len({tuple(v["listed"]) for v in first}) == 1
+    for r in range(WORLD):  # node r's disk holds rank r's file only
+        names = os.listdir(Path(base) / f"node{r}" / "checkpoint-3")
+        assert rank_state_file(r) in names and len([n for n in names if "rank-" in n]) == 1
+
+    # The persistent tier holds one manifest per step with every rank's file, the
+    # checksums of the save, and bytes that match them.
+    reader = CheckpointManager(slow, storage_options=opts, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
+    for s in (1, 2, 3):
+        m = catalog.load_checkpoint(reader.storage, s, full=True)
+        assert m.world_size == WORLD and m.domain_count == 1
+        assert sorted(f.path.rsplit("/", 1)[-1] for f in m.files) == sorted(
+            rank_state_file(r) for r in range(WORLD)
+        )
+        for r in range(WORLD):
+            assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
+    saved = catalog.load_checkpoint(
+        CheckpointManager(Path(base) / "node1", read_only=True).storage, 3
+    )
+    there = catalog.load_checkpoint(reader.storage, 3)
+    mine = {f.path.rsplit("/", 1)[-1]: f.checksum for f in there.files}
+    assert all(mine[f.path.rsplit("/", 1)[-1]] == f.checksum for f in saved.files)
+
+    # Node 1 is replaced: its local tier is empty. Every rank agrees on step 3; ranks 0
+    # and 2 load it from their own disks, rank 1 from the persistent tier; all exact.
+    shutil.rmtree(Path(base) / "node1")
+    second = _ok(run_ranks(workers.w_tiered, WORLD, base, slow, opts, [4], tmp_dir=str(tmp_path)))
+    assert all(v["latest"] == (3, (1,)) for v in second)
+    assert all(v["restored_ok"] and v["restored"] == (3, (0, 1)) for v in second)
+    assert len({v["run_id"] for v in second} | {first[0]["run_id"]}) == 1
+    # Step 4 replicated; tier 0's next rotation dropped the replicated steps (tier
+    # 1's own rotation may still run: close() waits for it, checked below).
+    assert all(v["replicated"] and v["listed"][-1] == (4, (0, 1)) for v in second), second
+    assert all(t == (1,) for v in second for _s, t in v["listed"][:-1])
+    assert len({tuple(v["listed"]) for v in second}) == 1
+    assert [c.step for c in reader.checkpoints()] == [2, 3, 4]
+    for r in range(WORLD):
+        assert states_equal(reader.restore(step=4, rank=r), make_state(4, r, big_elems=4096))
+    assert os.path.isdir(Path(base) / "node1" / checkpoint_name(4))
+
+    # Node 2's copy of step 4 rots (one byte, same size): rank 2's checksum fails while
+    # it reads, it reads its file from the persistent tier instead, and every rank
+    # still restores step 4, exactly.
+    m = catalog.load_checkpoint(CheckpointManager(Path(base) / "node2", read_only=True).storage, 4)
+    data = Path(base) / "node2" / checkpoint_name(4) / m.files[0].path
+    raw = bytearray(data.read_bytes())
+    raw[-50] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    third = _ok(run_ranks(workers.w_tiered, WORLD, base, slow, opts, [], tmp_dir=str(tmp_path)))
+    assert all(v["restored_ok"] and v["restored"] == (4, (0, 1)) for v in third)
+
+
+def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicates(tmp_path):
+    slow = str(tmp_path / "persistent")
+    base = str(tmp_path / "nodes")
+    # Rank 1 (node 1's leader) is SIGKILLed while it uploads its file of step 2.
+    env = {"ATOMIC_CHECKPOINT_FAULTS": "mid_replicate@1=kill:2"}
+    crashed = run_ranks(
+        workers.w_tiered,
+        WORLD,
+        base,
+        slow,
+        None,
+        [1, 2, 3],
+        5.0,
+        tmp_dir=str(tmp_path),
+        env=env,
+        timeout_s=40,
+    )
+    assert crashed[1].killed
+    assert not any(r.ok for r in crashed)
+    # Tier 1 never shows step 2: its manifest is published only after every node's
+    # upload verified. Every node still holds it (never deleted before replicated).
+    reader = CheckpointManager(slow, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1]
+    on_nodes = [
+        {c.step for c in CheckpointManager(Path(base) / f"node{r}", read_only=True).checkpoints()}
+        for r in range(WORLD)
+    ]
+    committed = set.intersection(*on_nodes)
+    # Step 2 never reached tier 1: every node holds it. Step 1 did, so tier 0's
+    # KeepLast(1) may have dropped it already.
+    assert 2 in committed
+
+    # Restart on the same nodes: every step committed everywhere reaches tier 1.
+    again = _ok(run_ranks(workers.w_tiered, WORLD, base, slow, None, [], tmp_dir=str(tmp_path)))
+    newest = max(committed)
+    assert all(v["replicated"] and v["left"] == [] for v in again)
+    assert all(v["restored_ok"] and v["restored"] == (newest, (0,)) for v in again)
+    assert [c.step for c in reader.checkpoints()] == sorted(committed | {1})
+    for s in sorted(committed):
+        catalog.load_checkpoint(reader.storage, s, full=True)
+        for r in range(WORLD):
+            assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
+
+
+@pytest.mark.netfs
+def test_saves_go_on_while_s3_is_unreachable_and_every_rank_catches_up(
+    tmp_path, s3_server, s3_bucket
+):
+    url = f"s3://{s3_bucket}/run"
+    base = str(tmp_path / "nodes")
+    opts = s3_server.storage_options()
+    _ok(run_ranks(workers.w_tiered, WORLD, base, url, opts, [1], tmp_dir=str(tmp_path)))
+    flag = tmp_path / "link-is-back"
+    with S3Proxy(s3_server, lifetime_s=120) as proxy:
+        # Every request fails with 503 until rank 0 says every rank saw its steps held.
+        cut = proxy.add(Rule("error", status=503, times=None, when=lambda _r: not flag.exists()))
+        values = _ok(
+            run_ranks(
+                workers.w_tiered_cut,
+                WORLD,
+                base,
+                url,
+                proxy.storage_options(max_attempts=1),
+                str(flag),
+                tmp_dir=str(tmp_path),
+                timeout_s=120,
+            )
+        )
+    assert cut.fired > 0  # the replicators did try, and failed
+    assert all(v["tried"] and v["waiting"] is False for v in values)
+    assert all(v["held"] == [1, 2, 3] and 3 in v["backlog"] for v in values)
+    assert all(v["replicated"] and v["left"] == [] for v in values)
+    reader = CheckpointManager(url, storage_options=opts, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
+    for s in (2, 3):
+        catalog.load_checkpoint(reader.storage, s, full=True)
+        for r in range(WORLD):
+            assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))

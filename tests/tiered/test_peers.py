@@ -1,0 +1,210 @@
+"""Peer replicas in real 3-rank gloo jobs (every rank its own "node" with its own local
+directory as tier 0): each node's files of every step also go to the next node's tier
+0 (``peers=1``, over a gloo group of their own), verified and committed there; a node
+whose local tier was wiped restores from a peer's copy, bit-exactly, even while the
+persistent tier cannot be reached; a corrupt peer copy is rejected."""
+
+# Fixtures imported from tests.testbed are requested by parameter name.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from tests.dist.launcher import run_ranks
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import Rule, S3Proxy
+from tests.tiered import workers
+
+from atomic_checkpoint import CheckpointManager, catalog
+from atomic_checkpoint.layout import checkpoint_name, rank_state_file
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+WORLD = 3
+
+
+def _ok(results):
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    return [r.value for r in results]
+
+
+def _peer_copy(base: Path, holder: int, node: int, step: int) -> Path:
+    return base / f"node{holder}" / ".peers" / f"node-{node}" / checkpoint_name(step)
+
+
+def _rank_file(copy: Path, rank: int) -> Path:
+    return next(p for p in copy.rglob(rank_state_file(rank)))
+
+
+def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(tmp_path):
+    slow = tmp_path / "persistent"
+    base = tmp_path / "nodes"
+    # Steps 1 and 2 reach the persistent tier, then step 3 is saved: tier 0's
+    # KeepLast(1) drops steps 1 and 2 (replicated), and their peer copies go with them.
+    first = _ok(
+        run_ranks(
+            workers.w_peers,
+            WORLD,
+            str(base),
+            str(slow),
+            None,
+            1,
+            [1, 2],
+            [3],
+            tmp_dir=str(tmp_path),
+        )
+    )
+    assert all(v["replicated"] and v["peered"] and v["peered_held"] for v in first), first
+    assert all(v["recoverable"] == [1, 2, 3] and v["left"] == [] for v in first), first
+    # Two nodes hold each rank's file of step 3 (its own and the next one).
+    assert all(v["listed"][-1][0] == 3 and v["listed"][-1][2] == 2 for v in first), first
+    # Ring order: node n's files on node n+1, byte for byte, beside their manifest.
+    for node in range(WORLD):
+        holder = (node + 1) % WORLD
+        copy = _peer_copy(base, holder, node, 3)
+        own = base / f"node{node}" / checkpoint_name(3)
+        assert _rank_file(copy, node).read_bytes() == _rank_file(own, node).read_bytes()
+        assert (copy / "checkpoint.manifest.json").read_bytes() == (
+            own / "checkpoint.manifest.json"
+        ).read_bytes()
+        for old in (1, 2):
+            assert not (base / f"node{node}" / checkpoint_name(old)).exists()
+            assert not _peer_copy(base, holder, node, old).exists()
+        # Each node holds its own files and one other node's, nothing more.
+        assert sorted(p.name for p in (base / f"node{holder}" / ".peers").iterdir()) == [
+            f"node-{node}"
+        ]
+
+    # Node 1 is replaced and the persistent tier is gone (moved away): only node 2's
+    # peer copy holds rank 1's file (one node: copies 1). Every rank agrees on step 3;
+    # rank 1's file comes over from node 2, verified, and restores exactly.
+    shutil.rmtree(base / "node1")
+    moved = tmp_path / "persistent-away"
+    slow.rename(moved)
+    second = _ok(
+        run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 1, [], tmp_dir=str(tmp_path))
+    )
+    assert all(v["latest"] == (3, (0,)) and v["copies"] == 1 for v in second), second
+    assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in second), second
+    fetched = _rank_file(_peer_copy(base, 1, 1, 3), 1).read_bytes()
+    assert fetched == _rank_file(_peer_copy(base, 2, 1, 3), 1).read_bytes()
+
+    # Node 1 is wiped again and node 2's copy of its files rots (one byte, same size):
+    # rank 1 rejects what node 2 sends (checksum of the save) and reads its file from
+    # the persistent tier, back in place; still exact, and nothing of the bad copy stays.
+    shutil.rmtree(base / "node1")
+    shutil.rmtree(slow, ignore_errors=True)
+    moved.rename(slow)
+    rotten = _rank_file(_peer_copy(base, 2, 1, 3), 1)
+    raw = bytearray(rotten.read_bytes())
+    raw[-50] ^= 0xFF
+    rotten.write_bytes(bytes(raw))
+    third = _ok(
+        run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 1, [], tmp_dir=str(tmp_path))
+    )
+    assert all(v["restored_ok"] and v["restored"] == (3, (0, 1), ()) for v in third), third
+    assert not _peer_copy(base, 1, 1, 3).exists()
+    assert not list((base / "node1" / ".peers" / "node-1").glob(".incoming-*"))
+
+
+@pytest.mark.netfs
+def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_server, s3_bucket):
+    url = f"s3://{s3_bucket}/run"
+    base = tmp_path / "nodes"
+    flag = tmp_path / "s3-is-down"
+    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+        down = proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
+        opts = proxy.storage_options(max_attempts=1)
+        # Step 1 reaches S3; then S3 answers 503 to everything: steps 2 and 3 exist on
+        # the nodes' tier 0 and their peers only.
+        first = _ok(
+            run_ranks(
+                workers.w_peers,
+                WORLD,
+                str(base),
+                url,
+                opts,
+                1,
+                [1],
+                [2, 3],
+                str(flag),
+                tmp_dir=str(tmp_path),
+                timeout_s=120,
+            )
+        )
+        assert all(v["replicated"] and v["peered"] and v["peered_held"] for v in first), first
+        assert all(v["recoverable"] == [1, 2, 3] and 3 in v["left"] for v in first), first
+        assert down.fired > 0
+        reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+        assert [c.step for c in reader.checkpoints()] == [1]
+
+        # Node 1 is replaced, S3 still answers 503: rank 1 gets its file of step 3
+        # from node 2 and every rank restores step 3, bit-exactly.
+        shutil.rmtree(base / "node1")
+        fired = down.fired
+        second = _ok(
+            run_ranks(
+                workers.w_peers,
+                WORLD,
+                str(base),
+                url,
+                opts,
+                1,
+                [],
+                [],
+                str(flag),
+                tmp_dir=str(tmp_path),
+                timeout_s=120,
+            )
+        )
+        assert down.fired > fired  # the persistent tier was asked, and failed
+        assert all(v["latest"] == (3, (0,)) for v in second), second
+        assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in second)
+        m = catalog.load_checkpoint(CheckpointManager(base / "node2", read_only=True).storage, 3)
+        assert m.domain_ranks == (2,)
+
+        # Node 1 wiped again and node 2's copy of its files lost too: no rank can tell
+        # whether a checkpoint exists (S3 does not answer), so every rank raises rather
+        # than start the run over.
+        shutil.rmtree(base / "node1")
+        shutil.rmtree(base / "node2" / ".peers")
+        third = run_ranks(
+            workers.w_peers,
+            WORLD,
+            str(base),
+            url,
+            opts,
+            1,
+            [],
+            [],
+            str(flag),
+            tmp_dir=str(tmp_path),
+            timeout_s=120,
+        )
+    assert not any(r.ok for r in third)
+    assert all("cannot be read" in r.error_text for r in third), [r.error_text for r in third]
+
+
+def test_peers_zero_changes_nothing(tmp_path):
+    slow = tmp_path / "persistent"
+    base = tmp_path / "nodes"
+    first = _ok(
+        run_ranks(
+            workers.w_peers, WORLD, str(base), str(slow), None, 0, [1, 2], tmp_dir=str(tmp_path)
+        )
+    )
+    assert all(v["replicated"] and v["recoverable"] == [] for v in first)
+    # Step 1 may be gone from tier 0 already (KeepLast(1), replicated before step 2).
+    assert all(v["listed"][1:] == [(2, (0, 1), 0)] for v in first), first
+    assert all(v["listed"][0] in ((1, (0, 1), 0), (1, (1,), 0)) for v in first), first
+    assert not any((base / f"node{r}" / ".peers").exists() for r in range(WORLD))
+    # A wiped node reads its file from the persistent tier, as before.
+    shutil.rmtree(base / "node1")
+    second = _ok(
+        run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 0, [], tmp_dir=str(tmp_path))
+    )
+    assert all(v["latest"] == (2, (1,)) for v in second), second
+    assert all(v["restored_ok"] and v["restored"] == (2, (0, 1), ()) for v in second), second

@@ -1,0 +1,218 @@
+"""Rank functions of the multi-rank tiered tests (run by ``tests/dist/launcher.py`` in
+real gloo jobs). Every rank is its own "node": its own host name and its own local
+directory as tier 0, as separate machines with local NVMe disks would have."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tests.dist.workers import make_state, states_equal
+
+from atomic_checkpoint import KeepLast, Tier, TieredCheckpointManager
+from atomic_checkpoint.domains import HOST_ENV
+
+ELEMS = 4096
+
+
+def w_tiered(
+    rank: int,
+    world: int,
+    base: str,
+    slow: str,
+    opts: dict[str, Any] | None,
+    steps: list[int],
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Restore the newest step every rank can load (if any), save ``steps``, wait until
+    the persistent tier has them, and report what each rank saw."""
+    os.environ[HOST_ENV] = f"node{rank}"
+    fast = os.path.join(base, f"node{rank}")
+    mgr = TieredCheckpointManager(
+        [
+            Tier(fast, retention=KeepLast(1)),
+            Tier(slow, retention=KeepLast(3), storage_options=opts),
+        ],
+        timeout_s=timeout_s,
+        retry_max_s=0.5,
+        fast_domains="per-host",
+    )
+    latest = mgr.latest()
+    out: dict[str, Any] = {
+        "latest": None if latest is None else (latest.step, latest.tiers),
+        "run_id": mgr.run_id,
+    }
+    if latest is not None:
+        state = mgr.restore()
+        out["restored_ok"] = states_equal(state, make_state(latest.step, rank, big_elems=ELEMS))
+        out["restored"] = (mgr.last_restored.step, mgr.last_restored.tiers)
+    for s in steps:
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    out["replicated"] = mgr.wait_replicated(timeout_s=60)
+    out["listed"] = [(c.step, c.tiers) for c in mgr.checkpoints()]
+    out["left"] = mgr.close()
+    return out
+
+
+def bench_state(size: int, rank: int) -> dict[str, Any]:
+    """``size`` bytes of float32 in 8 arrays, different for each rank."""
+    import numpy as np
+
+    n = max(1, size // 4 // 8)
+    base = np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    return {"rank": rank, "layers": {f"w{i}": base + np.float32(i) for i in range(8)}}
+
+
+def w_bench(
+    rank: int,
+    world: int,
+    base: str,
+    slow: str,
+    opts: dict[str, Any] | None,
+    size: int,
+    mode: str,
+    peers: int = 0,
+) -> dict[str, Any]:
+    """``benchmarks/tiered.py --ranks N``: one save (``mode="save"``: the time it blocks,
+    then the time until the persistent tier (and, with ``peers``, the peers) has it) or
+    one timed ``restore()``."""
+    import time
+
+    os.environ[HOST_ENV] = f"node{rank}"
+    mgr = TieredCheckpointManager(
+        [Tier(os.path.join(base, f"node{rank}")), Tier(slow, storage_options=opts)],
+        timeout_s=600,
+        fast_domains="per-host",
+        peers=peers,
+    )
+    state = bench_state(size, rank)
+    if mode == "save":
+        t = time.perf_counter()
+        mgr.save(1, state)
+        blocked = time.perf_counter() - t
+        ok = mgr.wait_peers(timeout_s=600) if peers else True
+        peered = time.perf_counter() - t
+        ok &= mgr.wait_replicated(timeout_s=600)
+        out = {
+            "blocked_s": blocked,
+            "peered_s": peered,
+            "replicated_s": time.perf_counter() - t,
+            "ok": ok,
+        }
+    else:
+        t = time.perf_counter()
+        got = mgr.restore()
+        dt = time.perf_counter() - t
+        ok = all(got["layers"][k].tobytes() == v.tobytes() for k, v in state["layers"].items())
+        got_from = mgr.last_restored
+        out = {
+            "restore_s": dt,
+            "tiers": got_from.tiers,
+            "from_peers": got_from.from_peers,
+            "ok": ok,
+        }
+    mgr.close()
+    return out
+
+
+def w_tiered_cut(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
+) -> dict[str, Any]:
+    """Save steps 2 and 3 while every request to the persistent tier fails; once every
+    rank saw them held on its tier 0, rank 0 creates ``flag`` (the proxy lets requests
+    through from then on) and every rank waits for replication to catch up."""
+    import time
+
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointManager
+
+    os.environ[HOST_ENV] = f"node{rank}"
+    fast = os.path.join(base, f"node{rank}")
+    mgr = TieredCheckpointManager(
+        [
+            Tier(fast, retention=KeepLast(1)),
+            Tier(slow, retention=KeepLast(5), storage_options=opts),
+        ],
+        timeout_s=20,
+        retry_max_s=0.2,
+        fast_domains="per-host",
+    )
+    mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
+    for s in (2, 3):
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    # Every rank's replicator has met the cut link (an agreed round failed alike).
+    deadline = time.monotonic() + 30
+    while mgr.last_replication_error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out: dict[str, Any] = {"tried": mgr.last_replication_error is not None}
+    out["waiting"] = mgr.wait_replicated(timeout_s=0)
+    # Held past KeepLast(1): these steps exist nowhere else.
+    out["held"] = [c.step for c in CheckpointManager(fast, read_only=True).checkpoints()]
+    out["backlog"] = mgr.replication_backlog()
+    dist.barrier()
+    if rank == 0:
+        with open(flag, "w"):
+            pass
+    out["replicated"] = mgr.wait_replicated(timeout_s=60)
+    out["left"] = mgr.close()
+    return out
+
+
+def w_peers(
+    rank: int,
+    world: int,
+    base: str,
+    slow: str,
+    opts: dict[str, Any] | None,
+    peers: int,
+    steps: list[int],
+    held: list[int] = (),  # type: ignore[assignment]
+    flag: str | None = None,
+) -> dict[str, Any]:
+    """Restore the newest step every rank can load (if any), save ``steps`` and wait
+    until the persistent tier and the peers have them; then (``flag``: rank 0 creates
+    it once every rank got there, and the proxy in front of the persistent tier answers
+    503 from then on) save ``held`` and wait for their peer copies only."""
+    import torch.distributed as dist
+
+    os.environ[HOST_ENV] = f"node{rank}"
+    fast = os.path.join(base, f"node{rank}")
+    mgr = TieredCheckpointManager(
+        [
+            Tier(fast, retention=KeepLast(1)),
+            Tier(slow, retention=KeepLast(3), storage_options=opts),
+        ],
+        timeout_s=8,
+        retry_max_s=0.2,
+        fast_domains="per-host",
+        peers=peers,
+    )
+    if hasattr(mgr._slow_storage, "fs"):
+        mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
+    latest = mgr.latest()
+    out: dict[str, Any] = {"latest": None if latest is None else (latest.step, latest.tiers)}
+    if latest is not None:
+        out["copies"] = latest.node_copies
+        state = mgr.restore()
+        out["restored_ok"] = states_equal(state, make_state(latest.step, rank, big_elems=ELEMS))
+        got = mgr.last_restored
+        out["restored"] = (got.step, got.tiers, got.from_peers)
+    for s in steps:
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    if steps:
+        out["replicated"] = mgr.wait_replicated(timeout_s=60)
+        out["peered"] = mgr.wait_peers(timeout_s=60)
+    if flag is not None:
+        dist.barrier()
+        if rank == 0:
+            with open(flag, "w"):
+                pass
+    for s in held:
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    if held:
+        out["peered_held"] = mgr.wait_peers(timeout_s=60)
+    out["recoverable"] = mgr.peer_recoverable()
+    out["listed"] = [(c.step, c.tiers, c.node_copies) for c in mgr.checkpoints()]
+    out["left"] = mgr.close(timeout_s=1 if flag is not None else None)
+    return out
