@@ -20,6 +20,14 @@ What changes is only what happens around a preemption signal:
   later signals are only logged.
 - **SIGUSR1** (SLURM ``--signal=USR1@60``) is handled and forwarded too: on stock
   torchrun it kills the agent (the default action) and the workers with it.
+- **One grace period for the node.** The workers get a directory of this launch
+  (``ATOMIC_CHECKPOINT_SIGNALS_DIR``) where armed workers note when their first signal
+  came, so that a start-up deadline (``preemption.arm``) counts from the node's first
+  signal: when the scheduler signalled one worker only and its deadline ended it at
+  start-up, the SIGTERM by which the agent then stops the others comes up to a grace
+  period later, and their own deadlines, counted from it, would outlast the
+  scheduler's SIGKILL. Workers that already have a guard (saving, perhaps) are left
+  to finish.
 
 Workers must stop with ``guard.exit()`` (see ``preemption``). Use
 ``--max-restarts 0`` (the default): with restarts, torchrun restarts workers that exit
@@ -33,11 +41,12 @@ import math
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from .preemption import GRACE_ENV, REQUEUE_EXIT_CODE, _grace_from_env
+from .preemption import GRACE_ENV, REQUEUE_EXIT_CODE, SIGNALS_DIR_ENV, _grace_from_env
 
 __all__ = ["main"]
 
@@ -89,6 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # torchrun installs its handler by this module-level name when it starts workers.
     mp_api._terminate_process_handler = first_signal_only
+    # The workers inherit the agent's environment; the directory is this launch's own.
+    signals_dir = tempfile.TemporaryDirectory(
+        prefix="atomic-checkpoint-signals-", ignore_cleanup_errors=True
+    )
+    before = os.environ.get(SIGNALS_DIR_ENV)
+    os.environ[SIGNALS_DIR_ENV] = signals_dir.name
     try:
         torchrun.run(args)
     except mp_api.SignalException as exc:
@@ -110,6 +125,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         mp_api._terminate_process_handler = stock
+        if before is None:
+            os.environ.pop(SIGNALS_DIR_ENV, None)
+        else:
+            os.environ[SIGNALS_DIR_ENV] = before
+        signals_dir.cleanup()
     return 0
 
 

@@ -44,8 +44,9 @@ environment, read when ``atomic_checkpoint`` is imported) installs the same reco
 handler at once; the guard created later adopts what it recorded, with the time it
 arrived, and its first ``should_save`` stops the job on every rank. With the grace
 period known, a process still without a guard shortly before the grace period ends
-exits with the requeue code on its own (:func:`arm`): a start-up that outlasts the
-grace period ends in a requeue, not in the scheduler's SIGKILL.
+exits with the requeue code on its own (:func:`arm`; under the launcher, counted from
+the first signal of any worker of the node): a start-up that outlasts the grace period
+ends in a requeue, not in the scheduler's SIGKILL.
 
 The deadline: the guard knows the grace period (``grace_s=``, else
 ``ATOMIC_CHECKPOINT_GRACE_S``) and measures the saves it sees (``mgr.last_saved``).
@@ -77,8 +78,9 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any, NoReturn
 
-from .errors import CheckpointError
+from .errors import CheckpointError, StorageError
 from .layout import validate_step
+from .storage.posix import is_dir, list_names, make_dirs
 
 __all__ = [
     "ARM_ENV",
@@ -110,6 +112,9 @@ REQUEUE_EXIT_CODE = 75
 ARM_ENV = "ATOMIC_CHECKPOINT_ARM"
 #: ``ATOMIC_CHECKPOINT_GRACE_S=30``: the grace period, when ``grace_s`` is not given.
 GRACE_ENV = "ATOMIC_CHECKPOINT_GRACE_S"
+#: Set by ``python -m atomic_checkpoint.launch`` for its workers: a directory of the
+#: node where each armed worker notes when its first signal came (see :func:`arm`).
+SIGNALS_DIR_ENV = "ATOMIC_CHECKPOINT_SIGNALS_DIR"
 
 #: A save is started only if ``MARGIN`` times the slowest recent save fits in the time
 #: left: save durations vary (page cache, a busy filesystem), and the process still has
@@ -186,6 +191,15 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
     busy node. Without a known grace period there is no deadline: a process that never
     creates a guard then ignores SIGTERM until the scheduler's SIGKILL.
 
+    Under ``python -m atomic_checkpoint.launch`` the deadline counts from the first
+    signal of any worker of the node (within one grace period before this one's): when
+    only one worker was signalled and its deadline ended it, the launcher stops the
+    others with a SIGTERM that comes up to a grace period later, and a deadline counted
+    from that later signal would outlast the scheduler's SIGKILL. Each armed worker notes
+    the time of its first signal in the launcher's directory (``SIGNALS_DIR_ENV``; the
+    monotonic clock is the node's); a worker with a guard is not affected (it may be
+    saving, and the guard decides).
+
     Raises:
         CheckpointError: not called from the main thread.
         ValueError: no signals, or a grace period that is not a positive number.
@@ -224,20 +238,68 @@ def _startup_deadline(state: _Armed, grace_s: float) -> None:
     """Exit with the requeue code if a signal came and no guard took it over in time
     (see :func:`arm`). Polls: a signal handler must not start threads or wake locks."""
     reserve = min(EXIT_RESERVE_S, grace_s / 2)
+    shared = os.environ.get(SIGNALS_DIR_ENV, "").strip() or None
+    noted = False
     while _armed is state and not state.adopted:
         at = state.record.at
-        if at is not None and time.monotonic() - at >= grace_s - reserve:
-            name = signal.Signals(state.record.signum or signal.SIGTERM).name
-            # os.write, not logging: the main thread may hold the logging lock.
-            os.write(
-                2,
-                f"atomic_checkpoint.preemption: {name} arrived {grace_s - reserve:.1f} s ago "
-                f"and no PreemptionGuard has taken it over (the job is still starting); "
-                f"exiting with {REQUEUE_EXIT_CODE} (requeue) before the {grace_s:g} s grace "
-                "period ends. Nothing was trained since the start.\n".encode(),
-            )
-            os._exit(REQUEUE_EXIT_CODE)
+        if at is not None:
+            if shared is not None and not noted:
+                noted = _note_signal(shared, at, state.record.signum)
+            first, signum = _first_signal(shared, at, state.record.signum, grace_s)
+            now = time.monotonic()
+            if now - first >= grace_s - reserve:
+                name = signal.Signals(signum or signal.SIGTERM).name
+                where = (
+                    ""
+                    if first == at
+                    else " at another worker of this node (this one got its own signal "
+                    f"{now - at:.1f} s ago: the grace period counts from the first)"
+                )
+                # os.write, not logging: the main thread may hold the logging lock.
+                os.write(
+                    2,
+                    f"atomic_checkpoint.preemption: {name} arrived {now - first:.1f} s ago"
+                    f"{where} and no PreemptionGuard has taken it over (the job is still "
+                    f"starting); exiting with {REQUEUE_EXIT_CODE} (requeue) before the "
+                    f"{grace_s:g} s grace period ends. Nothing was trained since the "
+                    "start.\n".encode(),
+                )
+                os._exit(REQUEUE_EXIT_CODE)
         time.sleep(0.05)
+
+
+def _note_signal(shared: str, at: float, signum: int | None) -> bool:
+    """Note in the launcher's directory ``shared`` that this process got ``signum`` at
+    monotonic time ``at``: the name of an empty directory, made by one ``mkdir(2)``, so a
+    reader never sees half of it. False if it could not be made (the deadline then counts
+    from this process's own signals only, as it does when the launcher is gone)."""
+    if not is_dir(shared):  # not made again after the launcher removed it
+        return False
+    try:
+        make_dirs(f"{shared}/{at:.6f}-{signum or 0}-{os.getpid()}")
+    except StorageError:
+        return False
+    return True
+
+
+def _first_signal(
+    shared: str | None, at: float, signum: int | None, grace_s: float
+) -> tuple[float, int | None]:
+    """The earliest signal noted on this node (time, signal) that is at most a grace
+    period older than this process's own at ``at``: an older one belongs to an earlier
+    preemption that the job outlived."""
+    first = (at, signum)
+    for name in list_names(shared) if shared is not None else ():
+        try:
+            when, sig, pid = name.rsplit("-", 2)
+            noted = (float(when), int(sig) or None)
+            if int(pid) == os.getpid():
+                continue  # this process's own note, rounded
+        except ValueError:
+            continue
+        if at - grace_s < noted[0] < first[0]:
+            first = noted
+    return first
 
 
 def disarm() -> None:

@@ -232,3 +232,42 @@ def test_a_sigterm_before_the_process_group_exists_saves_and_the_restart_resumes
     assert all(r["restored"] == step and r["restored_ok"] is True for r in results), results
     assert all(r["decided"] is None and r["exit_code"] == 0 for r in results)
     assert all(r["saved"] == [step + 1, step + 2, step + 3] for r in results)
+
+
+def test_a_sigterm_to_one_worker_during_a_long_start_up_ends_the_job_within_the_grace_period(
+    tmp_path,
+):
+    # One worker is signalled while every rank is still starting (no guard anywhere), and
+    # the start-up outlasts the grace period (CTL/go is never written). That worker's
+    # start-up deadline ends it with 75, 3 s before the grace period ends; the agent then
+    # stops rank 0 with a SIGTERM of its own. Rank 0's deadline must count from rank 1's
+    # signal, not from the agent's 7 s later: the scheduler's SIGKILL at the end of the
+    # grace period would otherwise end the job with no exit status to requeue on.
+    grace_s = 10.0
+    job = Job(tmp_path, PREEMPT_HOLD_STARTUP="1", ATOMIC_CHECKPOINT_GRACE_S=f"{grace_s:g}")
+    workers = [job.pid(r) for r in range(WORLD)]
+    job.wait_for(
+        "both ranks to start",
+        lambda: all(job.read(f"startup-rank{r}") is not None for r in range(WORLD)),
+    )
+    signalled = time.monotonic()
+    _kill(workers[1:])
+    # The scheduler: whatever still runs when the grace period ends is SIGKILLed.
+    try:
+        rc = job.proc.wait(max(0.0, signalled + grace_s - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for pid in (job.proc.pid, *workers):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.proc.wait(30)
+        pytest.fail(f"the job outlived the {grace_s:g} s grace period: {job.text()}")
+    finally:
+        job.log.close()
+    text = job.text()
+    assert rc == REQUEUE_EXIT_CODE, text
+    assert f"the workers exited with [{REQUEUE_EXIT_CODE}]" in text
+    # Rank 0 stopped by the deadline of rank 1's signal, noted through the launcher.
+    assert "at another worker of this node" in text, text
+    assert all(job.read(f"result-rank{r}.json") is None for r in range(WORLD))  # no guard

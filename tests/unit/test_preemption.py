@@ -205,3 +205,53 @@ def test_once_a_guard_adopts_the_signal_the_start_up_deadline_stands_down(tmp_pa
     proc = _start(tmp_path, "guard")
     assert proc.returncode == 0, proc.stderr  # the guard decides, not the deadline
     assert "still here" in proc.stdout
+
+
+_NOTED = """
+import os, signal, sys, time
+from atomic_checkpoint import preemption
+preemption.arm()                      # grace period 4 s from the environment
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher stopping this worker at start-up
+deadline = time.monotonic() + 10
+while preemption.armed() == (None, None):
+    assert time.monotonic() < deadline
+    time.sleep(0.001)
+at = preemption.armed()[1]
+for seconds_before in sys.argv[2:]:   # another worker of the node, signalled earlier
+    os.mkdir(os.path.join(sys.argv[1], f"{at - float(seconds_before):.6f}-15-1"))
+time.sleep(6)                         # a start-up longer than the grace period
+print("still here")
+"""
+
+
+@pytest.mark.parametrize("seconds_before", [3.0, 5.0])
+def test_the_start_up_deadline_counts_from_the_first_signal_noted_on_the_node(
+    tmp_path, seconds_before
+):
+    # Under the launcher: another worker got its signal 3 s before this one (its own
+    # deadline ended it, and the agent's SIGTERM reached this one only then), so 4 s of
+    # grace leave nothing to wait for. A note 5 s older than this signal (more than the
+    # grace period) is from an earlier preemption the job outlived: not counted.
+    shared = tmp_path / "signals"
+    shared.mkdir()
+    path = os.pathsep.join([os.path.join(REPO, "src"), REPO])  # this tree's library
+    env = {
+        **os.environ,
+        "PYTHONPATH": path,
+        "ATOMIC_CHECKPOINT_GRACE_S": "4",
+        "ATOMIC_CHECKPOINT_SIGNALS_DIR": str(shared),
+    }
+    env.pop("ATOMIC_CHECKPOINT_ARM", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _NOTED, str(shared), str(seconds_before)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == REQUEUE_EXIT_CODE, proc.stderr
+    assert "still here" not in proc.stdout
+    assert ("at another worker of this node" in proc.stderr) == (seconds_before < 4), proc.stderr
+    # It noted its own signal for the other workers: when, SIGTERM, its pid.
+    mine = [n for n in os.listdir(shared) if not n.endswith("-1")]
+    assert len(mine) == 1 and mine[0].split("-")[1] == str(int(signal.SIGTERM)), mine
