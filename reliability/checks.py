@@ -33,6 +33,7 @@ from atomic_checkpoint.layout import (
 from atomic_checkpoint.storage import open_storage
 from atomic_checkpoint.storage.base import Storage
 from atomic_checkpoint.storage.local import LocalStorage
+from atomic_checkpoint.storage.temps import parse_temp_name
 
 if TYPE_CHECKING:
     from reliability.tally import Tally
@@ -167,6 +168,10 @@ class RootView:
         torn: descriptions of discoverable checkpoints that are not complete or exact.
         orphans: ``checkpoint-<step>`` directories without a manifest (not
             discoverable, but they block a save of that step).
+        killed_writes: ``checkpoint-<step>`` directories holding nothing but the
+            library's temporary files (a marker or manifest write killed between its
+            temporary file and the rename): what a kill leaves by design, which the next
+            start must remove (checked by the campaigns after it).
         pending: entries under ``.pending``.
         trash: entries under ``.trash``.
         run_ids: run ids of the valid checkpoints.
@@ -175,6 +180,7 @@ class RootView:
     steps: list[int] = field(default_factory=list)
     torn: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
+    killed_writes: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
     trash: list[str] = field(default_factory=list)
     run_ids: set[str] = field(default_factory=set)
@@ -209,7 +215,11 @@ def inspect_root(root: str | Storage, *, world: int, size: int | SizeOf) -> Root
             view.pending.append(e.name)
         elif e.status == "foreign":
             if e.step is not None and e.problem == "no manifest":
-                view.orphans.append(f"{e.name} ({sorted(storage.listdir(e.name))})")
+                names = sorted(storage.listdir(e.name))
+                if names and all(parse_temp_name(n) is not None for n in names):
+                    view.killed_writes.append(e.name)
+                else:
+                    view.orphans.append(f"{e.name} ({names})")
         elif e.status == "ok" and e.manifest is not None and e.step is not None:
             problem = _check_exact(storage, e.step, e.manifest, world, size, load_state)
             if problem:
