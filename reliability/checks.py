@@ -212,14 +212,14 @@ def inspect_root(root: str | Storage, *, world: int, size: int | SizeOf) -> Root
         if e.status == "corrupt":
             view.torn.append(f"{e.name}: {e.problem}")
         elif e.status == "pending":
-            view.pending.append(e.name)
+            names = storage.listdir(e.name) if e.step is not None else []
+            if names and all(parse_temp_name(n) is not None for n in names):
+                view.killed_writes.append(e.name)
+            else:
+                view.pending.append(e.name)
         elif e.status == "foreign":
             if e.step is not None and e.problem == "no manifest":
-                names = sorted(storage.listdir(e.name))
-                if names and all(parse_temp_name(n) is not None for n in names):
-                    view.killed_writes.append(e.name)
-                else:
-                    view.orphans.append(f"{e.name} ({names})")
+                view.orphans.append(f"{e.name} ({sorted(storage.listdir(e.name))})")
         elif e.status == "ok" and e.manifest is not None and e.step is not None:
             problem = _check_exact(storage, e.step, e.manifest, world, size, load_state)
             if problem:

@@ -51,6 +51,7 @@ from .layout import (
 from .manifest import FileEntry, Hasher, Manifest
 from .storage import posix
 from .storage.base import Storage
+from .storage.temps import parse_temp_name
 
 _T = TypeVar("_T")
 log = logging.getLogger("atomic_checkpoint")
@@ -91,11 +92,6 @@ def parse_attempt_dir(name: str) -> str | None:
     """The attempt token of an ``attempt-<token>`` directory name, or None."""
     m = _ATTEMPT_RE.match(name)
     return m.group(1) if m else None
-
-
-def pending_markers(storage: Storage, rel: str) -> list[str]:
-    """Attempt tokens of the in-progress markers inside checkpoint directory ``rel``."""
-    return [a for a in map(parse_marker_name, storage.listdir(rel)) if a is not None]
 
 
 def state_file(manifest: Manifest, name: str) -> FileEntry:
@@ -539,8 +535,16 @@ def _checkpoint_entry(
     try:
         manifest = read_manifest(storage, name)
     except CheckpointNotFoundError:
-        if pending_markers(storage, name):
+        children = storage.listdir(name)
+        if any(parse_marker_name(c) is not None for c in children):
             return Entry(name, step, "pending", problem="not committed (marker, no manifest)")
+        if children and all(parse_temp_name(c) is not None for c in children):
+            # A marker or manifest write killed between its temporary file and the rename
+            # (e.g. the un-commit marker of a delete whose other files were gone): our
+            # own remains, which the next start's sweep and `clean` remove, not a
+            # foreign directory.
+            why = "not committed (an interrupted write's temporary file)"
+            return Entry(name, step, "pending", problem=why)
         return Entry(name, step, "foreign", problem="no manifest")
     except StorageError:
         # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.

@@ -170,7 +170,7 @@ from .layout import (
     parse_checkpoint_name,
     validate_step,
 )
-from .manifest import CheckpointInfo, Manifest
+from .manifest import CheckpointInfo, Manifest, format_size
 from .storage import local_root, open_storage, posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps
@@ -230,15 +230,7 @@ def _warn(message: str) -> None:
 
 # ---------------------------------------------------------------------- formatting
 def _human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024
-        if n < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
+    return "-" if n is None else format_size(n)
 
 
 def _local_time(t: float | None) -> str:
@@ -776,7 +768,7 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
         if live:
             return "in_progress"
         return (
-            "not committed (marker, no manifest) and no live job holds the run lock: the "
+            f"{e.problem} and no live job holds the run lock: the "
             f"leftover of a crashed save or delete; restore ignores it, `{PROG} clean` "
             "removes it"
         )

@@ -338,11 +338,11 @@ def format_size(size_bytes: float, *, digits: int = 1) -> str:
     """``size_bytes`` (or a rate in bytes/s) for a log line: ``"512 B"``, ``"1.5 GiB"``,
     with ``digits`` decimals above a KiB."""
     n = float(size_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
         n /= 1024
-    return f"{n:.{digits}f} TiB"
+    return f"{n:.{digits}f} PiB"
 
 
 def _no_constant(name: str) -> Any:

@@ -109,7 +109,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -143,7 +142,7 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import RUN_FILE, CheckpointManager
+from .manager import CheckpointManager
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage
 from .storage.base import Storage
@@ -1224,16 +1223,21 @@ class TieredCheckpointManager:
 
     def _local_reader(self) -> CheckpointManager:
         if self._local_reader_mgr is None:
-            self._local_reader_mgr = CheckpointManager(
-                self._fast_storage,
-                read_only=True,
-                run_id=self.run_id,
-                coordinator=SingleProcessCoordinator(),
-                timeout_s=self.timeout_s,
-                allow_pickle=self.allow_pickle,
-                storage_domains="shared",
-            )
+            self._local_reader_mgr = self._read_only(self._fast_storage)
         return self._local_reader_mgr
+
+    def _read_only(self, storage: Storage) -> CheckpointManager:
+        """A read-only manager of one tier, driven by this process alone (no lock, no
+        collective): listing and loading."""
+        return CheckpointManager(
+            storage,
+            read_only=True,
+            run_id=self.run_id,
+            coordinator=SingleProcessCoordinator(),
+            timeout_s=self.timeout_s,
+            allow_pickle=self.allow_pickle,
+            storage_domains="shared",
+        )
 
     def _views_multi(self) -> _Views:
         """Collective: what each rank can load from its own tier 0 (its node's copy
@@ -1500,15 +1504,7 @@ class TieredCheckpointManager:
 
     def _peer_reader(self, node: int) -> CheckpointManager:
         if node not in self._peer_readers:
-            self._peer_readers[node] = CheckpointManager(
-                self._peer_storage(node),
-                read_only=True,
-                run_id=self.run_id,
-                coordinator=SingleProcessCoordinator(),
-                timeout_s=self.timeout_s,
-                allow_pickle=self.allow_pickle,
-                storage_domains="shared",
-            )
+            self._peer_readers[node] = self._read_only(self._peer_storage(node))
         return self._peer_readers[node]
 
     # ------------------------------------------------------------------ waiting
@@ -1612,21 +1608,7 @@ class TieredCheckpointManager:
         # A separate read-only manager (its own storage client): restore and listing
         # never wait for, or share state with, the replicator's copy in flight.
         if self._reader is None:
-            slow = self.tiers[1]
-            store = (
-                slow.root
-                if not isinstance(slow.root, (str, os.PathLike))
-                else open_storage(slow.root, slow.storage_options)
-            )
-            self._reader = CheckpointManager(
-                store,
-                read_only=True,
-                run_id=self.run_id,
-                coordinator=SingleProcessCoordinator(),
-                timeout_s=self.timeout_s,
-                allow_pickle=self.allow_pickle,
-                storage_domains="shared",
-            )
+            self._reader = self._read_only(_open(self.tiers[1]))
         return self._reader
 
     def _tier_lists(self) -> tuple[list[CheckpointInfo], list[CheckpointInfo] | None]:
@@ -1858,13 +1840,9 @@ def _recorded_run_id(storage: Storage) -> str | None:
     """The run id in a root's run file, or None (no run file, or an unreadable one: the
     manager that opens the root then says what is wrong)."""
     try:
-        doc = json.loads(storage.read_bytes(RUN_FILE))
-    except CheckpointNotFoundError:
+        return catalog.recorded_run_id(storage)
+    except CheckpointError:
         return None
-    except (CheckpointError, ValueError, RecursionError):
-        return None
-    rid = doc.get("run_id") if isinstance(doc, dict) else None
-    return rid if isinstance(rid, str) and rid else None
 
 
 def _newest_run_id(storage: Storage) -> str | None:

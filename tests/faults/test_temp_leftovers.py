@@ -146,3 +146,41 @@ def test_a_live_writers_temporary_file_is_never_removed(tmp_path):
     dead.write_bytes(b"{}")
     CheckpointManager(root).close()
     assert live.exists() and not dead.exists()
+
+
+def test_a_checkpoint_directory_holding_only_a_killed_writes_temporary_file_is_ours(tmp_path):
+    # A delete killed inside its un-commit marker's write, once the rest of the step was
+    # gone, leaves checkpoint-<step>/ holding only that temporary file (seen in the kill
+    # campaign on s3fs-fuse). Readers must call it what it is (our pending remains, which
+    # `clean` and the next start remove), not a foreign directory "never committed by
+    # this library"; the next start removes it.
+    from atomic_checkpoint import catalog
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    root = tmp_path / "r"
+    with CheckpointManager(root, strategy="marker") as mgr:
+        mgr.save(1, np_state(1))
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    from atomic_checkpoint._process import writer_tag
+
+    marker = catalog.marker_name("0123456789abcdef")
+    left = root / "checkpoint-7" / f"{marker}.tmp-{writer_tag()}-{gone.stdout.strip()}-1-2"
+    left.parent.mkdir()
+    left.write_bytes(b"{}")
+    assert parse_temp_name(left.name) is not None
+
+    entries = {e.name: e for e in catalog.scan(LocalStorage(str(root)))}
+    assert entries["checkpoint-7"].status == "pending", entries["checkpoint-7"]
+    proc = run_cli("verify", root)
+    out = proc.stdout + proc.stderr
+    assert "never committed by this library" not in out, out
+    assert "interrupted write" in out and "clean" in out, out
+
+    with CheckpointManager(root, strategy="marker") as mgr:
+        assert not (root / "checkpoint-7").exists()
+        assert [c.step for c in mgr.checkpoints()] == [1]

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
@@ -142,10 +143,10 @@ def is_accessible(path: str, *, write: bool = False) -> bool:
 
 
 def list_names(path: str) -> list[str]:
-    """The names in directory ``path``; empty if it cannot be listed."""
+    """The names in directory ``path``; empty if it is missing or cannot be listed."""
     try:
-        return os.listdir(path)
-    except OSError:
+        return list_dir(path) or []
+    except CheckpointError:
         return []
 
 
