@@ -193,8 +193,8 @@ def _run_ranks(
     wall time of each save, its own write+fsync time, and (rank 0) the store log."""
     import torch.distributed as dist
 
+    from atomic_checkpoint import commit
     from atomic_checkpoint.commit import RankReport, SaveContext, choose_strategy
-    from atomic_checkpoint.commit import save as commit_save
     from atomic_checkpoint.coordination import TorchDistributedCoordinator
     from atomic_checkpoint.manifest import FileEntry, Hasher
     from atomic_checkpoint.storage import open_storage
@@ -248,9 +248,9 @@ def _run_ranks(
                 barrier.wait()  # every save starts together, as after a training step
                 n0 = len(store.counts.log)
                 t = time.perf_counter()
-                commit_save(
-                    ctx, i, write, state_kind="per_rank", metrics={}, metadata={}, overwrite=False
-                )
+                pending = commit.begin(ctx, i)
+                written = write(pending.location)
+                commit.finish(ctx, pending, written, state_kind="per_rank", metrics={}, metadata={})
                 mine["wall"].append(time.perf_counter() - t)
                 # The deferred deletes of this save's exchange, so the counts are exact.
                 coord._worker.run(lambda: None, timeout_s)

@@ -11,24 +11,38 @@ Rename strategy (POSIX filesystems; DESIGN "The save protocol")::
           rank-00001.safetensors                       rank-00001.safetensors
           checkpoint.manifest.json  (written last)   .pending/   (empty)
 
-1. The coordinator creates ``.pending/checkpoint-<step>.<attempt>`` (a sibling of the
-   final name, so the rename never crosses filesystems: FAILURE_MODES D5) and
-   publishes its name. Every decision that drives a collective is made here, once.
-2. Every rank writes only its own files there, checksumming while writing, and fsyncs
-   them.
-3. Ranks send their file lists (names, sizes, checksums) to the coordinator; any
-   failure is shared, and every rank raises the same error.
-4. The coordinator checks presence and sizes (waiting, bounded, on network
-   filesystems), writes the manifest, fsyncs it and the pending directory.
-5. The coordinator renames pending to ``checkpoint-<step>`` (never replacing anything)
-   and fsyncs ROOT.
-6. The coordinator checks its fencing token; retention runs after the commit is
-   durable, off the training thread (see ``manager``).
-7. The result is published; every rank returns the same ``CheckpointInfo``.
+The steps, as three calls every rank makes in order (the manager writes its files
+between the first two)::
 
-With one storage domain, steps 1 and 7 are published by the coordinator (one key that
-every rank reads) and step 3 is an all-gather (``_save_through_leader``); with several
-domains every step is an all-gather, as the domains' leaders must agree.
+    pending = begin(ctx, step, overwrite=..., problem=...)       # step 1
+    written = attempt("write", lambda: write(pending.location))  # step 2, this rank
+    done = finish(ctx, pending, written, commit_seq=..., ...)    # steps 3-7
+    # on an interruption between them: abort(ctx, pending)
+
+1. ``begin``: the domain leader checks its fencing token and whether the step is
+   taken, creates ``.pending/checkpoint-<step>.<attempt>`` (a sibling of the final
+   name, so the rename never crosses filesystems: FAILURE_MODES D5), and every rank
+   learns its name. Every decision that drives a collective is made here, once.
+2. Every rank writes only its own files there, checksumming while writing, and fsyncs
+   them (``rankfiles``).
+3. ``finish``: every rank sends its step and file list (names, sizes, checksums) or
+   its failure to the leader, which answers every rank with one summary: any failure
+   or differing step is shared, and every rank raises the same error.
+4. The leader checks presence and sizes (waiting, bounded, on network filesystems),
+   writes the manifest, fsyncs it and the pending directory.
+5. The leader renames pending to ``checkpoint-<step>`` (never replacing anything) and
+   fsyncs ROOT.
+6. The leader checks its fencing token before that rename; retention runs after the
+   commit is durable, off the training thread (see ``manager``).
+7. The result is published; every rank returns the same ``Committed``.
+
+With one storage domain each round goes through the leader (``_decide``: one key that
+every rank reads; ``gather_phase``: the leader reads every report and answers one
+summary), O(N) store requests and bytes for N ranks. With several domains every round
+is an all-gather, as the domains' leaders must agree. Nothing here calls back into the
+manager: what it decides (the input check, the commit number, the lock to check) comes
+in as values, and what it needs afterwards (each domain's committed steps) goes out in
+``Committed``.
 
 Marker strategy (object stores, FUSE mounts whose rename is copy+delete): files are
 written in place under ``checkpoint-<step>/`` and the manifest, created once, is the
@@ -55,8 +69,9 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -82,6 +97,7 @@ from .errors import (
     CorruptCheckpointError,
     DistributedCheckpointError,
     RankFailure,
+    SaveAbandonedError,
     StorageError,
 )
 from .layout import (
@@ -1011,7 +1027,7 @@ def recover_replaced(storage: Storage, *, dry_run: bool = False) -> ReplaceRecov
     return ReplaceRecovery(tuple(restored), frozenset(keep))
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveContext:
     """Everything a save needs, fixed for the life of a manager."""
 
@@ -1020,13 +1036,15 @@ class SaveContext:
     run_id: str
     timeout_s: float
     strategy: CommitStrategy
-    fence: Callable[[], None] = lambda: None
-    next_commit_seq: Callable[[], int] = lambda: 0
     visibility_timeout_s: float = 30.0
     domain: Domain | None = None
-    # Several storage domains: called on every rank after a commit with each domain's
-    # committed steps [(step, metrics, created_unix)], indexed by domain.
-    on_domain_view: Callable[[int, list[Any]], None] | None = None
+    #: The run lock (``lock.RunLock``): the domain leader checks it before it creates
+    #: the pending location and right before it commits, so a job that lost the lock
+    #: commits nothing (DESIGN invariant 7). None: no lock (other ranks, read-only).
+    lock: Any = None
+    #: Set when an async save is abandoned (``close()`` past ``timeout_s``): checked
+    #: with the lock, so an abandoned save is never committed.
+    cancel: threading.Event | None = None
 
     @property
     def leader(self) -> int:
@@ -1049,6 +1067,210 @@ class SaveContext:
         return (0,) if self.domain is None else self.domain.leaders
 
 
+@dataclass
+class Pending:
+    """One save on one rank between ``begin`` and ``finish``: where to write."""
+
+    step: int
+    #: Where this rank writes its files: a storage path under ROOT, the same on every
+    #: rank of a storage domain.
+    location: str
+    #: False when this rank must not write: it was asked another step than its
+    #: leader, or something failed here already (``finish`` shares it).
+    writes: bool
+    #: Whether the commit replaces a committed copy (``overwrite``, or the remains of a
+    #: save committed in some storage domains only).
+    replace: bool
+    #: This rank's failure before its write: ``(phase, error)``, shared by ``finish``.
+    problem: tuple[str, Exception] | None
+    started: float
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: On the leader: the location it created, until it is committed or removed.
+    owned: str | None = None
+    committed: bool = False
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What a rank's write produced instead of a ``RankReport``: shared by ``finish``."""
+
+    phase: str
+    error: Exception
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The outcome of ``finish``, identical on every rank of a storage domain."""
+
+    #: The committed manifest (other ranks than the leader, with one storage domain:
+    #: a ``SharedManifest``, the same manifest without its file list).
+    manifest: Manifest
+    #: Seconds per step: prepare, write, fsync, gather, commit, publish, total.
+    timings: dict[str, float]
+    #: Several storage domains: each domain's committed steps after this commit,
+    #: ``[(step, metrics, created_unix)]`` by domain (retention decides from them).
+    domain_views: list[Any] | None = None
+
+
+def begin(
+    ctx: SaveContext, step: int, *, overwrite: bool = False, problem: Exception | None = None
+) -> Pending:
+    """Step 1, collective: the domain leader checks the fence and whether ``step`` is
+    taken, creates the pending location, and every rank learns where to write.
+
+    ``problem`` is this rank's bad input, found before anything is written (an
+    unsupported object in the state): it fails the save on every rank. A leader's
+    problem stops it before it creates anything; another rank's travels with its
+    write report (``finish``), so this step costs one key per rank.
+
+    Raises, on every rank alike: ``CheckpointExistsError`` (``step`` is committed and
+    ``overwrite`` is False), ``FencedError`` (this job lost the run lock),
+    ``CoordinationTimeoutError`` (the leader did not answer), or the shared error of a
+    failed leader (``DistributedCheckpointError``; with one rank, its own error).
+    """
+    pending = Pending(step, "", False, overwrite, None, time.perf_counter())
+    mine = problem if ctx.is_coordinator else None
+
+    def prepare() -> tuple[int, str, bool]:
+        if mine is not None:
+            raise mine
+        attempt = new_attempt_token()
+        # Known before it exists, so a failure from here on discards it.
+        pending.owned = ctx.strategy.pending_location(step, attempt)
+        _fence(ctx, step)
+        exists = _is_step_committed(ctx.storage, step, overwrite=overwrite)
+        if exists and not overwrite and len(ctx.leaders) == 1:
+            raise _exists_error(ctx.storage, step)
+        return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists
+
+    with _aborting(ctx, pending):
+        decided = _decide(ctx, pending, "prepare", prepare)
+    exists_in = [d[2] for d in decided]
+    if all(exists_in) and not overwrite:
+        # Committed in every domain (several domains: each leader only said so).
+        abort(ctx, pending)
+        raise _exists_error(ctx.storage, step)
+    leader_step, pending.location, exists = decided[_domain_index(ctx)]
+    # Committed in some domains only: the leftover of a save that failed half way (a
+    # node died between the domains' commits). It never counted as a checkpoint; it is
+    # replaced.
+    pending.replace = overwrite or exists
+    if problem is not None and not ctx.is_coordinator:
+        pending.problem = ("prepare", problem)
+    elif leader_step == step:
+        try:
+            fault_point("before_write", ctx.coord.rank, step)
+            if not ctx.is_coordinator and not ctx.storage.capabilities.coherent:
+                _await_dir(ctx.storage, pending.location, ctx.visibility_timeout_s)
+            pending.writes = True
+        except Exception as exc:  # shared by finish, never swallowed
+            pending.problem = ("write", exc)
+    pending.timings["prepare"] = time.perf_counter() - pending.started
+    return pending
+
+
+def attempt(phase: str, write: Callable[[], RankReport]) -> RankReport | Failed:
+    """Step 2 on one rank: ``write()`` this rank's files into ``Pending.location``
+    (fsync'd, with their checksums), or what failed, for ``finish`` to share."""
+    try:
+        return write()
+    except Exception as exc:  # every failure is shared, never swallowed
+        return Failed(phase, exc)
+
+
+def finish(
+    ctx: SaveContext,
+    pending: Pending,
+    written: RankReport | Failed | None,
+    *,
+    commit_seq: int = 0,
+    state_kind: str,
+    metrics: Mapping[str, float],
+    metadata: Mapping[str, Any],
+    scan: Callable[[str], RankReport] | None = None,
+) -> Committed:
+    """Steps 3-7, collective: every rank reports what it wrote (``written``: its
+    report, its failure, or None if it wrote nothing); the leader checks that every
+    file is visible with its size, writes the manifest, commits with the strategy and
+    fsyncs; every rank returns the same outcome.
+
+    ``scan`` (files written by arbitrary code: ``saving()``, DCP) runs on the leader
+    once every rank has written, and reports what is under the pending location.
+    ``commit_seq`` numbers the commit in the manifest (the caller's counter).
+
+    On any failure the leader removes the pending location (unless it is committed)
+    and every rank raises the same error.
+    """
+    storage, rank, step = ctx.storage, ctx.coord.rank, pending.step
+    if pending.writes and not isinstance(written, Failed):
+        fault_point("after_write", rank, step)
+    t = time.perf_counter()
+    with _aborting(ctx, pending):
+        # 3. every rank's step and report, gathered on the leader; every rank gets
+        # one summary (failures, differing steps), so that every rank names the same
+        # failed or missing ranks within ``timeout_s``.
+        def report() -> tuple[int, RankReport | None]:
+            if pending.problem is not None:
+                raise _InPhase(*pending.problem)
+            if isinstance(written, Failed):
+                raise _InPhase(written.phase, written.error)
+            return step, written if pending.writes else None
+
+        mine, reports, (steps, write_s, fsync_s) = gather_phase(
+            ctx, step, "write", report, _write_summary, to_leader=_through_leader(ctx)
+        )
+        if steps is not None:
+            _check_same_step(steps)
+        timings = pending.timings
+        timings["write"], timings["fsync"] = write_s, fsync_s
+        timings["gather"] = time.perf_counter() - t - write_s - fsync_s
+
+        # 4-6. the leader commits; 7. every rank gets the outcome.
+        t = time.perf_counter()
+
+        def commit() -> tuple[Manifest, Any, float]:
+            done = _commit_on_leader(
+                ctx,
+                pending,
+                [r for _, r in reports or () if r is not None],
+                scan,
+                commit_seq,
+                state_kind,
+                metrics,
+                metadata,
+            )
+            pending.committed = True
+            return done
+
+        def settle(timeout: CoordinationTimeoutError) -> Any:
+            if ctx.is_coordinator:
+                raise _committed_anyway(ctx, step, timeout) if pending.committed else timeout
+            return _settle_outcome(ctx, step, pending.location, mine[1], timeout)
+
+        results = _decide(ctx, pending, "commit", commit, settle=settle)
+    manifest, _, timings["publish"] = results[_domain_index(ctx)]
+    views = [r[1] for r in results] if len(ctx.leaders) > 1 else None
+    timings["commit"] = time.perf_counter() - t
+    if not ctx.is_coordinator and not storage.capabilities.coherent:
+        _await_committed(storage, step, ctx.visibility_timeout_s)
+    timings["total"] = time.perf_counter() - pending.started
+    return Committed(manifest, timings, views)
+
+
+def abort(ctx: SaveContext, pending: Pending) -> None:
+    """On the leader: remove the pending location unless it was committed after all
+    (a peer timed out after the rename). Idempotent; a no-op on other ranks. Best
+    effort: what stays is removed by the next start's sweep."""
+    location, pending.owned = pending.owned, None
+    if location is None or pending.committed:
+        return
+    if not ctx.strategy.is_committed(ctx.storage, pending.step, location):
+        _discard(ctx, location, pending.step)
+
+
+# ---------------------------------------------------------------- the exchanges
+
+
 def _failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
     return RankFailure(rank, phase, type(exc).__name__, str(exc) or repr(exc))
 
@@ -1063,12 +1285,112 @@ class _Aborted(Exception):
 
 class _InPhase(Exception):
     """Internal: a failure inside a round, reported under the step of the protocol it
-    belongs to (a rank's input check runs in the write round of ``save``)."""
+    belongs to (a rank's input check travels with its write report)."""
 
     def __init__(self, phase: str, error: Exception):
         super().__init__(str(error))
         self.phase = phase
         self.error = error
+
+
+@contextlib.contextmanager
+def _aborting(ctx: SaveContext, pending: Pending) -> Iterator[None]:
+    """On any failure inside: ``abort``, then raise the one shared error."""
+    try:
+        yield
+    except _Aborted as aborted:
+        abort(ctx, pending)
+        raise aborted.error from None
+    except BaseException:
+        abort(ctx, pending)
+        raise
+
+
+def _fence(ctx: SaveContext, step: int) -> None:
+    if ctx.cancel is not None and ctx.cancel.is_set():
+        raise SaveAbandonedError(
+            f"the async save of step {step} was abandoned; it is not committed"
+        )
+    if ctx.lock is not None:
+        ctx.lock.check()
+
+
+def _domain_index(ctx: SaveContext) -> int:
+    """This rank's storage domain, as an index into what ``_decide`` returns."""
+    return ctx.leaders.index(ctx.leader)
+
+
+def _through_leader(ctx: SaveContext) -> bool:
+    """Whether a save's rounds go through its one leader rather than all-gathers:
+    several ranks, one storage domain, a coordinator that can publish and gather.
+    Each rank then reads one key per round instead of one per rank."""
+    coord = ctx.coord
+    return coord.world_size > 1 and len(ctx.leaders) == 1 and hasattr(coord, "publish")
+
+
+def _decide(
+    ctx: SaveContext,
+    pending: Pending,
+    phase: str,
+    fn: Callable[[], _T],
+    *,
+    settle: Callable[[CoordinationTimeoutError], Any] | None = None,
+) -> list[_T]:
+    """Run ``fn`` on the domain leader(s); every rank gets every leader's result, in
+    the order of ``ctx.leaders``, or every rank raises the same error.
+
+    Through one leader (``_through_leader``), the leader publishes one key that every
+    rank reads; a leader that failed removes what it created before it publishes the
+    failure, so no rank returns while its pending data still exists. The commit's
+    result reaches the others without its file list (``SharedManifest``): N ranks
+    reading N entries each would put O(N^2) bytes through the store. ``settle`` decides
+    what a timeout means (the commit may have happened). Otherwise (several domains)
+    every rank sends its own outcome in one all-gather (``run_phase``).
+    """
+    step, rank = pending.step, ctx.coord.rank
+    if not _through_leader(ctx):
+        lead = ctx.is_coordinator
+
+        def here() -> Any:
+            if lead:
+                return fn()
+            if phase == "commit":
+                fault_point("during_broadcast", rank, step)
+            return None
+
+        values = run_phase(ctx, step, phase, here)
+        return [values[lead_rank] for lead_rank in ctx.leaders]
+    # On the wire: ("ok", *result) or ("error", the shared error). The commit's result
+    # is sent as (manifest without its files, publish_s): one domain has no views.
+    mine: Any = None
+    verdict: Any = None
+    if ctx.is_coordinator:
+        try:
+            mine = fn()
+            if phase == "commit":
+                verdict = ("ok", SharedManifest.of(mine[0]), mine[2])
+            else:
+                verdict = ("ok", *mine)
+        except Exception as exc:  # shared, never swallowed
+            abort(ctx, pending)
+            verdict = ("error", _shared_error([_failure(exc, rank, phase)], step))
+    elif phase == "commit":
+        fault_point("during_broadcast", rank, step)
+    publish: Callable[..., Any] = ctx.coord.publish  # type: ignore[attr-defined]
+    key = f"save step {step}: {phase}"
+    try:
+        verdict = publish(key, verdict, src=ctx.leader, timeout_s=ctx.timeout_s)
+    except CoordinationTimeoutError as exc:
+        if settle is None:
+            raise
+        verdict = settle(exc)
+    if verdict[0] == "error":
+        raise _Aborted(verdict[1])
+    if ctx.is_coordinator:
+        return [mine]
+    if phase == "commit":
+        return [(verdict[1], None, verdict[2])]  # type: ignore[list-item]
+    return [tuple(verdict[1:])]  # type: ignore[list-item]
 
 
 def _run_here(
@@ -1128,14 +1450,17 @@ def gather_phase(
     phase: str,
     fn: Callable[[], _T],
     summarize: Callable[[list[_T]], Any],
+    *,
+    to_leader: bool = True,
 ) -> tuple[_T, list[_T] | None, Any]:
     """Like ``run_phase``, but only the domain leader gets every rank's result: the
     others get ``summarize(results)``, computed once on the leader. Returns this rank's
-    result, every rank's (on the leader; None elsewhere) and the summary. If any rank
-    failed, every rank raises the same error.
+    result, its domain's results (on the leader; None elsewhere) and the summary. If
+    any rank failed, every rank raises the same error.
 
-    Through a coordinator with ``gather``, a round costs O(N) store requests and O(N)
-    bytes for N ranks; ``run_phase`` sends every rank every result (O(N^2) bytes).
+    Through a coordinator with ``gather`` (and ``to_leader``: one storage domain), a
+    round costs O(N) store requests and O(N) bytes for N ranks; an all-gather sends
+    every rank every result (O(N^2) bytes).
     """
     value, payload = _run_here(ctx, phase, fn)
     if ctx.coord.world_size == 1:
@@ -1146,12 +1471,13 @@ def gather_phase(
         return (failures, None) if failures else ([], summarize([v for v, _ in outcomes]))
 
     what = f"save step {step}: {phase}" if step >= 0 else phase
-    gather = getattr(ctx.coord, "gather", None)
+    gather = getattr(ctx.coord, "gather", None) if to_leader else None
     try:
         everything: list[Any] | None
-        if gather is None:  # a coordinator that only all-gathers
+        if gather is None:  # every rank gets every result
             everything = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
             failures, summary = reduce(everything)
+            everything = [everything[r] for r in ctx.members]
         else:
             everything, (failures, summary) = gather(
                 what, payload, dst=ctx.leader, timeout_s=ctx.timeout_s, reduce=reduce
@@ -1163,132 +1489,6 @@ def gather_phase(
     if not ctx.is_coordinator or everything is None:
         return value, None, summary
     return value, [v for v, _ in everything], summary
-
-
-def save(
-    ctx: SaveContext,
-    step: int,
-    write_rank_files: Callable[[str], RankReport],
-    *,
-    state_kind: str,
-    metrics: Mapping[str, float],
-    metadata: Mapping[str, Any],
-    overwrite: bool,
-    check_input: Callable[[], None] | None = None,
-    collect_files: Callable[[str], RankReport] | None = None,
-) -> tuple[Manifest, dict[str, float]]:
-    """Run the seven steps. Called by every rank with its own ``write_rank_files``.
-
-    ``write_rank_files(pending)`` writes this rank's files under ``pending`` (a storage
-    path), fsyncs them, and reports them. ``check_input()`` runs on every rank in the
-    first phase, so bad input on one rank fails every rank before anything is written.
-    ``collect_files(pending)`` (files written by arbitrary code, ``saving()``) runs on the
-    leader after every rank has finished writing, and reports what is there.
-
-    Returns:
-        The committed manifest and the per-phase timings, identical on every rank
-        (with one storage domain, ranks other than the leader get a ``SharedManifest``:
-        the same manifest without its file list).
-
-    Raises:
-        CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
-        DistributedCheckpointError: a rank failed (several ranks).
-        CoordinationTimeoutError: a rank did not arrive in time.
-        CheckpointError: the failing rank's error (one rank).
-    """
-    if _through_leader(ctx):
-        return _save_through_leader(
-            ctx,
-            step,
-            write_rank_files,
-            state_kind=state_kind,
-            metrics=metrics,
-            metadata=metadata,
-            overwrite=overwrite,
-            check_input=check_input,
-            collect_files=collect_files,
-        )
-    storage, coord = ctx.storage, ctx.coord
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    pending: str | None = None
-    committed: Any = None
-    try:
-        # 1. prepare: one decision per storage domain, shared with every rank.
-        # Every rank sends the step it was asked to save: the coordinator's step names
-        # the checkpoint, so a rank with another step would silently put its state into
-        # a checkpoint of the wrong step (FAILURE_MODES C6).
-        def prepare() -> tuple[int, tuple[str, bool] | None]:
-            if check_input is not None:
-                check_input()
-            if not ctx.is_coordinator:
-                return step, None
-            nonlocal pending
-            attempt = new_attempt_token()
-            # Known before it exists, so a failure on any rank discards it.
-            pending = ctx.strategy.pending_location(step, attempt)
-            return step, _prepare_on_leader(ctx, step, attempt, overwrite)
-
-        prepared = run_phase(ctx, step, "prepare", prepare)
-        _check_same_step([p[0] for p in prepared])
-        mine = prepared[ctx.leader][1]
-        if mine is None:  # the leader either returned it or raised
-            raise CommitError(f"step {step}: the domain leader sent no pending location")
-        staged: str = mine[0]
-        pending = staged if ctx.is_coordinator else None
-        exists_in = [prepared[lead][1][1] for lead in ctx.leaders]  # type: ignore[index]
-        if all(exists_in) and not overwrite:
-            raise _Aborted(_exists_error(storage, step))
-        # Committed in some domains only: the leftover of a save that failed half way
-        # (a node died between the domains' commits). It never counted as a checkpoint;
-        # it is replaced.
-        replace = overwrite or exists_in[ctx.leaders.index(ctx.leader)]
-        timings["prepare"] = time.perf_counter() - t0
-
-        # 2-3. write, then gather file lists.
-        t = time.perf_counter()
-
-        reports = run_phase(
-            ctx, step, "write", lambda: _write_here(ctx, step, staged, write_rank_files)
-        )
-        timings["write"] = max(r.write_s for r in reports)
-        timings["fsync"] = max(r.fsync_s for r in reports)
-        timings["gather"] = time.perf_counter() - t - timings["write"] - timings["fsync"]
-
-        # 4-5. the coordinator commits.
-        t = time.perf_counter()
-
-        def commit() -> tuple[Manifest, Any, float]:
-            return _commit_on_leader(
-                ctx, step, staged, reports, collect_files, replace, state_kind, metrics, metadata
-            )
-
-        def await_result() -> None:
-            fault_point("during_broadcast", coord.rank, step)
-
-        results: list[Any] = run_phase(
-            ctx, step, "commit", commit if ctx.is_coordinator else await_result
-        )
-        committed = results[ctx.leader][0]
-        if len(ctx.leaders) > 1 and ctx.on_domain_view is not None:
-            ctx.on_domain_view(step, [results[lead][1] for lead in ctx.leaders])
-        timings["commit"] = time.perf_counter() - t
-        # The leader's part of it: manifest, fsyncs, rename (the rest is the exchange).
-        timings["publish"] = results[ctx.leader][2]
-    except _Aborted as aborted:
-        if pending is not None and ctx.is_coordinator and not _is_committed(ctx, step, pending):
-            _discard(ctx, pending, step)
-        raise aborted.error from None
-    except BaseException:
-        # KeyboardInterrupt/SystemExit on the coordinator: leave no half-written pending
-        # data behind if we can help it; the next start sweeps whatever remains.
-        if pending is not None and ctx.is_coordinator and not _is_committed(ctx, step, pending):
-            _discard(ctx, pending, step)
-        raise
-    if not ctx.is_coordinator and not storage.capabilities.coherent:
-        _await_committed(storage, step, ctx.visibility_timeout_s)
-    timings["total"] = time.perf_counter() - t0
-    return committed, timings
 
 
 def _check_same_step(steps: Sequence[int]) -> None:
@@ -1312,54 +1512,28 @@ def _shared_error(failures: Sequence[RankFailure], step: int) -> CheckpointError
     return DistributedCheckpointError(list(failures), step=step if step >= 0 else None)
 
 
-def _prepare_on_leader(
-    ctx: SaveContext, step: int, attempt: str, overwrite: bool
-) -> tuple[str, bool]:
-    """Step 1 on the domain leader: fence, "is the step taken?", the pending location.
-    Returns the pending location and whether the step is committed already."""
-    ctx.fence()
-    exists = _is_step_committed(ctx.storage, step, overwrite=overwrite)
-    if exists and not overwrite and len(ctx.leaders) == 1:
-        _raise_exists(ctx.storage, step)
-    return ctx.strategy.prepare(ctx.storage, step, attempt), exists
-
-
-def _write_here(
-    ctx: SaveContext, step: int, staged: str, write_rank_files: Callable[[str], RankReport]
-) -> RankReport:
-    """Step 2 on every rank: write and fsync this rank's files into ``staged``."""
-    rank = ctx.coord.rank
-    fault_point("before_write", rank, step)
-    if not ctx.is_coordinator and not ctx.storage.capabilities.coherent:
-        _await_dir(ctx.storage, staged, ctx.visibility_timeout_s)
-    report = write_rank_files(staged)
-    fault_point("after_write", rank, step)
-    return report
-
-
 def _commit_on_leader(
     ctx: SaveContext,
-    step: int,
-    staged: str,
+    pending: Pending,
     reports: Sequence[RankReport],
-    collect_files: Callable[[str], RankReport] | None,
-    replace: bool,
+    scan: Callable[[str], RankReport] | None,
+    commit_seq: int,
     state_kind: str,
     metrics: Mapping[str, float],
     metadata: Mapping[str, Any],
 ) -> tuple[Manifest, Any, float]:
-    """Steps 4-5 on the domain leader. Returns the manifest as written, the domain's
+    """Steps 4-6 on the domain leader. Returns the manifest as written, the domain's
     committed steps (several domains only) and the time it took."""
-    storage = ctx.storage
+    storage, staged, step = ctx.storage, pending.location, pending.step
     tc = time.perf_counter()
-    collected = [collect_files(staged)] if collect_files is not None else []
-    files = _merge([reports[r] for r in ctx.members] + collected)
+    scanned = [scan(staged)] if scan is not None else []
+    files = _merge(list(reports) + scanned)
     _await_files(storage, staged, files, ctx.visibility_timeout_s)
-    ctx.fence()
+    _fence(ctx, step)
     manifest = Manifest(
         step=step,
         run_id=ctx.run_id,
-        commit_seq=ctx.next_commit_seq(),
+        commit_seq=commit_seq,
         world_size=ctx.coord.world_size,
         files=files,
         domain_ranks=None if len(ctx.leaders) == 1 else ctx.members,
@@ -1372,7 +1546,7 @@ def _commit_on_leader(
     )
     # The manifest as written: the marker strategy lists files under their attempt.
     manifest = ctx.strategy.publish(
-        storage, staged, manifest, rank=ctx.coord.rank, overwrite=replace
+        storage, staged, manifest, rank=ctx.coord.rank, overwrite=pending.replace
     )
     view = None
     if len(ctx.leaders) > 1:
@@ -1382,168 +1556,6 @@ def _commit_on_leader(
         ]
     fault_point("during_broadcast", ctx.coord.rank, step)
     return manifest, view, time.perf_counter() - tc
-
-
-def _through_leader(ctx: SaveContext) -> bool:
-    """Whether a save's prepare and commit rounds are published by its one leader
-    rather than all-gathered: several ranks, one storage domain, a coordinator that
-    can. Each rank then reads one key in those rounds instead of one per rank."""
-    coord = ctx.coord
-    return coord.world_size > 1 and len(ctx.leaders) == 1 and hasattr(coord, "publish")
-
-
-def _save_through_leader(
-    ctx: SaveContext,
-    step: int,
-    write_rank_files: Callable[[str], RankReport],
-    *,
-    state_kind: str,
-    metrics: Mapping[str, float],
-    metadata: Mapping[str, Any],
-    overwrite: bool,
-    check_input: Callable[[], None] | None,
-    collect_files: Callable[[str], RankReport] | None,
-) -> tuple[Manifest, dict[str, float]]:
-    """``save`` with one storage domain and several ranks, in three exchanges:
-
-    1. the leader checks its input and prepares, then publishes the pending location
-       (or its failure): one key, read by every rank;
-    2. every rank checks its own input and step, writes, and sends its report (or its
-       failure) to the leader, which answers every rank with one summary: every rank
-       names the same failed or missing ranks, and gives up within ``timeout_s``;
-    3. the leader commits and publishes the outcome, which every rank returns or raises;
-       a rank that timed out waiting for it finds out what was published (or, with the
-       store out of reach, whether its own attempt is committed) before it reports
-       (``_settle_outcome``), so it never raises for a commit the others return.
-
-    Decisions are made on the leader only and published (DESIGN invariant 3); a failure
-    anywhere, a missing rank or a missing leader ends in the same error on every rank
-    within ``timeout_s`` (invariant 4). Each round costs O(N) store requests and bytes:
-    in the write round the leader collects every report in one read, and every other
-    rank reads one summary (``gather_phase``); the other two cost one key per rank. A
-    non-leader whose input is bad writes nothing; the others' data is discarded with the
-    pending directory, before anything is committed.
-    """
-    storage, coord = ctx.storage, ctx.coord
-    leader, lead, rank = ctx.leader, ctx.is_coordinator, coord.rank
-    publish: Callable[..., Any] = coord.publish  # type: ignore[attr-defined]
-    timeout = ctx.timeout_s
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    pending: str | None = None
-    committed = False
-
-    def key(phase: str) -> str:
-        return f"save step {step}: {phase}"
-
-    def discard() -> None:
-        if pending is not None and not _is_committed(ctx, step, pending):
-            _discard(ctx, pending, step)
-
-    try:
-        # 1. prepare, on the leader.
-        prepared: Any = None
-        if lead:
-            try:
-                if check_input is not None:
-                    check_input()
-                attempt = new_attempt_token()
-                # Known before it exists, so a failure on any rank discards it.
-                pending = ctx.strategy.pending_location(step, attempt)
-                staged, exists = _prepare_on_leader(ctx, step, attempt, overwrite)
-                prepared = ("ok", step, staged, exists)
-            except Exception as exc:  # shared, never swallowed
-                discard()
-                prepared = ("error", _shared_error([_failure(exc, rank, "prepare")], step))
-        try:
-            prepared = publish(key("prepare"), prepared, src=leader, timeout_s=timeout)
-        except CoordinationTimeoutError:
-            if lead:
-                discard()
-            raise
-        if prepared[0] == "error":
-            raise prepared[1]
-        _, leader_step, staged, exists = prepared
-        replace = overwrite or exists
-        timings["prepare"] = time.perf_counter() - t0
-
-        # 2. write on every rank; the leader gathers the reports and every rank gets
-        # its summary (failures, steps that differ), so that every rank names the same
-        # failed or missing ranks and gives up within ``timeout_s`` of its own arrival
-        # (a rank late after that fails too).
-        t = time.perf_counter()
-
-        def write() -> tuple[int, RankReport | None]:
-            if not lead and check_input is not None:
-                try:
-                    check_input()
-                except Exception as exc:
-                    raise _InPhase("prepare", exc) from exc
-            if step != leader_step:
-                return step, None  # fails the save on every rank, below; nothing written
-            return step, _write_here(ctx, step, staged, write_rank_files)
-
-        mine, written, (steps, timings["write"], timings["fsync"]) = gather_phase(
-            ctx, step, "write", write, _write_summary
-        )
-        if steps is not None:
-            _check_same_step(steps)
-        # Every rank had the leader's step (checked just above), so every rank wrote.
-        reports = [r for _, r in written or () if r is not None]
-        timings["gather"] = time.perf_counter() - t - timings["write"] - timings["fsync"]
-
-        # 3. the leader commits and publishes the outcome; the others wait for it.
-        t = time.perf_counter()
-        verdict: Any = None
-        if lead:
-            try:
-                manifest, _view, publish_s = _commit_on_leader(
-                    ctx,
-                    step,
-                    staged,
-                    reports,
-                    collect_files,
-                    replace,
-                    state_kind,
-                    metrics,
-                    metadata,
-                )
-                committed = True
-                # Without its file list: N ranks reading N entries each would put
-                # O(N^2) bytes through the store (16 million entries at 4096 ranks).
-                verdict = ("ok", SharedManifest.of(manifest), publish_s)
-            except Exception as exc:  # shared, never swallowed
-                discard()
-                verdict = ("error", _shared_error([_failure(exc, rank, "commit")], step))
-        else:
-            fault_point("during_broadcast", rank, step)
-        try:
-            verdict = publish(key("commit"), verdict, src=leader, timeout_s=timeout)
-        except CoordinationTimeoutError as exc:
-            if lead:
-                raise _committed_anyway(ctx, step, exc) if committed else exc from None
-            verdict = _settle_outcome(ctx, step, staged, mine[1], exc)
-        if verdict[0] == "error":
-            raise verdict[1]
-        _, shared, timings["publish"] = verdict
-        if not lead:
-            manifest = shared
-        timings["commit"] = time.perf_counter() - t
-    except _Aborted as aborted:
-        if lead and not committed:
-            discard()
-        raise aborted.error from None
-    except BaseException:
-        # KeyboardInterrupt/SystemExit on the leader, or an error after its decision:
-        # leave no half-written pending data behind if we can help it; the next start
-        # sweeps whatever remains.
-        if lead and not committed:
-            discard()
-        raise
-    if not lead and not storage.capabilities.coherent:
-        _await_committed(storage, step, ctx.visibility_timeout_s)
-    timings["total"] = time.perf_counter() - t0
-    return manifest, timings
 
 
 def _write_summary(written: list[tuple[int, RankReport | None]]) -> tuple[Any, float, float]:
@@ -1629,7 +1641,9 @@ def _own_commit(
     storage cannot tell."""
     try:
         manifest = read_manifest(ctx.storage, checkpoint_name(step))
-        if manifest.run_id != ctx.run_id or not _is_committed(ctx, step, staged):
+        if manifest.run_id != ctx.run_id or not ctx.strategy.is_committed(
+            ctx.storage, step, staged
+        ):
             return None
     except CheckpointError:
         return None
@@ -1638,12 +1652,6 @@ def _own_commit(
         (f.path.rsplit("/", 1)[-1], f.size_bytes, f.checksum) for f in (mine.files if mine else ())
     }
     return manifest if ours and ours <= listed else None
-
-
-def _is_committed(ctx: SaveContext, step: int, pending: str) -> bool:
-    """After a failure: did our own commit land anyway (e.g. the coordinator renamed,
-    then a peer timed out)? Then nothing is discarded."""
-    return ctx.strategy.is_committed(ctx.storage, step, pending)
 
 
 def _foreign_entries(storage: Storage, rel: str) -> list[str]:
@@ -1683,10 +1691,6 @@ def _exists_error(storage: Storage, step: int) -> CheckpointExistsError:
         f"{storage.url(checkpoint_name(step))}; pass overwrite=True to replace it atomically, "
         "or save under a new step"
     )
-
-
-def _raise_exists(storage: Storage, step: int) -> None:
-    raise _exists_error(storage, step)
 
 
 def _merge(reports: Sequence[RankReport]) -> tuple[FileEntry, ...]:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import catalog
+from . import catalog, commit
 from ._faults import fault_point
 from .async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool
 from .commit import (
@@ -38,13 +38,13 @@ from .commit import (
     recover_replaced,
     run_collective,
 )
-from .commit import save as commit_save
 from .coordination import Coordinator, default_coordinator
 from .domains import Domain
 from .domains import discover as discover_domains
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CommitError,
     CorruptCheckpointError,
     DistributedCheckpointError,
     LockError,
@@ -75,6 +75,7 @@ from .manifest import (
     check_metrics,
     format_size,
 )
+from .retention import RetentionPolicy
 from .storage import open_storage, posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps
@@ -126,6 +127,11 @@ class CheckpointManager:
             the holder's (a restarted job); otherwise ``LockHeldError`` names it.
         lease_s: the run lock's lease: renewed every ``lease_s / 3``; a holder that
             has not renewed for ``lease_s`` may be taken over from any host.
+        storage_domains: which ranks see the same files under ``root``: "auto"
+            (probed at start: one file written per host, read by the others), "shared"
+            (one storage domain, no probe: trust it), or "per-host" (each host's own
+            disk, no probe). Each storage domain commits its own copy through its own
+            leader, and a step counts once every domain has it.
         storage_options: for URL roots (``s3://bucket/prefix``, ``gs://...``): fsspec's
             options (``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``, ...).
         strategy: how saves commit: None chooses from the storage (``"rename"`` where
@@ -138,7 +144,7 @@ class CheckpointManager:
         self,
         root: str | os.PathLike[str] | Storage,
         *,
-        retention: Any = None,
+        retention: RetentionPolicy | None = None,
         run_id: str | None = None,
         coordinator: Coordinator | None = None,
         timeout_s: float = 600.0,
@@ -226,11 +232,9 @@ class CheckpointManager:
             run_id=self.run_id,
             timeout_s=self.timeout_s,
             strategy=self._strategy,
-            next_commit_seq=self._next_seq,
             visibility_timeout_s=visibility_timeout_s,
-            fence=self._check_fence,
             domain=self.domain,
-            on_domain_view=self._on_domain_view,
+            lock=self._lock,
         )
         self._domain_victims: dict[int, list[int]] = {}
         try:
@@ -627,13 +631,14 @@ class CheckpointManager:
         writes = not replicated or self.is_coordinator
         rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
         plan: Any = None
-
-        def check_input() -> None:
+        problem: Exception | None = None
+        if writes:
             # Planning walks the tree and finds unsupported objects before anything is
-            # written; it runs inside the first phase so its failure reaches every rank.
-            nonlocal plan
-            if writes:
+            # written; the commit's first step shares its failure with every rank.
+            try:
                 plan = plan_state(state, allow_pickle=self.allow_pickle)
+            except Exception as exc:  # shared, raised on every rank alike
+                problem = exc
 
         def write(pending: str) -> RankReport:
             if plan is None:
@@ -650,7 +655,7 @@ class CheckpointManager:
             metrics_d,
             metadata_d,
             overwrite,
-            check_input,
+            problem,
         )
 
     @contextlib.contextmanager
@@ -792,22 +797,9 @@ class CheckpointManager:
                 snapshot = pool.prepare(plan, cancel=cancel)
             except Exception as exc:  # shared with every rank in the first phase
                 input_error = exc
-        base_fence = self._ctx.fence
-
-        def fence() -> None:
-            base_fence()
-            # Checked by the coordinator before it creates the pending location and
-            # before it commits: an abandoned save is never committed.
-            if cancel.is_set():
-                raise SaveAbandonedError(
-                    f"the async save of step {step} was abandoned; it is not committed"
-                )
-
-        ctx = replace(self._ctx, coord=self._async_coord, fence=fence)
-
-        def check_input() -> None:
-            if input_error is not None:
-                raise input_error
+        # The leader checks ``cancel`` with the run lock, before it creates the pending
+        # location and before it commits: an abandoned save is never committed.
+        ctx = replace(self._ctx, coord=self._async_coord, cancel=cancel)
 
         def write(pending: str) -> RankReport:
             if snapshot is None:
@@ -818,19 +810,19 @@ class CheckpointManager:
             )
 
         def run() -> CheckpointInfo:
-            manifest, timings = commit_save(
+            done = self._commit(
                 ctx,
                 step,
                 write,
-                state_kind="replicated" if replicated else "per_rank",
+                kind="replicated" if replicated else "per_rank",
                 metrics=metrics_d,
                 metadata=metadata_d,
                 overwrite=overwrite,
-                check_input=check_input,
+                problem=input_error,
             )
             if snapshot is not None:
-                timings["snapshot"] = snapshot.copy_s
-            return self._after_commit(manifest, timings)
+                done.timings["snapshot"] = snapshot.copy_s
+            return self._after_commit(done.manifest, done.timings, done.domain_views)
 
         # The background save starts before the copy: its first phase (agreeing on the
         # pending location) and its writes overlap the copy.
@@ -895,22 +887,67 @@ class CheckpointManager:
         metrics: dict[str, float],
         metadata: dict[str, Any],
         overwrite: bool,
-        check_input: Callable[[], None] | None = None,
+        problem: Exception | None = None,
     ) -> CheckpointInfo:
         self._finish_rotation()
-        manifest, timings = commit_save(
+        done = self._commit(
             self._ctx,
             step,
             write,
-            state_kind=kind,
+            kind=kind,
             metrics=metrics,
             metadata=metadata,
             overwrite=overwrite,
-            check_input=check_input,
+            problem=problem,
         )
-        return self._after_commit(manifest, timings)
+        return self._after_commit(done.manifest, done.timings, done.domain_views)
 
-    def _after_commit(self, manifest: Manifest, timings: dict[str, float]) -> CheckpointInfo:
+    def _commit(
+        self,
+        ctx: SaveContext,
+        step: int,
+        write: Callable[[str], RankReport],
+        *,
+        kind: str,
+        metrics: Mapping[str, float],
+        metadata: Mapping[str, Any],
+        overwrite: bool,
+        problem: Exception | None = None,
+        scan: Callable[[str], RankReport] | None = None,
+        phase: str = "write",
+    ) -> commit.Committed:
+        """One save on this rank, as the commit protocol's steps in order: ``begin``
+        (the leader creates the pending location), this rank's ``write`` into it, then
+        ``finish`` (gather, commit, publish). ``problem``: this rank's bad input, shared
+        by ``begin``; ``phase`` names the write in a shared failure. Collective."""
+        pending = commit.begin(ctx, step, overwrite=overwrite, problem=problem)
+        try:
+            written = (
+                commit.attempt(phase, lambda: write(pending.location)) if pending.writes else None
+            )
+            return commit.finish(
+                ctx,
+                pending,
+                written,
+                commit_seq=self._next_seq(),
+                state_kind=kind,
+                metrics=metrics,
+                metadata=metadata,
+                scan=scan,
+            )
+        except BaseException:
+            # KeyboardInterrupt/SystemExit during the write: leave no half-written
+            # pending data behind if we can help it; the next start sweeps the rest.
+            commit.abort(ctx, pending)
+            raise
+
+    def _after_commit(
+        self, manifest: Manifest, timings: dict[str, float], domain_views: Any = None
+    ) -> CheckpointInfo:
+        """Every rank, after a commit: remember it, start retention (leader), report.
+        ``domain_views``: ``commit.Committed.domain_views`` (several storage domains)."""
+        if domain_views is not None:
+            self._on_domain_view(manifest.step, domain_views)
         info = _with_timings(
             manifest.info(self.storage.url(checkpoint_name(manifest.step))), timings
         )
@@ -1504,7 +1541,7 @@ class _SavingBlock:
             overwrite,
         )
         self.info: CheckpointInfo | None = None
-        self._thread: threading.Thread | None = None
+        self._pending: commit.Pending | None = None
 
     def __enter__(self) -> Path:
         mgr = self.mgr
@@ -1513,70 +1550,46 @@ class _SavingBlock:
             raise CheckpointError(
                 "saving() needs a mounted filesystem; use save() for object stores"
             )
-        # Drive the protocol from a helper thread so the user's block runs between
-        # "pending created" and "files gathered", with the same collective order on
-        # every rank.
         mgr._finish_rotation()
-        self._ready = threading.Event()
-        self._body_done = threading.Event()
-        self._body_error: BaseException | None = None
-        self._result: tuple[Manifest, dict[str, float]] | None = None
-        self._error: BaseException | None = None
-        self._pending: str | None = None
-        self._thread = threading.Thread(
-            target=self._run, name="atomic-checkpoint-saving", daemon=True
-        )
-        self._thread.start()
-        self._ready.wait()
-        if self._pending is None:
-            self._thread.join()
-            raise self._error if self._error is not None else CheckpointError("saving() failed")
-        return Path(local, *self._pending.split("/"))
+        # Step 1 on every rank; the user's block is step 2; ``__exit__`` finishes.
+        pending = self._pending = commit.begin(mgr._ctx, self.step, overwrite=self.overwrite)
+        if not pending.writes:  # this rank must not write: finish says why, everywhere
+            self._finish(None)
+            raise CommitError(f"step {self.step}: this rank was told not to write")
+        return Path(local, *pending.location.split("/"))
 
-    def _run(self) -> None:
-        mgr = self.mgr
-
-        def write(pending: str) -> RankReport:
-            self._pending = pending
-            self._ready.set()
-            self._body_done.wait()
-            if self._body_error is not None:
-                err = self._body_error
-                raise CheckpointError(f"the saving() block raised {type(err).__name__}: {err}")
-            return RankReport((), 0.0, 0.0)
-
-        def collect(pending: str) -> RankReport:
-            # Runs on the leader after EVERY rank's block has finished: scanning when
-            # only the leader's own block is done would miss files others still write.
-            return _report_files(mgr.storage, pending, mgr.rank)
-
+    def _finish(self, written: RankReport | commit.Failed | None) -> None:
+        mgr, pending = self.mgr, self._pending
+        if pending is None:
+            return
         try:
-            self._result = commit_save(
+            done = commit.finish(
                 mgr._ctx,
-                self.step,
-                write,
+                pending,
+                written,
+                commit_seq=mgr._next_seq(),
                 state_kind="files",
                 metrics=self.metrics,
                 metadata=self.metadata,
-                overwrite=self.overwrite,
-                collect_files=collect,
+                # Runs on the leader after EVERY rank's block has finished: scanning
+                # when only the leader's own block is done would miss files others
+                # still write. Arbitrary writers neither checksum nor fsync.
+                scan=lambda location: _report_files(mgr.storage, location, mgr.rank),
             )
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._ready.set()
+        except BaseException:
+            commit.abort(mgr._ctx, pending)
+            raise
+        self.info = mgr._after_commit(done.manifest, done.timings, done.domain_views)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        self._body_error = exc if exc is not None else None
-        self._body_done.set()
-        if self._thread is not None:
-            self._thread.join()
-        if exc is not None:
-            return  # the user's exception propagates; the save was discarded
-        if self._error is not None:
-            raise self._error
-        if self._result is not None:
-            self.info = self.mgr._after_commit(*self._result)
+        if exc is None:
+            self._finish(RankReport((), 0.0, 0.0))
+            return
+        # The block failed on this rank: every rank's save fails alike, and the
+        # user's exception propagates here.
+        why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
+        with contextlib.suppress(CheckpointError):
+            self._finish(commit.Failed("write", why))
 
 
 def _newest_committed(setups: list[Any], domain: Domain) -> int | None:

@@ -18,6 +18,7 @@ Roles:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -27,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from atomic_checkpoint import CheckpointManager, KeepLast, catalog
-from atomic_checkpoint.commit import MarkerStrategy, RankReport, SaveContext, save
+from atomic_checkpoint import CheckpointManager, KeepLast, catalog, commit
+from atomic_checkpoint.commit import MarkerStrategy, RankReport, SaveContext
 from atomic_checkpoint.coordination import SingleProcessCoordinator
 from atomic_checkpoint.errors import (
     CheckpointError,
@@ -169,15 +170,15 @@ def racer(args: dict[str, Any]) -> None:
             return RankReport((FileEntry(rel, size, h.hexdigest(), 0),), 0.0, 0.0)
 
         try:
-            manifest, _ = save(
+            pending = commit.begin(ctx, step)
+            manifest = commit.finish(
                 ctx,
-                step,
-                write,
+                pending,
+                commit.attempt("write", functools.partial(write, pending.location)),
                 state_kind="per_rank",
                 metrics={},
                 metadata={"writer": me},
-                overwrite=False,
-            )
+            ).manifest
         except CheckpointExistsError as exc:
             emit(event="lost", step=step, writer=me, error=type(exc).__name__, message=str(exc))
         except CheckpointError as exc:

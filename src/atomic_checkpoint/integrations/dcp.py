@@ -106,9 +106,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import catalog
 from .._faults import fault_point
 from .._version import __version__
-from ..async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool, register_exit
-from ..commit import RankReport, _InPhase
-from ..commit import save as commit_save
+from ..async_save import AsyncSaver, SaveHandle, SnapshotPool, register_exit
+from ..commit import RankReport
 from ..coordination import exchange_outcomes
 from ..errors import (
     CheckpointError,
@@ -445,26 +444,17 @@ def async_save_dcp(
         staged = _stage(state_dict)
     except Exception as exc:  # shared with every rank in the first phase
         input_error = exc
-    cancel = saver.cancel
-    base_fence = mgr._ctx.fence
-
-    def fence() -> None:
-        base_fence()
-        # Checked by the coordinator before it creates the pending location and before
-        # it commits: an abandoned save (close() past timeout_s) is never committed.
-        if cancel.is_set():
-            raise SaveAbandonedError(
-                f"the async DCP save of step {step} was abandoned; it is not committed"
-            )
-
-    ctx = replace(mgr._ctx, coord=coord, fence=fence)
-
-    def check_input() -> None:
-        if input_error is not None:
-            raise CheckpointError(
-                f"rank {mgr.rank}: DCP's stager could not copy the state dict of step "
-                f"{step} into host memory: {type(input_error).__name__}: {input_error}"
-            ) from input_error
+    # The leader checks ``cancel`` with the run lock, before it creates the pending
+    # location and before it commits: an abandoned save (close() past timeout_s) is
+    # never committed.
+    ctx = replace(mgr._ctx, coord=coord, cancel=saver.cancel)
+    problem: Exception | None = None
+    if input_error is not None:
+        problem = CheckpointError(
+            f"rank {mgr.rank}: DCP's stager could not copy the state dict of step "
+            f"{step} into host memory: {type(input_error).__name__}: {input_error}"
+        )
+        problem.__cause__ = input_error
 
     def write(pending: str) -> RankReport:
         saver.demote()  # staged already: training keeps the CPU
@@ -479,7 +469,7 @@ def async_save_dcp(
                 no_dist=not _is_distributed(),
             )
         except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
-            raise _InPhase("dcp_write", _dcp_failure(exc)) from exc
+            raise _dcp_failure(exc) from exc
         return RankReport((), 0.0, 0.0)
 
     def collect(pending: str) -> RankReport:
@@ -488,23 +478,24 @@ def async_save_dcp(
 
     def run() -> CheckpointInfo:
         try:
-            manifest, timings = commit_save(
+            done = mgr._commit(
                 ctx,
                 step,
                 write,
-                state_kind="files",
+                kind="files",
                 metrics=metrics_d,
                 metadata=metadata_d,
                 overwrite=overwrite,
-                check_input=check_input,
-                collect_files=collect,
+                problem=problem,
+                scan=collect,
+                phase="dcp_write",
             )
         except _DCPFailure as exc:
             # One rank: the exchange hands back the rank's own error; report it as
             # every multi-rank failure is reported.
             failure = RankFailure(mgr.rank, "dcp_write", type(exc).__name__, str(exc))
             raise DistributedCheckpointError([failure], step=step) from exc.dcp_error
-        return mgr._after_commit(manifest, timings)
+        return mgr._after_commit(done.manifest, done.timings, done.domain_views)
 
     handle = saver.submit(step, run)
     handle.blocked_s = time.perf_counter() - t0
