@@ -150,11 +150,17 @@ def _manager(root: str, scen: Scenario, **kw: Any) -> Any:
     return CheckpointManager(root, strategy=scen.strategy, **kw)
 
 
+def _opened(root: str, **kw: Any) -> Any:
+    """A manager of ``root`` with the current scenario's commit strategy and otherwise
+    the library's defaults: as the operation under test (or its preparation) opens it."""
+    from atomic_checkpoint import CheckpointManager
+
+    return CheckpointManager(root, strategy=_CURRENT.strategy, **kw)
+
+
 def _saved(steps: dict[int, int], *, close: bool = True) -> Callable[[str], None]:
     def prepare(root: str) -> None:
-        from atomic_checkpoint import CheckpointManager
-
-        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        mgr = _opened(root)
         for step, version in sorted(steps.items()):
             mgr.save(step, state_of(step, version))
         mgr.wait()
@@ -166,10 +172,7 @@ def _saved(steps: dict[int, int], *, close: bool = True) -> Callable[[str], None
 
 def _op_save(step: int, version: int = 0, *, overwrite: bool = False, asynchronous: bool = False):
     def operate(root: str, record: Record) -> None:
-        from atomic_checkpoint import CheckpointManager
-
-        scen = _CURRENT
-        mgr = CheckpointManager(root, strategy=scen.strategy, retention=scen.retention)
+        mgr = _opened(root, retention=_CURRENT.retention)
         with record() as rec:
             if asynchronous:
                 mgr.save_async(step, state_of(step, version), overwrite=overwrite).result()
@@ -184,9 +187,7 @@ def _op_save(step: int, version: int = 0, *, overwrite: bool = False, asynchrono
 
 def _op_saving(step: int):
     def operate(root: str, record: Record) -> None:
-        from atomic_checkpoint import CheckpointManager
-
-        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        mgr = _opened(root)
         with record() as rec:
             with mgr.saving(step) as d:
                 _write_files(str(d), files_of(step))
@@ -198,9 +199,7 @@ def _op_saving(step: int):
 
 def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
     def prepare(root: str) -> None:
-        from atomic_checkpoint import CheckpointManager
-
-        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        mgr = _opened(root)
         for step in steps:
             with mgr.saving(step) as d:
                 _write_files(str(d), files_of(step))
@@ -211,9 +210,7 @@ def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
 
 def _op_rollback(to: int):
     def operate(root: str, record: Record) -> None:
-        from atomic_checkpoint import CheckpointManager
-
-        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        mgr = _opened(root)
         with record() as rec:
             mgr.rollback(to)
             rec.mark("rolled-back", to=to)
@@ -227,11 +224,8 @@ def _op_start(save_step: int | None = None):
     first save, then close."""
 
     def operate(root: str, record: Record) -> None:
-        from atomic_checkpoint import CheckpointManager
-
-        scen = _CURRENT
         with record() as rec:
-            mgr = CheckpointManager(root, strategy=scen.strategy)
+            mgr = _opened(root)
             rec.mark("started")
             if save_step is not None:
                 mgr.save(save_step, state_of(save_step))
@@ -244,9 +238,7 @@ def _op_start(save_step: int | None = None):
 def _prepare_crashed(root: str) -> None:
     """Checkpoints 1 and 2, then what a crashed save and a crashed rotation leave:
     a pending attempt and a trash entry; the job dies holding the run lock."""
-    from atomic_checkpoint import CheckpointManager
-
-    mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+    mgr = _opened(root)
     mgr.save(1, state_of(1))
     mgr.save(2, state_of(2))
     mgr.wait()
@@ -271,10 +263,9 @@ def _prepare_many_crashed(n: int) -> Callable[[str], None]:
     ``n`` crashed rotations' trash): the sweep of the next start deletes them all."""
 
     def prepare(root: str) -> None:
-        from atomic_checkpoint import CheckpointManager
         from atomic_checkpoint.commit import MarkerStrategy
 
-        mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+        mgr = _opened(root)
         mgr.save(1, state_of(1))
         mgr.wait()
         for i in range(n):
@@ -296,9 +287,7 @@ def _prepare_many_crashed(n: int) -> Callable[[str], None]:
 
 def _prepare_dead_holder(root: str) -> None:
     """Checkpoint 1, then the job dies holding the run lock."""
-    from atomic_checkpoint import CheckpointManager
-
-    mgr = CheckpointManager(root, strategy=_CURRENT.strategy)
+    mgr = _opened(root)
     mgr.save(1, state_of(1))
     mgr.wait()
 

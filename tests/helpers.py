@@ -1,5 +1,6 @@
-"""Running a Python snippet as a real child process: a single-process job that a test
-lets finish, or that kills itself at a fault point (``ATOMIC_CHECKPOINT_FAULTS``)."""
+"""What tests share: running a Python snippet as a real child process (a single-process
+job that a test lets finish, or that kills itself at a fault point,
+``ATOMIC_CHECKPOINT_FAULTS``), and a real storage that counts what discovery reads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from typing import Any
+
+from atomic_checkpoint.layout import MANIFEST_NAME
 
 
 def run_python(
@@ -42,3 +45,24 @@ def run_python(
 def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     """The JSON document a child printed last: its report to the test."""
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class CountsReads:
+    """Mixed in before a real storage class (``class C(CountsReads, LocalStorage)``):
+    counts the manifests it reads and the file sizes it checks, for tests that bound
+    how much discovery reads."""
+
+    manifest_reads = 0
+    size_checks = 0
+
+    def read_bytes(self, path: str) -> bytes:
+        if path.endswith(f"/{MANIFEST_NAME}"):
+            self.manifest_reads += 1
+        return super().read_bytes(path)  # type: ignore[misc]
+
+    def size(self, path: str) -> int | None:
+        self.size_checks += 1
+        return super().size(path)  # type: ignore[misc]
+
+    def reset(self) -> None:
+        self.manifest_reads = self.size_checks = 0

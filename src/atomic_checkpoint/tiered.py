@@ -668,32 +668,12 @@ class TieredCheckpointManager:
         pm._check_fence()
         staged = strategy.prepare(dst, step, new_attempt_token())
         try:
-            files = []
-            for i, entry in enumerate(source.files):
-                rel = _plain_path(entry.path)
-                catalog.check_inside(src_store, name, entry.path)
-                self._copy_verified(
-                    f"{name}/{entry.path}", f"{staged}/{rel}", entry, source.checksum_algorithm
-                )
-                files.append(FileEntry(rel, entry.size_bytes, entry.checksum, entry.rank))
-                if i == 0:
-                    fault_point("mid_replicate", 0, step)
-            for f in files:
-                self._check_arrived(f"{staged}/{f.path}", f, source.checksum_algorithm, step)
+            files = self._copy_files(source, staged, rank=0)
             fault_point("before_replica_commit", 0, step)
             if self._stop.is_set():
                 raise _Stopped()
             pm._check_fence()
-            manifest = dataclasses.replace(
-                source,
-                run_id=pm.run_id,
-                commit_seq=pm._next_seq(),
-                files=tuple(files),
-                strategy=strategy.name,
-                library_version=__version__,
-                domain_ranks=None,
-                domain_count=1,
-            )
+            manifest = _replica_manifest(pm, source, files)
             written = strategy.publish(dst, staged, manifest, rank=0, overwrite=False)
         except BaseException:
             try:
@@ -935,6 +915,13 @@ class TieredCheckpointManager:
         """A node leader's part of round B: its node's files of ``step`` into
         ``staged`` on tier 1, each verified as read and again on arrival."""
         source = catalog.load_checkpoint(self._fast_storage, step)
+        return self._copy_files(source, staged, rank=self.rank)
+
+    def _copy_files(self, source: Manifest, staged: str, *, rank: int) -> list[FileEntry]:
+        """Copy every file of ``source`` (committed on tier 0) into ``staged`` on tier 1,
+        each verified as read and again on arrival; their entries, as tier 1 records
+        them. ``rank`` is the one the ``mid_replicate`` fault point is armed for."""
+        step = source.step
         name = checkpoint_name(step)
         files = []
         for i, entry in enumerate(source.files):
@@ -945,7 +932,7 @@ class TieredCheckpointManager:
             )
             files.append(FileEntry(rel, entry.size_bytes, entry.checksum, entry.rank))
             if i == 0:
-                fault_point("mid_replicate", self.rank, step)
+                fault_point("mid_replicate", rank, step)
         for f in files:
             self._check_arrived(f"{staged}/{f.path}", f, source.checksum_algorithm, step)
         return files
@@ -976,16 +963,7 @@ class TieredCheckpointManager:
                 )
             fault_point("before_replica_commit", 0, step)
             pm._check_fence()
-            manifest = dataclasses.replace(
-                source,
-                run_id=pm.run_id,
-                commit_seq=pm._next_seq(),
-                files=tuple(files),
-                strategy=pm._strategy.name,
-                library_version=__version__,
-                domain_ranks=None,
-                domain_count=1,
-            )
+            manifest = _replica_manifest(pm, source, files)
             written = pm._strategy.publish(
                 self._slow_storage, staged, manifest, rank=0, overwrite=False
             )
@@ -1866,6 +1844,22 @@ def _same_content(a: Manifest, b: Manifest) -> bool:
         return {(_plain_path(f.path), f.size_bytes, f.checksum) for f in m.files}
 
     return a.state_kind == b.state_kind and files(a) == files(b)
+
+
+def _replica_manifest(pm: CheckpointManager, source: Manifest, files: list[FileEntry]) -> Manifest:
+    """Tier 1's manifest of a copy of ``source``: tier 0's step, metrics and checksums,
+    under tier 1's run, commit sequence and strategy, and as one domain (tier 1 holds
+    every rank's file in one place)."""
+    return dataclasses.replace(
+        source,
+        run_id=pm.run_id,
+        commit_seq=pm._next_seq(),
+        files=tuple(files),
+        strategy=pm._strategy.name,
+        library_version=__version__,
+        domain_ranks=None,
+        domain_count=1,
+    )
 
 
 def _tiered(info: CheckpointInfo, tiers: tuple[int, ...]) -> TieredCheckpointInfo:

@@ -344,6 +344,14 @@ def run_ranks(
         job.close()
 
 
+def ok_values(results: list[RankResult]) -> list[Any]:
+    """Every rank's return value, in rank order; the test fails at the first rank that
+    returned none, naming it and its error."""
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_text}"
+    return [r.value for r in results]
+
+
 @contextlib.contextmanager
 def beside(script: str, *args: Any, stop: str | os.PathLike[str]) -> Iterator[subprocess.Popen]:
     """Run ``tests/dist/scripts/SCRIPT ARGS`` as its own program while the ``with`` body

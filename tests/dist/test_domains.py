@@ -9,15 +9,9 @@ import pytest
 from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.layout import PENDING_DIR
 from tests.dist import workers
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
-
-
-def _ok(results):
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    return [r.value for r in results]
 
 
 def _files(root, step):
@@ -26,7 +20,7 @@ def _files(root, step):
 
 def test_node_local_disks_are_found_and_each_node_commits_its_own_copy(tmp_path):
     base = str(tmp_path)
-    values = _ok(run_ranks(workers.w_node_local, 4, base, [1, 2, 3, 4], 2, tmp_dir=base))
+    values = ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2, 3, 4], 2, tmp_dir=base))
     # Found by probing, not assumed: two domains, leaders 0 and 2.
     assert [v["domain"] for v in values] == [
         (0, 0, (0, 1), (0, 2)),
@@ -53,13 +47,13 @@ def test_node_local_disks_are_found_and_each_node_commits_its_own_copy(tmp_path)
 def test_shared_storage_is_one_domain_even_across_hosts(tmp_path):
     # Same directory for every rank, different host names: the probe finds one domain.
     def_root = str(tmp_path / "shared")
-    values = _ok(run_ranks(workers.w_shared_two_hosts, 4, def_root, tmp_dir=str(tmp_path)))
+    values = ok_values(run_ranks(workers.w_shared_two_hosts, 4, def_root, tmp_dir=str(tmp_path)))
     assert all(v == (0, 0, (0, 1, 2, 3), (0,)) for v in values)
 
 
 def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_step(tmp_path):
     base = str(tmp_path)
-    _ok(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
     # Node 1's leader (rank 2) dies before its rename of step 3, after a pause that
     # lets node 0 commit its copy of step 3 first.
     env = {"ATOMIC_CHECKPOINT_FAULTS": "after_manifest@2=delay:3,after_manifest@2=kill:3"}
@@ -73,7 +67,7 @@ def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_ste
     assert not os.path.isdir(os.path.join(node1, "checkpoint-3"))
     # Restart: every rank resumes from step 2, restores exactly, and re-saving step 3
     # replaces node 0's leftover instead of failing with "already exists".
-    values = _ok(run_ranks(workers.w_node_local, 4, base, [], None, 3, tmp_dir=base))
+    values = ok_values(run_ranks(workers.w_node_local, 4, base, [], None, 3, tmp_dir=base))
     assert [v["latest"] for v in values] == [2, 2, 2, 2]
     assert all(v["restored_ok"] for v in values)
     assert all(v["listed"] == [1, 2, 3] for v in values)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from reliability import REPO_ROOT, iofaults
 from reliability.fiuctl import EXTRA_ENV, build_extra, fiu_argv
+from reliability.tally import Tally
 
 from atomic_checkpoint import CheckpointManager
 from tests.testbed.pytest_fixtures import strict_facilities
@@ -182,6 +183,12 @@ def test_read_errors_while_restoring_or_verifying_are_storage_errors(extra_so, t
             assert "rank-00000.safetensors" in got[2] and "read" in got[2], (what, got)
 
 
+def _run_slice(combos: list[str], tmp_path: Path, fs: str = "local") -> Tally:
+    """The libfiu campaign (quick size, seed 3, quietly) on just ``combos``."""
+    only = [iofaults.parse_combo(c) for c in combos]
+    return iofaults.run("quick", 3, lambda _line: None, str(tmp_path), only=only, fs=fs)
+
+
 @pytest.mark.timeout(240)
 def test_campaign_slice_is_clean(extra_so, tmp_path):
     """The combinations that failed while the campaign was built, and one of each
@@ -199,13 +206,7 @@ def test_campaign_slice_is_clean(extra_so, tmp_path):
         "unlink:EIO:persistent:after_uncommit:coordinator",
         "open:EIO:once:before_write:peer",
     ]
-    tally = iofaults.run(
-        "quick",
-        3,
-        lambda _line: None,
-        str(tmp_path),
-        only=[iofaults.parse_combo(c) for c in combos],
-    )
+    tally = _run_slice(combos, tmp_path)
     assert tally.trials == len(combos)
     assert tally.faults >= len(combos) - 1, tally.stats
     assert tally.violations == 0, "\n".join(tally.details)
@@ -232,14 +233,7 @@ def test_campaign_slice_on_s3fs_fuse_is_clean(extra_so, tmp_path):
         "open:ENOSPC:persistent:during_broadcast:peer:save_async",
         "unlink:ENOSPC:once:startup:coordinator",
     ]
-    tally = iofaults.run(
-        "quick",
-        3,
-        lambda _line: None,
-        str(tmp_path),
-        only=[iofaults.parse_combo(c) for c in combos],
-        fs="s3fs",
-    )
+    tally = _run_slice(combos, tmp_path, fs="s3fs")
     assert tally.trials == len(combos)
     assert tally.faults == len(combos), tally.stats
     assert tally.violations == 0, "\n".join(tally.details)

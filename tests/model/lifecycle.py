@@ -64,6 +64,7 @@ from hypothesis.stateful import (
 
 from atomic_checkpoint import errors as ac_errors
 from atomic_checkpoint._faults import ENV as FAULTS_ENV
+from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 from atomic_checkpoint.async_save import SaveAbandonedError
 from atomic_checkpoint.errors import (
     CheckpointError,
@@ -88,15 +89,6 @@ SKIP_RULES = frozenset(filter(None, os.environ.get("LIFECYCLE_SKIP_RULES", "").s
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SAVE_PHASES = (
-    "before_write",
-    "mid_write",
-    "after_write",
-    "after_manifest",
-    "after_rename",
-    "during_broadcast",
-)
-ROTATION_PHASES = ("before_uncommit", "after_uncommit", "mid_delete")
 #: Kill points whose save is committed when the process dies.
 COMMITTED_AT = ("after_rename", "during_broadcast", *ROTATION_PHASES)
 CORRUPTIONS = ("flip-data", "truncate-data", "truncate-manifest", "empty-manifest")
@@ -553,25 +545,14 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr is not None)
     @rule(rel=st.integers(-2, 3), overwrite=st.booleans())
     def save(self, rel: int, overwrite: bool) -> None:
-        self._count("save")
-        self._before_save_call("save")
-        step, vid = self._step_for(rel), self._new_vid()
-        self.ever.add(step)
-        allowed = self._predict_save(step, overwrite)
+        step, vid, allowed = self._next_save("save", rel, overwrite)
         try:
             self.mgr.save(
                 step, make_state(vid, step), metrics={METRIC: metric_of(vid)}, overwrite=overwrite
             )
         except CheckpointError as exc:
-            if self._consume_async_error(exc):
-                return
-            kind = self._classify(exc)
-            if kind not in allowed:
-                self.fail(
-                    f"save({step}, overwrite={overwrite}) raised {type(exc).__name__}: "
-                    f"{exc}; expected {sorted(allowed)}"
-                )
-            self._check_refusal(exc, kind, step)
+            call = f"save({step}, overwrite={overwrite})"
+            kind = self._refused_as_predicted(exc, allowed, step, call)
             if kind == "exists":  # found while committing, after the rotation ended
                 self._sync_rotation()
             return
@@ -610,13 +591,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             fl.handle.result()
         except CheckpointError as exc:
-            kind = self._classify(exc)
-            if kind not in fl.allowed:
-                self.fail(
-                    f"save_async({fl.step}) failed with {type(exc).__name__}: {exc}; "
-                    f"expected {sorted(fl.allowed)}"
-                )
-            self.pending_error = {kind}
+            said = f"save_async({fl.step}) failed with"
+            self.pending_error = {self._kind_as_predicted(exc, fl.allowed, said)}
             return
         if "ok" not in fl.allowed:
             self.fail(f"save_async({fl.step}) committed; expected {sorted(fl.allowed)}")
@@ -635,6 +611,37 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.pending_error = None
         return True
 
+    def _next_save(self, call: str, rel: int, overwrite: bool) -> tuple[int, int, set[str]]:
+        """What a save rule does before its call: count it, settle what the previous
+        calls left, pick the step and the state's version, and predict the outcomes."""
+        self._count(call)
+        self._before_save_call(call)
+        step, vid = self._step_for(rel), self._new_vid()
+        self.ever.add(step)
+        return step, vid, self._predict_save(step, overwrite)
+
+    def _refused_as_predicted(
+        self, exc: CheckpointError, allowed: set[str], step: int, call: str, where: str = ""
+    ) -> str | None:
+        """Check the refusal ``exc`` of a save ``call`` against the model's prediction
+        ``allowed``; its kind, or None when it was the earlier async save's failure,
+        raised by this call."""
+        if self._consume_async_error(exc):
+            return None
+        kind = self._kind_as_predicted(exc, allowed, f"{call} raised", where)
+        self._check_refusal(exc, kind, step)
+        return kind
+
+    def _kind_as_predicted(
+        self, exc: CheckpointError, allowed: set[str], said: str, where: str = ""
+    ) -> str:
+        """The kind of the failure ``exc``; the test fails, saying ``said`` (what raised
+        it) and ``where``, unless the model predicted it (``allowed``)."""
+        kind = self._classify(exc)
+        if kind not in allowed:
+            self.fail(f"{said} {type(exc).__name__}{where}: {exc}; expected {sorted(allowed)}")
+        return kind
+
     def _no_async_error_left(self, what: str) -> None:
         if self.pending_error is not None:
             self.fail(
@@ -645,26 +652,15 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr is not None)
     @rule(rel=st.integers(-2, 3), overwrite=st.booleans())
     def save_async(self, rel: int, overwrite: bool) -> None:
-        self._count("save_async")
-        self._before_save_call("save_async")
-        step, vid = self._step_for(rel), self._new_vid()
-        self.ever.add(step)
-        allowed = self._predict_save(step, overwrite)
+        step, vid, allowed = self._next_save("save_async", rel, overwrite)
         try:
             handle = self.mgr.save_async(
                 step, make_state(vid, step), metrics={METRIC: metric_of(vid)}, overwrite=overwrite
             )
         except CheckpointError as exc:
-            if self._consume_async_error(exc):
-                return
-            kind = self._classify(exc)
-            if kind not in allowed:
-                self.fail(
-                    f"save_async({step}) raised {type(exc).__name__} at the call: {exc}; "
-                    f"expected {sorted(allowed)}"
-                )
-            self._check_refusal(exc, kind, step)
-            self._sync_rotation()
+            call = f"save_async({step})"
+            if self._refused_as_predicted(exc, allowed, step, call, " at the call") is not None:
+                self._sync_rotation()
             return
         self._no_async_error_left("save_async")
         self._sync_rotation()
@@ -698,12 +694,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             info = fl.handle.result()
         except CheckpointError as exc:
-            kind = self._classify(exc)
-            if kind not in fl.allowed:
-                self.fail(
-                    f"handle.result() of save_async({fl.step}) raised "
-                    f"{type(exc).__name__}: {exc}; expected {sorted(fl.allowed)}"
-                )
+            said = f"handle.result() of save_async({fl.step}) raised"
+            kind = self._kind_as_predicted(exc, fl.allowed, said)
             self._check_refusal(exc, kind, fl.step)
             self.inflight = None
             self.pending_error = {kind}  # raised again at the next call (decision 3)

@@ -186,23 +186,44 @@ class _HookedS3(FsspecStorage):
         super().delete_tree(path)
 
 
-@pytest.mark.timeout(120)
-def test_sweep_never_undoes_a_commit_made_after_a_takeover(s3_server, s3_bucket):
+def _crashed_root(
+    s3_server: Any, s3_bucket: str, committed: int, crashed: dict[int, str]
+) -> tuple[str, dict[str, Any]]:
+    """``s3://BUCKET/run`` (its URL and storage options) holding step ``committed`` of
+    run "r", and the data and markers of the saves a killed job left: step -> token."""
     url = f"s3://{s3_bucket}/run"
     opts = s3_server.storage_options()
     with CheckpointManager(url, storage_options=opts, run_id="r") as first:
-        first.save(5, state(5))
-    # A job killed while saving steps 6 and 7 left their data and markers.
-    crashed_attempt(FsspecStorage(url, opts), 6, "dddddddddddddddd")
-    crashed_attempt(FsspecStorage(url, opts), 7, "eeeeeeeeeeeeeeee")
-    newer: list[CheckpointManager] = []
+        first.save(committed, state(committed))
+    for step, token in crashed.items():
+        crashed_attempt(FsspecStorage(url, opts), step, token)
+    return url, opts
 
-    def job_b_takes_over_and_commits_step_6() -> None:
-        # The restarted job (same run id) takes the lock over from job A, which is
-        # still sweeping, sweeps for itself and commits step 6.
-        b = CheckpointManager(url, storage_options=opts, run_id="r")
-        b.save(6, state(66))
-        newer.append(b)
+
+def _job_commits(
+    url: str, opts: dict[str, Any], step: int, value: int, into: list[CheckpointManager]
+) -> Callable[[], None]:
+    """A hook that starts a job of run "r" on ``url``, which commits ``step`` as
+    ``state(value)`` and stays open, appended to ``into``."""
+
+    def start_and_commit() -> None:
+        job = CheckpointManager(url, storage_options=opts, run_id="r")
+        job.save(step, state(value))
+        into.append(job)
+
+    return start_and_commit
+
+
+@pytest.mark.timeout(120)
+def test_sweep_never_undoes_a_commit_made_after_a_takeover(s3_server, s3_bucket):
+    # A job killed while saving steps 6 and 7 left their data and markers.
+    url, opts = _crashed_root(
+        s3_server, s3_bucket, 5, {6: "dddddddddddddddd", 7: "eeeeeeeeeeeeeeee"}
+    )
+    newer: list[CheckpointManager] = []
+    # The restarted job (same run id) takes the lock over from job A, which is still
+    # sweeping, sweeps for itself and commits step 6.
+    job_b_takes_over_and_commits_step_6 = _job_commits(url, opts, 6, 66, newer)
 
     # Job A lists steps 6 and 7 as abandoned; job B runs at A's first deletion.
     a_error: BaseException | None = None
@@ -234,18 +255,11 @@ def test_sweep_never_undoes_a_commit_made_after_a_takeover(s3_server, s3_bucket)
 def test_clean_never_undoes_a_commit_of_a_job_started_meanwhile(
     s3_server, s3_bucket, monkeypatch, capsys
 ):
-    url = f"s3://{s3_bucket}/run"
-    opts = s3_server.storage_options()
-    with CheckpointManager(url, storage_options=opts, run_id="r") as first:
-        first.save(1, state(1))
-    crashed_attempt(FsspecStorage(url, opts), 2, "1111111111111111")
-    crashed_attempt(FsspecStorage(url, opts), 3, "2222222222222222")
+    url, opts = _crashed_root(
+        s3_server, s3_bucket, 1, {2: "1111111111111111", 3: "2222222222222222"}
+    )
     started: list[CheckpointManager] = []
-
-    def a_job_starts_and_commits_step_2() -> None:
-        job = CheckpointManager(url, storage_options=opts, run_id="r")
-        job.save(2, state(22))
-        started.append(job)
+    a_job_starts_and_commits_step_2 = _job_commits(url, opts, 2, 22, started)
 
     hooked = _HookedS3(url, opts, a_job_starts_and_commits_step_2)
     monkeypatch.setattr(cli, "_open_root", lambda text, options=None: hooked)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ try:
 except ModuleNotFoundError:  # run without the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.helpers import CountsReads
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.roots import make_s3_root
 
@@ -39,25 +39,8 @@ N = 120
 HANDFUL = 2
 
 
-class CountingS3Storage(FsspecStorage):
+class CountingS3Storage(CountsReads, FsspecStorage):
     """The real FsspecStorage on s3://, counting manifest reads and file size checks."""
-
-    def __init__(self, url: str, opts: dict[str, Any]):
-        super().__init__(url, opts)
-        self.manifest_reads = 0
-        self.size_checks = 0
-
-    def read_bytes(self, path: str) -> bytes:
-        if path.endswith(f"/{MANIFEST_NAME}"):
-            self.manifest_reads += 1
-        return super().read_bytes(path)
-
-    def size(self, path: str) -> int | None:
-        self.size_checks += 1
-        return super().size(path)
-
-    def reset(self) -> None:
-        self.manifest_reads = self.size_checks = 0
 
 
 @pytest.mark.timeout(180)

@@ -20,7 +20,7 @@ except ModuleNotFoundError:  # run without the repository root on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
-from tests.testbed.s3 import ACCESS_KEY, REGION, SECRET_KEY
+from tests.testbed.s3 import boto3_client
 from tests.testbed.s3proxy import Rule, S3Proxy, classify
 
 pytestmark = pytest.mark.netfs
@@ -33,17 +33,10 @@ def proxy(s3_server):
 
 
 def client(proxy: S3Proxy, attempts: int = 1):
-    import boto3
     from botocore.config import Config
 
-    return boto3.client(
-        "s3",
-        endpoint_url=proxy.endpoint_url,
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-        region_name=REGION,
-        config=Config(retries={"total_max_attempts": attempts, "mode": "legacy"}),
-    )
+    config = Config(retries={"total_max_attempts": attempts, "mode": "legacy"})
+    return boto3_client(proxy.endpoint_url, config=config)
 
 
 def exists(s3_server, bucket: str, key: str) -> bool:

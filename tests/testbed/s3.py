@@ -60,6 +60,22 @@ def moto_server_path() -> str | None:
     return which("moto_server")
 
 
+def boto3_client(endpoint_url: str, **options: Any) -> Any:
+    """A boto3 S3 client with the testbed's credentials and region, for the server (or a
+    proxy in front of it) at ``endpoint_url``; ``options`` go to ``boto3.client`` (a
+    botocore ``config``, for one)."""
+    import boto3  # Imported lazily: only S3 tests need boto3.
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+        region_name=REGION,
+        **options,
+    )
+
+
 class S3Server(Service):
     """``moto_server`` on 127.0.0.1 and a free port."""
 
@@ -139,15 +155,7 @@ class S3Server(Service):
 
     def boto3_client(self) -> Any:
         """Returns a boto3 S3 client for this server."""
-        import boto3  # Imported lazily: only S3 tests need boto3.
-
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=ACCESS_KEY,
-            aws_secret_access_key=SECRET_KEY,
-            region_name=REGION,
-        )
+        return boto3_client(self.endpoint_url)
 
     def create_bucket(self, name: str) -> str:
         """Creates a bucket (names need 3-63 lowercase characters).

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
 from tests.dist.workers import make_state, states_equal
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3proxy import Rule, S3Proxy
@@ -25,12 +25,6 @@ from atomic_checkpoint.layout import checkpoint_name, rank_state_file
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 3
-
-
-def _ok(results):
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    return [r.value for r in results]
 
 
 @pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.netfs)])
@@ -48,7 +42,7 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
 ):
     slow, opts = persistent
     base = str(tmp_path / "nodes")
-    first = _ok(
+    first = ok_values(
         run_ranks(workers.w_tiered, WORLD, base, slow, opts, [1, 2, 3], tmp_dir=str(tmp_path))
     )
     assert all(v["latest"] is None and v["replicated"] and v["left"] == [] for v in first)
@@ -86,7 +80,9 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
     # Node 1 is replaced: its local tier is empty. Every rank agrees on step 3; ranks 0
     # and 2 load it from their own disks, rank 1 from the persistent tier; all exact.
     shutil.rmtree(Path(base) / "node1")
-    second = _ok(run_ranks(workers.w_tiered, WORLD, base, slow, opts, [4], tmp_dir=str(tmp_path)))
+    second = ok_values(
+        run_ranks(workers.w_tiered, WORLD, base, slow, opts, [4], tmp_dir=str(tmp_path))
+    )
     assert all(v["latest"] == (3, (1,)) for v in second)
     assert all(v["restored_ok"] and v["restored"] == (3, (0, 1)) for v in second)
     assert len({v["run_id"] for v in second} | {first[0]["run_id"]}) == 1
@@ -108,7 +104,9 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
     raw = bytearray(data.read_bytes())
     raw[-50] ^= 0xFF
     data.write_bytes(bytes(raw))
-    third = _ok(run_ranks(workers.w_tiered, WORLD, base, slow, opts, [], tmp_dir=str(tmp_path)))
+    third = ok_values(
+        run_ranks(workers.w_tiered, WORLD, base, slow, opts, [], tmp_dir=str(tmp_path))
+    )
     assert all(v["restored_ok"] and v["restored"] == (4, (0, 1)) for v in third)
 
 
@@ -145,7 +143,9 @@ def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicate
     assert 2 in committed
 
     # Restart on the same nodes: every step committed everywhere reaches tier 1.
-    again = _ok(run_ranks(workers.w_tiered, WORLD, base, slow, None, [], tmp_dir=str(tmp_path)))
+    again = ok_values(
+        run_ranks(workers.w_tiered, WORLD, base, slow, None, [], tmp_dir=str(tmp_path))
+    )
     newest = max(committed)
     assert all(v["replicated"] and v["left"] == [] for v in again)
     assert all(v["restored_ok"] and v["restored"] == (newest, (0,)) for v in again)
@@ -163,12 +163,12 @@ def test_saves_go_on_while_s3_is_unreachable_and_every_rank_catches_up(
     url = f"s3://{s3_bucket}/run"
     base = str(tmp_path / "nodes")
     opts = s3_server.storage_options()
-    _ok(run_ranks(workers.w_tiered, WORLD, base, url, opts, [1], tmp_dir=str(tmp_path)))
+    ok_values(run_ranks(workers.w_tiered, WORLD, base, url, opts, [1], tmp_dir=str(tmp_path)))
     flag = tmp_path / "link-is-back"
     with S3Proxy(s3_server, lifetime_s=120) as proxy:
         # Every request fails with 503 until rank 0 says every rank saw its steps held.
         cut = proxy.add(Rule("error", status=503, times=None, when=lambda _r: not flag.exists()))
-        values = _ok(
+        values = ok_values(
             run_ranks(
                 workers.w_tiered_cut,
                 WORLD,

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import RankResult, ok_values, run_ranks
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3proxy import Rule, S3Proxy
 from tests.tiered import workers
@@ -23,12 +23,6 @@ from atomic_checkpoint.layout import checkpoint_name, rank_state_file
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 3
-
-
-def _ok(results):
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    return [r.value for r in results]
 
 
 def _peer_copy(base: Path, holder: int, node: int, step: int) -> Path:
@@ -44,7 +38,7 @@ def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(t
     base = tmp_path / "nodes"
     # Steps 1 and 2 reach the persistent tier, then step 3 is saved: tier 0's
     # KeepLast(1) drops steps 1 and 2 (replicated), and their peer copies go with them.
-    first = _ok(
+    first = ok_values(
         run_ranks(
             workers.w_peers,
             WORLD,
@@ -84,7 +78,7 @@ def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(t
     shutil.rmtree(base / "node1")
     moved = tmp_path / "persistent-away"
     slow.rename(moved)
-    second = _ok(
+    second = ok_values(
         run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 1, [], tmp_dir=str(tmp_path))
     )
     assert all(v["latest"] == (3, (0,)) and v["copies"] == 1 for v in second), second
@@ -102,7 +96,7 @@ def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(t
     raw = bytearray(rotten.read_bytes())
     raw[-50] ^= 0xFF
     rotten.write_bytes(bytes(raw))
-    third = _ok(
+    third = ok_values(
         run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 1, [], tmp_dir=str(tmp_path))
     )
     assert all(v["restored_ok"] and v["restored"] == (3, (0, 1), ()) for v in third), third
@@ -118,23 +112,26 @@ def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_ser
     with S3Proxy(s3_server, lifetime_s=150) as proxy:
         down = proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
         opts = proxy.storage_options(max_attempts=1)
-        # Step 1 reaches S3; then S3 answers 503 to everything: steps 2 and 3 exist on
-        # the nodes' tier 0 and their peers only.
-        first = _ok(
-            run_ranks(
+
+        def job(steps: list[int], held: list[int]) -> list[RankResult]:
+            # One run of the 3-node job on S3 through the proxy (down while flag exists).
+            return run_ranks(
                 workers.w_peers,
                 WORLD,
                 str(base),
                 url,
                 opts,
                 1,
-                [1],
-                [2, 3],
+                steps,
+                held,
                 str(flag),
                 tmp_dir=str(tmp_path),
                 timeout_s=120,
             )
-        )
+
+        # Step 1 reaches S3; then S3 answers 503 to everything: steps 2 and 3 exist on
+        # the nodes' tier 0 and their peers only.
+        first = ok_values(job([1], [2, 3]))
         assert all(v["replicated"] and v["peered"] and v["peered_held"] for v in first), first
         assert all(v["recoverable"] == [1, 2, 3] and 3 in v["left"] for v in first), first
         assert down.fired > 0
@@ -145,21 +142,7 @@ def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_ser
         # from node 2 and every rank restores step 3, bit-exactly.
         shutil.rmtree(base / "node1")
         fired = down.fired
-        second = _ok(
-            run_ranks(
-                workers.w_peers,
-                WORLD,
-                str(base),
-                url,
-                opts,
-                1,
-                [],
-                [],
-                str(flag),
-                tmp_dir=str(tmp_path),
-                timeout_s=120,
-            )
-        )
+        second = ok_values(job([], []))
         assert down.fired > fired  # the persistent tier was asked, and failed
         assert all(v["latest"] == (3, (0,)) for v in second), second
         assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in second)
@@ -171,19 +154,7 @@ def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_ser
         # than start the run over.
         shutil.rmtree(base / "node1")
         shutil.rmtree(base / "node2" / ".peers")
-        third = run_ranks(
-            workers.w_peers,
-            WORLD,
-            str(base),
-            url,
-            opts,
-            1,
-            [],
-            [],
-            str(flag),
-            tmp_dir=str(tmp_path),
-            timeout_s=120,
-        )
+        third = job([], [])
     assert not any(r.ok for r in third)
     assert all("cannot be read" in r.error_text for r in third), [r.error_text for r in third]
 
@@ -191,7 +162,7 @@ def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_ser
 def test_peers_zero_changes_nothing(tmp_path):
     slow = tmp_path / "persistent"
     base = tmp_path / "nodes"
-    first = _ok(
+    first = ok_values(
         run_ranks(
             workers.w_peers, WORLD, str(base), str(slow), None, 0, [1, 2], tmp_dir=str(tmp_path)
         )
@@ -203,7 +174,7 @@ def test_peers_zero_changes_nothing(tmp_path):
     assert not any((base / f"node{r}" / ".peers").exists() for r in range(WORLD))
     # A wiped node reads its file from the persistent tier, as before.
     shutil.rmtree(base / "node1")
-    second = _ok(
+    second = ok_values(
         run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 0, [], tmp_dir=str(tmp_path))
     )
     assert all(v["latest"] == (2, (1,)) for v in second), second

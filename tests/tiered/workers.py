@@ -15,6 +15,35 @@ from atomic_checkpoint.domains import HOST_ENV
 ELEMS = 4096
 
 
+def _node_manager(
+    rank: int,
+    base: str,
+    slow: str,
+    opts: dict[str, Any] | None,
+    *,
+    keep: int,
+    timeout_s: float,
+    retry_max_s: float,
+    peers: int = 0,
+) -> tuple[str, TieredCheckpointManager]:
+    """This rank as node ``node<rank>``: its tier 0 (``base/node<rank>``, the newest
+    step only) and its manager over that and the persistent tier ``slow`` (the newest
+    ``keep`` steps). Returns tier 0's directory and the manager."""
+    os.environ[HOST_ENV] = f"node{rank}"
+    fast = os.path.join(base, f"node{rank}")
+    mgr = TieredCheckpointManager(
+        [
+            Tier(fast, retention=KeepLast(1)),
+            Tier(slow, retention=KeepLast(keep), storage_options=opts),
+        ],
+        timeout_s=timeout_s,
+        retry_max_s=retry_max_s,
+        fast_domains="per-host",
+        peers=peers,
+    )
+    return fast, mgr
+
+
 def w_tiered(
     rank: int,
     world: int,
@@ -26,17 +55,7 @@ def w_tiered(
 ) -> dict[str, Any]:
     """Restore the newest step every rank can load (if any), save ``steps``, wait until
     the persistent tier has them, and report what each rank saw."""
-    os.environ[HOST_ENV] = f"node{rank}"
-    fast = os.path.join(base, f"node{rank}")
-    mgr = TieredCheckpointManager(
-        [
-            Tier(fast, retention=KeepLast(1)),
-            Tier(slow, retention=KeepLast(3), storage_options=opts),
-        ],
-        timeout_s=timeout_s,
-        retry_max_s=0.5,
-        fast_domains="per-host",
-    )
+    _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=timeout_s, retry_max_s=0.5)
     latest = mgr.latest()
     out: dict[str, Any] = {
         "latest": None if latest is None else (latest.step, latest.tiers),
@@ -127,17 +146,7 @@ def w_tiered_cut(
 
     from atomic_checkpoint import CheckpointManager
 
-    os.environ[HOST_ENV] = f"node{rank}"
-    fast = os.path.join(base, f"node{rank}")
-    mgr = TieredCheckpointManager(
-        [
-            Tier(fast, retention=KeepLast(1)),
-            Tier(slow, retention=KeepLast(5), storage_options=opts),
-        ],
-        timeout_s=20,
-        retry_max_s=0.2,
-        fast_domains="per-host",
-    )
+    fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=20, retry_max_s=0.2)
     mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
     for s in (2, 3):
         mgr.save(s, make_state(s, rank, big_elems=ELEMS))
@@ -176,17 +185,8 @@ def w_peers(
     503 from then on) save ``held`` and wait for their peer copies only."""
     import torch.distributed as dist
 
-    os.environ[HOST_ENV] = f"node{rank}"
-    fast = os.path.join(base, f"node{rank}")
-    mgr = TieredCheckpointManager(
-        [
-            Tier(fast, retention=KeepLast(1)),
-            Tier(slow, retention=KeepLast(3), storage_options=opts),
-        ],
-        timeout_s=8,
-        retry_max_s=0.2,
-        fast_domains="per-host",
-        peers=peers,
+    _, mgr = _node_manager(
+        rank, base, slow, opts, keep=3, timeout_s=8, retry_max_s=0.2, peers=peers
     )
     if hasattr(mgr._slow_storage, "fs"):
         mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's

@@ -56,6 +56,16 @@ class GatedStorage(LocalStorage):
         return super().open_write(path, size_hint=size_hint)
 
 
+def held_first_save(tmp_path, w: torch.Tensor):
+    """A manager on a GatedStorage, its gate closed, and the handle of its async save
+    of step 1 (``{"w": w}``): that save stops at its first rank-file write until the
+    test sets ``storage.gate``."""
+    storage = GatedStorage(tmp_path)
+    mgr = CheckpointManager(storage)
+    storage.gate.clear()
+    return storage, mgr, mgr.save_async(1, {"w": w})
+
+
 def model_state(seed: int = 0, *, big: int = 1 << 16):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(big, generator=g)
@@ -226,10 +236,7 @@ def test_snapshot_buffer_is_allocated_once_and_grows_only_with_the_state(tmp_pat
 
 
 def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
-    storage = GatedStorage(tmp_path)
-    mgr = CheckpointManager(storage)
-    storage.gate.clear()
-    h1 = mgr.save_async(1, {"w": torch.ones(10)})
+    storage, mgr, h1 = held_first_save(tmp_path, torch.ones(10))
     assert storage.entered.wait(10)
     seen = {}
 
@@ -240,12 +247,15 @@ def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
             mgr.save(step, {"w": torch.zeros(10)})
         seen[kind] = h1.done()
 
-    t = threading.Thread(target=second, args=("async", 2))
-    t.start()
-    t.join(0.5)
-    assert t.is_alive(), "save_async did not wait for the save in flight"
-    storage.gate.set()
-    t.join(30)
+    def blocks_until_the_gate_opens(kind: str, step: int, failure: str) -> None:
+        t = threading.Thread(target=second, args=(kind, step))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive(), failure
+        storage.gate.set()
+        t.join(30)
+
+    blocks_until_the_gate_opens("async", 2, "save_async did not wait for the save in flight")
     assert seen == {"async": True}
     assert mgr.wait().step == 2
     # A sync save waits for an in-flight async save too.
@@ -253,12 +263,7 @@ def test_a_new_save_waits_for_the_one_in_flight(tmp_path):
     storage.entered.clear()
     h1 = mgr.save_async(3, {"w": torch.ones(10)})
     assert storage.entered.wait(10)
-    t = threading.Thread(target=second, args=("sync", 4))
-    t.start()
-    t.join(0.5)
-    assert t.is_alive(), "save did not wait for the async save in flight"
-    storage.gate.set()
-    t.join(30)
+    blocks_until_the_gate_opens("sync", 4, "save did not wait for the async save in flight")
     assert seen["sync"] is True
     assert listed(tmp_path) == [1, 2, 3, 4]
     mgr.close()
@@ -326,10 +331,7 @@ def test_unsupported_state_fails_the_save_not_the_call(tmp_path):
 
 
 def test_result_timeout_leaves_the_save_running(tmp_path):
-    storage = GatedStorage(tmp_path)
-    mgr = CheckpointManager(storage)
-    storage.gate.clear()
-    handle = mgr.save_async(1, {"w": torch.ones(4)})
+    storage, mgr, handle = held_first_save(tmp_path, torch.ones(4))
     with pytest.raises(TimeoutError, match="step 1 still running"):
         handle.result(timeout=0.05)
     with pytest.raises(TimeoutError):
@@ -360,10 +362,7 @@ def test_retention_of_an_async_save_runs_only_after_its_commit(tmp_path):
 
 
 def test_close_finishes_the_save_in_flight_and_says_so(tmp_path, caplog):
-    storage = GatedStorage(tmp_path)
-    mgr = CheckpointManager(storage)
-    storage.gate.clear()
-    mgr.save_async(1, {"w": torch.ones(4)})
+    storage, mgr, _ = held_first_save(tmp_path, torch.ones(4))
     assert storage.entered.wait(10)
     closer = threading.Thread(target=mgr.close)
     with caplog.at_level(logging.INFO, logger="atomic_checkpoint"):

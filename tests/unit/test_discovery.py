@@ -21,6 +21,7 @@ import pytest
 from atomic_checkpoint import CheckpointManager, KeepLast, catalog
 from atomic_checkpoint.layout import MANIFEST_NAME
 from atomic_checkpoint.storage.local import LocalStorage
+from tests.helpers import CountsReads
 from tests.testbed.roots import make_local_root
 
 N = 2000
@@ -28,25 +29,8 @@ N = 2000
 HANDFUL = 2
 
 
-class CountingStorage(LocalStorage):
+class CountingStorage(CountsReads, LocalStorage):
     """The real LocalStorage, counting manifest reads and file size checks."""
-
-    def __init__(self, root: Path):
-        super().__init__(root)
-        self.manifest_reads = 0
-        self.size_checks = 0
-
-    def read_bytes(self, path: str) -> bytes:
-        if path.endswith(f"/{MANIFEST_NAME}"):
-            self.manifest_reads += 1
-        return super().read_bytes(path)
-
-    def size(self, path: str) -> int | None:
-        self.size_checks += 1
-        return super().size(path)
-
-    def reset(self) -> None:
-        self.manifest_reads = self.size_checks = 0
 
 
 @pytest.fixture(scope="module")

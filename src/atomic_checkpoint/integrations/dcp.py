@@ -224,6 +224,14 @@ def _local_root(mgr: CheckpointManager) -> str:
     return root
 
 
+def _with_dcp_record(metadata: Mapping[str, Any] | None, world_size: int) -> dict[str, Any]:
+    """The user's ``metadata`` plus, under ``DCP_METADATA_KEY``, the torch version and
+    world size of the save: what marks a checkpoint as DCP's for the loaders."""
+    meta = dict(metadata or {})
+    meta[DCP_METADATA_KEY] = {"torch_version": torch.__version__, "world_size": world_size}
+    return meta
+
+
 def save_dcp(
     mgr: CheckpointManager,
     step: int,
@@ -261,8 +269,7 @@ def save_dcp(
         CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
     """
     _local_root(mgr)
-    meta = dict(metadata or {})
-    meta[DCP_METADATA_KEY] = {"torch_version": torch.__version__, "world_size": mgr.world_size}
+    meta = _with_dcp_record(metadata, mgr.world_size)
     with mgr.saving(step, metrics=metrics, metadata=meta, overwrite=overwrite) as pending:
         failure: RankFailure | None = None
         cause: BaseException | None = None
@@ -418,8 +425,7 @@ def async_save_dcp(
     ``mgr.close()``, on every rank.
     """
     root = _local_root(mgr)
-    meta = dict(metadata or {})
-    meta[DCP_METADATA_KEY] = {"torch_version": torch.__version__, "world_size": mgr.world_size}
+    meta = _with_dcp_record(metadata, mgr.world_size)
     mgr._check_writable()
     step = validate_step(step)
     metrics_d, metadata_d = check_metrics(metrics), check_metadata(meta)
@@ -779,11 +785,11 @@ def save(
     """
     parent, name = _checkpoint_dir(checkpoint_id)
     step = validate_step(step)
-    meta = check_metadata(dict(metadata or {}))
+    user_meta = check_metadata(metadata)
     group = process_group
     rank = _group_rank(group)
     world = dist.get_world_size(group) if _is_distributed() else 1
-    meta[DCP_METADATA_KEY] = {"torch_version": torch.__version__, "world_size": world}
+    meta = _with_dcp_record(user_meta, world)
 
     # 1. the first rank makes the pending directory; every rank learns it (or why not).
     pending: str | None = None

@@ -102,7 +102,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
 
 import torch
 
@@ -136,6 +136,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("atomic_checkpoint")
+_T = TypeVar("_T")
 
 MANIFEST_SUFFIX = ".manifest.json"
 _FORMAT = "atomic-checkpoint/lightning-file"
@@ -1129,6 +1130,45 @@ _classes: dict[str, LightningClasses] = {}
 _classes_lock = threading.Lock()
 
 
+def _made_once(
+    made: dict[str, _T], bases: Mapping[str, object], namespace: str, make: Callable[[str], _T]
+) -> _T:
+    """``make(namespace)``, cached in ``made``: made once per process, under a lock,
+    because plugins and callbacks are matched by class identity (``isinstance``,
+    pickle), and a second class of the same name would match neither."""
+    if namespace not in bases:
+        raise ValueError(f"namespace must be one of {sorted(bases)}, got {namespace!r}")
+    with _classes_lock:
+        found = made.get(namespace)
+        if found is None:
+            found = made[namespace] = make(namespace)
+        return found
+
+
+def _import_base(namespace: str, module_name: str, attr: str, subject: str) -> type:
+    """``module_name.attr``, the class of ``namespace``'s package that ours subclass;
+    the ImportError when that package is missing starts "the {namespace} {subject}"."""
+    try:
+        return cast(type, getattr(importlib.import_module(module_name), attr))
+    except ImportError as exc:
+        dist = _BASES[namespace][1]
+        raise ImportError(
+            f"the {namespace} {subject} the {dist!r} package: "
+            f"pip install {dist} (or pip install 'atomic-checkpoint[lightning]')"
+        ) from exc
+
+
+def _bind(namespace: str, name: str, impl: type[_T], base: type, **attrs: Any) -> type[_T]:
+    """``impl`` on ``base`` as a class named ``name`` (prefixed ``PL`` for the
+    ``pytorch_lightning`` namespace), bound as an attribute of this module."""
+    qualname = ("" if namespace == "lightning" else "PL") + name
+    attrs.update({"__module__": __name__, "__qualname__": qualname, "__doc__": impl.__doc__})
+    cls = type(qualname, (impl, base), attrs)
+    # Pickle finds classes by module attribute: bind each under its own name.
+    globals()[qualname] = cls
+    return cls
+
+
 def checkpoint_io_classes(namespace: str = "lightning") -> LightningClasses:
     """The plugins for ``namespace`` (``"lightning"`` or ``"pytorch_lightning"``).
 
@@ -1139,42 +1179,17 @@ def checkpoint_io_classes(namespace: str = "lightning") -> LightningClasses:
         ValueError: unknown namespace.
         ImportError: that package is not installed (the message names the pip command).
     """
-    if namespace not in _BASES:
-        raise ValueError(f"namespace must be one of {sorted(_BASES)}, got {namespace!r}")
-    with _classes_lock:
-        found = _classes.get(namespace)
-        if found is not None:
-            return found
-        module_name, dist = _BASES[namespace]
-        try:
-            base = importlib.import_module(module_name).CheckpointIO
-        except ImportError as exc:
-            raise ImportError(
-                f"the {namespace} plugins of atomic-checkpoint need the {dist!r} package: "
-                f"pip install {dist} (or pip install 'atomic-checkpoint[lightning]')"
-            ) from exc
-        prefix = "" if namespace == "lightning" else "PL"
-        made: list[type] = []
-        for name, impl in (
-            ("AtomicCheckpointIO", _AtomicFileIO),
-            ("AsyncAtomicCheckpointIO", _AsyncAtomicFileIO),
-        ):
-            attrs: dict[str, Any] = {
-                "__module__": __name__,
-                "__qualname__": prefix + name,
-                "__doc__": impl.__doc__,
-            }
-            if impl is _AsyncAtomicFileIO:
-                attrs["_sync_cls"] = made[0]
-            cls = type(prefix + name, (impl, base), attrs)
-            # Pickle finds classes by module attribute: bind each under its own name.
-            globals()[prefix + name] = cls
-            made.append(cls)
-        found = LightningClasses(
-            cast("type[_AtomicFileIO]", made[0]), cast("type[_AsyncAtomicFileIO]", made[1])
-        )
-        _classes[namespace] = found
-        return found
+    return _made_once(_classes, _BASES, namespace, _make_plugins)
+
+
+def _make_plugins(namespace: str) -> LightningClasses:
+    base = _import_base(
+        namespace, _BASES[namespace][0], "CheckpointIO", "plugins of atomic-checkpoint need"
+    )
+    sync = _bind(namespace, "AtomicCheckpointIO", _AtomicFileIO, base)
+    # The async plugin's synchronous half is the same namespace's sync plugin.
+    made = _bind(namespace, "AsyncAtomicCheckpointIO", _AsyncAtomicFileIO, base, _sync_cls=sync)
+    return LightningClasses(sync, made)
 
 
 _CALLBACK_BASES = {
@@ -1192,30 +1207,14 @@ def preemption_callback_class(namespace: str = "lightning") -> type[_PreemptionC
         ValueError: unknown namespace.
         ImportError: that package is not installed (the message names the pip command).
     """
-    if namespace not in _CALLBACK_BASES:
-        raise ValueError(f"namespace must be one of {sorted(_CALLBACK_BASES)}, got {namespace!r}")
-    with _classes_lock:
-        found = _callbacks.get(namespace)
-        if found is not None:
-            return found
-        try:
-            base = importlib.import_module(_CALLBACK_BASES[namespace]).Callback
-        except ImportError as exc:
-            dist = _BASES[namespace][1]
-            raise ImportError(
-                f"the {namespace} callback of atomic-checkpoint needs the {dist!r} package: "
-                f"pip install {dist} (or pip install 'atomic-checkpoint[lightning]')"
-            ) from exc
-        name = ("" if namespace == "lightning" else "PL") + "PreemptionCallback"
-        attrs = {
-            "__module__": __name__,
-            "__qualname__": name,
-            "__doc__": _PreemptionCallback.__doc__,
-        }
-        cls = type(name, (_PreemptionCallback, base), attrs)
-        globals()[name] = cls  # pickle finds classes by module attribute
-        _callbacks[namespace] = cls
-        return cls
+    return _made_once(_callbacks, _CALLBACK_BASES, namespace, _make_callback)
+
+
+def _make_callback(namespace: str) -> type[_PreemptionCallback]:
+    base = _import_base(
+        namespace, _CALLBACK_BASES[namespace], "Callback", "callback of atomic-checkpoint needs"
+    )
+    return _bind(namespace, "PreemptionCallback", _PreemptionCallback, base)
 
 
 def _default_classes() -> LightningClasses:
