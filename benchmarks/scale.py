@@ -194,10 +194,11 @@ def _run_ranks(
     import torch.distributed as dist
 
     from atomic_checkpoint import commit
-    from atomic_checkpoint.commit import RankReport, SaveContext, choose_strategy
+    from atomic_checkpoint.commit import RankReport, SaveContext
     from atomic_checkpoint.coordination import TorchDistributedCoordinator
     from atomic_checkpoint.manifest import FileEntry, Hasher
     from atomic_checkpoint.storage import open_storage
+    from atomic_checkpoint.strategies import choose_strategy
 
     _raise_fd_limit(2 * len(ranks) + 256)
     barrier = threading.Barrier(len(ranks) + 1)

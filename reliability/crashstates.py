@@ -248,7 +248,7 @@ def _prepare_crashed(root: str) -> None:
         shutil.copytree(os.path.join(root, "checkpoint-1"), f"{root}/.trash/checkpoint-0.9f8e")
     else:
         # A marker save that crashed: in-progress marker and data, no manifest.
-        from atomic_checkpoint.commit import MarkerStrategy
+        from atomic_checkpoint.strategies import MarkerStrategy
 
         storage = mgr.storage
         pending = MarkerStrategy().prepare(storage, 3, "0a1b2c3d4e5f6a7b")
@@ -263,7 +263,7 @@ def _prepare_many_crashed(n: int) -> Callable[[str], None]:
     ``n`` crashed rotations' trash): the sweep of the next start deletes them all."""
 
     def prepare(root: str) -> None:
-        from atomic_checkpoint.commit import MarkerStrategy
+        from atomic_checkpoint.strategies import MarkerStrategy
 
         mgr = _opened(root)
         mgr.save(1, state_of(1))

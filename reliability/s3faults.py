@@ -455,8 +455,8 @@ class _Root:
     def _leftovers(self) -> None:
         """What crashed saves leave: an attempt never committed (with a multipart upload
         its writer never finished), a stale attempt beside the newest committed step."""
-        from atomic_checkpoint.commit import MarkerStrategy
         from atomic_checkpoint.layout import new_attempt_token
+        from atomic_checkpoint.strategies import MarkerStrategy
 
         s = self.direct
         crashed = self.next_step()

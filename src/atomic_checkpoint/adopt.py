@@ -65,7 +65,6 @@ from typing import Any
 
 from . import catalog
 from ._version import __version__
-from .commit import _create_or_own, choose_strategy
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -80,6 +79,7 @@ from .manager import RUN_FILE, _new_run_id, _run_doc
 from .manifest import FileEntry, Hasher, Manifest, format_size
 from .storage import open_storage, posix
 from .storage.base import Storage
+from .strategies import choose_strategy, create_or_own
 
 __all__ = [
     "AdoptResult",
@@ -889,7 +889,7 @@ def _record(
     fence()
     data = manifest.to_json_bytes()
     path = f"{c.name}/{MANIFEST_NAME}"
-    if not _create_or_own(storage, path, data, c.step):
+    if not create_or_own(storage, path, data, c.step):
         settled = _existing_manifest(storage, c.name, run_id)
         if settled is not None and settled[0] == "already":
             return False, manifest.size_bytes, len(files)

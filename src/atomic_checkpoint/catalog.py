@@ -61,7 +61,7 @@ _VERIFY_CHUNK = 8 << 20
 # show the truth before the file counts as corrupt.
 _STALE_SIZE_WAIT_S = 3.0
 
-# Marker strategy (commit.MarkerStrategy) names inside ``checkpoint-<step>/``: a save
+# Marker strategy (strategies.MarkerStrategy) names inside ``checkpoint-<step>/``: a save
 # writes its in-progress marker first, its data under ``attempt-<token>/``, and the
 # manifest last. A directory with a marker and no manifest is a save in progress or an
 # abandoned one: "pending", never a checkpoint, and ours to sweep.

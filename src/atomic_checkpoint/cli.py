@@ -151,8 +151,6 @@ from typing import Any, NoReturn, TextIO
 
 from . import catalog
 from ._version import __version__
-from .commit import MarkerStrategy, recover_replaced
-from .coordination import SingleProcessCoordinator
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -163,7 +161,6 @@ from .errors import (
 )
 from .layout import (
     META_DIR,
-    PENDING_DIR,
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
@@ -174,6 +171,14 @@ from .manifest import CheckpointInfo, Manifest, format_size
 from .storage import local_root, open_storage, posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps
+from .strategies import (
+    CommitStrategy,
+    Leftover,
+    MarkerStrategy,
+    RenameStrategy,
+    choose_strategy,
+    recover_replaced,
+)
 
 __all__ = ["EXIT_LOCKED", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE", "main"]
 
@@ -1015,12 +1020,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- clean
-def _remove(storage: Storage, rel: str) -> None:
-    local = storage.local_path(rel)
-    if local is not None and (posix.is_link(local) or not posix.is_dir(local)):
-        storage.delete_file(rel)  # a stray file or link: unlink it, never follow it
-    else:
-        storage.delete_tree(rel)
+def _clean_leftovers(
+    storage: Storage,
+    strategy: CommitStrategy,
+    leftovers: list[Leftover],
+    *,
+    dry_run: bool,
+    before_each: Callable[[str], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Remove (or with ``dry_run`` only size) what ``strategy.leftovers`` listed;
+    ``before_each(name)`` runs before each removal. Returns (removed, failed) items."""
+    removed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for left in leftovers:
+        item: dict[str, Any] = {"name": left.name, "kind": left.kind, "size_bytes": 0}
+        try:
+            item["size_bytes"] = sum(_tree_size(storage, p) for p in left.paths)
+            if not dry_run:
+                if before_each is not None:
+                    before_each(left.name)
+                strategy.remove_leftover(storage, left)
+                log.info("removed %s", ", ".join(storage.url(p) for p in left.paths))
+        except CliError:
+            raise
+        except CheckpointError as exc:
+            failed.append({**item, "problem": str(exc)})
+            continue
+        removed.append(item)
+    return removed, failed
 
 
 def _clean_uploads(
@@ -1081,8 +1108,6 @@ def cmd_clean(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     since = time.time()
     holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)
-    removed: list[dict[str, Any]] = []
-    failed: list[dict[str, Any]] = []
     # An overwrite interrupted between its two renames (no atomic exchange) left its
     # step absent and both copies in .pending/ and .trash/: one goes back first, and
     # nothing recovery could not settle is removed (never the only copy of a step).
@@ -1091,21 +1116,10 @@ def cmd_clean(args: argparse.Namespace) -> int:
         {"name": checkpoint_name(step), "copy": copy, "from": source}
         for step, copy, source in recovery.restored
     ]
-    for directory, kind in ((PENDING_DIR, "pending"), (TRASH_DIR, "trash")):
-        for name in storage.listdir(directory):
-            rel = f"{directory}/{name}"
-            if rel in recovery.keep:
-                continue
-            item: dict[str, Any] = {"name": rel, "kind": kind, "size_bytes": 0}
-            try:
-                item["size_bytes"] = _tree_size(storage, rel)
-                if not args.dry_run:
-                    _remove(storage, rel)
-                    log.info("removed %s", storage.url(rel))
-            except CheckpointError as exc:
-                failed.append({**item, "problem": str(exc)})
-                continue
-            removed.append(item)
+    rename = RenameStrategy()
+    removed, failed = _clean_leftovers(
+        storage, rename, rename.leftovers(storage, keep=recovery.keep), dry_run=args.dry_run
+    )
     # A process killed inside an atomic write (run record, lock, claim) left its
     # temporary file; only one whose writer is provably gone goes (``storage.temps``).
     for directory in ("", META_DIR):
@@ -1126,34 +1140,16 @@ def cmd_clean(args: argparse.Namespace) -> int:
     # the lock is read again: a job that starts meanwhile may be committing that step.
     # Looked for whatever strategy the storage would choose now: a run may have asked
     # for the marker strategy on a disk whose rename is atomic (``strategy="marker"``).
-    strategy = MarkerStrategy()
-    for left in strategy.leftovers(storage):
-        name, paths = left.name, left.paths
-        item = {
-            "name": name,
-            "kind": (
-                "pending"
-                if not left.committed
-                else "stale"
-                if left.trees or left.markers
-                else "temporary"
-                if left.temps
-                else "empty"
-            ),
-            "size_bytes": 0,
-        }
-        try:
-            item["size_bytes"] = sum(_tree_size(storage, p) for p in paths)
-            if not args.dry_run:
-                _lock_unchanged(storage, holder, name)
-                strategy.remove_leftover(storage, left)
-                log.info("removed %s", ", ".join(storage.url(p) for p in paths))
-        except CliError:
-            raise
-        except CheckpointError as exc:
-            failed.append({**item, "problem": str(exc)})
-            continue
-        removed.append(item)
+    marker = MarkerStrategy()
+    gone, not_gone = _clean_leftovers(
+        storage,
+        marker,
+        marker.leftovers(storage),
+        dry_run=args.dry_run,
+        before_each=lambda name: _lock_unchanged(storage, holder, name),
+    )
+    removed += gone
+    failed += not_gone
     aborted, not_aborted = _clean_uploads(storage, holder, since, dry_run=args.dry_run)
     removed += aborted
     failed += not_aborted
@@ -1406,7 +1402,6 @@ def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .manager import CheckpointManager
     from .retention import KeepBest, describe_plan, plan_deletions
 
     policy = _policy(args, args.parser)
@@ -1451,23 +1446,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
     failed: list[dict[str, Any]] = []
     deleted: set[int] = set()
     if victims and not args.dry_run:
-        # A read-only manager never sweeps, locks or saves; its _delete_checkpoint
-        # un-commits (renames into .trash/) before deleting, as rotation does.
-        mgr = CheckpointManager(
-            storage, read_only=True, run_id=run_id, coordinator=SingleProcessCoordinator()
-        )
-        try:
-            for step in sorted(victims):
-                try:
-                    mgr._delete_checkpoint(step)
-                except CheckpointError as exc:
-                    failed.append(
-                        {"name": checkpoint_name(step), "step": step, "problem": str(exc)}
-                    )
-                    continue
-                deleted.add(step)
-        finally:
-            mgr.close()
+        # Un-commit before deleting, as rotation does (the rename strategy: into .trash/).
+        strategy = choose_strategy(storage)
+        for step in sorted(victims):
+            try:
+                if strategy.retire(storage, step):
+                    log.info("retention: deleted %s", checkpoint_name(step))
+            except CheckpointError as exc:
+                failed.append({"name": checkpoint_name(step), "step": step, "problem": str(exc)})
+                continue
+            deleted.add(step)
     rows = []
     for info, kept, reason in plan:
         rows.append(

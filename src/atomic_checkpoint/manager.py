@@ -30,14 +30,7 @@ from typing import Any
 from . import catalog, commit
 from ._faults import fault_point
 from .async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool
-from .commit import (
-    MarkerStrategy,
-    RankReport,
-    SaveContext,
-    choose_strategy,
-    recover_replaced,
-    run_collective,
-)
+from .commit import RankReport, SaveContext, run_collective
 from .coordination import Coordinator, default_coordinator
 from .domains import Domain
 from .domains import discover as discover_domains
@@ -47,7 +40,6 @@ from .errors import (
     CommitError,
     CorruptCheckpointError,
     DistributedCheckpointError,
-    LockError,
     RankFailure,
     ReadOnlyError,
     ResumeError,
@@ -60,7 +52,6 @@ from .layout import (
     PENDING_DIR,
     REPLICATED_STATE_FILE,
     RUN_FILE,
-    TRASH_DIR,
     checkpoint_name,
     rank_state_file,
     validate_step,
@@ -79,6 +70,7 @@ from .retention import RetentionPolicy
 from .storage import open_storage, posix
 from .storage.base import Storage
 from .storage.temps import abandoned_temps
+from .strategies import CommitStrategy, choose_strategy
 
 log = logging.getLogger("atomic_checkpoint")
 
@@ -137,7 +129,9 @@ class CheckpointManager:
         strategy: how saves commit: None chooses from the storage (``"rename"`` where
             directory rename is atomic, ``"marker"`` on object stores and on FUSE
             mounts whose rename is copy+delete, such as ``fuse.s3fs``); ``"rename"`` or
-            ``"marker"`` forces one.
+            ``"marker"`` forces one; an object implementing
+            ``atomic_checkpoint.strategies.CommitStrategy`` (e.g. a subclass of
+            ``RenameStrategy``) is used as it is.
     """
 
     def __init__(
@@ -157,7 +151,7 @@ class CheckpointManager:
         lease_s: float = DEFAULT_LEASE_S,
         storage_domains: str = "auto",
         storage_options: Mapping[str, Any] | None = None,
-        strategy: str | None = None,
+        strategy: str | CommitStrategy | None = None,
     ):
         if resume not in _RESUME_MODES:
             raise ValueError(f"resume must be one of {_RESUME_MODES}, got {resume!r}")
@@ -180,7 +174,8 @@ class CheckpointManager:
         self.allow_pickle = allow_pickle
         self.visibility_timeout_s = visibility_timeout_s
         self._strategy = choose_strategy(self.storage, strategy)
-        #: "rename" or "marker": how this manager's saves commit.
+        #: "rename" or "marker" (or a strategy object's name): how this manager's saves
+        #: commit.
         self.commit_strategy: str = self._strategy.name
         if self.rank == 0:
             _log_strategy_once(self.storage, self.commit_strategy, forced=strategy is not None)
@@ -478,27 +473,13 @@ class CheckpointManager:
         at start-up, before any save of this job exists; the fence is checked before
         each deletion, so a job that lost the lock mid-sweep stops deleting.
 
-        An overwrite interrupted between its two renames (no atomic exchange) left its
-        step absent and both copies here: one is put back first (``recover_replaced``),
-        and nothing recovery could not settle is deleted, so the sweep never removes
-        the only complete copy of a step (DESIGN invariant 10).
+        What a crashed save, delete or overwrite leaves is the strategy's to find and
+        remove (``CommitStrategy.sweep``): it never removes the only complete copy of a
+        step (DESIGN invariant 10). What is left here is the manager's own.
         """
         if self._lock is None or not self._lock.is_held:
             return
-        self._lock.check()
-        recovery = recover_replaced(self.storage)
-        for d in (PENDING_DIR, TRASH_DIR):
-            for name in self.storage.listdir(d):
-                if f"{d}/{name}" in recovery.keep:
-                    continue
-                self._lock.check()
-                try:
-                    self.storage.delete_tree(f"{d}/{name}")
-                    log.info("removed abandoned %s", self.storage.url(f"{d}/{name}"))
-                except CheckpointError as exc:
-                    log.warning(
-                        "could not remove abandoned %s: %s", self.storage.url(f"{d}/{name}"), exc
-                    )
+        self._strategy.sweep(self.storage, fence=self._lock.check)
         # A process killed inside an atomic write (run record, lock, claim) left its
         # temporary file: removed once its writer is provably gone (``storage.temps``).
         for d in ("", META_DIR):
@@ -509,18 +490,12 @@ class CheckpointManager:
                     log.info("removed temporary file %s: %s", self.storage.url(rel), why)
                 except CheckpointError as exc:
                     log.warning("could not remove %s: %s", self.storage.url(rel), exc)
-        if isinstance(self._strategy, MarkerStrategy):
-            # Marker saves leave their remains in place (checkpoint-<step>/ holding an
-            # in-progress marker and no manifest): only those directories are touched,
-            # only what was listed goes, and the fence is checked before each one, so a
-            # job that took over meanwhile (and may commit that step) is never undone.
-            try:
-                for where in self._strategy.sweep(self.storage, fence=self._lock.check):
-                    log.info("removed abandoned marker-strategy data in %s", where)
-            except LockError:
-                raise  # fenced: this job must stop, not carry on without its lock
-            except CheckpointError as exc:
-                log.warning("could not sweep abandoned saves in %s: %s", self.root, exc)
+
+    @property
+    def strategy(self) -> CommitStrategy:
+        """How this manager's saves commit and its checkpoints are retired
+        (``commit_strategy`` is its name)."""
+        return self._strategy
 
     def _check_fence(self) -> None:
         """Raise ``FencedError`` if this job lost the run lock (coordinator only; a
@@ -666,9 +641,12 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
-    ) -> Iterator[Path]:
+    ) -> Iterator[SavingDir]:
         """Yield a pending directory that every rank writes files into; committed on
         exit, discarded if the block raises on any rank. Collective.
+
+        The directory is a ``pathlib.Path`` (a ``SavingDir``) whose ``info`` is the
+        committed checkpoint once the block has exited (None before, or if it failed).
 
         Example::
 
@@ -676,7 +654,7 @@ class CheckpointManager:
                 if mgr.is_coordinator:
                     model.save_pretrained(d)
                 torch.save(optim.state_dict(), d / f"optim-{mgr.rank}.pt")
-            info = mgr.last_saved
+            print(d.info.path)  # checkpoint-<step>, committed on every rank
 
         Raises ``StepOrderError`` (before the block runs) like ``save``.
         """
@@ -688,7 +666,7 @@ class CheckpointManager:
         gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
         with gen as path:
             yield path
-        self.last_saved = gen.info
+        self.last_saved = path.info = gen.info
 
     last_saved: CheckpointInfo | None = None
 
@@ -1049,19 +1027,17 @@ class CheckpointManager:
             self._rotation_error = exc
 
     def _delete_checkpoint(self, step: int, *, why: str = "retention") -> None:
-        """Un-commit first (leave the discoverable namespace), then delete the data."""
+        """Un-commit first (leave the discoverable namespace), then delete the data
+        (``CommitStrategy.retire``), unless this job lost the run lock."""
         name = checkpoint_name(step)
-        self._check_fence()  # a job that lost the run lock deletes nothing
-        fault_point("before_uncommit", self.rank, step)
-        # Rename: into .trash/ by one rename. Marker: delete the manifest first.
-        uncommitted = self._strategy.uncommit(self.storage, step)
-        self._manifests.forget(name)
-        if uncommitted is None:
-            return  # already gone: deletes tolerate ENOENT
-        fault_point("after_uncommit", self.rank, step)
-        fault_point("mid_delete", self.rank, step)
-        self._strategy.delete(self.storage, uncommitted)
-        log.info("%s: deleted %s", why, name)
+        try:
+            deleted = self._strategy.retire(
+                self.storage, step, rank=self.rank, fence=self._check_fence
+            )
+        finally:
+            self._manifests.forget(name)  # un-committed, or unknown: read it again
+        if deleted:
+            log.info("%s: deleted %s", why, name)
 
     def _finish_rotation(self) -> None:
         with self._rotation_lock:
@@ -1522,6 +1498,14 @@ class CheckpointManager:
         self.close()
 
 
+class SavingDir(type(Path())):  # type: ignore[misc]  # PosixPath or WindowsPath
+    """The pending directory a ``saving()`` block writes into: a ``pathlib.Path``.
+    ``info`` is the committed checkpoint after the block (identical on every rank), or
+    None (inside the block, or when the save failed)."""
+
+    info: CheckpointInfo | None = None
+
+
 class _SavingBlock:
     """The body of ``saving()``: the user writes, then every rank commits or aborts."""
 
@@ -1543,7 +1527,7 @@ class _SavingBlock:
         self.info: CheckpointInfo | None = None
         self._pending: commit.Pending | None = None
 
-    def __enter__(self) -> Path:
+    def __enter__(self) -> SavingDir:
         mgr = self.mgr
         local = mgr.storage.local_path("")
         if local is None:
@@ -1556,7 +1540,7 @@ class _SavingBlock:
         if not pending.writes:  # this rank must not write: finish says why, everywhere
             self._finish(None)
             raise CommitError(f"step {self.step}: this rank was told not to write")
-        return Path(local, *pending.location.split("/"))
+        return SavingDir(local, *pending.location.split("/"))
 
     def _finish(self, written: RankReport | commit.Failed | None) -> None:
         mgr, pending = self.mgr, self._pending

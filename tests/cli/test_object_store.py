@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from atomic_checkpoint import CheckpointManager, KeepLast
-from atomic_checkpoint.commit import MarkerStrategy
 from atomic_checkpoint.storage import FsspecStorage
+from atomic_checkpoint.strategies import MarkerStrategy
 
 try:
     import tests.testbed  # noqa: F401

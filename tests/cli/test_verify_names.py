@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 
-from atomic_checkpoint.commit import MarkerStrategy
 from atomic_checkpoint.storage import open_storage
+from atomic_checkpoint.strategies import MarkerStrategy
 from tests.cli.helpers import Holder, error_line, make_root, run_cli, run_json
 
 pytestmark = pytest.mark.timeout(90)

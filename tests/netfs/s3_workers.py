@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from atomic_checkpoint import CheckpointManager, KeepLast, catalog, commit
-from atomic_checkpoint.commit import MarkerStrategy, RankReport, SaveContext
+from atomic_checkpoint.commit import RankReport, SaveContext
 from atomic_checkpoint.coordination import SingleProcessCoordinator
 from atomic_checkpoint.errors import (
     CheckpointError,
@@ -41,6 +41,7 @@ from atomic_checkpoint.layout import rank_state_file
 from atomic_checkpoint.manifest import FileEntry, Hasher
 from atomic_checkpoint.serialization import plan_state
 from atomic_checkpoint.storage import FsspecStorage
+from atomic_checkpoint.strategies import MarkerStrategy
 
 
 def emit(**fields: Any) -> None:

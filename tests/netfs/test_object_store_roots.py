@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from atomic_checkpoint import CheckpointManager, KeepLast, cli
-from atomic_checkpoint.commit import MarkerStrategy
 from atomic_checkpoint.errors import FencedError, StorageError
 from atomic_checkpoint.layout import MANIFEST_NAME
 from atomic_checkpoint.storage import FsspecStorage
+from atomic_checkpoint.strategies import MarkerStrategy
 
 try:
     import tests.testbed  # noqa: F401

@@ -253,7 +253,7 @@ def test_multipart_upload_of_a_killed_writer_is_aborted_by_the_sweep(
     script = (
         "import json, os, signal, sys\n"
         "from atomic_checkpoint.storage import FsspecStorage\n"
-        "from atomic_checkpoint.commit import MarkerStrategy\n"
+        "from atomic_checkpoint.strategies import MarkerStrategy\n"
         "s = FsspecStorage(sys.argv[1], json.loads(sys.argv[2]), block_size_bytes=5 << 20)\n"
         "pending = MarkerStrategy().prepare(s, 7, 'deadbeefdeadbeef')\n"
         "w = s.open_write(pending + '/rank-00000.safetensors')\n"

@@ -28,7 +28,7 @@ from atomic_checkpoint.commit import Failed, RankReport, SaveContext, SharedMani
 from atomic_checkpoint.coordination import SingleProcessCoordinator
 from atomic_checkpoint.manifest import FileEntry, Hasher
 from atomic_checkpoint.storage import open_storage
-from atomic_checkpoint.commit import choose_strategy
+from atomic_checkpoint.strategies import choose_strategy
 
 
 def _ctx(root: Path, coord: Any = None, **kw: Any) -> SaveContext:

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,6 +307,21 @@ def test_saving_block_that_raises_discards_everything(tmp_path):
         raise RuntimeError("boom")
     assert mgr.checkpoints() == [] and os.listdir(tmp_path / PENDING_DIR) == []
     assert not (tmp_path / "checkpoint-1").exists()
+
+
+def test_saving_yields_a_path_that_carries_the_committed_checkpoint(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    with mgr.saving(3, metrics={"loss": 0.5}) as d:
+        assert isinstance(d, Path) and d.info is None  # nothing committed yet
+        assert d.parent == tmp_path / PENDING_DIR
+        (d / "model").mkdir()
+        (d / "model" / "w.bin").write_bytes(b"w" * 10)
+    assert d.info is not None and d.info.step == 3 and d.info.metrics == {"loss": 0.5}
+    assert d.info.path == str(tmp_path / "checkpoint-3")
+    assert d.info == mgr.last_saved and [c.step for c in mgr.checkpoints()] == [3]
+    with pytest.raises(RuntimeError, match="boom"), mgr.saving(4) as failed:
+        raise RuntimeError("boom")
+    assert failed.info is None  # discarded: nothing to report
 
 
 def test_foreign_directory_under_a_checkpoint_name_is_not_overwritten(tmp_path):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from atomic_checkpoint import CheckpointManager, CoordinationTimeoutError, catalog
-from atomic_checkpoint.commit import RankReport, RenameStrategy, SaveContext, _settle_outcome
+from atomic_checkpoint.commit import RankReport, SaveContext, _settle_outcome
+from atomic_checkpoint.strategies import RenameStrategy
 
 
 class _CutOff:

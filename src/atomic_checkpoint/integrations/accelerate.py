@@ -223,11 +223,11 @@ class FrameworkRoot:
     def path(self, step: int) -> str:
         """The directory that holds the framework's files of committed checkpoint
         ``step`` under this rank's root: ``ROOT/checkpoint-<step>``, or its committed
-        ``attempt-<token>/`` directory under the marker strategy (object-store mounts,
-        where files are written in place)."""
+        ``attempt-<token>/`` directory under a strategy that writes in place (the marker
+        strategy: object-store mounts)."""
         name = checkpoint_name(step)
         base = self._local(name)
-        if self.manager.commit_strategy != "marker":
+        if not self.manager.strategy.writes_in_place:
             return base
         manifest = read_manifest(self.manager.storage, name)
         tops = {f.path.split("/", 1)[0] for f in manifest.files if "/" in f.path}

@@ -3,7 +3,7 @@
 An object store has keys, not directories: "renaming a directory" is a copy of every
 object followed by a delete, which can stop half way and leave both copies
 (``fs.mv(..., recursive=True)`` does exactly that). So this backend never renames;
-checkpoints are committed with the marker strategy (``commit.MarkerStrategy``): data is
+checkpoints are committed with the marker strategy (``strategies.MarkerStrategy``): data is
 written in place under its final name and the manifest, created once, is the commit::
 
     before commit                                  after commit
@@ -242,7 +242,7 @@ class FsspecStorage:
         self._is_local = self.protocol in _LOCAL
         self._is_object_store = self.protocol in OBJECT_STORES
         #: Keys, no directories (S3, GCS, Azure, ...): nothing is ever removed by prefix
-        #: "because the directory is empty" there (see ``commit._drop_if_empty``).
+        #: "because the directory is empty" there (see ``strategies._drop_if_empty``).
         self.is_object_store = self._is_object_store
         self.block_size_bytes = max(int(block_size_bytes), 5 << 20)
         self.capabilities = capabilities or StorageCapabilities(
