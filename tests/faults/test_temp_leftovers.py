@@ -28,7 +28,7 @@ from atomic_checkpoint.layout import META_DIR
 from atomic_checkpoint.storage.temps import parse_temp_name
 from tests.cli.helpers import run_cli
 from tests.helpers import run_python
-from tests.unit.test_failure_modes import REPO, assert_killed, np_state, same
+from tests.faults.test_failure_modes import REPO, assert_killed, np_state, same
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -36,7 +36,7 @@ _CHILD = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from atomic_checkpoint import CheckpointManager, KeepLast
-from tests.unit.test_failure_modes import np_state
+from tests.faults.test_failure_modes import np_state
 
 root, strategy, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 seen = 0

@@ -28,7 +28,7 @@ from atomic_checkpoint.strategies import (
     RenameStrategy,
     choose_strategy,
 )
-from tests.unit.test_failure_modes import np_state
+from tests.faults.test_failure_modes import np_state
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -81,7 +81,7 @@ _SAVER = """
 import json, sys
 sys.path.insert(0, {repo!r})
 from atomic_checkpoint import CheckpointManager, KeepLast
-from tests.unit.test_failure_modes import np_state
+from tests.faults.test_failure_modes import np_state
 root, plan, keep = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 mgr = CheckpointManager(root, retention=KeepLast(keep) if keep else None)
 for step, variant, overwrite in plan:
@@ -385,7 +385,7 @@ _TMPDIR_SAVER = """
 import json, os, sys, tempfile
 sys.path.insert(0, {repo!r})
 from atomic_checkpoint import CheckpointManager
-from tests.unit.test_failure_modes import np_state
+from tests.faults.test_failure_modes import np_state
 root = sys.argv[1]
 mgr = CheckpointManager(root)
 info = mgr.save(1, np_state(1, elems=1 << 20))   # 4 MiB: more than $TMPDIR holds

@@ -27,7 +27,7 @@ from atomic_checkpoint.layout import META_DIR, PENDING_DIR, TRASH_DIR
 from tests.cli.helpers import run_cli
 from tests.helpers import last_json, run_python
 from tests.testbed.pytest_fixtures import small_disk, sshfs_export  # noqa: F401
-from tests.unit.test_failure_modes import (
+from tests.faults.test_failure_modes import (
     REPO,
     assert_killed,
     checkpoint_dirs,
@@ -51,7 +51,7 @@ import json, os, signal, sys
 sys.path.insert(0, {repo!r})
 import atomic_checkpoint.storage.local as local
 from atomic_checkpoint import CheckpointManager
-from tests.unit.test_failure_modes import np_state
+from tests.faults.test_failure_modes import np_state
 
 root, plan, opts = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3].split(",")
 if "no-renameat2" in opts:
