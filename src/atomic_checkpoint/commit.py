@@ -37,7 +37,7 @@ between the first two)::
 7. The result is published; every rank returns the same ``Committed``.
 
 With one storage domain each round goes through the leader (``_decide``: one key that
-every rank reads; ``gather_phase``: the leader reads every report and answers one
+every rank reads; ``coordination.gather_to``: the leader reads every report and answers one
 summary), O(N) store requests and bytes for N ranks. With several domains every round
 is an all-gather, as the domains' leaders must agree. Nothing here calls back into the
 manager: what it decides (the input check, the commit number, the lock to check) comes
@@ -70,7 +70,13 @@ from ._faults import fault_point
 from ._version import __version__
 from .catalog import committed as committed_manifests
 from .catalog import parse_attempt_dir, parse_marker_name, read_manifest
-from .coordination import Coordinator, exchange_outcomes
+from .coordination import (
+    Coordinator,
+    gather_to,
+    rank_failure,
+    run_everywhere,
+    shared_error,
+)
 from .domains import Domain
 from .errors import (
     CheckpointError,
@@ -79,8 +85,6 @@ from .errors import (
     CommitError,
     CoordinationTimeoutError,
     CorruptCheckpointError,
-    DistributedCheckpointError,
-    RankFailure,
     SaveAbandonedError,
 )
 from .layout import checkpoint_name, new_attempt_token
@@ -303,15 +307,24 @@ def finish(
         # 3. every rank's step and report, gathered on the leader; every rank gets
         # one summary (failures, differing steps), so that every rank names the same
         # failed or missing ranks within ``timeout_s``.
-        def report() -> tuple[int, RankReport | None]:
-            if pending.problem is not None:
-                raise _InPhase(*pending.problem)
-            if isinstance(written, Failed):
-                raise _InPhase(written.phase, written.error)
-            return step, written if pending.writes else None
+        failed = pending.problem
+        if failed is None and isinstance(written, Failed):
+            failed = (written.phase, written.error)
+        report = written if pending.writes and isinstance(written, RankReport) else None
+        sent: tuple[int, RankReport | None] = (step, report)
 
-        mine, reports, (steps, write_s, fsync_s) = gather_phase(
-            ctx, step, "write", report, _write_summary, to_leader=_through_leader(ctx)
+        mine, reports, (steps, write_s, fsync_s) = gather_to(
+            ctx.coord,
+            _key(step, "write"),
+            "write",
+            lambda: sent,
+            _write_summary,
+            dst=ctx.leader,
+            members=ctx.members,
+            timeout_s=ctx.timeout_s,
+            step=step,
+            to_dst=_through_leader(ctx),
+            failed=failed,
         )
         if steps is not None:
             _check_same_step(steps)
@@ -365,36 +378,12 @@ def abort(ctx: SaveContext, pending: Pending) -> None:
 # ---------------------------------------------------------------- the exchanges
 
 
-def _failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
-    return RankFailure(rank, phase, type(exc).__name__, str(exc) or repr(exc))
-
-
-class _Aborted(Exception):
-    """Internal: a phase failed somewhere; carries the error to raise on this rank."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
-class _InPhase(Exception):
-    """Internal: a failure inside a round, reported under the step of the protocol it
-    belongs to (a rank's input check travels with its write report)."""
-
-    def __init__(self, phase: str, error: Exception):
-        super().__init__(str(error))
-        self.phase = phase
-        self.error = error
-
-
 @contextlib.contextmanager
 def _aborting(ctx: SaveContext, pending: Pending) -> Iterator[None]:
-    """On any failure inside: ``abort``, then raise the one shared error."""
+    """On any failure inside (the one shared error, or an interruption): ``abort``,
+    then raise it."""
     try:
         yield
-    except _Aborted as aborted:
-        abort(ctx, pending)
-        raise aborted.error from None
     except BaseException:
         abort(ctx, pending)
         raise
@@ -407,6 +396,11 @@ def _fence(ctx: SaveContext, step: int) -> None:
         )
     if ctx.lock is not None:
         ctx.lock.check()
+
+
+def _key(step: int, phase: str) -> str:
+    """A round's name in errors and timeouts: the step and the protocol's step."""
+    return f"save step {step}: {phase}"
 
 
 def _domain_index(ctx: SaveContext) -> int:
@@ -439,7 +433,7 @@ def _decide(
     result reaches the others without its file list (``SharedManifest``): N ranks
     reading N entries each would put O(N^2) bytes through the store. ``settle`` decides
     what a timeout means (the commit may have happened). Otherwise (several domains)
-    every rank sends its own outcome in one all-gather (``run_phase``).
+    every rank sends its own outcome in one all-gather (``coordination.run_everywhere``).
     """
     step, rank = pending.step, ctx.coord.rank
     if not _through_leader(ctx):
@@ -452,7 +446,9 @@ def _decide(
                 fault_point("during_broadcast", rank, step)
             return None
 
-        values = run_phase(ctx, step, phase, here)
+        values = run_everywhere(
+            ctx.coord, _key(step, phase), phase, here, timeout_s=ctx.timeout_s, step=step
+        )
         return [values[lead_rank] for lead_rank in ctx.leaders]
     # On the wire: ("ok", *result) or ("error", the shared error). The commit's result
     # is sent as (manifest without its files, publish_s): one domain has no views.
@@ -467,19 +463,18 @@ def _decide(
                 verdict = ("ok", *mine)
         except Exception as exc:  # shared, never swallowed
             abort(ctx, pending)
-            verdict = ("error", _shared_error([_failure(exc, rank, phase)], step))
+            verdict = ("error", shared_error([rank_failure(exc, rank, phase)], step))
     elif phase == "commit":
         fault_point("during_broadcast", rank, step)
     publish: Callable[..., Any] = ctx.coord.publish  # type: ignore[attr-defined]
-    key = f"save step {step}: {phase}"
     try:
-        verdict = publish(key, verdict, src=ctx.leader, timeout_s=ctx.timeout_s)
+        verdict = publish(_key(step, phase), verdict, src=ctx.leader, timeout_s=ctx.timeout_s)
     except CoordinationTimeoutError as exc:
         if settle is None:
             raise
         verdict = settle(exc)
     if verdict[0] == "error":
-        raise _Aborted(verdict[1])
+        raise verdict[1]
     if ctx.is_coordinator:
         return [mine]
     if phase == "commit":
@@ -487,123 +482,15 @@ def _decide(
     return [tuple(verdict[1:])]  # type: ignore[list-item]
 
 
-def _run_here(
-    ctx: SaveContext, phase: str, fn: Callable[[], _T] | None
-) -> tuple[Any, tuple[Any, RankFailure | None]]:
-    """Run ``fn`` on this rank; returns its result (None if it failed) and what this rank
-    sends: (result, its failure or None)."""
-    value: Any = None
-    error: BaseException | None = None
-    failed_in = phase
-    if fn is not None:
-        try:
-            value = fn()
-        except _InPhase as exc:
-            failed_in, error = exc.phase, exc.error
-        except Exception as exc:  # every failure is shared, never swallowed
-            error = exc
-    if ctx.coord.world_size == 1 and error is not None:
-        raise _Aborted(error)
-    return value, (value, None if error is None else _failure(error, ctx.coord.rank, failed_in))
-
-
-def run_phase(ctx: SaveContext, step: int, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
-    """Run ``fn`` on this rank (None: nothing to do here), then share the outcome.
-
-    Returns every rank's result, indexed by rank. If any rank failed, every rank raises
-    the same ``DistributedCheckpointError`` (with one rank, the original error).
-    """
-    value, (_, failure) = _run_here(ctx, phase, fn)
-    if ctx.coord.world_size == 1:
-        return [value]
-    what = f"save step {step}: {phase}" if step >= 0 else phase
-    try:
-        values, failures = exchange_outcomes(
-            ctx.coord, what, value, failure, timeout_s=ctx.timeout_s
-        )
-    except CoordinationTimeoutError as exc:
-        raise _Aborted(exc) from exc
-    if failures:
-        raise _Aborted(_shared_error(failures, step))
-    return values
-
-
-def run_collective(ctx: SaveContext, phase: str, fn: Callable[[], _T] | None) -> list[_T]:
-    """``run_phase`` outside a save (start-up, listing, restore): returns every rank's
-    result, or raises on every rank the one shared error itself (the original error
-    with one rank)."""
-    try:
-        return run_phase(ctx, -1, phase, fn)
-    except _Aborted as aborted:
-        raise aborted.error from None
-
-
-def gather_phase(
-    ctx: SaveContext,
-    step: int,
-    phase: str,
-    fn: Callable[[], _T],
-    summarize: Callable[[list[_T]], Any],
-    *,
-    to_leader: bool = True,
-) -> tuple[_T, list[_T] | None, Any]:
-    """Like ``run_phase``, but only the domain leader gets every rank's result: the
-    others get ``summarize(results)``, computed once on the leader. Returns this rank's
-    result, its domain's results (on the leader; None elsewhere) and the summary. If
-    any rank failed, every rank raises the same error.
-
-    Through a coordinator with ``gather`` (and ``to_leader``: one storage domain), a
-    round costs O(N) store requests and O(N) bytes for N ranks; an all-gather sends
-    every rank every result (O(N^2) bytes).
-    """
-    value, payload = _run_here(ctx, phase, fn)
-    if ctx.coord.world_size == 1:
-        return value, [value], summarize([value])
-
-    def reduce(outcomes: list[Any]) -> tuple[list[RankFailure], Any]:
-        failures = [f for _, f in outcomes if f is not None]
-        return (failures, None) if failures else ([], summarize([v for v, _ in outcomes]))
-
-    what = f"save step {step}: {phase}" if step >= 0 else phase
-    gather = getattr(ctx.coord, "gather", None) if to_leader else None
-    try:
-        everything: list[Any] | None
-        if gather is None:  # every rank gets every result
-            everything = ctx.coord.all_gather(what, payload, timeout_s=ctx.timeout_s)
-            failures, summary = reduce(everything)
-            everything = [everything[r] for r in ctx.members]
-        else:
-            everything, (failures, summary) = gather(
-                what, payload, dst=ctx.leader, timeout_s=ctx.timeout_s, reduce=reduce
-            )
-    except CoordinationTimeoutError as exc:
-        raise _Aborted(exc) from exc
-    if failures:
-        raise _Aborted(_shared_error(failures, step))
-    if not ctx.is_coordinator or everything is None:
-        return value, None, summary
-    return value, [v for v, _ in everything], summary
-
-
 def _check_same_step(steps: Sequence[int]) -> None:
     """Abort the save on every rank unless every rank passed the same step."""
     if len(set(steps)) > 1:
         by_rank = dict(enumerate(steps))
-        raise _Aborted(
-            CommitError(
-                f"the ranks were asked to save different steps ({by_rank}, by rank): every "
-                "rank must call save() with the same step. Nothing was committed; compute "
-                "the step once (e.g. on rank 0) and use it on every rank"
-            )
+        raise CommitError(
+            f"the ranks were asked to save different steps ({by_rank}, by rank): every "
+            "rank must call save() with the same step. Nothing was committed; compute "
+            "the step once (e.g. on rank 0) and use it on every rank"
         )
-
-
-def _shared_error(failures: Sequence[RankFailure], step: int) -> CheckpointError:
-    """The one error every rank raises for these failures."""
-    if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
-        return CheckpointExistsError(failures[0].message)
-    # Negative steps mark operations other than a save (start-up, listing, restore).
-    return DistributedCheckpointError(list(failures), step=step if step >= 0 else None)
 
 
 def _commit_on_leader(

@@ -44,11 +44,19 @@ import pickle
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from .errors import CheckpointError, CoordinationTimeoutError, RankFailure
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CoordinationTimeoutError,
+    DistributedCheckpointError,
+    RankFailure,
+)
+
+_T = TypeVar("_T")
 
 __all__ = [
     "Coordinator",
@@ -680,6 +688,117 @@ def exchange_outcomes(
     """
     outcomes = coord.all_gather(key, (value, failure), timeout_s=timeout_s)
     return [v for v, _ in outcomes], [f for _, f in outcomes if f is not None]
+
+
+def rank_failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
+    """What one rank tells the others about its failure: its type name and message."""
+    return RankFailure(rank, phase, type(exc).__name__, str(exc) or repr(exc))
+
+
+def shared_error(failures: Sequence[RankFailure], step: int | None = None) -> CheckpointError:
+    """The one error every rank raises for these failures (DESIGN invariant 4): built
+    from what every rank sent, so type and message are the same everywhere."""
+    if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
+        return CheckpointExistsError(failures[0].message)
+    return DistributedCheckpointError(list(failures), step=step)
+
+
+def _run_here(
+    coord: Coordinator,
+    phase: str,
+    fn: Callable[[], _T] | None,
+    failed: tuple[str, Exception] | None = None,
+) -> tuple[Any, tuple[Any, RankFailure | None]]:
+    """Run ``fn`` on this rank; returns its result (None if it failed) and what this
+    rank sends: (result, its failure or None). ``failed``: this rank failed already,
+    (the step it failed in, the error); ``fn`` is not run. With one rank, a failure is
+    raised."""
+    value: Any = None
+    failed_in, error = failed if failed is not None else (phase, None)
+    if fn is not None and error is None:
+        try:
+            value = fn()
+        except Exception as exc:  # every failure is shared, never swallowed
+            error = exc
+    if coord.world_size == 1 and error is not None:
+        raise error
+    return value, (value, None if error is None else rank_failure(error, coord.rank, failed_in))
+
+
+def run_everywhere(
+    coord: Coordinator,
+    key: str,
+    phase: str,
+    fn: Callable[[], _T] | None,
+    *,
+    timeout_s: float,
+    step: int | None = None,
+) -> list[_T]:
+    """Run ``fn`` on this rank (None: nothing to do here), then share the outcome with
+    every rank (``exchange_outcomes``). Collective.
+
+    Returns every rank's result, indexed by rank. If any rank failed, every rank raises
+    the same error (``shared_error``; with one rank, the original error); a rank that
+    did not arrive within ``timeout_s`` makes every other rank raise
+    ``CoordinationTimeoutError`` naming it. ``key`` names the round in that error;
+    ``phase`` names the step in a failure.
+    """
+    value, (_, failure) = _run_here(coord, phase, fn)
+    if coord.world_size == 1:
+        return [value]
+    values, failures = exchange_outcomes(coord, key, value, failure, timeout_s=timeout_s)
+    if failures:
+        raise shared_error(failures, step)
+    return values
+
+
+def gather_to(
+    coord: Coordinator,
+    key: str,
+    phase: str,
+    fn: Callable[[], _T],
+    summarize: Callable[[list[_T]], Any],
+    *,
+    dst: int,
+    members: Sequence[int],
+    timeout_s: float,
+    step: int | None = None,
+    to_dst: bool = True,
+    failed: tuple[str, Exception] | None = None,
+) -> tuple[_T, list[_T] | None, Any]:
+    """Like ``run_everywhere``, but only ``dst`` gets the results of ``members``: the
+    others get ``summarize(results)``, computed once. Returns this rank's result, the
+    members' results (on ``dst``; None elsewhere) and the summary. If any rank failed,
+    every rank raises the same error. ``failed``: this rank failed already, (the step
+    it failed in, the error), and sends that instead of running ``fn``.
+
+    Through a coordinator with ``gather`` (and ``to_dst``: every rank sends to the
+    same ``dst``), a round costs O(N) store requests and O(N) bytes for N ranks; an
+    all-gather sends every rank every result (O(N^2) bytes).
+    """
+    value, payload = _run_here(coord, phase, fn, failed)
+    if coord.world_size == 1:
+        return value, [value], summarize([value])
+
+    def reduce(outcomes: list[Any]) -> tuple[list[RankFailure], Any]:
+        failures = [f for _, f in outcomes if f is not None]
+        return (failures, None) if failures else ([], summarize([v for v, _ in outcomes]))
+
+    gather = getattr(coord, "gather", None) if to_dst else None
+    everything: list[Any] | None
+    if gather is None:  # every rank gets every result
+        everything = coord.all_gather(key, payload, timeout_s=timeout_s)
+        failures, summary = reduce(everything)
+        everything = [everything[r] for r in members]
+    else:
+        everything, (failures, summary) = gather(
+            key, payload, dst=dst, timeout_s=timeout_s, reduce=reduce
+        )
+    if failures:
+        raise shared_error(failures, step)
+    if coord.rank != dst or everything is None:
+        return value, None, summary
+    return value, [v for v, _ in everything], summary
 
 
 def default_coordinator() -> Coordinator:

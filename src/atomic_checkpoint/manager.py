@@ -30,8 +30,8 @@ from typing import Any
 from . import catalog, commit
 from ._faults import fault_point
 from .async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool
-from .commit import RankReport, SaveContext, run_collective
-from .coordination import Coordinator, default_coordinator
+from .commit import RankReport, SaveContext
+from .coordination import Coordinator, default_coordinator, run_everywhere
 from .domains import Domain
 from .domains import discover as discover_domains
 from .errors import (
@@ -271,21 +271,12 @@ class CheckpointManager:
         self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any
     ) -> list[Any]:
         """Like ``_collective``, returning every rank's result (indexed by rank)."""
-        return run_collective(
-            self._ctx_or_bootstrap(), phase, (lambda: fn(**kwargs)) if fn is not None else None
-        )
-
-    def _ctx_or_bootstrap(self) -> SaveContext:
-        ctx = getattr(self, "_ctx", None)
-        if ctx is not None:
-            return ctx
-        return SaveContext(
-            storage=self.storage,
-            coord=self.coordinator,
-            run_id="",
+        return run_everywhere(
+            self.coordinator,
+            phase,
+            phase,
+            (lambda: fn(**kwargs)) if fn is not None else None,
             timeout_s=self.timeout_s,
-            strategy=self._strategy,
-            domain=getattr(self, "domain", None),
         )
 
     def _agree_run_id(self) -> str:

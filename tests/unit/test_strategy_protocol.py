@@ -279,11 +279,6 @@ def _strategy_names() -> set[str]:
     return names
 
 
-# A private name of the save driver that ``integrations.dcp`` still imports; the driver
-# is being rewritten (issue 13: "the input check decided once"), which removes it.
-_DRIVER_PRIVATE_IMPORTS = {("integrations/dcp.py", "_InPhase")}
-
-
 def test_no_module_dispatches_on_a_strategy_class_or_imports_its_private_names():
     moved = _strategy_names()
     problems = []
@@ -306,9 +301,7 @@ def test_no_module_dispatches_on_a_strategy_class_or_imports_its_private_names()
                 if module not in ("commit", "strategies"):
                     continue
                 for alias in node.names:
-                    if alias.name.startswith("_") and (rel, alias.name) not in (
-                        _DRIVER_PRIVATE_IMPORTS
-                    ):
+                    if alias.name.startswith("_"):
                         problems.append(f"{rel}:{node.lineno}: private {module}.{alias.name}")
                     elif module == "commit" and alias.name in moved:
                         problems.append(

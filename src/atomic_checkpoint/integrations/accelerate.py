@@ -70,7 +70,7 @@ from typing import Any
 
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt
 from ..catalog import parse_attempt_dir, parse_marker_name, read_manifest
-from ..coordination import Coordinator, exchange_outcomes
+from ..coordination import Coordinator, exchange_outcomes, rank_failure
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -78,7 +78,6 @@ from ..errors import (
     CommitError,
     CorruptCheckpointError,
     DistributedCheckpointError,
-    RankFailure,
     ResumeError,
     StorageError,
 )
@@ -114,10 +113,6 @@ __all__ = [
 log = logging.getLogger("atomic_checkpoint")
 
 
-def _rank_failure(exc: BaseException, rank: int, phase: str) -> RankFailure:
-    return RankFailure(rank, phase, type(exc).__name__, str(exc) or repr(exc))
-
-
 def _share_outcome(
     coordinator: Coordinator,
     key: str,
@@ -130,7 +125,7 @@ def _share_outcome(
     """Collective: share this rank's outcome of ``phase`` (``own``: its error, or None);
     then the failing rank re-raises its own error, every other rank raises one error
     naming each failing rank."""
-    failure = None if own is None else _rank_failure(own, coordinator.rank, phase)
+    failure = None if own is None else rank_failure(own, coordinator.rank, phase)
     _, failures = exchange_outcomes(coordinator, key, None, failure, timeout_s=timeout_s)
     if not failures:
         return
