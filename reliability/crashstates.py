@@ -645,13 +645,13 @@ def _child(phase: str, name: str, root: str, out: str) -> None:
 
     logging.getLogger("atomic_checkpoint").addHandler(logging.NullHandler())
     logging.getLogger("atomic_checkpoint").propagate = False
-    from atomic_checkpoint import manager as manager_mod
+    from atomic_checkpoint import rankfiles
     from atomic_checkpoint.storage.local import LocalStorage
 
     if scen.direct_io:
         # Every state file goes through the O_DIRECT writers (pwrite from aligned
         # buffers, ftruncate of the padding), however small.
-        manager_mod._DIRECT_MIN_BYTES = 0
+        rankfiles._DIRECT_MIN_BYTES = 0
         LocalStorage.direct_io = True
     else:
         LocalStorage.direct_io = False

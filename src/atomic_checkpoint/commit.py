@@ -89,6 +89,7 @@ from .errors import (
 )
 from .layout import checkpoint_name, new_attempt_token
 from .manifest import FileEntry, Manifest
+from .rankfiles import RankReport
 from .storage.base import Storage
 from .strategies import CommitStrategy
 
@@ -114,15 +115,6 @@ class SharedManifest(Manifest):
     @property
     def size_bytes(self) -> int:
         return self.total_size_bytes
-
-
-@dataclass(frozen=True)
-class RankReport:
-    """What one rank tells the coordinator after writing."""
-
-    files: tuple[FileEntry, ...]
-    write_s: float
-    fsync_s: float
 
 
 @dataclass(frozen=True)

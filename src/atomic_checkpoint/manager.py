@@ -18,7 +18,6 @@ import functools
 import json
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -28,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from . import catalog, commit
-from ._faults import fault_point
-from .async_save import AsyncSaver, SaveAbandonedError, SaveHandle, SnapshotPool
-from .commit import RankReport, SaveContext
+from .async_save import AsyncSaver, SaveHandle, SnapshotPool
+from .commit import SaveContext
 from .coordination import Coordinator, default_coordinator, run_everywhere
 from .domains import Domain
 from .domains import discover as discover_domains
@@ -59,16 +57,16 @@ from .layout import (
 from .lock import DEFAULT_LEASE_S, RunLock
 from .manifest import (
     CheckpointInfo,
-    FileEntry,
     Hasher,
     Manifest,
     check_metadata,
     check_metrics,
     format_size,
 )
+from .rankfiles import RankReport, Staging, report_files, write_image, write_plan
 from .retention import RetentionPolicy
 from .storage import open_storage, posix
-from .storage.base import Storage
+from .storage.base import Storage, direct_io
 from .storage.temps import abandoned_temps
 from .strategies import CommitStrategy, choose_strategy
 
@@ -610,9 +608,9 @@ class CheckpointManager:
             if plan is None:
                 return RankReport((), 0.0, 0.0)
             if self._staging is None:
-                self._staging = _Staging()
+                self._staging = Staging()
             path = f"{pending}/{rel}"
-            return _write_plan(self.storage, path, rel, plan, self.rank, step, self._staging)
+            return write_plan(self.storage, path, rel, plan, self.rank, step, self._staging)
 
         return self._save(
             step,
@@ -662,7 +660,7 @@ class CheckpointManager:
     last_saved: CheckpointInfo | None = None
 
     # ------------------------------------------------------------------ async saving
-    _staging: _Staging | None = None  # sync saves' O_DIRECT staging, made by the first
+    _staging: Staging | None = None  # sync saves' O_DIRECT staging, made by the first
     _async: AsyncSaver | None = None  # created by the first save_async
     _snapshots: SnapshotPool | None = None
     _async_coord: Coordinator | None = None
@@ -774,7 +772,7 @@ class CheckpointManager:
             if snapshot is None:
                 return RankReport((), 0.0, 0.0)
             path = f"{pending}/{rel}"
-            return _write_image(
+            return write_image(
                 self.storage, path, rel, snapshot, self.rank, step, cancel, saver.demote
             )
 
@@ -1317,7 +1315,8 @@ class CheckpointManager:
         # and the state is handed out only if the checksum matches.
         digest = Hasher(manifest.checksum_algorithm) if verify else None
         # Where saves write with O_DIRECT, loads read what is not cached with it too.
-        direct = bool(getattr(self.storage, "direct_io_enabled", lambda: False)())
+        store = direct_io(self.storage)
+        direct = store is not None and store.direct_io_enabled()
         with self.storage.open_read(path) as raw:
             try:
                 state = load_state(
@@ -1549,7 +1548,7 @@ class _SavingBlock:
                 # Runs on the leader after EVERY rank's block has finished: scanning
                 # when only the leader's own block is done would miss files others
                 # still write. Arbitrary writers neither checksum nor fsync.
-                scan=lambda location: _report_files(mgr.storage, location, mgr.rank),
+                scan=lambda location: report_files(mgr.storage, location, mgr.rank),
             )
         except BaseException:
             commit.abort(mgr._ctx, pending)
@@ -1618,353 +1617,6 @@ def _common_steps(views: list[Any], domain: Domain) -> list[Manifest]:
         return mine
     common = set.intersection(*({m.step for m in views[lead]} for lead in domain.leaders))
     return [m for m in mine if m.step in common]
-
-
-def _report_files(storage: Storage, pending: str, rank: int) -> RankReport:
-    """Files mode: the leader checksums and fsyncs every file (arbitrary writers, such
-    as ``save_pretrained``, neither checksum nor fsync), after every rank has written."""
-    storage.refresh(pending)
-    t = time.perf_counter()
-    entries = []
-    local = storage.local_path(pending)
-    for rel, _size in storage.walk_files(pending):
-        h = Hasher()
-        path = os.path.join(local, *rel.split("/")) if local else None
-        with storage.open_read(f"{pending}/{rel}") as f:
-            size = h.consume(f, memoryview(bytearray(8 << 20)))
-            if path is not None:
-                posix.fsync_file(path, f)
-        entries.append(FileEntry(rel, size, h.hexdigest(), rank))
-    t_write = time.perf_counter() - t
-    t = time.perf_counter()
-    if local is not None:
-        # Every directory the block created, not only the parents of files: a directory
-        # holding only subdirectories has entries too, and they are durable only once
-        # it is fsync'd (DESIGN invariant 2). Bottom-up, so each directory is fsync'd
-        # after everything below it is final; symlinked directories are not followed.
-        for rel in posix.dirs_deepest_first(local):
-            storage.fsync_dir(f"{pending}/{rel}" if rel else pending)
-    return RankReport(tuple(entries), t_write, time.perf_counter() - t)
-
-
-# Below this size hashing runs inline: a helper thread costs more than it saves.
-_PIPELINE_MIN_BYTES = 16 << 20
-
-
-class _HashPipe:
-    """Feeds a ``Hasher`` from a helper thread, so the checksum of one chunk is computed
-    while the next chunk is written (loads hash as their reads come in, in
-    ``serialization._read_pieces``).
-
-    xxhash and ``os.write`` release the GIL, so with two cores the checksum costs no
-    wall time (in line, it adds ~6 % to a disk-speed write: xxh3 runs at ~17 GB/s
-    here). Chunks are hashed in the order they are fed; a fed chunk must stay unchanged
-    until ``close`` (the chunks of a plan do).
-    """
-
-    _DEPTH = 4  # chunks queued ahead of the hasher (references, not copies)
-    _IDLE_S = 60.0  # a producer that vanished without close() frees the thread
-
-    def __init__(self, hasher: Hasher, *, background: bool):
-        self.hasher = hasher
-        self._error: BaseException | None = None
-        self._q: queue.Queue[Any] | None = None
-        self._thread: threading.Thread | None = None
-        if background:
-            self._q = queue.Queue(maxsize=self._DEPTH)
-            self._thread = threading.Thread(
-                target=self._run, name="atomic-checkpoint-hash", daemon=True
-            )
-            self._thread.start()
-
-    def _run(self) -> None:
-        q = self._q
-        if q is None:  # pragma: no cover - only started with a queue
-            return
-        while True:
-            try:
-                data = q.get(timeout=self._IDLE_S)
-            except queue.Empty:
-                return
-            if data is None:
-                return
-            if self._error is None:
-                try:
-                    self.hasher.update(data)
-                except BaseException as exc:  # re-raised by close() in the producer
-                    self._error = exc
-
-    def update(self, data: Any) -> None:
-        if self._q is None:
-            self.hasher.update(data)
-        else:
-            self._q.put(data)
-
-    def close(self) -> None:
-        """Wait until every fed chunk is hashed; stop the helper. Idempotent."""
-        t, self._thread = self._thread, None
-        if t is not None and self._q is not None:
-            self._q.put(None)
-            t.join()
-        if self._error is not None:
-            raise self._error
-
-    def hexdigest(self) -> str:
-        self.close()
-        return self.hasher.hexdigest()
-
-
-# Files at least this large are written with O_DIRECT where the storage offers it.
-_DIRECT_MIN_BYTES = 4 << 20
-# An async save writes its snapshot image in chunks of this size (fewer, larger writes
-# disturb the training thread's copy less while they overlap it).
-_IMAGE_CHUNK_BYTES = 32 << 20
-
-
-def _abandoned(storage: Storage, path: str, step: int) -> SaveAbandonedError:
-    return SaveAbandonedError(
-        f"the write of {storage.url(path)} was stopped: the async save of step {step} was "
-        "abandoned (manager closed or interpreter exiting)"
-    )
-
-
-def _open_direct(storage: Storage, path: str, size: int) -> Any:
-    """An O_DIRECT writer for a large file where the storage offers one, else None."""
-    opener = getattr(storage, "open_write_direct", None)
-    if opener is None or size < _DIRECT_MIN_BYTES:
-        return None
-    try:
-        import numpy  # noqa: F401  (the staging copies need it)
-    except ImportError:
-        return None
-    return opener(path, size_hint=size)
-
-
-class _Staging:
-    """Page-aligned host buffers that a sync save copies its tensors through on their way
-    to an O_DIRECT write: a few chunks, allocated by the first save and reused by every
-    later one (on these VMs memory freed and touched again costs up to 15x)."""
-
-    COUNT = 4  # chunks in flight: two being written, one being filled, one spare
-
-    def __init__(self) -> None:
-        self._chunk = 0
-        self.arrays: list[Any] = []
-
-    def buffers(self, chunk: int) -> list[Any]:
-        if chunk > self._chunk:
-            import numpy as np
-
-            from .storage.local import DIRECT_IO_ALIGN
-
-            # Private anonymous memory (numpy's), one block cut to alignment: pages for
-            # chunks of 2 MiB and more, huge-page boundaries for larger ones (numpy asks
-            # for transparent huge pages; fewer pages to pin per O_DIRECT write). Not
-            # mmap.mmap(-1, n): that is a *shared* mapping, backed by shmem, whose pages
-            # the kernel pins for each O_DIRECT write far more slowly (measured: 2.1
-            # against 3.0 GB/s).
-            align = max(DIRECT_IO_ALIGN, min(chunk, 2 << 20))
-            self.arrays = []
-            raw = np.empty(self.COUNT * chunk + align, dtype=np.uint8)
-            skip = -raw.ctypes.data % align
-            for i in range(self.COUNT):
-                start = skip + i * chunk
-                self.arrays.append(raw[start : start + chunk])
-            self._chunk = chunk
-        return [a[:chunk] for a in self.arrays]
-
-
-def _staging_chunk(total: int) -> int:
-    """1 to 8 MiB, a power of two, at most 1/64 of the file: the staging buffers stay
-    under 1/16 of the state (the sync save's memory target is 5 % of the state)."""
-    chunk = 1 << 20
-    while chunk < (8 << 20) and chunk * 2 * 64 <= total:
-        chunk *= 2
-    return chunk
-
-
-def _write_plan(
-    storage: Storage,
-    path: str,
-    rel: str,
-    plan: Any,
-    rank: int,
-    step: int,
-    staging: _Staging | None = None,
-) -> RankReport:
-    """Stream a serialization plan to ``path``, hashing each chunk as it is written.
-
-    With ``staging`` and a storage that offers O_DIRECT (local disks), the bytes are
-    copied through page-aligned staging buffers and written from there by DMA, two
-    writes in flight; otherwise they go through the page cache.
-    """
-    t = time.perf_counter()
-    total = plan.total_size_bytes
-    dw = _open_direct(storage, path, total) if staging is not None else None
-    # Through the page cache, the checksum runs on a helper core while this thread
-    # copies into the kernel; with O_DIRECT it runs here, on each chunk just before it
-    # is copied into staging (the copy then reads it from cache): this thread is far
-    # ahead of the disk either way, and a second reader of every byte only competes
-    # for memory bandwidth (measured: 0.36 against 0.42 of the page-cache write's time).
-    # Opened (space reserved: ENOSPC comes here) before the hashing helper starts, so
-    # a full disk leaves no helper thread behind.
-    w = storage.open_write(path, size_hint=total) if dw is None else None
-    h = _HashPipe(Hasher(), background=dw is None and total >= _PIPELINE_MIN_BYTES)
-    if dw is not None and staging is not None:
-        try:
-            size = _stream_direct(dw, plan, h, staging, rank, step)
-            digest = h.hexdigest()
-            dw.drain()
-            t_write = time.perf_counter() - t
-            t = time.perf_counter()
-            dw.close(size)
-        except BaseException:
-            with contextlib.suppress(BaseException):
-                h.close()
-            dw.abort()
-            raise
-        return RankReport((FileEntry(rel, size, digest, rank),), t_write, time.perf_counter() - t)
-    if w is None:  # pragma: no cover - a direct writer without staging
-        w = storage.open_write(path, size_hint=total)
-    size = 0
-    try:
-        for i, chunk in enumerate(plan.iter_chunks()):
-            h.update(chunk)
-            w.write(chunk)
-            size += len(chunk) if isinstance(chunk, bytes) else memoryview(chunk).nbytes
-            if i == 0:  # some bytes written, the rest not, nothing fsync'd
-                fault_point("mid_write", rank, step)
-        digest = h.hexdigest()
-        t_write = time.perf_counter() - t
-        t = time.perf_counter()
-        w.close()
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            h.close()
-        w.abort()
-        raise
-    return RankReport((FileEntry(rel, size, digest, rank),), t_write, time.perf_counter() - t)
-
-
-def _stream_direct(
-    dw: Any, plan: Any, h: _HashPipe, staging: _Staging, rank: int, step: int
-) -> int:
-    """Copy the plan's chunks into staging buffers and write each full buffer with
-    O_DIRECT; the checksum is computed (by ``h``'s helper) from the same chunks."""
-    import numpy as np
-
-    from .storage.local import DIRECT_IO_ALIGN
-
-    chunk = _staging_chunk(plan.total_size_bytes)
-    bufs = staging.buffers(chunk)
-    in_flight: list[threading.Event | None] = [None] * len(bufs)
-    k, fill, offset, size = 0, 0, 0, 0
-    cur = bufs[0]
-    for i, piece in enumerate(plan.iter_chunks(chunk)):
-        h.update(piece)
-        src = np.frombuffer(piece, dtype=np.uint8)
-        pos, n_src = 0, int(src.size)
-        while pos < n_src:
-            n = min(n_src - pos, chunk - fill)
-            cur[fill : fill + n] = src[pos : pos + n]  # numpy copies without the GIL
-            fill += n
-            pos += n
-            if fill == chunk:
-                in_flight[k] = dw.submit(memoryview(cur), offset)
-                offset += chunk
-                fill = 0
-                k = (k + 1) % len(bufs)
-                done = in_flight[k]
-                if done is not None:
-                    done.wait()  # that buffer's previous write is finished
-                cur = bufs[k]
-        size += n_src
-        if i == 0:  # some bytes written, the rest not, nothing fsync'd
-            fault_point("mid_write", rank, step)
-    if fill:
-        padded = -(-fill // DIRECT_IO_ALIGN) * DIRECT_IO_ALIGN
-        cur[fill:padded] = 0  # the file is cut back to its size at close
-        dw.submit(memoryview(cur)[:padded], offset)
-    return size
-
-
-def _write_image(
-    storage: Storage,
-    path: str,
-    rel: str,
-    snap: Any,
-    rank: int,
-    step: int,
-    cancel: threading.Event,
-    demote: Callable[[], None] | None = None,
-) -> RankReport:
-    """Write an async save's snapshot image to ``path`` while the training thread
-    copies it (``snap.wait_ready``), and checksum it.
-
-    Where the storage offers O_DIRECT (local disks) each chunk goes to the device by DMA
-    straight from the page-aligned image as soon as it is copied: nothing is copied
-    again, and the writes overlap the copy, so the save is durable about when a sync
-    save would be. The checksum is computed afterwards from the image (it does not
-    change), by this thread at its lowered priority (``demote()`` is called once the
-    copy is complete: while training copies, this thread must keep up with it). Else
-    the image goes through the page cache, hashed on a helper core as it is written.
-
-    ``cancel``: when set, the write stops at the next chunk and fails.
-    """
-    t = time.perf_counter()
-    total = snap.total_size_bytes
-    image = snap.image
-    dw = _open_direct(storage, path, total)
-    w = None if dw is not None else storage.open_write(path, size_hint=total)
-    h = _HashPipe(Hasher(), background=dw is None and total >= _PIPELINE_MIN_BYTES)
-    chunks = range(0, max(total, 1), _IMAGE_CHUNK_BYTES)
-    last = None
-    try:
-        for i, start in enumerate(chunks):
-            if cancel.is_set():
-                raise _abandoned(storage, path, step)
-            end = min(start + _IMAGE_CHUNK_BYTES, total)
-            snap.wait_ready(end)
-            if dw is not None:
-                if last is not None and not snap.is_complete():
-                    # One write in flight while training still copies, two after: the
-                    # DMA competes with the copy for memory bandwidth (measured at 4
-                    # GiB, time blocked / plain copy and time durable / sync save: 1.17
-                    # and 0.97 with two, 1.04 and 1.01 with one, 0.96 and 1.11 when
-                    # nothing is written until the copy ends).
-                    last.wait()
-                # The image is zero-padded to a whole page: the last write is too.
-                last = dw.submit(image[start : min(start + _IMAGE_CHUNK_BYTES, len(image))], start)
-            elif w is not None:
-                h.update(image[start:end])
-                w.write(image[start:end])
-            if i == 0:  # some bytes written, the rest not, nothing fsync'd
-                fault_point("mid_write", rank, step)
-        if demote is not None:
-            demote()
-        if dw is not None:
-            for start in chunks:  # while the last writes are in flight
-                if cancel.is_set():
-                    raise _abandoned(storage, path, step)
-                h.update(image[start : min(start + _IMAGE_CHUNK_BYTES, total)])
-        digest = h.hexdigest()
-        if dw is not None:
-            dw.drain()
-        t_write = time.perf_counter() - t
-        t = time.perf_counter()
-        if dw is not None:
-            dw.close(total)
-        elif w is not None:
-            w.close()
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            h.close()
-        if dw is not None:
-            dw.abort()
-        elif w is not None:
-            w.abort()
-        raise
-    return RankReport((FileEntry(rel, total, digest, rank),), t_write, time.perf_counter() - t)
 
 
 def _with_timings(info: CheckpointInfo, timings: dict[str, float]) -> CheckpointInfo:

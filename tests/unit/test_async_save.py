@@ -192,10 +192,10 @@ def test_streamed_writes_never_overtake_the_copy(tmp_path, monkeypatch):
     it; with small steps and chunks, a writer that ran ahead would write the previous
     save's bytes, still in the reused buffer."""
     import atomic_checkpoint.async_save as async_save
-    import atomic_checkpoint.manager as manager
+    import atomic_checkpoint.rankfiles as rankfiles
 
     monkeypatch.setattr(async_save, "_STREAM_STEP_BYTES", 1 << 20)
-    monkeypatch.setattr(manager, "_IMAGE_CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(rankfiles, "_IMAGE_CHUNK_BYTES", 1 << 20)
     mgr = CheckpointManager(tmp_path)
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(3 << 18, generator=g) for i in range(8)}  # 24 MiB

@@ -122,8 +122,9 @@ from ..errors import (
     StorageError,
 )
 from ..layout import MANIFEST_NAME, checkpoint_name, validate_step
-from ..manager import CheckpointManager, _report_files
+from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata, check_metrics
+from ..rankfiles import report_files
 from ..storage import posix
 from ..storage.local import LocalStorage
 
@@ -480,7 +481,7 @@ def async_save_dcp(
 
     def collect(pending: str) -> RankReport:
         # DCP's files, found and checksummed on the leader once every rank wrote.
-        return _report_files(mgr.storage, pending, mgr.rank)
+        return report_files(mgr.storage, pending, mgr.rank)
 
     def run() -> CheckpointInfo:
         try:
@@ -718,7 +719,7 @@ def _commit_path(
     """On the first rank, after every rank wrote: checksum and fsync DCP's files, write
     the manifest last, rename the pending directory onto ``name``, fsync the parent."""
     storage = LocalStorage(parent)
-    report = _report_files(storage, pending, 0)
+    report = report_files(storage, pending, 0)
     manifest = Manifest(
         step=step,
         run_id="",

@@ -4,14 +4,19 @@ Paths are relative to the storage root and always ``/``-separated. Every method 
 backend errors to :mod:`atomic_checkpoint.errors` (``StorageError`` and subclasses);
 no ``OSError`` escapes a backend. Unless stated otherwise a method may be called by any
 rank, from any thread, and blocks until the operation is done.
+
+Optional abilities are declared in ``StorageCapabilities``, never found by probing for
+methods: ``direct_io`` says the backend is a :class:`DirectIOStorage` (O_DIRECT writers
+for large state files; reach it through :func:`direct_io`).
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import threading
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
@@ -36,6 +41,13 @@ class StorageCapabilities:
         exclusive_create: creating a file fails if it exists, across every client.
         coherent: all clients see namespace changes at once. False on network
             filesystems, where readers poll with a bound after a change.
+        direct_io: the backend implements :class:`DirectIOStorage`: large state files
+            may be written, and read where the page cache does not hold them, with
+            O_DIRECT. It declares that the methods exist, not that this root uses
+            them: ``direct_io_enabled()`` says that (filesystem type, the backend's
+            own setting). ``LocalStorage`` declares it on whatever capabilities it is
+            given, and views of one (``ProjectStorage``) inherit it; object stores and
+            ``MemoryStorage`` do not, and are never asked for a direct writer.
     """
 
     name: str
@@ -43,6 +55,7 @@ class StorageCapabilities:
     dir_fsync: bool = True
     exclusive_create: bool = True
     coherent: bool = True
+    direct_io: bool = False
 
 
 class Reader(Protocol):
@@ -179,6 +192,62 @@ class Storage(Protocol):
         """Drop cached metadata of directory ``path`` where a client caches it
         (network filesystems); a no-op elsewhere."""
         ...
+
+
+#: Address, length and file offset of every O_DIRECT write are multiples of this: the
+#: page size, a multiple of every logical block size up to 4 KiB.
+DIRECT_IO_ALIGN = 4096
+
+
+class DirectWriter(Protocol):
+    """One file being written with O_DIRECT from block-aligned memory, several writes in
+    flight. One thread calls every method; ``close`` makes the file durable (fsync),
+    ``abort`` discards it."""
+
+    def submit(self, view: memoryview, offset: int) -> threading.Event:
+        """Queue a write of ``view`` at ``offset`` (address, length and offset multiples
+        of ``DIRECT_IO_ALIGN``; the file's last block may be padded, ``close`` cuts it).
+        Returns an event set once ``view`` may be reused; raises the error of an earlier
+        write, if one failed."""
+        ...
+
+    def drain(self) -> None:
+        """Wait until every queued write is done; raise the first failure."""
+        ...
+
+    def close(self, size_bytes: int) -> None:
+        """Wait for the writes, cut the file to ``size_bytes``, fsync, close."""
+        ...
+
+    def abort(self) -> None:
+        """Skip queued writes and remove the file. Idempotent."""
+        ...
+
+
+class DirectIOStorage(Storage, Protocol):
+    """A storage that offers O_DIRECT I/O of large files: one whose
+    ``capabilities.direct_io`` is True. Callers reach it through :func:`direct_io`,
+    never by probing for the methods."""
+
+    def direct_io_enabled(self) -> bool:
+        """Whether large state files are written, and read where the page cache does
+        not hold them, with O_DIRECT on this root. Called by every rank that saves or
+        restores, from the thread that does; cheap after the first call."""
+        ...
+
+    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> DirectWriter | None:
+        """Open ``path`` for O_DIRECT writes, or return None where this root should not
+        get them (``direct_io_enabled()`` is False, or the filesystem refused O_DIRECT:
+        the caller writes through ``open_write`` instead). Called by the rank that
+        writes a large state file, from the thread that saves. ``size_hint`` reserves
+        the space up front, as in ``open_write``."""
+        ...
+
+
+def direct_io(storage: Storage) -> DirectIOStorage | None:
+    """``storage`` as a :class:`DirectIOStorage` where its capabilities declare one,
+    else None."""
+    return cast(DirectIOStorage, storage) if storage.capabilities.direct_io else None
 
 
 def too_large(where: str, size_bytes: int | None) -> CorruptCheckpointError:

@@ -254,6 +254,7 @@ class FsspecStorage:
             exclusive_create=self.protocol in CONDITIONAL_CREATE
             and self.conditional_create != "off",
             coherent=True,
+            direct_io=False,  # bytes go through fsspec's file objects
         )
         self._bucket_checked = False
         #: What ``check_conditional_create`` found (None until it ran).

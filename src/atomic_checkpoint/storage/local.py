@@ -77,6 +77,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from .._faults import fault_point
@@ -91,6 +92,7 @@ from ..errors import (
 from .base import (
     MAX_READ_BYTES,
     AbortOnError,
+    DirectWriter,
     Reader,
     StorageCapabilities,
     check_no_links,
@@ -354,16 +356,14 @@ def _format_device(dev: int) -> str:
 #: 0.25 s through the page cache). Network and FUSE filesystems, tmpfs and overlayfs
 #: keep buffered writes: their O_DIRECT semantics vary, or they refuse it.
 _DIRECT_IO_FS = frozenset({"ext4", "xfs", "btrfs", "f2fs"})
-#: Address, length and file offset of every O_DIRECT write are multiples of this: the
-#: page size, a multiple of every logical block size up to 4 KiB.
-DIRECT_IO_ALIGN = 4096
 
 
 class _DirectWriter:
-    """Writes one file with O_DIRECT from block-aligned memory, ``depth`` writes in flight.
+    """Writes one file with O_DIRECT from block-aligned memory, ``depth`` writes in flight
+    (the :class:`.base.DirectWriter` of ``LocalStorage``).
 
     ``submit(view, offset)`` queues a write of ``view`` at ``offset`` (address, length
-    and offset multiples of ``DIRECT_IO_ALIGN``; the last block of the file may be
+    and offset multiples of ``base.DIRECT_IO_ALIGN``; the last block of the file may be
     padded, ``close`` cuts it) and returns an event set once ``view`` may be reused.
     The writes run in ``depth`` I/O threads, so the device always has a request queued:
     one synchronous O_DIRECT write at a time leaves it idle between requests (measured:
@@ -486,6 +486,9 @@ class LocalStorage:
         capabilities: what the filesystem can do; default: read from the mount table
             (:func:`.detect.local_capabilities`), so an sshfs or NFS root is known to be
             non-coherent and an s3fs-fuse root to have no atomic directory rename.
+            ``direct_io`` is declared whatever is given: this backend implements
+            :class:`.base.DirectIOStorage`; its ``direct_io`` attribute decides where
+            O_DIRECT is used.
 
     Raises:
         StorageError: the filesystem holding ``root`` cannot be examined.
@@ -495,7 +498,8 @@ class LocalStorage:
         self, root: str | os.PathLike[str], *, capabilities: StorageCapabilities | None = None
     ):
         self.root = os.path.abspath(os.fspath(root))
-        self.capabilities = capabilities or local_capabilities(self.root)
+        caps = capabilities or local_capabilities(self.root)
+        self.capabilities = caps if caps.direct_io else replace(caps, direct_io=True)
         self._refresh_failed = False
         try:
             self._root_device = _device_of(self.root)
@@ -610,7 +614,7 @@ class LocalStorage:
             use = self._direct_io_auto
         return bool(use) and hasattr(os, "O_DIRECT")
 
-    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> Any:
+    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> DirectWriter | None:
         """Open ``path`` for O_DIRECT writes from block-aligned memory (see
         ``_DirectWriter``), or return None where this filesystem should not get them.
 

@@ -56,7 +56,7 @@ class MemoryStorage:
     """Files and directories in dicts; every operation can be made to fail."""
 
     def __init__(self, *, capabilities: StorageCapabilities | None = None):
-        self.capabilities = capabilities or StorageCapabilities(name="memory")
+        self.capabilities = capabilities or StorageCapabilities(name="memory", direct_io=False)
         self.files: dict[str, bytes] = {}
         self.dirs: set[str] = {""}
         self.ops: list[tuple[str, str]] = []

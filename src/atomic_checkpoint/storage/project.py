@@ -42,7 +42,7 @@ from ..layout import (
     parse_accelerate_name,
     parse_checkpoint_name,
 )
-from .base import Reader, Storage, Writer
+from .base import DirectWriter, Reader, Storage, Writer, direct_io
 
 __all__ = ["ProjectStorage", "layout_of", "open_project", "record_layout"]
 
@@ -71,8 +71,9 @@ class ProjectStorage:
         if project is not None:
             _check_same_filesystem(project)
         # Optional methods of the wrapped storage, mapped (absent stays absent: callers
-        # test for them with getattr).
-        for name in ("stat_token", "open_write_direct"):
+        # test for them with getattr). Direct I/O is declared instead (capabilities,
+        # inherited from the base): see ``direct_io_enabled`` below.
+        for name in ("stat_token",):
             fn = getattr(base, name, None)
             if fn is not None:
                 setattr(self, name, _mapping(self, fn))
@@ -171,6 +172,18 @@ class ProjectStorage:
         self.base.refresh(self.real(path))
         if not path:
             self.base.refresh(ACCELERATE_DIR)
+
+    # DirectIOStorage, declared by ``capabilities.direct_io`` (the base's): asked only
+    # where the base declares it too.
+    def direct_io_enabled(self) -> bool:
+        base = direct_io(self.base)
+        return base is not None and base.direct_io_enabled()
+
+    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> DirectWriter | None:
+        base = direct_io(self.base)
+        if base is None:
+            return None
+        return base.open_write_direct(self.real(path), size_hint=size_hint)
 
 
 def _mapping(view: ProjectStorage, fn: Any) -> Any:
