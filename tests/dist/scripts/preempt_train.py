@@ -103,7 +103,6 @@ import torch.distributed as dist  # noqa: E402
 from tests.dist import workers  # noqa: E402
 
 import atomic_checkpoint.commit as _commit  # noqa: E402
-import atomic_checkpoint.manager as _manager  # noqa: E402
 import atomic_checkpoint.rankfiles as _rankfiles  # noqa: E402
 import atomic_checkpoint.strategies as _strategies  # noqa: E402
 from atomic_checkpoint import CheckpointManager, KeepLast, PreemptionGuard  # noqa: E402
@@ -125,7 +124,6 @@ def _holding(point):  # type: ignore[no-untyped-def]
 
 
 _commit.fault_point = _holding(_commit.fault_point)
-_manager.fault_point = _holding(_manager.fault_point)
 _strategies.fault_point = _holding(_strategies.fault_point)
 _rankfiles.fault_point = _holding(_rankfiles.fault_point)
 
