@@ -896,7 +896,7 @@ def cleaned(target: str) -> list[tuple[str, str]]:
 def _marker_leftovers(path: str) -> list[tuple[str, str]]:
     """After a start and ``clean``, no in-progress marker and no temporary file of an
     atomic write is left, and every ``checkpoint-<step>`` directory holds a manifest."""
-    from atomic_checkpoint.catalog import parse_marker_name
+    from atomic_checkpoint.layout import parse_marker_name
     from atomic_checkpoint.storage.temps import parse_temp_name
 
     out = []

@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import catalog
+from . import catalog, layout
 from ._version import __version__
 from .errors import (
     CheckpointError,
@@ -825,7 +825,7 @@ def _existing_manifest(storage: Storage, name: str, rid: str | None) -> tuple[st
     except CheckpointNotFoundError:
         names = storage.listdir(name)
         if any(
-            catalog.parse_marker_name(n) is not None or catalog.parse_attempt_dir(n) is not None
+            layout.parse_marker_name(n) is not None or layout.parse_attempt_dir(n) is not None
             for n in names
         ):
             return (

@@ -24,7 +24,6 @@ import functools
 import json
 import logging
 import operator
-import re
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Mapping
@@ -45,7 +44,9 @@ from .layout import (
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
+    parse_attempt_dir,
     parse_checkpoint_name,
+    parse_marker_name,
     parse_pending_name,
 )
 from .manifest import FileEntry, Hasher, Manifest
@@ -60,38 +61,6 @@ _VERIFY_CHUNK = 8 << 20
 # Network filesystems: how long a size that disagrees with the manifest may take to
 # show the truth before the file counts as corrupt.
 _STALE_SIZE_WAIT_S = 3.0
-
-# Marker strategy (strategies.MarkerStrategy) names inside ``checkpoint-<step>/``: a save
-# writes its in-progress marker first, its data under ``attempt-<token>/``, and the
-# manifest last. A directory with a marker and no manifest is a save in progress or an
-# abandoned one: "pending", never a checkpoint, and ours to sweep.
-MARKER_PREFIX = "checkpoint.pending-"
-MARKER_SUFFIX = ".json"
-ATTEMPT_PREFIX = "attempt-"
-_MARKER_RE = re.compile(r"^checkpoint\.pending-([0-9a-f]{8,32})\.json$")
-_ATTEMPT_RE = re.compile(r"^attempt-([0-9a-f]{8,32})$")
-
-
-def marker_name(attempt: str) -> str:
-    """The in-progress marker of one marker-strategy save attempt."""
-    return f"{MARKER_PREFIX}{attempt}{MARKER_SUFFIX}"
-
-
-def attempt_dir_name(attempt: str) -> str:
-    """The directory, inside ``checkpoint-<step>/``, that one attempt writes its data to."""
-    return f"{ATTEMPT_PREFIX}{attempt}"
-
-
-def parse_marker_name(name: str) -> str | None:
-    """The attempt token of a marker file name, or None if the name is not a marker."""
-    m = _MARKER_RE.match(name)
-    return m.group(1) if m else None
-
-
-def parse_attempt_dir(name: str) -> str | None:
-    """The attempt token of an ``attempt-<token>`` directory name, or None."""
-    m = _ATTEMPT_RE.match(name)
-    return m.group(1) if m else None
 
 
 def state_file(manifest: Manifest, name: str) -> FileEntry:

@@ -69,7 +69,7 @@ from typing import Any, TypeVar
 from ._faults import fault_point
 from ._version import __version__
 from .catalog import committed as committed_manifests
-from .catalog import parse_attempt_dir, parse_marker_name, read_manifest
+from .catalog import read_manifest
 from .coordination import (
     Coordinator,
     gather_to,
@@ -87,9 +87,9 @@ from .errors import (
     CorruptCheckpointError,
     SaveAbandonedError,
 )
-from .layout import checkpoint_name, new_attempt_token
+from .layout import checkpoint_name, new_attempt_token, parse_attempt_dir, parse_marker_name
 from .manifest import FileEntry, Manifest
-from .rankfiles import RankReport
+from .rankfiles import RankReport, report_files
 from .storage.base import Storage
 from .strategies import CommitStrategy
 
@@ -277,15 +277,17 @@ def finish(
     state_kind: str,
     metrics: Mapping[str, float],
     metadata: Mapping[str, Any],
-    scan: Callable[[str], RankReport] | None = None,
+    scan: bool = False,
 ) -> Committed:
     """Steps 3-7, collective: every rank reports what it wrote (``written``: its
     report, its failure, or None if it wrote nothing); the leader checks that every
     file is visible with its size, writes the manifest, commits with the strategy and
     fsyncs; every rank returns the same outcome.
 
-    ``scan`` (files written by arbitrary code: ``saving()``, DCP) runs on the leader
-    once every rank has written, and reports what is under the pending location.
+    ``scan``: files written by arbitrary code (``saving()``, DCP), which neither
+    checksum nor fsync: the leader lists, checksums and fsyncs what is under the
+    pending location (``rankfiles.report_files``) once EVERY rank has written (scanning
+    when only its own writes are done would miss files others still write).
     ``commit_seq`` numbers the commit in the manifest (the caller's counter).
 
     On any failure the leader removes the pending location (unless it is committed)
@@ -489,7 +491,7 @@ def _commit_on_leader(
     ctx: SaveContext,
     pending: Pending,
     reports: Sequence[RankReport],
-    scan: Callable[[str], RankReport] | None,
+    scan: bool,
     commit_seq: int,
     state_kind: str,
     metrics: Mapping[str, float],
@@ -499,7 +501,7 @@ def _commit_on_leader(
     committed steps (several domains only) and the time it took."""
     storage, staged, step = ctx.storage, pending.location, pending.step
     tc = time.perf_counter()
-    scanned = [scan(staged)] if scan is not None else []
+    scanned = [report_files(storage, staged, ctx.coord.rank)] if scan else []
     files = _merge(list(reports) + scanned)
     _await_files(storage, staged, files, ctx.visibility_timeout_s)
     _fence(ctx, step)

@@ -14,6 +14,13 @@ Layout under a checkpoint root::
                                             exchange); <attempt> names the new copy
       .atomic-checkpoint/                   run identity and lock
 
+Marker strategy (object stores), inside ``checkpoint-<step>/``::
+
+      checkpoint.pending-<attempt>.json     a save in progress (written first)
+      attempt-<attempt>/rank-00000.safetensors
+                                            that save's data
+      checkpoint.manifest.json              the commit record, created once, last
+
 Steps are parsed with a strict regex: ``checkpoint-007`` and ``checkpoint-1.5`` are not
 ours, and ordering is always by the integer step, never by string or mtime
 (FAILURE_MODES B1, B2).
@@ -128,6 +135,39 @@ def replaced_name(step: int, attempt: str) -> str:
 def parse_replaced_name(name: str) -> tuple[int, str] | None:
     m = _REPLACED_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+# Marker strategy (strategies.MarkerStrategy) names inside ``checkpoint-<step>/``: a save
+# writes its in-progress marker first, its data under ``attempt-<token>/``, and the
+# manifest last. A directory with a marker and no manifest is a save in progress or an
+# abandoned one: "pending", never a checkpoint, and ours to sweep.
+MARKER_PREFIX = "checkpoint.pending-"
+MARKER_SUFFIX = ".json"
+ATTEMPT_PREFIX = "attempt-"
+_MARKER_RE = re.compile(r"^checkpoint\.pending-([0-9a-f]{8,32})\.json$")
+_ATTEMPT_RE = re.compile(r"^attempt-([0-9a-f]{8,32})$")
+
+
+def marker_name(attempt: str) -> str:
+    """The in-progress marker of one marker-strategy save attempt."""
+    return f"{MARKER_PREFIX}{attempt}{MARKER_SUFFIX}"
+
+
+def attempt_dir_name(attempt: str) -> str:
+    """The directory, inside ``checkpoint-<step>/``, that one attempt writes its data to."""
+    return f"{ATTEMPT_PREFIX}{attempt}"
+
+
+def parse_marker_name(name: str) -> str | None:
+    """The attempt token of a marker file name, or None if the name is not a marker."""
+    m = _MARKER_RE.match(name)
+    return m.group(1) if m else None
+
+
+def parse_attempt_dir(name: str) -> str | None:
+    """The attempt token of an ``attempt-<token>`` directory name, or None."""
+    m = _ATTEMPT_RE.match(name)
+    return m.group(1) if m else None
 
 
 def rank_state_file(rank: int) -> str:

@@ -63,7 +63,7 @@ from .manifest import (
     check_metrics,
     format_size,
 )
-from .rankfiles import RankReport, Staging, report_files, write_image, write_plan
+from .rankfiles import RankReport, Staging, write_image, write_plan
 from .retention import RetentionPolicy
 from .storage import open_storage, posix
 from .storage.base import Storage, direct_io
@@ -880,7 +880,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any],
         overwrite: bool,
         problem: Exception | None = None,
-        scan: Callable[[str], RankReport] | None = None,
+        scan: bool = False,
         phase: str = "write",
     ) -> commit.Committed:
         """One save on this rank, as the commit protocol's steps in order: ``begin``
@@ -1545,10 +1545,7 @@ class _SavingBlock:
                 state_kind="files",
                 metrics=self.metrics,
                 metadata=self.metadata,
-                # Runs on the leader after EVERY rank's block has finished: scanning
-                # when only the leader's own block is done would miss files others
-                # still write. Arbitrary writers neither checksum nor fsync.
-                scan=lambda location: report_files(mgr.storage, location, mgr.rank),
+                scan=True,  # the block's files: neither checksummed nor fsync'd yet
             )
         except BaseException:
             commit.abort(mgr._ctx, pending)

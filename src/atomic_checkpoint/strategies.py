@@ -44,13 +44,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ._faults import fault_point
-from .catalog import (
-    attempt_dir_name,
-    marker_name,
-    parse_attempt_dir,
-    parse_marker_name,
-    read_manifest,
-)
+from .catalog import read_manifest
 from .catalog import validate as validate_checkpoint
 from .errors import (
     CheckpointError,
@@ -65,9 +59,13 @@ from .layout import (
     MANIFEST_NAME,
     PENDING_DIR,
     TRASH_DIR,
+    attempt_dir_name,
     checkpoint_name,
+    marker_name,
     new_attempt_token,
+    parse_attempt_dir,
     parse_checkpoint_name,
+    parse_marker_name,
     parse_pending_name,
     parse_replaced_name,
     pending_name,

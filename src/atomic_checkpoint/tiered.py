@@ -118,7 +118,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from . import catalog
+from . import catalog, layout
 from ._faults import fault_point
 from ._version import __version__
 from .async_save import _lower_priority
@@ -1834,7 +1834,7 @@ def _plain_path(path: str) -> str:
     """A file's path without the marker strategy's ``attempt-<token>/`` prefix: the
     destination's strategy adds its own."""
     head, sep, rest = path.partition("/")
-    if sep and catalog.parse_attempt_dir(head) is not None:
+    if sep and layout.parse_attempt_dir(head) is not None:
         return rest
     return path
 

@@ -25,8 +25,6 @@ import atomic_checkpoint.storage.local as local_storage
 from atomic_checkpoint import CheckpointManager, KeepLast, ResumeError
 from atomic_checkpoint.layout import META_DIR, PENDING_DIR, TRASH_DIR
 from tests.cli.helpers import run_cli
-from tests.helpers import last_json, run_python
-from tests.testbed.pytest_fixtures import small_disk, sshfs_export  # noqa: F401
 from tests.faults.test_failure_modes import (
     REPO,
     assert_killed,
@@ -35,6 +33,8 @@ from tests.faults.test_failure_modes import (
     np_state,
     same,
 )
+from tests.helpers import last_json, run_python
+from tests.testbed.pytest_fixtures import small_disk, sshfs_export  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 

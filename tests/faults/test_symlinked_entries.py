@@ -27,8 +27,7 @@ from atomic_checkpoint import (
     SingleProcessCoordinator,
     UnsafeCheckpointError,
 )
-from atomic_checkpoint.catalog import marker_name
-from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
+from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR, marker_name
 from tests.cli.helpers import run_cli, run_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]

@@ -27,8 +27,8 @@ from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.layout import META_DIR
 from atomic_checkpoint.storage.temps import parse_temp_name
 from tests.cli.helpers import run_cli
-from tests.helpers import run_python
 from tests.faults.test_failure_modes import REPO, assert_killed, np_state, same
+from tests.helpers import run_python
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 
@@ -154,7 +154,7 @@ def test_a_checkpoint_directory_holding_only_a_killed_writes_temporary_file_is_o
     # campaign on s3fs-fuse). Readers must call it what it is (our pending remains, which
     # `clean` and the next start remove), not a foreign directory "never committed by
     # this library"; the next start removes it.
-    from atomic_checkpoint import catalog
+    from atomic_checkpoint import catalog, layout
     from atomic_checkpoint.storage.local import LocalStorage
 
     root = tmp_path / "r"
@@ -168,7 +168,7 @@ def test_a_checkpoint_directory_holding_only_a_killed_writes_temporary_file_is_o
     )
     from atomic_checkpoint._process import writer_tag
 
-    marker = catalog.marker_name("0123456789abcdef")
+    marker = layout.marker_name("0123456789abcdef")
     left = root / "checkpoint-7" / f"{marker}.tmp-{writer_tag()}-{gone.stdout.strip()}-1-2"
     left.parent.mkdir()
     left.write_bytes(b"{}")

@@ -131,9 +131,11 @@ def test_the_save_context_carries_values_not_callbacks_into_the_manager():
     # commit number, input check) comes in as values and arguments.
     for field in dataclasses.fields(SaveContext):
         assert "Callable" not in str(field.type), field.name
-    for fn in (commit.begin, commit.finish):
+    for fn in (commit.begin, commit.finish, commit.abort):
         params = inspect.signature(fn).parameters
         assert not {"check_input", "fence", "next_commit_seq", "on_domain_view"} & set(params)
+        for name, param in params.items():
+            assert "Callable" not in str(param.annotation), f"{fn.__name__}({name})"
     source = inspect.getsource(commit)
     assert "from .manager" not in source and "import manager" not in source
 

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt
-from ..catalog import parse_attempt_dir, parse_marker_name, read_manifest
+from ..catalog import read_manifest
 from ..coordination import Coordinator, exchange_outcomes, rank_failure
 from ..errors import (
     CheckpointError,
@@ -88,7 +88,9 @@ from ..layout import (
     checkpoint_name,
     new_attempt_token,
     parse_accelerate_name,
+    parse_attempt_dir,
     parse_checkpoint_name,
+    parse_marker_name,
     validate_step,
 )
 from ..manager import CheckpointManager

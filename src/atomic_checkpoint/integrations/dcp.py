@@ -479,10 +479,6 @@ def async_save_dcp(
             raise _dcp_failure(exc) from exc
         return RankReport((), 0.0, 0.0)
 
-    def collect(pending: str) -> RankReport:
-        # DCP's files, found and checksummed on the leader once every rank wrote.
-        return report_files(mgr.storage, pending, mgr.rank)
-
     def run() -> CheckpointInfo:
         try:
             done = mgr._commit(
@@ -494,7 +490,7 @@ def async_save_dcp(
                 metadata=metadata_d,
                 overwrite=overwrite,
                 problem=problem,
-                scan=collect,
+                scan=True,  # DCP's files, checksummed on the leader once every rank wrote
                 phase="dcp_write",
             )
         except _DCPFailure as exc:

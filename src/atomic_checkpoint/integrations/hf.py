@@ -74,13 +74,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..catalog import parse_attempt_dir
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ResumeError,
 )
-from ..layout import checkpoint_name, parse_checkpoint_name
+from ..layout import checkpoint_name, parse_attempt_dir, parse_checkpoint_name
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard
 from ..retention import AnyOf, KeepLast
