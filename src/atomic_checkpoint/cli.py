@@ -10,7 +10,7 @@ root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
     atomic-checkpoint verify ROOT [STEP] [--json] [--quiet] [--progress | --no-progress]
                             [--tier ROOT2 ...]
     atomic-checkpoint clean ROOT [--dry-run] [--force] [--json]
-    atomic-checkpoint inspect ROOT STEP [--json]
+    atomic-checkpoint inspect ROOT STEP [--json] [--tier ROOT2 ...]
     atomic-checkpoint prune ROOT [--keep-last N] [--keep-best K [--metric NAME]
                             [--mode min|max]] [--keep-every K] [--pin STEP ...]
                             [--run-id RUN] [--dry-run] [--force] [--json]
@@ -29,7 +29,10 @@ replicated (ROOT's copy is corrupt), 2 when PERSISTENT did not answer within
 "failed": [{"step", "problem"}], "left": [step, ...], "ok": bool}``. ``list --tier
 ROOT2`` and ``verify --tier ROOT2`` (repeatable) also read the run's other tiers: each
 ``list`` entry gets ``tiers`` (indexes, 0 = ROOT) and a step held only elsewhere gets a
-row of its own; ``verify`` checks every copy on every tier, each result with ``tier``.
+row of its own; ``verify`` checks every copy on every tier, each result with ``tier``;
+``inspect`` says each tier's copy of STEP (``tiers``: ``[{"tier", "url", "status",
+"problem"}]``, status ok, missing, corrupt or foreign) and shows another tier's copy
+when ROOT has none.
 
 ``list``, ``verify`` and ``inspect`` only read: they take no lock and are safe while a
 job trains and saves into ROOT. ``clean`` and ``prune`` delete, and refuse while a live
@@ -1225,11 +1228,47 @@ def _file_tensors(storage: Storage, name: str, entry: Any) -> tuple[list[Any] | 
     return tensors, None
 
 
+def _tier_copies(
+    tiers: list[Storage], name: str, run_id: str | None, root_status: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Where the run's other tiers (``--tier``) hold ``name``: each tier's copy, with
+    ROOT's first (tier 0), as ``{"tier", "url", "status", "problem"}``; status "ok",
+    "missing" (no manifest there: not replicated yet, or rotated away), "corrupt" or
+    "foreign" (another run's)."""
+    out = [{"tier": 0, **root_status}]
+    for i, st in enumerate(tiers, start=1):
+        status, problem = "ok", None
+        try:
+            m = catalog.read_manifest(st, name)
+            catalog.validate(st, name, m)
+            if run_id is not None and m.run_id != run_id:
+                status, problem = "foreign", f"belongs to run {m.run_id!r}, not {run_id!r}"
+        except CheckpointNotFoundError:
+            status = "missing"
+        except CheckpointError as exc:
+            status, problem = "corrupt", _short_problem(st, name, str(exc))
+        out.append({"tier": i, "url": st.url(name), "status": status, "problem": problem})
+    return out
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     run_id = _run_id_for_reading(storage)
+    tiers = [_open_tier(t) for t in args.tier or ()]
+    name = checkpoint_name(args.step)
+    if tiers and not storage.is_dir(name):
+        # Held only by another tier (ROOT's copy rotated away, or a fresh node): that
+        # copy is the one shown.
+        held = [t for t in _tier_copies(tiers, name, run_id, {})[1:] if t["status"] == "ok"]
+        if held:
+            root_url = storage.url(name)
+            storage = tiers[held[0]["tier"] - 1]
+            tiers = [t for t in tiers if t is not storage]
+            print(
+                f"{root_url} does not exist; showing the copy at {storage.url(name)}",
+                file=sys.stderr,
+            )
     target = _single_target(storage, args.step)
-    name = target.name
     if target.manifest is None:
         problem = _short_problem(storage, name, target.problem)
         if args.json:
@@ -1274,10 +1313,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "domain_ranks": None if m.domain_ranks is None else list(m.domain_ranks),
         "adopted": m.adopted,
     }
+    copies = None
+    if tiers:
+        own = {"url": storage.url(name), "status": status, "problem": problem}
+        copies = _tier_copies(tiers, name, run_id or m.run_id, own)
     if args.json:
-        _emit_inspect_json(storage, name, status, problem, manifest_doc, files)
+        _emit_inspect_json(storage, name, status, problem, manifest_doc, files, copies)
     else:
-        _print_inspect(storage, name, status, problem, m, files)
+        _print_inspect(storage, name, status, problem, m, files, copies)
     if status == "corrupt":
         raise CliError(f"{storage.url(name)} is corrupt: {problem}")
     return EXIT_OK
@@ -1290,6 +1333,7 @@ def _emit_inspect_json(
     problem: str | None,
     manifest_doc: dict[str, Any] | None,
     files: list[dict[str, Any]],
+    copies: list[dict[str, Any]] | None = None,
 ) -> None:
     _emit_json(
         {
@@ -1302,6 +1346,7 @@ def _emit_inspect_json(
             "problem": problem,
             "manifest": manifest_doc,
             "files": files,
+            **({"tiers": copies} if copies is not None else {}),
         }
     )
 
@@ -1313,6 +1358,7 @@ def _print_inspect(
     problem: str | None,
     m: Manifest,
     files: list[dict[str, Any]],
+    copies: list[dict[str, Any]] | None = None,
 ) -> None:
     fields = [
         ("path", storage.url(name)),
@@ -1343,6 +1389,16 @@ def _print_inspect(
                 f"yes: written by {by or 'a framework'}, recorded by `{PROG} adopt` (checksums "
                 "taken at adoption, not at save time)",
             ),
+        )
+    if copies is not None:
+        fields.append(
+            (
+                "tiers",
+                "; ".join(
+                    f"{c['tier']} {c['status']}" + (f" ({c['problem']})" if c["problem"] else "")
+                    for c in copies
+                ),
+            )
         )
     print(name)
     for key, value in fields:
@@ -1882,6 +1938,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("step", metavar="STEP", type=_step_arg, help="the checkpoint's step")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
     p.set_defaults(func=cmd_inspect)
 
     p = command(
