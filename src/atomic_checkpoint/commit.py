@@ -32,13 +32,14 @@ between the first two)::
    writes the manifest, fsyncs it and the pending directory.
 5. The leader renames pending to ``checkpoint-<step>`` (never replacing anything) and
    fsyncs ROOT.
-6. The leader checks its fencing token before that rename; retention runs after the
-   commit is durable, off the training thread (see ``manager``).
+6. Before it writes the manifest, the leader checks its fencing token again (and an
+   async save's cancel flag): a job that lost the run lock never commits. Retention
+   runs after the commit is durable, off the training thread (see ``manager``).
 7. The result is published; every rank returns the same ``Committed``.
 
 With one storage domain each round goes through the leader (``_decide``: one key that
-every rank reads; ``coordination.gather_to``: the leader reads every report and answers one
-summary), O(N) store requests and bytes for N ranks. With several domains every round
+every rank reads; ``coordination.gather_to``: the leader reads every report and
+answers one summary), O(N) store requests and bytes for N ranks. With several domains every round
 is an all-gather, as the domains' leaders must agree. Nothing here calls back into the
 manager: what it decides (the input check, the commit number, the lock to check) comes
 in as values, and what it needs afterwards (each domain's committed steps) goes out in
