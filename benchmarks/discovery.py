@@ -1,5 +1,6 @@
-"""Discovery cost against the number of checkpoints in ROOT: ``latest()`` and
-``checkpoints()`` against a full scan, on a local filesystem and on the S3 server.
+"""Discovery cost against the number of checkpoints in ROOT: ``latest()``,
+``checkpoints()`` and a writable start (a job restart) against a full scan, on a local
+filesystem and on the S3 server.
 
     python benchmarks/discovery.py [--sizes 10,1000,10000] [--backends local,s3]
                                    [--repeat 3] [--json PATH] [--dir DIR] [--quick]
@@ -19,12 +20,30 @@ it through a storage that counts manifest reads, then, in one run:
   save runs it: no manifest read; locally an ``lstat`` of each manifest and each file,
   on S3 one recursive listing of ROOT).
 
+Then the writable start, as a restarted job opens ROOT (``CheckpointManager(root)``):
+
+- start scan: ``catalog.scan(storage, run_id=..., cache=ManifestCache())``, the
+  discovery every writable start ran before it read newest first (every manifest read
+  and validated, the cache primed): the "before" figure;
+- start walk: ``catalog.newest_valid``, the discovery a start runs now (newest first,
+  stopping at the newest valid checkpoint);
+- open: the whole writable open (run lock, sweep of abandoned saves, the walk; one
+  storage domain), with its manifest reads; "open x" is the estimated open before
+  (open - walk + scan) over the open now;
+- sweep: what the open's sweep spends finding abandoned saves
+  (``strategy.leftovers``, read-only; the marker strategy, on S3, lists every
+  checkpoint directory);
+- first rotation: a save of the next step with ``KeepLast(N + 1)`` and its retention
+  pass (``save`` + ``wait``): retention needs every checkpoint of the run, so the first
+  pass after a start reads the manifests the start did not (before, the start's scan
+  had read them); timed once, as it changes ROOT.
+
 Every answer is checked against the full scan's. Each time is the best of
 ``--repeat`` calls (one call for a full scan or cold listing of more than 1,000 S3
 checkpoints: each takes minutes on moto). Ratios are full scan / new, from the same run.
 ``--quick``: sizes 10 and 1000, local only (seconds).
-Exit status: 0, or 1 if an answer differed from the full scan's or ``latest()`` read
-more than a handful (3) of manifests.
+Exit status: 0, or 1 if an answer differed from the full scan's, or ``latest()`` or
+a writable open read more than a handful (3) of manifests.
 """
 
 from __future__ import annotations
@@ -47,10 +66,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "src"))
 
-from atomic_checkpoint import CheckpointManager, catalog  # noqa: E402
+import numpy as np  # noqa: E402
+
+from atomic_checkpoint import CheckpointManager, KeepLast, catalog  # noqa: E402
 from atomic_checkpoint.layout import MANIFEST_NAME  # noqa: E402
 from atomic_checkpoint.storage.fsspec import FsspecStorage  # noqa: E402
 from atomic_checkpoint.storage.local import LocalStorage  # noqa: E402
+from atomic_checkpoint.strategies import choose_strategy  # noqa: E402
 
 _T = TypeVar("_T")
 HANDFUL = 3
@@ -97,16 +119,22 @@ def measure(storage: Any, backend: str, n: int, repeat: int) -> dict[str, Any]:
     latest_s, latest_reads, latest = timed(storage, mgr.latest, repeat)
     cold_s, cold_reads, cold = timed(storage, mgr.checkpoints, 1)  # fills the cache
     warm_s, warm_reads, warm = timed(storage, mgr.checkpoints, repeat)
+    run_id = mgr.run_id
     mgr.close()
     steps = [m.step for m in full]
+    start = measure_start(storage, run_id, slow, repeat)
     ok = (
         latest is not None
         and latest.step == steps[-1]
         and [c.step for c in cold] == steps
         and [c.step for c in warm] == steps
         and latest_reads <= HANDFUL
+        and start.pop("start_newest") == steps[-1]
+        and start["open_manifest_reads"] <= HANDFUL
+        and start["start_scan_valid"] == len(steps)
     )
     return {
+        **start,
         "backend": backend,
         "checkpoints": n,
         "full_scan_s": full_s,
@@ -120,6 +148,53 @@ def measure(storage: Any, backend: str, n: int, repeat: int) -> dict[str, Any]:
         "checkpoints_warm_manifest_reads": warm_reads,
         "checkpoints_warm_speedup": full_s / warm_s,
         "answers_agree": ok,
+    }
+
+
+def measure_start(storage: Any, run_id: str, slow: int, repeat: int) -> dict[str, Any]:
+    """A writable start on ROOT: the scan it ran before, the walk it runs now, the whole
+    open, then the first rotation after it (see the module docstring)."""
+    scan_s, scan_reads, entries = timed(
+        storage,
+        lambda: catalog.scan(storage, run_id=run_id, cache=catalog.ManifestCache()),
+        slow,
+    )
+    walk_s, walk_reads, walk = timed(
+        storage, lambda: catalog.newest_valid(storage, run_id=run_id), repeat
+    )
+
+    def open_close() -> int | None:
+        mgr = CheckpointManager(storage, storage_domains="shared")
+        newest = mgr._newest_step  # the step the start agreed: saves below it are refused
+        mgr.close()
+        return newest
+
+    open_s, open_reads, newest = timed(storage, open_close, repeat)
+    strategy = choose_strategy(storage)
+    sweep_s, _, _ = timed(storage, lambda: strategy.leftovers(storage), repeat)
+    n = sum(1 for e in entries if e.status == "ok")
+    mgr = CheckpointManager(storage, storage_domains="shared", retention=KeepLast(n + 1))
+    step = (newest if newest is not None else -1) + 1
+
+    def first_rotation() -> None:
+        mgr.save(step, {"w": np.zeros(256, dtype=np.float32)})
+        mgr.wait()
+
+    rot_s, rot_reads, _ = timed(storage, first_rotation, 1)
+    mgr.close()
+    return {
+        "start_scan_s": scan_s,
+        "start_scan_manifest_reads": scan_reads,
+        "start_scan_valid": n,
+        "start_walk_s": walk_s,
+        "start_walk_manifest_reads": walk_reads,
+        "open_s": open_s,
+        "open_manifest_reads": open_reads,
+        "open_speedup": (open_s - walk_s + scan_s) / open_s,
+        "sweep_s": sweep_s,
+        "first_rotation_s": rot_s,
+        "first_rotation_manifest_reads": rot_reads,
+        "start_newest": newest if walk.valid and walk.valid[0].step == newest else None,
     }
 
 
@@ -157,6 +232,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row["setup_s"] = made
                 rows.append(row)
                 print(_line(row), file=sys.stderr)
+                print(_start_line(row), file=sys.stderr)
                 if backend == "local":
                     shutil.rmtree(scratch / f"local-{n}", ignore_errors=True)
     if args.dir is None:
@@ -174,6 +250,24 @@ def _line(r: dict[str, Any]) -> str:
         f"{'yes' if r['answers_agree'] else 'NO'} |"
     )
 
+
+def _start_line(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['backend']:<5} | {r['checkpoints']:>6} | {r['start_scan_s']:>12.4f} | "
+        f"{r['start_scan_manifest_reads']:>5} | {r['start_walk_s']:>12.4f} | "
+        f"{r['start_walk_manifest_reads']:>5} | {r['open_s']:>8.4f} | "
+        f"{r['open_manifest_reads']:>5} | {r['open_speedup']:>6.1f}x | {r['sweep_s']:>8.4f} | "
+        f"{r['first_rotation_s']:>9.3f} | {r['first_rotation_manifest_reads']:>6} | "
+        f"{'yes' if r['answers_agree'] else 'NO':<4} |"
+    )
+
+
+START_HEADER = (
+    "| store | ckpts  | start scan s | reads | start walk s | reads | open s   | reads | "
+    "open x  | sweep s  | 1st rot s | reads  | same |\n"
+    "|-------|--------|--------------|-------|--------------|-------|----------|-------|"
+    "---------|----------|-----------|--------|------|"
+)
 
 HEADER = (
     "| store | ckpts  | full scan s | reads | latest() s | reads | latest x | "
@@ -216,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for r in rows:
         print(_line(r))
+    print("\nwritable start (start scan: before; start walk and open: now)")
+    print(START_HEADER)
+    for r in rows:
+        print(_start_line(r))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["answers_agree"] for r in rows) else 1

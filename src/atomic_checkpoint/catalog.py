@@ -12,10 +12,12 @@ and a manifest that cannot be read or parsed, whatever its shape, makes that one
 checkpoint corrupt while the rest of the root is discovered.
 
 Discovery reads what the answer needs, not the whole root: ``newest`` (``latest()``)
-reads manifests newest first and stops at the first valid one; ``scan`` with a
-``ManifestCache`` (``checkpoints()``, the rotation after each save) reads again only the
-manifests that changed since they were validated, and checks the files of the others
-with one ``stat`` each (on an object store, from one listing of the root).
+reads manifests newest first and stops at the first valid one, and a writable start
+(``newest_valid``) the same way, reading the whole root only when nothing there is
+valid; ``scan`` with a ``ManifestCache`` (``checkpoints()``, the rotation after each
+save) reads again only the manifests that changed since they were validated, and checks
+the files of the others with one ``stat`` each (on an object store, from one listing of
+the root).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import operator
 import threading
 import time
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -667,13 +669,17 @@ def committed(
     """This run's valid checkpoints, ascending by step; invalid ones are skipped with a
     warning that says what is wrong (DESIGN invariant 6). With ``cache``, a manifest
     validated before and unchanged since is not read again (see ``ManifestCache``)."""
-    out = []
-    for e in scan(storage, run_id=run_id, cache=cache):
+    return list(_valid_only(storage, scan(storage, run_id=run_id, cache=cache), warn=warn))
+
+
+def _valid_only(storage: Storage, entries: Iterable[Entry], *, warn: bool) -> Iterator[Manifest]:
+    """The manifests of the valid checkpoints among ``entries``, in their order; with
+    ``warn``, each invalid one is logged as it is passed over."""
+    for e in entries:
         if e.status == "ok" and e.manifest is not None:
-            out.append(e.manifest)
+            yield e.manifest
         elif warn:
             _warn_skipped(storage, e)
-    return out
 
 
 def newest(
@@ -699,18 +705,85 @@ def newest(
         StorageError: an I/O error on a candidate (as ``scan``): never taken for "no
             checkpoint", which would resume from an older step or from scratch.
     """
-    steps, _ = _checkpoint_names(storage.listdir(""))
+    entries = _newest_first(storage, run_id=run_id, skip=skip, cache=None)
+    return next(_valid_only(storage, entries, warn=warn), None)
+
+
+def _newest_first(
+    storage: Storage,
+    *,
+    run_id: str | None,
+    skip: Collection[int] = (),
+    cache: ManifestCache | None = None,
+    steps: list[tuple[int, str]] | None = None,
+) -> Iterator[Entry]:
+    """The checkpoint entries of the root (strict names only), newest step first, each
+    read when the caller asks for the next one: one listing of ROOT (unless ``steps``,
+    from ``_checkpoint_names``, is given), then one manifest read and one size check of
+    its files per entry. Names that vanish meanwhile are passed over. ``cache`` is
+    filled with what is read, so a later ``scan`` through it does not read it again."""
+    if steps is None:
+        steps, _ = _checkpoint_names(storage.listdir(""))
     for step, name in reversed(steps):
         if step in skip:
             continue
-        entry = _checkpoint_entry(storage, name, step, run_id=run_id, full=False, cache=None)
-        if entry is None:
-            continue
-        if entry.status == "ok" and entry.manifest is not None:
-            return entry.manifest
-        if warn:
-            _warn_skipped(storage, entry)
-    return None
+        token = manifest_token(storage, name) if cache is not None else None
+        entry = _checkpoint_entry(
+            storage, name, step, run_id=run_id, full=False, cache=cache, token=token
+        )
+        if entry is not None:
+            yield entry
+
+
+@dataclass(frozen=True)
+class Newest:
+    """What a walk down from the newest checkpoint of a root learned (``newest_valid``).
+
+    Attributes:
+        valid: this run's newest valid checkpoints, newest first (at most the number
+            asked for).
+        corrupt: the corrupt checkpoints met on the way (``scan``'s "corrupt").
+        last_seq: the highest ``commit_seq`` of any manifest read on the way, whatever
+            its run or status: every checkpoint name at or above the oldest step in
+            ``valid`` was read (all of them when ``valid`` is empty).
+        complete: every checkpoint name of the root was looked at, so ``valid`` and
+            ``corrupt`` are what a full ``scan`` counts; otherwise names below the
+            oldest step in ``valid`` were not read.
+    """
+
+    valid: tuple[Manifest, ...]
+    corrupt: int
+    last_seq: int
+    complete: bool
+
+
+def newest_valid(
+    storage: Storage, *, run_id: str, count: int = 1, cache: ManifestCache | None = None
+) -> Newest:
+    """This run's ``count`` newest valid checkpoints, read newest first and stopping
+    there (``newest``'s walk), with what was learned on the way: a writable start's
+    view of the root without reading every manifest in it. Only when fewer than
+    ``count`` are valid is the whole root read, and then the counts are those of a
+    full ``scan``. Nothing is logged (a start reports what it decides, not each entry).
+
+    Raises:
+        StorageError: an I/O error on a candidate (as ``scan``).
+    """
+    valid: list[Manifest] = []
+    corrupt = last_seq = 0
+    steps, _ = _checkpoint_names(storage.listdir(""))
+    for entry in _newest_first(storage, run_id=run_id, cache=cache, steps=steps):
+        if entry.manifest is not None:
+            last_seq = max(last_seq, entry.manifest.commit_seq)
+        if entry.status == "corrupt":
+            corrupt += 1
+        elif entry.status == "ok" and entry.manifest is not None:
+            valid.append(entry.manifest)
+            if len(valid) >= count:
+                break
+    # Stopped at the count-th valid checkpoint: complete only if it was the oldest name.
+    complete = len(valid) < count or valid[-1].step == steps[0][0]
+    return Newest(tuple(valid), corrupt, last_seq, complete)
 
 
 def recorded_run_id(storage: Storage) -> str | None:

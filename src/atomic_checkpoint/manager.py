@@ -179,8 +179,9 @@ class CheckpointManager:
             _log_strategy_once(self.storage, self.commit_strategy, forced=strategy is not None)
         self._closed = False
         # What discovery learned about ROOT (validated manifests and the tokens that
-        # prove them unchanged): the rotation after each save and checkpoints() read only
-        # what changed since, not every manifest again (catalog.ManifestCache).
+        # prove them unchanged): after the first, the rotation after each save and
+        # checkpoints() read only what changed since, not every manifest again
+        # (catalog.ManifestCache). The start fills it with the few it reads.
         self._manifests = catalog.ManifestCache()
         self._rotation: threading.Thread | None = None
         # Rotations start on the thread that commits (the async save's, for save_async)
@@ -212,7 +213,10 @@ class CheckpointManager:
             self._setup_coordinator if self.is_coordinator else None,
             run_id=run_id,
             agreed_run_id=agreed,
+            resume=resume,
         )
+        if not _views_decide(setups, self.domain):
+            setups = self._full_views(setups)
         setup = self._domain_setup_summary(setups)
         self.run_id: str = setup["run_id"]
         self._last_seq = setup["last_seq"]
@@ -301,12 +305,88 @@ class CheckpointManager:
         per_domain = [setups[lead] for lead in self.domain.leaders]
         common = set.intersection(*(set(d.get("valid_steps", ())) for d in per_domain))
         mine["n_valid"] = len(common)
+        mine["n_valid_counted"] = all(d.get("n_valid_counted", True) for d in per_domain)
+        mine["newest"] = max(common, default=None)
         mine["n_corrupt"] = sum(d["n_corrupt"] for d in per_domain)
         mine["last_seq"] = max(d["last_seq"] for d in per_domain)
         return mine
 
+    def _full_views(self, setups: list[Any]) -> list[Any]:
+        """Several storage domains whose leaders' views at open do not decide the newest
+        step valid everywhere (``_views_decide``: their newest steps differ by more than
+        the few each reported): every leader lists all its valid steps, with a full
+        scan, as every start did before. Collective; decided on every rank from the same
+        gathered views, so every rank takes part (DESIGN invariant 3)."""
+        mine = setups[self.rank] if self.is_coordinator else None
+        try:
+            full = self._collective_all(
+                "open: every valid step",
+                (lambda: self._scan_view(mine["run_id"])) if mine is not None else None,
+            )
+        except BaseException:
+            self._release_lock()
+            raise
+        return [s if f is None else {**s, **f} for s, f in zip(setups, full, strict=True)]
+
+    def _scan_view(self, run_id: str) -> dict[str, Any]:
+        """This domain's view of ROOT from every manifest in it (``catalog.scan``)."""
+        entries = catalog.scan(self.storage, run_id=run_id, cache=self._manifests)
+        seqs = [e.manifest.commit_seq for e in entries if e.manifest is not None]
+        valid = [e.step for e in entries if e.status == "ok" and e.step is not None]
+        return {
+            "last_seq": max(seqs, default=0),
+            "n_valid": len(valid),
+            "n_valid_counted": True,
+            "newest": max(valid, default=None),
+            "n_corrupt": sum(1 for e in entries if e.status == "corrupt"),
+            "valid_steps": valid,
+            "complete": True,
+        }
+
+    def _start_view(self, run_id: str, resume: str) -> dict[str, Any]:
+        """What a writable start needs to know about ROOT, reading manifests newest
+        first and stopping at the newest valid one (with several storage domains, the
+        newest ``_DOMAIN_VIEW_STEPS``), not every manifest in ROOT: a restart costs the
+        same with 10 or 10,000 checkpoints.
+
+        - Resume modes: a valid checkpoint answers "is there one"; only when there is
+          none is every manifest read, and the corrupt ones are then counted as before.
+          ``resume="never"`` with a valid checkpoint is about to refuse the start: the
+          checkpoints are counted for its message, as before.
+        - The commit number: the next commit's ``commit_seq`` is above every one read,
+          and the walk read every checkpoint name at or above this run's newest valid
+          step (other runs' and corrupt ones included). That is every name this
+          manager's commits can write or replace: saves below the newest step raise
+          ``StepOrderError``, ``overwrite`` replaces only the newest step, ``rollback``
+          deletes above the step it returns to (their numbers were read). So a new copy
+          of a step never repeats the number of the copy it replaces, which is what
+          ``catalog.same_copy`` (a reader racing an overwrite) relies on. A lower step
+          may carry a higher number without harm (``adopt`` numbers the checkpoints it
+          adopts after every one in ROOT): numbers are compared only within one step,
+          never across steps.
+        - The manifest cache: it holds only what the walk read, so the first rotation
+          after a save (retention needs every checkpoint of the run) and the first
+          ``checkpoints()`` read the other manifests once, off the training thread for
+          the rotation; later ones read only what changed.
+        """
+        count = 1 if self.domain.count == 1 else _DOMAIN_VIEW_STEPS
+        found = catalog.newest_valid(
+            self.storage, run_id=run_id, count=count, cache=self._manifests
+        )
+        if resume == "never" and found.valid and not found.complete:
+            return self._scan_view(run_id)
+        return {
+            "last_seq": found.last_seq,
+            "n_valid": len(found.valid),
+            "n_valid_counted": found.complete,
+            "newest": found.valid[0].step if found.valid else None,
+            "n_corrupt": found.corrupt,
+            "valid_steps": [m.step for m in found.valid],
+            "complete": found.complete,
+        }
+
     def _setup_coordinator(
-        self, run_id: str | None, agreed_run_id: str | None = None
+        self, run_id: str | None, agreed_run_id: str | None = None, resume: str = "auto"
     ) -> dict[str, Any]:
         local = self.storage.local_path("")
         if local is not None and posix.exists(local) and not posix.is_dir(local):
@@ -360,18 +440,10 @@ class CheckpointManager:
             if torn is not None:
                 self._repair_run_file(run_id, torn)
             self._sweep()
-            entries = catalog.scan(self.storage, run_id=run_id, cache=self._manifests)
+            return {"run_id": run_id, **self._start_view(run_id, resume)}
         except BaseException:
             self._release_lock()
             raise
-        seqs = [e.manifest.commit_seq for e in entries if e.manifest is not None]
-        return {
-            "run_id": run_id,
-            "last_seq": max(seqs, default=0),
-            "n_valid": sum(1 for e in entries if e.status == "ok"),
-            "n_corrupt": sum(1 for e in entries if e.status == "corrupt"),
-            "valid_steps": [e.step for e in entries if e.status == "ok"],
-        }
 
     def _recorded_run_id(self) -> str | None:
         """The run id recorded in ROOT's run file, or None: no run file, or an empty or
@@ -1563,9 +1635,34 @@ class _SavingBlock:
             self._finish(commit.Failed("write", why))
 
 
+#: With several storage domains, how many of its newest valid steps each leader reports
+#: at open: enough to agree without a full scan when a save failed half way (its step
+#: committed in some domains only) or two in a row did.
+_DOMAIN_VIEW_STEPS = 3
+
+
+def _views_decide(setups: list[Any], domain: Domain) -> bool:
+    """Whether the domain leaders' views at open decide the newest step valid in every
+    domain. Each leader reports its newest valid steps, all of them only if its view is
+    ``complete``. A step above the newest one common to the views is valid everywhere
+    only if some view lacks it for not reaching that far down, so the views decide if
+    every incomplete view reaches down to that common step. One domain: always."""
+    if domain.count == 1:
+        return True
+    views = [setups[lead] or {} for lead in domain.leaders]
+    if all(v.get("complete", True) for v in views):
+        return True
+    common = set.intersection(*(set(v.get("valid_steps") or ()) for v in views))
+    if not common:
+        return False
+    newest = max(common)
+    return all(v.get("complete", True) or newest >= min(v["valid_steps"]) for v in views)
+
+
 def _newest_committed(setups: list[Any], domain: Domain) -> int | None:
     """The newest step valid in every storage domain, from the leaders' views at open
-    (None: there is none, or the manager is read-only and did not list them)."""
+    (None: there is none, or the manager is read-only and did not list them). The views
+    decide it (``_views_decide``): they were completed by a full scan where they did not."""
     views = [set((setups[lead] or {}).get("valid_steps") or ()) for lead in domain.leaders]
     return max(set.intersection(*views), default=None) if views else None
 

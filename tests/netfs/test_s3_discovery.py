@@ -61,6 +61,9 @@ def test_latest_and_rotation_read_a_handful_of_manifests(s3_server, s3_bucket, c
     assert f"checkpoint-{N}" in caplog.text
     assert catalog.committed(storage, run_id=mgr.run_id)[-1].step == got.step
 
+    # A start reads the newest checkpoints only; the first listing reads every manifest
+    # once (as the first rotation would), and from then on the rotation knows them.
+    mgr.checkpoints()
     for step in (N + 1, N + 2):
         storage.reset()
         mgr.save(step, {"w": np.full(64, step, dtype=np.float32)})

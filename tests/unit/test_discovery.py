@@ -117,7 +117,10 @@ def test_latest_on_an_empty_root_is_none(tmp_path: Path) -> None:
 def test_rotation_reads_only_the_new_manifest(root: Path) -> None:
     storage = CountingStorage(root)
     mgr = CheckpointManager(storage, retention=KeepLast(N))
-    # The first save's rotation already knows every checkpoint the open scan validated.
+    # A start reads the newest checkpoint only; the first listing reads every manifest
+    # once (as the first rotation would: tests/unit/test_start_discovery.py), and from
+    # then on the rotation knows every checkpoint it validated.
+    mgr.checkpoints()
     for step in (N, N + 1, N + 2):
         storage.reset()
         mgr.save(step, {"w": np.full(64, step, dtype=np.float32)})
