@@ -314,3 +314,25 @@ def test_no_module_dispatches_on_a_strategy_class_or_imports_its_private_names()
             ):
                 problems.append(f"{rel}:{node.lineno}: the manager's private _delete_checkpoint")
     assert problems == []
+
+
+class _CountsListings(MemoryStorage):
+    listings = 0
+
+    def listdir(self, path: str) -> list[str]:
+        self.listings += 1
+        return super().listdir(path)
+
+
+def test_marker_leftovers_on_an_object_store_list_only_the_marked_checkpoints():
+    # A restart sweeps; on an object store a listing is a request, and listing every
+    # checkpoint made a writable start cost one request per checkpoint in ROOT.
+    storage = _CountsListings()
+    with CheckpointManager(storage, strategy="marker") as mgr:
+        for step in range(1, 41):
+            mgr.save(step, np_state(step))
+    MarkerStrategy().prepare(storage, 41, "00000000000000dd")  # a save that died
+    storage.listings = 0
+    (left,) = MarkerStrategy().leftovers(storage)
+    assert left.name == "checkpoint-41" and not left.committed
+    assert storage.listings <= 3, storage.listings  # ROOT, then the marked one
