@@ -16,6 +16,9 @@ Each campaign module exposes ``run(size, seed, progress, workdir) -> Tally``:
 - :mod:`reliability.preemption`: real torchrun jobs preempted by SIGTERM at random
   moments (start-up, training, mid-save) and in every delivery pattern, with a grace
   period; ours against stock torchrun and the loop without start-up protection.
+- :mod:`reliability.tiered`: tiered jobs (1-3 ranks as nodes, peer replicas, tier 1 a
+  directory or S3): one fault (a rank or the replicator killed at any phase, a node's
+  tier 0 wiped or full, the link to S3 cut or stalled), then a restart or ``drain``.
 
 ``python reliability/run.py --quick|--full`` runs them and prints the summary table;
 ``tests/faults/test_campaigns.py`` runs the quick size in CI.

@@ -61,6 +61,7 @@ CAMPAIGNS: dict[str, Campaign] = {
     "s3-faults": _campaign("s3faults"),
     "lifecycle": _campaign("lifecycle"),
     "preemption": _campaign("preemption"),
+    "tiered": _campaign("tiered"),
 }
 
 

@@ -29,6 +29,7 @@ NEEDS = {
     "disk-full": ["tmpfs", "ext4", "xfs", "sshfs"],
     "hang": ["netns", "sshfs"],
     "s3-faults": ["moto", "s3fs_python"],
+    "tiered": ["moto", "s3fs_python", "tmpfs"],
 }
 #: Trials each campaign must at least run, and faults it must at least land, in the
 #: quick size: a campaign that silently stopped injecting would pass with zeros.
@@ -46,6 +47,7 @@ MINIMUM = {
     "s3-faults": (12, 8),
     "lifecycle": (6, 2),
     "preemption": (4, 3),
+    "tiered": (7, 5),
 }
 TIMEOUTS = {
     "kill-local": 150,
@@ -61,6 +63,7 @@ TIMEOUTS = {
     "s3-faults": 150,
     "lifecycle": 150,
     "preemption": 240,
+    "tiered": 150,
 }
 
 
