@@ -72,6 +72,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -90,6 +91,7 @@ __all__ = [
     "PreemptionGuard",
     "arm",
     "armed",
+    "dataloader_worker_init",
     "disarm",
 ]
 
@@ -320,6 +322,49 @@ def armed() -> tuple[int | None, float | None] | None:
     if _armed is None or _armed.record.pid != os.getpid():
         return None
     return _armed.record.signum, _armed.record.at
+
+
+def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """A DataLoader ``worker_init_fn`` (or a line of yours): the worker goes on through
+    the scheduler's preemption signals, so that its trainer can save and exit first.
+
+    Schedulers that signal every process of a job (SLURM signals each process of the
+    job step; ``kill -TERM -<pgid>``) reach the DataLoader's worker processes too. torch
+    gives each worker its own SIGTERM handler, under which the worker exits whoever sent
+    the signal, and the trainer then raises ``RuntimeError: DataLoader worker ... killed
+    by signal`` (from its SIGCHLD handler, at any point) before a guard can save.
+
+    Here the worker takes the signals on a thread of its own (``sigwaitinfo``, which
+    says who sent each one): from its trainer (the loader shutting it down), it exits at
+    once, as torch's handler does; from anyone else, it goes on, and exits with its
+    trainer (or at the scheduler's final SIGKILL)::
+
+        loader = DataLoader(data, num_workers=4, worker_init_fn=preemption.dataloader_worker_init)
+
+    With a ``worker_init_fn`` of your own, call ``preemption.dataloader_worker_init()``
+    at its start. Runs in the worker process; a no-op in any other process, and where
+    the platform has no ``sigwaitinfo`` (Windows).
+    """
+    del worker_id  # the signature torch calls it with
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    if worker is None or worker.get_worker_info() is None:
+        return  # not a DataLoader worker: the trainer keeps its own handlers
+    wait = getattr(signal, "sigwaitinfo", None)
+    if wait is None or threading.current_thread() is not threading.main_thread():
+        return
+    wanted = set(signals)
+    # Blocked in this thread before any other exists (the loader's threads and ours
+    # inherit the mask), so only the waiting thread ever takes these signals.
+    signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    trainer = os.getppid()
+
+    def take() -> None:
+        while True:
+            info = wait(wanted)
+            if info.si_pid == trainer:
+                os._exit(0)  # the loader stops its worker: as torch's own handler
+
+    threading.Thread(target=take, name="atomic-checkpoint-worker-signals", daemon=True).start()
 
 
 def _grace_from_env() -> float | None:

@@ -587,3 +587,63 @@ def test_e4_a_forked_worker_never_saves_and_still_dies_of_sigterm(tmp_path):
         "parent_requested": False,
         "checkpoints": [],
     }
+
+
+_DATALOADER_JOB = """
+import json, os, subprocess, sys, time
+sys.path.insert(0, {repo!r})
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from atomic_checkpoint import CheckpointManager, preemption
+from atomic_checkpoint.preemption import PreemptionGuard
+
+class Batches(Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        return torch.tensor([i])
+
+preemption.arm()
+init = preemption.dataloader_worker_init if sys.argv[2] == "protected" else None
+loader = iter(DataLoader(Batches(), batch_size=4, num_workers=2, worker_init_fn=init,
+                         persistent_workers=True))
+mgr = CheckpointManager(sys.argv[1])
+out = {{"saved": None, "error": None}}
+with PreemptionGuard(mgr) as guard:
+    next(loader)
+    # The scheduler (another process) signals every process of the job step: the
+    # trainer and its DataLoader workers.
+    pids = [w.pid for w in loader._workers] + [os.getpid()]
+    subprocess.run(["kill", "-TERM", *map(str, pids)], check=True)
+    time.sleep(0.5)
+    try:
+        for step in range(1, 20):
+            for _ in range(8):  # the step's batches (gradient accumulation)
+                next(loader)
+            if guard.should_save(step):
+                out["saved"] = mgr.save(step, {{"w": np.full(4, step, np.float32)}}).step
+                break
+    except Exception as exc:
+        out["error"] = type(exc).__name__ + ": " + str(exc)[:80]
+out["checkpoints"] = [c.step for c in mgr.checkpoints()]
+mgr.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("workers", ["protected", "stock"])
+def test_e4_dataloader_workers_signalled_with_the_trainer_do_not_stop_the_save(tmp_path, workers):
+    # SLURM signals every process of the job step, DataLoader workers included: torch's
+    # own worker handler makes a worker exit, and the trainer's next batch raises before
+    # its guard can save, unless the worker goes on (dataloader_worker_init); the
+    # loader's own shutdown at exit (a signal from the trainer) still stops it.
+    proc = run_python(_DATALOADER_JOB.format(repo=REPO), tmp_path / "r", workers)
+    if workers == "protected":
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert last_json(proc) == {"saved": 1, "error": None, "checkpoints": [1]}
+    else:  # what the worker init prevents, as torch ships it: the trainer dies unsaved
+        assert proc.returncode != 0
+        assert "DataLoader worker" in proc.stderr and "killed by signal" in proc.stderr
+        assert not list((tmp_path / "r").glob("checkpoint-*"))
