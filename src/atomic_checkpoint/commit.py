@@ -295,10 +295,10 @@ def finish(
     and every rank raises the same error.
     """
     storage, rank, step = ctx.storage, ctx.coord.rank, pending.step
-    if pending.writes and not isinstance(written, Failed):
-        fault_point("after_write", rank, step)
     t = time.perf_counter()
     with _aborting(ctx, pending):
+        if pending.writes and not isinstance(written, Failed):
+            fault_point("after_write", rank, step)
         # 3. every rank's step and report, gathered on the leader; every rank gets
         # one summary (failures, differing steps), so that every rank names the same
         # failed or missing ranks within ``timeout_s``.

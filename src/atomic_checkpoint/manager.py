@@ -964,21 +964,22 @@ class CheckpointManager:
             written = (
                 commit.attempt(phase, lambda: write(pending.location)) if pending.writes else None
             )
-            return commit.finish(
-                ctx,
-                pending,
-                written,
-                commit_seq=self._next_seq(),
-                state_kind=kind,
-                metrics=metrics,
-                metadata=metadata,
-                scan=scan,
-            )
         except BaseException:
             # KeyboardInterrupt/SystemExit during the write: leave no half-written
             # pending data behind if we can help it; the next start sweeps the rest.
+            # (``begin`` and ``finish`` clean up after their own failures.)
             commit.abort(ctx, pending)
             raise
+        return commit.finish(
+            ctx,
+            pending,
+            written,
+            commit_seq=self._next_seq(),
+            state_kind=kind,
+            metrics=metrics,
+            metadata=metadata,
+            scan=scan,
+        )
 
     def _after_commit(
         self, manifest: Manifest, timings: dict[str, float], domain_views: Any = None
@@ -1608,20 +1609,17 @@ class _SavingBlock:
         mgr, pending = self.mgr, self._pending
         if pending is None:
             return
-        try:
-            done = commit.finish(
-                mgr._ctx,
-                pending,
-                written,
-                commit_seq=mgr._next_seq(),
-                state_kind="files",
-                metrics=self.metrics,
-                metadata=self.metadata,
-                scan=True,  # the block's files: neither checksummed nor fsync'd yet
-            )
-        except BaseException:
-            commit.abort(mgr._ctx, pending)
-            raise
+        # ``finish`` removes the pending location itself if the save fails.
+        done = commit.finish(
+            mgr._ctx,
+            pending,
+            written,
+            commit_seq=mgr._next_seq(),
+            state_kind="files",
+            metrics=self.metrics,
+            metadata=self.metadata,
+            scan=True,  # the block's files: neither checksummed nor fsync'd yet
+        )
         self.info = mgr._after_commit(done.manifest, done.timings, done.domain_views)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
