@@ -75,7 +75,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -93,6 +93,8 @@ __all__ = [
     "armed",
     "dataloader_worker_init",
     "disarm",
+    "protect_dataloaders",
+    "protecting_loaders_of",
 ]
 
 log = logging.getLogger("atomic_checkpoint")
@@ -365,6 +367,93 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
                 os._exit(0)  # the loader stops its worker: as torch's own handler
 
     threading.Thread(target=take, name="atomic-checkpoint-worker-signals", daemon=True).start()
+
+
+class _WorkerInit:
+    """A DataLoader's ``worker_init_fn``: :func:`dataloader_worker_init`, then the
+    loader's own (``inner``). A class, not a closure, so that loaders whose workers
+    start by ``spawn`` or ``forkserver`` can pickle it."""
+
+    def __init__(self, inner: Callable[[int], object] | None, signals: tuple[int, ...]):
+        self.inner = inner
+        self.signals = signals
+
+    def __call__(self, worker_id: int) -> None:
+        dataloader_worker_init(worker_id, self.signals)
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def protect_dataloaders(loaders: object, signals: Iterable[int] = DEFAULT_SIGNALS) -> None:
+    """Install :func:`dataloader_worker_init` in front of the ``worker_init_fn`` of each
+    DataLoader in ``loaders`` (a loader, or lists, tuples and dicts of them, as
+    Lightning's combined loaders hold them); anything else is left alone.
+
+    The integrations call it on every loader the framework builds (HF Trainer's
+    ``get_*_dataloader``, Lightning's ``Strategy.process_dataloader``); call it yourself
+    on loaders of your own, before iterating them: workers that already run keep the
+    handlers they started with. Idempotent; the loader's own ``worker_init_fn`` still
+    runs, after ours.
+    """
+    if isinstance(loaders, dict):
+        for value in loaders.values():
+            protect_dataloaders(value, signals)
+        return
+    if isinstance(loaders, (list, tuple)):
+        for value in loaders:
+            protect_dataloaders(value, signals)
+        return
+    torch_data = sys.modules.get("torch.utils.data")
+    if torch_data is None or not isinstance(loaders, torch_data.DataLoader):
+        return
+    inner = vars(loaders).get("base_dataloader")
+    if inner is not None:
+        # Accelerate's prepared loaders (DataLoaderShard and the like) pass for a
+        # DataLoader but iterate the one they wrap; an attribute set on the wrapper
+        # would never reach its workers.
+        protect_dataloaders(inner, signals)
+        return
+    current = loaders.worker_init_fn
+    if current is dataloader_worker_init or isinstance(current, _WorkerInit):
+        return
+    loaders.worker_init_fn = _WorkerInit(current, tuple(signals))
+
+
+class _Protecting:
+    """A method that builds DataLoaders, then :func:`protect_dataloaders` on what it
+    returns; ``own`` is what the instance held under that name before, if anything."""
+
+    def __init__(self, method: Callable[..., Any], own: Any):
+        self.method = method
+        self.own = own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        loaders = self.method(*args, **kwargs)
+        protect_dataloaders(loaders)
+        return loaders
+
+
+def protecting_loaders_of(obj: object, name: str) -> Callable[[], None]:
+    """Wrap ``obj.<name>``, a method that builds or hands over DataLoaders, on this
+    instance so that every loader it returns goes through :func:`protect_dataloaders`;
+    returns the function that undoes it (the instance then holds what it held before).
+    The integrations use it on the framework's own hooks (HF Trainer's
+    ``get_train_dataloader``, Lightning's ``Strategy.process_dataloader``). Wrapping
+    twice is a no-op whose undo does nothing."""
+    method = getattr(obj, name)
+    if isinstance(method, _Protecting):
+        return lambda: None
+    own = vars(obj).get(name)
+    setattr(obj, name, _Protecting(method, own))
+
+    def undo() -> None:
+        if isinstance(vars(obj).get(name), _Protecting):
+            if own is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, own)
+
+    return undo
 
 
 def _grace_from_env() -> float | None:

@@ -32,6 +32,21 @@ def _launch(tmp_path: Path, *args: object) -> tuple[int, str]:
     return int(proc.returncode), out
 
 
+def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_and_exits_for_requeue(tmp_path):
+    # SLURM signals every process of the job step, the dataloader_num_workers workers
+    # included: under torch's own worker handler they exit and the Trainer's next batch
+    # raises ("DataLoader worker ... killed by signal") before anything is saved.
+    # make_atomic(preemption=True) gives the Trainer's loaders workers that go on.
+    rc, out = _launch(tmp_path, tmp_path, 20, 3, 0, 2)  # 2 workers; the process group
+    assert rc == REQUEUE_EXIT_CODE, out[-4000:]
+    assert "killed by signal" not in out
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["global_step"], result["decided"], result["exit_code"]) == (4, 4, 75)
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [4]
+    reader.verify(4)
+
+
 def test_sigterm_saves_the_current_step_stops_and_exits_with_the_requeue_code(tmp_path):
     rc, out = _launch(tmp_path, tmp_path, 20, 3, 0)  # SIGTERM as step 4 begins
     assert rc == REQUEUE_EXIT_CODE, out[-4000:]

@@ -745,6 +745,37 @@ def test_adopting_stock_files_records_complete_ones_and_refuses_torn_ones(tmp_pa
     assert al.stock_checkpoint_problem(ckpt / "epoch=0-step=8.ckpt") is not None
 
 
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_and_exits_for_requeue(tmp_path):
+    """SLURM signals every process of the job step, DataLoader workers included. Under
+    torch's own worker handler the workers exit and the next batch raises ("DataLoader
+    worker ... killed by signal") before anything is saved; PreemptionCallback gives
+    every loader the trainer builds workers that go on, so the step is saved, the job
+    exits with 75 and the checkpoint is the one a restart picks."""
+    from atomic_checkpoint.preemption import REQUEUE_EXIT_CODE
+
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic",
+         "--every", "100", "--preempt", "1", "--max-steps", "40", "--workers", "2",
+         "--signal-self-at", "3", "--signal-group", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        start_new_session=True,  # the signal goes to this job's process group only
+    )  # fmt: skip
+    assert run.returncode == REQUEUE_EXIT_CODE, run.stderr[-3000:]
+    assert "killed by signal" not in run.stderr
+    report = _report(ref)
+    assert report["final_step"] == 4, report
+    assert report["preempted"] == str(ckpt / "preempted-step=4.ckpt")
+    info = verify_checkpoint(ckpt / "preempted-step=4.ckpt", require_manifest=True)
+    assert info.global_step == 4
+    assert latest_checkpoint(ckpt, full=True) == str(ckpt / "preempted-step=4.ckpt")
+
+
 @pytest.mark.dist
 @pytest.mark.faults
 @pytest.mark.slow

@@ -95,7 +95,7 @@ from ..layout import (
 )
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
-from ..preemption import PreemptionGuard
+from ..preemption import PreemptionGuard, protect_dataloaders, protecting_loaders_of
 from ..retention import KeepLast
 from ..storage import posix
 from ..storage.base import Storage
@@ -897,9 +897,19 @@ def preemption_guard(
             save that recent saves say cannot finish in time is not started.
         retention: as for :func:`save_state` (only on the first call for a root).
         timeout_s: bound on the wait for the other processes at each check.
+
+    The DataLoaders the accelerator has prepared, and those it prepares later, get
+    workers that go on through the scheduler's SIGTERM
+    (:func:`~atomic_checkpoint.preemption.protect_dataloaders`): SLURM signals every
+    process of the job step, and under torch's own worker handler the workers exit
+    and the next batch raises before the guard can save. Workers already running (a
+    loader iterated before this call, with ``persistent_workers``) keep torch's handler.
     """
     _, opened = _root_for(accelerator, root, retention, timeout_s)
-    return PreemptionGuard(opened.manager, timeout_s=timeout_s, grace_s=grace_s)
+    guard = PreemptionGuard(opened.manager, timeout_s=timeout_s, grace_s=grace_s)
+    protect_dataloaders(getattr(accelerator, "_dataloaders", ()))
+    protecting_loaders_of(accelerator, "prepare_data_loader")
+    return guard
 
 
 def close(accelerator: Any) -> None:

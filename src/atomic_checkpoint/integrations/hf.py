@@ -70,7 +70,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +81,7 @@ from ..errors import (
 )
 from ..layout import checkpoint_name, parse_attempt_dir, parse_checkpoint_name
 from ..manifest import CheckpointInfo
-from ..preemption import PreemptionGuard
+from ..preemption import PreemptionGuard, protecting_loaders_of
 from ..retention import AnyOf, KeepLast
 from .accelerate import FrameworkRoot, _is_under
 
@@ -326,6 +326,7 @@ class _AtomicTrainer:
         limit = trainer.args.save_total_limit
         self.save_total_limit = limit  # KeepLast(limit) for the roots this run opens
         callback = None
+        undo: list[Callable[[], None]] = []
         try:
             if self.adopt_existing:
                 self.adopt(output_dir)
@@ -341,11 +342,14 @@ class _AtomicTrainer:
                 )
                 trainer.preemption_guard = callback.guard
                 trainer.add_callback(callback)
+                undo = [protecting_loaders_of(trainer, n) for n in _LOADER_FACTORIES]
             return self._orig_train(resume_from_checkpoint, *args, **kwargs)
         finally:
             if callback is not None:
                 trainer.remove_callback(callback)
                 callback.guard.close()
+            for restore in undo:
+                restore()
             trainer.args.save_total_limit = limit
             self.close()
 
@@ -517,6 +521,14 @@ def _collective() -> tuple[int, int, Any]:
         return out
 
     return dist.get_rank(), world, gather
+
+
+#: The Trainer's DataLoader factories: under ``preemption=True`` each loader they build
+#: has workers that go on through the scheduler's SIGTERM. SLURM signals every process
+#: of the job step, the ``dataloader_num_workers`` workers included; under torch's own
+#: worker handler they exit, and the Trainer's next batch raises (``DataLoader worker
+#: ... killed by signal``) before the guard can save.
+_LOADER_FACTORIES = ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader")
 
 
 def _preemption_callback(guard: PreemptionGuard) -> Any:

@@ -1055,10 +1055,28 @@ class _PreemptionCallback:
         #: The preemption checkpoint written, when one was.
         self.saved_path: str | None = None
         self._host: _GuardHost | None = None
+        self._unprotect: Callable[[], None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # Spawn launchers pickle callbacks: the guard (handlers, locks) does not travel.
-        return {**self.__dict__, "guard": None, "_host": None}
+        return {**self.__dict__, "guard": None, "_host": None, "_unprotect": None}
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Every DataLoader the trainer builds from now on has workers that go on
+        through the scheduler's SIGTERM (``preemption.protect_dataloaders``): SLURM
+        signals every process of the job step, DataLoader workers included, and under
+        torch's own worker handler they exit, and the next batch raises before the
+        guard can save. Lightning hands each loader to ``Strategy.process_dataloader``
+        after adding its sampler, before any worker starts: wrapped on this trainer's
+        strategy until ``teardown``."""
+        from ..preemption import protecting_loaders_of
+
+        self._unprotect = protecting_loaders_of(trainer.strategy, "process_dataloader")
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._unprotect is not None:
+            self._unprotect()
+            self._unprotect = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         from ..coordination import default_coordinator

@@ -2,7 +2,10 @@
 itself at the start of step ``SIGNAL_AT + 1`` (as a scheduler would send it). Writes
 ``OUT/result.json`` and exits with the guard's exit status.
 
-Arguments: OUT MAX_STEPS SIGNAL_AT (0: no signal) RESUME (0/1).
+Arguments: OUT MAX_STEPS SIGNAL_AT (0: no signal) RESUME (0/1) [WORKERS]. With
+WORKERS > 0 the Trainer's DataLoaders have that many (persistent) workers, and the
+signal goes, from another process, to the job's whole process group, as SLURM sends it
+to every process of the job step.
 """
 
 from atomic_checkpoint import preemption
@@ -12,6 +15,7 @@ preemption.arm()
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 from tiny_hf import RandomTokens, tiny_args, tiny_model  # noqa: E402
@@ -20,6 +24,7 @@ from transformers import Trainer, TrainerCallback  # noqa: E402
 from atomic_checkpoint.integrations.hf import make_atomic  # noqa: E402
 
 out, max_steps, signal_at, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+workers = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 
 
 class SignalAt(TrainerCallback):
@@ -29,10 +34,19 @@ class SignalAt(TrainerCallback):
         if self.first_step is None:
             self.first_step = state.global_step
         if signal_at and state.global_step == signal_at:
-            os.kill(os.getpid(), signal.SIGTERM)
+            if workers:
+                subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"], check=False)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
-args = tiny_args(os.path.join(out, "run"), max_steps=max_steps, save_steps=100)
+args = tiny_args(
+    os.path.join(out, "run"),
+    max_steps=max_steps,
+    save_steps=100,
+    dataloader_num_workers=workers,
+    dataloader_persistent_workers=workers > 0,
+)
 trainer = make_atomic(
     Trainer(
         model=tiny_model(),

@@ -21,6 +21,10 @@ Options (all ``--name value``):
     --preempt 0|1       add integrations.lightning.PreemptionCallback; exit with its code
     --signal-self-at S  one rank sends itself SIGTERM at the start of step S
     --signal-rank R     that rank (default 0)
+    --signal-group 0|1  with --signal-self-at: another process sends SIGTERM to the
+                        job's whole process group instead (SLURM signals every process
+                        of the job step, DataLoader workers included)
+    --workers N         the DataLoader's num_workers (persistent workers when N > 0)
     --hold-at S         after the save of step S, write REF/held and sleep (the test
                         kills the job then)
     --settle 0|1        with --hold-at: before step S, wait for each background save
@@ -37,6 +41,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import time
 import warnings
 
@@ -50,6 +55,8 @@ logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
+
+WORKERS = 0  # --workers
 
 
 class TinyModel(pl.LightningModule):
@@ -72,7 +79,12 @@ class TinyModel(pl.LightningModule):
         g = torch.Generator().manual_seed(1234)
         x = torch.randn(256, 6, generator=g)
         y = (x @ torch.arange(6.0)).unsqueeze(1)
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(x, y),
+            batch_size=8,
+            num_workers=WORKERS,
+            persistent_workers=WORKERS > 0,
+        )
 
     # Lightning does not checkpoint the RNG; a job that wants identical resumes does.
     def on_save_checkpoint(self, checkpoint):
@@ -107,6 +119,7 @@ class Recorder(Callback):
         settle: bool,
         signal_at: int | None = None,
         signal_rank: int = 0,
+        signal_group: bool = False,
     ):
         self.ref = ref
         self.resumed = resumed
@@ -114,6 +127,7 @@ class Recorder(Callback):
         self.settle = settle
         self.signal_at = signal_at
         self.signal_rank = signal_rank
+        self.signal_group = signal_group
         self.start_step: int | None = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
@@ -133,7 +147,10 @@ class Recorder(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.signal_at and trainer.global_rank == self.signal_rank:
-            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
+            if self.signal_group:  # from another process, to every process of the job
+                subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"], check=False)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
         if self.settle and self.hold_at is not None and trainer.global_step < self.hold_at:
             # Before the save the test is about, let background saves land, as they
             # do when steps take longer than saves (real training); otherwise a
@@ -179,10 +196,14 @@ def main() -> None:
     p.add_argument("--preempt", type=int, default=0)
     p.add_argument("--signal-self-at", type=int, default=None)
     p.add_argument("--signal-rank", type=int, default=0)
+    p.add_argument("--signal-group", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0)
     p.add_argument("--hold-at", type=int, default=None)
     p.add_argument("--settle", type=int, default=0)
     p.add_argument("--slow-stock-at", type=int, default=None)
     a = p.parse_args()
+    global WORKERS
+    WORKERS = a.workers
     os.makedirs(a.ref, exist_ok=True)
     pl.seed_everything(7, verbose=False)
 
@@ -221,6 +242,7 @@ def main() -> None:
         settle=bool(a.settle),
         signal_at=a.signal_self_at,
         signal_rank=a.signal_rank,
+        signal_group=bool(a.signal_group),
     )
     callbacks = [checkpoint, recorder]
     preempt = None
