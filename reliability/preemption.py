@@ -33,7 +33,10 @@ Moments, observed rather than intended: the job holds at the moment (the ranks t
 reach it write a marker and wait), the signal is delivered while they are held, and
 then they go on (``preempt_train.py`` documents the holds). ``startup`` (every rank
 before its process group exists), ``training`` (a random step reached), ``eval`` and
-``data-loading`` (those phases of a step, every rank), ``periodic-save`` (rank 0 mid
+``data-loading`` (those phases of a step, every rank), ``loader-workers`` (every rank
+reading a batch from a DataLoader with two worker processes, which the signal reaches
+too, whatever the pattern, as SLURM signals every process of the job step; ours
+protects its loader with ``preemption.protect_dataloaders``), ``periodic-save`` (rank 0 mid
 write of a synchronous save), ``async-save`` (rank 0's background writer of an
 in-flight ``save_async``), ``mid-commit`` (rank 0 between its files' fsync and the
 manifest), ``rotation`` (retention deleting an old step: un-committed, data not yet
@@ -87,6 +90,7 @@ MOMENTS = (
     "training",
     "eval",
     "data-loading",
+    "loader-workers",
     "periodic-save",
     "async-save",
     "mid-commit",
@@ -94,7 +98,7 @@ MOMENTS = (
 )
 FW_MOMENTS = ("startup", "training", "checkpoint")
 #: Moments every rank holds at; the others only rank 0 does.
-EVERY_RANK = ("startup", "eval", "data-loading")
+EVERY_RANK = ("startup", "eval", "data-loading", "loader-workers")
 PATTERNS = ("agent", "every-worker", "one-worker", "agent-and-workers", "second")
 KINDS = ("ours", "stock", "hf-ours", "hf-stock", "lightning-ours", "lightning-stock")
 #: Trials per kind.
@@ -110,6 +114,7 @@ def _nth(moment: str, rng: random.Random) -> int:
     return {
         "eval": rng.randint(1, 2),  # evaluations at steps 4 and 8
         "data-loading": rng.randint(2, 9),
+        "loader-workers": rng.randint(2, 9),
         "periodic-save": rng.randint(1, 3),
         "async-save": rng.randint(1, 3),
         "mid-commit": rng.randint(1, 3),
@@ -144,6 +149,8 @@ class _Trial:
             env["PREEMPT_HOLD"], env["PREEMPT_HOLD_NTH"] = moment, str(nth)
         if moment == "async-save":
             env["PREEMPT_ASYNC"] = "1"
+        if moment == "loader-workers":
+            env["PREEMPT_LOADER_WORKERS"] = "2"
         launcher = "atomic_checkpoint.launch" if self.ours else "torch.distributed.run"
         if self.framework is None:
             job = [str(SCRIPT), str(self.root), str(self.ctl), "3000", str(SAVE_EVERY)]
@@ -187,6 +194,12 @@ class _Trial:
     def pids(self) -> list[int]:
         return [int(self.read(f"rank{r}.pid") or 0) for r in range(WORLD)]
 
+    def loader_pids(self) -> list[int]:
+        """The DataLoader worker processes of every rank (``loader-workers``)."""
+        if self.moment != "loader-workers":
+            return []
+        return [int(p) for r in range(WORLD) for p in (self.read(f"rank{r}.loaders") or "").split()]
+
     def step(self, r: int) -> int:
         try:
             return int(self.read(f"rank{r}.step") or 0)
@@ -226,6 +239,8 @@ def _deliver(t: _Trial, pattern: str, rng: random.Random) -> None:
         "agent-and-workers": [agent, *workers],
         "second": [agent],
     }[pattern]
+    # The scheduler signals every process of the job step: the loader workers too.
+    targets = [*targets, *t.loader_pids()]
     for pid in targets:
         try:
             os.kill(pid, signal.SIGTERM)
@@ -237,7 +252,7 @@ def _deliver(t: _Trial, pattern: str, rng: random.Random) -> None:
         # A random moment later (the save may be under way): the agent and every
         # worker again, as SLURM repeats the signal to the whole step.
         t.wait_for(lambda: False, rng.uniform(0.0, 1.5))
-        for pid in [agent, *workers]:
+        for pid in [agent, *workers, *t.loader_pids()]:
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:

@@ -18,6 +18,10 @@ until ``CTL/go`` exists, then up to 1 s more until this rank has seen a signal, 
 - ``startup``: every rank, before the process group exists
   (``PREEMPT_HOLD_STARTUP=1`` is the same, writing ``CTL/startup-rank<r>``);
 - ``eval``, ``data-loading``: every rank, inside those phases of a step;
+- ``loader-workers``: every rank, having read a batch from a DataLoader with
+  ``PREEMPT_LOADER_WORKERS`` worker processes (whose pids go to ``CTL/rank<r>.loaders``,
+  for the campaign to signal them too); ours protects the loader with
+  ``preemption.protect_dataloaders``, the stock loop does not;
 - ``periodic-save``: rank 0 inside a synchronous save, its first file partly written
   (the library's ``mid_write`` fault point);
 - ``async-save``: rank 0's background writer of a ``save_async``, same point, while
@@ -55,7 +59,7 @@ rank = int(os.environ["RANK"])
 EVAL_EVERY, EVAL_ITERS = 4, 3
 HOLD = os.environ.get("PREEMPT_HOLD", "startup" if os.environ.get("PREEMPT_HOLD_STARTUP") else "")
 HOLD_NTH = int(os.environ.get("PREEMPT_HOLD_NTH", "1"))
-EVERY_RANK = ("startup", "eval", "data-loading")
+EVERY_RANK = ("startup", "eval", "data-loading", "loader-workers")
 live = {"guard": None}  # the guard, once it exists
 seen = {"n": 0}
 
@@ -136,6 +140,17 @@ if latest is not None:
     state = mgr.restore(latest.step)
     restored_ok = workers.states_equal(state, workers.make_state(latest.step, rank, big_elems=4096))
     start = latest.step + 1
+loader_it = None
+if int(os.environ.get("PREEMPT_LOADER_WORKERS", "0")):
+    from torch.utils.data import DataLoader
+
+    n = int(os.environ["PREEMPT_LOADER_WORKERS"])
+    loader = DataLoader(list(range(100_000)), batch_size=8, num_workers=n, persistent_workers=True)
+    if os.environ.get("PREEMPT_STOCK") != "1":
+        preemption.protect_dataloaders(loader)
+    loader_it = iter(loader)
+    next(loader_it)  # the workers run now
+    put(f"rank{rank}.loaders", " ".join(str(w.pid) for w in loader_it._workers))
 saved: list[int] = []
 committed_at = None
 use_async = os.environ.get("PREEMPT_ASYNC") == "1"
@@ -143,6 +158,9 @@ with PreemptionGuard(mgr) as guard:
     live["guard"] = guard
     for step in range(start, start + max_steps):
         hold("data-loading", step)  # the next batch is being read
+        if loader_it is not None:
+            next(loader_it)  # from the loader's workers
+            hold("loader-workers", step)
         batch = torch.full((8,), float(step))
         grad = batch.sum().reshape(1)
         dist.all_reduce(grad)  # the training's own collective
