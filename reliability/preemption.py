@@ -124,14 +124,26 @@ def _nth(moment: str, rng: random.Random) -> int:
 
 
 class _Trial:
-    def __init__(self, where: Path, *, kind: str, moment: str, grace_s: float, nth: int):
+    """One launch of the job (``restart``: the requeued job, one step, no signal)."""
+
+    def __init__(
+        self,
+        where: Path,
+        *,
+        kind: str,
+        moment: str,
+        grace_s: float,
+        nth: int,
+        restart: bool = False,
+    ):
         self.where = where
-        self.root, self.ctl = where / "ckpt", where / "ctl"
+        self.root = where / "ckpt"
+        self.ctl = where / ("ctl-restart" if restart else "ctl")
         self.ctl.mkdir(parents=True)
         self.kind, self.moment = kind, moment
         self.framework = kind.split("-")[0] if "-" in kind else None
         self.ours = kind == "ours" or kind.endswith("-ours")
-        self.held = moment != "training"
+        self.held = moment != "training" and not restart
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
@@ -147,19 +159,21 @@ class _Trial:
             env["PREEMPT_STOCK"] = "1"
         if self.held:
             env["PREEMPT_HOLD"], env["PREEMPT_HOLD_NTH"] = moment, str(nth)
-        if moment == "async-save":
+        if moment == "async-save" and not restart:
             env["PREEMPT_ASYNC"] = "1"
-        if moment == "loader-workers":
+        if moment == "loader-workers" and not restart:
             env["PREEMPT_LOADER_WORKERS"] = "2"
         launcher = "atomic_checkpoint.launch" if self.ours else "torch.distributed.run"
         if self.framework is None:
-            job = [str(SCRIPT), str(self.root), str(self.ctl), "3000", str(SAVE_EVERY)]
+            steps = "1" if restart else "3000"
+            job = [str(SCRIPT), str(self.root), str(self.ctl), steps, str(SAVE_EVERY)]
         else:
             side = "ours" if self.ours else "stock"
             job = [str(FW_SCRIPT), self.framework, side, str(where), str(self.ctl), "3000"]
             job.append(str(SAVE_EVERY))
             self.root = where / "run"
-        self.log = open(where / "launch.log", "w")  # noqa: SIM115 - closed in end()
+        log = "restart.log" if restart else "launch.log"
+        self.log = open(where / log, "w")  # noqa: SIM115 - closed in end()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -392,6 +406,34 @@ def _lightning_resume(run: Path, ours: bool) -> tuple[int | None, str | None, bo
     return step, None, complete
 
 
+def _restart(where: Path, kind: str, moment: str, grace_s: float) -> tuple[int | None, str | None]:
+    """Requeue the job (our loop, stock or ours): one step, no signal. Returns the step
+    every rank restored (None: none restored) and what went wrong (None: each rank's
+    state after ``restore`` equals the state it saved at that step, and the job
+    exited 0)."""
+    t = _Trial(where, kind=kind, moment=moment, grace_s=grace_s, nth=1, restart=True)
+    try:
+        try:
+            rc = t.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            t.kill_all()
+            t.proc.wait(30)
+            return None, "the restart did not end in 120 s"
+    finally:
+        t.kill_all()
+        t.end()
+    results = [json.loads(t.read(f"result-rank{r}.json") or "null") for r in range(WORLD)]
+    if rc != 0 or not all(results):
+        tail = (where / "restart.log").read_text(errors="replace")[-1500:]
+        return None, f"the restart exited {rc}: {tail}"
+    restored = {r["restored"] for r in results}
+    if len(restored) != 1:
+        return None, f"the ranks restored different steps: {sorted(map(str, restored))}"
+    if not all(r["restored_ok"] in (True, None) for r in results):
+        return next(iter(restored)), "a rank's restored state differs from the one it saved"
+    return next(iter(restored)), None
+
+
 # ---------------------------------------------------------------------- one trial
 def _one(
     tally: Tally,
@@ -464,6 +506,7 @@ def _one(
         newest, problem = _newest_restores(t.root)
         committed = _committed(t.root)
         complete = problem is None
+        record["restart_step"], record["restart_problem"] = _restart(where, kind, moment, grace_s)
     elif t.framework == "hf":
         newest, problem, complete = _hf_resume(t.root)
         committed = []
@@ -489,6 +532,15 @@ def _one(
     )
     if t.framework is None and prev is not None:
         record["previous_kept"] = prev in committed and problem is None
+    record["resumed"] = (
+        record["restart_problem"] is None and record["restart_step"] == newest
+        if t.framework is None
+        else record["newest_loads"]  # the framework's own resume, run above
+    )
+    if t.framework is None and record["restart_problem"] is not None:
+        tally.violate("torn", f"{key}: the restart: {record['restart_problem']}")
+    elif t.framework is None and record["restart_step"] != newest:
+        tally.violate("lost", f"{key}: the restart restored {record['restart_step']}, not {newest}")
     if problem is not None and (t.ours or t.framework is None):
         # A torn newest checkpoint is wrong with or without us (our loop writes through
         # the library either way); the frameworks' stock rows are what is measured.
@@ -537,7 +589,8 @@ def _row(records: list[dict[str, Any]]) -> str:
     return (
         f"{n:6d} {c('signal_inside'):5d} {c('requeue'):6d} {c('saved_in_time'):5d} "
         f"{c('previous_kept'):3d}/{len(kept):<3d} {c('newest_loads'):5d} "
-        f"{c('newest_complete'):8d} {c('killed_at_grace_end'):6d} {max(lost, default=0):4d} "
+        f"{c('newest_complete'):8d} {c('resumed'):7d} {c('killed_at_grace_end'):6d} "
+        f"{max(lost, default=0):4d} "
         f"{max(commits, default=0.0):6.2f} {median:4.1f}/{max(exits, default=0.0):4.1f}"
     )
 
@@ -549,13 +602,15 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     before the exit; kept: the checkpoint newest at the signal still there and
     verified / trials that had one (our loop); loads: the newest checkpoint loads with
     its writer's resume (ours: verified and every rank's state bit-exact; HF/Lightning:
-    the framework's own resume); complete: it has every part; killed: still running
+    the framework's own resume); complete: it has every part; resumed: the requeued job
+    (our loop: launched again for one step; HF/Lightning: the framework's resume)
+    restored that newest step, every rank's state bit-exact; killed: still running
     at the end of the grace period; lost: most steps lost; commit: slowest signal to
     commit, s (our loop); exit s: signal to exit, median/max."""
     head = (
         f"{'':32s} {'trials':>6s} {'seen':>5s} {'exit75':>6s} {'saved':>5s} {'kept':>7s} "
-        f"{'loads':>5s} {'complete':>8s} {'killed':>6s} {'lost':>4s} {'commit':>6s} "
-        f"{'exit s':>9s}"
+        f"{'loads':>5s} {'complete':>8s} {'resumed':>7s} {'killed':>6s} {'lost':>4s} "
+        f"{'commit':>6s} {'exit s':>9s}"
     )
     lines = [head]
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -631,6 +686,7 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
         tally.count(f"{side}_requeue_code", k, int(rec["requeue"]))
         tally.count(f"{side}_saved_in_time", k, int(rec["saved_in_time"]))
         tally.count(f"{side}_newest_loads", k, int(rec["newest_loads"]))
+        tally.count(f"{side}_resumed", k, int(bool(rec.get("resumed"))))
         tally.count(f"{side}_killed_at_grace_end", k, int(rec["killed_at_grace_end"]))
         tally.stats.setdefault(f"{side}_signal_to_exit_s", []).append(rec["signal_to_exit_s"])
         tally.stats.setdefault(f"{side}_lost_steps", []).append(rec["lost_steps"])
