@@ -802,28 +802,12 @@ class CheckpointManager:
             CheckpointError: the previous async save failed (raised once, every rank).
             StepOrderError: as for ``save`` (checked after the previous save ended).
         """
-        from dataclasses import replace
-
-        from .async_save import register_exit
         from .serialization import plan_state
 
-        self._check_writable()
-        step = validate_step(step)
-        metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
         t0 = time.perf_counter()
-        self._finish_async()
-        self._finish_rotation()
-        self._check_step_order(step)
-        if self._async is None:
-            # Created once, on every rank at the same (first) save_async, so the clone's
-            # key namespace is the same on every rank.
-            self._async_coord = self.coordinator.clone()
-            self._async = AsyncSaver()
-            if self._snapshots is None:  # else made by prepare_async()
-                self._snapshots = SnapshotPool()
-            register_exit(self)
+        step, metrics_d, metadata_d, ctx = self._start_async(step, metrics, metadata)
         saver, pool = self._async, self._snapshots
-        if pool is None or self._async_coord is None:  # pragma: no cover - set together
+        if saver is None or pool is None:  # pragma: no cover - set by _start_async
             raise CheckpointError("async save state is incomplete")
         writes = not replicated or self.is_coordinator
         rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
@@ -836,9 +820,6 @@ class CheckpointManager:
                 snapshot = pool.prepare(plan, cancel=cancel)
             except Exception as exc:  # shared with every rank in the first phase
                 input_error = exc
-        # The leader checks ``cancel`` with the run lock, before it creates the pending
-        # location and before it commits: an abandoned save is never committed.
-        ctx = replace(self._ctx, coord=self._async_coord, cancel=cancel)
 
         def write(pending: str) -> RankReport:
             if snapshot is None:
@@ -871,6 +852,113 @@ class CheckpointManager:
                 snapshot.copy()
         handle.blocked_s = time.perf_counter() - t0
         return handle
+
+    def saving_async(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        *,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        failed: Exception | None = None,
+        phase: str = "write",
+    ) -> SaveHandle:
+        """The background counterpart of ``saving()``, for writers that copy the state
+        themselves first (``integrations.dcp.async_save_dcp`` stages it with DCP's
+        stager): ``write(directory)`` runs on the background save thread and writes
+        this rank's files into the pending directory (a ``pathlib.Path`` on a mounted
+        filesystem); the checkpoint is committed once every rank's ``write`` returned,
+        and discarded on every rank if any raised. Collective, with the rules of
+        ``save_async``: at most one save in flight, the previous one's failure raised
+        here first, ``handle.result()`` the same on every rank.
+
+        Example::
+
+            staged = copy_of(state)          # on the training thread
+            handle = mgr.saving_async(step, lambda d: write_files(staged, d))
+            ...                              # training goes on
+            handle.result()                  # or mgr.wait()
+
+        Args:
+            write: this rank's writer, called at a lowered priority when the platform
+                allows (the state is copied already: training keeps the CPU).
+            failed: this rank could not prepare its part (its copy failed): the save
+                then fails on every rank with this error, named by rank, instead of
+                this rank raising alone while the others wait for it.
+            phase: the name of this write in the shared error of a failure
+                (``rank 1 in phase 'write': ...``).
+        """
+        t0 = time.perf_counter()
+        local = self.storage.local_path("")
+        if local is None:
+            raise CheckpointError(
+                "saving_async() needs a mounted filesystem; use save_async() for object stores"
+            )
+        step, metrics_d, metadata_d, ctx = self._start_async(step, metrics, metadata)
+        saver = self._async
+        if saver is None:  # pragma: no cover - set by _start_async
+            raise CheckpointError("async save state is incomplete")
+
+        def write_files(pending: str) -> RankReport:
+            saver.demote()
+            write(Path(local, *pending.split("/")))
+            return RankReport((), 0.0, 0.0)
+
+        def run() -> CheckpointInfo:
+            done = self._commit(
+                ctx,
+                step,
+                write_files,
+                kind="files",
+                metrics=metrics_d,
+                metadata=metadata_d,
+                overwrite=overwrite,
+                problem=failed,
+                scan=True,  # arbitrary files: checksummed and fsync'd once every rank wrote
+                phase=phase,
+            )
+            return self._after_commit(done.manifest, done.timings, done.domain_views)
+
+        handle = saver.submit(step, run)
+        handle.blocked_s = time.perf_counter() - t0
+        return handle
+
+    def _start_async(
+        self,
+        step: int,
+        metrics: Mapping[str, float] | None,
+        metadata: Mapping[str, Any] | None,
+    ) -> tuple[int, dict[str, float], dict[str, Any], SaveContext]:
+        """What every async save does first, on the calling thread: check the inputs,
+        finish the previous save (raising its failure once) and its rotation, check the
+        step order, create the background saver on the first call. Returns the checked
+        step, metrics and metadata, and the context of the background commit: its own
+        store connection, and the saver's ``cancel`` event, which the leader checks with
+        the run lock before it creates the pending location and before it commits (an
+        abandoned save is never committed)."""
+        from dataclasses import replace
+
+        from .async_save import register_exit
+
+        self._check_writable()
+        step = validate_step(step)
+        metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
+        self._finish_async()
+        self._finish_rotation()
+        self._check_step_order(step)
+        if self._async is None:
+            # Created once, on every rank at the same (first) async save, so the clone's
+            # key namespace is the same on every rank.
+            self._async_coord = self.coordinator.clone()
+            self._async = AsyncSaver()
+            if self._snapshots is None:  # else made by prepare_async()
+                self._snapshots = SnapshotPool()
+            register_exit(self)
+        if self._async_coord is None:  # pragma: no cover - set together above
+            raise CheckpointError("async save state is incomplete")
+        ctx = replace(self._ctx, coord=self._async_coord, cancel=self._async.cancel)
+        return step, metrics_d, metadata_d, ctx
 
     def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Wait until the in-flight async save is committed and durable, and its

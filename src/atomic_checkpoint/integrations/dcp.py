@@ -95,6 +95,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -106,8 +107,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import catalog
 from .._faults import fault_point
 from .._version import __version__
-from ..async_save import AsyncSaver, SaveHandle, SnapshotPool, register_exit
-from ..commit import RankReport
+from ..async_save import SaveHandle
 from ..coordination import exchange_outcomes
 from ..errors import (
     CheckpointError,
@@ -123,7 +123,7 @@ from ..errors import (
 )
 from ..layout import MANIFEST_NAME, checkpoint_name, validate_step
 from ..manager import CheckpointManager
-from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata, check_metrics
+from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata
 from ..rankfiles import report_files
 from ..storage import posix
 from ..storage.local import LocalStorage
@@ -308,8 +308,6 @@ class _DCPFailure(Exception):
     Built by :func:`_dcp_failure` under the name of DCP's error type, so every rank
     reports it as the synchronous save does."""
 
-    dcp_error: BaseException | None = None
-
 
 _FAILURE_TYPES: dict[str, type[_DCPFailure]] = {}
 
@@ -319,10 +317,7 @@ def _dcp_failure(exc: BaseException) -> _DCPFailure:
     cls = _FAILURE_TYPES.get(kind)
     if cls is None:
         cls = _FAILURE_TYPES.setdefault(kind, type(kind, (_DCPFailure,), {"__module__": __name__}))
-    failure = cls(message)
-    # Kept apart from __cause__, which the commit's "raise ... from None" clears.
-    failure.dcp_error = exc
-    return failure
+    return cls(message)
 
 
 # The gloo group each manager's background saves run DCP's collectives on (see the
@@ -425,48 +420,24 @@ def async_save_dcp(
     is raised by ``handle.result()``, and once by the next ``mgr.wait()``, save or
     ``mgr.close()``, on every rank.
     """
-    root = _local_root(mgr)
-    meta = _with_dcp_record(metadata, mgr.world_size)
-    mgr._check_writable()
-    step = validate_step(step)
-    metrics_d, metadata_d = check_metrics(metrics), check_metadata(meta)
+    _local_root(mgr)  # a mounted filesystem, checked before anything is staged
     t0 = time.perf_counter()
-    mgr._finish_async()  # at most one save in flight; raises its failure once
-    mgr._finish_rotation()
-    mgr._check_step_order(step)
-    if mgr._async is None:
-        # As save_async does: created once, by the first async save on every rank, so
-        # the clone's key namespace is the same on every rank.
-        mgr._async_coord = mgr.coordinator.clone()
-        mgr._async = AsyncSaver()
-        mgr._snapshots = SnapshotPool()
-        register_exit(mgr)
-    saver, coord = mgr._async, mgr._async_coord
-    if coord is None:  # pragma: no cover - set together above
-        raise CheckpointError("async save state is incomplete")
+    mgr.wait()  # at most one save in flight; raises its failure once
     group = _background_group(mgr, process_group)
     staged: dict[str, Any] | None = None
-    input_error: Exception | None = None
+    problem: Exception | None = None
     try:
         staged = _stage(state_dict)
     except Exception as exc:  # shared with every rank in the first phase
-        input_error = exc
-    # The leader checks ``cancel`` with the run lock, before it creates the pending
-    # location and before it commits: an abandoned save (close() past timeout_s) is
-    # never committed.
-    ctx = replace(mgr._ctx, coord=coord, cancel=saver.cancel)
-    problem: Exception | None = None
-    if input_error is not None:
         problem = CheckpointError(
             f"rank {mgr.rank}: DCP's stager could not copy the state dict of step "
-            f"{step} into host memory: {type(input_error).__name__}: {input_error}"
+            f"{step} into host memory: {type(exc).__name__}: {exc}"
         )
-        problem.__cause__ = input_error
+        problem.__cause__ = exc
+    single = mgr.world_size == 1
 
-    def write(pending: str) -> RankReport:
-        saver.demote()  # staged already: training keeps the CPU
-        path = os.path.join(root, *pending.split("/"))
-        writer = _PendingWriter(path, rank=mgr.rank, step=step, thread_count=thread_count)
+    def write(directory: Path) -> None:
+        writer = _PendingWriter(str(directory), rank=mgr.rank, step=step, thread_count=thread_count)
         try:
             dcp.save(
                 staged,
@@ -476,32 +447,24 @@ def async_save_dcp(
                 no_dist=not _is_distributed(),
             )
         except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
+            if single:
+                # One rank: the commit hands back this rank's own error; report it as
+                # every multi-rank failure is reported.
+                kind, message = _describe(exc)
+                failure = RankFailure(mgr.rank, "dcp_write", kind, message)
+                raise DistributedCheckpointError([failure], step=step) from exc
             raise _dcp_failure(exc) from exc
-        return RankReport((), 0.0, 0.0)
 
-    def run() -> CheckpointInfo:
-        try:
-            done = mgr._commit(
-                ctx,
-                step,
-                write,
-                kind="files",
-                metrics=metrics_d,
-                metadata=metadata_d,
-                overwrite=overwrite,
-                problem=problem,
-                scan=True,  # DCP's files, checksummed on the leader once every rank wrote
-                phase="dcp_write",
-            )
-        except _DCPFailure as exc:
-            # One rank: the exchange hands back the rank's own error; report it as
-            # every multi-rank failure is reported.
-            failure = RankFailure(mgr.rank, "dcp_write", type(exc).__name__, str(exc))
-            raise DistributedCheckpointError([failure], step=step) from exc.dcp_error
-        return mgr._after_commit(done.manifest, done.timings, done.domain_views)
-
-    handle = saver.submit(step, run)
-    handle.blocked_s = time.perf_counter() - t0
+    handle = mgr.saving_async(
+        step,
+        write,
+        metrics=metrics,
+        metadata=_with_dcp_record(metadata, mgr.world_size),
+        overwrite=overwrite,
+        failed=problem,
+        phase="dcp_write",
+    )
+    handle.blocked_s = time.perf_counter() - t0  # the staging included
     return handle
 
 
