@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -61,7 +62,7 @@ import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import catalog, layout
 from ._version import __version__
@@ -74,12 +75,23 @@ from .errors import (
     ResumeError,
     StorageError,
 )
-from .layout import MANIFEST_NAME, META_DIR, PENDING_DIR, TRASH_DIR, validate_step
-from .manager import RUN_FILE, _new_run_id, _run_doc
+from .layout import (
+    MANIFEST_NAME,
+    META_DIR,
+    PENDING_DIR,
+    RUN_FILE,
+    TRASH_DIR,
+    new_run_id,
+    run_doc,
+    validate_step,
+)
 from .manifest import FileEntry, Hasher, Manifest, format_size
 from .storage import open_storage, posix
 from .storage.base import Storage
 from .strategies import choose_strategy, create_or_own
+
+if TYPE_CHECKING:
+    from .lock import RunLock
 
 __all__ = [
     "AdoptResult",
@@ -594,64 +606,86 @@ def adopt(
         rid = _run_id_for(storage, run_id, create=False)
         result = _classify(storage, framework, wanted, rid)
         return _dry_result(storage, rid, result, say)
-    rid = _run_id_for(storage, run_id, create=False) or _new_run_id()
+    rid = _run_id_for(storage, run_id, create=False) or new_run_id()
     lock = _acquire(storage, rid)
     try:
         # Under the lock: the run file is created (or matched) once, by the holder.
         rid = _run_id_for(storage, run_id, create=True, new=rid) or rid
         if record_layout is not None:
             record_layout()
-        out = AdoptResult(storage.url(""), rid)
-        seq = _last_commit_seq(storage)
-        strategy = choose_strategy(storage).name
-        for c in _classify(storage, framework, wanted, rid):
-            shown = _shown(storage, c.name)
-            if c.already:
-                out.already.append(c.step)
-                say(f"already {shown}: a committed checkpoint of run {rid} (nothing written)")
-                continue
-            if c.problem is not None or c.framework is None:
-                out.refused[c.step] = c.problem or "no framework rule applies"
-                say(f"REFUSED {shown}: {out.refused[c.step]}")
-                continue
-            lock.check()
-            t = time.monotonic()
-            try:
-                if c.framework.record is not None:
-                    written = c.framework.record(CheckpointFolder(storage, c.name, c.step))
-                    size = storage.size(c.name) or 0
-                    n_files = 1
-                else:
-                    seq += 1
-                    written, size, n_files = _record(
-                        storage, c, rid, seq, strategy, fence=lock.check
-                    )
-            except LockError:
-                raise  # fenced: another job took ROOT over; stop writing at once
-            except CheckpointError as exc:
-                if isinstance(exc, StorageError) and not _is_content_error(exc):
-                    raise
-                out.refused[c.step] = str(exc)
-                say(f"REFUSED {shown}: {exc}")
-                continue
-            if not written:
-                out.already.append(c.step)
-                say(f"already {shown}: recorded meanwhile (nothing written)")
-                continue
-            took = time.monotonic() - t
-            out.adopted.append(c.step)
-            out.frameworks[c.step] = c.framework.name
-            out.seconds[c.step] = took
-            out.size_bytes[c.step] = size
-            say(
-                f"adopted {shown} ({c.framework.name}): {format_size(size)} in {n_files} "
-                f"file(s), checksummed and recorded in {took:.2f} s"
-                + (f" ({format_size(size / took)}/s)" if took > 0 else "")
-            )
-            log.info("adopted %s (%s) into run %r", storage.url(c.name), c.framework.name, rid)
+        seqs = itertools.count(_last_commit_seq(storage) + 1)
+        out = adopt_held(
+            storage, rid, lock, wanted, framework=framework, next_seq=seqs.__next__, progress=say
+        )
     finally:
         lock.release()
     log.debug("adopt %s: %.2f s", storage.url(""), time.monotonic() - t0)
+    return out
+
+
+def adopt_held(
+    storage: Storage,
+    rid: str,
+    lock: RunLock,
+    wanted: list[int] | None = None,
+    *,
+    framework: str = AUTO,
+    next_seq: Callable[[], int],
+    strategy: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> AdoptResult:
+    """What :func:`adopt` does once it holds the run lock, for a caller that holds it
+    already (an open ``CheckpointManager``: ``CheckpointManager.adopt_existing``):
+    record each adoptable checkpoint of ``storage`` under run ``rid``, numbering each
+    commit with ``next_seq()``, every write fenced by ``lock``. Returns what was
+    adopted, refused or already committed. Not collective; one process."""
+    say = progress or (lambda line: None)
+    out = AdoptResult(storage.url(""), rid)
+    strategy = strategy or choose_strategy(storage).name
+    for c in _classify(storage, framework, wanted, rid):
+        shown = _shown(storage, c.name)
+        if c.already:
+            out.already.append(c.step)
+            say(f"already {shown}: a committed checkpoint of run {rid} (nothing written)")
+            continue
+        if c.problem is not None or c.framework is None:
+            out.refused[c.step] = c.problem or "no framework rule applies"
+            say(f"REFUSED {shown}: {out.refused[c.step]}")
+            continue
+        lock.check()
+        t = time.monotonic()
+        try:
+            if c.framework.record is not None:
+                written = c.framework.record(CheckpointFolder(storage, c.name, c.step))
+                size = storage.size(c.name) or 0
+                n_files = 1
+            else:
+                written, size, n_files = _record(
+                    storage, c, rid, next_seq(), strategy, fence=lock.check
+                )
+        except LockError:
+            raise  # fenced: another job took ROOT over; stop writing at once
+        except CheckpointError as exc:
+            if isinstance(exc, StorageError) and not _is_content_error(exc):
+                raise
+            out.refused[c.step] = str(exc)
+            say(f"REFUSED {shown}: {exc}")
+            continue
+        if not written:
+            out.already.append(c.step)
+            say(f"already {shown}: recorded meanwhile (nothing written)")
+            continue
+        took = time.monotonic() - t
+        out.adopted.append(c.step)
+        out.frameworks[c.step] = c.framework.name
+        out.seconds[c.step] = took
+        out.size_bytes[c.step] = size
+        say(
+            f"adopted {shown} ({c.framework.name}): {format_size(size)} in {n_files} "
+            f"file(s), checksummed and recorded in {took:.2f} s"
+            + (f" ({format_size(size / took)}/s)" if took > 0 else "")
+        )
+        log.info("adopted %s (%s) into run %r", storage.url(c.name), c.framework.name, rid)
     return out
 
 
@@ -868,7 +902,7 @@ def _record(
 ) -> tuple[bool, int, int]:
     """Checksum and fsync every file of ``c``, then write its manifest once. Returns
     (written, size in bytes, number of files)."""
-    files = _checksum_and_sync(storage, c.name)
+    files = checksum_and_sync(storage, c.name)
     # The framework never fsyncs: the folder's own entry in ROOT must be durable before
     # a manifest inside it is (else a power cut loses the folder with its manifest).
     storage.fsync_dir("")
@@ -901,7 +935,7 @@ def _record(
     return True, manifest.size_bytes, len(files)
 
 
-def _checksum_and_sync(storage: Storage, rel: str) -> tuple[FileEntry, ...]:
+def checksum_and_sync(storage: Storage, rel: str) -> tuple[FileEntry, ...]:
     """Read every file once for its checksum and fsync it; then fsync every directory,
     deepest first. A file whose size changes meanwhile (a writer still at work) makes
     the folder refused: adopting it would record a torn state."""
@@ -1011,24 +1045,24 @@ def _run_id_for(
     rid = run_id or (runs[0] if runs else None)
     if not create:
         return rid
-    rid = rid or new or _new_run_id()
+    rid = rid or new or new_run_id()
     storage.makedirs(META_DIR)
     storage.fsync_dir("")
-    if not storage.create_exclusive(RUN_FILE, _run_doc(rid)):
+    if not storage.create_exclusive(RUN_FILE, run_doc(rid)):
         return _run_id_for(storage, run_id, create=False) or rid
     return rid
 
 
-def _acquire(storage: Storage, run_id: str) -> Any:
+def _acquire(storage: Storage, run_id: str) -> RunLock:
     """Take the run lock. A holder that is this very process (an open
     ``CheckpointManager``) is refused rather than taken over: taking it would fence
     that manager in the middle of its run."""
-    from .lock import RunLock, _Me, read_lock_holder
+    from .lock import RunLock, read_lock_holder
 
     storage.makedirs(META_DIR)
     storage.fsync_dir("")
     holder = read_lock_holder(storage)
-    if holder is not None and holder._is_process(_Me.now()) and holder.is_live():
+    if holder is not None and holder.is_this_process() and holder.is_live():
         raise LockHeldError(
             f"the run lock on {storage.url('')} is held by this process (an open "
             "CheckpointManager or integration): adopt before opening it, or close it first"

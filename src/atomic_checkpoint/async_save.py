@@ -76,7 +76,7 @@ _HUGE_PAGE = 2 << 20
 _STREAM_STEP_BYTES = 256 << 20
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     """Give the calling thread only (Linux: priorities are per thread) the lowest CPU
     priority: SCHED_IDLE, else nice 19. Threads it starts inherit it."""
     if not sys.platform.startswith("linux"):
@@ -224,7 +224,7 @@ class AsyncSaver:
     def demote(self) -> None:
         """Called by the running save, on its own thread, once its snapshot is copied."""
         if self.lower_priority:
-            _lower_priority()
+            lower_priority()
 
     def join(self, timeout_s: float | None) -> bool:
         """Wait for the running save; True if it has ended."""

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from .preemption import GRACE_ENV, REQUEUE_EXIT_CODE, SIGNALS_DIR_ENV, _grace_from_env
+from .preemption import GRACE_ENV, REQUEUE_EXIT_CODE, SIGNALS_DIR_ENV, grace_from_env
 
 __all__ = ["main"]
 
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
     args.signals_to_handle = _with_sigusr1(args.signals_to_handle)
     try:
-        grace = _grace_from_env()
+        grace = grace_from_env()
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -41,7 +41,10 @@ is pure, the same strict regex with ``_`` in place of ``-``.
 
 from __future__ import annotations
 
+import json
 import re
+import socket
+import time
 import uuid
 
 MANIFEST_NAME = "checkpoint.manifest.json"
@@ -196,3 +199,14 @@ def validate_relative_path(path: object) -> str:
         if part in ("", ".", ".."):
             raise ValueError(f"file path {path!r} has a {part or 'empty'!r} component")
     return path
+
+
+def new_run_id() -> str:
+    """A fresh run id: ``run-<local date and time>-<8 hex digits>``."""
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def run_doc(run_id: str) -> bytes:
+    """The content of ROOT's run file (:data:`RUN_FILE`)."""
+    doc = {"run_id": run_id, "created_unix": time.time(), "host": socket.gethostname()}
+    return json.dumps(doc).encode()

@@ -253,6 +253,11 @@ class LockHolder:
             f"{_fmt_time(self.acquired_unix)} ({lease}; fencing token {self.token})"
         )
 
+    def is_this_process(self) -> bool:
+        """Whether the holder is the calling process (same host, pid, process start,
+        boot and pid namespace): an open manager of this very process."""
+        return self._is_process(_Me.now())
+
     def _is_process(self, me: _Me) -> bool:
         return (
             self.host == me.host

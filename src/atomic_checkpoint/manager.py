@@ -18,13 +18,12 @@ import functools
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import catalog, commit
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
@@ -51,7 +50,9 @@ from .layout import (
     REPLICATED_STATE_FILE,
     RUN_FILE,
     checkpoint_name,
+    new_run_id,
     rank_state_file,
+    run_doc,
     validate_step,
 )
 from .lock import DEFAULT_LEASE_S, RunLock
@@ -70,19 +71,12 @@ from .storage.base import Storage, direct_io
 from .storage.temps import abandoned_temps
 from .strategies import CommitStrategy, choose_strategy
 
+if TYPE_CHECKING:
+    from .adopt import AdoptResult
+
 log = logging.getLogger("atomic_checkpoint")
 
 _RESUME_MODES = ("auto", "must", "never")
-
-
-def _new_run_id() -> str:
-    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-
-
-def _run_doc(run_id: str) -> bytes:
-    """The content of ROOT's run file."""
-    doc = {"run_id": run_id, "created_unix": time.time(), "host": socket.gethostname()}
-    return json.dumps(doc).encode()
 
 
 class CheckpointManager:
@@ -421,15 +415,15 @@ class CheckpointManager:
         explicit_run_id = run_id is not None
         if run_id is None and agreed_run_id is not None:
             run_id = agreed_run_id
-            self.storage.create_exclusive(RUN_FILE, _run_doc(run_id))
+            self.storage.create_exclusive(RUN_FILE, run_doc(run_id))
         if run_id is None:
             run_id = recorded
             if run_id is None:
                 # No run file (a checkpoint copied into a new root) or a torn one: the
                 # checkpoints here say which run this is, never a silent fresh start
                 # over them (DESIGN invariant 6).
-                run_id = self._adopted_run_id() or _new_run_id()
-                if torn is None and not self.storage.create_exclusive(RUN_FILE, _run_doc(run_id)):
+                run_id = self._adopted_run_id() or new_run_id()
+                if torn is None and not self.storage.create_exclusive(RUN_FILE, run_doc(run_id)):
                     run_id = self._recorded_run_id() or run_id
         # The lock comes before the sweep: only the owner of ROOT may delete anything,
         # or a second job would sweep the pending data of a live one (E3, F1).
@@ -519,7 +513,7 @@ class CheckpointManager:
         current = self._recorded_run_id()
         if current is not None:
             return
-        self.storage.write_bytes_atomic(RUN_FILE, _run_doc(run_id))
+        self.storage.write_bytes_atomic(RUN_FILE, run_doc(run_id))
         log.warning(
             "replaced the damaged %s (%s): it now records run %r",
             self.storage.url(RUN_FILE),
@@ -599,6 +593,34 @@ class CheckpointManager:
     def _next_seq(self) -> int:
         self._last_seq += 1
         return self._last_seq
+
+    def adopt_existing(self, framework: str = "auto") -> AdoptResult:
+        """Record the complete checkpoints another tool wrote into ROOT as committed
+        checkpoints of this run, as :func:`atomic_checkpoint.adopt` does, under the run
+        lock this manager holds (``adopt`` takes the lock itself, so it runs before a
+        job opens ROOT or after it closes). On one process: call it on the coordinator
+        only (``load_dcp(adopt_existing=True)`` does, and shares the outcome).
+
+        Returns what was adopted, refused (with the reason) or already committed.
+
+        Raises:
+            CheckpointError: this manager is read-only or closed; storage errors.
+            LockError: another job took ROOT over (fenced: nothing more is written).
+        """
+        from .adopt import adopt_held
+
+        self._check_writable()
+        lock = self._lock
+        if lock is None:  # pragma: no cover - a writable manager holds it
+            raise CheckpointError(f"{self.root}: no run lock held")
+        return adopt_held(
+            self.storage,
+            self.run_id,
+            lock,
+            framework=framework,
+            next_seq=self._next_seq,
+            strategy=self.strategy.name,
+        )
 
     # ------------------------------------------------------------------ saving
     def _check_writable(self) -> None:

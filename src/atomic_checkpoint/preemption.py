@@ -93,6 +93,7 @@ __all__ = [
     "armed",
     "dataloader_worker_init",
     "disarm",
+    "grace_from_env",
     "protect_dataloaders",
     "protecting_loaders_of",
 ]
@@ -219,7 +220,7 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
         raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
     if grace_s is not None and not grace_s > 0:
         raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
-    grace = grace_s if grace_s is not None else _grace_from_env()
+    grace = grace_s if grace_s is not None else grace_from_env()
     if _armed is not None and _armed.record.pid == os.getpid():
         if set(wanted) <= set(_armed.signals):
             return
@@ -456,7 +457,7 @@ def protecting_loaders_of(obj: object, name: str) -> Callable[[], None]:
     return undo
 
 
-def _grace_from_env() -> float | None:
+def grace_from_env() -> float | None:
     text = os.environ.get(GRACE_ENV, "").strip()
     if not text:
         return None
@@ -515,7 +516,7 @@ class PreemptionGuard:
         self._manager = manager
         self._coord = manager.coordinator
         self.timeout_s = float(manager.timeout_s if timeout_s is None else timeout_s)
-        self.grace_s: float | None = grace_s if grace_s is not None else _grace_from_env()
+        self.grace_s: float | None = grace_s if grace_s is not None else grace_from_env()
         self._record = _Record()
         #: The step at which the ranks agreed to stop (None until they do).
         self.decided_step: int | None = None

@@ -121,7 +121,7 @@ from typing import Any
 from . import catalog, layout
 from ._faults import fault_point
 from ._version import __version__
-from .async_save import _lower_priority
+from .async_save import lower_priority
 from .coordination import Coordinator, SingleProcessCoordinator, default_coordinator
 from .errors import (
     CheckpointError,
@@ -537,7 +537,7 @@ class TieredCheckpointManager:
     def _replicate_loop(self) -> None:
         # Replication is never urgent next to training: the lowest CPU priority, as an
         # async save's writer thread (the copy's hashing runs here).
-        _lower_priority()
+        lower_priority()
         delay = _RETRY_MIN_S
         while True:
             with self._cv:
@@ -744,7 +744,7 @@ class TieredCheckpointManager:
         """Every rank's replicator, in lockstep through ``self._rc``: reconcile once,
         then one agreed round per step (see the module docstring). Each decision comes
         from values every rank received alike, so every rank takes the same next step."""
-        _lower_priority()
+        lower_priority()
         delay = _RETRY_MIN_S
         while True:
             with self._cv:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -362,3 +363,31 @@ def test_import_does_not_import_frameworks():
     code = "import sys, atomic_checkpoint; print(sorted(m for m in ('torch','fsspec','numpy','transformers','lightning') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_adopt_existing_records_another_tools_checkpoints_under_the_held_lock(tmp_path):
+    # A job whose manager is open (it holds the run lock, so atomic_checkpoint.adopt
+    # is refused) records the checkpoint another tool wrote into ROOT meanwhile.
+    from atomic_checkpoint import LockHeldError, ReadOnlyError, adopt
+
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"x": np.arange(3)})
+    stock = root / "checkpoint-5"
+    (stock / "model").mkdir(parents=True)
+    (stock / "model" / "weights.bin").write_bytes(b"w" * 4096)
+    (stock / "state.json").write_text("{}")
+    with pytest.raises(LockHeldError):
+        adopt(root, framework="generic")
+    result = mgr.adopt_existing(framework="generic")
+    assert result.adopted == [5] and result.refused == {} and result.already == [1]
+    assert [c.step for c in mgr.checkpoints()] == [1, 5]
+    info = mgr.checkpoints()[-1]
+    assert info.adopted and info.commit_seq > mgr.checkpoints()[0].commit_seq
+    mgr.verify(5)
+    assert mgr.adopt_existing(framework="generic").already == [1, 5]  # idempotent
+    mgr.save(6, {"x": np.arange(3)})  # the commit numbers go on after the adopted one
+    assert mgr.checkpoints()[-1].commit_seq > info.commit_seq
+    mgr.close()
+    with CheckpointManager(root, read_only=True) as reader, pytest.raises(ReadOnlyError):
+        reader.adopt_existing()

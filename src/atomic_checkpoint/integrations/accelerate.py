@@ -267,7 +267,7 @@ class FrameworkRoot:
         with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
             target = pending / nested if nested else pending
             # Marker strategy: the pending directory is the committed attempt directory.
-            final = str(pending) if _is_under(str(pending), final_base) else final_base
+            final = str(pending) if posix.is_under(str(pending), final_base) else final_base
             failure: BaseException | None = None
             try:
                 write(target, final)
@@ -424,11 +424,6 @@ class FrameworkRoot:
     def close(self) -> None:
         """Wait for background retention. Not collective; idempotent."""
         self.manager.close()
-
-
-def _is_under(path: str, parent: str) -> bool:
-    p, q = os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent))
-    return p == q or p.startswith(q + os.sep)
 
 
 def _masked_names(directory: Path) -> list[str]:

@@ -116,7 +116,6 @@ from ..errors import (
     CoordinationTimeoutError,
     CorruptCheckpointError,
     DistributedCheckpointError,
-    LockError,
     RankFailure,
     ResumeError,
     StorageError,
@@ -1005,38 +1004,19 @@ def _adopt_held(mgr: CheckpointManager) -> dict[int, str]:
     """On the coordinator, under the run lock ``mgr`` holds: record each complete stock
     ``checkpoint-<step>`` of ROOT (``stock_checkpoint_problem``) as ``adopt`` does
     (checksums taken now, every file and directory fsync'd, the manifest created once,
-    marked adopted). ``atomic_checkpoint.adopt`` takes the lock itself, which this job
-    already holds. Returns the refused steps with the reason."""
-    from ..adopt import _classify, _record
-
-    lock = mgr._lock
-    if lock is None:
+    marked adopted). Returns the refused steps with the reason."""
+    if mgr.read_only:
         raise CheckpointError(
             f"load_dcp(adopt_existing=True) writes manifests, and this manager of {mgr.root} "
             "is read-only: open it writable, or run `atomic-checkpoint adopt ROOT "
             "--framework dcp` first"
         )
-    refused: dict[int, str] = {}
-    strategy = mgr._strategy.name
-    for c in _classify(mgr.storage, _ADOPTED_BY, None, mgr.run_id):
-        if c.already:
-            continue
-        if c.problem is not None or c.framework is None:
-            refused[c.step] = c.problem or "no framework rule applies"
-            continue
-        lock.check()
-        try:
-            written, _, _ = _record(
-                mgr.storage, c, mgr.run_id, mgr._next_seq(), strategy, fence=lock.check
-            )
-        except LockError:
-            raise  # fenced: another job took ROOT over
-        except CheckpointError as exc:  # a file vanished or changed size: that folder only
-            refused[c.step] = str(exc)
-            continue
-        if written:
-            log.info("load_dcp: adopted the stock DCP checkpoint %s", mgr.storage.url(c.name))
-    return refused
+    result = mgr.adopt_existing(framework=_ADOPTED_BY)
+    for step in result.adopted:
+        log.info(
+            "load_dcp: adopted the stock DCP checkpoint %s", mgr.storage.url(checkpoint_name(step))
+        )
+    return dict(result.refused)
 
 
 def _adopt_existing(mgr: CheckpointManager) -> None:
@@ -1080,7 +1060,7 @@ def _adopt_path(parent: str, name: str) -> None:
     """On the first rank: give the stock DCP directory ``parent/name`` a manifest
     marked adopted (checksums taken now), or raise why not. A directory with a
     manifest is left as it is (its manifest is verified by the load)."""
-    from ..adopt import _checksum_and_sync
+    from ..adopt import checksum_and_sync
 
     final = os.path.join(parent, name)
     if not posix.is_dir(final):
@@ -1094,7 +1074,7 @@ def _adopt_path(parent: str, name: str) -> None:
             f"{final!r} is not a complete DCP checkpoint, so it is not adopted (nothing "
             f"written): {problem}"
         )
-    files = _checksum_and_sync(storage, name)
+    files = checksum_and_sync(storage, name)
     storage.fsync_dir("")  # DCP never fsyncs the directory's entry in its parent
     m = re.search(r"(0|[1-9][0-9]{0,18})$", name)
     manifest = Manifest(

@@ -83,7 +83,8 @@ from ..layout import checkpoint_name, parse_attempt_dir, parse_checkpoint_name
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protecting_loaders_of
 from ..retention import AnyOf, KeepLast
-from .accelerate import FrameworkRoot, _is_under
+from ..storage import posix
+from .accelerate import FrameworkRoot
 
 try:  # the callback must be a TrainerCallback; everything else works without transformers
     from transformers import TrainerCallback as _TrainerCallback
@@ -279,7 +280,7 @@ class _AtomicTrainer:
                     model.__dict__.pop("should_save_on_this_rank", None)
             state = trainer.state
             best = getattr(state, "best_model_checkpoint", None)
-            if best and _is_under(best, str(directory)):
+            if best and posix.is_under(best, str(directory)):
                 # The Trainer recorded the pending path as the best checkpoint; record
                 # where it will be once committed, in memory and in trainer_state.json.
                 state.best_model_checkpoint = _moved(best, str(directory), final)
@@ -309,7 +310,7 @@ class _AtomicTrainer:
         """Replaces ``trainer._push_from_checkpoint``: defers a push of the checkpoint
         being saved until it is committed, then pushes the committed path."""
         pending, final = self._pending, self._final
-        if pending is not None and final is not None and _is_under(checkpoint_folder, pending):
+        if pending is not None and final is not None and posix.is_under(checkpoint_folder, pending):
             self._pushes.append((_moved(checkpoint_folder, pending, final), args, kwargs))
             return None
         return self._orig_push(checkpoint_folder, *args, **kwargs)

@@ -361,3 +361,10 @@ def mtime(path: str) -> float | None:
         return os.stat(path).st_mtime
     except OSError:
         return None
+
+
+def is_under(path: str, parent: str) -> bool:
+    """Whether ``path`` is ``parent`` or inside it (lexically, after making both
+    absolute and normal; links are not followed)."""
+    p, q = os.path.normpath(os.path.abspath(path)), os.path.normpath(os.path.abspath(parent))
+    return p == q or p.startswith(q + os.sep)
