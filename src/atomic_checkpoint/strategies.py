@@ -73,7 +73,7 @@ from .layout import (
 )
 from .manifest import Manifest
 from .storage import posix
-from .storage.base import Storage
+from .storage.base import Storage, renaming
 from .storage.temps import abandoned_temps, parse_temp_name
 
 __all__ = [
@@ -322,7 +322,7 @@ class RenameStrategy:
         storage.fsync_dir(pending)
         fault_point("after_manifest", rank, manifest.step)
         try:
-            storage.rename_dir(pending, final)
+            renaming(storage).rename_dir(pending, final)
         except CheckpointExistsError:
             if not overwrite:
                 raise
@@ -335,7 +335,7 @@ class RenameStrategy:
             # The rename may not survive a crash, and every rank is about to be told the
             # save failed: take it back out of the namespace so no reader builds on it.
             try:
-                storage.rename_dir(final, pending)
+                renaming(storage).rename_dir(final, pending)
             except CheckpointError as exc:
                 log.warning(
                     "checkpoint step %d could not be un-committed after a failed "
@@ -356,13 +356,13 @@ class RenameStrategy:
         leftover goes with the next start's sweep or ``atomic-checkpoint clean``
         (DESIGN invariant 10).
         """
-        if storage.exchange_dirs(pending, final):
+        if renaming(storage).exchange_dirs(pending, final):
             # One atomic swap (renameat2 RENAME_EXCHANGE): readers see old or new.
             try:
                 fault_point("after_rename", rank, step)
                 storage.fsync_dir("")
             except BaseException:
-                _undo(lambda: storage.exchange_dirs(pending, final), storage, final)
+                _undo(lambda: renaming(storage).exchange_dirs(pending, final), storage, final)
                 raise
             _remove_replaced(storage, pending, step)  # now holds the old checkpoint
             return
@@ -380,15 +380,15 @@ class RenameStrategy:
             # .trash/ must be durable before a rename into it is.
             storage.makedirs(TRASH_DIR)
             storage.fsync_dir("")
-        storage.rename_dir(final, replaced)
+        renaming(storage).rename_dir(final, replaced)
         try:
             fault_point("mid_replace", rank, step)
-            storage.rename_dir(pending, final)
+            renaming(storage).rename_dir(pending, final)
         except BaseException:
             # The save is about to be reported as failed: the old copy goes back. If
             # that fails too, ``discard`` tries again, and the next start's sweep puts
             # a complete copy back whatever happens.
-            _undo(lambda: storage.rename_dir(replaced, final), storage, final)
+            _undo(lambda: renaming(storage).rename_dir(replaced, final), storage, final)
             raise
         try:
             fault_point("after_rename", rank, step)
@@ -396,8 +396,8 @@ class RenameStrategy:
         except BaseException:
 
             def put_back() -> None:
-                storage.rename_dir(final, pending)
-                storage.rename_dir(replaced, final)
+                renaming(storage).rename_dir(final, pending)
+                renaming(storage).rename_dir(replaced, final)
 
             _undo(put_back, storage, final)
             raise
@@ -425,7 +425,7 @@ class RenameStrategy:
         storage.makedirs(TRASH_DIR)
         trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
         try:
-            storage.rename_dir(name, trash)
+            renaming(storage).rename_dir(name, trash)
         except CheckpointNotFoundError:
             return None  # already gone: deletes tolerate ENOENT
         except StorageError as exc:
@@ -853,6 +853,8 @@ def choose_strategy(
     Raises:
         ValueError: ``requested`` is a string but not a strategy name.
         TypeError: ``requested`` is an object that lacks part of ``CommitStrategy``.
+        StorageError: ``requested`` is ``"rename"`` on a storage that has no directory
+            rename (an object store).
     """
     if requested is not None and not isinstance(requested, str):
         if not isinstance(requested, CommitStrategy):
@@ -869,6 +871,7 @@ def choose_strategy(
     if requested == "marker":
         return MarkerStrategy()
     if requested == "rename":
+        renaming(storage)  # an object store: StorageError (ENOTSUP), before anything runs
         if not caps.atomic_dir_rename:
             log.warning(
                 "atomic-checkpoint: strategy='rename' on %s (%s), whose directory rename is "
@@ -1127,7 +1130,7 @@ def restore_replaced(storage: Storage, pending: str) -> bool:
     final = checkpoint_name(step)
     if not storage.is_dir(replaced) or final in storage.listdir(""):
         return False
-    storage.rename_dir(replaced, final)
+    renaming(storage).rename_dir(replaced, final)
     storage.fsync_dir("")
     log.warning(
         "the overwrite of checkpoint step %d failed between its two renames: the previous "
@@ -1214,7 +1217,7 @@ def recover_replaced(storage: Storage, *, dry_run: bool = False) -> ReplaceRecov
             if dry_run:
                 keep.add(source)
             else:
-                storage.rename_dir(source, final)
+                renaming(storage).rename_dir(source, final)
                 storage.fsync_dir("")
                 storage.fsync_dir(source.split("/", 1)[0])
                 log.warning(

@@ -145,7 +145,7 @@ from .layout import (
 from .manager import CheckpointManager
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage
-from .storage.base import Storage
+from .storage.base import Storage, renaming
 
 __all__ = ["Tier", "TieredCheckpointInfo", "TieredCheckpointManager"]
 
@@ -2034,7 +2034,7 @@ class _PeerSink:
             self.storage.fsync_dir(self.staged)
             if self.storage.is_dir(self.final):
                 self.storage.delete_tree(self.final)  # an older copy of the step
-            self.storage.rename_dir(self.staged, self.final)
+            renaming(self.storage).rename_dir(self.staged, self.final)
             self.storage.fsync_dir(self.peer_dir)
         except CheckpointError as exc:
             self.abort()

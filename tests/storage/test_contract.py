@@ -40,7 +40,9 @@ from atomic_checkpoint.errors import (
     StorageError,
     StorageFullError,
 )
+from atomic_checkpoint.storage.base import RenamingStorage, StorageCapabilities, renaming
 from atomic_checkpoint.storage.detect import local_capabilities
+from atomic_checkpoint.strategies import choose_strategy
 
 try:
     import tests.testbed  # noqa: F401
@@ -221,10 +223,15 @@ def test_listdir_names_direct_children_sorted(storage):
 
 
 def _assert_rename_refused(storage, src: str, dst: str, before: dict[str, bytes]) -> None:
-    """No atomic directory rename: the backend must refuse and move nothing (a prefix
-    "move" on an object store is copy-then-delete and can stop half way)."""
+    """No atomic directory rename: an object store is not a ``RenamingStorage`` (a
+    prefix "move" there is copy-then-delete and can stop half way), so nothing can ask
+    it to rename, and asking through ``renaming`` says why; nothing moved."""
+    assert not isinstance(storage, RenamingStorage) and not hasattr(storage, "rename_dir")
+    with pytest.raises(StorageError, match="no atomic directory rename") as err:
+        renaming(storage).rename_dir(src, dst)
+    assert err.value.errno == errno.ENOTSUP
     with pytest.raises(StorageError, match="no atomic directory rename"):
-        storage.rename_dir(src, dst)
+        choose_strategy(storage, "rename")  # refused when the manager opens, not at a commit
     for path, data in before.items():
         assert storage.read_bytes(path) == data
 
@@ -272,6 +279,9 @@ def test_exchange_swaps_when_supported(storage):
     storage.makedirs("b")
     _write(storage, "a/x", b"A")
     _write(storage, "b/x", b"B")
+    if not isinstance(storage, RenamingStorage):
+        assert not hasattr(storage, "exchange_dirs")  # an object store: nothing to ask
+        return
     if storage.exchange_dirs("a", "b"):
         assert storage.read_bytes("a/x") == b"B"
         assert storage.read_bytes("b/x") == b"A"
@@ -538,14 +548,23 @@ def test_strategy_override_and_refusal(tmp_path, caplog):
     with pytest.raises(ValueError, match="strategy must be one of"):
         CheckpointManager(tmp_path / "a", strategy="copy")
     assert CheckpointManager(tmp_path / "b", strategy="marker").commit_strategy == "marker"
-    # Forcing rename where no atomic rename exists is allowed but warned about, and the
-    # object store then refuses the rename at commit time: nothing is half-moved.
+    # Forcing rename on an object store, which has no directory rename at all, is
+    # refused when the manager opens (not at its first commit), and leaves no lock.
     store = FsspecStorage(f"memory://override-{uuid.uuid4().hex[:8]}/root")
-    mgr = CheckpointManager(store, strategy="rename")
-    assert "whose directory rename is not atomic" in caplog.text
     with pytest.raises(StorageError, match="no atomic directory rename"):
-        mgr.save(1, {"x": 1})
-    assert mgr.checkpoints() == []
+        CheckpointManager(store, strategy="rename")
+    mgr = CheckpointManager(store)
+    assert mgr.commit_strategy == "marker" and mgr.save(1, {"x": 1}).step == 1
+    mgr.close()
+    # A mounted filesystem whose rename is not atomic (a copy+delete FUSE mount): allowed,
+    # with a warning.
+    fuse_like = LocalStorage(
+        tmp_path / "d", capabilities=StorageCapabilities(name="fuse.s3fs", atomic_dir_rename=False)
+    )
+    (tmp_path / "d").mkdir()
+    mgr = CheckpointManager(fuse_like, strategy="rename")
+    assert mgr.commit_strategy == "rename"
+    assert "whose directory rename is not atomic" in caplog.text
     mgr.close()
     with pytest.raises(ValueError, match="storage_options apply to URL roots"):
         CheckpointManager(tmp_path / "c", storage_options={"key": "k"})

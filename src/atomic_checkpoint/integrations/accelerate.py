@@ -98,7 +98,7 @@ from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protect_dataloaders, protecting_loaders_of
 from ..retention import KeepLast
 from ..storage import posix
-from ..storage.base import Storage
+from ..storage.base import Storage, renaming
 from ..storage.detect import local_capabilities
 from ..storage.local import LocalStorage
 from ..storage.project import ProjectStorage, layout_of, record_layout
@@ -317,7 +317,7 @@ class FrameworkRoot:
         trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
         try:
             storage.makedirs(TRASH_DIR)
-            storage.rename_dir(name, trash)
+            renaming(storage).rename_dir(name, trash)
         except CheckpointError as exc:
             log.warning("%s: could not move the torn %s aside: %s", self.label, name, exc)
             return

@@ -9,7 +9,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .base import Storage, StorageCapabilities, Writer
+from .base import RenamingStorage, Storage, StorageCapabilities, Writer
 from .detect import local_capabilities
 from .local import LocalStorage
 from .memory import MemoryStorage
@@ -22,6 +22,7 @@ __all__ = [
     "FsspecStorage",
     "LocalStorage",
     "MemoryStorage",
+    "RenamingStorage",
     "Storage",
     "StorageCapabilities",
     "Writer",

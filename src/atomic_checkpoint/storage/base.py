@@ -12,13 +12,14 @@ for large state files; reach it through :func:`direct_io`).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
-from ..errors import CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 
 #: The most bytes :meth:`Storage.read_bytes` reads. Everything read whole (manifests,
 #: the run file, lock and marker files) is untrusted input and far smaller; a larger
@@ -166,15 +167,6 @@ class Storage(Protocol):
         """Every file under ``path`` as (path relative to ``path``, size), sorted."""
         ...
 
-    def rename_dir(self, src: str, dst: str) -> None:
-        """Rename directory ``src`` to ``dst`` atomically; fails with
-        CheckpointExistsError if ``dst`` exists (never replaces it)."""
-        ...
-
-    def exchange_dirs(self, a: str, b: str) -> bool:
-        """Atomically swap two directories if the backend can; False if it cannot."""
-        ...
-
     def fsync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` durable (best effort where the
         platform cannot, see ``capabilities.dir_fsync``)."""
@@ -192,6 +184,41 @@ class Storage(Protocol):
         """Drop cached metadata of directory ``path`` where a client caches it
         (network filesystems); a no-op elsewhere."""
         ...
+
+
+@runtime_checkable
+class RenamingStorage(Storage, Protocol):
+    """A storage whose directories can be renamed: mounted filesystems (local disks,
+    NFS, sshfs, FUSE mounts). What the rename strategy, overwrite's swap and the
+    replaced-copy recovery need. Object stores (``FsspecStorage``) have no directory
+    rename (moving a prefix copies every object, then deletes it, and can stop half
+    way) and are not ``RenamingStorage``: their checkpoints commit with the marker
+    strategy, which never renames."""
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Rename directory ``src`` to ``dst`` in one namespace change where the
+        filesystem can (``capabilities.atomic_dir_rename``); fails with
+        CheckpointExistsError if ``dst`` exists (never replaces it)."""
+        ...
+
+    def exchange_dirs(self, a: str, b: str) -> bool:
+        """Atomically swap two directories if the backend can; False if it cannot."""
+        ...
+
+
+def renaming(storage: Storage) -> RenamingStorage:
+    """``storage`` as a :class:`RenamingStorage`, or ``StorageError`` (ENOTSUP) saying
+    that it has no directory rename."""
+    if isinstance(storage, RenamingStorage):
+        return storage
+    raise StorageError(
+        f"cannot rename directories in {storage.url('')!r}: {storage.capabilities.name} has no "
+        "atomic directory rename (moving a prefix copies every object, then deletes it, "
+        "and can stop half way). Checkpoints here are committed with the marker strategy, "
+        "which never renames",
+        errno=errno.ENOTSUP,
+        path=storage.url(""),
+    )
 
 
 #: Address, length and file offset of every O_DIRECT write are multiples of this: the

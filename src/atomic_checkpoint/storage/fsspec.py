@@ -662,19 +662,6 @@ class FsspecStorage:
             out.append((name[len(prefix) :], int(info["size"])))
         return sorted(out)
 
-    def rename_dir(self, src: str, dst: str) -> None:
-        raise StorageError(
-            f"cannot rename {self.url(src)!r} to {self.url(dst)!r}: {self.protocol}:// has "
-            "no atomic directory rename (moving a prefix copies every object, then deletes "
-            "it, and can stop half way). Checkpoints here are committed with the marker "
-            "strategy, which never renames",
-            errno=errno.ENOTSUP,
-            path=self.url(src),
-        )
-
-    def exchange_dirs(self, a: str, b: str) -> bool:
-        return False
-
     def fsync_dir(self, path: str) -> None:
         # Object stores: an object is durable when its PUT returns; nothing to flush.
         if not self.capabilities.dir_fsync:

@@ -42,7 +42,7 @@ from ..layout import (
     parse_accelerate_name,
     parse_checkpoint_name,
 )
-from .base import DirectWriter, Reader, Storage, Writer, direct_io
+from .base import DirectWriter, Reader, Storage, Writer, direct_io, renaming
 
 __all__ = ["ProjectStorage", "layout_of", "open_project", "record_layout"]
 
@@ -147,10 +147,10 @@ class ProjectStorage:
             # Accelerate creates checkpoints/ on its first save; a commit may come first.
             self.base.makedirs(ACCELERATE_DIR)
             self.base.fsync_dir("")
-        self.base.rename_dir(self.real(src), real_dst)
+        renaming(self.base).rename_dir(self.real(src), real_dst)
 
     def exchange_dirs(self, a: str, b: str) -> bool:
-        return self.base.exchange_dirs(self.real(a), self.real(b))
+        return renaming(self.base).exchange_dirs(self.real(a), self.real(b))
 
     def fsync_dir(self, path: str) -> None:
         if path:
