@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 from tests.dist.launcher import ok_values, run_ranks
 from tests.dist.workers import make_state, states_equal
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.pytest_fixtures import (  # noqa: F401
+    s3_bucket,
+    s3_server,
+    small_disk,
+    sshfs_export,
+)
 from tests.testbed.s3proxy import Rule, S3Proxy
 from tests.tiered import workers
 
@@ -27,11 +32,21 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 3
 
 
-@pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.netfs)])
+@pytest.fixture(
+    params=[
+        "dir",
+        pytest.param("s3", marks=pytest.mark.netfs),
+        pytest.param("sshfs", marks=pytest.mark.netfs),
+    ]
+)
 def persistent(request, tmp_path):
-    """The persistent tier: a local directory, or a prefix on the real S3 server."""
+    """The persistent tier: a local directory, a prefix on the real S3 server, or a
+    directory on a real sshfs mount (a network filesystem that every node mounts)."""
     if request.param == "dir":
         return str(tmp_path / "persistent"), None
+    if request.param == "sshfs":
+        mount = request.getfixturevalue("sshfs_export").mount(tmp_path / "persistent-mnt")
+        return str(Path(mount.path) / "run"), None
     server = request.getfixturevalue("s3_server")
     bucket = request.getfixturevalue("s3_bucket")
     return f"s3://{bucket}/run", server.storage_options()
@@ -190,3 +205,43 @@ def test_saves_go_on_while_s3_is_unreachable_and_every_rank_catches_up(
         catalog.load_checkpoint(reader.storage, s, full=True)
         for r in range(WORLD):
             assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
+
+
+def test_a_full_local_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_path, small_disk):
+    # Node 1's tier 0 is a real 8 MiB tmpfs that fills up between two saves: the save
+    # of step 2 fails on every rank with the same error naming node 1's disk, nothing
+    # of it is committed anywhere, step 1 stays restorable on both tiers, and once the
+    # space is back step 3 saves and replicates as usual.
+    disk = small_disk(8, "tmpfs")
+    node1 = str(Path(disk.path) / "node1")
+    filler = str(Path(disk.path) / "filler")
+    slow = str(tmp_path / "persistent")
+    base = str(tmp_path / "nodes")
+    values = ok_values(
+        run_ranks(
+            workers.w_tiered_disk_full,
+            WORLD,
+            base,
+            slow,
+            None,
+            node1,
+            filler,
+            tmp_dir=str(tmp_path),
+            timeout_s=120,
+        )
+    )
+    assert all(v["replicated1"] and v["replicated"] and v["left"] == [] for v in values)
+    errors = [v["saved"][2] for v in values]
+    assert errors[0] is not None and all(e == errors[0] for e in errors), errors
+    assert "rank 1" in errors[0][1] and "No space left" in errors[0][1], errors[0]
+    assert all(v["saved"][3] is None for v in values)
+    assert all([s for s, _t in v["listed"]] == [1, 3] for v in values), values
+    reader = CheckpointManager(slow, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 3]
+    for s in (1, 3):
+        for r in range(WORLD):
+            assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
+    for r in range(WORLD):
+        where = node1 if r == 1 else str(Path(base) / f"node{r}")
+        assert not os.path.exists(os.path.join(where, checkpoint_name(2)))
+        assert values[r]["tier0"] == [3]

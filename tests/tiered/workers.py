@@ -216,3 +216,59 @@ def w_peers(
     out["listed"] = [(c.step, c.tiers, c.node_copies) for c in mgr.checkpoints()]
     out["left"] = mgr.close(timeout_s=1 if flag is not None else None)
     return out
+
+
+def w_tiered_disk_full(
+    rank: int,
+    world: int,
+    base: str,
+    slow: str,
+    opts: dict[str, Any] | None,
+    node1_dir: str,
+    filler: str,
+) -> dict[str, Any]:
+    """Node 1's tier 0 is ``node1_dir`` on a small filesystem. Save step 1 and wait
+    until it is replicated; then node 1's disk fills up (rank 1 writes ``filler`` until
+    ENOSPC) and every rank saves step 2, which must fail alike; rank 1 frees the space
+    and every rank saves step 3. Reports each save's outcome and what is where."""
+    import errno
+
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointManager
+
+    os.environ[HOST_ENV] = f"node{rank}"
+    fast = node1_dir if rank == 1 else os.path.join(base, f"node{rank}")
+    mgr = TieredCheckpointManager(
+        [Tier(fast, retention=KeepLast(1)), Tier(slow, retention=KeepLast(3), storage_options=opts)],
+        timeout_s=30,
+        retry_max_s=0.5,
+        fast_domains="per-host",
+    )
+    out: dict[str, Any] = {"saved": {}}
+    mgr.save(1, make_state(1, rank, big_elems=ELEMS))
+    out["replicated1"] = mgr.wait_replicated(timeout_s=60)
+    dist.barrier()
+    if rank == 1:
+        with open(filler, "wb") as f:  # the disk is full from here on
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 16))
+                    f.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    dist.barrier()
+    for s in (2, 3):
+        try:
+            mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+            out["saved"][s] = None
+        except Exception as exc:  # every rank must get the same error
+            out["saved"][s] = [type(exc).__name__, str(exc)]
+        if s == 2 and rank == 1:
+            os.remove(filler)  # space again
+        dist.barrier()
+    out["replicated"] = mgr.wait_replicated(timeout_s=60)
+    out["listed"] = [(c.step, c.tiers) for c in mgr.checkpoints()]
+    out["tier0"] = [c.step for c in CheckpointManager(fast, read_only=True).checkpoints()]
+    out["left"] = mgr.close()
+    return out
