@@ -240,7 +240,10 @@ def w_tiered_disk_full(
     os.environ[HOST_ENV] = f"node{rank}"
     fast = node1_dir if rank == 1 else os.path.join(base, f"node{rank}")
     mgr = TieredCheckpointManager(
-        [Tier(fast, retention=KeepLast(1)), Tier(slow, retention=KeepLast(3), storage_options=opts)],
+        [
+            Tier(fast, retention=KeepLast(1)),
+            Tier(slow, retention=KeepLast(3), storage_options=opts),
+        ],
         timeout_s=30,
         retry_max_s=0.5,
         fast_domains="per-host",
