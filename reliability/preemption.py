@@ -711,3 +711,53 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
         progress(line)
     progress(f"per-trial records: {log} (kept when --workdir is given)")
     return tally.finish()
+
+
+# ---------------------------------------------------------------------- docs tables
+def markdown(records: list[dict[str, Any]]) -> str:
+    """The per-moment and per-pattern tables of ``docs/preemption.md`` from a run's
+    records. Each cell: trials: launcher exit 75 / saved the agreed step in time (our
+    loop; the frameworks' rows: the newest checkpoint loads with the framework's
+    resume) / the requeued job resumed the newest checkpoint bit-exactly (/ killed at
+    the grace end)."""
+    records = [r for r in records if "rc" in r]
+    kinds = [k for k in KINDS if any(r["kind"] == k for r in records)]
+
+    def cell(rs: list[dict[str, Any]]) -> str:
+        if not rs:
+            return ""
+        n = len(rs)
+        exit75 = sum(1 for r in rs if r["requeue"])
+        middle = sum(
+            1 for r in rs if (r["saved_in_time"] if "-" not in r["kind"] else r["newest_loads"])
+        )
+        resumed = sum(1 for r in rs if r.get("resumed"))
+        killed = sum(1 for r in rs if r["killed_at_grace_end"])
+        text = f"{n}: {exit75} / {middle} / {resumed}"
+        return text + (f" / {killed} killed" if killed else "")
+
+    lines: list[str] = []
+    for axis, values in (
+        ("moment", list(dict.fromkeys((*MOMENTS, *FW_MOMENTS)))),
+        ("delivery pattern", list(PATTERNS)),
+    ):
+        key = "moment" if axis == "moment" else "pattern"
+        lines.append(f"| {axis} | " + " | ".join(kinds) + " |")
+        lines.append("|---|" + "---|" * len(kinds))
+        for v in values:
+            cells = [cell([r for r in records if r["kind"] == k and r[key] == v]) for k in kinds]
+            if any(cells):
+                lines.append(f"| {v} | " + " | ".join(cells) + " |")
+        lines.append(
+            "| all | "
+            + " | ".join(cell([r for r in records if r["kind"] == k]) for k in kinds)
+            + " |"
+        )
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # python -m reliability.preemption WORKDIR/preemption/trials.jsonl
+    with open(sys.argv[1]) as f:
+        print(markdown([json.loads(line) for line in f if line.strip()]))
