@@ -809,8 +809,18 @@ class TieredCheckpointManager:
             except CheckpointError as exc:
                 self._drop_persistent()
                 error = ("retry", f"{type(exc).__name__}: {exc}")
+        # With peer replicas, each node leader also says whose peer copies it holds, so
+        # that a step saved before this start (a restart) gets its copies too.
+        held = None
+        if self._peer_group is not None and self.fast.is_coordinator:
+            try:
+                holdings = self._peer_holdings()[0]
+                held = {step: sorted({n for n, _r in v}) for step, v in holdings.items()}
+            except CheckpointError as exc:
+                log.warning("could not list the peer copies under %s: %s", self.fast.root, exc)
+                held = {}
         views = self._rc.all_gather(
-            "tiered: reconcile", (on_fast, on_slow, error), timeout_s=self.timeout_s
+            "tiered: reconcile", (on_fast, on_slow, error, held), timeout_s=self.timeout_s
         )
         kind, msg = views[0][2] or (None, None)
         if kind == "fatal":
@@ -821,11 +831,42 @@ class TieredCheckpointManager:
         common = set.intersection(*(v[0] for v in views if v[0] is not None))
         newest_slow = max(slow_steps, default=None)
         missing = {s for s in common - slow_steps if newest_slow is None or s > newest_slow}
+        peer_state = self._peer_state_at_start(common, views)
         with self._cv:
             self._todo = {s for s in self._todo | missing if s not in slow_steps}
             self._replicated |= common & slow_steps
+            if peer_state is not None:
+                step, complete = peer_state
+                if complete:
+                    self._peer_safe.add(step)
+                elif step not in self._peer_done:
+                    self._peer_todo.add(step)
             self._reconciled = True
             self._cv.notify_all()
+
+    def _peer_state_at_start(
+        self, common: set[int], views: list[tuple[Any, ...]]
+    ) -> tuple[int, bool] | None:
+        """With peer replicas: the newest step every node holds on tier 0 at this start
+        (saved before it, by an earlier run of the job), and whether the leaders'
+        reports (``views``, gathered alike on every rank) show each node's files of it
+        committed on the next ``peers`` nodes already. If not, the replicator runs its
+        peer round, so that a restarted job is again recoverable without the persistent
+        tier; if so, it is ``peer_recoverable`` at once. None without peer replicas or
+        without such a step."""
+        if self._peer_group is None or not common:
+            return None
+        step, domain = max(common), self.fast.domain
+        n = domain.count
+        holders: dict[int, set[int]] = {}  # source node -> nodes holding its copy of step
+        for receiver, leader in enumerate(domain.leaders):
+            for src in (views[leader][3] or {}).get(step, ()):
+                holders.setdefault(src, set()).add(receiver)
+        complete = all(
+            {(src + d) % n for d in range(1, self._peers + 1)} <= holders.get(src, set())
+            for src in range(n)
+        )
+        return step, complete
 
     def _new_persistent(self) -> CheckpointManager:
         """A manager of tier 1 (taking its run lock), driven by this process alone."""
@@ -1179,7 +1220,9 @@ class TieredCheckpointManager:
     def peer_recoverable(self) -> list[int]:
         """The steps saved by this job whose every node's files are committed on
         ``peers + 1`` nodes' tier 0 (agreed by a gathered round on every rank): they
-        survive the loss of ``peers`` nodes without the persistent tier."""
+        survive the loss of ``peers`` nodes without the persistent tier. After a
+        restart, the newest step every node holds counts too once its peer copies are
+        complete (found so at the start, or sent by the start's own peer round)."""
         with self._cv:
             return sorted(self._peer_safe)
 

@@ -179,3 +179,40 @@ def test_peers_zero_changes_nothing(tmp_path):
     )
     assert all(v["latest"] == (2, (1,)) for v in second), second
     assert all(v["restored_ok"] and v["restored"] == (2, (0, 1), ()) for v in second), second
+
+
+def test_a_restarted_job_gives_the_steps_saved_before_it_their_peer_copies(tmp_path):
+    # Steps 1 and 2 were saved by a run without peer replicas (or whose peer rounds
+    # never ran: a crash right after the save). The restart with peers=1 finds step 2
+    # on every node but on no peer and sends it round the ring, so the job is again
+    # recoverable without the persistent tier; a wiped node then restores from a peer.
+    slow = tmp_path / "persistent"
+    base = tmp_path / "nodes"
+    args = (str(base), str(slow), None)
+    first = ok_values(run_ranks(workers.w_peers, WORLD, *args, 0, [1, 2], tmp_dir=str(tmp_path)))
+    assert all(v["replicated"] and v["recoverable"] == [] for v in first), first
+    assert not any((base / f"node{n}" / ".peers").exists() for n in range(WORLD))
+
+    again = ok_values(
+        run_ranks(workers.w_peers, WORLD, *args, 1, [], [], None, True, tmp_dir=str(tmp_path))
+    )
+    assert all(v["restored"] == (2, (0,), ()) and v["restored_ok"] for v in again), again
+    assert all(v["peered"] and v["recoverable"] == [2] for v in again), again
+    for node in range(WORLD):
+        copy = _peer_copy(base, (node + 1) % WORLD, node, 2)
+        own = base / f"node{node}" / checkpoint_name(2)
+        assert _rank_file(copy, node).read_bytes() == _rank_file(own, node).read_bytes()
+    # A third start finds the copies complete: nothing is sent again.
+    before = {p: p.stat().st_mtime_ns for p in base.glob("node*/.peers/*/checkpoint-2/*")}
+    third = ok_values(
+        run_ranks(workers.w_peers, WORLD, *args, 1, [], [], None, True, tmp_dir=str(tmp_path))
+    )
+    assert all(v["recoverable"] == [2] for v in third), third
+    assert {p: p.stat().st_mtime_ns for p in base.glob("node*/.peers/*/checkpoint-2/*")} == before
+
+    # Node 1 is replaced and the persistent tier is gone: rank 1's file of step 2 comes
+    # from node 2's peer copy, and every rank restores exactly.
+    shutil.rmtree(base / "node1")
+    slow.rename(tmp_path / "persistent-away")
+    fourth = ok_values(run_ranks(workers.w_peers, WORLD, *args, 1, [], tmp_dir=str(tmp_path)))
+    assert all(v["restored_ok"] and v["restored"] == (2, (0,), (1,)) for v in fourth), fourth

@@ -178,11 +178,13 @@ def w_peers(
     steps: list[int],
     held: list[int] = (),  # type: ignore[assignment]
     flag: str | None = None,
+    settle: bool = False,
 ) -> dict[str, Any]:
     """Restore the newest step every rank can load (if any), save ``steps`` and wait
     until the persistent tier and the peers have them; then (``flag``: rank 0 creates
     it once every rank got there, and the proxy in front of the persistent tier answers
-    503 from then on) save ``held`` and wait for their peer copies only."""
+    503 from then on) save ``held`` and wait for their peer copies only. ``settle``:
+    with no ``steps``, wait all the same (for what this start found to do)."""
     import torch.distributed as dist
 
     _, mgr = _node_manager(
@@ -200,7 +202,7 @@ def w_peers(
         out["restored"] = (got.step, got.tiers, got.from_peers)
     for s in steps:
         mgr.save(s, make_state(s, rank, big_elems=ELEMS))
-    if steps:
+    if steps or settle:
         out["replicated"] = mgr.wait_replicated(timeout_s=60)
         out["peered"] = mgr.wait_peers(timeout_s=60)
     if flag is not None:
