@@ -145,7 +145,16 @@ if int(os.environ.get("PREEMPT_LOADER_WORKERS", "0")):
     from torch.utils.data import DataLoader
 
     n = int(os.environ["PREEMPT_LOADER_WORKERS"])
-    loader = DataLoader(list(range(100_000)), batch_size=8, num_workers=n, persistent_workers=True)
+    # Batches as lists: tensors would come back through shared memory, whose
+    # descriptors travel over an AF_UNIX socket in $TMPDIR (too long a path under
+    # pytest's temporary directories).
+    loader = DataLoader(
+        list(range(100_000)),
+        batch_size=8,
+        num_workers=n,
+        persistent_workers=True,
+        collate_fn=list,
+    )
     if os.environ.get("PREEMPT_STOCK") != "1":
         preemption.protect_dataloaders(loader)
     loader_it = iter(loader)
