@@ -81,7 +81,7 @@ from typing import Any, NoReturn
 
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
-from .storage.posix import is_dir, list_names, make_dirs
+from .storage.posix import is_dir, list_names, make_dirs, read_head
 
 __all__ = [
     "ARM_ENV",
@@ -345,8 +345,12 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
         loader = DataLoader(data, num_workers=4, worker_init_fn=preemption.dataloader_worker_init)
 
     With a ``worker_init_fn`` of your own, call ``preemption.dataloader_worker_init()``
-    at its start. Runs in the worker process; a no-op in any other process, and where
-    the platform has no ``sigwaitinfo`` (Windows).
+    at its start. At the trainer's exit, workers that do not leave on its SIGTERM
+    within half a second are killed (a scheduler's SIGTERM can swallow the trainer's:
+    standard signals do not queue); :func:`protect_dataloaders` and
+    ``PreemptionGuard`` arrange that in the trainer. Runs in the worker process; a
+    no-op in any other process, and where the platform has no ``sigwaitinfo``
+    (Windows).
     """
     del worker_id  # the signature torch calls it with
     worker = sys.modules.get("torch.utils.data._utils.worker")
@@ -368,6 +372,75 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
                 os._exit(0)  # the loader stops its worker: as torch's own handler
 
     threading.Thread(target=take, name="atomic-checkpoint-worker-signals", daemon=True).start()
+
+
+#: How long the reaper waits for DataLoader workers to leave on SIGTERM at exit before
+#: it kills them.
+REAP_WAIT_S = 0.5
+_reaper_registered = False
+
+
+def _register_worker_reaper() -> None:
+    """In the trainer (idempotent): :func:`_reap_loader_workers` at interpreter exit."""
+    global _reaper_registered
+    if _reaper_registered:
+        return
+    import atexit
+    import multiprocessing.util  # noqa: F401 - its exit handler is registered first
+
+    # atexit runs handlers last-registered first: this one runs before multiprocessing's,
+    # which SIGTERMs daemonic children and then joins them without a bound.
+    atexit.register(_reap_loader_workers)
+    _reaper_registered = True
+
+
+def _reap_loader_workers() -> None:
+    """At the trainer's exit: stop its protected DataLoader workers, and kill those that
+    do not go within :data:`REAP_WAIT_S`.
+
+    A protected worker (:func:`dataloader_worker_init`) exits on its trainer's SIGTERM
+    and goes on through anyone else's. Standard signals do not queue: when the
+    scheduler's SIGTERM is still pending in the worker (not yet taken by its waiting
+    thread) as the trainer's arrives, the two merge into one that says it came from the
+    scheduler, and the worker goes on. Python's own exit handler SIGTERMs daemonic
+    children and joins them without a bound: the trainer would hang at exit until the
+    scheduler's SIGKILL, losing its requeue exit status. Only daemonic children whose
+    main thread blocks SIGTERM (what ``dataloader_worker_init`` does) are touched;
+    others are left to Python's handler.
+    """
+    import multiprocessing
+
+    try:
+        workers = [
+            p
+            for p in multiprocessing.active_children()
+            if p.daemon and p.pid is not None and _blocks_sigterm(p.pid)
+        ]
+        for p in workers:
+            p.terminate()
+        deadline = time.monotonic() + REAP_WAIT_S
+        for p in workers:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in workers:
+            if p.is_alive():
+                log.debug("DataLoader worker %s did not leave on SIGTERM: killed", p.pid)
+                p.kill()
+                p.join(5.0)
+    except Exception as exc:  # at exit: never in the way of the exit status
+        log.debug("stopping the DataLoader workers at exit: %s", exc)
+
+
+def _blocks_sigterm(pid: int) -> bool:
+    """Whether process ``pid``'s main thread blocks SIGTERM (Linux: ``SigBlk`` of
+    ``/proc/<pid>/status``; False where that cannot be read)."""
+    try:
+        status = read_head(f"/proc/{pid}/status", 4096)
+    except StorageError:
+        return False
+    for line in (status or b"").splitlines():
+        if line.startswith(b"SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 class _WorkerInit:
@@ -415,6 +488,7 @@ def protect_dataloaders(loaders: object, signals: Iterable[int] = DEFAULT_SIGNAL
         protect_dataloaders(inner, signals)
         return
     current = loaders.worker_init_fn
+    _register_worker_reaper()
     if current is dataloader_worker_init or isinstance(current, _WorkerInit):
         return
     loaders.worker_init_fn = _WorkerInit(current, tuple(signals))
@@ -511,6 +585,8 @@ class PreemptionGuard:
         self.signals: tuple[int, ...] = tuple(signal.Signals(s) for s in signals)
         if not self.signals:
             raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
+        # Workers given dataloader_worker_init directly are stopped at exit too.
+        _register_worker_reaper()
         if grace_s is not None and not grace_s > 0:
             raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
         self._manager = manager

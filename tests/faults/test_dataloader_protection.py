@@ -9,9 +9,12 @@ protection is what makes the difference.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,10 +56,13 @@ def _children() -> set[int]:
 
 
 def _start(loader: object) -> tuple[object, set[int]]:
-    """Iterate ``loader`` up to its first batch; returns the iterator and its workers
+    """Iterate ``loader`` for two batches; returns the iterator and its workers
     (this process's children that its iteration started)."""
     before = _children()
     it = iter(loader)  # type: ignore[call-overload]
+    # Two batches: one from each worker (round robin), so both have run their init
+    # (torch's own SIGTERM handler is in place until then).
+    next(it)
     next(it)
     return it, _children() - before
 
@@ -157,3 +163,58 @@ def test_outside_a_worker_the_init_is_a_no_op():
     preemption.dataloader_worker_init()
     assert preemption.signal.getsignal(preemption.signal.SIGTERM) is handler
     assert not preemption.signal.pthread_sigmask(preemption.signal.SIG_BLOCK, [])
+
+
+_EXITING_TRAINER = """
+import os, sys, time
+sys.path.insert(0, {src!r})
+from torch.utils.data import DataLoader
+from atomic_checkpoint import preemption
+
+loader = DataLoader(list(range(100_000)), batch_size=4, num_workers=2, persistent_workers=True,
+                    collate_fn=list)
+preemption.protect_dataloaders(loader)
+it = iter(loader)  # alive until the interpreter exits, as a training script's iterator
+next(it), next(it)  # a batch from each worker: both have run their init
+print(" ".join(str(w.pid) for w in it._workers), flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+sys.exit(75)  # as guard.exit() does once saved: the workers are stopped at exit
+"""
+
+
+def test_a_scheduler_sigterm_that_swallows_the_trainers_does_not_hang_its_exit(tmp_path):
+    # Standard signals do not queue: a worker whose scheduler SIGTERM is still pending
+    # when the trainer's own SIGTERM (stopping it at exit) comes sees one signal, from
+    # the scheduler, and goes on; Python's exit handler then joins it without a bound.
+    # Made certain here by stopping the workers (SIGSTOP) while both signals arrive.
+    go = tmp_path / "go"
+    src = str(Path(preemption.__file__).parents[1])
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _EXITING_TRAINER.format(src=src), str(go)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        workers = [int(p) for p in trainer.stdout.readline().split()]
+        assert len(workers) == 2
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        subprocess.run(["kill", "-TERM", *map(str, workers)], check=True)  # the scheduler
+        go.touch()  # the trainer exits, and SIGTERMs its workers: merged, still stopped
+        time.sleep(0.3)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        assert trainer.wait(timeout=20) == 75  # no hang, the exit status kept
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in workers):
+            assert time.monotonic() < deadline, "a DataLoader worker outlived its trainer"
+            time.sleep(0.05)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        if trainer.stdout is not None:
+            trainer.stdout.close()
