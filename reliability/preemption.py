@@ -107,6 +107,7 @@ SIZES = {
     "full": {"ours": 500, "stock": 50, **{k: 25 for k in KINDS[2:]}},
 }
 SAVE_EVERY = 3  # periodic saves at 3, 6, 9, ...; KeepLast(3) first rotates at 12
+KEEP = 3  # preempt_train.py's retention: KeepLast(3)
 
 
 def _nth(moment: str, rng: random.Random) -> int:
@@ -531,7 +532,11 @@ def _one(
         }
     )
     if t.framework is None and prev is not None:
-        record["previous_kept"] = prev in committed and problem is None
+        # Kept, or replaced by retention: KeepLast(KEEP) deletes it once KEEP newer steps
+        # are committed (an in-flight async save and the steps trained meanwhile can
+        # commit that many before the stop).
+        replaced = len([s for s in committed if s > prev]) >= KEEP
+        record["previous_kept"] = (prev in committed or replaced) and problem is None
     record["resumed"] = (
         record["restart_problem"] is None and record["restart_step"] == newest
         if t.framework is None
