@@ -348,9 +348,10 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
     at its start. At the trainer's exit, workers that do not leave on its SIGTERM
     within half a second are killed (a scheduler's SIGTERM can swallow the trainer's:
     standard signals do not queue); :func:`protect_dataloaders` and
-    ``PreemptionGuard`` arrange that in the trainer. Runs in the worker process; a
-    no-op in any other process, and where the platform has no ``sigwaitinfo``
-    (Windows).
+    ``PreemptionGuard`` arrange that in the trainer. A signal that reaches a worker
+    before its ``worker_init_fn`` has run (its first moments, while torch's handler is
+    still in place) ends it as before. Runs in the worker process; a no-op in any other
+    process, and where the platform has no ``sigwaitinfo`` (Windows).
     """
     del worker_id  # the signature torch calls it with
     worker = sys.modules.get("torch.utils.data._utils.worker")

@@ -612,7 +612,7 @@ loader = iter(DataLoader(Batches(), batch_size=4, num_workers=2, worker_init_fn=
 mgr = CheckpointManager(sys.argv[1])
 out = {{"saved": None, "error": None}}
 with PreemptionGuard(mgr) as guard:
-    next(loader)
+    next(loader), next(loader)  # a batch from each worker: both have run their init
     # The scheduler (another process) signals every process of the job step: the
     # trainer and its DataLoader workers.
     pids = [w.pid for w in loader._workers] + [os.getpid()]
