@@ -348,10 +348,12 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
     at its start. At the trainer's exit, workers that do not leave on its SIGTERM
     within half a second are killed (a scheduler's SIGTERM can swallow the trainer's:
     standard signals do not queue); :func:`protect_dataloaders` and
-    ``PreemptionGuard`` arrange that in the trainer. A signal that reaches a worker
-    before its ``worker_init_fn`` has run (its first moments, while torch's handler is
-    still in place) ends it as before. Runs in the worker process; a no-op in any other
-    process, and where the platform has no ``sigwaitinfo`` (Windows).
+    ``PreemptionGuard`` arrange that in the trainer. Loaders protected by
+    :func:`protect_dataloaders` also start their workers (by fork, spawn or forkserver)
+    with these signals blocked, so one that comes before this init has run waits for it;
+    used alone as a ``worker_init_fn``, a signal in the worker's first moments (torch's
+    handler still in place) ends it as before. Runs in the worker process; a no-op in any
+    other process, and where the platform has no ``sigwaitinfo`` (Windows, macOS).
     """
     del worker_id  # the signature torch calls it with
     worker = sys.modules.get("torch.utils.data._utils.worker")
@@ -364,7 +366,7 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
     # Blocked in this thread before any other exists (the loader's threads and ours
     # inherit the mask), so only the waiting thread ever takes these signals.
     signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
-    trainer = os.getppid()
+    trainer = _trainer_pid()
 
     def take() -> None:
         while True:
@@ -373,6 +375,17 @@ def dataloader_worker_init(worker_id: int = 0, signals: Iterable[int] = DEFAULT_
                 os._exit(0)  # the loader stops its worker: as torch's own handler
 
     threading.Thread(target=take, name="atomic-checkpoint-worker-signals", daemon=True).start()
+
+
+def _trainer_pid() -> int:
+    """In a DataLoader worker: the pid of the process that started it (its loader's).
+    Not always the parent: a ``forkserver`` worker (Python 3.14's default start method
+    on Linux) is the fork server's child, while multiprocessing records the process
+    that asked for it."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent.pid if parent is not None and parent.pid is not None else os.getppid()
 
 
 #: How long the reaper waits for DataLoader workers to leave on SIGTERM at exit before
@@ -493,6 +506,40 @@ def protect_dataloaders(loaders: object, signals: Iterable[int] = DEFAULT_SIGNAL
     if current is dataloader_worker_init or isinstance(current, _WorkerInit):
         return
     loaders.worker_init_fn = _WorkerInit(current, tuple(signals))
+    own = vars(loaders).get("_get_iterator")
+    if hasattr(signal, "sigwaitinfo") and hasattr(type(loaders), "_get_iterator"):
+        loaders._get_iterator = _StartingBlocked(loaders, own)
+
+
+class _StartingBlocked:
+    """A protected DataLoader's ``_get_iterator`` (set on the instance): torch's, with
+    the preemption signals blocked in the calling thread while it starts the workers.
+
+    A child inherits its parent's signal mask across fork and exec, so every thread of
+    a worker is born with them blocked, the native thread that ``import torch`` starts
+    included: a spawned or forkserver worker has it before its ``worker_init_fn`` runs,
+    and a process-directed signal goes to any thread that does not block it, where
+    torch's handler would end the worker. The signals stay pending until the worker's
+    init starts the thread that takes them and tells who sent each, so one that comes
+    in the worker's first moments is no longer lost either. Workers of a fork server
+    that was already running (started outside a protected loader) keep the server's
+    mask. A class, not a closure, so the loader still pickles and copies."""
+
+    def __init__(self, loader: Any, own: Callable[[], Any] | None):
+        self.loader = loader
+        self.own = own  # what the instance held under the name before, if anything
+
+    def __call__(self) -> Any:
+        start = self.own or (lambda: type(self.loader)._get_iterator(self.loader))
+        init = self.loader.worker_init_fn
+        if not isinstance(init, _WorkerInit) or not self.loader.num_workers:
+            return start()  # the protection was taken off: nothing would take the signals
+        _start_resource_tracker(self.loader.multiprocessing_context)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, init.signals)
+        try:
+            return start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _Protecting:
@@ -507,6 +554,19 @@ class _Protecting:
         loaders = self.method(*args, **kwargs)
         protect_dataloaders(loaders)
         return loaders
+
+
+def _start_resource_tracker(context: Any) -> None:
+    """Start multiprocessing's resource tracker now if the workers will need it (spawn
+    and forkserver): starting it unblocks SIGINT and SIGTERM in the calling thread, which
+    would undo :class:`_StartingBlocked` halfway through. The loader's context, or the
+    default one, which torch fixes at this point all the same."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    method = (context or multiprocessing.get_context()).get_start_method()
+    if method != "fork":
+        resource_tracker.ensure_running()
 
 
 def protecting_loaders_of(obj: object, name: str) -> Callable[[], None]:

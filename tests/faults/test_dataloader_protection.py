@@ -2,14 +2,16 @@
 that a scheduler signals with their trainer (SLURM signals every process of the job
 step) go on, so the trainer's next batch does not raise before its guard saves.
 
-Real loaders with real forked workers; the SIGTERM comes from another process (``kill``),
-as a scheduler's does. Each test also shows the stock loader dying the same way, so the
-protection is what makes the difference.
+Real loaders with real workers (forked, spawned, from a fork server) in a trainer process
+of their own (``loader_job.py``); the SIGTERM comes from another process (``kill``), as a
+scheduler's does. The stock loader dies the same way, so the protection is what makes
+the difference.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import signal
@@ -20,122 +22,115 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from atomic_checkpoint import preemption
-from atomic_checkpoint.preemption import protect_dataloaders, protecting_loaders_of
+from atomic_checkpoint.preemption import protecting_loaders_of
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class _Numbers(Dataset):
-    def __len__(self) -> int:
-        return 100_000
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.tensor([i])
+_JOB = Path(__file__).with_name("loader_job.py")
 
 
-class _MarkInit:
-    """A loader's own ``worker_init_fn``: leaves a file per worker (picklable)."""
-
-    def __init__(self, directory: Path):
-        self.directory = directory
-
-    def __call__(self, worker_id: int) -> None:
-        (self.directory / f"worker-{worker_id}").write_text(str(os.getpid()))
+def _numbers() -> DataLoader:
+    return DataLoader(list(range(10)), num_workers=1)
 
 
-def _loader(**kwargs: object) -> DataLoader:
-    return DataLoader(_Numbers(), batch_size=4, num_workers=2, persistent_workers=True, **kwargs)
+@contextlib.contextmanager
+def _job(kind: str, tmp_path: Path, context: str = "fork", init: bool = False):
+    """Run ``loader_job.py`` (a trainer's loaders in a process of their own); yields
+    the job, its workers' pids and the file that lets it read on."""
+    go = tmp_path / "go"
+    args = [str(_JOB), kind, context, str(go)]
+    if init:
+        (tmp_path / "init").mkdir()
+        args.append(str(tmp_path / "init"))
+    job = subprocess.Popen(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert job.stdout is not None
+        line = job.stdout.readline()
+        assert line, f"the job ended before starting its workers: {job.stderr.read()}"  # type: ignore[union-attr]
+        yield job, json.loads(line)["workers"], go
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
 
 
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children()}
-
-
-def _start(loader: object) -> tuple[object, set[int]]:
-    """Iterate ``loader`` for two batches; returns the iterator and its workers
-    (this process's children that its iteration started)."""
-    before = _children()
-    it = iter(loader)  # type: ignore[call-overload]
-    # Two batches: one from each worker (round robin), so both have run their init
-    # (torch's own SIGTERM handler is in place until then).
-    next(it)
-    next(it)
-    return it, _children() - before
-
-
-def _signal_workers_and_read(it: object, workers: set[int], n: int = 20) -> list[int]:
-    """SIGTERM to every worker from another process (as a scheduler sends it), then
-    ``n`` more batches; returns the first value of each."""
-    assert len(workers) == 2
+def _signal_workers_and_read(job: subprocess.Popen, workers: list[int], go: Path) -> dict:
+    """SIGTERM to every worker from another process (as a scheduler sends it), then the
+    job reads on; returns its report, the job having exited with 75."""
+    assert workers and len(workers) % 2 == 0
     subprocess.run(["kill", "-TERM", *map(str, workers)], check=True)
     time.sleep(0.5)  # the stock workers are dead by now
-    return [int(next(it)[0, 0]) for _ in range(n)]  # type: ignore[call-overload]
+    go.touch()
+    assert job.stdout is not None
+    report = json.loads(job.stdout.readline() or "{}")
+    assert job.wait(timeout=60) == 75, job.stderr.read()  # type: ignore[union-attr]
+    return report
 
 
-def test_protected_workers_go_on_and_the_loaders_own_init_still_runs(tmp_path):
-    loader = _loader(worker_init_fn=_MarkInit(tmp_path))
-    # Nested the way Lightning's combined loaders hold them; twice: idempotent.
-    protect_dataloaders({"train": [loader], "other": ("not a loader", 3)})
-    protect_dataloaders(loader)
-    it, workers = _start(loader)
-    assert len(_signal_workers_and_read(it, workers)) == 20
-    assert all(psutil.pid_exists(pid) for pid in workers)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1"]
-    del it  # the loader's own shutdown (a signal from the trainer) still stops them
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_protected_workers_go_on_and_the_loaders_own_init_still_runs(tmp_path, context):
+    with _job("protected", tmp_path, context, init=True) as (job, workers, go):
+        report = _signal_workers_and_read(job, workers, go)
+        assert report == {"ok": True, "alive": [True, True], "stopping": []}
+        stderr = job.stderr.read()  # type: ignore[union-attr]
+    assert sorted(p.name for p in (tmp_path / "init").iterdir()) == ["worker-0", "worker-1"]
+    # At the trainer's exit, the workers left on its SIGTERM: none had to be killed. A
+    # forkserver worker is the fork server's child; the trainer is who started it.
+    assert "did not leave on SIGTERM" not in stderr, stderr
+    assert not [p for p in workers if psutil.pid_exists(p) and _not_zombie(p)]
 
 
-def test_stock_workers_die_and_the_next_batch_raises():
-    it, workers = _start(_loader())
-    with pytest.raises(RuntimeError, match="killed by signal"):
-        _signal_workers_and_read(it, workers)
+def _not_zombie(pid: int) -> bool:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
 
 
-def test_accelerate_prepared_loaders_are_protected_through_the_loader_they_wrap():
+@pytest.mark.parametrize("kind", ["early", "early-stock"])
+def test_a_signal_in_a_workers_first_moments_waits_for_its_init(tmp_path, kind):
+    # Spawned workers held as they unpickle their dataset, before torch's handlers and
+    # any worker_init_fn: a protected loader starts its workers with the signals
+    # blocked, so the scheduler's SIGTERM waits for the thread that tells who sent it.
+    with _job(kind, tmp_path, "spawn") as (job, workers, go):
+        report = _signal_workers_and_read(job, workers, go)
+    if kind == "early":
+        assert report == {"ok": True, "alive": [True, True], "stopping": []}, report
+    else:  # the window is real: a stock worker dies in it
+        assert not report["ok"] and "killed by signal" in report["error"], report
+
+
+def test_stock_workers_die_and_the_next_batch_raises(tmp_path):
+    with _job("stock", tmp_path) as (job, workers, go):
+        report = _signal_workers_and_read(job, workers, go)
+    assert not report["ok"] and "killed by signal" in report["error"], report
+
+
+def test_accelerate_prepared_loaders_are_protected_through_the_loader_they_wrap(tmp_path):
     # Accelerate's DataLoaderShard passes for a DataLoader but iterates the one it
     # wraps: an attribute set on the wrapper alone never reaches the workers.
-    from accelerate.data_loader import DataLoaderShard
-
-    shard = DataLoaderShard(_Numbers(), batch_size=4, num_workers=2, persistent_workers=True)
-    assert isinstance(shard, DataLoader)
-    protect_dataloaders(shard)
-    it, workers = _start(shard)
-    assert len(_signal_workers_and_read(it, workers)) == 20
+    with _job("shard", tmp_path) as (job, workers, go):
+        assert _signal_workers_and_read(job, workers, go)["ok"]
 
 
 def test_preemption_guard_protects_what_the_accelerator_prepares(tmp_path):
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-
-    from atomic_checkpoint.integrations.accelerate import close, preemption_guard
-
-    accelerator = Accelerator(
-        cpu=True,
-        project_config=ProjectConfiguration(
-            project_dir=str(tmp_path), automatic_checkpoint_naming=True
-        ),
-    )
-    before = accelerator.prepare(_loader())
-    guard = preemption_guard(accelerator)
-    after = accelerator.prepare(_loader())
-    try:
-        for loader in (before, after):
-            it, workers = _start(loader)
-            assert len(_signal_workers_and_read(it, workers)) == 20
-            del it
-        assert not guard.stopping  # the workers' signals are not the trainer's
-    finally:
-        guard.close()
-        close(accelerator)
+    # One loader prepared before the guard, one after; the workers' signals are not the
+    # trainer's, so the guard is not stopping.
+    with _job("guard", tmp_path) as (job, workers, go):
+        assert len(workers) == 4
+        report = _signal_workers_and_read(job, workers, go)
+    assert report == {"ok": True, "alive": [True] * 4, "stopping": [False]}, report
 
 
 def test_protecting_loaders_of_wraps_on_the_instance_and_undoes():
     class Factory:
         def build(self) -> DataLoader:
-            return DataLoader(_Numbers(), num_workers=1)
+            return _numbers()
 
     own = Factory()
     undo = protecting_loaders_of(own, "build")
@@ -149,7 +144,7 @@ def test_protecting_loaders_of_wraps_on_the_instance_and_undoes():
 
     # What the instance held before comes back.
     def mine() -> DataLoader:
-        return DataLoader(_Numbers(), num_workers=1)
+        return _numbers()
 
     own.build = mine  # type: ignore[method-assign]
     undo = protecting_loaders_of(own, "build")
