@@ -14,6 +14,7 @@ follow its broadcast decision (DESIGN invariant 3).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -21,11 +22,12 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, commit
+from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
 from .coordination import Coordinator, default_coordinator, run_everywhere
@@ -50,6 +52,7 @@ from .layout import (
     REPLICATED_STATE_FILE,
     RUN_FILE,
     checkpoint_name,
+    new_attempt_token,
     new_run_id,
     rank_state_file,
     run_doc,
@@ -58,6 +61,7 @@ from .layout import (
 from .lock import DEFAULT_LEASE_S, RunLock
 from .manifest import (
     CheckpointInfo,
+    FileEntry,
     Hasher,
     Manifest,
     check_metadata,
@@ -1124,6 +1128,84 @@ class CheckpointManager:
         log.debug("rank %d: step %d timings %s", self.rank, manifest.step, timings)
         return info
 
+    # ------------------------------------------------------------------ copies
+    def begin_copy(self, step: int) -> CopyAttempt:
+        """Start committing a copy of a checkpoint that was committed somewhere else
+        (another tier, root or cluster) as step ``step`` of this run: returns where its
+        files go. Not collective: the one process that will publish the copy calls it
+        (tiered checkpoints: rank 0, from its replication thread).
+
+        The three calls are the commit of a copy, as ``save`` is the commit of a state:
+        :meth:`begin_copy`, then write each file under ``attempt.staged`` (paths
+        relative to ``storage``) and verify it, then :meth:`publish_copy`; on any failure
+        in between, :meth:`abandon_copy`. Nothing is visible until the publish. A
+        rotation in flight finishes first (one at a time, as for a save).
+
+        Raises:
+            CheckpointError: read-only or closed manager; storage errors.
+            LockError: another job took ROOT over (fenced: nothing is written).
+        """
+        self._check_writable()
+        validate_step(step)
+        self._finish_rotation()
+        self._check_fence()
+        return CopyAttempt(step, self._strategy.prepare(self.storage, step, new_attempt_token()))
+
+    def publish_copy(
+        self,
+        attempt: CopyAttempt,
+        source: Manifest,
+        files: Sequence[FileEntry],
+        *,
+        started: float | None = None,
+    ) -> CheckpointInfo:
+        """Commit the copy staged by :meth:`begin_copy`: ``source``'s step, metrics,
+        metadata and checksums under this run, its next commit sequence number and its
+        strategy, as one storage domain holding every rank's file (``files``: their
+        entries as written here, paths relative to the copy's directory). The caller has
+        verified each file against ``source`` (this call checks no bytes). Retention then
+        runs as after a save. ``started``: a ``time.perf_counter()`` value, for the
+        logged duration. Never replaces a committed step.
+
+        Raises:
+            CheckpointExistsError: step ``attempt.step`` is committed here already.
+            LockError: another job took ROOT over (fenced: nothing is published).
+            CheckpointError: storage errors (the attempt is then still to abandon).
+        """
+        if source.step != attempt.step:
+            raise CheckpointError(f"the copy was begun for step {attempt.step}, not {source.step}")
+        self._check_writable()
+        self._check_fence()
+        manifest = dataclasses.replace(
+            source,
+            run_id=self.run_id,
+            commit_seq=self._next_seq(),
+            files=tuple(files),
+            strategy=self._strategy.name,
+            library_version=__version__,
+            domain_ranks=None,
+            domain_count=1,
+        )
+        written = self._strategy.publish(
+            self.storage, attempt.staged, manifest, rank=0, overwrite=False
+        )
+        elapsed = time.perf_counter() - started if started is not None else 0.0
+        return self._after_commit(written, {"total": elapsed})
+
+    def abandon_copy(self, attempt: CopyAttempt) -> None:
+        """Discard a copy's staged files, unless it was committed after all (a publish
+        whose answer was lost). Idempotent; never raises a storage error: what cannot be
+        removed now is logged, and the next start of a manager on ROOT sweeps it."""
+        try:
+            if not self._strategy.is_committed(self.storage, attempt.step, attempt.staged):
+                self._strategy.discard(self.storage, attempt.staged)
+        except CheckpointError as exc:
+            log.warning(
+                "could not discard %s (the next start on this root sweeps it): %s",
+                self.storage.url(attempt.staged),
+                exc,
+            )
+
     # ------------------------------------------------------------------ retention
     def _on_domain_view(
         self, step: int, views: list[list[tuple[int, dict[str, float], float]]]
@@ -1669,6 +1751,16 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyAttempt:
+    """A copy being committed (:meth:`CheckpointManager.begin_copy`): the step, and the
+    directory its files go to (relative to the manager's storage), invisible until
+    :meth:`CheckpointManager.publish_copy`."""
+
+    step: int
+    staged: str
 
 
 class SavingDir(type(Path())):  # type: ignore[misc]  # PosixPath or WindowsPath

@@ -120,7 +120,6 @@ from typing import Any
 
 from . import catalog, layout
 from ._faults import fault_point
-from ._version import __version__
 from .async_save import lower_priority
 from .coordination import Coordinator, SingleProcessCoordinator, default_coordinator
 from .errors import (
@@ -142,7 +141,7 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import CheckpointManager
+from .manager import CheckpointManager, CopyAttempt
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage
 from .storage.base import Storage, renaming
@@ -650,43 +649,31 @@ class TieredCheckpointManager:
                 "is replicated only by the multi-rank job that has every node's copy; "
                 "restart the job on the same nodes to finish its replication"
             )
-        pm._finish_rotation()  # one rotation at a time on tier 1, as a save does
+        # A rotation in flight on tier 1 finishes first (one at a time, as for a save).
+        attempt = pm.begin_copy(step)
         try:
-            there = catalog.load_checkpoint(dst, step)
-        except CheckpointNotFoundError:
-            there = None
-        except CheckpointError:
-            there = None  # a torn or foreign copy: the commit below refuses or replaces
-        if there is not None:
-            if _same_content(there, source):
-                return  # committed by an attempt whose end we never saw (a crash)
-            raise CheckpointExistsError(
-                f"step {step} on {dst.url(name)} is another copy than the one on "
-                f"{src_store.url(name)} (different checksums): not replaced; inspect both"
-            )
-        strategy = pm._strategy
-        pm._check_fence()
-        staged = strategy.prepare(dst, step, new_attempt_token())
-        try:
-            files = self._copy_files(source, staged, rank=0)
+            try:
+                there = catalog.load_checkpoint(dst, step)
+            except CheckpointNotFoundError:
+                there = None
+            except CheckpointError:
+                there = None  # a torn or foreign copy: the commit below refuses or replaces
+            if there is not None:
+                if _same_content(there, source):
+                    pm.abandon_copy(attempt)
+                    return  # committed by an attempt whose end we never saw (a crash)
+                raise CheckpointExistsError(
+                    f"step {step} on {dst.url(name)} is another copy than the one on "
+                    f"{src_store.url(name)} (different checksums): not replaced; inspect both"
+                )
+            files = self._copy_files(source, attempt.staged, rank=0)
             fault_point("before_replica_commit", 0, step)
             if self._stop.is_set():
                 raise _Stopped()
-            pm._check_fence()
-            manifest = _replica_manifest(pm, source, files)
-            written = strategy.publish(dst, staged, manifest, rank=0, overwrite=False)
+            pm.publish_copy(attempt, source, files, started=t0)
         except BaseException:
-            try:
-                if not strategy.is_committed(dst, step, staged):
-                    strategy.discard(dst, staged)
-            except CheckpointError as exc:
-                log.warning(
-                    "could not discard %s (the next start of the persistent tier sweeps it): %s",
-                    dst.url(staged),
-                    exc,
-                )
+            pm.abandon_copy(attempt)
             raise
-        pm._after_commit(written, {"total": time.perf_counter() - t0})
         log.info("replicated %s to %s", name, dst.url(name))
 
     def _copy_verified(self, src: str, dst: str, entry: FileEntry, algorithm: str) -> None:
@@ -937,17 +924,15 @@ class TieredCheckpointManager:
             pm = self._persistent
             if pm is None:
                 pm = self._persistent = self._new_persistent()
-            pm._finish_rotation()
+            attempt = pm.begin_copy(step)  # after a rotation in flight on tier 1
             try:
                 there = catalog.load_checkpoint(self._slow_storage, step)
             except CheckpointError:
                 there = None
             if there is not None:
+                pm.abandon_copy(attempt)
                 return {"step": step, "done": True}  # an attempt whose end we never saw
-            pm._check_fence()
-            strategy = pm._strategy
-            staged = strategy.prepare(self._slow_storage, step, new_attempt_token())
-            return {"step": step, "staged": staged}
+            return {"step": step, "staged": attempt.staged}
         except CheckpointError as exc:
             self._drop_persistent()
             return {"step": step, "error": f"{type(exc).__name__}: {exc}"}
@@ -986,7 +971,6 @@ class TieredCheckpointManager:
         pm = self._persistent
         staged = plan["staged"]
         bad = [(k, m) for k, m in results if k != "ok"]
-        written = None
         try:
             if bad:
                 kind = "failed" if any(k == "failed" for k, _ in bad) else "retry"
@@ -1003,36 +987,21 @@ class TieredCheckpointManager:
                     f"({sorted(expected - have)} missing)"
                 )
             fault_point("before_replica_commit", 0, step)
-            pm._check_fence()
-            manifest = _replica_manifest(pm, source, files)
-            written = pm._strategy.publish(
-                self._slow_storage, staged, manifest, rank=0, overwrite=False
-            )
+            pm.publish_copy(CopyAttempt(step, staged), source, files, started=t0)
         except CheckpointError as exc:
-            if written is None:
-                self._discard(pm, step, staged)
+            self._discard(pm, step, staged)  # unless it was committed after all
             if isinstance(exc, LockError):
                 self._drop_persistent()
             return "retry", f"{type(exc).__name__}: {exc}"
         finally:
             if bad:
                 self._discard(pm, step, staged)
-        pm._after_commit(written, {"total": time.perf_counter() - t0})
         log.info("replicated %s of %d ranks", checkpoint_name(step), self.world_size)
         return "committed", None
 
     def _discard(self, pm: CheckpointManager | None, step: int, staged: str) -> None:
-        if pm is None:
-            return
-        try:
-            if not pm._strategy.is_committed(self._slow_storage, step, staged):
-                pm._strategy.discard(self._slow_storage, staged)
-        except CheckpointError as exc:
-            log.warning(
-                "could not discard %s (the next start of the persistent tier sweeps it): %s",
-                self._slow_storage.url(staged),
-                exc,
-            )
+        if pm is not None:
+            pm.abandon_copy(CopyAttempt(step, staged))
 
     # ------------------------------------------------------------------ peer replicas
     def _open_peers(self, k: int) -> None:
@@ -1887,22 +1856,6 @@ def _same_content(a: Manifest, b: Manifest) -> bool:
         return {(_plain_path(f.path), f.size_bytes, f.checksum) for f in m.files}
 
     return a.state_kind == b.state_kind and files(a) == files(b)
-
-
-def _replica_manifest(pm: CheckpointManager, source: Manifest, files: list[FileEntry]) -> Manifest:
-    """Tier 1's manifest of a copy of ``source``: tier 0's step, metrics and checksums,
-    under tier 1's run, commit sequence and strategy, and as one domain (tier 1 holds
-    every rank's file in one place)."""
-    return dataclasses.replace(
-        source,
-        run_id=pm.run_id,
-        commit_seq=pm._next_seq(),
-        files=tuple(files),
-        strategy=pm._strategy.name,
-        library_version=__version__,
-        domain_ranks=None,
-        domain_count=1,
-    )
 
 
 def _tiered(info: CheckpointInfo, tiers: tuple[int, ...]) -> TieredCheckpointInfo:

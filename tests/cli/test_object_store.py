@@ -8,20 +8,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from atomic_checkpoint import CheckpointManager, KeepLast
 from atomic_checkpoint.storage import FsspecStorage
 from atomic_checkpoint.strategies import MarkerStrategy
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.cli.helpers import error_line, run_cli, run_json, state
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3 import ACCESS_KEY, REGION, SECRET_KEY

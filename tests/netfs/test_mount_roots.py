@@ -14,21 +14,11 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-from atomic_checkpoint import CheckpointManager, LocalStorage, StorageCapabilities
-from atomic_checkpoint.layout import MANIFEST_NAME
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.cli.helpers import run_json
 from tests.testbed._util import require_binary, resolve_mountpoint, unmount, wait_for_mount
 from tests.testbed.pytest_fixtures import (  # noqa: F401
@@ -39,6 +29,9 @@ from tests.testbed.pytest_fixtures import (  # noqa: F401
     sshfs_nodes,
 )
 from tests.testbed.sshfs import _HOST_ALIAS
+
+from atomic_checkpoint import CheckpointManager, LocalStorage, StorageCapabilities
+from atomic_checkpoint.layout import MANIFEST_NAME
 
 pytestmark = pytest.mark.netfs
 

@@ -16,27 +16,19 @@ on 127.0.0.1, and fsspec's ``file://`` and ``memory://``).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3 import ACCESS_KEY, REGION, SECRET_KEY
 
 from atomic_checkpoint import CheckpointManager, KeepLast, cli
 from atomic_checkpoint.errors import FencedError, StorageError
 from atomic_checkpoint.layout import MANIFEST_NAME
 from atomic_checkpoint.storage import FsspecStorage
 from atomic_checkpoint.strategies import MarkerStrategy
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
-from tests.testbed.s3 import ACCESS_KEY, REGION, SECRET_KEY
 
 pytestmark = pytest.mark.netfs
 

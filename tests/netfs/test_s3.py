@@ -21,18 +21,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.testbed import S3Server, free_port
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 
 from atomic_checkpoint import CheckpointError, CheckpointManager, KeepLast, StorageError, catalog
 from atomic_checkpoint.errors import CheckpointExistsError
 from atomic_checkpoint.layout import MANIFEST_NAME
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.testbed import S3Server, free_port
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 
 pytestmark = pytest.mark.netfs
 

@@ -12,24 +12,16 @@ full scan to stand out, quick to create on moto.
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.helpers import CountsReads
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.roots import make_s3_root
 
 from atomic_checkpoint import CheckpointManager, KeepLast, catalog
 from atomic_checkpoint.layout import MANIFEST_NAME
 from atomic_checkpoint.storage.fsspec import FsspecStorage
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.helpers import CountsReads
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
-from tests.testbed.roots import make_s3_root
 
 pytestmark = pytest.mark.netfs
 

@@ -11,23 +11,15 @@ which counts the requests."""
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import S3Proxy
 
 from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.layout import META_DIR
 from atomic_checkpoint.storage import FsspecStorage
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
-from tests.testbed.s3proxy import S3Proxy
 
 pytestmark = pytest.mark.netfs
 

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from tests.testbed import S3Server
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import Rule, S3Proxy
 
 from atomic_checkpoint import (
     CheckpointError,
@@ -31,15 +32,6 @@ from atomic_checkpoint import (
 )
 from atomic_checkpoint.errors import LockError
 from atomic_checkpoint.layout import MANIFEST_NAME
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.testbed import S3Server
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
-from tests.testbed.s3proxy import Rule, S3Proxy
 
 pytestmark = pytest.mark.netfs
 

@@ -12,23 +12,15 @@ listing as S3 does (moto answers in one page)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-from atomic_checkpoint import CheckpointManager, cli
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.testbed import S3Server
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3proxy import S3Proxy
+
+from atomic_checkpoint import CheckpointManager, cli
 
 pytestmark = pytest.mark.netfs
 

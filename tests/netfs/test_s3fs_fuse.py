@@ -24,15 +24,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from atomic_checkpoint import CheckpointManager, KeepLast, catalog
-from atomic_checkpoint.layout import MANIFEST_NAME
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.testbed import S3fsFuseMount
 from tests.testbed.pytest_fixtures import (  # noqa: F401
     require_facility,
@@ -41,6 +32,9 @@ from tests.testbed.pytest_fixtures import (  # noqa: F401
     s3fs_fuse_mount,
 )
 from tests.testbed.s3proxy import Rule, S3Proxy
+
+from atomic_checkpoint import CheckpointManager, KeepLast, catalog
+from atomic_checkpoint.layout import MANIFEST_NAME
 
 pytestmark = pytest.mark.netfs
 

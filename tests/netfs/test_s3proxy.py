@@ -8,17 +8,9 @@ each fault does what it claims (the store did or did not get the request)."""
 from __future__ import annotations
 
 import http.client
-import sys
 import threading
-from pathlib import Path
 
 import pytest
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3 import boto3_client
 from tests.testbed.s3proxy import Rule, S3Proxy, classify

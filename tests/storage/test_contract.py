@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -43,12 +42,6 @@ from atomic_checkpoint.errors import (
 from atomic_checkpoint.storage.base import RenamingStorage, StorageCapabilities, renaming
 from atomic_checkpoint.storage.detect import local_capabilities
 from atomic_checkpoint.strategies import choose_strategy
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from tests.testbed import S3Server, SmallDisk, SshfsExport
 from tests.testbed.pytest_fixtures import require_facility
 

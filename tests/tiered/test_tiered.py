@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import Rule, S3Proxy
 
 from atomic_checkpoint import (
     CheckpointManager,
@@ -37,14 +39,6 @@ from atomic_checkpoint import (
     catalog,
 )
 from atomic_checkpoint.layout import checkpoint_name
-
-try:
-    import tests.testbed  # noqa: F401
-except ModuleNotFoundError:  # run without the repository root on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
-from tests.testbed.s3proxy import Rule, S3Proxy
 
 REPO = Path(__file__).resolve().parents[2]
 ELEMS = 40_000
