@@ -347,6 +347,15 @@ def test_one_log_line_per_commit(tmp_path, caplog):
     assert set(info.timings_s) >= {"prepare", "write", "fsync", "gather", "commit", "total"}
 
 
+def test_the_timings_of_a_save_are_durations_that_fit_in_its_total(tmp_path):
+    # A large enough state that the write dominates: each phase is a duration of its
+    # own (never negative), and they add up to no more than the total.
+    info = CheckpointManager(tmp_path).save(1, {"w": torch.zeros(1 << 22)})
+    phases = {k: info.timings_s[k] for k in ("prepare", "write", "fsync", "gather", "commit")}
+    assert all(v >= 0.0 for v in phases.values()), phases
+    assert sum(phases.values()) <= info.timings_s["total"] * 1.01 + 1e-3, info.timings_s
+
+
 def test_crashed_save_leftovers_are_swept_at_start(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, state(1))
