@@ -503,8 +503,10 @@ def protect_dataloaders(loaders: object, signals: Iterable[int] = DEFAULT_SIGNAL
         return
     current = loaders.worker_init_fn
     _register_worker_reaper()
-    if current is dataloader_worker_init or isinstance(current, _WorkerInit):
+    if isinstance(current, _WorkerInit):
         return
+    if current is dataloader_worker_init:
+        current = None  # given ours directly: wrapped alone, so its workers start blocked
     loaders.worker_init_fn = _WorkerInit(current, tuple(signals))
     own = vars(loaders).get("_get_iterator")
     if hasattr(signal, "sigwaitinfo") and hasattr(type(loaders), "_get_iterator"):

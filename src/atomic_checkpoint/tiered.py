@@ -654,10 +654,8 @@ class TieredCheckpointManager:
         try:
             try:
                 there = catalog.load_checkpoint(dst, step)
-            except CheckpointNotFoundError:
+            except CheckpointError:  # absent, or a torn or foreign copy the commit refuses
                 there = None
-            except CheckpointError:
-                there = None  # a torn or foreign copy: the commit below refuses or replaces
             if there is not None:
                 if _same_content(there, source):
                     pm.abandon_copy(attempt)

@@ -5,8 +5,9 @@ Run as ``python loader_job.py KIND CONTEXT GO [INIT_DIR]``:
 - KIND: ``protected`` (``protect_dataloaders`` on a plain loader, nested the way
   Lightning holds loaders, twice), ``stock`` (no protection), ``shard`` (Accelerate's
   ``DataLoaderShard``, protected), ``guard`` (Accelerate's ``preemption_guard``, with one
-  loader prepared before it and one after), ``early`` and ``early-stock`` (protected or
-  not, with workers held in their first moments until GO: start them by ``spawn``);
+  loader prepared before it and one after), ``early``, ``early-direct`` (given
+  ``dataloader_worker_init`` itself, then protected) and ``early-stock`` (not protected),
+  with workers held in their first moments until GO: start them by ``spawn``;
 - CONTEXT: the workers' start method, ``fork``, ``spawn`` or ``forkserver``;
 - GO: a file the job waits for before it reads on (its folder is Accelerate's project);
 - INIT_DIR: where the loaders' own ``worker_init_fn`` leaves a file per worker.
@@ -84,9 +85,11 @@ def loaders(kind: str, context: str, init_dir: str | None, project: str) -> list
     )
     if kind == "stock":
         return [DataLoader(Numbers(), **options)]
-    if kind in ("early", "early-stock"):
+    if kind in ("early", "early-direct", "early-stock"):
+        if kind == "early-direct":
+            options["worker_init_fn"] = preemption.dataloader_worker_init
         loader = DataLoader(Held(os.path.join(project, "go")), **options)
-        if kind == "early":
+        if kind != "early-stock":
             preemption.protect_dataloaders(loader)
         return [loader]
     if kind == "protected":
