@@ -4,6 +4,7 @@ Importing this package imports no framework (no torch, no fsspec): they are impo
 only when a feature that needs them is used.
 """
 
+from . import storage
 from ._version import __version__
 from .adopt import AdoptResult, adopt, register_framework
 from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
@@ -90,9 +91,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # FsspecStorage imports fsspec: only when asked for.
+    # FsspecStorage imports fsspec, so the storage package loads it only when asked for.
     if name == "FsspecStorage":
-        from .storage.fsspec import FsspecStorage
-
-        return FsspecStorage
+        return storage.FsspecStorage
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -251,17 +251,16 @@ def validate(
 READ_ATTEMPTS = 8
 
 
+#: The fields that tell one commit of a step from another.
+_COMMIT_IDENTITY = operator.attrgetter("step", "run_id", "commit_seq", "created_unix", "files")
+
+
 def same_copy(a: Manifest, b: Manifest) -> bool:
     """Whether two manifests describe the same commit of a step (not merely equal
     content: every save gets a new commit sequence number and commit time). Compared
-    field by field rather than with ``==``, which a NaN metric would make false."""
-    return (
-        a.step == b.step
-        and a.run_id == b.run_id
-        and a.commit_seq == b.commit_seq
-        and a.created_unix == b.created_unix
-        and a.files == b.files
-    )
+    on the fields of a commit rather than with ``==`` on the manifests, which a NaN
+    metric would make false."""
+    return bool(_COMMIT_IDENTITY(a) == _COMMIT_IDENTITY(b))
 
 
 def manifest_now(storage: Storage, rel: str) -> Manifest | None:

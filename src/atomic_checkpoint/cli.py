@@ -1811,21 +1811,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    # -v before or after COMMAND: the subcommands' copy must not reset the count given
+    # before COMMAND, so its default is SUPPRESS.
     verbosity = _Parser(add_help=False)
-    verbosity.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=argparse.SUPPRESS,
-        help="log what the library does (-vv: debug, and tracebacks for internal errors)",
-    )
-    parser.add_argument(
-        "-v",
-        "--verbose",
-        action="count",
-        default=0,
-        help="log what the library does (-vv: debug, and tracebacks for internal errors)",
-    )
+    for target, default in ((parser, 0), (verbosity, argparse.SUPPRESS)):
+        target.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            default=default,
+            help="log what the library does (-vv: debug, and tracebacks for internal errors)",
+        )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
@@ -1853,6 +1849,27 @@ def build_parser() -> argparse.ArgumentParser:
         )
         return p
 
+    def finish(
+        p: argparse.ArgumentParser,
+        func: Callable[[argparse.Namespace], int],
+        *,
+        all_runs: str | None = None,
+        tier: bool = False,
+        dry_run: str | None = None,
+        force: str | None = None,
+    ) -> None:
+        """The options several commands share, in one order, then the command's function."""
+        if all_runs:
+            p.add_argument("--all-runs", action="store_true", help=all_runs)
+        if tier:
+            p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
+        if dry_run:
+            p.add_argument("--dry-run", action="store_true", help=dry_run)
+        if force:
+            p.add_argument("--force", action="store_true", help=force)
+        p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+        p.set_defaults(func=func, parser=p)
+
     p = command(
         "list",
         "table of checkpoints, pending saves and foreign entries",
@@ -1863,14 +1880,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/ckpt/run1",
         "/ckpt/run1 --json",
     )
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.add_argument(
-        "--all-runs",
-        action="store_true",
-        help="validate and show the checkpoints of every run, not only ROOT's recorded run",
+    finish(
+        p,
+        cmd_list,
+        all_runs="validate and show the checkpoints of every run, not only ROOT's recorded run",
+        tier=True,
     )
-    p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
-    p.set_defaults(func=cmd_list)
 
     p = command(
         "verify",
@@ -1889,7 +1904,6 @@ def build_parser() -> argparse.ArgumentParser:
         "/ckpt/run1 --json --progress 2>verify.log",
     )
     p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg, help="only this step")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument("-q", "--quiet", action="store_true", help="print only problems")
     p.add_argument(
         "--progress",
@@ -1898,11 +1912,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress with bytes/s on stderr (default: a bar when stderr is a terminal, "
         f"for checkpoints of {_human_bytes(_AUTO_PROGRESS_MIN_BYTES)} or more)",
     )
-    p.add_argument(
-        "--all-runs", action="store_true", help="verify the checkpoints of every run in ROOT"
-    )
-    p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
-    p.set_defaults(func=cmd_verify)
+    finish(p, cmd_verify, all_runs="verify the checkpoints of every run in ROOT", tier=True)
 
     p = command(
         "clean",
@@ -1916,14 +1926,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/ckpt/run1 --dry-run",
         "/ckpt/run1",
     )
-    p.add_argument("--dry-run", action="store_true", help="show what would be removed")
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="clean even though a live job holds the run lock (its save in progress fails)",
+    finish(
+        p,
+        cmd_clean,
+        dry_run="show what would be removed",
+        force="clean even though a live job holds the run lock (its save in progress fails)",
     )
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.set_defaults(func=cmd_clean)
 
     p = command(
         "inspect",
@@ -1937,9 +1945,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/ckpt/run1 4000 --json",
     )
     p.add_argument("step", metavar="STEP", type=_step_arg, help="the checkpoint's step")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
-    p.set_defaults(func=cmd_inspect)
+    finish(p, cmd_inspect, tier=True)
 
     p = command(
         "prune",
@@ -1971,12 +1977,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep these steps (--pin 1000 5000, or --pin 1000 --pin 5000)",
     )
     p.add_argument("--run-id", metavar="RUN", help="prune this run (default: ROOT's run)")
-    p.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
-    p.add_argument(
-        "--force", action="store_true", help="prune even though a live job holds the run lock"
+    finish(
+        p,
+        cmd_prune,
+        dry_run="show the plan, delete nothing",
+        force="prune even though a live job holds the run lock",
     )
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.set_defaults(func=cmd_prune, parser=p)
 
     p = command(
         "adopt",
@@ -2011,9 +2017,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--run-id", metavar="RUN", help="the run to record them under (default: ROOT's run)"
     )
-    p.add_argument("--dry-run", action="store_true", help="check and report, write nothing")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.set_defaults(func=cmd_adopt)
+    finish(p, cmd_adopt, dry_run="check and report, write nothing")
 
     p = command(
         "drain",
@@ -2045,13 +2049,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="give up after S seconds without finishing (default 3600)",
     )
-    p.add_argument(
-        "--force",
-        action="store_true",
-        help="drain even though a live job holds a run lock (that job is fenced)",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
-    p.set_defaults(func=cmd_drain)
+    finish(p, cmd_drain, force="drain even though a live job holds a run lock (that job is fenced)")
     return parser
 
 

@@ -59,6 +59,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -129,6 +130,11 @@ _IS_WINDOWS = os.name == "nt"
 
 def _fmt_time(unix: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))
+
+
+#: The fields that identify one process: a pid is reused, so its start time, the
+#: boot and the pid namespace tell this process from an earlier one with that pid.
+_PROCESS_IDENTITY = operator.attrgetter("host", "pid", "pid_start", "boot_id", "pid_ns")
 
 
 @dataclass(frozen=True)
@@ -259,13 +265,7 @@ class LockHolder:
         return self._is_process(_Me.now())
 
     def _is_process(self, me: _Me) -> bool:
-        return (
-            self.host == me.host
-            and self.pid == me.pid
-            and self.pid_start == me.pid_start
-            and self.boot_id == me.boot_id
-            and self.pid_ns == me.pid_ns
-        )
+        return bool(_PROCESS_IDENTITY(self) == _PROCESS_IDENTITY(me))
 
     def to_bytes(self) -> bytes:
         doc = {"kind": "atomic-checkpoint-lock", "version": 1, **asdict(self)}

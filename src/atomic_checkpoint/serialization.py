@@ -144,19 +144,15 @@ _DTYPES: dict[str, tuple[int, str, str | None]] = {
 }
 # numpy (kind, item size) -> dtype code; avoids importing numpy to build the table.
 _NUMPY_CODES: dict[tuple[str, int], str] = {
-    ("f", 8): "F64",
-    ("f", 4): "F32",
-    ("f", 2): "F16",
-    ("i", 8): "I64",
-    ("i", 4): "I32",
-    ("i", 2): "I16",
-    ("i", 1): "I8",
-    ("u", 8): "U64",
-    ("u", 4): "U32",
-    ("u", 2): "U16",
-    ("u", 1): "U8",
-    ("b", 1): "BOOL",
+    (kind, bits // 8): f"{code}{bits}"
+    for kind, code, widths in (
+        ("f", "F", (64, 32, 16)),
+        ("i", "I", (64, 32, 16, 8)),
+        ("u", "U", (64, 32, 16, 8)),
+    )
+    for bits in widths
 }
+_NUMPY_CODES[("b", 1)] = "BOOL"
 _TORCH_CODES: dict[Any, str] = {}  # torch.dtype -> code, filled on first use
 
 _CONVERT_HINT = (

@@ -178,6 +178,40 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
+def _write_shards(
+    directory: str,
+    state_dict: Any,
+    *,
+    rank: int,
+    step: int,
+    planner: Any,
+    process_group: Any,
+    thread_count: int,
+    background: bool = False,
+) -> None:
+    """This rank's part of DCP's save into ``directory`` (DCP's collectives inside);
+    raises what DCP raises, ``CheckpointException`` (a ``BaseException``) included.
+    ``background``: on a thread of a background save, which does not filter DCP's
+    single-process warning (``warnings.catch_warnings`` is not thread-safe)."""
+    writer = _PendingWriter(directory, rank=rank, step=step, thread_count=thread_count)
+    quiet = contextlib.nullcontext() if background else _single_process_quiet()
+    with quiet:
+        dcp.save(
+            state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            no_dist=not _is_distributed(),
+        )
+
+
+def _dcp_error(rank: int, phase: str, exc: BaseException) -> RankFailure:
+    """This rank's failure of DCP's ``phase`` (``dcp_write``, ``dcp_read``), as the
+    exchange shares it."""
+    kind, message = _describe(exc)
+    return RankFailure(rank, phase, kind, message)
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
     """(error type, message) of a DCP failure, with the per-rank causes it carries."""
     if isinstance(exc, CheckpointException):
@@ -273,22 +307,20 @@ def save_dcp(
     with mgr.saving(step, metrics=metrics, metadata=meta, overwrite=overwrite) as pending:
         failure: RankFailure | None = None
         cause: BaseException | None = None
-        writer = _PendingWriter(str(pending), rank=mgr.rank, step=step, thread_count=thread_count)
         try:
-            with _single_process_quiet():
-                dcp.save(
-                    state_dict,
-                    storage_writer=writer,
-                    planner=planner,
-                    process_group=process_group,
-                    no_dist=not _is_distributed(),
-                )
+            _write_shards(
+                str(pending),
+                state_dict,
+                rank=mgr.rank,
+                step=step,
+                planner=planner,
+                process_group=process_group,
+                thread_count=thread_count,
+            )
         # CheckpointException derives from BaseException: name it, or it escapes as a
         # non-Exception that `except Exception` in the training loop never sees.
         except (CheckpointException, Exception) as exc:
-            cause = exc
-            kind, message = _describe(exc)
-            failure = RankFailure(mgr.rank, "dcp_write", kind, message)
+            cause, failure = exc, _dcp_error(mgr.rank, "dcp_write", exc)
         # DCP's own error reporting stops at its collectives: a rank that died leaves
         # the others with a bare gloo/NCCL error (or none). Share every rank's outcome
         # so all of them raise the same error, naming who failed.
@@ -436,21 +468,22 @@ def async_save_dcp(
     single = mgr.world_size == 1
 
     def write(directory: Path) -> None:
-        writer = _PendingWriter(str(directory), rank=mgr.rank, step=step, thread_count=thread_count)
         try:
-            dcp.save(
+            _write_shards(
+                str(directory),
                 staged,
-                storage_writer=writer,
+                rank=mgr.rank,
+                step=step,
                 planner=planner,
                 process_group=group,
-                no_dist=not _is_distributed(),
+                thread_count=thread_count,
+                background=True,
             )
         except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
             if single:
                 # One rank: the commit hands back this rank's own error; report it as
                 # every multi-rank failure is reported.
-                kind, message = _describe(exc)
-                failure = RankFailure(mgr.rank, "dcp_write", kind, message)
+                failure = _dcp_error(mgr.rank, "dcp_write", exc)
                 raise DistributedCheckpointError([failure], step=step) from exc
             raise _dcp_failure(exc) from exc
 
@@ -598,9 +631,7 @@ def load_dcp(
                 no_dist=not _is_distributed(),
             )
     except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
-        cause = exc
-        kind, message = _describe(exc)
-        failure = RankFailure(mgr.rank, "dcp_read", kind, message)
+        cause, failure = exc, _dcp_error(mgr.rank, "dcp_read", exc)
     failures = _agree(mgr, f"load step {chosen.step}: dcp_read", "dcp_read", failure)
     if failures:
         raise DistributedCheckpointError(failures, step=chosen.step, operation="load") from cause
@@ -767,22 +798,18 @@ def save(
 
     # 2. every rank writes its shards (DCP's own collectives inside).
     failure, cause = None, None
-    writer = _PendingWriter(
-        os.path.join(parent, pending), rank=rank, step=step, thread_count=thread_count
-    )
     try:
-        with _single_process_quiet():
-            dcp.save(
-                state_dict,
-                storage_writer=writer,
-                planner=planner,
-                process_group=group,
-                no_dist=not _is_distributed(),
-            )
+        _write_shards(
+            os.path.join(parent, pending),
+            state_dict,
+            rank=rank,
+            step=step,
+            planner=planner,
+            process_group=group,
+            thread_count=thread_count,
+        )
     except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
-        cause = exc
-        kind, message = _describe(exc)
-        failure = RankFailure(rank, "dcp_write", kind, message)
+        cause, failure = exc, _dcp_error(rank, "dcp_write", exc)
     try:
         failures = [f for f in _exchange(f"the outcome of writing {name}", failure, group) if f]
     except CheckpointError:
@@ -899,9 +926,7 @@ def load(
                 no_dist=not _is_distributed(),
             )
     except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
-        cause = exc
-        kind, message = _describe(exc)
-        failure = RankFailure(rank, "dcp_read", kind, message)
+        cause, failure = exc, _dcp_error(rank, "dcp_read", exc)
     failures = [f for f in _exchange(f"the outcome of loading {name}", failure, group) if f]
     if failures:
         raise DistributedCheckpointError(failures, step=manifest.step, operation="load") from cause

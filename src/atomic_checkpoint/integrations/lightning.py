@@ -972,17 +972,11 @@ class _AsyncAtomicFileIO:
         self._futures = []
         self._raise_pending_error()
 
-    def load_checkpoint(
-        self,
-        path: Any,
-        map_location: Callable[..., Any] | Any = _default_map_location,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Wait for queued saves (so a path just saved is complete), then load."""
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Wait for queued saves (so a path just saved is complete), then load with the
+        wrapped plugin's ``load_checkpoint`` (same arguments, same checks)."""
         self.wait()
-        return self.checkpoint_io.load_checkpoint(
-            path, map_location=map_location, weights_only=weights_only
-        )
+        return self.checkpoint_io.load_checkpoint(path, *args, **kwargs)
 
     def teardown(self) -> None:
         """Finish every queued save and removal, stop the worker, and raise a failure
