@@ -27,8 +27,36 @@ Each campaign module exposes ``run(size, seed, progress, workdir) -> Tally``:
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # campaigns import tests.dist and tests.testbed
     sys.path.insert(0, REPO_ROOT)
+
+
+def fresh_dir(path: str) -> str:
+    """``path`` as an empty directory (what an earlier run left there is removed): a
+    campaign's work directory."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def run_module(
+    module: str, *args: str, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m MODULE ARGS`` on this checkout (its ``src/`` and root on PYTHONPATH),
+    at most ``timeout_s``, its output captured as text and its exit status left to the
+    caller. ``env``: the child's environment (default: this process's)."""
+    child_env = dict(os.environ if env is None else env)
+    child_env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO_ROOT, "src"), REPO_ROOT])
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=child_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import os
 import pickle
 import shutil
@@ -46,7 +47,7 @@ from atomic_checkpoint import (
 from atomic_checkpoint.layout import MANIFEST_NAME, rank_state_file
 from atomic_checkpoint.manifest import Hasher
 
-from . import REPO_ROOT
+from . import fresh_dir, run_module
 from .checks import describe_error, expected_state, states_equal
 from .inotify import OpenWatch
 from .tally import Progress, Tally
@@ -542,20 +543,9 @@ def _release_fifo(ctx: Ctx, thread: threading.Thread) -> None:
             return
 
 
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     tally = Tally("bad-input")
-    base = os.path.join(workdir, "bad-input")
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
+    base = fresh_dir(os.path.join(workdir, "bad-input"))
     use_cli = True
     for i, case in enumerate(CASES):
         _run_case(tally, case, os.path.join(base, f"{i:02d}-{case.name}"), use_cli)
@@ -592,7 +582,8 @@ def _run_case(tally: Tally, case: Case, where: str, use_cli: bool) -> None:
     case.damage(ctx)
     label = case.name
     log = logging.getLogger("atomic_checkpoint")
-    warned = _Warnings()
+    warned = logging.handlers.BufferingHandler(capacity=sys.maxsize)  # keeps every record
+    warned.setLevel(logging.WARNING)
     log.addHandler(warned)
     watch = OpenWatch([ctx.secret, ctx.outside])
     outcomes: dict[str, tuple[str, Any]] = {}
@@ -623,7 +614,7 @@ def _run_case(tally: Tally, case: Case, where: str, use_cli: bool) -> None:
         )
     if os.path.exists(ctx.marker):
         tally.violate("unsafe", f"{label}: code from the checkpoint ran (marker file created)")
-    _judge(tally, label, case, outcomes, warned.lines)
+    _judge(tally, label, case, outcomes, [r.getMessage() for r in warned.buffer])
     if case.name.startswith("pickle-payload"):
         # The proof is only a proof if the payload is live: with allow_pickle=True
         # (trusting the checkpoint) it runs.
@@ -704,16 +695,8 @@ def _precise(tally: Tally, label: str, what: str, exc: Any, case: Case) -> None:
 
 
 def _cli(tally: Tally, label: str, case: Case, cmd: list[str]) -> None:
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT)
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "atomic_checkpoint", *cmd],
-            capture_output=True,
-            text=True,
-            timeout=CALL_TIMEOUT_S,
-            env=env,
-            check=False,
-        )
+        done = run_module("atomic_checkpoint", *cmd, timeout_s=CALL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         tally.violate("hangs", f"{label}: atomic-checkpoint {cmd[0]} blocked")
         return

@@ -499,11 +499,16 @@ class Recorder:
             raise RecorderError(f"renamed {rs!r}, which the model does not have")
         if obj == old:
             return  # renaming a name onto a link of the same file changes nothing
+        self._record_between("rename", rs, rd, obj, old, "->")
+
+    def _record_between(
+        self, kind: str, rs: str, rd: str, obj: int, obj2: int | None, arrow: str
+    ) -> None:
+        """Record ``kind`` (rename, exchange) from the slot of ``rs`` to that of ``rd``."""
         d, n = self._slot(rs)
         d2, n2 = self._slot(rd)
-        self._record(
-            Op("rename", obj=obj, dir=d, name=n, dir2=d2, name2=n2, obj2=old, where=f"{rs} -> {rd}")
-        )
+        where = f"{rs} {arrow} {rd}"
+        self._record(Op(kind, obj=obj, dir=d, name=n, dir2=d2, name2=n2, obj2=obj2, where=where))
 
     def _link(self, src: Any, dst: Any, **kw: Any) -> None:
         real = self._real(os, "link")
@@ -556,20 +561,7 @@ class Recorder:
                 if flags & 2:  # RENAME_EXCHANGE
                     if a is None or b is None:
                         raise RecorderError(f"exchange of missing objects {rs!r} {rd!r}")
-                    d, n = self._slot(rs)
-                    d2, n2 = self._slot(rd)
-                    self._record(
-                        Op(
-                            "exchange",
-                            obj=a,
-                            dir=d,
-                            name=n,
-                            dir2=d2,
-                            name2=n2,
-                            obj2=b,
-                            where=f"{rs} <-> {rd}",
-                        )
-                    )
+                    self._record_between("exchange", rs, rd, a, b, "<->")
                 else:
                     self._record_rename(rs, rd, a, b)
                 return rc

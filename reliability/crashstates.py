@@ -41,18 +41,18 @@ import io
 import os
 import pickle
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from reliability import run_module
 from reliability.crashsim import (
     CrashState,
     Exploration,
@@ -62,7 +62,6 @@ from reliability.crashsim import (
     explore,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MANIFEST = "checkpoint.manifest.json"
 _N = 2000  # float64 values per state: 16000 bytes, four 4 KiB blocks
 WIDE = 6  # checkpoints one rotation deletes, crashed saves one sweep removes (*-wide)
@@ -170,31 +169,38 @@ def _saved(steps: dict[int, int], *, close: bool = True) -> Callable[[str], None
     return prepare
 
 
-def _op_save(step: int, version: int = 0, *, overwrite: bool = False, asynchronous: bool = False):
+def _operation(act: Callable[[Any, Any], None]) -> Callable[[str, Record], None]:
+    """The operation ``act(mgr, rec)`` on a manager opened before recording starts (with
+    the scenario's retention), then the manager's ``close()``, recorded too."""
+
     def operate(root: str, record: Record) -> None:
         mgr = _opened(root, retention=_CURRENT.retention)
         with record() as rec:
-            if asynchronous:
-                mgr.save_async(step, state_of(step, version), overwrite=overwrite).result()
-            else:
-                mgr.save(step, state_of(step, version), overwrite=overwrite)
-            rec.mark("committed", step=step, version=version)
-            mgr.wait()
+            act(mgr, rec)
             mgr.close()
 
     return operate
+
+
+def _op_save(step: int, version: int = 0, *, overwrite: bool = False, asynchronous: bool = False):
+    def act(mgr: Any, rec: Any) -> None:
+        if asynchronous:
+            mgr.save_async(step, state_of(step, version), overwrite=overwrite).result()
+        else:
+            mgr.save(step, state_of(step, version), overwrite=overwrite)
+        rec.mark("committed", step=step, version=version)
+        mgr.wait()
+
+    return _operation(act)
 
 
 def _op_saving(step: int):
-    def operate(root: str, record: Record) -> None:
-        mgr = _opened(root)
-        with record() as rec:
-            with mgr.saving(step) as d:
-                _write_files(str(d), files_of(step))
-            rec.mark("committed", step=step, version=0)
-            mgr.close()
+    def act(mgr: Any, rec: Any) -> None:
+        with mgr.saving(step) as d:
+            _write_files(str(d), files_of(step))
+        rec.mark("committed", step=step, version=0)
 
-    return operate
+    return _operation(act)
 
 
 def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
@@ -209,14 +215,11 @@ def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
 
 
 def _op_rollback(to: int):
-    def operate(root: str, record: Record) -> None:
-        mgr = _opened(root)
-        with record() as rec:
-            mgr.rollback(to)
-            rec.mark("rolled-back", to=to)
-            mgr.close()
+    def act(mgr: Any, rec: Any) -> None:
+        mgr.rollback(to)
+        rec.mark("rolled-back", to=to)
 
-    return operate
+    return _operation(act)
 
 
 def _op_start(save_step: int | None = None):
@@ -296,147 +299,82 @@ def _prepare_empty(root: str) -> None:
     os.makedirs(root, exist_ok=True)
 
 
+#: The storages every basic scenario runs on: the commit strategy and whether the
+#: filesystem has renameat2 flags.
+_STORAGES: dict[str, dict[str, Any]] = {
+    "local": {},
+    "no-exchange": {"exchange": False},
+    "marker": {"strategy": "marker"},
+}
+
+
+def _on(storage: str, templates: list[Scenario], **settings: Any) -> list[Scenario]:
+    """The ``templates`` as ``<name>/<storage>``, with ``settings`` (the storage's
+    ``exchange``, ``strategy``, ``direct_io``)."""
+    return [replace(t, name=f"{t.name}/{storage}", **settings) for t in templates]
+
+
 def _scenarios() -> list[Scenario]:
-    from atomic_checkpoint import KeepLast
+    from atomic_checkpoint import CheckpointManager, KeepLast
 
-    out = []
-    for storage, exchange, strategy in (
-        ("local", True, None),
-        ("no-exchange", False, None),
-        ("marker", True, "marker"),
-    ):
-        out += [
+    save = Scenario("save", _saved({1: 0}), _op_save(2), {1: 0}, {2: 0})
+    async_save = Scenario(
+        "async-save", _saved({1: 0}), _op_save(2, asynchronous=True), {1: 0}, {2: 0}
+    )
+    basic = [
+        save,
+        Scenario(
+            "overwrite", _saved({1: 0, 2: 0}), _op_save(2, 1, overwrite=True), {1: 0, 2: 0}, {2: 1}
+        ),
+        Scenario(
+            "retention",
+            _saved({1: 0, 2: 0}),
+            _op_save(3),
+            {1: 0, 2: 0},
+            {3: 0},
+            may_drop=frozenset({1, 2}),
+            retention=KeepLast(1),
+        ),
+        Scenario("sweep", _prepare_crashed, _op_start(), {1: 0, 2: 0}),
+        Scenario("takeover", _prepare_dead_holder, _op_start(2), {1: 0}, {2: 0}),
+        Scenario("first-start", _prepare_empty, _op_start(1), {}, {1: 0}),
+        async_save,
+    ]
+    out = [s for storage, settings in _STORAGES.items() for s in _on(storage, basic, **settings)]
+    with_files = [
+        Scenario("saving", _prepare_saving([1]), _op_saving(2), {1: 0}, {2: 0}, files=True)
+    ]
+    if hasattr(CheckpointManager, "rollback"):
+        with_files.append(
             Scenario(
-                f"save/{storage}",
-                _saved({1: 0}),
-                _op_save(2),
-                {1: 0},
-                {2: 0},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-            Scenario(
-                f"overwrite/{storage}",
-                _saved({1: 0, 2: 0}),
-                _op_save(2, 1, overwrite=True),
-                {1: 0, 2: 0},
-                {2: 1},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-            Scenario(
-                f"retention/{storage}",
-                _saved({1: 0, 2: 0}),
-                _op_save(3),
-                {1: 0, 2: 0},
-                {3: 0},
-                may_drop=frozenset({1, 2}),
-                exchange=exchange,
-                strategy=strategy,
-                retention=KeepLast(1),
-            ),
-            Scenario(
-                f"sweep/{storage}",
-                _prepare_crashed,
-                _op_start(),
-                {1: 0, 2: 0},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-            Scenario(
-                f"takeover/{storage}",
-                _prepare_dead_holder,
-                _op_start(2),
-                {1: 0},
-                {2: 0},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-            Scenario(
-                f"first-start/{storage}",
-                _prepare_empty,
-                _op_start(1),
-                {},
-                {1: 0},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-            Scenario(
-                f"async-save/{storage}",
-                _saved({1: 0}),
-                _op_save(2, asynchronous=True),
-                {1: 0},
-                {2: 0},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-        ]
-    from atomic_checkpoint import CheckpointManager
-
-    for storage, strategy in (("local", None), ("marker", "marker")):
-        out.append(
-            Scenario(
-                f"saving/{storage}",
-                _prepare_saving([1]),
-                _op_saving(2),
-                {1: 0},
-                {2: 0},
-                strategy=strategy,
-                files=True,
+                "rollback",
+                _saved({1: 0, 2: 0, 3: 0}),
+                _op_rollback(1),
+                {1: 0, 2: 0, 3: 0},
+                may_drop=frozenset({2, 3}),
             )
         )
-        if hasattr(CheckpointManager, "rollback"):
-            out.append(
-                Scenario(
-                    f"rollback/{storage}",
-                    _saved({1: 0, 2: 0, 3: 0}),
-                    _op_rollback(1),
-                    {1: 0, 2: 0, 3: 0},
-                    may_drop=frozenset({2, 3}),
-                    strategy=strategy,
-                )
-            )
+    for storage in ("local", "marker"):
+        out += _on(storage, with_files, **_STORAGES[storage])
     # Wide operations, for the state count of --full: one rotation deleting WIDE
     # checkpoints, one start sweeping WIDE crashed saves (their deletes are volatile
     # together: up to 5**WIDE combinations at one crash point).
-    for storage, exchange, strategy in (
-        ("local", True, None),
-        ("no-exchange", False, None),
-        ("marker", True, "marker"),
-    ):
-        steps = {s: 0 for s in range(1, WIDE + 1)}
-        out += [
-            Scenario(
-                f"retention-wide/{storage}",
-                _saved(steps),
-                _op_save(WIDE + 1),
-                steps,
-                {WIDE + 1: 0},
-                may_drop=frozenset(steps),
-                exchange=exchange,
-                strategy=strategy,
-                retention=KeepLast(1),
-            ),
-            Scenario(
-                f"sweep-wide/{storage}",
-                _prepare_many_crashed(WIDE),
-                _op_start(),
-                {1: 0},
-                exchange=exchange,
-                strategy=strategy,
-            ),
-        ]
-    out += [
-        Scenario("save/local-odirect", _saved({1: 0}), _op_save(2), {1: 0}, {2: 0}, direct_io=True),
+    steps = {s: 0 for s in range(1, WIDE + 1)}
+    wide = [
         Scenario(
-            "async-save/local-odirect",
-            _saved({1: 0}),
-            _op_save(2, asynchronous=True),
-            {1: 0},
-            {2: 0},
-            direct_io=True,
+            "retention-wide",
+            _saved(steps),
+            _op_save(WIDE + 1),
+            steps,
+            {WIDE + 1: 0},
+            may_drop=frozenset(steps),
+            retention=KeepLast(1),
         ),
+        Scenario("sweep-wide", _prepare_many_crashed(WIDE), _op_start(), {1: 0}),
     ]
+    for storage, settings in _STORAGES.items():
+        out += _on(storage, wide, **settings)
+    out += _on("local-odirect", [save, async_save], direct_io=True)
     out += _tiered_scenarios()
     return out
 
@@ -554,9 +492,7 @@ def _check_tiered(path: str, state: CrashState, need: Any, trace: Trace) -> list
     from atomic_checkpoint import TieredCheckpointManager
 
     scen = trace.scenario
-    allowed: dict[int, set[int]] = {}
-    for step, version in [*scen.initial.items(), *scen.saves.items()]:
-        allowed.setdefault(step, set()).add(version)
+    allowed = allowed_versions(scen)
     fast, slow = os.path.join(path, "fast"), os.path.join(path, "slow")
     found: list[tuple[str, str]] = []
     on_fast, bad = _tier_view(fast, allowed)
@@ -600,12 +536,7 @@ def _check_tiered(path: str, state: CrashState, need: Any, trace: Trace) -> list
             found.append(("stuck", f"close() failed: {type(exc).__name__}: {exc}"))
     for tier in (fast, slow):
         found += cleaned(tier)
-        for d in (".pending", ".trash"):
-            where = os.path.join(tier, d)
-            left = os.listdir(where) if os.path.isdir(where) else []
-            if left:
-                found.append(("leaks", f"{tier}/{d}/ still holds {left} after a start and clean"))
-        found += _marker_leftovers(tier)
+        found += [(kind, f"{tier}: {detail}") for kind, detail in _leftovers(tier)]
     return found
 
 
@@ -700,15 +631,8 @@ def record_trace(name: str, workdir: str) -> Trace:
     forked child of it) under ``workdir``."""
     root = os.path.join(workdir, "root")
     out = os.path.join(workdir, "trace.pickle")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "src")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "reliability.crashstates", "--child", "record", name, root, out],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    proc = run_module(
+        "reliability.crashstates", "--child", "record", name, root, out, timeout_s=120
     )
     if proc.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"scenario {name} failed to record:\n{proc.stderr[-3000:]}")
@@ -750,7 +674,7 @@ REBOOT_S = 30.0
 
 
 @contextlib.contextmanager
-def _after_reboot() -> Iterator[None]:
+def after_reboot() -> Iterator[None]:
     """The run lock's clock ``REBOOT_S`` after the crash (the states are written now),
     and no fsync."""
     from atomic_checkpoint.lock import RunLock
@@ -770,81 +694,94 @@ def _after_reboot() -> Iterator[None]:
 
 def check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
     """Recover ``path`` as a restarted job would and check the invariants."""
-    with _after_reboot():
+    with after_reboot():
         if trace.scenario.tiered:
             return _check_tiered(path, state, need, trace)
         return _check_state(path, state, need, trace)
 
 
 def _check_state(path: str, state: CrashState, need: Any, trace: Trace) -> list[tuple[str, str]]:
-
     scen = trace.scenario
+    rolled = [m.info["to"] for m in state.marks if m.label == "rolled-back"]
+    with capability_profile(scen.exchange):
+        found = recovered(
+            lambda: _manager(path, scen),
+            path,
+            allowed_versions(scen),
+            need,
+            rolled[-1] if rolled else None,
+            _files_match if scen.files else restored_version,
+        )
+    return found + _leftovers(path)
+
+
+def allowed_versions(scen: Any) -> dict[int, set[int]]:
+    """Step -> the versions saved under it, in the pre-state or by the operation."""
     allowed: dict[int, set[int]] = {}
     for step, version in [*scen.initial.items(), *scen.saves.items()]:
         allowed.setdefault(step, set()).add(version)
+    return allowed
+
+
+def recovered(
+    start: Callable[[], Any],
+    target: str,
+    allowed: dict[int, set[int]],
+    need: Iterable[tuple[int, Collection[int]]],
+    rolled: int | None,
+    version_of: Callable[[Any, int, set[int]], int | str],
+) -> list[tuple[str, str]]:
+    """Recover ``target`` as a restarted job would: ``start()`` a manager, list, restore
+    every listed step (``version_of``: the version it holds, or what is wrong), save
+    again, close, then ``atomic-checkpoint clean``. ``need``: (step, versions) pairs
+    durably committed. ``rolled``: the step a returned ``rollback()`` went back to."""
     found: list[tuple[str, str]] = []
-    with capability_profile(scen.exchange):
-        try:
-            mgr = _manager(path, scen)
-        except Exception as exc:
-            return [("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
-        try:
-            listed = listed_steps(mgr, allowed, found)
-            restored: dict[int, int] = {}
-            for step in listed:
-                if scen.files:
-                    match = _files_match(mgr, step, allowed[step])
-                    if isinstance(match, str):
-                        found.append(("torn", match))
-                    else:
-                        restored[step] = match
-                    continue
-                try:
-                    got = mgr.restore(step=step)
-                except Exception as exc:
-                    found.append(
-                        ("torn", f"restore(step={step}) failed: {type(exc).__name__}: {exc}")
+    try:
+        mgr = start()
+    except Exception as exc:
+        return [("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
+    try:
+        listed = listed_steps(mgr, allowed, found)
+        restored: dict[int, int] = {}
+        for step in listed:
+            match = version_of(mgr, step, allowed[step])
+            if isinstance(match, str):
+                found.append(("torn", match))
+            else:
+                restored[step] = match
+        for step, versions in need:
+            if step not in listed:
+                found.append(
+                    ("lost", f"step {step} was durably committed and is gone (listed: {listed})")
+                )
+            elif step in restored and restored[step] not in versions:
+                found.append(
+                    (
+                        "lost",
+                        f"step {step} restores to version {restored[step]}, "
+                        f"but version {sorted(versions)} was committed",
                     )
-                    continue
-                match = [v for v in allowed[step] if _same(got, state_of(step, v))]
-                if not match:
-                    found.append(("torn", f"step {step} restores to content nobody saved"))
-                else:
-                    restored[step] = match[0]
-            for step, versions in need:
-                if step not in listed:
-                    found.append(
-                        (
-                            "lost",
-                            f"step {step} was durably committed and is gone (listed: {listed})",
-                        )
-                    )
-                elif step in restored and restored[step] not in versions:
-                    found.append(
-                        (
-                            "lost",
-                            f"step {step} restores to version {restored[step]}, "
-                            f"but version {sorted(versions)} was committed",
-                        )
-                    )
-            nxt = max([*listed, *allowed, 0]) + 1
-            rolled = [m.info["to"] for m in state.marks if m.label == "rolled-back"]
-            if rolled:
-                # rollback() returned: saves above its step are allowed from now on,
-                # so the steps it removed must not come back after a power loss.
-                nxt = rolled[-1] + 1
-            found += next_save(mgr, nxt)
-        except Exception as exc:
-            found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
-        finally:
-            found += closed(mgr)
-        found += cleaned(path)
-    for d in (".pending", ".trash"):
-        left = os.listdir(os.path.join(path, d)) if os.path.isdir(os.path.join(path, d)) else []
-        if left:
-            found.append(("leaks", f"{d}/ still holds {left} after a start and clean"))
-    found += _marker_leftovers(path)
-    return found
+                )
+        # After rollback() returned, saves above its step are allowed: the steps it
+        # removed must not come back after a power loss.
+        nxt = max([*listed, *allowed, 0]) + 1 if rolled is None else rolled + 1
+        found += next_save(mgr, nxt)
+    except Exception as exc:
+        found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
+    finally:
+        found += closed(mgr)
+    return found + cleaned(target)
+
+
+def restored_version(mgr: Any, step: int, versions: set[int]) -> int | str:
+    """The version of ``state_of(step, version)`` that ``restore(step)`` gives, or what
+    is wrong with it."""
+    try:
+        got = mgr.restore(step=step)
+    except Exception as exc:
+        return f"restore(step={step}) failed: {type(exc).__name__}: {exc}"
+    match = [v for v in versions if _same(got, state_of(step, v))]
+    return match[0] if match else f"step {step} restores to content nobody saved"
 
 
 def listed_steps(mgr: Any, allowed: dict[int, set[int]], found: list[tuple[str, str]]) -> list[int]:
@@ -893,13 +830,18 @@ def cleaned(target: str) -> list[tuple[str, str]]:
     return []
 
 
-def _marker_leftovers(path: str) -> list[tuple[str, str]]:
-    """After a start and ``clean``, no in-progress marker and no temporary file of an
-    atomic write is left, and every ``checkpoint-<step>`` directory holds a manifest."""
+def _leftovers(path: str) -> list[tuple[str, str]]:
+    """After a start and ``clean``, ``.pending/`` and ``.trash/`` are empty, no
+    in-progress marker and no temporary file of an atomic write is left, and every
+    ``checkpoint-<step>`` directory holds a manifest."""
     from atomic_checkpoint.layout import parse_marker_name
     from atomic_checkpoint.storage.temps import parse_temp_name
 
     out = []
+    for d in (".pending", ".trash"):
+        left = os.listdir(os.path.join(path, d)) if os.path.isdir(os.path.join(path, d)) else []
+        if left:
+            out.append(("leaks", f"{d}/ still holds {left} after a start and clean"))
     for name in sorted(os.listdir(path)):
         d = os.path.join(path, name)
         if not name.startswith("checkpoint-") or not os.path.isdir(d):

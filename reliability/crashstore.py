@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from reliability.crashsim import Exploration, Violation
 from reliability.crashstates import (
-    REBOOT_S,
-    _same,
-    cleaned,
-    closed,
-    listed_steps,
-    next_save,
+    after_reboot,
+    allowed_versions,
+    recovered,
+    restored_version,
     state_of,
 )
 
@@ -161,7 +159,11 @@ def _mgr(url: str, **kw: Any) -> Any:
 
 
 def _prepare(steps: dict[int, int]) -> Callable[[str], None]:
+    """The pre-state: ``steps`` saved by an earlier job (none: an empty bucket)."""
+
     def prepare(url: str) -> None:
+        if not steps:
+            return
         mgr = _mgr(url)
         for step, version in sorted(steps.items()):
             mgr.save(step, state_of(step, version))
@@ -191,86 +193,41 @@ def _rollback(to: int):
     return operate
 
 
+def _scenario(
+    name: str,
+    initial: dict[int, int],
+    operate: Callable[[str, Callable[[str, dict[str, Any]], None]], None],
+    saves: dict[int, int] | None = None,
+    may_drop: Iterable[int] = (),
+) -> StoreScenario:
+    """``name/memory``: ``operate`` on a bucket holding ``initial``."""
+    return StoreScenario(
+        f"{name}/memory", _prepare(initial), operate, initial, saves or {}, frozenset(may_drop)
+    )
+
+
 def scenarios() -> dict[str, StoreScenario]:
     from atomic_checkpoint import CheckpointManager, KeepLast
 
     out = [
-        StoreScenario("save/memory", _prepare({1: 0}), _save(2), {1: 0}, {2: 0}),
-        StoreScenario(
-            "overwrite/memory",
-            _prepare({1: 0, 2: 0}),
-            _save(2, 1, overwrite=True),
-            {1: 0, 2: 0},
-            {2: 1},
+        _scenario("save", {1: 0}, _save(2), {2: 0}),
+        _scenario("overwrite", {1: 0, 2: 0}, _save(2, 1, overwrite=True), {2: 1}),
+        _scenario(
+            "retention", {1: 0, 2: 0}, _save(3, retention=KeepLast(1)), {3: 0}, may_drop={1, 2}
         ),
-        StoreScenario(
-            "retention/memory",
-            _prepare({1: 0, 2: 0}),
-            _save(3, retention=KeepLast(1)),
-            {1: 0, 2: 0},
-            {3: 0},
-            may_drop=frozenset({1, 2}),
-        ),
-        StoreScenario("first-start/memory", lambda url: None, _save(1), {}, {1: 0}),
+        _scenario("first-start", {}, _save(1), {1: 0}),
     ]
     if hasattr(CheckpointManager, "rollback"):
-        out.append(
-            StoreScenario(
-                "rollback/memory",
-                _prepare({1: 0, 2: 0, 3: 0}),
-                _rollback(1),
-                {1: 0, 2: 0, 3: 0},
-                may_drop=frozenset({2, 3}),
-            )
-        )
+        out.append(_scenario("rollback", {1: 0, 2: 0, 3: 0}, _rollback(1), may_drop={2, 3}))
     return {s.name: s for s in out}
 
 
 def _check(url: str, scen: StoreScenario, need: dict[int, set[int]], rolled: int | None):
     """Recover ``url`` and check it (see ``reliability.crashstates`` for the kinds)."""
-    from atomic_checkpoint.lock import RunLock
-
-    allowed: dict[int, set[int]] = {}
-    for step, version in [*scen.initial.items(), *scen.saves.items()]:
-        allowed.setdefault(step, set()).add(version)
-    found: list[tuple[str, str]] = []
-    defaults = RunLock.__init__.__kwdefaults__
-    clock = defaults["clock"]
-    defaults["clock"] = lambda: clock() + REBOOT_S
-    try:
-        try:
-            mgr = _mgr(url)
-        except Exception as exc:
-            return [("stuck", f"the next start failed: {type(exc).__name__}: {exc}")]
-        try:
-            listed = listed_steps(mgr, allowed, found)
-            versions_seen: dict[int, int] = {}
-            for step in listed:
-                try:
-                    got = mgr.restore(step=step)
-                except Exception as exc:
-                    found.append(("torn", f"restore(step={step}): {type(exc).__name__}: {exc}"))
-                    continue
-                match = [v for v in allowed[step] if _same(got, state_of(step, v))]
-                if match:
-                    versions_seen[step] = match[0]
-                else:
-                    found.append(("torn", f"step {step} restores to content nobody saved"))
-            for step, versions in need.items():
-                if step not in listed:
-                    found.append(("lost", f"step {step} was committed and is gone ({listed})"))
-                elif step in versions_seen and versions_seen[step] not in versions:
-                    found.append(("lost", f"step {step} went back to an older version"))
-            nxt = max([*listed, *allowed, 0]) + 1 if rolled is None else rolled + 1
-            found += next_save(mgr, nxt)
-        except Exception as exc:
-            found.append(("stuck", f"recovery failed: {type(exc).__name__}: {exc}"))
-        finally:
-            found += closed(mgr)
-        found += cleaned(url)
-    finally:
-        defaults["clock"] = clock
-    return found
+    with after_reboot():
+        return recovered(
+            lambda: _mgr(url), url, allowed_versions(scen), need.items(), rolled, restored_version
+        )
 
 
 def run_scenario(name: str | StoreScenario) -> Exploration:

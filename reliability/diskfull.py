@@ -25,6 +25,7 @@ import shutil
 from collections.abc import Iterator
 from typing import Any
 
+from . import fresh_dir
 from .checks import inspect_root, unclear_reason
 from .jobs import ForkJob
 from .tally import Progress, Tally
@@ -45,9 +46,7 @@ VARIANTS = ("one-rank", "together")
 def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     tally = Tally("disk-full")
     rng = random.Random(seed)
-    base = os.path.join(workdir, "disk-full")
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
+    base = fresh_dir(os.path.join(workdir, "disk-full"))
     for kind in KINDS[size]:
         try:
             with _small_root(kind, base) as (root, filler):

@@ -120,88 +120,66 @@ static int should_fail(const char *name) {
     static ret (*real_##name)(__VA_ARGS__);                       \
     if (!real_##name) real_##name = dlsym(RTLD_NEXT, #name);
 
+/* The body of a wrapper: fail as libfiu point `point` decides, else return what the
+ * real call `call` returns (with in_wrapper set while it runs). */
+#define FAIL_OR_CALL(point, call)                                 \
+    do {                                                          \
+        if (should_fail(point)) return -1;                        \
+        in_wrapper++;                                             \
+        int r_ = (call);                                          \
+        in_wrapper--;                                             \
+        return r_;                                                \
+    } while (0)
+
 int mkdir(const char *path, mode_t mode) {
     REAL(int, mkdir, const char *, mode_t);
-    if (should_fail("posix/io/dir/mkdir")) return -1;
-    in_wrapper++;
-    int r = real_mkdir(path, mode);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/dir/mkdir", real_mkdir(path, mode));
 }
 
 int mkdirat(int dirfd, const char *path, mode_t mode) {
     REAL(int, mkdirat, int, const char *, mode_t);
-    if (should_fail("posix/io/dir/mkdir")) return -1;
-    in_wrapper++;
-    int r = real_mkdirat(dirfd, path, mode);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/dir/mkdir", real_mkdirat(dirfd, path, mode));
 }
 
 int renameat(int olddirfd, const char *oldpath, int newdirfd, const char *newpath) {
     REAL(int, renameat, int, const char *, int, const char *);
-    if (should_fail("posix/io/dir/rename")) return -1;
-    in_wrapper++;
-    int r = real_renameat(olddirfd, oldpath, newdirfd, newpath);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/dir/rename", real_renameat(olddirfd, oldpath, newdirfd, newpath));
 }
 
 int renameat2(int olddirfd, const char *oldpath, int newdirfd, const char *newpath,
               unsigned int flags) {
     REAL(int, renameat2, int, const char *, int, const char *, unsigned int);
-    if (should_fail("posix/io/dir/rename")) return -1;
-    in_wrapper++;
-    int r = real_renameat2(olddirfd, oldpath, newdirfd, newpath, flags);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/dir/rename",
+                 real_renameat2(olddirfd, oldpath, newdirfd, newpath, flags));
 }
 
 int unlinkat(int dirfd, const char *path, int flags) {
     REAL(int, unlinkat, int, const char *, int);
-    if (should_fail("posix/io/dir/unlink")) return -1;
-    in_wrapper++;
-    int r = real_unlinkat(dirfd, path, flags);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/dir/unlink", real_unlinkat(dirfd, path, flags));
 }
 
 int rmdir(const char *path) {
     REAL(int, rmdir, const char *);
-    if (should_fail("posix/io/dir/unlink")) return -1;
-    in_wrapper++;
-    int r = real_rmdir(path);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/dir/unlink", real_rmdir(path));
 }
 
 static int openat_impl(int (*real)(int, const char *, int, ...), int dirfd, const char *path,
                        int flags, va_list ap) {
     mode_t mode = 0;
     if (flags & (O_CREAT | O_TMPFILE)) mode = (mode_t)va_arg(ap, int);
-    if (should_fail("posix/io/oc/open")) return -1;
-    in_wrapper++;
-    int r = real(dirfd, path, flags, mode);
-    in_wrapper--;
-    return r;
+    FAIL_OR_CALL("posix/io/oc/open", real(dirfd, path, flags, mode));
 }
 
-int openat(int dirfd, const char *path, int flags, ...) {
-    static int (*real_openat)(int, const char *, int, ...);
-    if (!real_openat) real_openat = dlsym(RTLD_NEXT, "openat");
-    va_list ap;
-    va_start(ap, flags);
-    int r = openat_impl(real_openat, dirfd, path, flags, ap);
-    va_end(ap);
-    return r;
-}
+/* openat and openat64: the mode argument is there only with O_CREAT or O_TMPFILE. */
+#define OPENAT(name)                                                  \
+    int name(int dirfd, const char *path, int flags, ...) {           \
+        REAL(int, name, int, const char *, int, ...);                 \
+        va_list ap;                                                   \
+        va_start(ap, flags);                                          \
+        int r = openat_impl(real_##name, dirfd, path, flags, ap);     \
+        va_end(ap);                                                   \
+        return r;                                                     \
+    }
 
-int openat64(int dirfd, const char *path, int flags, ...) {
-    static int (*real_openat64)(int, const char *, int, ...);
-    if (!real_openat64) real_openat64 = dlsym(RTLD_NEXT, "openat64");
-    va_list ap;
-    va_start(ap, flags);
-    int r = openat_impl(real_openat64, dirfd, path, flags, ap);
-    va_end(ap);
-    return r;
-}
+OPENAT(openat)
+OPENAT(openat64)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
@@ -41,6 +40,7 @@ from typing import Any
 
 from atomic_checkpoint._faults import SAVE_PHASES
 
+from . import fresh_dir
 from .checks import inspect_root, next_start_leftovers, unclear_reason
 from .jobs import ForkJob
 from .kill import COORDINATOR_ONLY
@@ -78,8 +78,7 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     cfg = SIZES[size]
     tally = Tally("hang")
     rng = random.Random(seed)
-    base = os.path.join(workdir, "hang")
-    shutil.rmtree(base, ignore_errors=True)
+    base = fresh_dir(os.path.join(workdir, "hang"))
     os.makedirs(os.path.join(base, "jobs"))
     state: dict[str, Any] = {"step": 2, "big": {}}
     root = os.path.join(base, "root")
@@ -154,22 +153,22 @@ def _save_job(
     roots: list[str],
     step: int,
     sizes: dict[int, int],
-    *args: Any,
-    fn: Callable[..., Any] = w_timed_save,
+    *,
+    frozen_at_outcome: int | None = None,
     env: dict[str, str] | None = None,
 ) -> ForkJob:
-    """``WORLD`` ranks running ``fn`` (:func:`reliability.workers.w_timed_save` or a
-    variant): save ``step`` into ``roots`` (one per rank) with tensor ``sizes``, under
-    the campaign's coordination timeout."""
+    """``WORLD`` ranks running :func:`reliability.workers.w_timed_save`: save ``step``
+    into ``roots`` (one per rank) with tensor ``sizes``, under the campaign's
+    coordination timeout."""
     return ForkJob(
-        fn,
+        w_timed_save,
         WORLD,
         roots,
         step,
         SIZE,
         sizes,
         cfg.timeout_s,
-        *args,
+        frozen_at_outcome,
         tmp_dir=os.path.join(base, "jobs"),
         env=env,
     )
@@ -211,8 +210,10 @@ def _frozen_trial(
     sizes = {r: 1 << 18 for r in range(WORLD)}
     state["big"][step] = sizes
     job = _save_job(base, cfg, [root] * WORLD, step, sizes)
-    label = f"frozen rank {victim}"
-    try:
+    where = ""
+
+    def freeze() -> bool:
+        nonlocal where
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(
             job.progress(r).startswith("timed:") for r in range(WORLD)
@@ -220,19 +221,11 @@ def _frozen_trial(
             time.sleep(0.001)
         time.sleep(rng.uniform(0.0, 0.03))
         where = job.progress(victim).removeprefix("timed:")
-        stopped = where not in ("saved", "finished") and job.signal(victim, signal.SIGSTOP)
-        t_stop = time.monotonic()
-        label += f" at {where}"
-        if stopped:
-            # Wait for the others to give up, then wake the frozen rank.
-            others = [p for r, p in enumerate(job.procs) if r != victim]
-            end = time.monotonic() + cfg.timeout_s + SLACK_S + 10
-            while time.monotonic() < end and any(p.is_alive() for p in others):
-                time.sleep(0.01)
-            job.signal(victim, signal.SIGCONT)
-        results = job.wait(timeout_s=20 + 3 * cfg.timeout_s)
-    finally:
-        job.close()
+        return where not in ("saved", "finished") and job.signal(victim, signal.SIGSTOP)
+
+    # Wake the frozen rank once the others gave up.
+    stopped, t_stop, results = _frozen_job(job, cfg, victim, freeze, cfg.timeout_s + SLACK_S + 10)
+    label = f"frozen rank {victim} at {where}"
     if not stopped:
         tally.count("missed", "frozen: the save was over")
         return
@@ -256,31 +249,27 @@ def _frozen_trial(
     _judge_root(tally, label, root, step, state["big"])
 
 
-def w_frozen_at_outcome(
-    rank: int,
-    world: int,
-    roots: list[str],
-    step: int,
-    size: int,
-    sizes: dict[int, int],
-    timeout_s: float,
+def _frozen_job(
+    job: ForkJob,
+    cfg: HangSize,
     victim: int,
-) -> dict[str, Any]:
-    """``w_timed_save`` whose ``victim`` freezes (SIGSTOP, from its exchange thread) when
-    it is about to wait for the outcome of the commit of ``step``, its main thread
-    waiting for that thread; the campaign wakes it."""
-    if rank == victim:
-        from atomic_checkpoint.coordination import TorchDistributedCoordinator
-
-        real = TorchDistributedCoordinator._publish
-
-        def frozen(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
-            if key == f"save step {step}: commit":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            return real(self, key, *args, **kwargs)
-
-        TorchDistributedCoordinator._publish = frozen  # type: ignore[method-assign]
-    return w_timed_save(rank, world, roots, step, size, sizes, timeout_s)
+    freeze: Callable[[], bool],
+    others_s: float,
+    frozen_s: float = 0.0,
+) -> tuple[bool, float, list[Any]]:
+    """Run ``job`` until ``freeze()`` froze ``victim`` (False: it could not), give the
+    other ranks ``others_s`` to return, keep the victim frozen ``frozen_s`` at least,
+    then wake it (SIGCONT). Returns whether it froze, when, and every rank's result."""
+    try:
+        frozen = freeze()
+        t_stop = time.monotonic()
+        if frozen:
+            job.join([r for r in range(WORLD) if r != victim], others_s)
+            time.sleep(max(0.0, t_stop + frozen_s - time.monotonic()))
+            job.signal(victim, signal.SIGCONT)
+        return frozen, t_stop, job.wait(timeout_s=20 + 3 * cfg.timeout_s)
+    finally:
+        job.close()
 
 
 def _stopped(pid: int) -> bool:
@@ -298,25 +287,21 @@ def _outcome_trial(
     step = _next(state)
     victim = rng.randrange(1, WORLD)
     label = f"rank {victim} frozen at the outcome of the commit"
-    job = _save_job(base, cfg, [root] * WORLD, step, {}, victim, fn=w_frozen_at_outcome)
-    try:
+    job = _save_job(base, cfg, [root] * WORLD, step, {}, frozen_at_outcome=victim)
+
+    def freeze() -> bool:
         pid = job.procs[victim].pid or -1
         deadline = time.monotonic() + 30 + 3 * cfg.timeout_s
         while not _stopped(pid) and job.procs[victim].is_alive():
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        frozen = _stopped(pid)
-        t_stop = time.monotonic()
-        if frozen:
-            job.join([r for r in range(WORLD) if r != victim], 20 + 3 * cfg.timeout_s)
-            # Past the woken rank's own deadline for the exchange, as a long freeze is.
-            while time.monotonic() < t_stop + cfg.timeout_s + STALL_GRACE_S + 1.0:
-                time.sleep(0.05)
-            job.signal(victim, signal.SIGCONT)
-        results = job.wait(timeout_s=20 + 3 * cfg.timeout_s)
-    finally:
-        job.close()
+        return _stopped(pid)
+
+    # Past the woken rank's own deadline for the exchange, as a long freeze is.
+    frozen, _, results = _frozen_job(
+        job, cfg, victim, freeze, 20 + 3 * cfg.timeout_s, cfg.timeout_s + STALL_GRACE_S + 1.0
+    )
     if not frozen:
         tally.violate("stuck", f"{label}: the rank never reached the outcome")
         return

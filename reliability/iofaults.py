@@ -51,7 +51,6 @@ import itertools
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -60,7 +59,7 @@ from typing import Any
 
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
-from . import REPO_ROOT
+from . import REPO_ROOT, fresh_dir
 from .checks import inspect_root, leaks_after_clean, unclear_reason
 from .fiuctl import EXTRA_ENV, build_extra, compiler, fiu_argv
 from .fiuctl import POINTS as ALL_POINTS
@@ -277,9 +276,7 @@ def run(
         tally.violate("stuck", f"libfiu is not usable here: {why}")
         return tally.finish()
     rng = random.Random(seed)
-    base = os.path.join(workdir, name)
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
+    base = fresh_dir(os.path.join(workdir, name))
     extra = build_extra(base)
     if only is not None:
         todo = list(only)

@@ -39,14 +39,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
+from . import fresh_dir
 from .checks import inspect_root, leaks_after_clean, next_start_leftovers, unclear_reason
 from .jobs import ForkJob
 from .tally import Progress, Tally
@@ -99,16 +99,15 @@ SIZES = {
         "quick": KillSize(trials=6, world=3, steps_per_trial=2, tensor_elems=1 << 12, timeout_s=4),
         "full": KillSize(trials=120, world=3, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=6),
     },
-    "s3fs": {
-        "quick": KillSize(trials=6, world=4, steps_per_trial=2, tensor_elems=1 << 12, timeout_s=4),
-        "full": KillSize(trials=120, world=4, steps_per_trial=3, tensor_elems=1 << 14, timeout_s=6),
-    },
 }
+# s3fs-fuse runs on the same S3 server as ``s3``, with four ranks: two per mount.
+SIZES["s3fs"] = {name: replace(size, world=4) for name, size in SIZES["s3"].items()}
 
 #: The bucket of the S3 and s3fs-fuse roots.
 BUCKET = "kill-campaign"
 
 
+@dataclass
 class _Where:
     """The roots the ranks use, where the checks read, and where the next start runs.
 
@@ -117,25 +116,15 @@ class _Where:
     ``clean_root``/``clean_options``: what ``atomic-checkpoint clean`` is run on.
     """
 
-    def __init__(
-        self,
-        rank_roots: list[str],
-        truth: Any,
-        restart_root: str,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        direct: Any = None,
-        clean_root: str = "",
-        clean_options: dict[str, Any] | None = None,
-    ):
-        self.rank_roots = rank_roots
-        self.truth = truth
-        self.restart_root = restart_root
-        self.storage_options = storage_options
-        self.direct = direct
-        self.clean_root = clean_root
-        self.clean_options = clean_options
-        self.leaked: set[str] = set()
+    rank_roots: list[str]
+    truth: Any
+    restart_root: str
+    _: KW_ONLY
+    storage_options: dict[str, Any] | None = None
+    direct: Any = None
+    clean_root: str = ""
+    clean_options: dict[str, Any] | None = None
+    leaked: set[str] = field(default_factory=set, init=False)
 
 
 def run(size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "local") -> Tally:
@@ -143,9 +132,7 @@ def run(size: str, seed: int, progress: Progress, workdir: str, *, fs: str = "lo
     cfg = SIZES[fs][size]
     tally = Tally(f"kill-{fs}")
     rng = random.Random(seed)
-    base = os.path.join(workdir, f"kill-{fs}")
-    shutil.rmtree(base, ignore_errors=True)
-    os.makedirs(base)
+    base = fresh_dir(os.path.join(workdir, f"kill-{fs}"))
     if fs == "local":
         root = os.path.join(base, "root")
         _campaign(tally, cfg, rng, progress, base, _Where([root] * cfg.world, root, root))
@@ -227,33 +214,15 @@ def _campaign(
     for i in range(cfg.trials):
         # Sync and async saves alternate within each kind of trial.
         use_async = (i // 2) % 2 == 1
-        if i % 2 == 0:
-            phase, role = named[(i // 2) % len(named)]
-            next_step = _trial(
-                tally,
-                cfg,
-                rng,
-                where,
-                tmp,
-                next_step,
-                mode="named",
-                phase=phase,
-                role=role,
-                use_async=use_async,
-            )
+        random_kill = i % 2 == 1
+        if random_kill:
+            fault: dict[str, Any] = {"mode": "random", "delay_max": duration}
         else:
-            landed_before = tally.faults
-            next_step = _trial(
-                tally,
-                cfg,
-                rng,
-                where,
-                tmp,
-                next_step,
-                mode="random",
-                delay_max=duration,
-                use_async=use_async,
-            )
+            phase, role = named[(i // 2) % len(named)]
+            fault = {"mode": "named", "phase": phase, "role": role}
+        landed_before = tally.faults
+        next_step = _trial(tally, cfg, rng, where, tmp, next_step, use_async=use_async, **fault)
+        if random_kill:
             # Keep most random kills inside the job: jobs vary in length (resume work,
             # async saves, machine load), so the window follows what is observed.
             duration = duration * 1.05 if tally.faults > landed_before else duration * 0.8

@@ -56,7 +56,7 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -152,13 +152,13 @@ def _fault_rule(fault: str, index: int, creates_before: int) -> Any:
     raise ValueError(fault)
 
 
+@dataclass
 class _Campaign:
-    def __init__(self, tally: Tally, rng: random.Random, server: Any, proxy: Any):
-        self.tally = tally
-        self.rng = rng
-        self.server = server
-        self.proxy = proxy
-        self.roots: dict[str, _Root] = {}
+    tally: Tally
+    rng: random.Random
+    server: Any
+    proxy: Any
+    roots: dict[str, _Root] = field(default_factory=dict, init=False)
 
     # ------------------------------------------------------------------ plumbing
     def root(self, op: str) -> _Root:

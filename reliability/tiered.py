@@ -60,13 +60,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from atomic_checkpoint._faults import ROTATION_PHASES, SAVE_PHASES
 
+from . import run_module
 from .jobs import ForkJob, install_fault_hook, mark
 from .tally import Progress, Tally
 
@@ -92,7 +92,6 @@ TIMEOUT_S = 5.0
 JOB_BOUND_S = 90.0
 DRAIN_BOUND_S = 60.0
 BUCKET = "tiered"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass(frozen=True)
@@ -730,7 +729,7 @@ def _drain_cli(fast: str, slow: str, opts: dict[str, Any] | None) -> subprocess.
 
     from atomic_checkpoint.domains import HOST_ENV
 
-    argv = [sys.executable, "-m", "atomic_checkpoint", "drain", fast, "--to", slow]
+    argv = ["drain", fast, "--to", slow]
     for k, v in (opts or {}).items():
         argv.append(f"--to-storage-option={k}={json.dumps(v)}")
     env = dict(os.environ)
@@ -738,5 +737,4 @@ def _drain_cli(fast: str, slow: str, opts: dict[str, Any] | None) -> subprocess.
     # On the node itself (its host name, as the job's rank 0 had): there the dead job's
     # run lock is known to be free (its pid is gone).
     env[HOST_ENV] = "node0"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "src"), REPO])
-    return subprocess.run(argv, capture_output=True, text=True, timeout=DRAIN_BOUND_S, env=env)
+    return run_module("atomic_checkpoint", *argv, timeout_s=DRAIN_BOUND_S, env=env)

@@ -4,6 +4,7 @@ forkserver's children)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from typing import Any
@@ -78,9 +79,16 @@ def w_timed_save(
     size: int,
     sizes: dict[int, int],
     timeout_s: float,
+    frozen_at_outcome: int | None = None,
 ) -> dict[str, Any]:
     """Save ``step - 1`` (all ranks healthy), then ``step`` with rank-specific tensor
-    sizes (``sizes``), timing how long the save of ``step`` takes to return or raise."""
+    sizes (``sizes``), timing how long the save of ``step`` takes to return or raise.
+
+    Rank ``frozen_at_outcome`` freezes (SIGSTOP, from its exchange thread) when it is
+    about to wait for the outcome of the commit of ``step``, its main thread waiting for
+    that thread; the hang campaign wakes it."""
+    if rank == frozen_at_outcome:
+        _freeze_at_outcome(step)
     out: dict[str, Any] = {"error": None, "elapsed_s": None, "first": None}
     try:
         mgr = CheckpointManager(roots[rank], timeout_s=timeout_s)
@@ -104,6 +112,19 @@ def w_timed_save(
         out["error"] = out["error"] or describe_error(exc)
         out["setup_error"] = True
     return out
+
+
+def _freeze_at_outcome(step: int) -> None:
+    from atomic_checkpoint.coordination import TorchDistributedCoordinator
+
+    real = TorchDistributedCoordinator._publish
+
+    def frozen(self: Any, key: str, *args: Any, **kwargs: Any) -> Any:
+        if key == f"save step {step}: commit":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, key, *args, **kwargs)
+
+    TorchDistributedCoordinator._publish = frozen  # type: ignore[method-assign]
 
 
 def w_disk_full(
