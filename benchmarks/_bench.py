@@ -266,20 +266,20 @@ def init_single_process_group() -> None:
 # -- durability helpers ------------------------------------------------------------
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: str, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path, os.O_RDWR)
 
 
 def fsync_tree(path: str) -> None:

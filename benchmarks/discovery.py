@@ -231,8 +231,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 row = measure(storage, backend, n, args.repeat)
                 row["setup_s"] = made
                 rows.append(row)
-                print(_line(row), file=sys.stderr)
-                print(_start_line(row), file=sys.stderr)
+                print(_row(TABLE, row), file=sys.stderr)
+                print(_row(START_TABLE, row), file=sys.stderr)
                 if backend == "local":
                     shutil.rmtree(scratch / f"local-{n}", ignore_errors=True)
     if args.dir is None:
@@ -240,41 +240,79 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _line(r: dict[str, Any]) -> str:
-    return (
-        f"| {r['backend']:<5} | {r['checkpoints']:>6} | {r['full_scan_s']:>10.4f} | "
-        f"{r['full_scan_manifest_reads']:>6} | {r['latest_s']:>9.4f} | "
-        f"{r['latest_manifest_reads']:>5} | {r['latest_speedup']:>8.0f}x | "
-        f"{r['checkpoints_cold_s']:>9.3f} | {r['checkpoints_warm_s']:>9.4f} | "
-        f"{r['checkpoints_warm_manifest_reads']:>5} | {r['checkpoints_warm_speedup']:>7.1f}x | "
-        f"{'yes' if r['answers_agree'] else 'NO'} |"
-    )
+#: The columns of the two tables, by the figure each shows: its header (as wide as it is
+#: printed) and the format of its cells.
+COLUMNS = {
+    "backend": ("store", "{:<5}"),
+    "checkpoints": ("ckpts ", "{:>6}"),
+    "full_scan_s": ("full scan s", "{:>10.4f}"),
+    "full_scan_manifest_reads": ("reads", "{:>6}"),
+    "latest_s": ("latest() s", "{:>9.4f}"),
+    "latest_manifest_reads": ("reads", "{:>5}"),
+    "latest_speedup": ("latest x", "{:>8.0f}x"),
+    "checkpoints_cold_s": ("list cold", "{:>9.3f}"),
+    "checkpoints_warm_s": ("list warm", "{:>9.4f}"),
+    "checkpoints_warm_manifest_reads": ("reads", "{:>5}"),
+    "checkpoints_warm_speedup": ("list x", "{:>7.1f}x"),
+    "start_scan_s": ("start scan s", "{:>12.4f}"),
+    "start_scan_manifest_reads": ("reads", "{:>5}"),
+    "start_walk_s": ("start walk s", "{:>12.4f}"),
+    "start_walk_manifest_reads": ("reads", "{:>5}"),
+    "open_s": ("open s  ", "{:>8.4f}"),
+    "open_manifest_reads": ("reads", "{:>5}"),
+    "open_speedup": ("open x ", "{:>6.1f}x"),
+    "sweep_s": ("sweep s ", "{:>8.4f}"),
+    "first_rotation_s": ("1st rot s", "{:>9.3f}"),
+    "first_rotation_manifest_reads": ("reads ", "{:>6}"),
+    "answers_agree": ("same", "{:<4}"),
+}
+#: Discovery: the full scan against latest() and checkpoints(), cold and warm.
+TABLE = [
+    "backend",
+    "checkpoints",
+    "full_scan_s",
+    "full_scan_manifest_reads",
+    "latest_s",
+    "latest_manifest_reads",
+    "latest_speedup",
+    "checkpoints_cold_s",
+    "checkpoints_warm_s",
+    "checkpoints_warm_manifest_reads",
+    "checkpoints_warm_speedup",
+    "answers_agree",
+]
+#: The writable start, before and now.
+START_TABLE = [
+    "backend",
+    "checkpoints",
+    "start_scan_s",
+    "start_scan_manifest_reads",
+    "start_walk_s",
+    "start_walk_manifest_reads",
+    "open_s",
+    "open_manifest_reads",
+    "open_speedup",
+    "sweep_s",
+    "first_rotation_s",
+    "first_rotation_manifest_reads",
+    "answers_agree",
+]
 
 
-def _start_line(r: dict[str, Any]) -> str:
-    return (
-        f"| {r['backend']:<5} | {r['checkpoints']:>6} | {r['start_scan_s']:>12.4f} | "
-        f"{r['start_scan_manifest_reads']:>5} | {r['start_walk_s']:>12.4f} | "
-        f"{r['start_walk_manifest_reads']:>5} | {r['open_s']:>8.4f} | "
-        f"{r['open_manifest_reads']:>5} | {r['open_speedup']:>6.1f}x | {r['sweep_s']:>8.4f} | "
-        f"{r['first_rotation_s']:>9.3f} | {r['first_rotation_manifest_reads']:>6} | "
-        f"{'yes' if r['answers_agree'] else 'NO':<4} |"
-    )
+def _header(table: list[str]) -> str:
+    """A markdown table's header line and the line under it."""
+    heads = [COLUMNS[k][0] for k in table]
+    rule = "|".join("-" * (len(h) + 2) for h in heads)
+    return f"| {' | '.join(heads)} |\n|{rule}|"
 
 
-START_HEADER = (
-    "| store | ckpts  | start scan s | reads | start walk s | reads | open s   | reads | "
-    "open x  | sweep s  | 1st rot s | reads  | same |\n"
-    "|-------|--------|--------------|-------|--------------|-------|----------|-------|"
-    "---------|----------|-----------|--------|------|"
-)
-
-HEADER = (
-    "| store | ckpts  | full scan s | reads | latest() s | reads | latest x | "
-    "list cold | list warm | reads | list x | same |\n"
-    "|-------|--------|-------------|-------|------------|-------|----------|"
-    "-----------|-----------|-------|--------|------|"
-)
+def _row(table: list[str], r: dict[str, Any]) -> str:
+    """The row of one backend and size: a bool (whether the answers agreed) as yes/NO."""
+    cells = [
+        COLUMNS[k][1].format(("yes" if r[k] else "NO") if isinstance(r[k], bool) else r[k])
+        for k in table
+    ]
+    return f"| {' | '.join(cells)} |"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -300,20 +338,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    print(HEADER, file=sys.stderr)
+    print(_header(TABLE), file=sys.stderr)
     rows = run(args)
     print(
         f"\ndiscovery: {platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
         f"python {platform.python_version()}; times in seconds (best of {args.repeat}; one "
         "call for S3 full scans and cold listings above 1,000)"
     )
-    print(HEADER)
+    print(_header(TABLE))
     for r in rows:
-        print(_line(r))
+        print(_row(TABLE, r))
     print("\nwritable start (start scan: before; start walk and open: now)")
-    print(START_HEADER)
+    print(_header(START_TABLE))
     for r in rows:
-        print(_start_line(r))
+        print(_row(START_TABLE, r))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["answers_agree"] for r in rows) else 1

@@ -62,6 +62,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -175,19 +176,25 @@ def _raise_fd_limit(need: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
 
 
+@dataclass(frozen=True)
+class Job:
+    """What every rank of one ``run_saves`` shares: ``total`` saves by ``world`` ranks,
+    each a client of the store at ``port``, into ``root``."""
+
+    world: int
+    port: int
+    root: str
+    total: int
+    timeout_s: float
+    storage_options: dict[str, Any] | None = None
+
+
 def _run_ranks(
-    ranks: list[int],
-    world: int,
-    port: int,
-    root: str,
-    total: int,
-    timeout_s: float,
-    step_sync: Callable[[int, str], None],
-    storage_options: dict[str, Any] | None = None,
+    ranks: list[int], job: Job, step_sync: Callable[[int, str], None]
 ) -> dict[int, dict[str, Any]]:
-    """Run ``total`` saves on ``ranks`` (threads of this process), each with its own
-    client of the store at ``port``; ``step_sync(i, "start"|"end")`` is called by this
-    process's main thread around each save, once its own ranks are ready / done.
+    """Run ``job``'s saves on ``ranks`` (threads of this process), each with its own
+    client of the store; ``step_sync(i, "start"|"end")`` is called by this process's
+    main thread around each save, once its own ranks are ready / done.
 
     Returns, per rank: the counts after each save (its deferred deletes included), the
     wall time of each save, its own write+fsync time, and (rank 0) the store log."""
@@ -213,18 +220,18 @@ def _run_ranks(
         mine = out[rank]
         try:
             client = dist.TCPStore(
-                "127.0.0.1", port, 1, False, timeout=timedelta(seconds=timeout_s)
+                "127.0.0.1", job.port, 1, False, timeout=timedelta(seconds=job.timeout_s)
             )
             store = CountingStore(client)
             coord = TorchDistributedCoordinator(
-                store, rank=rank, world_size=world, namespace=f"scale{world}"
+                store, rank=rank, world_size=job.world, namespace=f"scale{job.world}"
             )
-            storage = open_storage(root, storage_options)
+            storage = open_storage(job.root, job.storage_options)
             ctx = SaveContext(
                 storage=storage,
                 coord=coord,
                 run_id="scale",
-                timeout_s=timeout_s,
+                timeout_s=job.timeout_s,
                 strategy=choose_strategy(storage),
             )
         except BaseException as exc:  # reported by the caller
@@ -244,7 +251,7 @@ def _run_ranks(
             mine["data"].append(t_write + t_fsync)  # this rank's own (timings has the max)
             return RankReport((FileEntry(rel, len(payload), checksum, rank),), t_write, t_fsync)
 
-        for i in range(total):
+        for i in range(job.total):
             try:
                 barrier.wait()  # every save starts together, as after a training step
                 n0 = len(store.counts.log)
@@ -254,7 +261,7 @@ def _run_ranks(
                 commit.finish(ctx, pending, written, state_kind="per_rank", metrics={}, metadata={})
                 mine["wall"].append(time.perf_counter() - t)
                 # The deferred deletes of this save's exchange, so the counts are exact.
-                coord._worker.run(lambda: None, timeout_s)
+                coord._worker.run(lambda: None, job.timeout_s)
                 mine["counts"].append(store.counts.snapshot())
                 if rank == 0:
                     mine.setdefault("log", []).append(store.counts.log[n0:])
@@ -272,7 +279,7 @@ def _run_ranks(
     for th in threads:
         th.start()
     try:
-        for i in range(total):
+        for i in range(job.total):
             step_sync(i, "start")
             barrier.wait()
             barrier.wait()
@@ -280,37 +287,18 @@ def _run_ranks(
     except threading.BrokenBarrierError:
         barrier.abort()
     for th in threads:
-        th.join(timeout_s)
+        th.join(job.timeout_s)
     if errors:
         rank, exc = min(errors.items())
-        raise RuntimeError(f"scale: rank {rank} of {world} failed: {exc!r}") from exc
+        raise RuntimeError(f"scale: rank {rank} of {job.world} failed: {exc!r}") from exc
     return out
 
 
-def _child(
-    ranks: list[int],
-    world: int,
-    port: int,
-    root: str,
-    total: int,
-    timeout_s: float,
-    sync: Any,
-    conn: Any,
-    storage_options: dict[str, Any] | None,
-) -> None:
+def _child(ranks: list[int], job: Job, sync: Any, conn: Any) -> None:
     """A process of ranks: ``_run_ranks``, in step with the parent through ``sync``."""
     result: Any
     try:
-        result = _run_ranks(
-            ranks,
-            world,
-            port,
-            root,
-            total,
-            timeout_s,
-            lambda i, what: sync.wait(timeout_s),
-            storage_options,
-        )
+        result = _run_ranks(ranks, job, lambda i, what: sync.wait(job.timeout_s))
     except BaseException as exc:
         sync.abort()
         result = f"{type(exc).__name__}: {exc}"
@@ -368,25 +356,12 @@ def run_saves(
             "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
         port = server.port
+    job = Job(world, port, root, total, timeout_s, storage_options)
     sync = ctx.Barrier(procs + 1)
     children = []
     for group in groups:
         parent_end, child_end = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_child,
-            args=(
-                group,
-                world,
-                port,
-                root,
-                total,
-                timeout_s,
-                sync,
-                child_end,
-                storage_options,
-            ),
-            daemon=True,
-        )
+        proc = ctx.Process(target=_child, args=(group, job, sync, child_end), daemon=True)
         proc.start()
         child_end.close()
         children.append((proc, parent_end))
@@ -402,7 +377,7 @@ def run_saves(
     here = [0] if procs else list(range(world))
     failed: str | None = None
     try:
-        ranks = _run_ranks(here, world, port, root, total, timeout_s, step_sync, storage_options)
+        ranks = _run_ranks(here, job, step_sync)
     except (RuntimeError, threading.BrokenBarrierError) as exc:
         sync.abort()
         ranks, failed = {}, str(exc)
@@ -737,19 +712,19 @@ def plot(results: dict[str, Any], path: str, baseline: dict[str, Any] | None = N
 
     rows = [r for r in results["saves"] if r["world"] > 1]
     ns = [r["world"] for r in rows]
+
+    def before(ax: Any, key: str, label: str, scale: float = 1) -> None:
+        """The baseline's figure ``key`` (times ``scale``), grey and dashed."""
+        if baseline:
+            brows = [r for r in baseline["saves"] if r["world"] > 1]
+            xs, ys = [r["world"] for r in brows], [r[key] * scale for r in brows]
+            ax.loglog(xs, ys, "o--", color="grey", label=label)
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     ax = axes[0]
     ax.loglog(ns, [r["keys"] for r in rows], "o-", label="keys touched")
     ax.loglog(ns, [r["requests"] for r in rows], "s-", label="requests")
-    if baseline:
-        brows = [r for r in baseline["saves"] if r["world"] > 1]
-        ax.loglog(
-            [r["world"] for r in brows],
-            [r["keys"] for r in brows],
-            "o--",
-            color="grey",
-            label="keys touched, all-gather on every rank (before)",
-        )
+    before(ax, "keys", "keys touched, all-gather on every rank (before)")
     ax.loglog(
         ns, [ns[0] and rows[0]["keys"] * n / ns[0] for n in ns], ":", color="k", label="linear"
     )
@@ -758,14 +733,7 @@ def plot(results: dict[str, Any], path: str, baseline: dict[str, Any] | None = N
     ax.legend(fontsize=8)
     ax = axes[1]
     ax.loglog(ns, [r["bytes"] for r in rows], "o-", label="bytes through the store")
-    if baseline:
-        ax.loglog(
-            [r["world"] for r in brows],
-            [r["bytes"] for r in brows],
-            "o--",
-            color="grey",
-            label="before",
-        )
+    before(ax, "bytes", "before")
     ax.set_xlabel("ranks")
     ax.set_title("bytes per save")
     ax.legend(fontsize=8)
@@ -790,14 +758,7 @@ def plot(results: dict[str, Any], path: str, baseline: dict[str, Any] | None = N
         "s-",
         label="slowest rank's overhead (threads on shared cores)",
     )
-    if baseline:
-        ax.loglog(
-            [r["world"] for r in brows],
-            [r["leader_s"] * 1e3 for r in brows],
-            "o--",
-            color="grey",
-            label="leader time, before",
-        )
+    before(ax, "leader_s", "leader time, before", scale=1e3)
     ax.set_xlabel("ranks")
     ax.set_ylabel("ms per save")
     ax.set_title("time per save")

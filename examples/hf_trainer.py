@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -56,21 +57,30 @@ class FirstStep(TrainerCallback):
         self.step = state.global_step
 
 
-def trainer(output_dir: str, max_steps: int) -> Trainer:
+def tiny_gpt2() -> GPT2LMHeadModel:
+    """A one-layer GPT-2 over the 64-token vocabulary, the same weights every time."""
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
-    args = TrainingArguments(
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+
+
+def training_args(output_dir: str, max_steps: int, **more: Any) -> TrainingArguments:
+    """Batches of 4, a save every 2 steps, on the CPU, without logs or progress bars."""
+    return TrainingArguments(
         output_dir=output_dir,
         max_steps=max_steps,
         per_device_train_batch_size=4,
         save_steps=2,
-        save_total_limit=2,
         logging_strategy="no",
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
+        **more,
     )
-    t = Trainer(model=model, args=args, train_dataset=Tokens())
+
+
+def trainer(output_dir: str, max_steps: int) -> Trainer:
+    args = training_args(output_dir, max_steps, save_total_limit=2)
+    t = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens())
     t.remove_callback(PrinterCallback)
     return make_atomic(t)  # the one line that makes its checkpoints atomic
 

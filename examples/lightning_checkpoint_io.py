@@ -51,10 +51,13 @@ class Regressor(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=8)
 
 
+#: Trainer arguments for a quiet run on the CPU: no logger, progress bar or model summary.
+QUIET = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
 def trainer(dirpath: str, max_steps: int) -> pl.Trainer:
     return pl.Trainer(
         max_steps=max_steps,
-        accelerator="cpu",
         # The two lines: the plugin, and ModelCheckpoint as usual.
         plugins=[AtomicCheckpointIO()],
         callbacks=[
@@ -67,9 +70,7 @@ def trainer(dirpath: str, max_steps: int) -> pl.Trainer:
                 save_last=True,
             )
         ],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
 
 

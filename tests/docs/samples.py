@@ -16,10 +16,11 @@ right above its fence (an HTML comment, invisible once rendered):
     prelude builds what the sample assumes without showing it on the site: a tiny model
     and Trainer, a process group, a stock run's output. A line ``# include: PART`` stands
     for the text of ``tests/docs/preludes/PART.py``, what several preludes share (their
-    names start with ``_``). Its ``# needs:`` line names the
-    real services the test starts for it: ``s3`` (the testbed's S3 server; the endpoint
-    ``http://127.0.0.1:9000`` a sample shows is replaced by the server's, and the
-    environment holds its address as ``SAMPLE_S3_ENDPOINT`` and credentials as
+    names start with ``_``); a prelude may import from the runnable examples (``from
+    examples.hf_trainer import Tokens``): the repository is on its path. Its ``# needs:``
+    line names the real services the test starts for it: ``s3`` (the testbed's S3 server;
+    the endpoint ``http://127.0.0.1:9000`` a sample shows is replaced by the server's, and
+    the environment holds its address as ``SAMPLE_S3_ENDPOINT`` and credentials as
     ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``), ``sshfs:DIR`` or ``s3fs:DIR`` (a real
     sshfs mount, or an s3fs-fuse mount of a bucket of that server, at ``DIR`` in the
     sample's working directory), ``launch:N`` (the sample is a training script,
@@ -68,6 +69,8 @@ PRELUDES = Path(__file__).resolve().parent / "preludes"
 _SPLIT = "# --- sample ---"
 _NEEDS = re.compile(r"^# needs:(.*)$", re.M)
 _INCLUDE = re.compile(r"^# include: (\w+)\n", re.M)
+#: Run before a prelude, so that it can import from examples/ instead of copying them.
+_EXAMPLES_IMPORTABLE = f"import sys\n\nsys.path.append({str(REPO)!r})\n"
 _SHOWN = re.compile(r"""^\s*print\(.*\)\s+#\s*([\[{(0-9'"-].*)$""")
 
 
@@ -201,7 +204,7 @@ class Sample:
             parts.append(f"# setup={setup}\n" + SETUPS[setup])
         before, after = self._prelude()
         if before:
-            parts.append(f"# prelude={self.blocks[0].prelude}\n" + before)
+            parts.append(f"# prelude={self.blocks[0].prelude}\n" + _EXAMPLES_IMPORTABLE + before)
         for b in self.blocks:
             code = _ABSOLUTE_ROOT.sub(r"\1\2/", b.code)
             code = code.replace('init_process_group("nccl")', 'init_process_group("gloo")')

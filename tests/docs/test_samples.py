@@ -56,7 +56,7 @@ def test_a_prelude_takes_in_the_parts_it_includes() -> None:
     script = hf.script()
     assert "# include:" not in script
     # The shared part stands where the prelude names it: before the sample uses it.
-    assert script.index("class _Tokens") < script.index(hf.blocks[0].code)
+    assert script.index("import Tokens as _Tokens") < script.index(hf.blocks[0].code)
     assert hf.needs_torch
 
 

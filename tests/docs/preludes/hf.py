@@ -4,19 +4,15 @@
 # ruff: noqa: F401, F821  (the sample uses these names, or defines them)
 import os
 
-import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from atomic_checkpoint import CheckpointManager
 
 transformers.logging.set_verbosity_error()
 
 # include: _tiny_trainer
-
-
-torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+model = _model()
 args = _args(4)
 ds = _Tokens()
 # --- sample ---

@@ -5,9 +5,8 @@
 # ruff: noqa: F401, F821  (the sample uses these names, or defines them)
 import os
 
-import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from atomic_checkpoint import CheckpointManager, ResumeError
 from atomic_checkpoint.integrations.hf import AtomicCheckpointCallback, make_atomic
@@ -15,13 +14,6 @@ from atomic_checkpoint.integrations.hf import AtomicCheckpointCallback, make_ato
 transformers.logging.set_verbosity_error()
 
 # include: _tiny_trainer
-
-
-def _model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
-
-
 ds = _Tokens()
 _stock = Trainer(model=_model(), args=_args(4), train_dataset=ds)
 _stock.remove_callback(PrinterCallback)
