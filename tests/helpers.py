@@ -1,26 +1,41 @@
-"""What tests share: running a Python snippet as a real child process (a single-process
-job that a test lets finish, or that kills itself at a fault point,
-``ATOMIC_CHECKPOINT_FAULTS``), and a real storage that counts what discovery reads."""
+"""What tests share: running a Python snippet or module as a real child process (a
+single-process job that a test lets finish, or that kills itself at a fault point,
+``ATOMIC_CHECKPOINT_FAULTS``), comparing states exactly, collecting the library's
+warnings, and a real storage that counts what discovery reads."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from typing import Any
 
+import numpy as np
+
 from atomic_checkpoint.layout import MANIFEST_NAME
+from atomic_checkpoint.storage.local import LocalStorage
 
 
-def run_python(
-    code: str,
-    *args: object,
+def run_python(code: str, *args: object, **options: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c CODE ARGS`` (``options``: those of :func:`_run_child`)."""
+    return _run_child("-c", code, *args, **options)
+
+
+def run_module(module: str, *args: object, **options: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m MODULE ARGS`` (``options``: those of :func:`_run_child`)."""
+    return _run_child("-m", module, *args, **options)
+
+
+def _run_child(
+    *argv: object,
     faults: str = "",
     env: dict[str, str] | None = None,
     timeout_s: float = 60.0,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c CODE ARGS`` to completion (at most ``timeout_s``), its output
+    """Run ``python ARGV`` to completion (at most ``timeout_s``; in ``cwd``), its output
     captured as text and its exit status left to the caller.
 
     The child is a job of its own, with one process: a launcher's ``WORLD_SIZE`` and
@@ -33,8 +48,9 @@ def run_python(
         child_env["ATOMIC_CHECKPOINT_FAULTS"] = faults
     child_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)],
+        [sys.executable, *map(str, argv)],
         env=child_env,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -42,9 +58,44 @@ def run_python(
     )
 
 
+def same(a: Any, b: Any) -> bool:
+    """Whether ``b`` is the state ``a`` exactly: numpy arrays and torch tensors of the
+    same dtype and values, dicts with the same keys (in any order) and equal values,
+    anything else by ``==``."""
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    torch = sys.modules.get("torch")  # a tensor means torch is imported already
+    if torch is not None and isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
 def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     """The JSON document a child printed last: its report to the test."""
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class WarningMessages(logging.Handler):
+    """Keeps the message of every record of level WARNING or above it handles, in order
+    (``messages``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def library_warnings() -> WarningMessages:
+    """A ``WarningMessages`` attached to the library's logger (``atomic_checkpoint``) for
+    the rest of this process: what a rank or a child process was warned about, for its
+    report to the test."""
+    handler = WarningMessages()
+    logging.getLogger("atomic_checkpoint").addHandler(handler)
+    return handler
 
 
 class CountsReads:
@@ -66,3 +117,7 @@ class CountsReads:
 
     def reset(self) -> None:
         self.manifest_reads = self.size_checks = 0
+
+
+class CountingLocalStorage(CountsReads, LocalStorage):
+    """The real LocalStorage, counting manifest reads and file size checks."""

@@ -3,24 +3,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any
 
 from atomic_checkpoint import CheckpointManager
 from tests.dist.workers import make_state, states_equal
+from tests.helpers import library_warnings
 
 SMALL = 1 << 10
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def w_save(rank: int, world: int, root: str, steps: list[int]) -> list[int]:
@@ -35,8 +26,7 @@ def w_save(rank: int, world: int, root: str, steps: list[int]) -> list[int]:
 def w_resume_with_corrupt(rank: int, world: int, root: str, newest: int) -> dict[str, Any]:
     """Resume (``restore()``), then ask for the corrupt ``newest`` by step, then one more
     collective: every answer is recorded, nothing is allowed to escape."""
-    seen = _Warnings()
-    logging.getLogger("atomic_checkpoint").addHandler(seen)
+    seen = library_warnings()
     out: dict[str, Any] = {}
     mgr = CheckpointManager(root, timeout_s=20)
     latest = mgr.latest()

@@ -329,12 +329,17 @@ def run_ranks(
     tmp_dir: str,
     timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    faults: str = "",
     pg_timeout_s: float = 10.0,
 ) -> list[RankResult]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; return per-rank results.
 
-    Every process is killed at the deadline; its result then has ``exitcode=None``.
+    The ranks' environment is this process's with ``env`` on top and, where ``faults``
+    is given, ``ATOMIC_CHECKPOINT_FAULTS=faults``. Every process is killed at the
+    deadline; its result then has ``exitcode=None``.
     """
+    if faults:
+        env = {**(env or {}), "ATOMIC_CHECKPOINT_FAULTS": faults}
     job = ForkJob(
         fn, world, *args, tmp_dir=tmp_dir, env=env, pg_timeout_s=pg_timeout_s, watch=False
     )
@@ -348,7 +353,7 @@ def ok_values(results: list[RankResult]) -> list[Any]:
     """Every rank's return value, in rank order; the test fails at the first rank that
     returned none, naming it and its error."""
     for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
+        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
     return [r.value for r in results]
 
 

@@ -18,7 +18,8 @@ import torch
 
 from atomic_checkpoint import CheckpointManager, KeepLast, LocalStorage, catalog
 from atomic_checkpoint.layout import PENDING_DIR
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
+from tests.helpers import same
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
@@ -45,14 +46,6 @@ def _clone(state: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 def _train_step(state: dict[str, Any]) -> None:
@@ -110,7 +103,7 @@ def w_async_campaign(rank: int, world: int, root: str) -> dict[str, Any]:
     mgr.close()
     ok = {}
     for step in (4, 6):
-        ok[step] = _equal(mgr_restore(root, step), expected[step])
+        ok[step] = same(mgr_restore(root, step), expected[step])
     return {
         "raised": raised,
         "h3_failed": h3 is not None and h3.done(),
@@ -130,13 +123,11 @@ def mgr_restore(root: str, step: int) -> Any:
 
 def test_async_saves_across_four_ranks_consistency_and_failures_once(tmp_path):
     root = tmp_path / "ckpt"
-    env = {"ATOMIC_CHECKPOINT_FAULTS": "mid_write@2=raise:3,mid_write@1=raise:5"}
+    faults = "mid_write@2=raise:3,mid_write@1=raise:5"
     results = run_ranks(
-        w_async_campaign, 4, str(root), tmp_dir=str(tmp_path), env=env, timeout_s=150
+        w_async_campaign, 4, str(root), tmp_dir=str(tmp_path), faults=faults, timeout_s=150
     )
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     # Step 3's failure (rank 2's write) was raised exactly once on every rank: by the
     # next save_async, and by nothing else.
     assert all(list(v["raised"]) == [4] for v in values)
@@ -179,9 +170,9 @@ def w_async_then_killed(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_rank_killed_during_background_write_leaves_previous_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
-    env = {"ATOMIC_CHECKPOINT_FAULTS": "mid_write@2=kill:2"}
+    faults = "mid_write@2=kill:2"
     results = run_ranks(
-        w_async_then_killed, 4, str(root), tmp_dir=str(tmp_path), env=env, timeout_s=60
+        w_async_then_killed, 4, str(root), tmp_dir=str(tmp_path), faults=faults, timeout_s=60
     )
     assert results[2].killed
     for r in (results[0], results[1], results[3]):
@@ -243,20 +234,17 @@ def test_an_async_failure_seen_by_one_rank_is_raised_at_the_next_save_on_every_r
     tmp_path, looker
 ):
     root = tmp_path / "ckpt"
-    env = {"ATOMIC_CHECKPOINT_FAULTS": "mid_write@1=raise:2"}
     results = run_ranks(
         w_failure_seen_by_one_rank,
         3,
         str(root),
         looker,
         tmp_dir=str(tmp_path),
-        env=env,
+        faults="mid_write@1=raise:2",
         timeout_s=120,
         pg_timeout_s=60,
     )
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     assert values[looker]["seen"] == "DistributedCheckpointError"
     for rank, v in enumerate(values):
         # The same error, naming rank 1 and step 2, on every rank: nobody entered save(3)

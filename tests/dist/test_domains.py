@@ -56,9 +56,9 @@ def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_ste
     ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
     # Node 1's leader (rank 2) dies before its rename of step 3, after a pause that
     # lets node 0 commit its copy of step 3 first.
-    env = {"ATOMIC_CHECKPOINT_FAULTS": "after_manifest@2=delay:3,after_manifest@2=kill:3"}
+    faults = "after_manifest@2=delay:3,after_manifest@2=kill:3"
     crashed = run_ranks(
-        workers.w_node_local, 4, base, [3], None, tmp_dir=base, env=env, timeout_s=40
+        workers.w_node_local, 4, base, [3], None, tmp_dir=base, faults=faults, timeout_s=40
     )
     assert crashed[2].killed
     assert not any(r.ok for r in crashed)

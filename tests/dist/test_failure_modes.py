@@ -20,7 +20,7 @@ import pytest
 from atomic_checkpoint import CheckpointManager, KeepLast, catalog
 from atomic_checkpoint.layout import META_DIR, PENDING_DIR, TRASH_DIR, rank_state_file
 from tests.dist import workers
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -150,13 +150,11 @@ def test_roles_barriers_and_agreement_in_one_four_rank_job(tmp_path):
         WORLD,
         str(root),
         tmp_dir=str(tmp_path),
-        env={"ATOMIC_CHECKPOINT_FAULTS": FAULTS},
+        faults=FAULTS,
         pg_timeout_s=PG_TIMEOUT_S,
         timeout_s=120,
     )
-    for r in results:
-        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
-    v = [r.value for r in results]
+    v = ok_values(results)
 
     # A2, A4, B5: one domain, rank 0 its only committer and rotator (no rank was
     # killed at a coordinator-only point), whatever LOCAL_RANK and host names say.

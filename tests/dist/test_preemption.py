@@ -21,7 +21,8 @@ from atomic_checkpoint import CheckpointManager, KeepLast
 from atomic_checkpoint.layout import PENDING_DIR
 from atomic_checkpoint.preemption import PreemptionGuard
 from tests.dist import workers
-from tests.dist.launcher import RankResult, run_ranks
+from tests.dist.launcher import RankResult, ok_values, run_ranks
+from tests.helpers import library_warnings
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -130,9 +131,7 @@ def test_sigterm_to_one_rank_makes_every_rank_save_the_same_step_and_exit(tmp_pa
     os.kill(pid, signal.SIGTERM)
     thread.join(150)
     assert not thread.is_alive()
-    for r in results:
-        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     stopped = {v["stopped_at"] for v in values}
     assert len(stopped) == 1 and None not in stopped, values  # one agreed step, all stopped
     step = stopped.pop()
@@ -154,7 +153,7 @@ def test_signals_during_a_save_do_not_corrupt_it_and_the_next_boundary_stops(tmp
     ctl.mkdir()
     # Ranks 0 (the coordinator) and 3 pause in the middle of writing their file of
     # step 10 (first chunk written, the rest not): the signals land inside the save.
-    env = {"ATOMIC_CHECKPOINT_FAULTS": ",".join(f"mid_write@{r}=delay:10" for r in (0, 0, 3, 3))}
+    faults = ",".join(f"mid_write@{r}=delay:10" for r in (0, 0, 3, 3))
     thread, results = _run_in_thread(
         lambda: run_ranks(
             w_train,
@@ -164,7 +163,7 @@ def test_signals_during_a_save_do_not_corrupt_it_and_the_next_boundary_stops(tmp
             10,
             400,
             tmp_dir=str(tmp_path),
-            env=env,
+            faults=faults,
             timeout_s=120,
         )
     )
@@ -183,9 +182,7 @@ def test_signals_during_a_save_do_not_corrupt_it_and_the_next_boundary_stops(tmp
     os.kill(pids[3], signal.SIGUSR1)  # type: ignore[arg-type]
     thread.join(150)
     assert not thread.is_alive()
-    for r in results:
-        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     # The interrupted save of step 10 finished normally; the boundary after it stopped.
     assert all(v["saved"] == [10, 11] and v["stopped_at"] == 11 for v in values), values
     assert [v["signum"] for v in values] == [signal.SIGTERM, None, None, signal.SIGUSR1]
@@ -220,9 +217,7 @@ def test_ranks_checking_at_different_steps_all_get_an_error(tmp_path):
     results = run_ranks(
         w_mismatched_boundaries, WORLD, str(tmp_path / "ckpt"), tmp_dir=str(tmp_path)
     )
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     assert all(v["agreed"] is False for v in values)
     assert {v["outcome"][0] for v in values} == {"CheckpointError"}
     assert all("different steps" in v["outcome"][1] and "1: 5" in v["outcome"][1] for v in values)
@@ -232,12 +227,7 @@ def w_deadline(rank: int, world: int, root: str) -> dict[str, Any]:
     """Step 1's save takes over 1 s (rank 0 pauses 1 s mid-write, and the commit waits
     for it on every rank); with a grace period of 1 s, rank 2 is signalled just before
     the boundary of step 2."""
-    import logging
-
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("atomic_checkpoint").addHandler(handler)
+    seen = library_warnings()
     mgr = CheckpointManager(root, timeout_s=30)
     mgr.save(1, workers.make_state(1, rank, big_elems=ELEMS))
     os.environ.pop("ATOMIC_CHECKPOINT_FAULTS", None)
@@ -255,7 +245,7 @@ def w_deadline(rank: int, world: int, root: str) -> dict[str, Any]:
             "requested_by": guard.requested_by,
             "skipped": guard.skipped_save,
             "exit_code": guard.exit_code,
-            "warned": [m for m in records if "WITHOUT saving" in m],
+            "warned": [m for m in seen.messages if "WITHOUT saving" in m],
         }
     mgr.close()
     return out
@@ -264,15 +254,9 @@ def w_deadline(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_a_save_that_cannot_fit_the_grace_period_is_skipped_on_every_rank_alike(tmp_path):
     root = tmp_path / "ckpt"
     results = run_ranks(
-        w_deadline,
-        WORLD,
-        str(root),
-        tmp_dir=str(tmp_path),
-        env={"ATOMIC_CHECKPOINT_FAULTS": "mid_write@0=delay:1"},
+        w_deadline, WORLD, str(root), tmp_dir=str(tmp_path), faults="mid_write@0=delay:1"
     )
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     # One decision for all: stop at step 2 without saving, for the same stated reason.
     assert all(v["save"] is False and v["stopping"] and v["decided"] == 2 for v in values)
     assert all(v["requested_by"] == (2,) and v["exit_code"] == 75 for v in values)

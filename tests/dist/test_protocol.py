@@ -10,21 +10,15 @@ from atomic_checkpoint import CheckpointManager, catalog
 from atomic_checkpoint._faults import SAVE_PHASES
 from atomic_checkpoint.layout import PENDING_DIR
 from tests.dist import workers
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
-
-
-def _assert_all_ok(results):
-    for r in results:
-        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
 
 
 def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
     root = tmp_path / "ckpt"
     results = run_ranks(workers.w_roundtrip, 4, str(root), [10, 20, 30], tmp_dir=str(tmp_path))
-    _assert_all_ok(results)
-    values = [r.value for r in results]
+    values = ok_values(results)
     # Every rank returns the same CheckpointInfo for every step.
     assert all(v["infos"] == values[0]["infos"] for v in values)
     assert [i[0] for i in values[0]["infos"]] == [10, 20, 30]
@@ -53,10 +47,10 @@ def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
 def test_files_mode_collects_files_of_every_rank(tmp_path):
     root = tmp_path / "ckpt"
     results = run_ranks(workers.w_files_mode, 3, str(root), 5, tmp_dir=str(tmp_path))
-    _assert_all_ok(results)
-    assert {r.value["path"] for r in results} == {str(root / "checkpoint-5")}
+    values = ok_values(results)
+    assert {v["path"] for v in values} == {str(root / "checkpoint-5")}
     # The block ran in the pending directory, never in the final one.
-    assert all(PENDING_DIR in r.value["pending"] for r in results)
+    assert all(PENDING_DIR in v["pending"] for v in values)
     m = catalog.load_checkpoint(CheckpointManager(root, read_only=True).storage, 5, full=True)
     assert sorted(f.path for f in m.files) == [
         "config.json",
@@ -72,8 +66,7 @@ def test_files_mode_collects_files_of_every_rank(tmp_path):
 def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
     root = tmp_path / "ckpt"
     results = run_ranks(workers.w_bad_state_on, 4, str(root), bad_rank, 8, tmp_dir=str(tmp_path))
-    _assert_all_ok(results)
-    values = [r.value for r in results]
+    values = ok_values(results)
     assert {v["error_type"] for v in values} == {"DistributedCheckpointError"}
     assert all(v["failed_ranks"] == (bad_rank,) for v in values)
     assert len({v["message"] for v in values}) == 1
@@ -86,9 +79,9 @@ def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
 
 def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
     root = tmp_path / "ckpt"
-    env = {"ATOMIC_CHECKPOINT_FAULTS": "before_write@3=hang:5"}
+    faults = "before_write@3=hang:5"
     results = run_ranks(
-        workers.w_hang_one, 4, str(root), 5, 3.0, tmp_dir=str(tmp_path), env=env, timeout_s=12
+        workers.w_hang_one, 4, str(root), 5, 3.0, tmp_dir=str(tmp_path), faults=faults, timeout_s=12
     )
     assert results[3].exitcode is None  # still hanging at the deadline: killed by us
     for r in results[:3]:
@@ -104,7 +97,6 @@ def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
 
 def _kill_trial(tmp_path, phase: str, rank: int, world: int = 4):
     root = tmp_path / f"ckpt-{phase}-{rank}"
-    env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@{rank}=kill:3"}
     results = run_ranks(
         workers.w_save_steps,
         world,
@@ -113,7 +105,7 @@ def _kill_trial(tmp_path, phase: str, rank: int, world: int = 4):
         None,
         4.0,
         tmp_dir=str(tmp_path),
-        env=env,
+        faults=f"{phase}@{rank}=kill:3",
         timeout_s=40,
     )
     assert results[rank].killed, f"rank {rank} was not killed at {phase}"

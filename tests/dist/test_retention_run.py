@@ -11,7 +11,7 @@ from atomic_checkpoint import CheckpointManager, catalog
 from atomic_checkpoint._faults import ROTATION_PHASES
 from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR
 from tests.dist import workers
-from tests.dist.launcher import beside, run_ranks
+from tests.dist.launcher import beside, ok_values, run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
@@ -28,8 +28,7 @@ def test_200_saves_keep_last_3_and_best_1_under_an_observer(tmp_path):
             tmp_dir=str(tmp_path),
             timeout_s=200,
         )
-    for r in results:
-        assert r.ok, r.error_text
+    values = ok_values(results)
     report = json.loads(out.read_text())
     print(
         f"observer: {report['polls']} polls, {report['checked']} checkpoints validated, "
@@ -39,7 +38,7 @@ def test_200_saves_keep_last_3_and_best_1_under_an_observer(tmp_path):
     assert report["polls"] > 50
     # Kept: last 3 + best 1 = 4, plus at most the one being committed.
     assert report["max_seen"] <= 5
-    assert all(r.value["listed"] == [7, 198, 199, 200] for r in results)
+    assert all(v["listed"] == [7, 198, 199, 200] for v in values)
     assert sorted(n for n in os.listdir(root) if n.startswith("checkpoint-")) == [
         "checkpoint-198",
         "checkpoint-199",
@@ -52,7 +51,6 @@ def test_200_saves_keep_last_3_and_best_1_under_an_observer(tmp_path):
 def test_kill_the_coordinator_at_every_phase_of_rotation(tmp_path, phase):
     root = tmp_path / "ckpt"
     # Rotation after the commit of step 5 deletes step 2; the kill lands inside it.
-    env = {"ATOMIC_CHECKPOINT_FAULTS": f"{phase}@0=kill:2"}
     results = run_ranks(
         workers.w_retention_run,
         2,
@@ -60,7 +58,7 @@ def test_kill_the_coordinator_at_every_phase_of_rotation(tmp_path, phase):
         [1, 2, 3, 4, 5, 6],
         3.0,
         tmp_dir=str(tmp_path),
-        env=env,
+        faults=f"{phase}@0=kill:2",
         timeout_s=40,
     )
     assert results[0].killed

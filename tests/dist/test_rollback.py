@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from atomic_checkpoint import CheckpointManager, KeepLast
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
 from tests.dist.workers import make_state, states_equal
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -56,9 +56,7 @@ def w_go_back(rank: int, world: int, base: str, node_local: bool) -> dict[str, A
 def test_every_rank_refuses_the_same_save_and_rolls_back_together(tmp_path, node_local):
     base = tmp_path / "ckpt"
     results = run_ranks(w_go_back, 4, str(base), node_local, tmp_dir=str(tmp_path), timeout_s=150)
-    for r in results:
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [r.value for r in results]
+    values = ok_values(results)
     assert {v["domains"] for v in values} == {2 if node_local else 1}
     assert all(v["restored_100"] and v["restored_110"] for v in values)
     # save() and save_async() of step 110 were refused on every rank, identically.

@@ -14,18 +14,13 @@ import numpy as np
 import pytest
 
 from atomic_checkpoint import CheckpointManager, StepOrderError
-from atomic_checkpoint.storage.local import LocalStorage
 from tests.dist.launcher import ok_values, run_ranks
-from tests.helpers import CountsReads
+from tests.helpers import CountingLocalStorage
 from tests.testbed.roots import make_local_root
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
 STEPS = 50
-
-
-class CountingStorage(CountsReads, LocalStorage):
-    """The real LocalStorage, counting manifest reads."""
 
 
 def w_open(rank: int, world: int, base: str) -> dict[str, Any]:
@@ -36,7 +31,7 @@ def w_open(rank: int, world: int, base: str) -> dict[str, Any]:
 
     node = rank // 2
     os.environ[HOST_ENV] = f"node{node}"
-    storage = CountingStorage(os.path.join(base, f"node{node}"))
+    storage = CountingLocalStorage(os.path.join(base, f"node{node}"))
     mgr = CheckpointManager(storage, timeout_s=10)
     reads = storage.manifest_reads
     newest = None

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from atomic_checkpoint import CheckpointManager
+from tests.helpers import run_module
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -17,23 +16,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_torchrun_four_ranks_round_trip(tmp_path):
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=4",
-            os.path.join(REPO, "tests", "dist", "scripts", "torchrun_roundtrip.py"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_module(
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        os.path.join(REPO, "tests", "dist", "scripts", "torchrun_roundtrip.py"),
+        tmp_path,
+        env={"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},
         cwd=REPO,
-        env=env,
-        timeout=170,
-        check=False,
+        timeout_s=170,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]

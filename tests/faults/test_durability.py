@@ -31,9 +31,8 @@ from tests.faults.test_failure_modes import (
     checkpoint_dirs,
     leftovers,
     np_state,
-    same,
 )
-from tests.helpers import last_json, run_python
+from tests.helpers import last_json, run_python, same
 from tests.testbed.pytest_fixtures import small_disk, sshfs_export  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)

@@ -34,7 +34,7 @@ from atomic_checkpoint import (
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR, TRASH_DIR
 from atomic_checkpoint.preemption import PreemptionGuard
-from tests.helpers import last_json, run_python
+from tests.helpers import last_json, run_python, same
 from tests.testbed.pytest_fixtures import small_disk  # noqa: F401 - fixture used by name
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,14 +51,6 @@ def np_state(step: int, variant: int = 0, elems: int = 1 << 14) -> dict[str, Any
         "step": step,
         "variant": variant,
     }
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 def checkpoint_dirs(root: Path) -> list[str]:

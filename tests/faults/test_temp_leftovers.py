@@ -27,8 +27,8 @@ from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.layout import META_DIR
 from atomic_checkpoint.storage.temps import parse_temp_name
 from tests.cli.helpers import run_cli
-from tests.faults.test_failure_modes import REPO, assert_killed, np_state, same
-from tests.helpers import run_python
+from tests.faults.test_failure_modes import REPO, assert_killed, np_state
+from tests.helpers import run_python, same
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(240)]
 

@@ -75,16 +75,20 @@ def check_exit(proc: subprocess.Popen[str], out: str, what: str) -> None:
         pytest.fail(f"{what} exited with {proc.returncode}:\n{out[-6000:]}")
 
 
-def run_job(cmd: list[str], env: dict[str, str], what: str) -> str:
-    """Run ``cmd`` to completion; fail the test with its output unless it exits 0."""
+def run_job(
+    cmd: list[str], env: dict[str, str], what: str, timeout_s: float = RUN_TIMEOUT_S
+) -> str:
+    """Run ``cmd`` to completion (killed after ``timeout_s``); fail the test with its
+    output unless it exits 0."""
     proc = spawn(cmd, env)
-    (out,) = communicate([proc], RUN_TIMEOUT_S)
+    (out,) = communicate([proc], timeout_s)
     check_exit(proc, out, what)
     return out
 
 
-def run_example(tmp_path: Path, name: str, *args: object) -> str:
-    """Run ``python examples/NAME ARGS`` as a reader of the docs would, to completion;
-    fail the test with its output unless it exits 0; return that output."""
+def run_example(tmp_path: Path, name: str, *args: object, timeout_s: float = RUN_TIMEOUT_S) -> str:
+    """Run ``python examples/NAME ARGS`` as a reader of the docs would, to completion
+    (killed after ``timeout_s``); fail the test with its output unless it exits 0;
+    return that output."""
     cmd = [sys.executable, str(REPO / "examples" / name), *map(str, args)]
-    return run_job(cmd, job_env(tmp_path), f"examples/{name}")
+    return run_job(cmd, job_env(tmp_path), f"examples/{name}", timeout_s)

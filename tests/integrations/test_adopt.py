@@ -72,6 +72,18 @@ def _copy(src: Path, tmp_path: Path) -> Path:
     return dst
 
 
+@pytest.fixture
+def out(stock_hf: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the stock Trainer run (``stock_hf``), to tear and adopt."""
+    return _copy(stock_hf, tmp_path)
+
+
+@pytest.fixture
+def project(stock_accelerate: Path, tmp_path: Path) -> Path:
+    """This test's own copy of the stock Accelerate project (``stock_accelerate``)."""
+    return _copy(stock_accelerate, tmp_path)
+
+
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
     """Every file under ``root``: (size, mtime in ns)."""
     out = {}
@@ -95,9 +107,8 @@ def _tear_hf(out: Path) -> None:
 # ---------------------------------------------------------------------- Trainer
 @pytest.mark.timeout(180)
 def test_stock_trainer_checkpoints_are_adopted_torn_ones_refused_then_resumed(
-    stock_hf: Path, tmp_path: Path
+    out: Path, tmp_path: Path
 ) -> None:
-    out = _copy(stock_hf, tmp_path)
     _tear_hf(out)
     torn_before = {s: _tree(out / f"checkpoint-{s}") for s in (6, 8, 10)}
 
@@ -138,8 +149,7 @@ def test_stock_trainer_checkpoints_are_adopted_torn_ones_refused_then_resumed(
 
 
 @pytest.mark.timeout(180)
-def test_adopt_is_idempotent_and_a_dry_run_writes_nothing(stock_hf: Path, tmp_path: Path) -> None:
-    out = _copy(stock_hf, tmp_path)
+def test_adopt_is_idempotent_and_a_dry_run_writes_nothing(out: Path) -> None:
     _tear_hf(out)
     before = _tree(out)
     dry = adopt(out, dry_run=True)
@@ -163,10 +173,7 @@ def test_adopt_is_idempotent_and_a_dry_run_writes_nothing(stock_hf: Path, tmp_pa
 
 
 @pytest.mark.timeout(120)
-def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(
-    stock_hf: Path, tmp_path: Path
-) -> None:
-    out = _copy(stock_hf, tmp_path)
+def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(out: Path) -> None:
     folder = out / "checkpoint-4"
     index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}
     index["weight_map"]["b.weight"] = "model-00002-of-00002.safetensors"
@@ -180,8 +187,7 @@ def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(
 
 
 @pytest.mark.timeout(120)
-def test_adopt_refuses_while_a_manager_of_the_root_is_open(stock_hf: Path, tmp_path: Path) -> None:
-    out = _copy(stock_hf, tmp_path)
+def test_adopt_refuses_while_a_manager_of_the_root_is_open(out: Path) -> None:
     mgr = CheckpointManager(out)
     try:
         with pytest.raises(LockHeldError, match="adopt before opening it"):
@@ -213,10 +219,7 @@ def test_a_registered_rule_decides_for_its_names(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- Accelerate
 @pytest.mark.timeout(180)
-def test_stock_accelerate_project_is_adopted_and_keeps_accelerates_layout(
-    stock_accelerate: Path, tmp_path: Path
-) -> None:
-    project = _copy(stock_accelerate, tmp_path)
+def test_stock_accelerate_project_is_adopted_and_keeps_accelerates_layout(project: Path) -> None:
     torn = project / "checkpoints" / "checkpoint_2"
     (torn / "random_states_0.pkl").unlink()  # the save died before the RNG states
     weights = project / "checkpoints" / "checkpoint_1" / "optimizer.bin"
@@ -264,8 +267,7 @@ def test_adopt_on_an_s3_root_commits_like_a_marker_save(
 
 # ---------------------------------------------------------------------- the CLI
 @pytest.mark.timeout(180)
-def test_cli_adopt_reports_and_exit_codes(stock_hf: Path, tmp_path: Path) -> None:
-    out = _copy(stock_hf, tmp_path)
+def test_cli_adopt_reports_and_exit_codes(out: Path, tmp_path: Path) -> None:
     _tear_hf(out)
     dry = run_cli("adopt", out, "--dry-run")
     assert dry.returncode == 1, dry.stderr
@@ -307,8 +309,7 @@ def test_cli_adopt_reports_and_exit_codes(stock_hf: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(120)
-def test_cli_list_groups_files_that_are_not_checkpoints(stock_hf: Path, tmp_path: Path) -> None:
-    out = _copy(stock_hf, tmp_path)
+def test_cli_list_groups_files_that_are_not_checkpoints(out: Path) -> None:
     _tear_hf(out)
     adopted_run = adopt(out, [2, 4]).run_id
     proc = run_cli("list", out)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -39,9 +37,9 @@ from atomic_checkpoint.integrations.dcp import (
     save_dcp,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
+from tests.integrations.helpers import run_example
 
-REPO = Path(__file__).resolve().parents[2]
 ROWS, COLS = 24, 6  # divisible by 4 and 2; DTensor handles uneven shards too
 
 
@@ -171,26 +169,19 @@ def w_coordinator_dies_after_dcp(rank: int, world: int, root: str) -> dict[str, 
         return {"err": _error(exc)}
 
 
-def _ok(results):
-    for r in results:
-        assert r.ok, f"rank {r.rank} exit {r.exitcode}: {r.error_text}"
-
-
 # ---------------------------------------------------------------------- multi-process
 @pytest.mark.dist
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_four_rank_sharded_save_reshards_into_two_and_failures_commit_nothing(tmp_path):
     root = str(tmp_path / "ckpt")
-    faults = {FAULTS_ENV: "mid_write@1=raise:30,mid_write@2=kill:40"}
+    faults = "mid_write@1=raise:30,mid_write@2=kill:40"
     saved = run_ranks(
-        w_save_four, 4, root, tmp_dir=str(tmp_path), env=faults, pg_timeout_s=3, timeout_s=90
+        w_save_four, 4, root, tmp_dir=str(tmp_path), faults=faults, pg_timeout_s=3, timeout_s=90
     )
     # Rank 2 was killed by SIGKILL in step 40; the others returned.
     assert saved[2].killed, saved[2].error_text
-    for r in (saved[0], saved[1], saved[3]):
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [saved[r].value for r in (0, 1, 3)]
+    values = ok_values([saved[r] for r in (0, 1, 3)])
     # Every rank got the same CheckpointInfo for every committed step.
     assert all(v["infos"] == values[0]["infos"] for v in values)
     assert [i[0] for i in values[0]["infos"]] == [5, 10, 20]
@@ -232,8 +223,7 @@ def test_four_rank_sharded_save_reshards_into_two_and_failures_commit_nothing(tm
 
     # A 2-rank job loads the 4-rank checkpoints (DCP resharding), values identical.
     loaded = run_ranks(w_load_two, 2, root, tmp_dir=str(tmp_path), timeout_s=90)
-    _ok(loaded)
-    for v in (r.value for r in loaded):
+    for v in ok_values(loaded):
         assert v["pending_after_open"] == []  # the killed save was swept at start-up
         assert v["steps"] == [10, 20]
         assert v["latest"] == 20 and v["latest_ok"]
@@ -252,9 +242,9 @@ def test_four_rank_sharded_save_reshards_into_two_and_failures_commit_nothing(tm
 def test_coordinator_killed_after_dcp_finished_leaves_nothing_discoverable(tmp_path):
     root = str(tmp_path / "ckpt")
     # After DCP wrote every shard and its .metadata, before our manifest.
-    faults = {FAULTS_ENV: "after_write@0=kill:20"}
+    faults = "after_write@0=kill:20"
     results = run_ranks(
-        w_coordinator_dies_after_dcp, 2, root, tmp_dir=str(tmp_path), env=faults, timeout_s=60
+        w_coordinator_dies_after_dcp, 2, root, tmp_dir=str(tmp_path), faults=faults, timeout_s=60
     )
     assert results[0].killed, results[0].error_text
     assert results[1].ok, results[1].error_text
@@ -355,15 +345,7 @@ def test_truncated_shard_is_never_loaded(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_example_dcp_sharded_runs(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "dcp_sharded.py"), str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_example(tmp_path, "dcp_sharded.py", tmp_path / "ckpt", timeout_s=100)
     assert "4 ranks saved steps [100, 200, 300]" in out, out
     assert "2 ranks loaded step 300" in out, out
     assert "identical to what was saved: True" in out, out
@@ -459,21 +441,19 @@ def w_async_and_path(rank: int, world: int, root: str, paths: str) -> dict[str, 
 @pytest.mark.timeout(240)
 def test_async_and_path_style_saves_commit_atomically_and_fail_on_every_rank(tmp_path):
     root, paths = str(tmp_path / "ckpt"), str(tmp_path / "paths")
-    faults = {FAULTS_ENV: "mid_write@1=raise:7,mid_write@1=raise:30,mid_write@2=kill:40"}
+    faults = "mid_write@1=raise:7,mid_write@1=raise:30,mid_write@2=kill:40"
     saved = run_ranks(
         w_async_and_path,
         3,
         root,
         paths,
         tmp_dir=str(tmp_path),
-        env=faults,
+        faults=faults,
         pg_timeout_s=3,
         timeout_s=150,
     )
     assert saved[2].killed, saved[2].error_text
-    for r in (saved[0], saved[1]):
-        assert r.ok, f"rank {r.rank}: {r.error_text}"
-    values = [saved[r].value for r in (0, 1)]
+    values = ok_values(saved[:2])
 
     # Path-style: a DCP failure on rank 1 reached every rank, same error, nothing at
     # PATH; the next save committed; a second save onto it is refused on every rank.

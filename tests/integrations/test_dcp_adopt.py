@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import signal
@@ -29,7 +28,8 @@ from atomic_checkpoint.integrations.dcp import (
     stock_checkpoint_problem,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME
-from tests.dist.launcher import run_ranks
+from tests.dist.launcher import ok_values, run_ranks
+from tests.helpers import library_warnings
 from tests.integrations.test_dcp import COLS, ROWS, _error, _full, _matches, _plain, _sharded
 
 
@@ -79,20 +79,10 @@ def w_stock_run(rank: int, world: int, root: str) -> None:
         dcp.save(_sharded(world, step), checkpoint_id=os.path.join(root, f"checkpoint-{step}"))
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def w_continue(rank: int, world: int, root: str) -> dict[str, Any]:
     """The run continued with the integration: adopt, resume, try the torn step again,
     save the next one."""
-    records = _Records()
-    logging.getLogger("atomic_checkpoint").addHandler(records)
+    records = library_warnings()
     out: dict[str, Any] = {}
     mgr = CheckpointManager(root, timeout_s=10)
     try:
@@ -115,7 +105,7 @@ def w_continue(rank: int, world: int, root: str) -> dict[str, Any]:
     out["latest"] = load_dcp(mgr, sd4).step  # type: ignore[union-attr]
     out["latest_ok"] = _matches(sd4, 4)
     mgr.close()
-    out["warnings"] = records.lines
+    out["warnings"] = records.messages
     return out
 
 
@@ -132,9 +122,7 @@ def test_killed_stock_dcp_run_continues_from_its_newest_complete_checkpoint(tmp_
     before = _snapshot(root)
 
     results = run_ranks(w_continue, 2, str(root), tmp_dir=str(tmp_path), timeout_s=60)
-    assert all(r.ok for r in results), [(r.exitcode, r.error_text) for r in results]
-    for r in results:
-        out = r.value
+    for out in ok_values(results):
         # Without the opt-in, stock checkpoints are never loaded.
         assert out["plain_load"] is not None and out["plain_load"]["is_checkpoint_error"]
         # Resumed bit-exactly from step 2 (the newest complete), on every rank.

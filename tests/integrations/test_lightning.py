@@ -482,9 +482,7 @@ def test_kill_during_an_overwrite_leaves_a_complete_verified_file(tmp_path):
     always one complete version, verified against its manifest, and the next save
     cleans up."""
     faults = ",".join(f"{phase}@{r}=kill:6" for r, phase in enumerate(KILL_PHASES))
-    results = run_ranks(
-        w_overwrite_killed, 3, str(tmp_path), tmp_dir=str(tmp_path), env={FAULTS_ENV: faults}
-    )
+    results = run_ranks(w_overwrite_killed, 3, str(tmp_path), tmp_dir=str(tmp_path), faults=faults)
     for phase, result in zip(KILL_PHASES, results, strict=True):
         assert result.killed, (phase, result.error_text)
         directory = tmp_path / phase

@@ -45,7 +45,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -53,6 +52,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -60,6 +60,7 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from atomic_checkpoint import errors as ac_errors
@@ -76,6 +77,7 @@ from atomic_checkpoint.errors import (
     ResumeError,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR, TRASH_DIR, checkpoint_name
+from tests.helpers import last_json, run_module
 
 from .kinds import METRIC, POLICIES, make_state, metric_of, open_manager, vid_of
 
@@ -1013,26 +1015,19 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.spec, {**self.steps, step: Entry(vid, metric_of(vid))}, step
         )
         where = f"{phase}@0=kill" + (f":{step}" if phase in SAVE_PHASES else "")
-        env = dict(os.environ, ATOMIC_CHECKPOINT_FAULTS=where)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.model._child",
-                self.KIND,
-                self.root,
-                json.dumps(self.spec),
-                str(step),
-                str(vid),
-                "1" if overwrite else "0",
-            ],
-            env=env,
+        path = os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")]))
+        proc = run_module(
+            "tests.model._child",
+            self.KIND,
+            self.root,
+            json.dumps(self.spec),
+            step,
+            vid,
+            "1" if overwrite else "0",
+            faults=where,
+            env={"PYTHONPATH": path},
             cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
+            timeout_s=120,
         )
         self.frozen = _walk(self.root)
         self.closed_mgr = None
@@ -1053,7 +1048,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             return
         if proc.returncode != 0:
             self.fail(f"the save process ended with {proc.returncode}: {proc.stderr[-2000:]}")
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out = last_json(proc)
         if not out.get("opened"):
             self.fail(f"the restarted job could not open ROOT: {out}")
         if out.get("run_id") != self.run_id:
@@ -1254,6 +1249,32 @@ def _failure_text(exc: BaseException) -> str:
     return "\n".join([head, *(x for x in out if x != head)])
 
 
+def run_machine(
+    machine: type[LifecycleMachine],
+    *,
+    examples: int,
+    steps: int,
+    derandomize: bool,
+    print_blob: bool,
+) -> None:
+    """Run ``examples`` sequences of at most ``steps`` rules of ``machine`` (Hypothesis
+    shrinks a failing one and raises it). No example database and no deadline (a rule
+    may start a process), and no health check: the machine's draws and speed are its
+    own."""
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            derandomize=derandomize,
+            database=None,
+            deadline=None,
+            print_blob=print_blob,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
 def explore(
     kind: str,
     seconds: float,
@@ -1284,10 +1305,8 @@ def _explore(
 ) -> dict[str, Any]:
     import time
 
-    from hypothesis import HealthCheck, settings
     from hypothesis import seed as hypothesis_seed
     from hypothesis.reporting import with_reporter
-    from hypothesis.stateful import run_state_machine_as_test
 
     before = Counter(STATS)
     failures: list[str] = []
@@ -1302,18 +1321,7 @@ def _explore(
         del VIOLATIONS_SEEN[:]
         try:
             with with_reporter(lambda s, out=lines: out.append(str(s))):
-                run_state_machine_as_test(
-                    cls,
-                    settings=settings(
-                        max_examples=batch,
-                        stateful_step_count=steps,
-                        database=None,
-                        deadline=None,
-                        derandomize=False,
-                        print_blob=False,
-                        suppress_health_check=list(HealthCheck),
-                    ),
-                )
+                run_machine(cls, examples=batch, steps=steps, derandomize=False, print_blob=False)
         except Exception as exc:
             if harness_only(exc):
                 STATS["harness:replay-diverged"] += 1

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, seed, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis import seed
 
 from atomic_checkpoint import CheckpointManager
 
@@ -41,17 +40,8 @@ def test_lifecycle_model(kind: str) -> None:
     before = dict(lifecycle.STATS)
     del lifecycle.VIOLATIONS_SEEN[:]
     try:
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=EXAMPLES,
-                stateful_step_count=30,
-                derandomize=SEED is None,
-                database=None,
-                deadline=None,
-                print_blob=True,
-                suppress_health_check=list(HealthCheck),
-            ),
+        lifecycle.run_machine(
+            machine, examples=EXAMPLES, steps=30, derandomize=SEED is None, print_blob=True
         )
     except Exception as exc:
         if lifecycle.harness_only(exc):

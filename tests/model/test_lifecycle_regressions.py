@@ -7,8 +7,9 @@ check, as Hypothesis replays it. The docstring names the defect and what went wr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from .lifecycle import ExchangeMachine, LifecycleMachine, MarkerMachine, NoExchangeMachine
 
@@ -24,17 +25,37 @@ def machine(cls: type[LifecycleMachine]) -> Iterator[LifecycleMachine]:
         state.teardown()
 
 
+class Replay:
+    """The rules of one machine, each call followed by the invariant check, as
+    Hypothesis replays a step."""
+
+    def __init__(self, state: LifecycleMachine) -> None:
+        self._state = state
+
+    def __getattr__(self, rule: str) -> Callable[..., None]:
+        run = getattr(self._state, rule)
+
+        def step(**kwargs: Any) -> None:
+            run(**kwargs)
+            self._state.check()
+
+        return step
+
+
+@contextmanager
+def replay(cls: type[LifecycleMachine]) -> Iterator[Replay]:
+    with machine(cls) as state:
+        yield Replay(state)
+
+
 def test_copied_checkpoint_is_adopted_by_the_new_root() -> None:
     """Issue 11 defect 6. One checkpoint rsynced into a new root (no
     ``.atomic-checkpoint/``): the manager started there minted a new run id, so the
     copy was foreign and the job started from scratch silently."""
-    with machine(ExchangeMachine) as state:
+    with replay(ExchangeMachine) as state:
         state.start(policy=0)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.copy_elsewhere(pick=0, two=False)
-        state.check()
 
 
 def test_save_below_the_newest_step_is_refused_and_rollback_goes_back() -> None:
@@ -42,19 +63,13 @@ def test_save_below_the_newest_step_is_refused_and_rollback_goes_back() -> None:
     and ``KeepLast(2)`` then counted it as the oldest; now it raises ``StepOrderError``
     naming step 10 and ``rollback()``, and ``rollback(5)`` removes 10 so that saving
     above 5 works."""
-    with machine(ExchangeMachine) as state:
+    with replay(ExchangeMachine) as state:
         state.start(policy=2)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.save(rel=-2, overwrite=False)
-        state.check()
         state.rollback(pick=0)
-        state.check()
         state.save_next(rel=1)
-        state.check()
 
 
 def test_close_during_a_slow_async_save_tells_the_truth() -> None:
@@ -62,32 +77,23 @@ def test_close_during_a_slow_async_save_tells_the_truth() -> None:
     after its manifest) and ``timeout_s`` is shorter: close raised "not committed",
     released the lock, and the save committed afterwards. Now close waits for it and
     returns (committed), and ROOT does not change after close."""
-    with machine(NoExchangeMachine) as state:
+    with replay(NoExchangeMachine) as state:
         state.start(policy=1)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.close_during_slow_async(phase="after_manifest", rel=1, skip=0)
-        state.check()
         state.reopen(policy=1)
-        state.check()
 
 
 def test_restore_skips_a_corrupt_newest_checkpoint() -> None:
     """Issue 11 defect 4 (single rank). The newest checkpoint fails its checksum (one
     flipped byte; sizes intact, so it is still listed): ``restore()`` raised
     ``CorruptCheckpointError`` instead of loading the next older checkpoint."""
-    with machine(MarkerMachine) as state:
+    with replay(MarkerMachine) as state:
         state.start(policy=0)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.corrupt(pick=1, how="flip-data")
-        state.check()
         state.restore_newest(verify=True)
-        state.check()
 
 
 def test_async_failure_seen_by_the_handle_is_raised_again_by_wait() -> None:
@@ -95,17 +101,12 @@ def test_async_failure_seen_by_the_handle_is_raised_again_by_wait() -> None:
     exists); ``handle.result()`` shows it; ``wait()`` returned None, so in a job whose
     other ranks had not looked at their handles, this rank went on alone. Now the
     manager raises the failure at the next ``wait``/``save``/``close`` regardless."""
-    with machine(ExchangeMachine) as state:
+    with replay(ExchangeMachine) as state:
         state.start(policy=0)
-        state.check()
         state.save_next(rel=1)
-        state.check()
         state.save_async(rel=0, overwrite=False)
-        state.check()
         state.result()
-        state.check()
         state.wait()
-        state.check()
 
 
 def test_listing_while_an_async_save_starts_its_rotation() -> None:

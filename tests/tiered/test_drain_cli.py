@@ -12,17 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from tests.cli.helpers import run_cli
+from tests.cli.helpers import flip_byte, run_cli
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3proxy import Rule, S3Proxy
-from tests.tiered.test_tiered import REPO, fast_root, same, state  # noqa: F401
+from tests.tiered.test_tiered import fast_root, killed_job, same, state  # noqa: F401
 
 from atomic_checkpoint import CheckpointManager, catalog
 from atomic_checkpoint.layout import checkpoint_name
@@ -50,19 +47,21 @@ JOB = textwrap.dedent(
 def crashed_job(fast: Path, slow: str, opts: dict | None = None) -> None:
     """A tiered job SIGKILLed while its replicator copies step 2: steps 2 and 3 are
     committed on tier 0 only."""
-    env = dict(
-        os.environ,
-        TIERED_CFG=json.dumps({"fast": str(fast), "slow": slow, "opts": opts}),
-        TEST_DIR=str(Path(__file__).parent),
-        ATOMIC_CHECKPOINT_FAULTS="mid_replicate@0=kill:2",
-        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
-    )
-    env.pop("WORLD_SIZE", None)
-    child = subprocess.run(
-        [sys.executable, "-c", JOB], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    child = killed_job(JOB, "mid_replicate@0=kill:2", 60, fast=str(fast), slow=slow, opts=opts)
     assert "saved 1" in child.stdout and "replicated" not in child.stdout
+
+
+@pytest.fixture
+def crashed_slow(fast_root: Path, tmp_path: Path) -> str:
+    """Tier 1, a local directory, of a job on ``fast_root`` that ``crashed_job`` killed."""
+    slow = str(tmp_path / "persistent")
+    crashed_job(fast_root, slow)
+    return slow
+
+
+def storage_option_args(opts: dict) -> list[str]:
+    """``opts`` as the command line's ``--to-storage-option KEY=JSON`` arguments."""
+    return [a for k, v in opts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")]
 
 
 def steps(root: str, **kw) -> list[int]:
@@ -71,10 +70,9 @@ def steps(root: str, **kw) -> list[int]:
 
 @pytest.mark.timeout(90)
 def test_drain_finishes_a_crashed_jobs_replication_and_list_verify_show_the_tiers(
-    fast_root, tmp_path
+    fast_root, crashed_slow
 ):
-    slow = str(tmp_path / "persistent")
-    crashed_job(fast_root, slow)
+    slow = crashed_slow
     before = steps(slow)
     assert 3 not in before  # the job died with step 3 (at least) on tier 0 only
 
@@ -114,9 +112,7 @@ def test_drain_finishes_a_crashed_jobs_replication_and_list_verify_show_the_tier
     ]
     m = catalog.load_checkpoint(reader.storage, 2)
     data = Path(slow) / checkpoint_name(2) / m.files[0].path
-    raw = bytearray(data.read_bytes())
-    raw[-10] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_byte(data, -10)
     proc = run_cli("verify", fast_root, "--tier", slow)
     assert proc.returncode == 1
     assert "checkpoint-2 (tier 1): CORRUPT" in proc.stdout
@@ -137,9 +133,7 @@ def test_drain_refuses_a_live_job_and_never_replicates_a_corrupt_fast_copy(fast_
 
     m = catalog.load_checkpoint(plain.storage, 2)
     data = fast_root / checkpoint_name(2) / m.files[0].path
-    raw = bytearray(data.read_bytes())
-    raw[-100] ^= 0xFF  # same size: only the checksum tells
-    data.write_bytes(bytes(raw))
+    flip_byte(data, -100)  # same size: only the checksum tells
     proc = run_cli("drain", fast_root, "--to", slow)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "checkpoint-2: NOT REPLICATED" in proc.stdout and "corrupt" in proc.stdout
@@ -155,25 +149,19 @@ def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_buck
     opts = s3_server.storage_options()
     crashed_job(fast_root, url, opts)
     before = steps(url, storage_options=opts)
-    opt_args = [a for k, v in opts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")]
+    opt_args = storage_option_args(opts)
 
     # The link to S3 is cut: drain gives up after --timeout, exit 2, nothing lost.
     with S3Proxy(s3_server, lifetime_s=60) as proxy:
         cut = proxy.add(Rule("error", status=503, times=None))
-        popts = proxy.storage_options(max_attempts=1)
-        popt_args = [
-            a for k, v in popts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")
-        ]
+        popt_args = storage_option_args(proxy.storage_options(max_attempts=1))
         proc = run_cli("drain", fast_root, "--to", url, *popt_args, "--json")
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "nothing was copied" in proc.stderr and "drain` again" in proc.stderr
         proxy.remove(cut)
         # Reads answer, every write fails: the lock check passes, the copies do not.
         proxy.add(Rule("error", method="PUT", status=503, times=None))
-        popts = proxy.storage_options(max_attempts=1)
-        popt_args = [
-            a for k, v in popts.items() for a in ("--to-storage-option", f"{k}={json.dumps(v)}")
-        ]
+        popt_args = storage_option_args(proxy.storage_options(max_attempts=1))
         proc = run_cli("drain", fast_root, "--to", url, *popt_args, "--timeout", "1", "--json")
     assert proc.returncode == 2, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
@@ -196,10 +184,9 @@ def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_buck
 
 @pytest.mark.timeout(90)
 def test_inspect_tier_says_which_tiers_hold_a_step_and_shows_another_tiers_copy(
-    fast_root, tmp_path
+    fast_root, crashed_slow
 ):
-    slow = str(tmp_path / "persistent")
-    crashed_job(fast_root, slow)
+    slow = crashed_slow
     replicated = steps(slow)
     assert 1 in replicated and 3 not in replicated
 

@@ -129,7 +129,6 @@ def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicate
     slow = str(tmp_path / "persistent")
     base = str(tmp_path / "nodes")
     # Rank 1 (node 1's leader) is SIGKILLed while it uploads its file of step 2.
-    env = {"ATOMIC_CHECKPOINT_FAULTS": "mid_replicate@1=kill:2"}
     crashed = run_ranks(
         workers.w_tiered,
         WORLD,
@@ -139,7 +138,7 @@ def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicate
         [1, 2, 3],
         5.0,
         tmp_dir=str(tmp_path),
-        env=env,
+        faults="mid_replicate@1=kill:2",
         timeout_s=40,
     )
     assert crashed[1].killed

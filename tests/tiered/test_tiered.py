@@ -17,15 +17,18 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from tests.cli.helpers import flip_byte
+from tests.helpers import run_python
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3proxy import Rule, S3Proxy
 
@@ -76,6 +79,23 @@ def fully_verified(storage: Any, step: int) -> catalog.Manifest:
 
 def checksums(m: Any) -> dict[str, tuple[int, str]]:
     return {f.path.rsplit("/", 1)[-1]: (f.size_bytes, f.checksum) for f in m.files}
+
+
+def killed_job(
+    code: str, faults: str, timeout_s: float, **cfg: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run the tiered job ``code`` (``python -c``; ``cfg``, its tiers, in ``TIERED_CFG``;
+    this folder on ``TEST_DIR`` for it to import ``state``) until the fault point
+    ``faults`` SIGKILLs it; fail the test unless it died so. Returns the finished
+    child, its output captured."""
+    env = {
+        "TIERED_CFG": json.dumps(cfg),
+        "TEST_DIR": str(Path(__file__).parent),
+        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
+    }
+    child = run_python(code, faults=faults, env=env, timeout_s=timeout_s)
+    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    return child
 
 
 # ------------------------------------------------------------ save, replicate, restore
@@ -178,19 +198,8 @@ def test_a_kill_mid_replication_leaves_no_torn_step_and_replication_resumes(
 ):
     url = f"s3://{s3_bucket}/run"
     opts = s3_server.storage_options()
-    cfg = {"fast": str(fast_root), "url": url, "opts": opts}
-    env = dict(
-        os.environ,
-        TIERED_CFG=json.dumps(cfg),
-        TEST_DIR=str(Path(__file__).parent),
-        # SIGKILL the process on its replicator thread while it copies step 3.
-        ATOMIC_CHECKPOINT_FAULTS=f"{point}@0=kill:3",
-        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
-    )
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
+    # SIGKILL the process on its replicator thread while it copies step 3.
+    child = killed_job(CHILD, f"{point}@0=kill:3", 60, fast=str(fast_root), url=url, opts=opts)
     assert "saved 3" in child.stdout and "replicated" not in child.stdout
 
     # The persistent tier shows steps 1 and 2, whole, and nothing of step 3.
@@ -239,17 +248,9 @@ def test_a_pending_save_is_never_replicated(fast_root, tmp_path):
     # Step 2's save is SIGKILLed on tier 0 with its files and manifest written in the
     # pending directory, not renamed into place: valid-looking, never committed.
     slow_root = tmp_path / "persistent"
-    env = dict(
-        os.environ,
-        TIERED_CFG=json.dumps({"fast": str(fast_root), "slow": str(slow_root)}),
-        TEST_DIR=str(Path(__file__).parent),
-        ATOMIC_CHECKPOINT_FAULTS="after_manifest@0=kill:2",
-        PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]),
+    child = killed_job(
+        PENDING_CHILD, "after_manifest@0=kill:2", 50, fast=str(fast_root), slow=str(slow_root)
     )
-    child = subprocess.run(
-        [sys.executable, "-c", PENDING_CHILD], env=env, capture_output=True, text=True, timeout=50
-    )
-    assert child.returncode == -signal.SIGKILL, child.stdout + child.stderr
     assert "replicated 1" in child.stdout and "saved 2" not in child.stdout
     assert os.listdir(fast_root / ".pending")  # the pending save is there, manifest and all
 
@@ -266,39 +267,55 @@ def test_a_pending_save_is_never_replicated(fast_root, tmp_path):
 # ------------------------------------------------------------ the link to S3 is cut
 
 
+@dataclass
+class CutLink:
+    """What ``s3_link_cut`` gives a test: the tiers, the job's manager on them, and the
+    proxy with the rule that cut the link (removing it restores the link)."""
+
+    url: str
+    proxy: S3Proxy
+    tiers: list[Tier]
+    mgr: TieredCheckpointManager
+    cut: Rule  # the proxy's rule answering every request with 503
+
+
+@contextmanager
+def s3_link_cut(s3_server: Any, s3_bucket: str, fast_root: Path, **slow: Any) -> Iterator[CutLink]:
+    """A tiered job: tier 0 at ``fast_root`` keeping one step, tier 1 on S3 (``slow``: its
+    other ``Tier`` options) reached through a proxy with no retries, so that a 503
+    fails a request at once. Step 1 is saved and replicated, then the link is cut."""
+    url = f"s3://{s3_bucket}/run"
+    with S3Proxy(s3_server, lifetime_s=120) as proxy:
+        tiers = [
+            Tier(fast_root, retention=KeepLast(1)),
+            Tier(url, storage_options=proxy.storage_options(max_attempts=1), **slow),
+        ]
+        mgr = TieredCheckpointManager(tiers, retry_max_s=0.2)
+        mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
+        mgr.save(1, state(1))
+        assert mgr.wait_replicated(1, timeout_s=30)
+        yield CutLink(url, proxy, tiers, mgr, proxy.add(Rule("error", status=503, times=None)))
+
+
 @pytest.mark.netfs
 @pytest.mark.timeout(90)
 def test_saves_go_on_while_s3_is_unreachable_and_replication_catches_up(
     s3_server, s3_bucket, fast_root
 ):
-    url = f"s3://{s3_bucket}/run"
-    with S3Proxy(s3_server, lifetime_s=120) as proxy:
-        mgr = TieredCheckpointManager(
-            [
-                Tier(fast_root, retention=KeepLast(1)),
-                Tier(
-                    url,
-                    retention=KeepLast(3),
-                    storage_options=proxy.storage_options(max_attempts=1),
-                ),
-            ],
-            retry_max_s=0.2,
-        )
-        mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
-        mgr.save(1, state(1))
-        assert mgr.wait_replicated(1, timeout_s=30)
-        cut = proxy.add(Rule("error", status=503, times=None))
+    with s3_link_cut(s3_server, s3_bucket, fast_root, retention=KeepLast(3)) as link:
+        mgr = link.mgr
         for s in (2, 3, 4, 5):
             mgr.save(s, state(s))
-        assert cut.arrived.wait(30)  # the replicator did try, and failed
+        assert link.cut.arrived.wait(30)  # the replicator did try, and failed
         # Nothing older than KeepLast(1) was deleted on tier 0: those steps exist
         # nowhere else.
         assert mgr.replication_backlog() == [2, 3, 4, 5]
         assert steps_on(mgr.fast) == [2, 3, 4, 5]
         assert mgr.wait_replicated(timeout_s=0) is False
-        proxy.remove(cut)  # the link is back
+        link.proxy.remove(link.cut)  # the link is back
         assert mgr.wait_replicated(timeout_s=60)
-        reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+        opts = s3_server.storage_options()
+        reader = CheckpointManager(link.url, storage_options=opts, read_only=True)
         for s in (2, 3, 4, 5):
             fully_verified(reader.storage, s)
         # Replicated: tier 0's own policy applies again at its next save.
@@ -323,9 +340,7 @@ def test_a_corrupt_fast_copy_is_never_replicated(fast_root, tmp_path):
     # Flip one byte of step 2's data, keeping the size: only a checksum tells.
     m = catalog.load_checkpoint(plain.storage, 2)
     data = fast_root / checkpoint_name(2) / m.files[0].path
-    raw = bytearray(data.read_bytes())
-    raw[-100] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_byte(data, -100)
 
     mgr = TieredCheckpointManager([Tier(fast_root, retention=KeepLast(1)), Tier(slow_root)])
     assert mgr.wait_replicated(1, timeout_s=30)
@@ -345,34 +360,27 @@ def test_a_corrupt_fast_copy_is_never_replicated(fast_root, tmp_path):
 def test_close_and_restart_while_s3_is_unreachable_keep_every_step_until_it_answers(
     s3_server, s3_bucket, fast_root
 ):
-    url = f"s3://{s3_bucket}/run"
-    with S3Proxy(s3_server, lifetime_s=120) as proxy:
-        tiers = [
-            Tier(fast_root, retention=KeepLast(1)),
-            Tier(url, storage_options=proxy.storage_options(max_attempts=1)),
-        ]
-        mgr = TieredCheckpointManager(tiers, retry_max_s=0.2)
-        mgr._slow_storage.fs.retries = 1
-        mgr.save(1, state(1))
-        assert mgr.wait_replicated(1, timeout_s=30)
-        cut = proxy.add(Rule("error", status=503, times=None))
+    with s3_link_cut(s3_server, s3_bucket, fast_root) as link:
+        mgr = link.mgr
         mgr.save(2, state(2))
         mgr.save(3, state(3))
-        assert cut.arrived.wait(30)
+        assert link.cut.arrived.wait(30)
         # close() says what did not reach S3 instead of claiming success.
         assert mgr.close(timeout_s=0) == [2, 3]
         assert steps_on(CheckpointManager(fast_root, read_only=True)) == [2, 3]
         # The next start, with S3 still unreachable: it opens (tier 0 names the run),
         # saves go on, and every step stays held until S3 answers.
-        mgr = TieredCheckpointManager(tiers, retry_max_s=0.2)
+        mgr = TieredCheckpointManager(link.tiers, retry_max_s=0.2)
         mgr.save(4, state(4))
         assert steps_on(mgr.fast) == [2, 3, 4]
         assert mgr.wait_replicated(timeout_s=0) is False
-        proxy.remove(cut)
+        link.proxy.remove(link.cut)
         assert mgr.wait_replicated(timeout_s=30)
         assert mgr.replication_backlog() == []
         assert mgr.close() == []
-    reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+    reader = CheckpointManager(
+        link.url, storage_options=s3_server.storage_options(), read_only=True
+    )
     assert steps_on(reader) == [1, 2, 3, 4]
     for s in (2, 3, 4):
         assert same(reader.restore(step=s), state(s))

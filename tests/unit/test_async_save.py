@@ -33,6 +33,7 @@ from atomic_checkpoint import (
     catalog,
 )
 from atomic_checkpoint.layout import PENDING_DIR, checkpoint_name, rank_state_file
+from tests.integrations.helpers import run_example
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -289,9 +290,7 @@ def test_failure_is_raised_once_by_the_next_save(tmp_path, monkeypatch):
         h2.result()
 
 
-def test_failure_seen_through_the_handle_is_still_raised_once_by_the_manager(
-    tmp_path, monkeypatch
-):
+def test_failure_seen_through_the_handle_is_still_raised_once_by_the_manager(tmp_path, monkeypatch):
     # Whether a rank looked at its handle is local to that rank; the manager's next call
     # is collective, so it raises the failure whatever the handle showed (issue 11,
     # defect 12; the multi-rank case is in tests/dist/test_async.py).
@@ -609,16 +608,7 @@ def test_direct_and_buffered_writes_produce_the_same_file(tmp_path, mode):
 
 @pytest.mark.timeout(120)
 def test_example_async_save_runs(tmp_path):
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "async_save.py")
-    proc = subprocess.run(
-        [sys.executable, example, str(tmp_path / "ckpt")],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_example(tmp_path, "async_save.py", tmp_path / "ckpt", timeout_s=100)
     assert out.count("save_async returned after") == 3, out
     assert "step 9: committed" in out and "checkpoint-9 (64 MiB)" in out, out
     assert "checkpoints: [9, 10]" in out, out

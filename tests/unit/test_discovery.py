@@ -20,34 +20,17 @@ import pytest
 
 from atomic_checkpoint import CheckpointManager, KeepLast, catalog
 from atomic_checkpoint.layout import MANIFEST_NAME
-from atomic_checkpoint.storage.local import LocalStorage
-from tests.helpers import CountsReads
+from tests.helpers import CountingLocalStorage
 from tests.testbed.roots import make_local_root
 
+#: Checkpoints in ``made_root`` and ``root`` (tests/unit/conftest.py): steps 0 to N-1.
 N = 2000
 #: "A handful": what latest() may read on a root whose newest checkpoint is valid.
 HANDFUL = 2
 
 
-class CountingStorage(CountsReads, LocalStorage):
-    """The real LocalStorage, counting manifest reads and file size checks."""
-
-
-@pytest.fixture(scope="module")
-def big_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """2,000 checkpoints of one run (made once per module; tests copy it to change it)."""
-    return make_local_root(tmp_path_factory.mktemp("big") / "root", range(N))
-
-
-@pytest.fixture
-def root(big_root: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "root"
-    shutil.copytree(big_root, dst, symlinks=True)
-    return dst
-
-
-def test_latest_reads_the_newest_manifest_only(big_root: Path) -> None:
-    storage = CountingStorage(big_root)
+def test_latest_reads_the_newest_manifest_only(made_root: Path) -> None:
+    storage = CountingLocalStorage(made_root)
     mgr = CheckpointManager(storage, read_only=True)
     # A reader's start only asks whether there is a valid checkpoint: the newest.
     assert storage.manifest_reads <= HANDFUL, storage.manifest_reads
@@ -61,8 +44,8 @@ def test_latest_reads_the_newest_manifest_only(big_root: Path) -> None:
     assert catalog.committed(storage, run_id=mgr.run_id)[-1].step == got.step
 
 
-def test_restore_finds_its_checkpoint_newest_first(big_root: Path) -> None:
-    storage = CountingStorage(big_root)
+def test_restore_finds_its_checkpoint_newest_first(made_root: Path) -> None:
+    storage = CountingLocalStorage(made_root)
     mgr = CheckpointManager(storage, read_only=True)
     storage.reset()
     state = mgr.restore()
@@ -93,7 +76,7 @@ def test_latest_skips_corrupt_other_runs_and_links_newest_first(
     data = [f for f in os.listdir(root / f"checkpoint-{N + 2}") if f != MANIFEST_NAME]
     os.unlink(root / f"checkpoint-{N + 2}" / data[0])
 
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     mgr = CheckpointManager(storage, read_only=True, run_id=run_id)
     storage.reset()
     caplog.set_level(logging.WARNING, logger="atomic_checkpoint")
@@ -115,7 +98,7 @@ def test_latest_on_an_empty_root_is_none(tmp_path: Path) -> None:
 
 
 def test_rotation_reads_only_the_new_manifest(root: Path) -> None:
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     mgr = CheckpointManager(storage, retention=KeepLast(N))
     # A start reads the newest checkpoint only; the first listing reads every manifest
     # once (as the first rotation would: tests/unit/test_start_discovery.py), and from
@@ -139,7 +122,7 @@ def test_rotation_reads_only_the_new_manifest(root: Path) -> None:
 
 
 def test_the_cache_never_hides_a_change(root: Path, caplog: pytest.LogCaptureFixture) -> None:
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     mgr = CheckpointManager(storage, retention=KeepLast(10 * N))
     mgr.save(N, {"w": np.zeros(4, dtype=np.float32)}, metrics={"loss": 1.0})
     assert mgr.checkpoints()[-1].metrics == {"loss": 1.0}
@@ -182,7 +165,7 @@ def test_the_cache_never_hides_a_change(root: Path, caplog: pytest.LogCaptureFix
 
 def test_the_cache_holds_a_bounded_number_of_file_entries(tmp_path: Path) -> None:
     root = make_local_root(tmp_path / "root", range(10))
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     cache = catalog.ManifestCache(max_files=3)  # one state file per checkpoint here
     for _ in range(2):
         storage.reset()

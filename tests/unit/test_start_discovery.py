@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,33 +26,16 @@ from atomic_checkpoint import (
 )
 from atomic_checkpoint.layout import MANIFEST_NAME
 from atomic_checkpoint.storage.local import LocalStorage
-from tests.helpers import CountsReads
+from tests.helpers import CountingLocalStorage
 from tests.testbed.roots import make_local_root
 
 pytestmark = pytest.mark.timeout(120)
 
+#: Checkpoints in ``made_root`` and ``root`` (tests/unit/conftest.py): steps 0 to N-1.
 N = 200
 #: What a start may read on a root whose newest checkpoint is valid: its manifest (and,
 #: for a checkpoint damaged above it, one more).
 HANDFUL = 2
-
-
-class CountingStorage(CountsReads, LocalStorage):
-    """The real LocalStorage, counting manifest reads and file size checks."""
-
-
-@pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """200 checkpoints of one run, steps 0..199, the run recorded in ROOT as a job
-    leaves it (made once; tests copy it)."""
-    return make_local_root(tmp_path_factory.mktemp("made") / "root", range(N))
-
-
-@pytest.fixture
-def root(made: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "root"
-    shutil.copytree(made, dst, symlinks=True)
-    return dst
 
 
 def _damage(root: Path, step: int) -> None:
@@ -88,7 +70,7 @@ def _newest_step(mgr: CheckpointManager) -> int | None:
 
 # ---------------------------------------------------------------------- reads
 def test_a_writable_start_reads_a_handful_of_manifests(root: Path) -> None:
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     mgr = CheckpointManager(storage)
     # Base: 200 (every manifest in ROOT was read and validated at open).
     assert storage.manifest_reads <= HANDFUL, storage.manifest_reads
@@ -103,7 +85,7 @@ def test_a_writable_start_reads_a_handful_of_manifests(root: Path) -> None:
 def test_the_start_reads_down_to_the_newest_valid_checkpoint_only(root: Path) -> None:
     _damage(root, N - 1)
     _tear(root, N - 2)
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     mgr = CheckpointManager(storage, resume="must")
     # Two corrupt ones above the newest valid one: three checkpoints read, not 200 (a
     # damaged one's manifest is read again, to tell damage from a concurrent overwrite
@@ -114,7 +96,7 @@ def test_the_start_reads_down_to_the_newest_valid_checkpoint_only(root: Path) ->
 
 
 def test_the_first_rotation_reads_the_rest_once_then_only_what_changed(root: Path) -> None:
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     mgr = CheckpointManager(storage, retention=KeepLast(N))
     storage.reset()
     # Retention needs every checkpoint of the run: the first pass (on the rotation
@@ -167,7 +149,7 @@ def test_other_runs_checkpoints_are_not_ours_to_resume(root: Path, tmp_path: Pat
     other = make_local_root(tmp_path / "other", [N + 5, N + 6], run_id="run-b")
     for step in (N + 5, N + 6):
         os.rename(other / f"checkpoint-{step}", root / f"checkpoint-{step}")
-    storage = CountingStorage(root)
+    storage = CountingLocalStorage(root)
     with CheckpointManager(storage) as mgr:
         assert storage.manifest_reads == 3, storage.manifest_reads  # two foreign, one ours
         assert _newest_step(mgr) == N - 1

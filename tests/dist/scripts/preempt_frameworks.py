@@ -112,7 +112,7 @@ def run_lightning() -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from lightning_train import TinyModel
+    from lightning_train import TinyModel, cpu_trainer
 
     class Paced(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -137,18 +137,7 @@ def run_lightning() -> int:
 
         plugins.append(AtomicCheckpointIO())
         callbacks.append(preempt := PreemptionCallback())
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        max_steps=max_steps,
-        callbacks=callbacks,
-        plugins=plugins,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = cpu_trainer(2, max_steps, callbacks, plugins)
     trainer.fit(TinyModel())
     report(trainer.global_step, None if preempt is None else preempt.guard)
     if preempt is not None:

@@ -14,6 +14,7 @@ from atomic_checkpoint import CheckpointError, CheckpointManager
 from atomic_checkpoint.catalog import read_manifest
 from atomic_checkpoint.layout import checkpoint_name
 from tests.dist.workers import make_state, states_equal
+from tests.helpers import library_warnings
 
 root, world, stop_file, out, deadline_s = (
     sys.argv[1],
@@ -22,20 +23,7 @@ root, world, stop_file, out, deadline_s = (
     sys.argv[4],
     float(sys.argv[5]),
 )
-import logging
-
-
-class _Count(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-warnings_seen = _Count()
-logging.getLogger("atomic_checkpoint").addHandler(warnings_seen)
+warnings_seen = library_warnings()
 mgr = CheckpointManager(root, read_only=True)
 # Ready: the job may start saving (on a loaded machine this process's imports can take
 # longer than the job's whole run).

@@ -44,6 +44,7 @@ import signal
 import subprocess
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -98,6 +99,25 @@ class TinyModel(pl.LightningModule):
         self.restored_rng = (torch.get_rng_state(), random.getstate())
 
 
+def cpu_trainer(
+    devices: int, max_steps: int, callbacks: list[Callback], plugins: list
+) -> pl.Trainer:
+    """A Trainer of ``TinyModel`` on the CPU, in ``devices`` processes (DDP over gloo when
+    more than one), with no logger, progress bar, model summary or sanity check."""
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=max_steps,
+        callbacks=callbacks,
+        plugins=plugins,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+
+
 def live_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
     rng = getattr(module, "restored_rng", None) or (torch.get_rng_state(), random.getstate())
     return {
@@ -110,25 +130,16 @@ def live_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict:
     }
 
 
+@dataclass(eq=False)  # compared and hashed by identity, as Lightning's callbacks are
 class Recorder(Callback):
-    def __init__(
-        self,
-        ref: str,
-        resumed: bool,
-        hold_at: int | None,
-        settle: bool,
-        signal_at: int | None = None,
-        signal_rank: int = 0,
-        signal_group: bool = False,
-    ):
-        self.ref = ref
-        self.resumed = resumed
-        self.hold_at = hold_at
-        self.settle = settle
-        self.signal_at = signal_at
-        self.signal_rank = signal_rank
-        self.signal_group = signal_group
-        self.start_step: int | None = None
+    ref: str
+    resumed: bool
+    hold_at: int | None
+    settle: bool
+    signal_at: int | None = None
+    signal_rank: int = 0
+    signal_group: bool = False
+    start_step: int | None = field(default=None, init=False)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         # Called on every rank while the checkpoint dict is built: the reference is the
@@ -251,18 +262,7 @@ def main() -> None:
 
         preempt = PreemptionCallback()
         callbacks.append(preempt)
-    trainer = pl.Trainer(
-        max_steps=a.max_steps,
-        accelerator="cpu",
-        devices=a.devices,
-        strategy="ddp" if a.devices > 1 else "auto",
-        plugins=[plugin],
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = cpu_trainer(a.devices, a.max_steps, callbacks, [plugin])
     trainer.fit(TinyModel(), ckpt_path=ckpt_path)
     report = {
         "resumed_from": ckpt_path,
