@@ -24,6 +24,7 @@ from .errors import (
     ResumeError,
     SaveAbandonedError,
     SerializationError,
+    StateMismatchError,
     StepOrderError,
     StorageError,
     StorageFullError,
@@ -71,6 +72,7 @@ __all__ = [
     "SaveAbandonedError",
     "SerializationError",
     "SingleProcessCoordinator",
+    "StateMismatchError",
     "StepOrderError",
     "Storage",
     "StorageCapabilities",
@@ -91,7 +93,5 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # FsspecStorage imports fsspec, so the storage package loads it only when asked for.
-    if name == "FsspecStorage":
-        return storage.FsspecStorage
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # FsspecStorage imports fsspec: loaded when first asked for.
+    return storage.lazy_attribute(__name__, name)

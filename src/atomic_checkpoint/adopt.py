@@ -75,16 +75,7 @@ from .errors import (
     ResumeError,
     StorageError,
 )
-from .layout import (
-    MANIFEST_NAME,
-    META_DIR,
-    PENDING_DIR,
-    RUN_FILE,
-    TRASH_DIR,
-    new_run_id,
-    run_doc,
-    validate_step,
-)
+from .layout import MANIFEST_NAME, RUN_FILE
 from .manifest import FileEntry, Hasher, Manifest, format_size
 from .storage import open_storage, posix
 from .storage.base import Storage
@@ -190,7 +181,7 @@ class Framework:
             return None
         text = m.group("step") if "step" in self.names.groupindex else m.group(1)
         try:
-            return validate_step(int(text))
+            return layout.validate_step(int(text))
         except (TypeError, ValueError):
             return None
 
@@ -606,7 +597,7 @@ def adopt(
         rid = _run_id_for(storage, run_id, create=False)
         result = _classify(storage, framework, wanted, rid)
         return _dry_result(storage, rid, result, say)
-    rid = _run_id_for(storage, run_id, create=False) or new_run_id()
+    rid = _run_id_for(storage, run_id, create=False) or layout.new_run_id()
     lock = _acquire(storage, rid)
     try:
         # Under the lock: the run file is created (or matched) once, by the holder.
@@ -702,8 +693,8 @@ def _wanted_steps(steps: Iterable[int] | int | None) -> list[int] | None:
     if steps is None:
         return None
     if isinstance(steps, int):
-        return [validate_step(steps)]  # a bool raises there
-    return sorted({validate_step(s) for s in steps})
+        return [layout.validate_step(steps)]  # a bool raises there
+    return sorted({layout.validate_step(s) for s in steps})
 
 
 def _dry_result(
@@ -765,7 +756,7 @@ def _classify(
     )
     by_step: dict[int, list[tuple[str, list[Framework]]]] = {}
     for name in storage.listdir(""):
-        if name in (PENDING_DIR, TRASH_DIR, META_DIR):
+        if name in (layout.PENDING_DIR, layout.TRASH_DIR, layout.META_DIR):
             continue
         disk = _on_disk_name(storage, name)
         matching = [f for f in rules if f.step_of(disk) is not None]
@@ -1045,10 +1036,10 @@ def _run_id_for(
     rid = run_id or (runs[0] if runs else None)
     if not create:
         return rid
-    rid = rid or new or new_run_id()
-    storage.makedirs(META_DIR)
+    rid = rid or new or layout.new_run_id()
+    storage.makedirs(layout.META_DIR)
     storage.fsync_dir("")
-    if not storage.create_exclusive(RUN_FILE, run_doc(rid)):
+    if not storage.create_exclusive(RUN_FILE, layout.run_doc(rid)):
         return _run_id_for(storage, run_id, create=False) or rid
     return rid
 
@@ -1059,7 +1050,7 @@ def _acquire(storage: Storage, run_id: str) -> RunLock:
     that manager in the middle of its run."""
     from .lock import RunLock, read_lock_holder
 
-    storage.makedirs(META_DIR)
+    storage.makedirs(layout.META_DIR)
     storage.fsync_dir("")
     holder = read_lock_holder(storage)
     if holder is not None and holder.is_this_process() and holder.is_live():
@@ -1103,7 +1094,7 @@ def _accelerate_project(
     elif (
         os.path.basename(local) == ACCELERATE_DIR
         and has_steps(local)
-        and not posix.lexists(os.path.join(local, META_DIR))
+        and not posix.lexists(os.path.join(local, layout.META_DIR))
     ):
         project = os.path.dirname(local)
     if project is None:

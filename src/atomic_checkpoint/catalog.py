@@ -22,6 +22,7 @@ the root).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import logging
@@ -325,8 +326,33 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
     """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint.
     Returns the manifest of the copy that was checked (see ``validate_consistent``)."""
     rel = checkpoint_name(step)
-    manifest = read_manifest(storage, rel)
+    try:
+        manifest = read_manifest(storage, rel)
+    except CheckpointNotFoundError as exc:
+        raise _not_found(storage, step) from exc
     return validate_consistent(storage, rel, manifest, full=full)
+
+
+def _not_found(storage: Storage, step: int) -> CheckpointNotFoundError:
+    """Why there is no checkpoint ``step`` to load, in the user's terms: no such entry
+    (and which steps there are), or an entry that was never committed."""
+    rel = checkpoint_name(step)
+    if storage.is_dir(rel):
+        return CheckpointNotFoundError(
+            f"{storage.url(rel)} has no manifest: it is not a committed checkpoint (a save "
+            "in progress, one a crash interrupted, or another tool's directory); "
+            "`atomic-checkpoint verify` says what it is"
+        )
+    steps = [s for s, _ in _checkpoint_names(storage.listdir(""))[0]]
+    there = (
+        f"its checkpoint names run from step {steps[0]} to {steps[-1]} ({len(steps)} in all)"
+        if steps
+        else "it holds no checkpoint"
+    )
+    return CheckpointNotFoundError(
+        f"there is no checkpoint step {step} in {storage.url('')}: {there}; "
+        "`atomic-checkpoint list` shows them"
+    )
 
 
 class ManifestCache:
@@ -768,9 +794,21 @@ def newest_valid(
     Raises:
         StorageError: an I/O error on a candidate (as ``scan``).
     """
+    steps, _ = _checkpoint_names(storage.listdir(""))
+    return _walk_down(storage, steps, run_id=run_id, count=count, cache=cache)
+
+
+def _walk_down(
+    storage: Storage,
+    steps: list[tuple[int, str]],
+    *,
+    run_id: str,
+    count: int,
+    cache: ManifestCache | None,
+) -> Newest:
+    """``newest_valid`` over the checkpoint names ``steps`` (``_checkpoint_names``)."""
     valid: list[Manifest] = []
     corrupt = last_seq = 0
-    steps, _ = _checkpoint_names(storage.listdir(""))
     for entry in _newest_first(storage, run_id=run_id, cache=cache, steps=steps):
         if entry.manifest is not None:
             last_seq = max(last_seq, entry.manifest.commit_seq)
@@ -783,6 +821,48 @@ def newest_valid(
     # Stopped at the count-th valid checkpoint: complete only if it was the oldest name.
     complete = len(valid) < count or valid[-1].step == steps[0][0]
     return Newest(tuple(valid), corrupt, last_seq, complete)
+
+
+@dataclass(frozen=True)
+class Above:
+    """What a rollback to ``step`` learns of a root (``above``).
+
+    Attributes:
+        ours: this run's checkpoints above ``step``, valid or corrupt (a readable
+            manifest of this run), newest first: what the rollback deletes.
+        below: ``newest_valid``'s answer among the checkpoints at or below ``step``.
+    """
+
+    ours: tuple[int, ...]
+    below: Newest
+
+
+def above(
+    storage: Storage,
+    step: int,
+    *,
+    run_id: str,
+    count: int = 1,
+    cache: ManifestCache | None = None,
+) -> Above:
+    """This run's checkpoints above ``step``, and its newest valid ones at or below it:
+    one listing, then the manifests above ``step`` and, below it, newest first down to
+    the ``count``-th valid one. A rollback by a few steps on a root of thousands of
+    checkpoints reads a few manifests, not all of them. Other runs' checkpoints and
+    entries without a readable manifest are never counted as ours.
+
+    Raises:
+        StorageError: an I/O error on a candidate (as ``scan``).
+    """
+    steps, _ = _checkpoint_names(storage.listdir(""))
+    split = bisect.bisect_right([s for s, _ in steps], step)  # steps ascend
+    ours = tuple(
+        e.step
+        for e in _newest_first(storage, run_id=run_id, cache=cache, steps=steps[split:])
+        if e.status in ("ok", "corrupt") and e.manifest is not None and e.step is not None
+    )
+    below = _walk_down(storage, steps[:split], run_id=run_id, count=count, cache=cache)
+    return Above(ours, below)
 
 
 def recorded_run_id(storage: Storage) -> str | None:

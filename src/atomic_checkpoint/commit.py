@@ -67,6 +67,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from . import errors
 from ._faults import fault_point
 from ._version import __version__
 from .catalog import committed as committed_manifests
@@ -79,15 +80,6 @@ from .coordination import (
     shared_error,
 )
 from .domains import Domain
-from .errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CommitError,
-    CoordinationTimeoutError,
-    CorruptCheckpointError,
-    SaveAbandonedError,
-)
 from .layout import checkpoint_name, new_attempt_token, parse_attempt_dir, parse_marker_name
 from .manifest import FileEntry, Manifest
 from .rankfiles import RankReport, report_files
@@ -344,7 +336,7 @@ def finish(
             pending.committed = True
             return done
 
-        def settle(timeout: CoordinationTimeoutError) -> Any:
+        def settle(timeout: errors.CoordinationTimeoutError) -> Any:
             if ctx.is_coordinator:
                 raise _committed_anyway(ctx, step, timeout) if pending.committed else timeout
             return _settle_outcome(ctx, step, pending.location, mine[1], timeout)
@@ -386,7 +378,7 @@ def _aborting(ctx: SaveContext, pending: Pending) -> Iterator[None]:
 
 def _fence(ctx: SaveContext, step: int) -> None:
     if ctx.cancel is not None and ctx.cancel.is_set():
-        raise SaveAbandonedError(
+        raise errors.SaveAbandonedError(
             f"the async save of step {step} was abandoned; it is not committed"
         )
     if ctx.lock is not None:
@@ -417,7 +409,7 @@ def _decide(
     phase: str,
     fn: Callable[[], _T],
     *,
-    settle: Callable[[CoordinationTimeoutError], Any] | None = None,
+    settle: Callable[[errors.CoordinationTimeoutError], Any] | None = None,
 ) -> list[_T]:
     """Run ``fn`` on the domain leader(s); every rank gets every leader's result, in
     the order of ``ctx.leaders``, or every rank raises the same error.
@@ -464,7 +456,7 @@ def _decide(
     publish: Callable[..., Any] = ctx.coord.publish  # type: ignore[attr-defined]
     try:
         verdict = publish(_key(step, phase), verdict, src=ctx.leader, timeout_s=ctx.timeout_s)
-    except CoordinationTimeoutError as exc:
+    except errors.CoordinationTimeoutError as exc:
         if settle is None:
             raise
         verdict = settle(exc)
@@ -481,7 +473,7 @@ def _check_same_step(steps: Sequence[int]) -> None:
     """Abort the save on every rank unless every rank passed the same step."""
     if len(set(steps)) > 1:
         by_rank = dict(enumerate(steps))
-        raise CommitError(
+        raise errors.CommitError(
             f"the ranks were asked to save different steps ({by_rank}, by rank): every "
             "rank must call save() with the same step. Nothing was committed; compute "
             "the step once (e.g. on rank 0) and use it on every rank"
@@ -551,7 +543,7 @@ def _settle_outcome(
     step: int,
     staged: str,
     mine: RankReport | None,
-    timeout: CoordinationTimeoutError,
+    timeout: errors.CoordinationTimeoutError,
 ) -> Any:
     """A rank other than the leader timed out waiting for the outcome of the commit. The
     commit may have happened, and the other ranks may have read a success: find out
@@ -586,7 +578,7 @@ def _settle_outcome(
                 ctx.storage.url(checkpoint_name(step)),
             )
             return ("ok", manifest, 0.0)
-    raise CoordinationTimeoutError(
+    raise errors.CoordinationTimeoutError(
         f"{timeout} The leader may have committed checkpoint step {step} before the "
         "exchange failed: latest() or `atomic-checkpoint list` tells",
         missing_ranks=timeout.missing_ranks,
@@ -595,11 +587,11 @@ def _settle_outcome(
 
 
 def _committed_anyway(
-    ctx: SaveContext, step: int, timeout: CoordinationTimeoutError
-) -> CoordinationTimeoutError:
+    ctx: SaveContext, step: int, timeout: errors.CoordinationTimeoutError
+) -> errors.CoordinationTimeoutError:
     """The leader committed, then could not publish the outcome (a rank gave up waiting
     and marked the key): every rank raises, and this error says what is true."""
-    return CoordinationTimeoutError(
+    return errors.CoordinationTimeoutError(
         f"{timeout}. Checkpoint step {step} was committed at "
         f"{ctx.storage.url(checkpoint_name(step))} before that (latest() lists it), but "
         "every rank reports this save as failed",
@@ -621,7 +613,7 @@ def _own_commit(
             ctx.storage, step, staged
         ):
             return None
-    except CheckpointError:
+    except errors.CheckpointError:
         return None
     listed = {(f.path.rsplit("/", 1)[-1], f.size_bytes, f.checksum) for f in manifest.files}
     ours = {
@@ -645,24 +637,24 @@ def _is_step_committed(storage: Storage, step: int, *, overwrite: bool = False) 
     name = checkpoint_name(step)
     try:
         read_manifest(storage, name)
-    except CheckpointNotFoundError:
+    except errors.CheckpointNotFoundError:
         # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
         if storage.is_dir(name) and _foreign_entries(storage, name):
             if overwrite:
                 return True
-            raise CommitError(
+            raise errors.CommitError(
                 f"{storage.url(name)} exists but is not a committed checkpoint (no manifest): "
                 "it was not written by atomic-checkpoint, or by an incomplete in-place save. "
                 "Move it away, or pass overwrite=True to replace it"
             ) from None
         return False
-    except CorruptCheckpointError:
+    except errors.CorruptCheckpointError:
         pass
     return True
 
 
-def _exists_error(storage: Storage, step: int) -> CheckpointExistsError:
-    return CheckpointExistsError(
+def _exists_error(storage: Storage, step: int) -> errors.CheckpointExistsError:
+    return errors.CheckpointExistsError(
         f"checkpoint step {step} is already committed at "
         f"{storage.url(checkpoint_name(step))}; pass overwrite=True to replace it atomically, "
         "or save under a new step"
@@ -678,7 +670,7 @@ def _merge(reports: Sequence[RankReport]) -> tuple[FileEntry, ...]:
                 f.size_bytes,
                 f.checksum,
             ):
-                raise CommitError(
+                raise errors.CommitError(
                     f"ranks {other.rank} and {f.rank} both wrote {f.path!r} with different "
                     "content; each rank must write only its own files"
                 )
@@ -703,7 +695,7 @@ def _await_files(
     delay = 0.005
     listed: dict[str, int] = {}
     if len(files) > 1:
-        with contextlib.suppress(CheckpointError):  # the per-file queries decide
+        with contextlib.suppress(errors.CheckpointError):  # the per-file queries decide
             listed = dict(storage.walk_files(pending))
     while True:
         wrong = []
@@ -718,7 +710,7 @@ def _await_files(
         files, listed = [f for f, _ in wrong], {}
         if time.monotonic() >= deadline:
             f, size = wrong[0]
-            raise CommitError(
+            raise errors.CommitError(
                 f"{len(wrong)} file(s) written by the ranks are not visible to the "
                 f"coordinator after {timeout_s:g} s, e.g. {f.path!r} from rank {f.rank}: "
                 f"expected {f.size_bytes} bytes, seen {size}"
@@ -737,7 +729,7 @@ def _await_dir(storage: Storage, path: str, timeout_s: float) -> None:
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
     while not storage.is_dir(path):
         if time.monotonic() >= deadline:
-            raise CommitError(
+            raise errors.CommitError(
                 f"the pending directory {storage.url(path)} that the coordinator created is "
                 f"not visible from this rank after {timeout_s:g} s: does this rank see the "
                 "same storage under the checkpoint root?"
@@ -762,7 +754,7 @@ def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
         try:
             read_manifest(storage, checkpoint_name(step))
             return
-        except CheckpointNotFoundError:
+        except errors.CheckpointNotFoundError:
             if time.monotonic() >= deadline:
                 log.warning(
                     "checkpoint step %d is committed but not visible from this rank after "
@@ -772,7 +764,7 @@ def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
                     where,
                 )
                 return
-        except CheckpointError as exc:
+        except errors.CheckpointError as exc:
             log.warning(
                 "checkpoint step %d is committed, but this rank cannot read its manifest "
                 "back at %s: %s",
@@ -789,7 +781,7 @@ def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
 def _discard(ctx: SaveContext, pending: str, step: int) -> None:
     try:
         ctx.strategy.discard(ctx.storage, pending)
-    except CheckpointError as exc:
+    except errors.CheckpointError as exc:
         # Best effort: the next start's sweep removes it. Say what was left.
         log.warning(
             "could not remove pending data of step %d at %s: %s (the next start will remove it)",

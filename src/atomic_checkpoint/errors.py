@@ -13,6 +13,7 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     │   ├── UnsafeCheckpointError        path escapes, pickle not allowed
     │   └── UnsupportedSchemaError       written by a newer version
     ├── SerializationError(CheckpointError, TypeError)
+    ├── StateMismatchError(CheckpointError, ValueError)   restore(into=) of another shape
     ├── StorageError(CheckpointError, OSError)
     │   ├── StorageFullError             ENOSPC, EDQUOT
     │   └── StoragePermissionError(StorageError, PermissionError)   EACCES, EPERM, EROFS
@@ -50,6 +51,7 @@ __all__ = [
     "ResumeError",
     "SaveAbandonedError",
     "SerializationError",
+    "StateMismatchError",
     "StepOrderError",
     "StorageError",
     "StorageFullError",
@@ -117,6 +119,13 @@ class UnsupportedSchemaError(CorruptCheckpointError):
 
 class SerializationError(CheckpointError, TypeError):
     """The state holds an object that cannot be saved safely."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """``restore(into=...)`` was given a state that does not match the checkpoint (a
+    tensor of another shape or dtype where the checkpoint holds one): the checkpoint is
+    fine, the target is not, so ``restore()`` never falls back to an older checkpoint
+    for it."""
 
 
 class StorageError(CheckpointError, OSError):

@@ -483,7 +483,9 @@ class CheckpointManager:
             ResumeError: the checkpoints carry several run ids: which one continues is
                 for the user to say (``run_id=``).
         """
-        manifests = catalog.committed(self.storage, run_id=None, warn=False)
+        # Through the manager's cache: the start's walk that follows (``_start_view``)
+        # then reads none of these manifests again, so such a root is read once.
+        manifests = catalog.committed(self.storage, run_id=None, warn=False, cache=self._manifests)
         runs: dict[str, list[int]] = {}
         for m in manifests:
             runs.setdefault(m.run_id, []).append(m.step)
@@ -1703,8 +1705,15 @@ class CheckpointManager:
         )
         leaders = self.domain.leaders
         removed = sorted({s for lead in leaders for s in views[lead][0]}, reverse=True)
-        remaining = set.intersection(*(set(views[lead][1]) for lead in leaders))
-        self._newest_step = max(remaining, default=None)
+        left = [None if v is None else v[1] for v in views]
+        if not _views_decide(left, self.domain):
+            # As at open: the domains' newest valid steps left differ by more than the few
+            # each read; every leader lists all of them.
+            left = self._collective_all(
+                "rollback: every valid step",
+                (lambda: self._scan_view(self.run_id)) if self.is_coordinator else None,
+            )
+        self._newest_step = _newest_committed(left, self.domain)
         if self.rank == 0:
             log.info(
                 "rollback to step %d in %s: removed step(s) %s; the newest checkpoint is now %s",
@@ -1715,18 +1724,24 @@ class CheckpointManager:
             )
         return removed
 
-    def _rollback_coordinator(self, step: int) -> tuple[list[int], list[int]]:
+    def _rollback_coordinator(self, step: int) -> tuple[list[int], dict[str, Any]]:
         """Remove this domain's checkpoints of this run above ``step``, newest first.
-        Returns the removed steps and the valid steps left (at or below ``step``)."""
-        ours = [
-            (e.step, e.status)
-            for e in catalog.scan(self.storage, run_id=self.run_id)
-            # "corrupt" with a manifest: ours (same run id), failing validation; without
-            # a manifest nobody can tell whose it is, so it is left alone.
-            if e.status in ("ok", "corrupt") and e.manifest is not None and e.step is not None
-        ]
-        victims = sorted({s for s, _ in ours if s > step})
-        remaining = sorted(s for s, status in ours if status == "ok" and s <= step)
+        Returns the removed steps and this domain's view of the valid steps left (its
+        newest ones at or below ``step``, as ``_start_view`` reports them at open).
+
+        Reads the manifests above ``step`` and, below it, down to the newest valid one
+        (``catalog.above``), not every manifest in ROOT. A corrupt checkpoint with a
+        readable manifest of this run is ours and goes; without a manifest nobody can
+        tell whose it is, so it is left alone."""
+        count = 1 if self.domain.count == 1 else _DOMAIN_VIEW_STEPS
+        found = catalog.above(
+            self.storage, step, run_id=self.run_id, count=count, cache=self._manifests
+        )
+        victims = sorted(found.ours)
+        remaining = {
+            "valid_steps": [m.step for m in found.below.valid],
+            "complete": found.below.complete,
+        }
         removed: list[int] = []
         for victim in reversed(victims):
             try:

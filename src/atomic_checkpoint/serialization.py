@@ -78,6 +78,7 @@ from typing import Any
 from .errors import (
     CorruptCheckpointError,
     SerializationError,
+    StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
@@ -1220,7 +1221,7 @@ class _Loader:
             )
             have = f"a numpy array of {into.dtype} and shape {tuple(into.shape)}"
         if not ok:
-            raise CorruptCheckpointError(
+            raise StateMismatchError(
                 f"{_format_path(path)}: the checkpoint holds a {want} but into= has {have}; "
                 "load into a state of the same structure (same model and optimizer "
                 "configuration), or load without into="

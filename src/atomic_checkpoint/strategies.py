@@ -43,18 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from . import errors
 from ._faults import fault_point
 from .catalog import read_manifest
 from .catalog import validate as validate_checkpoint
-from .errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CommitError,
-    CorruptCheckpointError,
-    LockError,
-    StorageError,
-)
 from .layout import (
     MANIFEST_NAME,
     PENDING_DIR,
@@ -224,7 +216,7 @@ def _marked_checkpoints(storage: Storage) -> set[str] | None:
     caller then looks into every checkpoint)."""
     try:
         listed = storage.walk_files("")
-    except CheckpointError:
+    except errors.CheckpointError:
         return None
     out = set()
     for rel, _size in listed:
@@ -323,7 +315,7 @@ class RenameStrategy:
         fault_point("after_manifest", rank, manifest.step)
         try:
             renaming(storage).rename_dir(pending, final)
-        except CheckpointExistsError:
+        except errors.CheckpointExistsError:
             if not overwrite:
                 raise
             self._replace(storage, pending, final, rank=rank, step=manifest.step)
@@ -331,12 +323,12 @@ class RenameStrategy:
         fault_point("after_rename", rank, manifest.step)
         try:
             storage.fsync_dir("")
-        except CheckpointError:
+        except errors.CheckpointError:
             # The rename may not survive a crash, and every rank is about to be told the
             # save failed: take it back out of the namespace so no reader builds on it.
             try:
                 renaming(storage).rename_dir(final, pending)
-            except CheckpointError as exc:
+            except errors.CheckpointError as exc:
                 log.warning(
                     "checkpoint step %d could not be un-committed after a failed "
                     "fsync of the root: %s",
@@ -426,9 +418,9 @@ class RenameStrategy:
         trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
         try:
             renaming(storage).rename_dir(name, trash)
-        except CheckpointNotFoundError:
+        except errors.CheckpointNotFoundError:
             return None  # already gone: deletes tolerate ENOENT
-        except StorageError as exc:
+        except errors.StorageError as exc:
             if exc.errno == errno.ENOENT:
                 return None
             raise
@@ -482,7 +474,7 @@ class RenameStrategy:
             where = storage.url(leftover.name)
             try:
                 self.remove_leftover(storage, leftover)
-            except CheckpointError as exc:
+            except errors.CheckpointError as exc:
                 log.warning("could not remove abandoned %s: %s", where, exc)
                 continue
             log.info("removed abandoned %s", where)
@@ -579,7 +571,7 @@ class MarkerStrategy:
             fault_point("after_rename", rank, step)
         else:
             if not overwrite:
-                raise CheckpointExistsError(
+                raise errors.CheckpointExistsError(
                     f"checkpoint step {step} was committed at {storage.url(final)} by another "
                     "writer while this save was writing; this attempt's files are discarded "
                     "and the other writer's checkpoint is untouched. Is a second job using "
@@ -592,12 +584,12 @@ class MarkerStrategy:
             fault_point("after_rename", rank, step)
         try:
             storage.fsync_dir(final)
-        except CheckpointError:
+        except errors.CheckpointError:
             # The commit may not survive a crash and every rank is about to be told the
             # save failed: un-commit so no reader builds on it.
             try:
                 storage.delete_file(path)
-            except CheckpointError as exc:
+            except errors.CheckpointError as exc:
                 log.warning("could not un-commit step %d after a failed fsync: %s", step, exc)
             raise
         if old is not None:
@@ -617,9 +609,9 @@ class MarkerStrategy:
         final, attempt_dir = pending.rsplit("/", 1)
         try:
             manifest = read_manifest(storage, final)
-        except CheckpointNotFoundError:
+        except errors.CheckpointNotFoundError:
             return False
-        except CheckpointError as exc:
+        except errors.CheckpointError as exc:
             log.warning(
                 "cannot tell whether step %d was committed (%s); keeping %s for the next "
                 "start's sweep",
@@ -727,9 +719,9 @@ class MarkerStrategy:
                 continue
             try:
                 manifest: Manifest | None = read_manifest(storage, name)
-            except CheckpointNotFoundError:
+            except errors.CheckpointNotFoundError:
                 manifest = None
-            except CheckpointError as exc:
+            except errors.CheckpointError as exc:
                 log.warning("not sweeping %s: %s", storage.url(name), exc)
                 continue
             marker_paths = tuple(f"{name}/{marker_name(a)}" for a in markers)
@@ -773,10 +765,10 @@ class MarkerStrategy:
         if not leftover.committed:
             try:
                 now: Manifest | None = read_manifest(storage, leftover.name)
-            except CheckpointNotFoundError:
+            except errors.CheckpointNotFoundError:
                 now = None
-            except CheckpointError as exc:
-                raise CommitError(
+            except errors.CheckpointError as exc:
+                raise errors.CommitError(
                     f"not removing {storage.url(leftover.name)}: its manifest appeared since "
                     f"it was listed and cannot be read ({exc}); run the sweep again"
                 ) from exc
@@ -833,9 +825,9 @@ class MarkerStrategy:
                 where = storage.url(leftover.name)
                 log.info("removed abandoned marker-strategy data in %s", where)
                 cleaned.append(where)
-        except LockError:
+        except errors.LockError:
             raise  # fenced: this job must stop, not carry on without its lock
-        except CheckpointError as exc:
+        except errors.CheckpointError as exc:
             log.warning("could not sweep abandoned saves in %s: %s", storage.url(""), exc)
         return cleaned
 
@@ -953,9 +945,9 @@ def _is_own_manifest(storage: Storage, path: str, data: bytes) -> bool | None:
         if size != len(data):
             return False  # bounded: never reads another writer's manifest whole
         return storage.read_bytes(path) == data
-    except CheckpointNotFoundError:
+    except errors.CheckpointNotFoundError:
         return False
-    except CheckpointError:
+    except errors.CheckpointError:
         return None
 
 
@@ -970,7 +962,7 @@ def create_or_own(storage: Storage, path: str, data: bytes, step: int) -> bool:
     try:
         if _create_once(storage, path, data):
             return True
-    except CheckpointError as exc:
+    except errors.CheckpointError as exc:
         if _is_own_manifest(storage, path, data) is not True:
             raise
         log.info(
@@ -1007,7 +999,7 @@ def _abort_orphan_uploads(storage: Storage, pending: str, manifest: Manifest) ->
 def _manifest_or_none(storage: Storage, rel: str) -> Manifest | None:
     try:
         return read_manifest(storage, rel)
-    except CheckpointError:
+    except errors.CheckpointError:
         return None
 
 
@@ -1020,18 +1012,18 @@ def _delete_unreferenced(storage: Storage, final: str, old: Manifest, new: Manif
             continue
         try:
             storage.delete_file(f"{final}/{f.path}")
-        except CheckpointError as exc:
+        except errors.CheckpointError as exc:
             log.warning("could not delete replaced file %s: %s", storage.url(final), exc)
     try:
         names = storage.listdir(final)
-    except CheckpointError as exc:
+    except errors.CheckpointError as exc:
         log.warning("could not list %s to delete replaced files: %s", storage.url(final), exc)
         return  # the committed checkpoint is intact; the next start's sweep tidies up
     for name in names:
         if parse_attempt_dir(name) is not None and not any(p.startswith(f"{name}/") for p in keep):
             try:
                 storage.delete_tree(f"{final}/{name}")
-            except CheckpointError as exc:
+            except errors.CheckpointError as exc:
                 log.warning("could not delete replaced %s/%s: %s", storage.url(final), name, exc)
 
 
@@ -1044,7 +1036,7 @@ def _drop_marker(storage: Storage, final: str, attempt: str) -> None:
 def _best_effort(fn: Callable[[], None], storage: Storage, where: str) -> None:
     try:
         fn()
-    except CheckpointError as exc:
+    except errors.CheckpointError as exc:
         log.warning("cleanup in %s skipped: %s (the next start sweeps it)", storage.url(where), exc)
 
 
@@ -1088,7 +1080,7 @@ def _remove_replaced(storage: Storage, rel: str, step: int) -> None:
     whatever happens here; a failure leaves a leftover for the next sweep or ``clean``."""
     try:
         storage.delete_tree(rel)
-    except CheckpointError as exc:
+    except errors.CheckpointError as exc:
         log.warning(
             "checkpoint step %d was overwritten and committed, but its replaced copy %s "
             "could not be removed: %s (the next start removes it, or run "
@@ -1108,7 +1100,7 @@ def _is_whole(storage: Storage, rel: str, step: int) -> bool:
         if manifest.step != step:
             return False
         validate_checkpoint(storage, rel, manifest)
-    except (CheckpointNotFoundError, CorruptCheckpointError):
+    except (errors.CheckpointNotFoundError, errors.CorruptCheckpointError):
         return False
     return True
 
@@ -1228,7 +1220,7 @@ def recover_replaced(storage: Storage, *, dry_run: bool = False) -> ReplaceRecov
                     storage.url(source),
                 )
             restored.append((step, copy, source))
-        except CheckpointError as exc:
+        except errors.CheckpointError as exc:
             log.warning(
                 "could not recover the interrupted overwrite of checkpoint step %d (%s): "
                 "keeping both copies (%s, %s) for the next start",

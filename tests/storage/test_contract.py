@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import posixpath
 import threading
 import uuid
 from collections.abc import Iterator
@@ -144,12 +145,17 @@ def _write(storage: Any, path: str, data: bytes) -> None:
     w.close()
 
 
+def _create(storage: Any, path: str, data: bytes) -> None:
+    """``path`` written with ``data``, its directory made first."""
+    storage.makedirs(posixpath.dirname(path))
+    _write(storage, path, data)
+
+
 pytestmark = pytest.mark.timeout(60)
 
 
 def test_write_read_size(storage):
-    storage.makedirs("a/b")
-    _write(storage, "a/b/f.bin", b"x" * 1000)
+    _create(storage, "a/b/f.bin", b"x" * 1000)
     assert storage.size("a/b/f.bin") == 1000
     assert storage.read_bytes("a/b/f.bin") == b"x" * 1000
     with storage.open_read("a/b/f.bin") as f:
@@ -230,10 +236,8 @@ def _assert_rename_refused(storage, src: str, dst: str, before: dict[str, bytes]
 
 
 def test_rename_dir_never_replaces(storage):
-    storage.makedirs("src")
-    _write(storage, "src/f", b"1")
-    storage.makedirs("dst")
-    _write(storage, "dst/g", b"2")
+    _create(storage, "src/f", b"1")
+    _create(storage, "dst/g", b"2")
     if not storage.capabilities.atomic_dir_rename:
         _assert_rename_refused(storage, "src", "dst", {"src/f": b"1", "dst/g": b"2"})
         return
@@ -245,8 +249,7 @@ def test_rename_dir_never_replaces(storage):
 
 def test_rename_dir_onto_empty_dir_does_not_replace_it(storage):
     # POSIX rename(2) silently replaces an empty directory: a commit must not.
-    storage.makedirs("src")
-    _write(storage, "src/f", b"1")
+    _create(storage, "src/f", b"1")
     storage.makedirs("dst")
     if not storage.capabilities.atomic_dir_rename:
         _assert_rename_refused(storage, "src", "dst", {"src/f": b"1"})
@@ -256,8 +259,7 @@ def test_rename_dir_onto_empty_dir_does_not_replace_it(storage):
 
 
 def test_rename_dir_moves_everything(storage):
-    storage.makedirs("p/sub")
-    _write(storage, "p/sub/f", b"abc")
+    _create(storage, "p/sub/f", b"abc")
     if not storage.capabilities.atomic_dir_rename:
         _assert_rename_refused(storage, "p", "q", {"p/sub/f": b"abc"})
         assert storage.size("q/sub/f") is None
@@ -268,10 +270,8 @@ def test_rename_dir_moves_everything(storage):
 
 
 def test_exchange_swaps_when_supported(storage):
-    storage.makedirs("a")
-    storage.makedirs("b")
-    _write(storage, "a/x", b"A")
-    _write(storage, "b/x", b"B")
+    _create(storage, "a/x", b"A")
+    _create(storage, "b/x", b"B")
     if not isinstance(storage, RenamingStorage):
         assert not hasattr(storage, "exchange_dirs")  # an object store: nothing to ask
         return
@@ -365,8 +365,7 @@ def test_create_exclusive_racing_threads_one_winner(storage):
 
 
 def test_delete_tree(storage):
-    storage.makedirs("t/u")
-    _write(storage, "t/u/f", b"1")
+    _create(storage, "t/u/f", b"1")
     _write(storage, "t/g", b"1")
     storage.delete_tree("t")
     assert storage.walk_files("t") == []
@@ -377,8 +376,7 @@ def test_delete_tree_spares_names_sharing_a_prefix(storage):
     # Object stores delete by key prefix: deleting checkpoint-1 must never touch
     # checkpoint-10 or checkpoint-1x.
     for d in ("checkpoint-1", "checkpoint-10"):
-        storage.makedirs(d)
-        _write(storage, f"{d}/f", b"1")
+        _create(storage, f"{d}/f", b"1")
     _write(storage, "checkpoint-1x", b"2")
     storage.delete_tree("checkpoint-1")
     assert storage.size("checkpoint-1/f") is None
@@ -387,8 +385,7 @@ def test_delete_tree_spares_names_sharing_a_prefix(storage):
 
 
 def test_delete_file(storage):
-    storage.makedirs("d")
-    _write(storage, "d/f", b"1")
+    _create(storage, "d/f", b"1")
     storage.delete_file("d/f")
     assert storage.size("d/f") is None
     storage.delete_file("d/f")  # twice: tolerated
@@ -421,8 +418,7 @@ def test_fsync_dir_of_existing_dir(storage):
 def test_errors_are_in_the_error_tree(storage):
     # Reading a directory as a file: every backend answers with one of our errors,
     # never a raw OSError or a backend exception.
-    storage.makedirs("dir")
-    _write(storage, "dir/f", b"1")
+    _create(storage, "dir/f", b"1")
     with pytest.raises(CheckpointError):
         storage.read_bytes("dir")
 
@@ -591,12 +587,12 @@ def test_read_bytes_is_bounded(storage, monkeypatch):
     size, before reading; object stores: one ranged GET of one byte more), and still
     reads an empty file (S3 refuses a range on an empty object)."""
     from atomic_checkpoint.errors import CorruptCheckpointError
-    from atomic_checkpoint.storage import fsspec, local, memory
+    from atomic_checkpoint.storage import base, fsspec, memory
 
-    for module in (local, fsspec, memory):
+    # The local storage reads the bound from base; the others hold their own copy.
+    for module in (base, fsspec, memory):
         monkeypatch.setattr(module, "MAX_READ_BYTES", 1000)
-    storage.makedirs("d")
-    _write(storage, "d/empty", b"")
+    _create(storage, "d/empty", b"")
     _write(storage, "d/full", b"x" * 1000)
     _write(storage, "d/big", b"x" * 1001)
     assert storage.read_bytes("d/empty") == b""

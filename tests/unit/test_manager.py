@@ -23,6 +23,7 @@ from atomic_checkpoint import (
     ReadOnlyError,
     ResumeError,
     SerializationError,
+    StateMismatchError,
     StorageError,
     StoragePermissionError,
     UnsafeCheckpointError,
@@ -400,3 +401,33 @@ def test_adopt_existing_records_another_tools_checkpoints_under_the_held_lock(tm
     mgr.close()
     with CheckpointManager(root, read_only=True) as reader, pytest.raises(ReadOnlyError):
         reader.adopt_existing()
+
+
+def test_restoring_a_step_that_is_not_there_says_which_steps_are(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": np.zeros(2)})
+        with pytest.raises(CheckpointNotFoundError) as missing:
+            mgr.restore(15)
+        text = str(missing.value)
+        assert "no checkpoint step 15" in text and "from step 10 to 20 (2 in all)" in text
+        # A directory of that name that was never committed is named as such.
+        (tmp_path / "ck" / "checkpoint-15").mkdir()
+        with pytest.raises(CheckpointNotFoundError, match="has no manifest: it is not a commit"):
+            mgr.restore(15)
+
+
+def test_restoring_into_a_state_of_another_shape_never_falls_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The target is wrong, not the checkpoints: restore() must not skip them one by one
+    # as corrupt and end with "no checkpoint verifies".
+    with CheckpointManager(tmp_path / "ck") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.zeros(4, 3)})
+        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+            with pytest.raises(StateMismatchError, match=r"shape \(4, 3\).*shape \(3, 4\)"):
+                mgr.restore(into={"w": torch.zeros(3, 4)})
+        assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+        assert isinstance(StateMismatchError("x"), ValueError)
+        assert torch.equal(mgr.restore(into={"w": torch.ones(4, 3)})["w"], torch.zeros(4, 3))

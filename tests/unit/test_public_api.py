@@ -31,7 +31,7 @@ PUBLIC = {
     "SerializationError", "StorageError", "StorageFullError", "StoragePermissionError",
     "CommitError", "CoordinationTimeoutError", "RankFailure", "DistributedCheckpointError",
     "LockError", "LockHeldError", "FencedError", "ResumeError", "ReadOnlyError",
-    "SaveAbandonedError",
+    "SaveAbandonedError", "StateMismatchError",
     "__version__",
 }  # fmt: skip
 

@@ -30,6 +30,7 @@ from hypothesis.extra import numpy as hnp
 from atomic_checkpoint.errors import (
     CorruptCheckpointError,
     SerializationError,
+    StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
@@ -668,11 +669,11 @@ def test_into_handles_non_contiguous_and_tied_targets() -> None:
 
 def test_into_rejects_shape_and_dtype_mismatch() -> None:
     state = {"model": {"fc.weight": torch.randn(4, 3), "fc.bias": torch.randn(4)}}
-    with pytest.raises(CorruptCheckpointError, match=r"state\['model'\]\['fc.weight'\].*\(3, 4\)"):
+    with pytest.raises(StateMismatchError, match=r"state\['model'\]\['fc.weight'\].*\(3, 4\)"):
         roundtrip(state, into={"model": {"fc.weight": torch.zeros(3, 4)}})
-    with pytest.raises(CorruptCheckpointError, match=r"state\['model'\]\['fc.bias'\].*float16"):
+    with pytest.raises(StateMismatchError, match=r"state\['model'\]\['fc.bias'\].*float16"):
         roundtrip(state, into={"model": {"fc.bias": torch.zeros(4, dtype=torch.float16)}})
-    with pytest.raises(CorruptCheckpointError, match="numpy array"):
+    with pytest.raises(StateMismatchError, match="numpy array"):
         roundtrip(state, into={"model": {"fc.bias": np.zeros(4, dtype=np.float32)}})
 
 

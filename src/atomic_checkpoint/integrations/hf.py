@@ -65,6 +65,7 @@ What the options keep meaning (and what changes):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -186,27 +187,24 @@ def _eval_metrics(state: Any, step: int) -> dict[str, float]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """The arguments of :func:`make_atomic` (and of ``AtomicCheckpointCallback``)."""
+
+    retention: Any
+    verify_on_resume: bool
+    timeout_s: float
+    preemption: bool
+    grace_s: float | None
+    adopt_existing: bool
+
+
 class _AtomicTrainer:
     """The state ``make_atomic`` attaches to one Trainer."""
 
-    def __init__(
-        self,
-        trainer: Any,
-        *,
-        retention: Any,
-        verify_on_resume: bool,
-        timeout_s: float,
-        preemption: bool = False,
-        grace_s: float | None = None,
-        adopt_existing: bool = False,
-    ):
+    def __init__(self, trainer: Any, settings: _Settings):
         self.trainer = trainer
-        self.adopt_existing = adopt_existing
-        self.preemption = preemption
-        self.grace_s = grace_s
-        self.user_retention = retention
-        self.verify_on_resume = verify_on_resume
-        self.timeout_s = timeout_s
+        self.settings = settings
         self.roots: dict[str, FrameworkRoot] = {}
         self.save_total_limit: int | None = trainer.args.save_total_limit
         self._orig_save = trainer._save_checkpoint
@@ -225,7 +223,7 @@ class _AtomicTrainer:
     # ------------------------------------------------------------------ roots
     def retention_for(self, run_dir: str) -> Any:
         limit = self.save_total_limit
-        base = self.user_retention
+        base = self.settings.retention
         if base is None and limit is not None and limit > 0:
             base = KeepLast(int(limit))
         if base is None:
@@ -242,7 +240,7 @@ class _AtomicTrainer:
                 per_node=bool(args.save_on_each_node),
                 retention=self.retention_for(key),
                 label="Trainer",
-                timeout_s=self.timeout_s,
+                timeout_s=self.settings.timeout_s,
                 strategy=self.strategy,
             )
             self.roots[key] = opened
@@ -329,16 +327,16 @@ class _AtomicTrainer:
         callback = None
         undo: list[Callable[[], None]] = []
         try:
-            if self.adopt_existing:
+            if self.settings.adopt_existing:
                 self.adopt(output_dir)
             resume_from_checkpoint = self._resume_path(resume_from_checkpoint, output_dir)
             trainer.args.save_total_limit = None
-            if self.preemption:
+            if self.settings.preemption:
                 callback = _preemption_callback(
                     PreemptionGuard(
                         self.root(output_dir).manager,
-                        timeout_s=self.timeout_s,
-                        grace_s=self.grace_s,
+                        timeout_s=self.settings.timeout_s,
+                        grace_s=self.settings.grace_s,
                     )
                 )
                 trainer.preemption_guard = callback.guard
@@ -361,7 +359,7 @@ class _AtomicTrainer:
         if resume_from_checkpoint is True:
             opened = self.root(output_dir)
             try:
-                step = opened.resolve(verify=self.verify_on_resume)
+                step = opened.resolve(verify=self.settings.verify_on_resume)
             except ResumeError as exc:
                 hint = self._stock_hint(opened)
                 raise ResumeError(f"{exc}. {hint}" if hint else str(exc)) from None
@@ -380,7 +378,7 @@ class _AtomicTrainer:
                 opened = self.root(output_dir)
                 try:
                     # One of ours: refuse a torn or corrupt one instead of half-loading it.
-                    opened.resolve(step, verify=self.verify_on_resume)
+                    opened.resolve(step, verify=self.settings.verify_on_resume)
                 except CheckpointNotFoundError as exc:
                     self._check_stock(opened, step, path, exc)
         return resume_from_checkpoint
@@ -456,7 +454,7 @@ class _AtomicTrainer:
             except (CheckpointError, OSError, ValueError) as exc:
                 view = {s: f"could not be checked: {exc}" for s in steps or ()}
         views = mgr.coordinator.all_gather(
-            f"{opened.label}: stock checkpoints", view, timeout_s=self.timeout_s
+            f"{opened.label}: stock checkpoints", view, timeout_s=self.settings.timeout_s
         )
         merged: dict[int, str | None] = {}
         for v in views:
@@ -468,7 +466,7 @@ class _AtomicTrainer:
     def _stock_hint(self, opened: FrameworkRoot) -> str:
         """The end of the "nothing to resume from" error: which stock checkpoints are
         complete, which are not (and why), and exactly how to opt in."""
-        found = self.refused if self.adopt_existing else self._dry_adopt(opened, None)
+        found = self.refused if self.settings.adopt_existing else self._dry_adopt(opened, None)
         complete = sorted(s for s, why in found.items() if why is None)
         torn = {s: why for s, why in sorted(found.items()) if why is not None}
         parts = []
@@ -676,6 +674,15 @@ def make_atomic(
             other parameters than in the supported transformers releases.
         CheckpointError: ``make_atomic`` was already applied to it.
     """
+    _make_atomic(
+        trainer,
+        _Settings(retention, verify_on_resume, timeout_s, preemption, grace_s, adopt_existing),
+    )
+    return trainer
+
+
+def _make_atomic(trainer: Any, settings: _Settings) -> None:
+    """``make_atomic``'s work (and ``AtomicCheckpointCallback``'s)."""
     problems = _unsupported(trainer)
     if problems:
         raise TypeError(
@@ -690,20 +697,11 @@ def make_atomic(
             "make_atomic was already applied to this Trainer (by a call, or by an "
             "AtomicCheckpointCallback passed in callbacks=[...]): use one of the two"
         )
-    integration = _AtomicTrainer(
-        trainer,
-        retention=retention,
-        verify_on_resume=verify_on_resume,
-        timeout_s=timeout_s,
-        preemption=preemption,
-        grace_s=grace_s,
-        adopt_existing=adopt_existing,
-    )
+    integration = _AtomicTrainer(trainer, settings)
     setattr(trainer, _ATTR, integration)
     trainer._save_checkpoint = integration.save_checkpoint
     trainer._push_from_checkpoint = integration.push_from_checkpoint
     trainer.train = integration.train
-    return trainer
 
 
 class AtomicCheckpointCallback(_TrainerCallback):  # type: ignore[misc,valid-type,unused-ignore]
@@ -737,18 +735,13 @@ class AtomicCheckpointCallback(_TrainerCallback):  # type: ignore[misc,valid-typ
         grace_s: float | None = None,
         adopt_existing: bool = False,
     ):
-        self.options: dict[str, Any] = dict(
-            retention=retention,
-            verify_on_resume=verify_on_resume,
-            timeout_s=timeout_s,
-            preemption=preemption,
-            grace_s=grace_s,
-            adopt_existing=adopt_existing,
+        self.settings = _Settings(
+            retention, verify_on_resume, timeout_s, preemption, grace_s, adopt_existing
         )
         self.trainer: Any = None
 
     def __repr__(self) -> str:
-        return f"AtomicCheckpointCallback(adopt_existing={self.options['adopt_existing']})"
+        return f"AtomicCheckpointCallback(adopt_existing={self.settings.adopt_existing})"
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         trainer = _trainer_holding(self)
@@ -763,7 +756,7 @@ class AtomicCheckpointCallback(_TrainerCallback):  # type: ignore[misc,valid-typ
                 "AtomicCheckpointCallback: this instance already serves another Trainer; "
                 "give each Trainer its own AtomicCheckpointCallback()"
             )
-        make_atomic(trainer, **self.options)
+        _make_atomic(trainer, self.settings)
         self.trainer = trainer
         return control
 

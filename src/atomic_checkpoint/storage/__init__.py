@@ -31,12 +31,18 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def lazy_attribute(module: str, name: str) -> Any:
+    """The attributes exported lazily (``FsspecStorage``, which imports fsspec), for
+    the ``__getattr__`` of ``module``: this package, and the top-level one."""
     if name == "FsspecStorage":
         from .fsspec import FsspecStorage
 
         return FsspecStorage
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str) -> Any:
+    return lazy_attribute(__name__, name)
 
 
 def local_root(root: str | os.PathLike[str]) -> str:

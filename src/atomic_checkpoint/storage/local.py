@@ -89,16 +89,7 @@ from ..errors import (
     StorageError,
     map_os_error,
 )
-from .base import (
-    MAX_READ_BYTES,
-    AbortOnError,
-    DirectWriter,
-    Reader,
-    StorageCapabilities,
-    check_no_links,
-    linked,
-    too_large,
-)
+from . import base
 from .detect import local_capabilities, mount_of
 from .posix import fsync_directory
 from .temps import temp_name
@@ -245,7 +236,7 @@ class _LocalReader:
         self.close()
 
 
-class _LocalWriter(AbortOnError):
+class _LocalWriter(base.AbortOnError):
     """Writes through one descriptor; ``close()`` fsyncs it before closing."""
 
     def __init__(self, storage: LocalStorage, rel: str, size_hint: int | None):
@@ -323,7 +314,7 @@ def _lstat(p: str) -> os.stat_result | None:
 def _open_error(exc: OSError, action: str, path: str) -> CheckpointError:
     """Map a failed ``open``; ELOOP from ``O_NOFOLLOW`` means ``path`` is a link."""
     if exc.errno == errno.ELOOP and os.path.islink(path):
-        return linked(path)
+        return base.linked(path)
     return map_os_error(exc, action, path)
 
 
@@ -495,7 +486,7 @@ class LocalStorage:
     """
 
     def __init__(
-        self, root: str | os.PathLike[str], *, capabilities: StorageCapabilities | None = None
+        self, root: str | os.PathLike[str], *, capabilities: base.StorageCapabilities | None = None
     ):
         self.root = os.path.abspath(os.fspath(root))
         caps = capabilities or local_capabilities(self.root)
@@ -561,7 +552,7 @@ class LocalStorage:
         """The OS path of ``rel`` for an operation on it: no directory on the way below
         ROOT may be a symbolic link (DESIGN invariant 9; each operation decides about
         ``rel`` itself, never following it where it reads, writes or deletes)."""
-        return check_no_links(self.root, rel, final=False) if rel else self.root
+        return base.check_no_links(self.root, rel, final=False) if rel else self.root
 
     def url(self, path: str = "") -> str:
         return self._join(path)
@@ -573,7 +564,7 @@ class LocalStorage:
         self.check_root()
         # Every component, this one included: a ``.pending`` linked elsewhere would
         # take every later write outside ROOT.
-        p = check_no_links(self.root, path)
+        p = base.check_no_links(self.root, path)
         try:
             os.makedirs(p, exist_ok=True)
         except FileExistsError as exc:
@@ -614,7 +605,9 @@ class LocalStorage:
             use = self._direct_io_auto
         return bool(use) and hasattr(os, "O_DIRECT")
 
-    def open_write_direct(self, path: str, *, size_hint: int | None = None) -> DirectWriter | None:
+    def open_write_direct(
+        self, path: str, *, size_hint: int | None = None
+    ) -> base.DirectWriter | None:
         """Open ``path`` for O_DIRECT writes from block-aligned memory (see
         ``_DirectWriter``), or return None where this filesystem should not get them.
 
@@ -629,7 +622,7 @@ class LocalStorage:
             self._direct_io_auto = False
             return None
 
-    def open_read(self, path: str) -> Reader:
+    def open_read(self, path: str) -> base.Reader:
         self.check_root()
         p = self._abs(path)
         # O_NONBLOCK: opening a FIFO for reading would block until a writer comes;
@@ -675,10 +668,10 @@ class LocalStorage:
                 size = os.fstat(f.fileno()).st_size
             except OSError as exc:
                 raise map_os_error(exc, "stat", self._join(path)) from exc
-            if size > MAX_READ_BYTES:
-                raise too_large(self._join(path), size)
+            if size > base.MAX_READ_BYTES:
+                raise base.too_large(self._join(path), size)
             parts = []
-            left = MAX_READ_BYTES + 1
+            left = base.MAX_READ_BYTES + 1
             while left > 0:
                 chunk = f.read(min(left, max(size + 1, 64 << 10)))
                 if not chunk:
@@ -686,7 +679,7 @@ class LocalStorage:
                 parts.append(chunk)
                 left -= len(chunk)
             if left <= 0:
-                raise too_large(self._join(path), None)
+                raise base.too_large(self._join(path), None)
             return b"".join(parts)
 
     def write_bytes_atomic(self, path: str, data: bytes) -> None:
@@ -818,7 +811,7 @@ class LocalStorage:
         [] if it is reached through a symbolic link (not a directory of this root)."""
         self.check_root()
         try:
-            p = check_no_links(self.root, path) if path else self.root
+            p = base.check_no_links(self.root, path) if path else self.root
         except CheckpointError:
             return []
         if not self.capabilities.coherent:
@@ -836,7 +829,7 @@ class LocalStorage:
         if st is None:
             return None
         if stat.S_ISLNK(st.st_mode):
-            raise linked(p)  # its target's size is outside's business
+            raise base.linked(p)  # its target's size is outside's business
         return st.st_size
 
     def stat_token(self, path: str) -> tuple[int, ...] | None:
@@ -863,20 +856,20 @@ class LocalStorage:
         """Every file under ``path``. A symbolic link among them raises: a checkpoint
         holds regular files and directories only, and a link would be refused by every
         reader (``saving()`` blocks that wrote one fail here, before the commit)."""
-        base = check_no_links(self.root, path) if path else self.root
+        top = base.check_no_links(self.root, path) if path else self.root
         out: list[tuple[str, int]] = []
         try:
-            for dirpath, dirs, files in os.walk(base):
+            for dirpath, dirs, files in os.walk(top):
                 for name in files + dirs:
                     full = os.path.join(dirpath, name)
                     st = os.lstat(full)
                     if stat.S_ISLNK(st.st_mode):
-                        raise linked(full)
+                        raise base.linked(full)
                     if name in files:
-                        rel = os.path.relpath(full, base).replace(os.sep, "/")
+                        rel = os.path.relpath(full, top).replace(os.sep, "/")
                         out.append((rel, st.st_size))
         except OSError as exc:
-            raise map_os_error(exc, "walk", base) from exc
+            raise map_os_error(exc, "walk", top) from exc
         return sorted(out)
 
     def rename_dir(self, src: str, dst: str) -> None:
@@ -967,7 +960,7 @@ class LocalStorage:
         self.check_root()
         # rmtree never follows links inside the tree, but the tree itself (or a
         # directory on the way to it) being a link would delete another root's data.
-        p = check_no_links(self.root, path)
+        p = base.check_no_links(self.root, path)
         errors: list[OSError] = []
 
         def onerror(_fn: object, failed: str, info: object) -> None:
