@@ -1,10 +1,17 @@
-"""Fixtures of the unit tests that count what discovery reads: a root of many real
-checkpoints, made once per module, and a copy of it for each test that changes it."""
+"""Fixtures of the unit tests: a guard that fails any test starting a process (unit
+tests touch no process and no disk beyond a temp dir; tests with real children belong
+in tests/faults, tests/dist, tests/storage or tests/packaging), and, for the tests that
+count what discovery reads, a root of many real checkpoints, made once per module, and
+a copy of it for each test that changes it."""
 
 from __future__ import annotations
 
+import _posixsubprocess
+import os
 import shutil
+import subprocess
 from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
 
@@ -24,3 +31,22 @@ def root(made_root: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "root"
     shutil.copytree(made_root, dst, symlinks=True)
     return dst
+
+
+def _no_process(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError(
+        "a unit test started a process: tests/unit runs in one process; move this test "
+        "to tests/faults, tests/dist, tests/storage or tests/packaging"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way Python starts a process (subprocess, which holds its own reference
+    to ``_posixsubprocess.fork_exec`` or uses ``os.posix_spawn``, multiprocessing, a
+    bare fork) fails the test."""
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", _no_process)
+    monkeypatch.setattr(subprocess, "_fork_exec", _no_process, raising=False)
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, _no_process)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,6 @@ from atomic_checkpoint import (
     SerializationError,
     StateMismatchError,
     StorageError,
-    StoragePermissionError,
     UnsafeCheckpointError,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
@@ -123,41 +120,6 @@ def test_root_that_is_a_file(tmp_path):
     f.write_text("x")
     with pytest.raises(StorageError, match="is a file"):
         CheckpointManager(f)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
-def test_read_only_filesystem_gives_a_permission_error(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
-    try:
-        with pytest.raises(StoragePermissionError, match="writable|read-only"):
-            CheckpointManager(ro / "ckpt")
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
-
-
-def test_unwritable_root_for_a_normal_user(tmp_path):
-    # Root ignores permission bits, so this runs the check as an unprivileged user.
-    if os.geteuid() != 0:
-        pytest.skip("needs root to switch to an unprivileged user")
-    root = tmp_path / "locked"
-    root.mkdir(mode=0o555)
-    os.chmod(tmp_path, 0o755)
-    code = (
-        "import os, sys\n"
-        # Import first: the interpreter's own files may not be readable by that user.
-        "from atomic_checkpoint import CheckpointManager, StoragePermissionError\n"
-        "os.setgid(65534); os.setuid(65534)\n"
-        f"try:\n    CheckpointManager({str(root)!r})\n"
-        "except StoragePermissionError as e:\n    print('OK', e); sys.exit(0)\n"
-        "sys.exit(3)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=str(tmp_path)
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Permission denied" in proc.stdout or "writable" in proc.stdout
 
 
 def _corrupt_cases():
@@ -369,12 +331,6 @@ def test_crashed_save_leftovers_are_swept_at_start(tmp_path):
     assert os.listdir(tmp_path / PENDING_DIR) == []
 
 
-def test_import_does_not_import_frameworks():
-    code = "import sys, atomic_checkpoint; print(sorted(m for m in ('torch','fsspec','numpy','transformers','lightning') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
-
-
 def test_adopt_existing_records_another_tools_checkpoints_under_the_held_lock(tmp_path):
     # A job whose manager is open (it holds the run lock, so atomic_checkpoint.adopt
     # is refused) records the checkpoint another tool wrote into ROOT meanwhile.
@@ -425,9 +381,11 @@ def test_restoring_into_a_state_of_another_shape_never_falls_back(
     with CheckpointManager(tmp_path / "ck") as mgr:
         for step in (1, 2):
             mgr.save(step, {"w": torch.zeros(4, 3)})
-        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
-            with pytest.raises(StateMismatchError, match=r"shape \(4, 3\).*shape \(3, 4\)"):
-                mgr.restore(into={"w": torch.zeros(3, 4)})
+        with (
+            caplog.at_level(logging.WARNING, logger="atomic_checkpoint"),
+            pytest.raises(StateMismatchError, match=r"shape \(4, 3\).*shape \(3, 4\)"),
+        ):
+            mgr.restore(into={"w": torch.zeros(3, 4)})
         assert not [r for r in caplog.records if "skipping" in r.getMessage()]
         assert isinstance(StateMismatchError("x"), ValueError)
         assert torch.equal(mgr.restore(into={"w": torch.ones(4, 3)})["w"], torch.zeros(4, 3))

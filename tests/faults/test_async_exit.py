@@ -1,0 +1,140 @@
+"""An async save when the process ends: the interpreter's exit finishes a save in flight
+or abandons a stuck one, a SIGKILL mid-write keeps the previous checkpoint, and the
+example script runs end to end. Each runs a real child process (tests/unit starts
+none)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from atomic_checkpoint import CheckpointManager, LocalStorage, catalog
+from atomic_checkpoint.layout import PENDING_DIR
+from tests.integrations.helpers import run_example
+
+pytestmark = pytest.mark.timeout(120)
+
+FAULTS = "ATOMIC_CHECKPOINT_FAULTS"
+
+
+def listed(root) -> list[int]:
+    return [c.step for c in CheckpointManager(root, read_only=True).checkpoints()]
+
+
+def pending_entries(root) -> list[str]:
+    d = os.path.join(root, PENDING_DIR)
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def _run_script(tmp_path, body: str, *, env: dict[str, str] | None = None, timeout: float = 60):
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import logging, sys
+            import torch
+            from atomic_checkpoint import CheckpointManager
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+            root = sys.argv[1]
+            """
+        )
+        + textwrap.dedent(body)
+    )
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop(FAULTS, None)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        check=False,
+    )
+
+
+def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
+    proc = _run_script(
+        tmp_path,
+        """
+        mgr = CheckpointManager(root)
+        mgr.save(1, {"w": torch.ones(8)})
+        state = {"w": torch.arange(1 << 23, dtype=torch.float32)}
+        mgr.save_async(2, state)
+        state["w"].zero_()
+        # falls off the end without wait() or close()
+        """,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "interpreter exit: finished the in-flight async save of step 2" in proc.stderr
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, read_only=True)
+    assert [c.step for c in mgr.checkpoints()] == [1, 2]
+    mgr.verify(2)
+    assert torch.equal(mgr.restore(2)["w"], torch.arange(1 << 23, dtype=torch.float32))
+
+
+def test_interpreter_exit_abandons_a_stuck_save_and_leaves_nothing_discoverable(tmp_path):
+    proc = _run_script(
+        tmp_path,
+        """
+        mgr = CheckpointManager(root, timeout_s=1.0)
+        mgr.save(1, {"w": torch.ones(8)})
+        mgr.save_async(2, {"w": torch.zeros(1 << 20)})  # its write hangs (fault)
+        """,
+        env={FAULTS: "mid_write@0=hang:2"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "interpreter exit: abandoned the in-flight async save of step 2" in proc.stderr
+    root = tmp_path / "ckpt"
+    assert listed(root) == [1]
+    for entry in catalog.scan(LocalStorage(root)):
+        assert entry.status in ("ok", "pending"), entry
+    # The next writing start removes the abandoned pending data.
+    CheckpointManager(root).close()
+    assert pending_entries(root) == []
+
+
+def test_sigkill_during_the_background_write_keeps_the_previous_checkpoint(tmp_path):
+    proc = _run_script(
+        tmp_path,
+        """
+        mgr = CheckpointManager(root)
+        mgr.save(1, {"w": torch.full((1 << 20,), 1.0)})
+        h = mgr.save_async(2, {"w": torch.full((1 << 22,), 2.0)})
+        h.result()
+        print("NOT KILLED")
+        """,
+        env={FAULTS: "mid_write@0=kill:2"},
+    )
+    assert proc.returncode == -9, (proc.returncode, proc.stderr)
+    assert "NOT KILLED" not in proc.stdout
+    root = tmp_path / "ckpt"
+    # The half-written file sits in a pending directory: discoverable checkpoints are
+    # only the complete, previous one.
+    assert pending_entries(root), "expected the torn attempt under .pending/"
+    for entry in catalog.scan(LocalStorage(root)):
+        assert entry.status in ("ok", "pending"), entry
+    mgr = CheckpointManager(root)  # the restarted job (takes over the dead job's lock)
+    assert [c.step for c in mgr.checkpoints()] == [1]
+    mgr.verify(1)
+    assert torch.equal(mgr.restore()["w"], torch.full((1 << 20,), 1.0))
+    assert pending_entries(root) == []
+    mgr.save_async(2, {"w": torch.full((4,), 3.0)}).result()
+    mgr.close()
+
+
+@pytest.mark.timeout(120)
+def test_example_async_save_runs(tmp_path):
+    out = run_example(tmp_path, "async_save.py", tmp_path / "ckpt", timeout_s=100)
+    assert out.count("save_async returned after") == 3, out
+    assert "step 9: committed" in out and "checkpoint-9 (64 MiB)" in out, out
+    assert "checkpoints: [9, 10]" in out, out
+    assert "restored step 9 into the model" in out, out
+    assert "identical to the weights at save_async time: True" in out, out
+    assert {"checkpoint-9", "checkpoint-10"} <= set(os.listdir(tmp_path / "ckpt"))
