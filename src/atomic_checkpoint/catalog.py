@@ -329,29 +329,26 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
     try:
         manifest = read_manifest(storage, rel)
     except CheckpointNotFoundError as exc:
-        raise _not_found(storage, step) from exc
+        raise missing_step_error(storage, step) from exc
     return validate_consistent(storage, rel, manifest, full=full)
 
 
-def _not_found(storage: Storage, step: int) -> CheckpointNotFoundError:
+def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
     """Why there is no checkpoint ``step`` to load, in the user's terms: no such entry
-    (and which steps there are), or an entry that was never committed."""
+    (and which steps there are), or a directory that was never committed. For
+    ``restore``/``verify`` and the CLI alike; called only once a read found nothing."""
     rel = checkpoint_name(step)
     if storage.is_dir(rel):
         return CheckpointNotFoundError(
-            f"{storage.url(rel)} has no manifest: it is not a committed checkpoint (a save "
-            "in progress, one a crash interrupted, or another tool's directory); "
+            f"{storage.url(rel)} has no manifest: it was never committed (a crashed save or "
+            "another tool wrote it) or its manifest was deleted; resume ignores it, and "
             "`atomic-checkpoint verify` says what it is"
         )
     steps = [s for s, _ in _checkpoint_names(storage.listdir(""))[0]]
-    there = (
-        f"its checkpoint names run from step {steps[0]} to {steps[-1]} ({len(steps)} in all)"
-        if steps
-        else "it holds no checkpoint"
-    )
+    have = ", ".join(map(str, steps[-10:])) if steps else "none"
     return CheckpointNotFoundError(
-        f"there is no checkpoint step {step} in {storage.url('')}: {there}; "
-        "`atomic-checkpoint list` shows them"
+        f"no checkpoint step {step} in {storage.url('')} (checkpoint steps there: {have}; "
+        "see `atomic-checkpoint list`)"
     )
 
 

@@ -167,7 +167,6 @@ from .layout import (
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
-    parse_checkpoint_name,
     validate_step,
 )
 from .manifest import CheckpointInfo, Manifest, format_size
@@ -798,22 +797,10 @@ def _single_target(storage: Storage, step: int) -> catalog.Entry:
     """The catalog entry of ``checkpoint-<step>``, or a CliError (exit 1) saying why
     there is no such checkpoint."""
     name = checkpoint_name(step)
-    if not storage.is_dir(name):
-        steps = sorted(
-            s for s in (parse_checkpoint_name(n) for n in storage.listdir("")) if s is not None
-        )
-        have = ", ".join(map(str, steps[-10:])) if steps else "none"
-        raise CliError(
-            f"no checkpoint step {step} in {storage.url()} (checkpoint steps there: {have}; "
-            f"see `{PROG} list`)"
-        )
     try:
         manifest = catalog.read_manifest(storage, name)
     except CheckpointNotFoundError:
-        raise CliError(
-            f"{storage.url(name)} has no manifest: it was never committed (a crashed save "
-            "or another tool wrote it) or its manifest was deleted; resume ignores it"
-        ) from None
+        raise CliError(str(catalog.missing_step_error(storage, step))) from None
     except CheckpointError as exc:
         return catalog.Entry(name, step, "corrupt", problem=str(exc))
     return catalog.Entry(name, step, "ok", manifest)

@@ -72,3 +72,38 @@ def test_every_rank_refuses_the_same_save_and_rolls_back_together(tmp_path, node
     for root in roots:
         names = sorted(n for n in os.listdir(root) if n.startswith("checkpoint-"))
         assert names == ["checkpoint-100", "checkpoint-110"], root
+
+
+def w_undecided(rank: int, world: int, base: str) -> dict[str, Any]:
+    from atomic_checkpoint import StepOrderError
+    from atomic_checkpoint.domains import HOST_ENV
+
+    os.environ[HOST_ENV] = f"node{rank}"
+    root = os.path.join(base, f"node{rank}")
+    mgr = CheckpointManager(root, timeout_s=20)
+    for step in range(1, 10):
+        mgr.save(step, _state(step, rank))
+    if rank == 1:
+        # Node 1's copies of steps 5-8 lose a file: its newest valid steps at or below 8
+        # are 4, 3, 2, while node 0's are 8, 7, 6. Those views share no step, so the
+        # rollback must list every valid step to find the newest one both have.
+        for step in range(5, 9):
+            os.unlink(os.path.join(root, f"checkpoint-{step}", "rank-00001.safetensors"))
+    out: dict[str, Any] = {"removed": mgr.rollback(8)}
+    try:
+        mgr.save(3, _state(3, rank))
+        out["refused"] = None
+    except StepOrderError as exc:
+        out["refused"] = exc.newest
+    mgr.close()
+    return out
+
+
+def test_rollback_whose_domains_views_do_not_decide_lists_every_valid_step(tmp_path):
+    results = run_ranks(
+        w_undecided, 2, str(tmp_path / "ckpt"), tmp_dir=str(tmp_path), timeout_s=150
+    )
+    values = ok_values(results)
+    assert all(v["removed"] == [9] for v in values)
+    # The newest step valid in both domains is 4: a save of 3 is refused on every rank.
+    assert all(v["refused"] == 4 for v in values), values
