@@ -2,7 +2,7 @@
 one machine, manifests of up to 4096 ranks, requests per save on the S3 test server.
 docs/scale.md has the figures and what they mean for 4096 ranks.
 
-    python benchmarks/scale.py [--ranks 1,8,64,256,1024] [--saves 3]
+    python benchmarks/scale.py [--ranks 1,8,64,256,1024] [--saves 3] [--per-domain K]
                                [--manifests 8,64,512,4096] [--files-per-rank 4]
                                [--s3 8,32,128] [--json PATH] [--plot PATH]
                                [--baseline JSON] [--dir DIR]
@@ -31,6 +31,9 @@ the next one, so counts are taken from one finished save to the next):
   write and fsync (median over saves). With ranks as threads on a few cores, this
   includes waiting for the CPU behind every other rank: an upper bound on a real
   job's, where each rank has its own core.
+
+``--per-domain K``: domains of K ranks, each committing its own copy (node-local
+disks, ``storage_domains="per-host"``) under its own directory.
 
 Manifests: a manifest of N ranks with ``--files-per-rank`` files each (model and
 optimizer shards, RNG state, a per-rank metadata file; realistic names, sizes and
@@ -129,6 +132,10 @@ class CountingStore:
         self.counts.add("multi_get", len(keys), sum(map(_n, keys)) + sum(map(len, values)))
         return values
 
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self.counts.add("multi_set", len(keys), sum(map(_n, keys)) + sum(map(_n, values)))
+        self._s.multi_set(keys, values)
+
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         value = self._s.compare_set(key, expected, desired)
         self.counts.add("compare_set", 1, _n(key) + _n(expected) + _n(desired) + len(value))
@@ -187,6 +194,10 @@ class Job:
     total: int
     timeout_s: float
     storage_options: dict[str, Any] | None = None
+    #: Ranks per storage domain (node-local disks, as ``storage_domains="per-host"``
+    #: finds them): each domain of that many consecutive ranks commits its own copy
+    #: under ``root/node-<index>``. None: one domain (a shared filesystem).
+    per_domain: int | None = None
 
 
 def _run_ranks(
@@ -203,6 +214,7 @@ def _run_ranks(
     from atomic_checkpoint import commit
     from atomic_checkpoint.commit import RankReport, SaveContext
     from atomic_checkpoint.coordination import TorchDistributedCoordinator
+    from atomic_checkpoint.domains import Domain
     from atomic_checkpoint.manifest import FileEntry, Hasher
     from atomic_checkpoint.storage import open_storage
     from atomic_checkpoint.strategies import choose_strategy
@@ -226,13 +238,22 @@ def _run_ranks(
             coord = TorchDistributedCoordinator(
                 store, rank=rank, world_size=job.world, namespace=f"scale{job.world}"
             )
-            storage = open_storage(job.root, job.storage_options)
+            root, domain = job.root, None
+            if job.per_domain:
+                k = job.per_domain
+                leaders = tuple(range(0, job.world, k))
+                index = rank // k
+                members = tuple(range(index * k, min(index * k + k, job.world)))
+                domain = Domain(index, leaders[index], members, leaders)
+                root = f"{job.root}/node-{index}"
+            storage = open_storage(root, job.storage_options)
             ctx = SaveContext(
                 storage=storage,
                 coord=coord,
                 run_id="scale",
                 timeout_s=job.timeout_s,
                 strategy=choose_strategy(storage),
+                domain=domain,
             )
         except BaseException as exc:  # reported by the caller
             errors[rank] = exc
@@ -317,6 +338,7 @@ def run_saves(
     progress: Callable[[str], None] | None = None,
     storage_options: dict[str, Any] | None = None,
     on_save_end: Callable[[int], None] | None = None,
+    per_domain: int | None = None,
 ) -> dict[str, Any]:
     """``warmup + saves`` saves by ``world`` ranks through one real TCPStore; returns
     the counts of each counted save (all ranks together) and per-save timings.
@@ -328,13 +350,18 @@ def run_saves(
     same; the times are not).
 
     Counts of save i are taken between the end of save i-1 and the end of save i, once
-    every rank's deferred store requests (deletes) have run, so they are exact."""
+    every rank's deferred store requests (deletes) have run, so they are exact.
+
+    ``per_domain``: ranks per storage domain (each domain commits its own copy, as on
+    node-local disks); None: one domain."""
     import multiprocessing as mp
 
     import torch.distributed as dist
 
     if "://" not in root:
         os.makedirs(root, exist_ok=True)
+        for d in range(math.ceil(world / per_domain) if per_domain else 0):
+            os.makedirs(f"{root}/node-{d}", exist_ok=True)
     total = warmup + saves
     others = list(range(1, world))
     if procs is None:
@@ -356,7 +383,7 @@ def run_saves(
             "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
         port = server.port
-    job = Job(world, port, root, total, timeout_s, storage_options)
+    job = Job(world, port, root, total, timeout_s, storage_options, per_domain)
     sync = ctx.Barrier(procs + 1)
     children = []
     for group in groups:
@@ -783,6 +810,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", help="write a PNG here")
     p.add_argument("--baseline", help="a JSON of an earlier run, drawn for comparison")
     p.add_argument("--dir", help="scratch directory (default: a new one on /dev/shm)")
+    p.add_argument(
+        "--per-domain",
+        type=int,
+        help="ranks per storage domain (node-local disks: each domain commits its own "
+        "copy); default: one domain",
+    )
     args = p.parse_args(argv)
     # One store connection per rank: the store server's log line per connection (it
     # cannot resolve the loopback client's name) would drown the report.
@@ -798,6 +831,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.saves,
                 os.path.join(work, f"ranks-{world}"),
                 progress=lambda s: print(s, file=sys.stderr, flush=True),
+                per_domain=args.per_domain,
             )
             shutil.rmtree(os.path.join(work, f"ranks-{world}"), ignore_errors=True)
             ok = ok and row["deterministic"]

@@ -38,9 +38,11 @@ between the first two)::
 7. The result is published; every rank returns the same ``Committed``.
 
 With one storage domain each round goes through the leader (``_decide``: one key that
-every rank reads; ``coordination.gather_to``: the leader reads every report and
-answers one summary), O(N) store requests and bytes for N ranks. With several domains every round
-is an all-gather, as the domains' leaders must agree. Nothing here calls back into the
+every rank reads; ``coordination.gather_routed``: the leader reads every report and
+answers one summary), O(N) store requests and bytes for N ranks. With several domains
+the first leader collects every round, sends each leader its members' reports and
+each rank its own leader's answer, and answers everyone one summary (whether the step
+exists in every domain; the steps every domain holds): O(N) too. Nothing here calls back into the
 manager: what it decides (the input check, the commit number, the lock to check) comes
 in as values, and what it needs afterwards (each domain's committed steps) goes out in
 ``Committed``.
@@ -74,9 +76,8 @@ from .catalog import committed as committed_manifests
 from .catalog import read_manifest
 from .coordination import (
     Coordinator,
-    gather_to,
+    gather_routed,
     rank_failure,
-    run_everywhere,
     shared_error,
 )
 from .domains import Domain
@@ -185,14 +186,15 @@ class Failed:
 class Committed:
     """The outcome of ``finish``, identical on every rank of a storage domain."""
 
-    #: The committed manifest (other ranks than the leader, with one storage domain:
-    #: a ``SharedManifest``, the same manifest without its file list).
+    #: The committed manifest (on other ranks than the leader: a ``SharedManifest``,
+    #: the same manifest without its file list).
     manifest: Manifest
     #: Seconds per step: prepare, write, fsync, gather, commit, publish, total.
     timings: dict[str, float]
-    #: Several storage domains: each domain's committed steps after this commit,
-    #: ``[(step, metrics, created_unix)]`` by domain (retention decides from them).
-    domain_views: list[Any] | None = None
+    #: Several storage domains, on a domain leader: (the steps committed in every
+    #: domain, this domain's committed steps) after this commit, each as
+    #: ``[(step, metrics, created_unix)]`` (retention decides from them); else None.
+    domain_views: tuple[list[Any], list[Any]] | None = None
 
 
 def begin(
@@ -227,13 +229,14 @@ def begin(
         return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists
 
     with _aborting(ctx, pending):
-        decided = _decide(ctx, pending, "prepare", prepare)
-    exists_in = [d[2] for d in decided]
-    if all(exists_in) and not overwrite:
+        decided, exists_everywhere = _decide(
+            ctx, pending, "prepare", prepare, combine=lambda got: all(d[2] for d in got)
+        )
+    if exists_everywhere and not overwrite:
         # Committed in every domain (several domains: each leader only said so).
         abort(ctx, pending)
         raise _exists_error(ctx.storage, step)
-    leader_step, pending.location, exists = decided[_domain_index(ctx)]
+    leader_step, pending.location, exists = decided
     # Committed in some domains only: the leftover of a save that failed half way (a
     # node died between the domains' commits). It never counted as a checkpoint; it is
     # replaced.
@@ -298,19 +301,19 @@ def finish(
         if failed is None and isinstance(written, Failed):
             failed = (written.phase, written.error)
         report = written if pending.writes and isinstance(written, RankReport) else None
-        sent: tuple[int, RankReport | None] = (step, report)
+        sent: tuple[int, int, RankReport | None] = (ctx.leader, step, report)
 
-        mine, reports, (steps, write_s, fsync_s) = gather_to(
+        _, (steps, write_s, fsync_s), reports = gather_routed(
             ctx.coord,
             _key(step, "write"),
             "write",
             lambda: sent,
             _write_summary,
-            dst=ctx.leader,
-            members=ctx.members,
+            _reports_by_leader,
+            dst=ctx.leaders[0],
+            routed=ctx.is_coordinator,
             timeout_s=ctx.timeout_s,
             step=step,
-            to_dst=_through_leader(ctx),
             failed=failed,
         )
         if steps is not None:
@@ -326,7 +329,7 @@ def finish(
             done = _commit_on_leader(
                 ctx,
                 pending,
-                [r for _, r in reports or () if r is not None],
+                [r for r in reports or () if r is not None],
                 scan,
                 commit_seq,
                 state_kind,
@@ -339,11 +342,18 @@ def finish(
         def settle(timeout: errors.CoordinationTimeoutError) -> Any:
             if ctx.is_coordinator:
                 raise _committed_anyway(ctx, step, timeout) if pending.committed else timeout
-            return _settle_outcome(ctx, step, pending.location, mine[1], timeout)
+            return _settle_outcome(ctx, step, pending.location, report, timeout)
 
-        results = _decide(ctx, pending, "commit", commit, settle=settle)
-    manifest, _, timings["publish"] = results[_domain_index(ctx)]
-    views = [r[1] for r in results] if len(ctx.leaders) > 1 else None
+        (manifest, view, timings["publish"]), common = _decide(
+            ctx,
+            pending,
+            "commit",
+            commit,
+            share=lambda done: (SharedManifest.of(done[0]), done[1], done[2]),
+            combine=_common_view,
+            settle=settle,
+        )
+    views = (common, view) if len(ctx.leaders) > 1 and ctx.is_coordinator else None
     timings["commit"] = time.perf_counter() - t
     if not ctx.is_coordinator and not storage.capabilities.coherent:
         _await_committed(storage, step, ctx.visibility_timeout_s)
@@ -390,11 +400,6 @@ def _key(step: int, phase: str) -> str:
     return f"save step {step}: {phase}"
 
 
-def _domain_index(ctx: SaveContext) -> int:
-    """This rank's storage domain, as an index into what ``_decide`` returns."""
-    return ctx.leaders.index(ctx.leader)
-
-
 def _through_leader(ctx: SaveContext) -> bool:
     """Whether a save's rounds go through its one leader rather than all-gathers:
     several ranks, one storage domain, a coordinator that can publish and gather.
@@ -409,45 +414,65 @@ def _decide(
     phase: str,
     fn: Callable[[], _T],
     *,
+    share: Callable[[_T], Any] = lambda result: result,
+    combine: Callable[[list[_T]], Any] = lambda results: None,
     settle: Callable[[errors.CoordinationTimeoutError], Any] | None = None,
-) -> list[_T]:
-    """Run ``fn`` on the domain leader(s); every rank gets every leader's result, in
-    the order of ``ctx.leaders``, or every rank raises the same error.
+) -> tuple[_T, Any]:
+    """Run ``fn`` on the domain leader(s), or every rank raises the same error. Returns
+    this rank's leader's result (``share(result)`` on the other ranks: what they may
+    receive) and ``combine`` of every leader's result, in the order of ``ctx.leaders``
+    (computed once, the same on every rank).
 
     Through one leader (``_through_leader``), the leader publishes one key that every
     rank reads; a leader that failed removes what it created before it publishes the
     failure, so no rank returns while its pending data still exists. The commit's
     result reaches the others without its file list (``SharedManifest``): N ranks
     reading N entries each would put O(N^2) bytes through the store. ``settle`` decides
-    what a timeout means (the commit may have happened). Otherwise (several domains)
-    every rank sends its own outcome in one all-gather (``coordination.run_everywhere``).
+    what a timeout means (the commit may have happened). With several domains, the
+    first leader collects every rank's outcome, answers every rank ``combine`` and
+    sends each rank its own leader's shared result alone
+    (``coordination.gather_routed``): O(N) bytes, as with one domain.
     """
     step, rank = pending.step, ctx.coord.rank
     if not _through_leader(ctx):
-        lead = ctx.is_coordinator
+        lead, leader = ctx.is_coordinator, ctx.leader
+        full: list[_T] = []
 
-        def here() -> Any:
+        def here() -> tuple[int, Any]:
             if lead:
-                return fn()
+                full.append(fn())
+                return leader, share(full[0])  # what the others may receive
             if phase == "commit":
                 fault_point("during_broadcast", rank, step)
-            return None
+            return leader, None
 
-        values = run_everywhere(
-            ctx.coord, _key(step, phase), phase, here, timeout_s=ctx.timeout_s, step=step
+        def results(sent: list[tuple[int, Any]]) -> dict[int, Any]:
+            return {r: v for r, (lead_rank, v) in enumerate(sent) if lead_rank == r}
+
+        def to_members(sent: list[tuple[int, Any]]) -> dict[int, Any]:
+            by_leader = results(sent)
+            return {r: by_leader[to] for r, (to, _) in enumerate(sent) if r != to}
+
+        _, combined, got = gather_routed(
+            ctx.coord,
+            _key(step, phase),
+            phase,
+            here,
+            lambda sent: combine([results(sent)[r] for r in ctx.leaders]),
+            to_members,
+            dst=ctx.leaders[0],
+            routed=not lead,
+            timeout_s=ctx.timeout_s,
+            step=step,
         )
-        return [values[lead_rank] for lead_rank in ctx.leaders]
-    # On the wire: ("ok", *result) or ("error", the shared error). The commit's result
-    # is sent as (manifest without its files, publish_s): one domain has no views.
+        return (full[0] if lead else got), combined
+    # On the wire: ("ok", share(result), combine([result])) or ("error", the shared error).
     mine: Any = None
     verdict: Any = None
     if ctx.is_coordinator:
         try:
             mine = fn()
-            if phase == "commit":
-                verdict = ("ok", SharedManifest.of(mine[0]), mine[2])
-            else:
-                verdict = ("ok", *mine)
+            verdict = ("ok", share(mine), combine([mine]))
         except Exception as exc:  # shared, never swallowed
             abort(ctx, pending)
             verdict = ("error", shared_error([rank_failure(exc, rank, phase)], step))
@@ -462,11 +487,7 @@ def _decide(
         verdict = settle(exc)
     if verdict[0] == "error":
         raise verdict[1]
-    if ctx.is_coordinator:
-        return [mine]
-    if phase == "commit":
-        return [(verdict[1], None, verdict[2])]  # type: ignore[list-item]
-    return [tuple(verdict[1:])]  # type: ignore[list-item]
+    return (mine if ctx.is_coordinator else verdict[1]), verdict[2]
 
 
 def _check_same_step(steps: Sequence[int]) -> None:
@@ -526,16 +547,40 @@ def _commit_on_leader(
     return manifest, view, time.perf_counter() - tc
 
 
-def _write_summary(written: list[tuple[int, RankReport | None]]) -> tuple[Any, float, float]:
-    """What every rank needs of the write round's reports (only the leader gets them):
+def _write_summary(
+    written: list[tuple[int, int, RankReport | None]],
+) -> tuple[Any, float, float]:
+    """What every rank needs of the write round's reports (only the leaders get them):
     every rank's step if they differ (else None), the slowest write and fsync."""
-    steps = [w[0] for w in written]
-    reports = [r for _, r in written if r is not None]
+    steps = [w[1] for w in written]
+    reports = [r for _, _, r in written if r is not None]
     return (
         steps if len(set(steps)) > 1 else None,
         max((r.write_s for r in reports), default=0.0),
         max((r.fsync_s for r in reports), default=0.0),
     )
+
+
+def _reports_by_leader(
+    written: list[tuple[int, int, RankReport | None]],
+) -> dict[int, list[RankReport | None]]:
+    """The write round's reports, each domain's to its leader, in rank order."""
+    out: dict[int, list[RankReport | None]] = {}
+    for leader, _, report in written:
+        out.setdefault(leader, []).append(report)
+    return out
+
+
+def _common_view(
+    views: list[tuple[Manifest, Any, float]],
+) -> list[tuple[int, dict[str, float], float]] | None:
+    """Several domains: of every leader's commit result, the steps committed in every
+    domain, with domain 0's metrics and times (so every leader decides retention
+    alike); None with one domain."""
+    if len(views) < 2:
+        return None
+    common = set.intersection(*({s for s, _, _ in v[1]} for v in views))
+    return [entry for entry in views[0][1] if entry[0] in common]
 
 
 def _settle_outcome(
@@ -577,7 +622,7 @@ def _settle_outcome(
                 timeout,
                 ctx.storage.url(checkpoint_name(step)),
             )
-            return ("ok", manifest, 0.0)
+            return ("ok", (manifest, None, 0.0), None)
     raise errors.CoordinationTimeoutError(
         f"{timeout} The leader may have committed checkpoint step {step} before the "
         "exchange failed: latest() or `atomic-checkpoint list` tells",

@@ -17,7 +17,9 @@ Its rounds cost O(N) store requests for N ranks, through one single-threaded sto
 server (``_gather``): one rank collects every rank's key in one wait and one
 ``multi_get``, and writes one outcome key that every other rank reads. ``gather``
 keeps the values on the collecting rank and sends every rank only a summary of them,
-so its bytes are O(N) too (a save's write round); ``all_gather`` sends every rank the
+so its bytes are O(N) too (a save's write round); ``gather_and_route`` also sends
+single ranks a value of their own (each domain's leader its members' reports, each rank
+its leader's answer: several storage domains); ``all_gather`` sends every rank the
 list; ``broadcast`` sends the source's value once every rank arrived; ``publish`` sends
 one rank's value without waiting for the others. docs/scale.md has the counts.
 
@@ -294,6 +296,8 @@ class TorchDistributedCoordinator:
         self._worker = _Worker()
         # Keys this rank published, to delete once every rank is known to have read them.
         self._read_by_all: list[str] = []
+        # Keys ``dst`` wrote for single ranks in the current round (``gather_and_route``).
+        self._routed_keys: list[str] = []
 
     def _keys(self, seq: int) -> list[str]:
         return [f"{self._ns}/{seq}/{r}" for r in range(self.world_size)]
@@ -338,17 +342,84 @@ class TorchDistributedCoordinator:
                 (``dst`` among them if it never answered); the same ranks are named on
                 every rank.
         """
+        values, reduced, _ = self.gather_and_route(
+            key, obj, dst=dst, timeout_s=timeout_s, reduce=reduce
+        )
+        return values, reduced
+
+    def gather_and_route(
+        self,
+        key: str,
+        obj: Any,
+        *,
+        dst: int,
+        timeout_s: float,
+        reduce: Callable[[list[Any]], Any],
+        route: Callable[[list[Any]], dict[int, Any] | None] | None = None,
+        routed: bool = False,
+    ) -> tuple[list[Any] | None, Any, Any]:
+        """``gather``, and besides one value for some ranks alone: ``route(list)``,
+        computed once on ``dst``, maps a rank to what only it receives (None: nothing
+        for anyone, e.g. the round failed). A rank that passes ``routed=True`` reads
+        its value, and must then be in ``route``'s answer whenever it is not None.
+        Returns ``(list on dst else None, reduced, this rank's routed value or None)``.
+
+        With several storage domains, each domain's leader needs its members' reports
+        and each rank its own leader's answer: sent this way, a round puts O(N) bytes
+        through the store, where an all-gather of the same values (every rank reading
+        every value) put O(N^2). ``dst`` writes the routed keys before the outcome, so
+        a rank that read the outcome finds its key; each is one more request for the
+        rank that reads it (and one to delete it, off the caller's path), and ``dst``
+        writes them in one ``multi_set``.
+        """
         seq = self._next_round(key)
-        box: list[list[Any]] = []
+        box: list[Any] = []
 
         def outcome_of(raws: list[bytes]) -> bytes:
-            box.append([pickle.loads(b) for b in raws])
-            return pickle.dumps(reduce(box[0]), protocol=pickle.HIGHEST_PROTOCOL)
+            values = [pickle.loads(b) for b in raws]
+            private = route(values) if route is not None else None
+            box[:] = [values, None if private is None else private.get(self.rank)]
+            if private:
+                self._send_routed(seq, private)
+            return pickle.dumps(
+                (private is not None, reduce(values)), protocol=pickle.HIGHEST_PROTOCOL
+            )
 
-        _, raw = self._run(
-            key, lambda: self._gather(key, obj, dst, timeout_s, seq, outcome_of), timeout_s
-        )
-        return (box[0] if box else None), pickle.loads(raw)
+        def exchange() -> tuple[bool, Any, Any]:
+            _, raw = self._gather(key, obj, dst, timeout_s, seq, outcome_of)
+            sent, reduced = pickle.loads(raw)
+            mine = None
+            if box:
+                mine = box[1]
+            elif sent and routed:
+                own = self._routed_key(seq, self.rank)
+                mine = pickle.loads(self._store.get(own))
+                # Read by this rank alone: it goes now, off the caller's path.
+                self._worker.defer(functools.partial(_delete_keys, self._store, [own]))
+            return sent, reduced, mine
+
+        _, reduced, mine = self._run(key, exchange, timeout_s)
+        return (box[0] if box else None), reduced, mine
+
+    def _routed_key(self, seq: int, rank: int) -> str:
+        return f"{self._ns}/{seq}/to/{rank}"
+
+    def _send_routed(self, seq: int, private: dict[int, Any]) -> None:
+        """On ``dst``, before the outcome: the routed values of the other ranks."""
+        keys, values = [], []
+        for r, v in private.items():
+            if r != self.rank:
+                keys.append(self._routed_key(seq, r))
+                values.append(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL))
+        if not keys:
+            return
+        multi_set = getattr(self._store, "multi_set", None)
+        if multi_set is not None:
+            multi_set(keys, values)
+        else:
+            for k, v in zip(keys, values, strict=True):
+                self._store.set(k, v)
+        self._routed_keys = keys
 
     def publish(self, key: str, obj: Any, *, src: int, timeout_s: float) -> Any:
         """``src`` passes ``obj`` (it does not wait for anyone); every rank gets it. One
@@ -532,6 +603,7 @@ class TorchDistributedCoordinator:
         out_key = keys[dst]
         wait = timedelta(seconds=max(timeout_s, 0.001))
         values: list[bytes] | None = None
+        self._routed_keys = []
         mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         if self.rank != dst:
             # Set before appended: a rank on the arrival list has its value in place.
@@ -560,7 +632,10 @@ class TorchDistributedCoordinator:
                     raw, values = self._store.get(out_key), None
                 else:
                     raw = self._store.compare_set(out_key, "", outcome_of(values))
+        routed, self._routed_keys = self._routed_keys, []
         if raw.startswith(_GAVE_UP):
+            if routed:  # written just before a rank's give-up mark won: nobody reads them
+                self._worker.defer(functools.partial(_delete_keys, self._store, routed))
             raise self._missing_error(key, raw, dst, timeout_s)
         # The outcome is out, so every rank has arrived in this round and finished every
         # earlier one: this rank's key of this round (read by ``dst`` before it wrote the
@@ -752,53 +827,57 @@ def run_everywhere(
     return values
 
 
-def gather_to(
+def gather_routed(
     coord: Coordinator,
     key: str,
     phase: str,
     fn: Callable[[], _T],
     summarize: Callable[[list[_T]], Any],
+    route: Callable[[list[_T]], dict[int, Any]],
     *,
     dst: int,
-    members: Sequence[int],
+    routed: bool,
     timeout_s: float,
     step: int | None = None,
-    to_dst: bool = True,
     failed: tuple[str, Exception] | None = None,
-) -> tuple[_T, list[_T] | None, Any]:
-    """Like ``run_everywhere``, but only ``dst`` gets the results of ``members``: the
-    others get ``summarize(results)``, computed once. Returns this rank's result, the
-    members' results (on ``dst``; None elsewhere) and the summary. If any rank failed,
-    every rank raises the same error. ``failed``: this rank failed already, (the step
-    it failed in, the error), and sends that instead of running ``fn``.
+) -> tuple[_T, Any, Any]:
+    """Like ``run_everywhere``, but no rank gets every result: ``dst`` collects them,
+    every rank gets ``summarize(results)`` and each rank that asks (``routed``) its own
+    ``route(results)[rank]``, both computed once on ``dst``. Returns this rank's result,
+    the summary and its routed value (None unless ``routed``). If any rank failed, every
+    rank raises the same error. ``failed``: this rank failed already, (the step it
+    failed in, the error), and sends that instead of running ``fn``.
 
-    Through a coordinator with ``gather`` (and ``to_dst``: every rank sends to the
-    same ``dst``), a round costs O(N) store requests and O(N) bytes for N ranks; an
-    all-gather sends every rank every result (O(N^2) bytes).
+    Through a coordinator with ``gather_and_route``, a round costs O(N) store requests
+    and, for a small summary, O(N) bytes for N ranks; otherwise it is an all-gather
+    (every rank gets every result, O(N^2) bytes) from which every rank computes the
+    same summary and routes.
     """
     value, payload = _run_here(coord, phase, fn, failed)
-    if coord.world_size == 1:
-        return value, [value], summarize([value])
 
     def reduce(outcomes: list[Any]) -> tuple[list[RankFailure], Any]:
         failures = [f for _, f in outcomes if f is not None]
         return (failures, None) if failures else ([], summarize([v for v, _ in outcomes]))
 
-    gather = getattr(coord, "gather", None) if to_dst else None
-    everything: list[Any] | None
-    if gather is None:  # every rank gets every result
+    def routes(outcomes: list[Any]) -> dict[int, Any] | None:
+        if any(f is not None for _, f in outcomes):
+            return None  # the round failed: nobody reads a routed value
+        return route([v for v, _ in outcomes])
+
+    if coord.world_size == 1:
+        return value, summarize([value]), route([value]).get(0) if routed else None
+    gather = getattr(coord, "gather_and_route", None)
+    if gather is None:
         everything = coord.all_gather(key, payload, timeout_s=timeout_s)
-        failures, summary = reduce(everything)
-        everything = [everything[r] for r in members]
+        (failures, summary), private = reduce(everything), routes(everything)
+        mine = private.get(coord.rank) if private is not None and routed else None
     else:
-        everything, (failures, summary) = gather(
-            key, payload, dst=dst, timeout_s=timeout_s, reduce=reduce
+        _, (failures, summary), mine = gather(
+            key, payload, dst=dst, timeout_s=timeout_s, reduce=reduce, route=routes, routed=routed
         )
     if failures:
         raise shared_error(failures, step)
-    if coord.rank != dst or everything is None:
-        return value, None, summary
-    return value, [v for v, _ in everything], summary
+    return value, summary, mine
 
 
 def default_coordinator() -> Coordinator:

@@ -1210,25 +1210,28 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
     def _on_domain_view(
-        self, step: int, views: list[list[tuple[int, dict[str, float], float]]]
+        self,
+        step: int,
+        views: tuple[
+            list[tuple[int, dict[str, float], float]], list[tuple[int, dict[str, float], float]]
+        ],
     ) -> None:
-        """Several storage domains: decide retention from every domain's committed steps
-        (gathered with the commit), identically on every leader, and remember what this
-        domain deletes once the rotation thread runs."""
+        """Several storage domains: decide retention from the steps committed in every
+        domain (with domain 0's metrics) and this domain's own (``commit.Committed.
+        domain_views``, gathered with the commit), identically on every leader, and
+        remember what this domain deletes once the rotation thread runs."""
         from .retention import plan_deletions
 
         if not self.is_coordinator or self.retention is None:
             return
-        common = set.intersection(*(set(s for s, _, _ in v) for v in views))
-        # Metrics come from domain 0's manifests, so every leader decides the same.
+        everywhere, mine = views
         infos = [
             CheckpointInfo(step=s, path=checkpoint_name(s), size_bytes=0, metrics=m, created_unix=t)
-            for s, m, t in views[0]
-            if s in common
+            for s, m, t in everywhere
         ]
         victims = {i.step for i in plan_deletions(self.retention, infos, protect=(step,))}
+        common = {i.step for i in infos}
         newest_common = max(common, default=-1)
-        mine = views[self.domain.index]
         # Steps only some domains committed (a save that failed half way) never count;
         # once a newer step is complete everywhere they are garbage (B8: node disks fill).
         victims |= {s for s, _, _ in mine if s not in common and s < newest_common}

@@ -50,6 +50,31 @@ def test_store_operations_per_save_grow_linearly(tmp_path):
     )
 
 
+def test_several_storage_domains_cost_linear_bytes_too(tmp_path):
+    # Node-local disks: domains of 4 ranks, each committing its own copy. Each leader
+    # needs its members' reports and each rank its own leader's answer; an all-gather
+    # of them (every rank reading every value) grew the bytes as N^2 (41 KB, 144 KB,
+    # 529 KB for 8, 16, 32 ranks).
+    rows = {
+        n: scale.run_saves(n, 2, str(tmp_path / f"r{n}"), timeout_s=60, procs=0, per_domain=4)
+        for n in (8, 16, 32)
+    }
+    for n, row in rows.items():
+        assert row["deterministic"], (n, row["per_save"])
+        # Every domain committed its own copy of every save.
+        assert sorted(p.name for p in (tmp_path / f"r{n}").iterdir()) == [
+            f"node-{d}" for d in range(n // 4)
+        ]
+    # Twice the ranks, twice the bytes (within what rank numbers add); N^2 was 3.7x.
+    assert rows[32]["bytes"] <= 2 * rows[16]["bytes"] * 1.1, rows
+    for what in ("requests", "keys"):
+        step8 = rows[16][what] - rows[8][what]
+        assert step8 > 0 and rows[32][what] - rows[16][what] == 2 * step8, (what, rows)
+    # No rank reads more as the job grows; the collecting leader's requests stay the same.
+    assert rows[32]["max_other_bytes"] <= rows[8]["max_other_bytes"] * 1.1, rows
+    assert rows[8]["leader_requests"] == rows[32]["leader_requests"], rows
+
+
 def _clients(world: int, namespace: str) -> tuple[object, list[TorchDistributedCoordinator]]:
     import torch.distributed as dist
 
@@ -133,4 +158,37 @@ def test_a_leader_that_never_answers_is_named_and_fails_when_it_comes_back():
         (lead, r1, r2), lambda c: c.gather("g", c.rank * 10, dst=0, timeout_s=10, reduce=sum)
     )
     assert out == {0: ([0, 10, 20], 30), 1: (None, 30), 2: (None, 30)}
+    del server
+
+
+@pytest.mark.timeout(30)
+def test_routed_values_reach_only_their_rank_and_leave_no_keys_behind():
+    server, coords = _clients(3, "routed")
+
+    def tens(values: list[int]) -> dict[int, int]:
+        return {r: v * 10 for r, v in enumerate(values) if r}
+
+    def round_of(c: TorchDistributedCoordinator) -> Any:
+        return c.gather_and_route(
+            "r", c.rank + 1, dst=0, timeout_s=10, reduce=sum, route=tens, routed=c.rank > 0
+        )
+
+    out = _at_once(tuple(coords), round_of)
+    assert out == {0: ([1, 2, 3], 6, None), 1: (None, 6, 20), 2: (None, 6, 30)}
+    for c in coords:
+        c._worker.run(lambda: None, 5)  # the deferred deletes have run
+    # Each routed key was read by its rank alone, which deleted it; the round's outcome
+    # key stays until the next round (whoever is slow may still read it).
+    assert not any(server.check([coords[0]._routed_key(1, r)]) for r in (1, 2))
+    assert server.check([f"{coords[0]._ns}/1/0"])
+    # A rank that never arrives: nothing is routed, every rank that came names it.
+    errors = _at_once(
+        tuple(coords[:2]),
+        lambda c: _raises(
+            lambda: c.gather_and_route(
+                "r2", c.rank, dst=0, timeout_s=0.3, reduce=sum, route=tens, routed=c.rank > 0
+            )
+        ),
+    )
+    assert {e.missing_ranks for e in errors.values()} == {(2,)}
     del server

@@ -54,8 +54,9 @@ def test_own_committed_attempt_is_reported_as_success(committed):
     mine = RankReport(manifest.files, 0.0, 0.0)  # the files this rank wrote, as listed
     staged = ".pending/checkpoint-3.0123456789abcdef"  # renamed away by the commit
     verdict = _settle_outcome(ctx, 3, staged, mine, _timeout())
-    assert verdict[0] == "ok" and verdict[1].step == 3
-    assert verdict[1].commit_seq == manifest.commit_seq
+    # As the leader publishes it: ("ok", (manifest, its domain view, publish_s), combined).
+    assert verdict[0] == "ok" and verdict[1][0].step == 3
+    assert verdict[1][0].commit_seq == manifest.commit_seq
 
 
 def test_another_copy_of_the_step_is_not_this_attempts_success(committed):
