@@ -350,7 +350,7 @@ def finish(
             "commit",
             commit,
             share=lambda done: (SharedManifest.of(done[0]), done[1], done[2]),
-            combine=_common_view,
+            combine=lambda done: steps_everywhere([d[1] for d in done]) if len(done) > 1 else None,
             settle=settle,
         )
     views = (common, view) if len(ctx.leaders) > 1 and ctx.is_coordinator else None
@@ -571,16 +571,14 @@ def _reports_by_leader(
     return out
 
 
-def _common_view(
-    views: list[tuple[Manifest, Any, float]],
-) -> list[tuple[int, dict[str, float], float]] | None:
-    """Several domains: of every leader's commit result, the steps committed in every
-    domain, with domain 0's metrics and times (so every leader decides retention
-    alike); None with one domain."""
-    if len(views) < 2:
-        return None
-    common = set.intersection(*({s for s, _, _ in v[1]} for v in views))
-    return [entry for entry in views[0][1] if entry[0] in common]
+def steps_everywhere(
+    views: Sequence[Sequence[tuple[int, dict[str, float], float]]],
+) -> list[tuple[int, dict[str, float], float]]:
+    """Several domains: of each domain's committed steps (``(step, metrics,
+    created_unix)``), those committed in every domain, with domain 0's metrics and times
+    (so every leader decides retention alike)."""
+    common = set.intersection(*({s for s, _, _ in v} for v in views))
+    return [entry for entry in views[0] if entry[0] in common]
 
 
 def _settle_outcome(

@@ -1220,22 +1220,105 @@ class CheckpointManager:
         domain (with domain 0's metrics) and this domain's own (``commit.Committed.
         domain_views``, gathered with the commit), identically on every leader, and
         remember what this domain deletes once the rotation thread runs."""
-        from .retention import plan_deletions
-
         if not self.is_coordinator or self.retention is None:
             return
-        everywhere, mine = views
+        self._domain_victims[step] = self._victims(step, *views)
+
+    def _victims(
+        self,
+        newest: int,
+        everywhere: Sequence[tuple[int, dict[str, float], float]],
+        mine: Sequence[tuple[int, dict[str, float], float]],
+    ) -> list[int]:
+        """What retention deletes in this domain, given the steps committed in every
+        domain (``(step, metrics, created_unix)``, with domain 0's metrics: every leader
+        decides alike) and this domain's own; never ``newest``."""
+        from .retention import plan_deletions
+
+        assert self.retention is not None
         infos = [
             CheckpointInfo(step=s, path=checkpoint_name(s), size_bytes=0, metrics=m, created_unix=t)
             for s, m, t in everywhere
         ]
-        victims = {i.step for i in plan_deletions(self.retention, infos, protect=(step,))}
+        victims = {i.step for i in plan_deletions(self.retention, infos, protect=(newest,))}
         common = {i.step for i in infos}
         newest_common = max(common, default=-1)
         # Steps only some domains committed (a save that failed half way) never count;
         # once a newer step is complete everywhere they are garbage (B8: node disks fill).
         victims |= {s for s, _, _ in mine if s not in common and s < newest_common}
-        self._domain_victims[step] = sorted(victims)
+        return sorted(victims - {newest})
+
+    def apply_retention(self) -> list[int]:
+        """Apply the retention policy now, as after a save: delete the checkpoints it no
+        longer keeps, never the newest one. Collective: call it on every rank.
+
+        Retention runs by itself after every save. Call this when what the policy keeps
+        changed without a save: after setting ``mgr.retention`` to a new policy, or
+        when the policy's answer depends on something outside ROOT (a
+        ``TieredCheckpointManager`` does it for tier 0 at ``close()``, once
+        replication has released the steps it held).
+
+        Returns:
+            The steps deleted (in any storage domain), ascending; the same on every
+            rank.
+
+        Raises:
+            CheckpointError: the manager is closed or read-only, or a deletion failed
+                (on every rank alike; what was deleted before it stays deleted, the
+                rest is retried by the next rotation).
+        """
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+        if self.read_only:
+            raise CheckpointError("apply_retention() on a read-only CheckpointManager")
+        self._finish_async()
+        self._finish_rotation()
+        lead = self.is_coordinator and self.retention is not None
+        if self.domain.count == 1:
+            deleted = self._collective_all("apply retention", self._retain if lead else None)
+            return list(deleted[0] or [])
+        views = self._collective_all(
+            "apply retention: views", self._retention_view if self.is_coordinator else None
+        )
+        everywhere = commit.steps_everywhere([views[r] for r in self.domain.leaders])
+
+        def delete() -> list[int]:
+            if not everywhere:
+                return []
+            newest = max(s for s, _, _ in everywhere)
+            victims = self._victims(newest, everywhere, views[self.rank])
+            for step in victims:
+                self._delete_checkpoint(step)
+            return victims
+
+        deleted = self._collective_all("apply retention", delete if lead else None)
+        return sorted({s for d in deleted if d for s in d})
+
+    def _retain(self) -> list[int]:
+        """One storage domain, on its leader: apply retention, protecting the newest."""
+        from .retention import plan_deletions
+
+        assert self.retention is not None
+        manifests = catalog.committed(
+            self.storage, run_id=self.run_id, warn=False, cache=self._manifests
+        )
+        infos = [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
+        if not infos:
+            return []
+        newest = max(i.step for i in infos)
+        victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
+        for step in victims:
+            self._delete_checkpoint(step)
+        return sorted(victims)
+
+    def _retention_view(self) -> list[tuple[int, dict[str, float], float]]:
+        """This domain's committed steps, as retention decides from them (leader)."""
+        return [
+            (m.step, dict(m.metrics), m.created_unix)
+            for m in catalog.committed(
+                self.storage, run_id=self.run_id, warn=False, cache=self._manifests
+            )
+        ]
 
     def _start_rotation(self, newest: int) -> None:
         """Rotation after a durable commit, on the coordinator, off the training thread.
@@ -1654,7 +1737,17 @@ class CheckpointManager:
             return
         self._close("close()", stop_bound_s=None)
 
-    def _close(self, why: str, *, stop_bound_s: float | None) -> None:
+    def _close(
+        self,
+        why: str,
+        *,
+        stop_bound_s: float | None,
+        before_release: Callable[[bool], None] | None = None,
+    ) -> None:
+        """``close``. ``before_release(saved)``: run once the async save and the
+        rotation are finished, while this job still holds the run lock (``saved``: the
+        async save did not fail); a ``TieredCheckpointManager`` drains replication and
+        applies tier 0's retention there."""
         async_error = self._close_async(why, stop_bound_s)
         if self._async is not None and self._async.is_running:
             # Interpreter exit only (close() waits without a bound): the save is stuck in
@@ -1664,8 +1757,12 @@ class CheckpointManager:
             self._closed = True
             return
         self._finish_rotation()
-        self._release_lock()
-        self._closed = True
+        try:
+            if before_release is not None:
+                before_release(async_error is None)
+        finally:
+            self._release_lock()
+            self._closed = True
         if async_error is not None:
             raise async_error
 

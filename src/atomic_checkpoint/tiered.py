@@ -1726,8 +1726,9 @@ class TieredCheckpointManager:
     # ------------------------------------------------------------------ closing
     def close(self, timeout_s: float | None = None) -> list[int]:
         """Close tier 0 (finishing its async save), drain replication for up to
-        ``timeout_s`` (default: the manager's ``timeout_s``), then stop the replicator
-        and close tier 1. Idempotent.
+        ``timeout_s`` (default: the manager's ``timeout_s``), stop the replicator, apply
+        tier 0's retention to the steps the drain released (``apply_retention``), then
+        release tier 0's run lock and close tier 1. Idempotent.
 
         Returns:
             The steps that did not reach the persistent tier (empty when drained). They
@@ -1741,16 +1742,34 @@ class TieredCheckpointManager:
             return []
         self._closed = True
         error: BaseException | None = None
+        stopped = False
+
+        def stop_replication(saved: bool) -> None:
+            # Tier 0's saves are done and its run lock still held.
+            nonlocal stopped
+            self._drain(self.timeout_s if timeout_s is None else timeout_s)
+            with self._cv:
+                self._stop.set()
+                self._cv.notify_all()
+            self._thread.join()
+            stopped = True
+            self._drop_persistent()
+            if saved and self.fast.retention is not None:
+                # The drain released steps that tier 0's retention held for replication
+                # (the last saves' steps, copied after their rotation): without this they
+                # would stay beyond the policy until the next job's first save.
+                try:
+                    self.fast.apply_retention()
+                except CheckpointError as exc:  # the same on every rank; nothing lost
+                    log.warning("tier 0's retention at close failed: %s", exc)
+
         try:
-            self.fast.close()
+            if not self.fast._closed:
+                self.fast._close("close()", stop_bound_s=None, before_release=stop_replication)
         except BaseException as exc:  # raised below, after the replicator has stopped
             error = exc
-        self._drain(self.timeout_s if timeout_s is None else timeout_s)
-        with self._cv:
-            self._stop.set()
-            self._cv.notify_all()
-        self._thread.join()
-        self._drop_persistent()
+        if not stopped:
+            stop_replication(False)
         if self._peer_group is not None and self.fast.is_coordinator:
             self._prune_peer_copies()  # tier 0's last rotation is done (closed above)
         for reader in (self._reader, self._local_reader_mgr, *self._peer_readers.values()):

@@ -44,6 +44,22 @@ def test_node_local_disks_are_found_and_each_node_commits_its_own_copy(tmp_path)
         mgr.verify(4)
 
 
+def test_apply_retention_with_node_local_disks_deletes_alike_on_every_node(tmp_path):
+    base = str(tmp_path)
+    values = ok_values(
+        run_ranks(workers.w_node_local, 4, base, [1, 2, 3, 4], None, None, 2, tmp_dir=base)
+    )
+    # Every rank reports the same deletions, decided from the steps both nodes hold.
+    assert [v["applied"] for v in values] == [[1, 2]] * 4
+    assert all(v["listed"] == [3, 4] for v in values)
+    for node in (0, 1):
+        names = os.listdir(os.path.join(base, f"node{node}"))
+        assert sorted(n for n in names if n.startswith("checkpoint-")) == [
+            "checkpoint-3",
+            "checkpoint-4",
+        ]
+
+
 def test_shared_storage_is_one_domain_even_across_hosts(tmp_path):
     # Same directory for every rank, different host names: the probe finds one domain.
     def_root = str(tmp_path / "shared")

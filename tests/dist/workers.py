@@ -175,8 +175,10 @@ def w_node_local(
     steps: list[int],
     keep_last: int | None,
     resave: int | None = None,
+    then_keep: int | None = None,
 ) -> dict[str, Any]:
-    """Two ranks per "node", each node with its own directory (node-local disks)."""
+    """Two ranks per "node", each node with its own directory (node-local disks).
+    ``then_keep``: after the saves, ``KeepLast(then_keep)`` applied at once."""
     from atomic_checkpoint.domains import HOST_ENV
 
     node = rank // 2
@@ -198,7 +200,12 @@ def w_node_local(
     if resave is not None:
         mgr.save(resave, make_state(resave, rank, big_elems=256))
         done.append(resave)
+    applied = None
+    if then_keep is not None:
+        mgr.retention = KeepLast(then_keep)
+        applied = mgr.apply_retention()
     out = {
+        "applied": applied,
         "domain": (mgr.domain.index, mgr.domain.leader, mgr.domain.members, mgr.domain.leaders),
         "latest": latest.step if latest else None,
         "restored_ok": restored,

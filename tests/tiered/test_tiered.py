@@ -327,6 +327,29 @@ def test_saves_go_on_while_s3_is_unreachable_and_replication_catches_up(
         assert steps_on(reader) == [4, 5, 6]
 
 
+@pytest.mark.netfs
+@pytest.mark.timeout(90)
+def test_close_drains_then_applies_tier_0_retention_to_what_the_drain_released(
+    s3_server, s3_bucket, fast_root
+):
+    # Steps 2-5 wait on tier 0 for the persistent tier (held beyond KeepLast(1)); the
+    # link comes back just as the job closes: close() replicates them, and tier 0's
+    # policy then applies, as it would have at a next save.
+    with s3_link_cut(s3_server, s3_bucket, fast_root) as link:
+        mgr = link.mgr
+        for s in (2, 3, 4, 5):
+            mgr.save(s, state(s))
+        assert link.cut.arrived.wait(30)
+        assert steps_on(mgr.fast) == [2, 3, 4, 5]
+        link.proxy.remove(link.cut)
+        assert mgr.close() == []  # drained
+    reader = CheckpointManager(link.url, storage_options=s3_server.storage_options(), read_only=True)
+    assert steps_on(reader) == [1, 2, 3, 4, 5]
+    for s in (2, 3, 4, 5):
+        fully_verified(reader.storage, s)
+    assert steps_on(CheckpointManager(fast_root, read_only=True)) == [5]
+
+
 # ------------------------------------------------------------ a corrupt fast copy
 
 

@@ -252,3 +252,23 @@ def test_resuming_past_a_corrupt_newest_checkpoint_can_save_again(tmp_path, stra
     assert 110 in listed(root)
     with CheckpointManager(root, strategy=strategy) as again:
         assert again.restore()["step"] == 110
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_apply_retention_applies_a_new_policy_now_and_never_the_newest(tmp_path, strategy):
+    root = tmp_path / "root"
+    with CheckpointManager(root, strategy=strategy) as mgr:
+        for s in (1, 2, 3, 4, 5):
+            mgr.save(s, state(s), metrics={"loss": float(s)})  # the newest is the worst
+        assert mgr.apply_retention() == []  # no policy: nothing to do
+        mgr.retention = ac.KeepBest(1, metric="loss")
+        # The best (step 1) and the newest (step 5, never deleted) stay.
+        assert mgr.apply_retention() == [2, 3, 4]
+        assert [c.step for c in mgr.checkpoints()] == [1, 5]
+        assert mgr.apply_retention() == []  # nothing more to do
+        mgr.save(6, state(6), metrics={"loss": 6.0})
+    assert listed(root) == [1, 6]
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.apply_retention()
+    with pytest.raises(CheckpointError, match="read-only"):
+        CheckpointManager(root, read_only=True).apply_retention()
