@@ -24,7 +24,9 @@ every step committed on ROOT (the fast tier) that PERSISTENT lacks is copied, ve
 as it is read and once it arrived, and committed there; it never deletes. It takes
 ROOT's run lock (exit 3 while the job is alive), exits 1 when a step cannot be
 replicated (ROOT's copy is corrupt), 2 when PERSISTENT did not answer within
-``--timeout`` (the steps stay on ROOT). ``--json``: ``{"schema_version", "command":
+``--timeout`` (the steps stay on ROOT). A multi-node job's ROOT holds one node's ranks
+only: under torchrun (``WORLD_SIZE`` > 1), one ``drain`` process per node drains every
+node's copy together, as the job's replicators would. ``--json``: ``{"schema_version", "command":
 "drain", "root", "to", "run_id", "replicated": [{"step", "size_bytes", "seconds"}],
 "failed": [{"step", "problem"}], "left": [step, ...], "ok": bool}``. ``list --tier
 ROOT2`` and ``verify --tier ROOT2`` (repeatable) also read the run's other tiers: each
@@ -1689,19 +1691,31 @@ def cmd_drain(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    # Opening the tiers with the job's run id would take its lock over (a restarted job
-    # does that): a live job's lock on either tier is a refusal first (exit 3).
-    _check_lock(fast, "drain", force=args.force, dry_run=False)
-    try:
-        _check_lock(slow, "drain into", force=args.force, dry_run=False)
-    except StorageError as exc:
-        raise CliError(
-            f"cannot read the run lock of {slow.url()} ({exc}): nothing was copied; run "
-            f"`{PROG} drain` again once it answers",
-            EXIT_USAGE,
-        ) from None
-    # No retention on either tier: drain copies, it never deletes.
-    mgr = TieredCheckpointManager([Tier(fast), Tier(slow)], on_commit=on_commit)
+    def check_locks() -> None:
+        # Opening the tiers with the job's run id would take its lock over (a restarted
+        # job does that): a live job's lock on either tier is a refusal first (exit 3).
+        _check_lock(fast, "drain", force=args.force, dry_run=False)
+        try:
+            _check_lock(slow, "drain into", force=args.force, dry_run=False)
+        except StorageError as exc:
+            raise CliError(
+                f"cannot read the run lock of {slow.url()} ({exc}): nothing was copied; run "
+                f"`{PROG} drain` again once it answers",
+                EXIT_USAGE,
+            ) from None
+
+    coord = _drain_group()
+    if coord is None:
+        check_locks()
+    else:
+        _agree(coord, "drain: run locks", check_locks, args.timeout)
+    # No retention on either tier: drain copies, it never deletes. Several processes
+    # (one per node, under torchrun): each node's ROOT is its own tier 0.
+    mgr = TieredCheckpointManager(
+        [Tier(fast), Tier(slow)],
+        on_commit=on_commit,
+        **({} if coord is None else {"coordinator": coord, "fast_domains": "per-host"}),
+    )
     try:
         todo = mgr.replication_backlog()
         if not args.json:
@@ -1752,6 +1766,36 @@ def cmd_drain(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     return EXIT_OK
+
+
+def _drain_group() -> Any:
+    """Under torchrun (``WORLD_SIZE`` > 1), one ``drain`` process per node: the job's
+    coordinator, the process group initialised from the environment (gloo) unless the
+    caller did. None for a single process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    from .coordination import TorchDistributedCoordinator
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return TorchDistributedCoordinator()
+
+
+def _agree(coord: Any, key: str, check: Callable[[], None], timeout_s: float) -> None:
+    """Run ``check`` on every process; if it refused on any, every process refuses
+    alike (the first refusal's exit status, each refusal named by its rank)."""
+    refusal: tuple[int, str] | None = None
+    try:
+        check()
+    except CliError as exc:
+        refusal = (exc.code, str(exc))
+    refusals = coord.all_gather(key, refusal, timeout_s=timeout_s)
+    named = [(r, got) for r, got in enumerate(refusals) if got is not None]
+    if named:
+        text = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in named)
+        raise CliError(text, named[0][1][0])
 
 
 class _Parser(argparse.ArgumentParser):

@@ -9,11 +9,16 @@ restores its ranks' state from the persistent tier, bit-exactly."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from tests.cli.helpers import run_cli
 from tests.dist.launcher import ok_values, run_ranks
 from tests.dist.workers import make_state, states_equal
 from tests.testbed.pytest_fixtures import (  # noqa: F401
@@ -24,8 +29,10 @@ from tests.testbed.pytest_fixtures import (  # noqa: F401
 )
 from tests.testbed.s3proxy import Rule, S3Proxy
 from tests.tiered import workers
+from tests.tiered.test_drain_cli import storage_option_args
 
 from atomic_checkpoint import CheckpointManager, catalog
+from atomic_checkpoint.domains import HOST_ENV
 from atomic_checkpoint.layout import checkpoint_name, rank_state_file
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -244,3 +251,85 @@ def test_a_full_local_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_pa
         where = node1 if r == 1 else str(Path(base) / f"node{r}")
         assert not os.path.exists(os.path.join(where, checkpoint_name(2)))
         assert values[r]["tier0"] == [3]
+
+
+@pytest.mark.netfs
+def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
+    tmp_path, s3_server, s3_bucket
+):
+    # A job of 4 ranks on 2 nodes ends while S3 is unreachable: steps 1-3 exist only as
+    # the two nodes' tier 0 copies, each holding its own 2 ranks' files. Neither copy
+    # alone can be published; `atomic-checkpoint drain` run on both nodes at once under
+    # torchrun (--nnodes 2 --nproc-per-node 1: one process per node) can.
+    url = f"s3://{s3_bucket}/run"
+    base = str(tmp_path / "nodes")
+    opts = s3_server.storage_options()
+    opened = tmp_path / "tiers-opened"
+    with S3Proxy(s3_server, lifetime_s=120) as proxy:
+        # Every request fails with 503 once every rank has opened the tiers.
+        cut = proxy.add(Rule("error", status=503, times=None, when=lambda _r: opened.exists()))
+        job = ok_values(
+            run_ranks(
+                workers.w_two_per_node_cut,
+                4,
+                base,
+                url,
+                proxy.storage_options(max_attempts=1),
+                str(opened),
+                tmp_dir=str(tmp_path),
+                timeout_s=120,
+            )
+        )
+    assert cut.fired > 0
+    assert [v["domain"] for v in job] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert all(v["left"] == [1, 2, 3] for v in job)
+    # One node alone is refused: its copy lacks the other node's ranks.
+    to_opts = storage_option_args(opts)
+    alone = run_cli("drain", f"{base}/node0", "--to", url, *to_opts, "--timeout", "20")
+    assert alone.returncode == 1 and "one node's copy of a 2-node save" in alone.stderr
+    # Two nodes, each one torchrun with one process (static rendezvous on loopback).
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={n}",
+                "--nproc-per-node=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "atomic_checkpoint",
+                "drain",
+                f"{base}/node{n}",
+                "--to",
+                url,
+                *to_opts,
+                "--json",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, HOST_ENV: f"node{n}", "OMP_NUM_THREADS": "1"},
+        )
+        for n in (0, 1)
+    ]
+    outs = [p.communicate(timeout=150) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    docs = [json.loads(out[out.index("{") :]) for out, _ in outs]
+    assert all(d["ok"] and d["left"] == [] for d in docs), docs
+    assert [d["root"] for d in docs] == [f"{base}/node0", f"{base}/node1"]
+    reader = CheckpointManager(url, storage_options=opts, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
+    for s in (1, 2, 3):
+        catalog.load_checkpoint(reader.storage, s, full=True)
+        for r in range(4):
+            assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

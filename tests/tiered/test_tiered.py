@@ -343,7 +343,8 @@ def test_close_drains_then_applies_tier_0_retention_to_what_the_drain_released(
         assert steps_on(mgr.fast) == [2, 3, 4, 5]
         link.proxy.remove(link.cut)
         assert mgr.close() == []  # drained
-    reader = CheckpointManager(link.url, storage_options=s3_server.storage_options(), read_only=True)
+    opts = s3_server.storage_options()
+    reader = CheckpointManager(link.url, storage_options=opts, read_only=True)
     assert steps_on(reader) == [1, 2, 3, 4, 5]
     for s in (2, 3, 4, 5):
         fully_verified(reader.storage, s)

@@ -277,3 +277,33 @@ def w_tiered_disk_full(
     out["tier0"] = [c.step for c in CheckpointManager(fast, read_only=True).checkpoints()]
     out["left"] = mgr.close()
     return out
+
+
+def w_two_per_node_cut(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], opened: str
+) -> dict[str, Any]:
+    """Two ranks per node (``node<rank // 2>``, its tier 0 ``base/node<n>``): once every
+    rank opened the tiers, rank 0 creates ``opened`` (the proxy fails every request
+    from then on); save steps 1-3 and end the job without waiting
+    (``close(timeout_s=0)``): the steps stay on the nodes' tier 0 only."""
+    import torch.distributed as dist
+
+    node = rank // 2
+    os.environ[HOST_ENV] = f"node{node}"
+    mgr = TieredCheckpointManager(
+        [
+            Tier(os.path.join(base, f"node{node}"), retention=KeepLast(1)),
+            Tier(slow, storage_options=opts),
+        ],
+        timeout_s=20,
+        retry_max_s=0.2,
+        fast_domains="per-host",
+    )
+    mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
+    dist.barrier()
+    if rank == 0:
+        with open(opened, "w"):
+            pass
+    for s in (1, 2, 3):
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    return {"left": mgr.close(timeout_s=0), "domain": mgr.fast.domain.members}
