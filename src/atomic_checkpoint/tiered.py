@@ -646,8 +646,9 @@ class TieredCheckpointManager:
             raise UnsafeCheckpointError(
                 f"{src_store.url(name)} is one node's copy of a {source.domain_count}-node "
                 f"save (ranks {list(source.domain_ranks or ())} of {source.world_size}): it "
-                "is replicated only by the multi-rank job that has every node's copy; "
-                "restart the job on the same nodes to finish its replication"
+                "is replicated only together with every other node's copy: restart the "
+                "job on the same nodes, or run `atomic-checkpoint drain` on every node at "
+                "once under torchrun (--nnodes N --nproc-per-node 1)"
             )
         # A rotation in flight on tier 1 finishes first (one at a time, as for a save).
         attempt = pm.begin_copy(step)
