@@ -30,7 +30,7 @@ from . import catalog, commit
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
-from .coordination import Coordinator, default_coordinator, run_everywhere
+from .coordination import Coordinator, default_coordinator, gather_routed, run_everywhere
 from .domains import Domain
 from .domains import discover as discover_domains
 from .errors import (
@@ -264,8 +264,33 @@ class CheckpointManager:
     # ------------------------------------------------------------------ set-up
     def _collective(self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any) -> Any:
         """Run ``fn`` on the domain leaders; every rank gets its own leader's result, or
-        every rank raises the failure."""
-        return self._collective_all(phase, fn, **kwargs)[self.domain.leader]
+        every rank raises the failure.
+
+        With several storage domains each rank receives its own leader's result alone
+        (``coordination.gather_routed``), not every leader's: a restore's manifests
+        then cost each rank its own domain's, not every domain's."""
+        if self.domain.count == 1:
+            return self._collective_all(phase, fn, **kwargs)[self.domain.leader]
+        leader, lead = self.domain.leader, self.is_coordinator
+
+        def here() -> tuple[int, Any]:
+            return leader, fn(**kwargs) if fn is not None and lead else None
+
+        def to_members(sent: list[tuple[int, Any]]) -> dict[int, Any]:
+            return {r: sent[to][1] for r, (to, _) in enumerate(sent) if r != to}
+
+        (_, mine), _, got = gather_routed(
+            self.coordinator,
+            phase,
+            phase,
+            here,
+            lambda _sent: None,
+            to_members,
+            dst=self.domain.leaders[0],
+            routed=not lead,
+            timeout_s=self.timeout_s,
+        )
+        return mine if lead else got
 
     def _collective_all(
         self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any
