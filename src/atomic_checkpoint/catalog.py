@@ -52,7 +52,7 @@ from .layout import (
     parse_marker_name,
     parse_pending_name,
 )
-from .manifest import FileEntry, Hasher, Manifest
+from .manifest import FileEntry, Hasher, Manifest, SharedManifest
 from .storage import posix
 from .storage.base import Storage
 from .storage.temps import parse_temp_name
@@ -253,15 +253,21 @@ READ_ATTEMPTS = 8
 
 
 #: The fields that tell one commit of a step from another.
-_COMMIT_IDENTITY = operator.attrgetter("step", "run_id", "commit_seq", "created_unix", "files")
+_COMMIT_IDENTITY = operator.attrgetter("step", "run_id", "commit_seq", "created_unix")
 
 
 def same_copy(a: Manifest, b: Manifest) -> bool:
     """Whether two manifests describe the same commit of a step (not merely equal
     content: every save gets a new commit sequence number and commit time). Compared
     on the fields of a commit rather than with ``==`` on the manifests, which a NaN
-    metric would make false."""
-    return bool(_COMMIT_IDENTITY(a) == _COMMIT_IDENTITY(b))
+    metric would make false. A ``SharedManifest`` (a rank's part of the file list) is
+    the same copy when the other lists each of its files alike."""
+    if _COMMIT_IDENTITY(a) != _COMMIT_IDENTITY(b):
+        return False
+    if isinstance(a, SharedManifest) or isinstance(b, SharedManifest):
+        part, whole = (a, b) if isinstance(a, SharedManifest) else (b, a)
+        return set(part.files) <= set(whole.files)
+    return a.files == b.files
 
 
 def manifest_now(storage: Storage, rel: str) -> Manifest | None:

@@ -82,33 +82,13 @@ from .coordination import (
 )
 from .domains import Domain
 from .layout import checkpoint_name, new_attempt_token, parse_attempt_dir, parse_marker_name
-from .manifest import FileEntry, Manifest
+from .manifest import FileEntry, Manifest, SharedManifest
 from .rankfiles import RankReport, report_files
 from .storage.base import Storage
 from .strategies import CommitStrategy
 
 log = logging.getLogger("atomic_checkpoint")
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class SharedManifest(Manifest):
-    """The committed manifest as the ranks other than the leader get it from a save:
-    everything but the file list (``files`` is empty; ``size_bytes`` is the total of the
-    files), so the outcome of a save costs O(1) bytes per rank. The manifest in storage
-    has the list."""
-
-    total_size_bytes: int = 0
-
-    @classmethod
-    def of(cls, manifest: Manifest) -> SharedManifest:
-        fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(Manifest)}
-        fields["files"] = ()
-        return cls(**fields, total_size_bytes=manifest.size_bytes)
-
-    @property
-    def size_bytes(self) -> int:
-        return self.total_size_bytes
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from .manifest import (
     FileEntry,
     Hasher,
     Manifest,
+    SharedManifest,
     check_metadata,
     check_metrics,
     format_size,
@@ -262,24 +263,38 @@ class CheckpointManager:
         return f"CheckpointManager({self.root!r}, run_id={self.run_id!r}, {where})"
 
     # ------------------------------------------------------------------ set-up
-    def _collective(self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any) -> Any:
+    def _collective(
+        self,
+        phase: str,
+        fn: Callable[..., Any] | None,
+        *,
+        pick: Callable[[Any, Any], Any] | None = None,
+        want: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``fn`` on the domain leaders; every rank gets its own leader's result, or
         every rank raises the failure.
 
-        With several storage domains each rank receives its own leader's result alone
-        (``coordination.gather_routed``), not every leader's: a restore's manifests
-        then cost each rank its own domain's, not every domain's."""
-        if self.domain.count == 1:
-            return self._collective_all(phase, fn, **kwargs)[self.domain.leader]
+        ``pick(result, want)``: what a rank other than the leader receives of its
+        leader's result, given the ``want`` it sent (e.g. the manifest with only the
+        file that rank reads); default: all of it. Each rank receives its own part
+        alone (``coordination.gather_routed``), so a manifest of N ranks' files costs
+        O(N) bytes in all rather than N entries to each of N ranks, and with several
+        storage domains each rank gets its own leader's result, not every leader's."""
         leader, lead = self.domain.leader, self.is_coordinator
 
-        def here() -> tuple[int, Any]:
-            return leader, fn(**kwargs) if fn is not None and lead else None
+        def here() -> tuple[int, Any, Any]:
+            return leader, want, fn(**kwargs) if fn is not None and lead else None
 
-        def to_members(sent: list[tuple[int, Any]]) -> dict[int, Any]:
-            return {r: sent[to][1] for r, (to, _) in enumerate(sent) if r != to}
+        def to_members(sent: list[tuple[int, Any, Any]]) -> dict[int, Any]:
+            out = {}
+            for r, (to, wanted, _) in enumerate(sent):
+                if r != to:
+                    result = sent[to][2]
+                    out[r] = result if pick is None else pick(result, wanted)
+            return out
 
-        (_, mine), _, got = gather_routed(
+        (_, _, mine), _, got = gather_routed(
             self.coordinator,
             phase,
             phase,
@@ -1465,7 +1480,9 @@ class CheckpointManager:
             found = self.checkpoints()
             return found[-1] if found else None
         manifest = self._collective(
-            "latest", self._latest_coordinator if self.is_coordinator else None
+            "latest",
+            self._latest_coordinator if self.is_coordinator else None,
+            pick=lambda m, _want: None if m is None else SharedManifest.of(m),
         )
         if manifest is None:
             return None
@@ -1485,6 +1502,7 @@ class CheckpointManager:
         manifest = self._collective(
             "restore: next candidate",
             self._latest_coordinator if self.is_coordinator else None,
+            pick=lambda m, _want: None if m is None else SharedManifest.of(m),
             skip=frozenset(tried),
         )
         return None if manifest is None else manifest.step
@@ -1548,7 +1566,7 @@ class CheckpointManager:
             rank=rank,
         )
         if step is not None:
-            return self._restore_agreed(validate_step(step), load)
+            return self._restore_agreed(validate_step(step), load, rank)
         skipped: list[str] = []
         tried: set[int] = set()
         vanished: dict[int, int] = {}
@@ -1567,7 +1585,7 @@ class CheckpointManager:
                 )
             tried.add(newest)
             try:
-                state = self._restore_agreed(newest, load)
+                state = self._restore_agreed(newest, load, rank)
             except CheckpointNotFoundError:
                 # Un-committed meanwhile (retention, rollback: list again, it is gone),
                 # or replaced by an overwrite of the same step whose old copy's files
@@ -1600,12 +1618,21 @@ class CheckpointManager:
     #: one), the same on every rank.
     last_restored: CheckpointInfo | None = None
 
-    def _restore_agreed(self, step: int, load: Callable[[Manifest], Any]) -> Any:
+    def _restore_agreed(
+        self, step: int, load: Callable[[Manifest], Any], rank: int | None = None
+    ) -> Any:
         """Resolve ``step`` once (coordinator), load on every rank, agree on the outcome;
-        read again if the step was replaced while being read."""
+        read again if the step was replaced while being read. Each rank receives the
+        manifest with only the files it may read (its rank's state file, or ``rank``'s,
+        and the replicated one)."""
+        wanted = (rank_state_file(self.rank if rank is None else rank), REPLICATED_STATE_FILE)
         for _ in range(catalog.READ_ATTEMPTS):
             resolved = self._collective(
-                "resolve", self._resolve_coordinator if self.is_coordinator else None, step=step
+                "resolve",
+                self._resolve_coordinator if self.is_coordinator else None,
+                pick=_files_for,
+                want=wanted,
+                step=step,
             )
             if isinstance(resolved, CheckpointError):
                 raise resolved  # the coordinator's error, the same on every rank
@@ -1979,6 +2006,15 @@ class _SavingBlock:
 #: at open: enough to agree without a full scan when a save failed half way (its step
 #: committed in some domains only) or two in a row did.
 _DOMAIN_VIEW_STEPS = 3
+
+
+def _files_for(resolved: Any, names: tuple[str, ...]) -> Any:
+    """``restore``'s resolved manifest as a rank other than the leader receives it:
+    only the entries of the state files ``names`` (at the top of the checkpoint, or
+    under a committed attempt's directory: ``catalog.state_file``); an error as it is."""
+    if not isinstance(resolved, Manifest):
+        return resolved
+    return SharedManifest.of(resolved, keep=lambda f: f.path.rsplit("/", 1)[-1] in names)
 
 
 def _views_decide(setups: list[Any], domain: Domain) -> bool:

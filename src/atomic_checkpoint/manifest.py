@@ -11,6 +11,7 @@ manifests written without xxhash.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -332,6 +333,29 @@ class Manifest:
             metadata=dict(self.metadata),
             adopted=self.adopted,
         )
+
+
+@dataclass(frozen=True)
+class SharedManifest(Manifest):
+    """A committed manifest as a rank other than its leader receives it: everything but
+    the file list, or only the entries that rank reads (``files``; ``size_bytes`` is
+    still the total of every file). So what the leader sends costs O(1) bytes per rank
+    rather than N entries to each of N ranks. The manifest in storage has the list."""
+
+    total_size_bytes: int = 0
+
+    @classmethod
+    def of(
+        cls, manifest: Manifest, keep: Callable[[FileEntry], bool] | None = None
+    ) -> SharedManifest:
+        """``manifest`` without its files, or with those ``keep`` accepts."""
+        fields = {f.name: getattr(manifest, f.name) for f in dataclasses.fields(Manifest)}
+        fields["files"] = () if keep is None else tuple(f for f in manifest.files if keep(f))
+        return cls(**fields, total_size_bytes=manifest.size_bytes)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.total_size_bytes
 
 
 def format_size(size_bytes: float, *, digits: int = 1) -> str:

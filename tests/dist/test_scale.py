@@ -192,3 +192,52 @@ def test_routed_values_reach_only_their_rank_and_leave_no_keys_behind():
     )
     assert {e.missing_ranks for e in errors.values()} == {(2,)}
     del server
+
+
+@pytest.mark.timeout(90)
+def test_restore_sends_each_rank_only_its_own_file_entries(tmp_path):
+    # restore() resolves the manifest once, on the leader. Every other rank used to
+    # receive all of it, N file entries each: O(N^2) bytes through the store per
+    # restore. Now each receives its own entries: the bytes a rank reads stay the same
+    # whatever N.
+    import torch
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointManager
+
+    def restore_bytes(world: int) -> int:
+        server = dist.TCPStore(
+            "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
+        )
+        stores = [
+            scale.CountingStore(
+                dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))
+            )
+            for _ in range(world)
+        ]
+        coords = tuple(
+            TorchDistributedCoordinator(s, rank=r, world_size=world, namespace=f"restore{world}")
+            for r, s in enumerate(stores)
+        )
+        root = tmp_path / f"world{world}"
+
+        def job(c: TorchDistributedCoordinator) -> tuple[bool, int]:
+            mgr = CheckpointManager(root, coordinator=c, storage_domains="shared", timeout_s=30)
+            mine = {"w": torch.full((8,), float(c.rank))}
+            mgr.save(1, mine)
+            c._worker.run(lambda: None, 10)  # the save's deferred deletes are counted
+            before = stores[c.rank].counts.snapshot()["bytes"]
+            got = mgr.restore()
+            c._worker.run(lambda: None, 10)
+            used = stores[c.rank].counts.snapshot()["bytes"] - before
+            mgr.close()
+            return bool(torch.equal(got["w"], mine["w"])), used
+
+        out = _at_once(coords, job)
+        assert sorted(out) == list(range(world)), out
+        assert all(ok for ok, _ in out.values()), out  # each rank restored its own state
+        del server
+        return max(used for r, (_, used) in out.items() if r)
+
+    small, large = restore_bytes(4), restore_bytes(16)
+    assert large <= small * 1.2, (small, large)
