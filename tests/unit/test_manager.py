@@ -209,7 +209,8 @@ def test_resume_modes(tmp_path):
     mgr.close()
     with pytest.raises(ResumeError, match="already has 1 checkpoint"):
         CheckpointManager(tmp_path / "b", resume="never")
-    assert CheckpointManager(tmp_path / "b", resume="must").latest().step == 1
+    with CheckpointManager(tmp_path / "b", resume="must") as resumed:
+        assert resumed.latest().step == 1
     # Checkpoints exist but none is valid: never a silent fresh start.
     (tmp_path / "b" / "checkpoint-1" / "rank-00000.safetensors").unlink()
     with pytest.raises(ResumeError, match="none is valid"):
@@ -226,12 +227,14 @@ def test_restarted_job_continues_its_run_and_ignores_other_runs(tmp_path):
     b.save(2, state(2))
     b.close()
     assert (tmp_path / "checkpoint-1000").is_dir()  # foreign: never deleted
-    assert [c.step for c in CheckpointManager(tmp_path, run_id="run-b").checkpoints()] == [2]
+    with CheckpointManager(tmp_path, run_id="run-b") as listed:
+        assert [c.step for c in listed.checkpoints()] == [2]
     # Without an explicit run id, a restarted job adopts the run recorded in the root.
     first = CheckpointManager(tmp_path / "c")
     first.save(1, state(1))
-    again = CheckpointManager(tmp_path / "c")
-    assert again.run_id == first.run_id and again.latest().step == 1
+    first.close()
+    with CheckpointManager(tmp_path / "c") as again:
+        assert again.run_id == first.run_id and again.latest().step == 1
 
 
 def test_read_only_manager_never_writes(tmp_path):
