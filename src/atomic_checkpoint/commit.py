@@ -78,6 +78,7 @@ from .coordination import (
     Coordinator,
     gather_routed,
     rank_failure,
+    run_on_leaders,
     shared_error,
 )
 from .domains import Domain
@@ -411,41 +412,25 @@ def _decide(
     what a timeout means (the commit may have happened). With several domains, the
     first leader collects every rank's outcome, answers every rank ``combine`` and
     sends each rank its own leader's shared result alone
-    (``coordination.gather_routed``): O(N) bytes, as with one domain.
+    (``coordination.run_on_leaders``): O(N) bytes, as with one domain.
     """
     step, rank = pending.step, ctx.coord.rank
     if not _through_leader(ctx):
-        lead, leader = ctx.is_coordinator, ctx.leader
-        full: list[_T] = []
-
-        def here() -> tuple[int, Any]:
-            if lead:
-                full.append(fn())
-                return leader, share(full[0])  # what the others may receive
-            if phase == "commit":
-                fault_point("during_broadcast", rank, step)
-            return leader, None
-
-        def results(sent: list[tuple[int, Any]]) -> dict[int, Any]:
-            return {r: v for r, (lead_rank, v) in enumerate(sent) if lead_rank == r}
-
-        def to_members(sent: list[tuple[int, Any]]) -> dict[int, Any]:
-            by_leader = results(sent)
-            return {r: by_leader[to] for r, (to, _) in enumerate(sent) if r != to}
-
-        _, combined, got = gather_routed(
+        return run_on_leaders(
             ctx.coord,
             _key(step, phase),
             phase,
-            here,
-            lambda sent: combine([results(sent)[r] for r in ctx.leaders]),
-            to_members,
-            dst=ctx.leaders[0],
-            routed=not lead,
+            fn,
+            leader=ctx.leader,
+            leaders=ctx.leaders,
             timeout_s=ctx.timeout_s,
             step=step,
+            pick=lambda result, _want: share(result),
+            combine=combine,
+            elsewhere=(
+                (lambda: fault_point("during_broadcast", rank, step)) if phase == "commit" else None
+            ),
         )
-        return (full[0] if lead else got), combined
     # On the wire: ("ok", share(result), combine([result])) or ("error", the shared error).
     mine: Any = None
     verdict: Any = None

@@ -880,6 +880,65 @@ def gather_routed(
     return value, summary, mine
 
 
+def run_on_leaders(
+    coord: Coordinator,
+    key: str,
+    phase: str,
+    fn: Callable[[], _T] | None,
+    *,
+    leader: int,
+    leaders: Sequence[int],
+    timeout_s: float,
+    step: int | None = None,
+    pick: Callable[[Any, Any], Any] | None = None,
+    want: Any = None,
+    combine: Callable[[list[Any]], Any] | None = None,
+    elsewhere: Callable[[], None] | None = None,
+) -> tuple[Any, Any]:
+    """Run ``fn`` on each storage domain's leader (``elsewhere`` on the other ranks, its
+    failure shared like the leaders'); every rank gets its own leader's result, or every
+    rank raises the same error. Collective.
+
+    Returns this rank's leader's result (on the leader, what ``fn`` returned; on the
+    others ``pick(result, want)``, ``want`` being what that rank sent, default: the
+    result) and ``combine`` of every leader's result in the order of ``leaders``
+    (computed once, on ``leaders[0]``; None without ``combine``). Each rank receives
+    its own part alone (``gather_routed``): O(N) bytes for N ranks, where an all-gather
+    of the results would send every leader's to every rank.
+    """
+    lead = coord.rank == leader
+    full: list[Any] = []
+    share = pick or (lambda result, _want: result)
+
+    def here() -> tuple[int, Any, Any]:
+        if fn is not None and lead:
+            full.append(fn())
+            return leader, want, full[0]
+        if elsewhere is not None and not lead:
+            elsewhere()
+        return leader, want, None
+
+    def to_members(sent: list[tuple[int, Any, Any]]) -> dict[int, Any]:
+        return {r: share(sent[to][2], w) for r, (to, w, _) in enumerate(sent) if r != to}
+
+    def combined(sent: list[tuple[int, Any, Any]]) -> Any:
+        return None if combine is None else combine([sent[r][2] for r in leaders])
+
+    _, summary, got = gather_routed(
+        coord,
+        key,
+        phase,
+        here,
+        combined,
+        to_members,
+        dst=leaders[0],
+        routed=not lead,
+        timeout_s=timeout_s,
+        step=step,
+    )
+    return (full[0] if lead else got), summary
+
+
 def default_coordinator() -> Coordinator:
     """torch.distributed when a process group is initialised, else single process.
 

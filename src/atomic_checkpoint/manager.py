@@ -30,7 +30,7 @@ from . import catalog, commit
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
-from .coordination import Coordinator, default_coordinator, gather_routed, run_everywhere
+from .coordination import Coordinator, default_coordinator, run_everywhere, run_on_leaders
 from .domains import Domain
 from .domains import discover as discover_domains
 from .errors import (
@@ -278,34 +278,21 @@ class CheckpointManager:
         ``pick(result, want)``: what a rank other than the leader receives of its
         leader's result, given the ``want`` it sent (e.g. the manifest with only the
         file that rank reads); default: all of it. Each rank receives its own part
-        alone (``coordination.gather_routed``), so a manifest of N ranks' files costs
+        alone (``coordination.run_on_leaders``), so a manifest of N ranks' files costs
         O(N) bytes in all rather than N entries to each of N ranks, and with several
         storage domains each rank gets its own leader's result, not every leader's."""
-        leader, lead = self.domain.leader, self.is_coordinator
-
-        def here() -> tuple[int, Any, Any]:
-            return leader, want, fn(**kwargs) if fn is not None and lead else None
-
-        def to_members(sent: list[tuple[int, Any, Any]]) -> dict[int, Any]:
-            out = {}
-            for r, (to, wanted, _) in enumerate(sent):
-                if r != to:
-                    result = sent[to][2]
-                    out[r] = result if pick is None else pick(result, wanted)
-            return out
-
-        (_, _, mine), _, got = gather_routed(
+        mine, _ = run_on_leaders(
             self.coordinator,
             phase,
             phase,
-            here,
-            lambda _sent: None,
-            to_members,
-            dst=self.domain.leaders[0],
-            routed=not lead,
+            None if fn is None else functools.partial(fn, **kwargs),
+            leader=self.domain.leader,
+            leaders=self.domain.leaders,
             timeout_s=self.timeout_s,
+            pick=pick,
+            want=want,
         )
-        return mine if lead else got
+        return mine
 
     def _collective_all(
         self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any
@@ -1334,18 +1321,23 @@ class CheckpointManager:
         deleted = self._collective_all("apply retention", delete if lead else None)
         return sorted({s for d in deleted if d for s in d})
 
-    def _retain(self) -> list[int]:
-        """One storage domain, on its leader: apply retention, protecting the newest."""
+    def _retain(self, newest: int | None = None) -> list[int]:
+        """One storage domain, on its leader: apply retention, never to ``newest`` (the
+        step just committed; None: the newest committed step). Returns the deleted
+        steps. Only what changed since the last scan is read (the manifest cache)."""
         from .retention import plan_deletions
 
-        assert self.retention is not None
+        if self.retention is None:  # set to None meanwhile (a rotation thread): nothing
+            return []
         manifests = catalog.committed(
             self.storage, run_id=self.run_id, warn=False, cache=self._manifests
         )
         infos = [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
-        if not infos:
-            return []
-        newest = max(i.step for i in infos)
+        steps = {i.step for i in infos}
+        if newest is None:
+            newest = max(steps, default=None)
+        if newest not in steps:
+            return []  # nothing committed, or our own commit is not visible: a stale view
         victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
         for step in victims:
             self._delete_checkpoint(step)
@@ -1387,8 +1379,6 @@ class CheckpointManager:
         say (DESIGN invariant 10: a save that returned success keeps its checkpoint);
         saves below the newest step are refused anyway (``StepOrderError``).
         """
-        from .retention import plan_deletions
-
         try:
             if self.domain.count > 1:
                 # Decided from every domain's view, gathered with the commit.
@@ -1396,15 +1386,7 @@ class CheckpointManager:
                     if step != newest:
                         self._delete_checkpoint(step)
                 return
-            # Only what changed since the last scan is read: the step just committed.
-            manifests = catalog.committed(
-                self.storage, run_id=self.run_id, warn=False, cache=self._manifests
-            )
-            infos = [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
-            if newest not in {i.step for i in infos}:
-                return  # our own commit is not visible: decide nothing on a stale view
-            for victim in plan_deletions(self.retention, infos, protect=(newest,)):
-                self._delete_checkpoint(victim.step)
+            self._retain(newest)
         except BaseException as exc:  # reported at the next save or close
             self._rotation_error = exc
 
