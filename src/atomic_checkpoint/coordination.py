@@ -833,7 +833,7 @@ def gather_routed(
     phase: str,
     fn: Callable[[], _T],
     summarize: Callable[[list[_T]], Any],
-    route: Callable[[list[_T]], dict[int, Any]],
+    route: Callable[[list[_T]], dict[int, Any] | None],
     *,
     dst: int,
     routed: bool,
@@ -843,10 +843,12 @@ def gather_routed(
 ) -> tuple[_T, Any, Any]:
     """Like ``run_everywhere``, but no rank gets every result: ``dst`` collects them,
     every rank gets ``summarize(results)`` and each rank that asks (``routed``) its own
-    ``route(results)[rank]``, both computed once on ``dst``. Returns this rank's result,
-    the summary and its routed value (None unless ``routed``). If any rank failed, every
-    rank raises the same error. ``failed``: this rank failed already, (the step it
-    failed in, the error), and sends that instead of running ``fn``.
+    ``route(results)[rank]``, both computed once on ``dst``; ``route`` may answer None:
+    nothing is routed this round (e.g. the summary says what to do next). Returns this
+    rank's result, the summary and its routed value (None unless ``routed`` and routed).
+    If any rank failed, every rank raises the same error. ``failed``: this rank failed
+    already, (the step it failed in, the error), and sends that instead of running
+    ``fn``.
 
     Through a coordinator with ``gather_and_route``, a round costs O(N) store requests
     and, for a small summary, O(N) bytes for N ranks; otherwise it is an all-gather
@@ -865,7 +867,8 @@ def gather_routed(
         return route([v for v, _ in outcomes])
 
     if coord.world_size == 1:
-        return value, summarize([value]), route([value]).get(0) if routed else None
+        own = route([value]) if routed else None
+        return value, summarize([value]), None if own is None else own.get(0)
     gather = getattr(coord, "gather_and_route", None)
     if gather is None:
         everything = coord.all_gather(key, payload, timeout_s=timeout_s)

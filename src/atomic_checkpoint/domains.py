@@ -10,13 +10,15 @@ Trainers that guess this from flags (``save_on_each_node``, ``local_rank == 0``)
 it wrong in both directions (FAILURE_MODES A4, A5, B8): several nodes renaming the same
 shared directory, or nodes whose disks never rotate. So we probe:
 
-1. Ranks exchange host names; the first rank on each host is a candidate leader.
+1. Rank 0 collects the host names; the first rank on each host is a candidate leader.
+   With one host (or ``per-host``), rank 0 sends each rank its domain and we are done.
 2. Each candidate writes a probe file with a random token under ROOT.
 3. Every rank opens (never ``stat``: network filesystems cache attributes) each
    candidate's probe and reports which ones it sees.
 4. A rank's domain leader is the lowest candidate it sees; the ranks with the same
-   leader form a domain. Everyone computes the same answer from the same gathered
-   reports. Visibility that does not form a partition is an error.
+   leader form a domain. Rank 0 computes it once from every rank's report and sends
+   each rank its own domain; visibility that does not form a partition is every
+   rank's error.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
-from .coordination import Coordinator
+from .coordination import Coordinator, gather_routed
 from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import META_DIR
 from .lock import HOST_ENV as HOST_ENV
@@ -86,27 +89,63 @@ def discover(
         return single_domain(world)
     if mode not in ("auto", "per-host"):
         raise ValueError(f"storage_domains must be 'auto', 'shared' or 'per-host', got {mode!r}")
-    hosts = coord.all_gather("domains: hosts", current_host(), timeout_s=timeout_s)
-    candidates = [r for r in range(world) if hosts.index(hosts[r]) == r]
-    if mode == "per-host" or len(candidates) == 1:
-        # One host: every rank sees the same local filesystem namespace.
-        leader_of = [
-            candidates[[hosts[c] for c in candidates].index(hosts[r])] for r in range(world)
-        ]
-        return _build(leader_of)[coord.rank]
-    token = coord.broadcast("domains: token", uuid.uuid4().hex, timeout_s=timeout_s)
     me = coord.rank
+
+    # Rank 0 collects every rank's host and sends each rank its own domain (one host, or
+    # per-host) or every rank the candidates to probe: O(N) bytes through the store,
+    # where every rank reading every host name put O(N^2) (250 MB at 4096 ranks).
+    def candidates_of(hosts: list[str]) -> list[int]:
+        return [r for r in range(world) if hosts.index(hosts[r]) == r]
+
+    def by_host(hosts: list[str]) -> list[int] | None:
+        candidates = candidates_of(hosts)
+        if mode != "per-host" and len(candidates) > 1:
+            return None  # several hosts: the probes decide
+        first = {hosts[c]: c for c in candidates}
+        return [first[h] for h in hosts]
+
+    def probe_list(hosts: list[str]) -> list[int] | None:
+        return None if by_host(hosts) is not None else candidates_of(hosts)
+
+    _, candidates, routed = gather_routed(
+        coord,
+        "domains: hosts",
+        "storage domains",
+        current_host,
+        probe_list,
+        lambda hosts: _routes(by_host(hosts)),
+        dst=0,
+        routed=True,
+        timeout_s=timeout_s,
+    )
+    if candidates is None:
+        return _unpack(routed)
+    token = coord.broadcast("domains: token", uuid.uuid4().hex, timeout_s=timeout_s)
     probe = f"{META_DIR}/probe-{token}-{me}"
-    error = None
-    if me in candidates:
+
+    def write_probe() -> str | None:
+        if me not in candidates:
+            return None
         try:
             storage.makedirs(META_DIR)
             storage.write_bytes_atomic(probe, token.encode())
         except CheckpointError as exc:
-            error = f"rank {me} could not write its storage probe {storage.url(probe)}: {exc}"
-    errors = coord.all_gather("domains: probes written", error, timeout_s=timeout_s)
-    if any(errors):
-        raise CheckpointError("; ".join(e for e in errors if e))
+            return f"rank {me} could not write its storage probe {storage.url(probe)}: {exc}"
+        return None
+
+    _, errors, _ = gather_routed(
+        coord,
+        "domains: probes written",
+        "storage domains",
+        write_probe,
+        lambda errors: "; ".join(e for e in errors if e) or None,
+        _none,
+        dst=0,
+        routed=False,
+        timeout_s=timeout_s,
+    )
+    if errors:
+        raise CheckpointError(errors)
     seen = [
         c
         for c in candidates
@@ -117,29 +156,84 @@ def discover(
             wait_s=visibility_timeout_s if c == me else 2.0,
         )
     ]
-    reports = coord.all_gather("domains: probes seen", seen, timeout_s=timeout_s)
+
+    def check(reports: list[list[int]]) -> str | None:
+        try:
+            _leaders_seen(storage, reports)
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    _, problem, routed = gather_routed(
+        coord,
+        "domains: probes seen",
+        "storage domains",
+        lambda: seen,
+        check,
+        lambda reports: None if check(reports) else _routes(_leaders_seen(storage, reports)),
+        dst=0,
+        routed=True,
+        timeout_s=timeout_s,
+    )
     if me in candidates:
         try:
             storage.delete_file(probe)
         except CheckpointError:
             pass  # a stale probe is harmless: the token is never reused
+    if problem is not None:
+        raise CheckpointError(problem)
+    return _unpack(routed)
+
+
+def _leaders_seen(storage: Storage, reports: list[list[int]]) -> list[int]:
+    """Each rank's domain leader, from the candidates' probes every rank saw: the lowest
+    one it sees. Visibility that does not form a partition is an error."""
     leader_of = []
-    for r in range(world):
-        if not reports[r]:
+    for r, seen in enumerate(reports):
+        if not seen:
             raise CheckpointError(
                 f"rank {r} sees no storage probe under {storage.url('')}, not even its own "
                 "host's: is ROOT on a filesystem this rank can write?"
             )
-        leader_of.append(min(reports[r]))
-    for r in range(world):
-        if reports[r] != reports[leader_of[r]]:
+        leader_of.append(min(seen))
+    for r, seen in enumerate(reports):
+        if seen != reports[leader_of[r]]:
             raise CheckpointError(
                 f"inconsistent storage visibility under {storage.url('')}: rank {r} sees the "
-                f"probes of ranks {reports[r]}, its domain leader rank {leader_of[r]} sees "
+                f"probes of ranks {seen}, its domain leader rank {leader_of[r]} sees "
                 f"{reports[leader_of[r]]}. Pass storage_domains='shared' or 'per-host' to "
                 "say how the storage is laid out"
             )
-    return _build(leader_of)[me]
+    return leader_of
+
+
+def _routes(leader_of: list[int] | None) -> dict[int, tuple[Any, ...]] | None:
+    """Each rank's domain, as rank 0 sends it (None: not decided here). Members and
+    leaders go as ranges where they are evenly spaced (ranks numbered node by node),
+    so a domain costs a few bytes whatever the number of ranks."""
+    if leader_of is None:
+        return None
+    return {
+        r: (d.index, d.leader, _compact(d.members), _compact(d.leaders))
+        for r, d in enumerate(_build(leader_of))
+    }
+
+
+def _compact(ranks: tuple[int, ...]) -> range | tuple[int, ...]:
+    if len(ranks) > 2 and ranks[1] > ranks[0]:
+        spaced = range(ranks[0], ranks[-1] + 1, ranks[1] - ranks[0])
+        if tuple(spaced) == ranks:
+            return spaced
+    return ranks
+
+
+def _unpack(routed: tuple[Any, ...]) -> Domain:
+    index, leader, members, leaders = routed
+    return Domain(index, leader, tuple(members), tuple(leaders))
+
+
+def _none(*_args: Any) -> None:
+    return None
 
 
 def _sees(storage: Storage, path: str, token: str, *, wait_s: float) -> bool:

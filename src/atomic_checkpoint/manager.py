@@ -30,7 +30,12 @@ from . import catalog, commit
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
-from .coordination import Coordinator, default_coordinator, run_everywhere, run_on_leaders
+from .coordination import (
+    Coordinator,
+    default_coordinator,
+    gather_routed,
+    run_on_leaders,
+)
 from .domains import Domain
 from .domains import discover as discover_domains
 from .errors import (
@@ -207,21 +212,34 @@ class CheckpointManager:
                 list(self.domain.leaders),
             )
         agreed = self._agree_run_id() if run_id is None and self.domain.count > 1 else None
-        setups = self._collective_all(
-            "open",
-            self._setup_coordinator if self.is_coordinator else None,
-            run_id=run_id,
-            agreed_run_id=agreed,
-            resume=resume,
-        )
-        if not _views_decide(setups, self.domain):
-            setups = self._full_views(setups)
-        setup = self._domain_setup_summary(setups)
+        # Each leader's view of ROOT: a rank receives its own leader's (without the
+        # steps) and one summary of every leader's, not every view (O(N) bytes).
+        try:
+            setup, summary = self._on_leaders(
+                "open",
+                self._setup_coordinator,
+                combine=_views_summary,
+                pick=_without_steps,
+                run_id=run_id,
+                agreed_run_id=agreed,
+                resume=resume,
+            )
+            if not summary["decide"]:
+                setup, summary = self._full_views(setup)
+        except BaseException:
+            # A leader that took its domain's lock before another domain's start failed
+            # (its lock held by another job, an I/O error) lets go of it: every rank
+            # raises, and a manager that never opened must hold nothing.
+            self._release_lock()
+            raise
+        if self.domain.count > 1:
+            # With several domains, a step is valid only where every domain has it.
+            setup = {**setup, **summary["setup"]}
         self.run_id: str = setup["run_id"]
         self._last_seq = setup["last_seq"]
         # The newest committed step of this run, the same on every rank (the domain
         # leaders' views, agreed at open): saves below it raise StepOrderError.
-        self._newest_step: int | None = _newest_committed(setups, self.domain)
+        self._newest_step: int | None = summary["newest"]
         self._ctx = SaveContext(
             storage=self.storage,
             coord=self.coordinator,
@@ -273,15 +291,31 @@ class CheckpointManager:
         **kwargs: Any,
     ) -> Any:
         """Run ``fn`` on the domain leaders; every rank gets its own leader's result, or
-        every rank raises the failure.
+        every rank raises the failure (``_on_leaders``, without a summary)."""
+        return self._on_leaders(phase, fn, pick=pick, want=want, **kwargs)[0]
+
+    def _on_leaders(
+        self,
+        phase: str,
+        fn: Callable[..., Any] | None,
+        *,
+        combine: Callable[[list[Any]], Any] | None = None,
+        pick: Callable[[Any, Any], Any] | None = None,
+        want: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Any, Any]:
+        """Run ``fn(**kwargs)`` on each storage domain's leader (only there); every rank
+        gets its own leader's result and ``combine`` of every leader's result (in the
+        order of ``domain.leaders``), or every rank raises the failure. Collective.
 
         ``pick(result, want)``: what a rank other than the leader receives of its
         leader's result, given the ``want`` it sent (e.g. the manifest with only the
         file that rank reads); default: all of it. Each rank receives its own part
-        alone (``coordination.run_on_leaders``), so a manifest of N ranks' files costs
-        O(N) bytes in all rather than N entries to each of N ranks, and with several
-        storage domains each rank gets its own leader's result, not every leader's."""
-        mine, _ = run_on_leaders(
+        alone and the one summary (``coordination.run_on_leaders``), so a manifest of N
+        ranks' files costs O(N) bytes in all rather than N entries to each of N ranks,
+        and with several storage domains each rank gets its own leader's result, not
+        every leader's."""
+        return run_on_leaders(
             self.coordinator,
             phase,
             phase,
@@ -291,67 +325,38 @@ class CheckpointManager:
             timeout_s=self.timeout_s,
             pick=pick,
             want=want,
-        )
-        return mine
-
-    def _collective_all(
-        self, phase: str, fn: Callable[..., Any] | None, **kwargs: Any
-    ) -> list[Any]:
-        """Like ``_collective``, returning every rank's result (indexed by rank)."""
-        return run_everywhere(
-            self.coordinator,
-            phase,
-            phase,
-            (lambda: fn(**kwargs)) if fn is not None else None,
-            timeout_s=self.timeout_s,
+            combine=combine,
         )
 
     def _agree_run_id(self) -> str:
         """Node-local disks: every domain must use one run id. Rank 0's recorded run
         wins, then any domain's, then a new one from rank 0."""
         fresh = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        views = self._collective_all(
+
+        def agreed(views: list[tuple[str | None, str]]) -> str:
+            recorded = [rid for rid, _ in views if rid]
+            return recorded[0] if recorded else views[0][1]
+
+        _, run_id = self._on_leaders(
             "agree run id",
-            lambda: (
-                (self._recorded_run_id() or self._adopted_run_id(), fresh)
-                if self.is_coordinator
-                else None
-            ),
+            lambda: (self._recorded_run_id() or self._adopted_run_id(), fresh),
+            combine=agreed,
+            pick=_nothing,
         )
-        recorded = [views[lead][0] for lead in self.domain.leaders if views[lead][0]]
-        return str(views[0][0] or (recorded[0] if recorded else views[0][1]))
+        return str(run_id)
 
-    def _domain_setup_summary(self, setups: list[Any]) -> dict[str, Any]:
-        """One view of the root for every rank: with several domains, a step is valid
-        only where every domain has it."""
-        mine = dict(setups[self.domain.leader])
-        if self.domain.count == 1:
-            return mine
-        per_domain = [setups[lead] for lead in self.domain.leaders]
-        common = set.intersection(*(set(d.get("valid_steps", ())) for d in per_domain))
-        mine["n_valid"] = len(common)
-        mine["n_valid_counted"] = all(d.get("n_valid_counted", True) for d in per_domain)
-        mine["newest"] = max(common, default=None)
-        mine["n_corrupt"] = sum(d["n_corrupt"] for d in per_domain)
-        mine["last_seq"] = max(d["last_seq"] for d in per_domain)
-        return mine
-
-    def _full_views(self, setups: list[Any]) -> list[Any]:
+    def _full_views(self, setup: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Several storage domains whose leaders' views at open do not decide the newest
-        step valid everywhere (``_views_decide``: their newest steps differ by more than
+        step valid everywhere (``_views_summary``: their newest steps differ by more than
         the few each reported): every leader lists all its valid steps, with a full
         scan, as every start did before. Collective; decided on every rank from the same
-        gathered views, so every rank takes part (DESIGN invariant 3)."""
-        mine = setups[self.rank] if self.is_coordinator else None
-        try:
-            full = self._collective_all(
-                "open: every valid step",
-                (lambda: self._scan_view(mine["run_id"])) if mine is not None else None,
-            )
-        except BaseException:
-            self._release_lock()
-            raise
-        return [s if f is None else {**s, **f} for s, f in zip(setups, full, strict=True)]
+        summary, so every rank takes part (DESIGN invariant 3)."""
+        return self._on_leaders(
+            "open: every valid step",
+            lambda: {**setup, **self._scan_view(setup["run_id"])},
+            combine=_views_summary,
+            pick=_without_steps,
+        )
 
     def _scan_view(self, run_id: str) -> dict[str, Any]:
         """This domain's view of ROOT from every manifest in it (``catalog.scan``)."""
@@ -1300,26 +1305,31 @@ class CheckpointManager:
             raise CheckpointError("apply_retention() on a read-only CheckpointManager")
         self._finish_async()
         self._finish_rotation()
-        lead = self.is_coordinator and self.retention is not None
         if self.domain.count == 1:
-            deleted = self._collective_all("apply retention", self._retain if lead else None)
-            return list(deleted[0] or [])
-        views = self._collective_all(
-            "apply retention: views", self._retention_view if self.is_coordinator else None
+            _, deleted = self._on_leaders(
+                "apply retention", self._retain, combine=_first, pick=_nothing
+            )
+            return list(deleted)
+        mine, everywhere = self._on_leaders(
+            "apply retention: views",
+            self._retention_view,
+            combine=commit.steps_everywhere,
+            pick=_nothing,
         )
-        everywhere = commit.steps_everywhere([views[r] for r in self.domain.leaders])
 
         def delete() -> list[int]:
-            if not everywhere:
+            if not everywhere or self.retention is None:
                 return []
             newest = max(s for s, _, _ in everywhere)
-            victims = self._victims(newest, everywhere, views[self.rank])
+            victims = self._victims(newest, everywhere, mine)
             for step in victims:
                 self._delete_checkpoint(step)
             return victims
 
-        deleted = self._collective_all("apply retention", delete if lead else None)
-        return sorted({s for d in deleted if d for s in d})
+        _, deleted = self._on_leaders(
+            "apply retention", delete, combine=_union_sorted, pick=_nothing
+        )
+        return list(deleted)
 
     def _retain(self, newest: int | None = None) -> list[int]:
         """One storage domain, on its leader: apply retention, never to ``newest`` (the
@@ -1430,14 +1440,25 @@ class CheckpointManager:
         and size each time, as ``latest()`` checks them.
         """
         self._finish_rotation()
-        views = self._collective_all(
-            "list", self._list_coordinator if self.is_coordinator else None
+        infos, common = self._on_leaders(
+            "list",
+            self._list_coordinator,
+            combine=_steps_everywhere if self.domain.count > 1 else None,
         )
-        manifests = _common_steps(views, self.domain)
-        return [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
+        if common is not None:
+            infos = [i for i in infos if i.step in common]
+        # A leader's paths name its own view of ROOT: each rank names the copy it sees.
+        return [
+            dataclasses.replace(i, path=self.storage.url(checkpoint_name(i.step))) for i in infos
+        ]
 
-    def _list_coordinator(self) -> list[Manifest]:
-        return catalog.committed(self.storage, run_id=self.run_id or None, cache=self._manifests)
+    def _list_coordinator(self) -> list[CheckpointInfo]:
+        return [
+            m.info(self.storage.url(checkpoint_name(m.step)))
+            for m in catalog.committed(
+                self.storage, run_id=self.run_id or None, cache=self._manifests
+            )
+        ]
 
     def latest(self) -> CheckpointInfo | None:
         """The newest valid checkpoint of this run, or None. Collective: every rank gets
@@ -1634,14 +1655,21 @@ class CheckpointManager:
             except CheckpointError as exc:  # shared like a failed load, never raised alone
                 changed, error = False, error or exc
             mine = (changed, None if error is None else _restore_failure(error, self.rank))
-            outcomes = self._collective_all(
+            # Rank 0 collects the outcomes; every rank gets one answer (O(N) bytes).
+            _, (changed, failures), _ = gather_routed(
+                self.coordinator,
                 f"restore step {step}: outcome",
-                lambda out=mine: out,
+                "restore",
+                functools.partial(_identity, mine),
+                _restore_outcome,
+                _no_routes,
+                dst=0,
+                routed=False,
+                timeout_s=self.timeout_s,
             )
-            if any(c for c, _ in outcomes):
+            if changed:
                 log.info("checkpoint step %d was replaced while being read: reading it again", step)
                 continue
-            failures = [f for _, f in outcomes if f is not None]
             if not failures:
                 self.last_restored = manifest.info(self.storage.url(checkpoint_name(step)))
                 return state
@@ -1834,20 +1862,24 @@ class CheckpointManager:
         step = validate_step(step)
         self._finish_async()
         self._finish_rotation()
-        views = self._collective_all(
-            "rollback", self._rollback_coordinator if self.is_coordinator else None, step=step
+        _, (removed, summary) = self._on_leaders(
+            "rollback",
+            self._rollback_coordinator,
+            combine=_rollback_summary,
+            pick=_nothing,
+            step=step,
         )
-        leaders = self.domain.leaders
-        removed = sorted({s for lead in leaders for s in views[lead][0]}, reverse=True)
-        left = [None if v is None else v[1] for v in views]
-        if not _views_decide(left, self.domain):
+        if not summary["decide"]:
             # As at open: the domains' newest valid steps left differ by more than the few
             # each read; every leader lists all of them.
-            left = self._collective_all(
+            _, summary = self._on_leaders(
                 "rollback: every valid step",
-                (lambda: self._scan_view(self.run_id)) if self.is_coordinator else None,
+                self._scan_view,
+                combine=_views_summary,
+                pick=_nothing,
+                run_id=self.run_id,
             )
-        self._newest_step = _newest_committed(left, self.domain)
+        self._newest_step = summary["newest"]
         if self.rank == 0:
             log.info(
                 "rollback to step %d in %s: removed step(s) %s; the newest checkpoint is now %s",
@@ -1999,30 +2031,84 @@ def _files_for(resolved: Any, names: tuple[str, ...]) -> Any:
     return SharedManifest.of(resolved, keep=lambda f: f.path.rsplit("/", 1)[-1] in names)
 
 
-def _views_decide(setups: list[Any], domain: Domain) -> bool:
-    """Whether the domain leaders' views at open decide the newest step valid in every
-    domain. Each leader reports its newest valid steps, all of them only if its view is
+def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every rank needs of the domain leaders' views of ROOT (in the order of the
+    leaders; computed once): whether they ``decide`` the newest step valid in every
+    domain, that step (``newest``; None: there is none, or the manager is read-only and
+    did not list them) and, for a start, the view of the whole job (``setup``: a step
+    counts only where every domain has it).
+
+    Each leader reports its newest valid steps, all of them only if its view is
     ``complete``. A step above the newest one common to the views is valid everywhere
     only if some view lacks it for not reaching that far down, so the views decide if
-    every incomplete view reaches down to that common step. One domain: always."""
-    if domain.count == 1:
-        return True
-    views = [setups[lead] or {} for lead in domain.leaders]
-    if all(v.get("complete", True) for v in views):
-        return True
-    common = set.intersection(*(set(v.get("valid_steps") or ()) for v in views))
-    if not common:
-        return False
-    newest = max(common)
-    return all(v.get("complete", True) or newest >= min(v["valid_steps"]) for v in views)
+    every incomplete view reaches down to that common step; where they do not, every
+    leader lists all its steps (``_full_views``). One domain: always."""
+    steps = [set(v.get("valid_steps") or ()) for v in views]
+    common = set.intersection(*steps) if steps else set()
+    newest = max(common, default=None)
+    if len(views) == 1 or all(v.get("complete", True) for v in views):
+        decide = True
+    else:
+        decide = newest is not None and all(
+            v.get("complete", True) or newest >= min(v["valid_steps"]) for v in views
+        )
+    setup = {
+        "n_valid": len(common),
+        "n_valid_counted": all(v.get("n_valid_counted", True) for v in views),
+        "newest": newest,
+        "n_corrupt": sum(v.get("n_corrupt", 0) for v in views),
+        "last_seq": max((v.get("last_seq", 0) for v in views), default=0),
+    }
+    return {"decide": decide, "newest": newest, "setup": setup}
 
 
-def _newest_committed(setups: list[Any], domain: Domain) -> int | None:
-    """The newest step valid in every storage domain, from the leaders' views at open
-    (None: there is none, or the manager is read-only and did not list them). The views
-    decide it (``_views_decide``): they were completed by a full scan where they did not."""
-    views = [set((setups[lead] or {}).get("valid_steps") or ()) for lead in domain.leaders]
-    return max(set.intersection(*views), default=None) if views else None
+def _rollback_summary(
+    results: list[tuple[list[int], dict[str, Any]]],
+) -> tuple[list[int], dict[str, Any]]:
+    """The leaders' rollbacks, as every rank needs them: the steps removed in any
+    domain (newest first), and the summary of the views left (``_views_summary``)."""
+    removed = sorted({s for gone, _ in results for s in gone}, reverse=True)
+    return removed, _views_summary([left for _, left in results])
+
+
+def _restore_outcome(
+    outcomes: list[tuple[bool, tuple[RankFailure, str] | None]],
+) -> tuple[bool, list[tuple[RankFailure, str]]]:
+    """Every rank's outcome of a load, as every rank needs it: whether any rank saw the
+    checkpoint replaced while reading it, and the ranks' failures in rank order."""
+    return any(c for c, _ in outcomes), [f for _, f in outcomes if f is not None]
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _no_routes(_results: list[Any]) -> dict[int, Any]:
+    return {}
+
+
+def _without_steps(setup: dict[str, Any], _want: Any) -> dict[str, Any]:
+    """A leader's view at open as the other ranks of its domain receive it: without its
+    list of steps (the summary says what they need of it)."""
+    return {k: v for k, v in setup.items() if k != "valid_steps"}
+
+
+def _nothing(_result: Any, _want: Any) -> None:
+    """For a round whose summary is all the other ranks need of the leaders' results."""
+    return None
+
+
+def _first(results: list[Any]) -> Any:
+    return results[0]
+
+
+def _union_sorted(results: list[list[int]]) -> list[int]:
+    return sorted({s for r in results for s in r})
+
+
+def _steps_everywhere(results: list[list[CheckpointInfo]]) -> set[int]:
+    """The steps every domain's leader listed."""
+    return set.intersection(*({i.step for i in r} for r in results))
 
 
 def _restore_failure(exc: Exception, rank: int) -> tuple[RankFailure, str]:
@@ -2060,15 +2146,6 @@ def _agreed_restore_error(
         step=step,
         operation="load",
     )
-
-
-def _common_steps(views: list[Any], domain: Domain) -> list[Manifest]:
-    """This rank's leader's manifests, restricted to the steps every domain committed."""
-    mine: list[Manifest] = views[domain.leader]
-    if domain.count == 1:
-        return mine
-    common = set.intersection(*({m.step for m in views[lead]} for lead in domain.leaders))
-    return [m for m in mine if m.step in common]
 
 
 def _with_timings(info: CheckpointInfo, timings: dict[str, float]) -> CheckpointInfo:

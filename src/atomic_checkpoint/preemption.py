@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, NoReturn
 
+from .coordination import gather_routed
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
 from .storage.posix import is_dir, list_names, make_dirs, read_head
@@ -773,32 +774,40 @@ class PreemptionGuard:
         # Read the flag once: a signal landing during the exchange counts at the next
         # boundary, on every rank alike.
         mine = self._record.signum
-        views = self._coord.all_gather(
+        # Rank 0 collects every rank's view and sends every rank one summary: O(N)
+        # bytes per check, not every view to every rank (this runs at every boundary).
+        _, check, _ = gather_routed(
+            self._coord,
             f"preemption check {self._checks} at step {step}",
-            (step, mine, self._time_left() if mine is not None else None, self.save_estimate_s),
+            "preemption check",
+            lambda: (
+                step,
+                mine,
+                self._time_left() if mine is not None else None,
+                self.save_estimate_s,
+            ),
+            _check_summary,
+            _no_routes,
+            dst=0,
+            routed=False,
             timeout_s=self.timeout_s,
         )
-        steps = sorted({v[0] for v in views})
-        if len(steps) > 1:
-            by_rank = {r: v[0] for r, v in enumerate(views)}
+        if check["by_rank"] is not None:
             raise CheckpointError(
-                f"ranks called should_save() at different steps ({by_rank}): every rank "
-                "must check at the same step boundary, the same number of times, or they "
-                "would save different steps (or hang in different collectives)"
+                f"ranks called should_save() at different steps ({check['by_rank']}): every "
+                "rank must check at the same step boundary, the same number of times, or "
+                "they would save different steps (or hang in different collectives)"
             )
         if self.decided_step is not None:
             return self._save_now
-        signalled = tuple(r for r, v in enumerate(views) if v[1] is not None)
+        signalled: tuple[int, ...] = check["signalled"]
         if not signalled:
             return False
         self.decided_step = step
         self.requested_by = signalled
-        # Every rank computes the same answer from the same views: the least time
-        # left (the rank signalled first) against the slowest recent save.
-        lefts = [v[2] for v in views if v[2] is not None]
-        estimates = [v[3] for v in views if v[3] is not None]
-        left = min(lefts) if lefts else None
-        estimate = max(estimates) if estimates else None
+        # Every rank decides the same from the same summary: the least time left (the
+        # rank signalled first) against the slowest recent save.
+        left, estimate = check["left"], check["estimate"]
         if left is not None and estimate is not None and estimate * MARGIN > left:
             self.skipped_save = (
                 f"the slowest of the recent saves took {estimate:.2f} s and {left:.2f} s "
@@ -809,18 +818,18 @@ class PreemptionGuard:
             self.skipped_save = f"the {self.grace_s:g} s grace period is already over"
         self._save_now = self.skipped_save is None
         if self._coord.rank == min(signalled):
-            self._log_decision(step, signalled, views, left, estimate)
+            self._log_decision(step, signalled, check["signals"], left, estimate)
         return self._save_now
 
     def _log_decision(
         self,
         step: int,
         signalled: tuple[int, ...],
-        views: list[Any],
+        signums: list[int],
         left: float | None,
         estimate: float | None,
     ) -> None:
-        names = sorted({signal.Signals(v[1]).name for v in views if v[1] is not None})
+        names = sorted({signal.Signals(s).name for s in signums})
         waited = (
             f"{time.monotonic() - self._record.at:.2f} s after the signal"
             if self._record.at is not None
@@ -907,3 +916,26 @@ if os.environ.get(ARM_ENV, "").strip() not in ("", "0"):
             "thread",
             ARM_ENV,
         )
+
+
+def _check_summary(
+    views: list[tuple[int, int | None, float | None, float | None]],
+) -> dict[str, Any]:
+    """What every rank needs of the ranks' views at a preemption check (each rank's
+    step, signal, time left and slowest recent save), computed once: the steps by rank
+    if they differ (an error), the ranks signalled and their signals, the least time
+    left and the slowest save."""
+    steps = {v[0] for v in views}
+    lefts = [v[2] for v in views if v[2] is not None]
+    estimates = [v[3] for v in views if v[3] is not None]
+    return {
+        "by_rank": {r: v[0] for r, v in enumerate(views)} if len(steps) > 1 else None,
+        "signalled": tuple(r for r, v in enumerate(views) if v[1] is not None),
+        "signals": sorted({v[1] for v in views if v[1] is not None}),
+        "left": min(lefts) if lefts else None,
+        "estimate": max(estimates) if estimates else None,
+    }
+
+
+def _no_routes(_views: list[Any]) -> None:
+    return None

@@ -109,6 +109,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -121,7 +122,12 @@ from typing import Any
 from . import catalog, layout
 from ._faults import fault_point
 from .async_save import lower_priority
-from .coordination import Coordinator, SingleProcessCoordinator, default_coordinator
+from .coordination import (
+    Coordinator,
+    SingleProcessCoordinator,
+    default_coordinator,
+    gather_routed,
+)
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -1444,18 +1450,23 @@ class TieredCheckpointManager:
                     log.warning("restore: step %d %s; trying the next copy", s, problem[1])
             if not tiers:
                 problem = ("missing", f"rank {self.rank}: step {s} is on no tier it can read")
-            outcomes = self._coord.all_gather(
-                f"tiered: restore {s}", (used, problem), timeout_s=self.timeout_s
+            # Rank 0 collects the outcomes; every rank gets one summary (O(N) bytes).
+            _, (problems, used_tiers, from_peers), _ = gather_routed(
+                self._coord,
+                f"tiered: restore {s}",
+                "restore",
+                functools.partial(_identity, (used, problem)),
+                _restore_outcomes,
+                _no_routes,
+                dst=0,
+                routed=False,
+                timeout_s=self.timeout_s,
             )
-            problems = [p for _u, p in outcomes if p is not None]
             if not problems:
                 info = infos.get(s)
                 if info is not None:
-                    # A peer's copy is on tier 0 (another node's).
-                    used_tiers = {0 if u == "peer" else u for u, _p in outcomes if u is not None}
                     self.last_restored = dataclasses.replace(
-                        _tiered(info, tuple(sorted(used_tiers))),
-                        from_peers=tuple(r for r, (u, _p) in enumerate(outcomes) if u == "peer"),
+                        _tiered(info, used_tiers), from_peers=from_peers
                     )
                 return state
             text = "; ".join(m for _k, m in problems)
@@ -2054,3 +2065,23 @@ class _PeerSink:
             self.abort()
             return f"committing {self.storage.url(self.final)}: {exc}"
         return None
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _no_routes(_outcomes: list[Any]) -> None:
+    return None
+
+
+def _restore_outcomes(
+    outcomes: list[tuple[int | str | None, tuple[str, str] | None]],
+) -> tuple[list[tuple[str, str]], tuple[int, ...], tuple[int, ...]]:
+    """Every rank's outcome of loading one step (the tier it used, or its problem), as
+    every rank needs it: the problems in rank order, the tiers used (a peer's copy is on
+    tier 0, another node's) and the ranks that loaded a peer's copy."""
+    problems = [p for _u, p in outcomes if p is not None]
+    used = {0 if u == "peer" else u for u, _p in outcomes if u is not None}
+    peers = tuple(r for r, (u, _p) in enumerate(outcomes) if u == "peer")
+    return problems, tuple(sorted(int(t) for t in used)), peers

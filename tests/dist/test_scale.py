@@ -76,22 +76,32 @@ def test_several_storage_domains_cost_linear_bytes_too(tmp_path):
 
 
 def _clients(world: int, namespace: str) -> tuple[object, list[TorchDistributedCoordinator]]:
+    """A TCPStore server and one client connection per rank, as in separate processes."""
+    server, _, coords = _counted_clients(world, namespace)
+    return server, list(coords)
+
+
+def _counted_clients(
+    world: int, namespace: str
+) -> tuple[object, list[Any], tuple[TorchDistributedCoordinator, ...]]:
+    """A TCPStore server and, per rank, a client counted by ``scale.CountingStore``
+    (what goes through it) and a coordinator on it."""
     import torch.distributed as dist
 
     server = dist.TCPStore(
         "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
     )
-    # One client connection per rank, as in separate processes.
-    coords = [
-        TorchDistributedCoordinator(
-            dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30)),
-            rank=r,
-            world_size=world,
-            namespace=namespace,
+    stores = [
+        scale.CountingStore(
+            dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))
         )
-        for r in range(world)
+        for _ in range(world)
     ]
-    return server, coords
+    coords = tuple(
+        TorchDistributedCoordinator(s, rank=r, world_size=world, namespace=namespace)
+        for r, s in enumerate(stores)
+    )
+    return server, stores, coords
 
 
 def _at_once(clients: tuple[TorchDistributedCoordinator, ...], call: Any) -> dict[int, Any]:
@@ -201,24 +211,11 @@ def test_restore_sends_each_rank_only_its_own_file_entries(tmp_path):
     # restore. Now each receives its own entries: the bytes a rank reads stay the same
     # whatever N.
     import torch
-    import torch.distributed as dist
 
     from atomic_checkpoint import CheckpointManager
 
     def restore_bytes(world: int) -> int:
-        server = dist.TCPStore(
-            "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
-        )
-        stores = [
-            scale.CountingStore(
-                dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))
-            )
-            for _ in range(world)
-        ]
-        coords = tuple(
-            TorchDistributedCoordinator(s, rank=r, world_size=world, namespace=f"restore{world}")
-            for r, s in enumerate(stores)
-        )
+        server, stores, coords = _counted_clients(world, f"restore{world}")
         root = tmp_path / f"world{world}"
 
         def job(c: TorchDistributedCoordinator) -> tuple[bool, int]:
@@ -241,3 +238,91 @@ def test_restore_sends_each_rank_only_its_own_file_entries(tmp_path):
 
     small, large = restore_bytes(4), restore_bytes(16)
     assert large <= small * 1.2, (small, large)
+
+
+@pytest.mark.timeout(180)
+def test_a_job_on_node_local_disks_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkeypatch):
+    # Everything but the saves, with a storage domain per node: the start (finding the
+    # domains, the leaders' views of their roots), checkpoints(), restore(), rollback()
+    # and apply_retention(). Each used to be an all-gather: every rank read every
+    # rank's host name and every leader's view or manifest list, so a rank's bytes grew
+    # with N (an open of 16 ranks read 4x what one of 4 did). Now rank 0 collects and
+    # each rank reads its own domain, its own leader's answer and one summary.
+    import torch
+
+    from atomic_checkpoint import CheckpointManager, KeepLast, domains
+
+    # Ranks are threads here: each one's host is its thread's node.
+    monkeypatch.setattr(
+        domains, "current_host", lambda: threading.current_thread().name.split("/")[0]
+    )
+    per_node = 2
+
+    def bytes_per_rank(world: int) -> dict[int, int]:
+        server, stores, coords = _counted_clients(world, f"nodes{world}")
+        out: dict[int, Any] = {}
+
+        def job(c: TorchDistributedCoordinator) -> None:
+            root = tmp_path / f"world{world}" / f"node-{c.rank // per_node}"
+            counts = stores[c.rank].counts
+
+            def used(call: Any) -> tuple[Any, int]:
+                before = counts.snapshot()["bytes"]
+                got = call()
+                c._worker.run(lambda: None, 10)  # deferred deletes are counted too
+                return got, counts.snapshot()["bytes"] - before
+
+            mgr, opened = used(
+                lambda: CheckpointManager(
+                    root, coordinator=c, storage_domains="per-host", timeout_s=30
+                )
+            )
+            mine = {"w": torch.full((4,), float(c.rank))}
+            for step in (1, 2, 3):
+                mgr.save(step, mine)
+            listed, listing = used(mgr.checkpoints)
+            got, restoring = used(mgr.restore)
+            removed, rolling = used(lambda: mgr.rollback(2))
+            mgr.retention = KeepLast(1)
+            deleted, retaining = used(mgr.apply_retention)
+            mgr.close()
+            out[c.rank] = {
+                "domains": mgr.domain.count,
+                "listed": [i.step for i in listed],
+                "restored": bool(torch.equal(got["w"], mine["w"])),
+                "removed": removed,
+                "deleted": deleted,
+                "bytes": {
+                    "open": opened,
+                    "checkpoints": listing,
+                    "restore": restoring,
+                    "rollback": rolling,
+                    "apply_retention": retaining,
+                },
+            }
+
+        threads = [
+            threading.Thread(target=job, args=(c,), name=f"node-{c.rank // per_node}/{c.rank}")
+            for c in coords
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(out) == list(range(world)), f"ranks that finished: {sorted(out)}"
+        for r, o in out.items():
+            assert o["domains"] == world // per_node, (r, o)
+            assert o["listed"] == [1, 2, 3] and o["restored"], (r, o)
+            assert o["removed"] == [3] and o["deleted"] == [1], (r, o)
+        for d in range(world // per_node):
+            node = tmp_path / f"world{world}" / f"node-{d}"
+            assert sorted(p.name for p in node.glob("checkpoint-*")) == ["checkpoint-2"]
+        del server
+        # Rank 0 collects; what matters is that no other rank reads more as N grows.
+        return {
+            what: max(o["bytes"][what] for r, o in out.items() if r) for what in out[1]["bytes"]
+        }
+
+    small, large = bytes_per_rank(4), bytes_per_rank(16)
+    for what in small:
+        assert large[what] <= small[what] * 1.2, (what, small, large)

@@ -69,3 +69,37 @@ def test_every_rank_agrees_when_the_nodes_differ_by_many_steps(tmp_path: Path) -
     # Their newest few steps have none in common: each leader listed every valid step,
     # each manifest read once.
     assert [v["reads"] for v in values] == [STEPS, 0, STEPS - 10, 0]
+
+
+def w_open_refused(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Two "nodes" with their own roots, node 1's held by another live job: every rank's
+    start fails alike. Then node 0's root must be free again: a new job opens it without
+    a takeover (node 0's leader took its lock before learning of node 1's refusal)."""
+    from atomic_checkpoint.domains import HOST_ENV
+
+    node = rank // 2
+    os.environ[HOST_ENV] = f"node{node}"
+    try:
+        CheckpointManager(os.path.join(base, f"node{node}"), timeout_s=10, lease_s=5)
+    except Exception as exc:
+        error = (type(exc).__name__, str(exc))
+    else:
+        error = None
+    return {"error": error}
+
+
+def test_a_start_refused_on_one_node_leaves_no_lock_held_on_the_others(tmp_path: Path) -> None:
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node1").mkdir()
+    other = CheckpointManager(tmp_path / "node1", run_id="other-job")  # a live second job
+    try:
+        values = ok_values(run_ranks(w_open_refused, 4, str(tmp_path), tmp_dir=str(tmp_path)))
+    finally:
+        other.close()
+    errors = {v["error"] for v in values}
+    assert len(errors) == 1 and None not in errors, values  # one error, on every rank
+    ((_kind, message),) = errors
+    assert "other-job" in message or "lock" in message.lower(), message
+    # Node 0's lock went with the failed start: a new job gets it at once, no takeover.
+    again = CheckpointManager(tmp_path / "node0", timeout_s=10)
+    again.close()
