@@ -604,9 +604,17 @@ def adopt(
         rid = _run_id_for(storage, run_id, create=True, new=rid) or rid
         if record_layout is not None:
             record_layout()
-        seqs = itertools.count(_last_commit_seq(storage) + 1)
+        last_seq, valid = _committed_in(storage)
+        seqs = itertools.count(last_seq + 1)
         out = adopt_held(
-            storage, rid, lock, wanted, framework=framework, next_seq=seqs.__next__, progress=say
+            storage,
+            rid,
+            lock,
+            wanted,
+            framework=framework,
+            next_seq=seqs.__next__,
+            progress=say,
+            valid=valid,
         )
     finally:
         lock.release()
@@ -624,16 +632,20 @@ def adopt_held(
     next_seq: Callable[[], int],
     strategy: str | None = None,
     progress: Callable[[str], None] | None = None,
+    valid: Mapping[str, Manifest] | None = None,
 ) -> AdoptResult:
     """What :func:`adopt` does once it holds the run lock, for a caller that holds it
     already (an open ``CheckpointManager``: ``CheckpointManager.adopt_existing``):
     record each adoptable checkpoint of ``storage`` under run ``rid``, numbering each
     commit with ``next_seq()``, every write fenced by ``lock``. Returns what was
-    adopted, refused or already committed. Not collective; one process."""
+    adopted, refused or already committed. Not collective; one process.
+
+    ``valid``: the checkpoints of ROOT already read and validated under this lock
+    (``_committed_in``), by name: settled without reading their manifests again."""
     say = progress or (lambda line: None)
     out = AdoptResult(storage.url(""), rid)
     strategy = strategy or choose_strategy(storage).name
-    for c in _classify(storage, framework, wanted, rid):
+    for c in _classify(storage, framework, wanted, rid, valid):
         shown = _shown(storage, c.name)
         if c.already:
             out.already.append(c.step)
@@ -746,9 +758,14 @@ def _on_disk_name(storage: Storage, name: str) -> str:
 
 
 def _classify(
-    storage: Storage, framework: str, wanted: list[int] | None, rid: str | None
+    storage: Storage,
+    framework: str,
+    wanted: list[int] | None,
+    rid: str | None,
+    valid: Mapping[str, Manifest] | None = None,
 ) -> list[_Candidate]:
-    """Every candidate of ROOT (or of ``wanted``), ascending by step, with its verdict."""
+    """Every candidate of ROOT (or of ``wanted``), ascending by step, with its verdict.
+    ``valid``: see ``adopt_held``."""
     rules = (
         [f for n, f in sorted(_FRAMEWORKS.items()) if n != GENERIC and f.auto]
         if framework == AUTO
@@ -792,7 +809,17 @@ def _classify(
             )
             continue
         ((name, matching),) = entries
-        out.append(_judge(storage, name, step, matching, rid, explicit=wanted is not None))
+        out.append(
+            _judge(
+                storage,
+                name,
+                step,
+                matching,
+                rid,
+                explicit=wanted is not None,
+                valid=(valid or {}).get(name),
+            )
+        )
     return [c for c in out if c is not None]
 
 
@@ -804,6 +831,7 @@ def _judge(
     rid: str | None,
     *,
     explicit: bool,
+    valid: Manifest | None = None,
 ) -> _Candidate | None:
     c = _Candidate(step, name)
     if catalog.is_link(storage, name):
@@ -820,7 +848,7 @@ def _judge(
         if not storage.is_dir(name):
             c.problem = "not a folder"
             return c
-        settled = _existing_manifest(storage, name, rid)
+        settled = _existing_manifest(storage, name, rid, valid)
         if settled is not None:
             kind, text = settled
             if kind == "foreign" and not explicit:
@@ -841,10 +869,15 @@ def _judge(
     return c
 
 
-def _existing_manifest(storage: Storage, name: str, rid: str | None) -> tuple[str, str] | None:
+def _existing_manifest(
+    storage: Storage, name: str, rid: str | None, valid: Manifest | None = None
+) -> tuple[str, str] | None:
     """A folder that already holds a manifest (or our in-progress marker) is never
     adopted: ``("already", ...)`` for a valid checkpoint of the run, else
-    ``("refused", why)``. None: no manifest, a candidate."""
+    ``("refused", why)``. None: no manifest, a candidate. ``valid``: its manifest, read
+    and validated already (under the same run lock): not read again."""
+    if valid is not None:
+        return _settled(valid, rid)
     try:
         manifest = catalog.read_manifest(storage, name)
     except CheckpointNotFoundError:
@@ -873,6 +906,11 @@ def _existing_manifest(storage: Storage, name: str, rid: str | None) -> tuple[st
             f"it is committed but does not validate ({exc}); adoption never replaces a "
             "manifest: see `atomic-checkpoint verify`",
         )
+    return _settled(manifest, rid)
+
+
+def _settled(manifest: Manifest, rid: str | None) -> tuple[str, str]:
+    """A valid committed checkpoint: ours (``already``), or another run's."""
     if rid is not None and manifest.run_id != rid:
         return (
             "foreign",
@@ -995,10 +1033,14 @@ def _describe(storage: Storage, c: _Candidate) -> tuple[dict[str, float], dict[s
     return metrics, metadata
 
 
-def _last_commit_seq(storage: Storage) -> int:
-    """The highest commit sequence number of any manifest in ROOT."""
-    seqs = [e.manifest.commit_seq for e in catalog.scan(storage) if e.manifest is not None]
-    return max(seqs, default=0)
+def _committed_in(storage: Storage) -> tuple[int, dict[str, Manifest]]:
+    """One scan of ROOT: the highest commit sequence number of any manifest in it, and
+    the valid checkpoints (of any run) by name, which adopting then settles without
+    reading their manifests again."""
+    entries = catalog.scan(storage)
+    seqs = [e.manifest.commit_seq for e in entries if e.manifest is not None]
+    valid = {e.name: e.manifest for e in entries if e.status == "ok" and e.manifest is not None}
+    return max(seqs, default=0), valid
 
 
 # ---------------------------------------------------------------------- run and lock

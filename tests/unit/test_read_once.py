@@ -104,3 +104,33 @@ def test_a_start_without_a_run_file_reads_each_manifest_once(root: Path) -> None
         assert mgr.run_id == recorded
         assert _newest_step(mgr) == N - 1
     assert catalog.recorded_run_id(LocalStorage(root)) == recorded
+
+
+def test_adopt_reads_each_committed_manifest_once(root: Path) -> None:
+    # A Trainer run adopted again at each start (adopt_existing=True): the committed
+    # checkpoints are settled from the one scan that also numbers the new commits, not
+    # read a second time each (base: 2 reads per checkpoint, 400 here).
+    from atomic_checkpoint import adopt
+
+    stock = root / "checkpoint-500"  # a stock Trainer folder, complete by its rule
+    stock.mkdir()
+    (stock / "model.safetensors").write_bytes(_safetensors_bytes())
+    (stock / "trainer_state.json").write_text('{"global_step": 500}')
+    storage = CountingLocalStorage(root)
+    result = adopt(storage, framework="hf")
+    assert result.adopted == [500], result.refused
+    assert sorted(result.already) == list(range(N))
+    # Each committed manifest once; the stock folder's (absent) manifest is looked for
+    # by the scan and again just before adopting it.
+    assert storage.manifest_reads <= N + 2, storage.manifest_reads
+    with CheckpointManager(root, read_only=True) as mgr:
+        mgr.verify(500)
+        assert mgr.latest().step == 500
+
+
+def _safetensors_bytes() -> bytes:
+    import json
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    return struct.pack("<Q", len(header)) + header + np.zeros(2, dtype=np.float32).tobytes()
