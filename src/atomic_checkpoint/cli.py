@@ -156,6 +156,7 @@ from typing import Any, NoReturn, TextIO
 
 from . import catalog
 from ._version import __version__
+from .coordination import gather_summary
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -1783,6 +1784,10 @@ def _drain_group() -> Any:
     return TorchDistributedCoordinator()
 
 
+def _named_refusals(refusals: list[tuple[int, str] | None]) -> list[tuple[int, tuple[int, str]]]:
+    return [(r, got) for r, got in enumerate(refusals) if got is not None]
+
+
 def _agree(coord: Any, key: str, check: Callable[[], None], timeout_s: float) -> None:
     """Run ``check`` on every process; if it refused on any, every process refuses
     alike (the first refusal's exit status, each refusal named by its rank)."""
@@ -1791,8 +1796,7 @@ def _agree(coord: Any, key: str, check: Callable[[], None], timeout_s: float) ->
         check()
     except CliError as exc:
         refusal = (exc.code, str(exc))
-    refusals = coord.all_gather(key, refusal, timeout_s=timeout_s)
-    named = [(r, got) for r, got in enumerate(refusals) if got is not None]
+    named = gather_summary(coord, key, refusal, _named_refusals, timeout_s=timeout_s)
     if named:
         text = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in named)
         raise CliError(text, named[0][1][0])

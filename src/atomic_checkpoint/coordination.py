@@ -66,6 +66,8 @@ __all__ = [
     "TorchDistributedCoordinator",
     "default_coordinator",
     "exchange_outcomes",
+    "gather_summary",
+    "shared_failures",
 ]
 
 
@@ -741,10 +743,12 @@ def exchange_outcomes(
     """Share this rank's outcome of one step with every rank: what it produced, or what
     failed. Collective; called by every rank, from the thread that runs the step.
 
-    The one exchange behind DESIGN invariant 4 (if any rank fails, every rank raises
-    the same error): every rank gets the same answer, so every rank decides the same
-    way whether, and what, to raise. Used by the commit's phases, and by the DCP and
-    Accelerate integrations around the framework's own writes and reads.
+    The exchange behind DESIGN invariant 4 (if any rank fails, every rank raises the
+    same error): every rank gets the same answer, so every rank decides the same way
+    whether, and what, to raise. Every rank receives every rank's value (an all-gather,
+    O(N^2) bytes for N ranks); where the failures are all that matter,
+    ``shared_failures`` costs O(N), and ``gather_routed`` serves the library's own
+    rounds.
 
     Args:
         coord: the job's coordinator.
@@ -800,33 +804,6 @@ def _run_here(
     return value, (value, None if error is None else rank_failure(error, coord.rank, failed_in))
 
 
-def run_everywhere(
-    coord: Coordinator,
-    key: str,
-    phase: str,
-    fn: Callable[[], _T] | None,
-    *,
-    timeout_s: float,
-    step: int | None = None,
-) -> list[_T]:
-    """Run ``fn`` on this rank (None: nothing to do here), then share the outcome with
-    every rank (``exchange_outcomes``). Collective.
-
-    Returns every rank's result, indexed by rank. If any rank failed, every rank raises
-    the same error (``shared_error``; with one rank, the original error); a rank that
-    did not arrive within ``timeout_s`` makes every other rank raise
-    ``CoordinationTimeoutError`` naming it. ``key`` names the round in that error;
-    ``phase`` names the step in a failure.
-    """
-    value, (_, failure) = _run_here(coord, phase, fn)
-    if coord.world_size == 1:
-        return [value]
-    values, failures = exchange_outcomes(coord, key, value, failure, timeout_s=timeout_s)
-    if failures:
-        raise shared_error(failures, step)
-    return values
-
-
 def gather_routed(
     coord: Coordinator,
     key: str,
@@ -841,14 +818,14 @@ def gather_routed(
     step: int | None = None,
     failed: tuple[str, Exception] | None = None,
 ) -> tuple[_T, Any, Any]:
-    """Like ``run_everywhere``, but no rank gets every result: ``dst`` collects them,
-    every rank gets ``summarize(results)`` and each rank that asks (``routed``) its own
-    ``route(results)[rank]``, both computed once on ``dst``; ``route`` may answer None:
-    nothing is routed this round (e.g. the summary says what to do next). Returns this
-    rank's result, the summary and its routed value (None unless ``routed`` and routed).
-    If any rank failed, every rank raises the same error. ``failed``: this rank failed
-    already, (the step it failed in, the error), and sends that instead of running
-    ``fn``.
+    """Run ``fn`` on this rank and share the outcome, without sending every result to
+    every rank: ``dst`` collects them, every rank gets ``summarize(results)`` and each
+    rank that asks (``routed``) its own ``route(results)[rank]``, both computed once on
+    ``dst``; ``route`` may answer None: nothing is routed this round (e.g. the summary
+    says what to do next). Returns this rank's result, the summary and its routed value
+    (None unless ``routed`` and routed). If any rank failed, every rank raises the same
+    error. ``failed``: this rank failed already, (the step it failed in, the error),
+    and sends that instead of running ``fn``.
 
     Through a coordinator with ``gather_and_route``, a round costs O(N) store requests
     and, for a small summary, O(N) bytes for N ranks; otherwise it is an all-gather
@@ -881,6 +858,58 @@ def gather_routed(
     if failures:
         raise shared_error(failures, step)
     return value, summary, mine
+
+
+def gather_summary(
+    coord: Coordinator,
+    key: str,
+    value: Any,
+    summarize: Callable[[list[Any]], _T],
+    *,
+    timeout_s: float,
+) -> _T:
+    """Every rank contributes ``value``; every rank gets ``summarize(values)`` (the
+    values indexed by rank), computed once on rank 0. Collective.
+
+    For a check whose answer is small (the first rank that refused, the failures, the
+    union of what the ranks found): through a coordinator with ``gather_and_route`` a
+    round costs O(N) bytes, where an all-gather sends every rank's value to every rank.
+    A rank that does not arrive within ``timeout_s`` is named on every rank
+    (``CoordinationTimeoutError``), as for an all-gather.
+    """
+    _, summary, _ = gather_routed(
+        coord,
+        key,
+        key,
+        functools.partial(_identity, value),
+        summarize,
+        _no_routes,
+        dst=0,
+        routed=False,
+        timeout_s=timeout_s,
+    )
+    return summary
+
+
+def shared_failures(
+    coord: Coordinator, key: str, failure: RankFailure | None, *, timeout_s: float
+) -> list[RankFailure]:
+    """Every rank's failure of one step, in rank order (empty: none failed), the same
+    list on every rank (``gather_summary``): what the DCP and Accelerate integrations
+    exchange around the framework's own writes and reads (DESIGN invariant 4)."""
+    return gather_summary(coord, key, failure, _failures_of, timeout_s=timeout_s)
+
+
+def _failures_of(failures: list[RankFailure | None]) -> list[RankFailure]:
+    return [f for f in failures if f is not None]
+
+
+def _identity(value: _T) -> _T:
+    return value
+
+
+def _no_routes(_values: list[Any]) -> None:
+    return None
 
 
 def run_on_leaders(

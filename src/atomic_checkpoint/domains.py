@@ -93,7 +93,8 @@ def discover(
 
     # Rank 0 collects every rank's host and sends each rank its own domain (one host, or
     # per-host) or every rank the candidates to probe: O(N) bytes through the store,
-    # where every rank reading every host name put O(N^2) (250 MB at 4096 ranks).
+    # where every rank reading every host name put N x hosts (4096 ranks on 512 hosts:
+    # 512 names to each rank).
     def candidates_of(hosts: list[str]) -> list[int]:
         return [r for r in range(world) if hosts.index(hosts[r]) == r]
 

@@ -33,7 +33,7 @@ from .commit import SaveContext
 from .coordination import (
     Coordinator,
     default_coordinator,
-    gather_routed,
+    gather_summary,
     run_on_leaders,
 )
 from .domains import Domain
@@ -1656,15 +1656,11 @@ class CheckpointManager:
                 changed, error = False, error or exc
             mine = (changed, None if error is None else _restore_failure(error, self.rank))
             # Rank 0 collects the outcomes; every rank gets one answer (O(N) bytes).
-            _, (changed, failures), _ = gather_routed(
+            changed, failures = gather_summary(
                 self.coordinator,
                 f"restore step {step}: outcome",
-                "restore",
-                functools.partial(_identity, mine),
+                mine,
                 _restore_outcome,
-                _no_routes,
-                dst=0,
-                routed=False,
                 timeout_s=self.timeout_s,
             )
             if changed:
@@ -2077,14 +2073,6 @@ def _restore_outcome(
     """Every rank's outcome of a load, as every rank needs it: whether any rank saw the
     checkpoint replaced while reading it, and the ranks' failures in rank order."""
     return any(c for c, _ in outcomes), [f for _, f in outcomes if f is not None]
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _no_routes(_results: list[Any]) -> dict[int, Any]:
-    return {}
 
 
 def _without_steps(setup: dict[str, Any], _want: Any) -> dict[str, Any]:

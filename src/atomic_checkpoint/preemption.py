@@ -79,7 +79,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, NoReturn
 
-from .coordination import gather_routed
+from .coordination import gather_summary
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
 from .storage.posix import is_dir, list_names, make_dirs, read_head
@@ -776,20 +776,11 @@ class PreemptionGuard:
         mine = self._record.signum
         # Rank 0 collects every rank's view and sends every rank one summary: O(N)
         # bytes per check, not every view to every rank (this runs at every boundary).
-        _, check, _ = gather_routed(
+        check = gather_summary(
             self._coord,
             f"preemption check {self._checks} at step {step}",
-            "preemption check",
-            lambda: (
-                step,
-                mine,
-                self._time_left() if mine is not None else None,
-                self.save_estimate_s,
-            ),
+            (step, mine, self._time_left() if mine is not None else None, self.save_estimate_s),
             _check_summary,
-            _no_routes,
-            dst=0,
-            routed=False,
             timeout_s=self.timeout_s,
         )
         if check["by_rank"] is not None:
@@ -935,7 +926,3 @@ def _check_summary(
         "left": min(lefts) if lefts else None,
         "estimate": max(estimates) if estimates else None,
     }
-
-
-def _no_routes(_views: list[Any]) -> None:
-    return None

@@ -109,7 +109,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -126,7 +125,7 @@ from .coordination import (
     Coordinator,
     SingleProcessCoordinator,
     default_coordinator,
-    gather_routed,
+    gather_summary,
 )
 from .errors import (
     CheckpointError,
@@ -345,11 +344,14 @@ class TieredCheckpointManager:
         if self._multi:
             # One run on every node: rank 0's answer, else any node's (a wiped node
             # learns it from the persistent tier or from the others).
-            rids = coord.all_gather(
-                "tiered: run id", (rid, unread is not None), timeout_s=self.timeout_s
+            rid, unreadable = gather_summary(
+                coord,
+                "tiered: run id",
+                (rid, unread is not None),
+                _run_id_of,
+                timeout_s=self.timeout_s,
             )
-            rid = next((r for r, _u in rids if r), None)
-            if rid is None and any(u for _r, u in rids):
+            if rid is None and unreadable:
                 # Every rank raises alike: nobody can tell which run this is.
                 raise unread or StorageError(
                     f"{self._slow_storage.url('')} cannot be read on some node and no node's "
@@ -1451,15 +1453,11 @@ class TieredCheckpointManager:
             if not tiers:
                 problem = ("missing", f"rank {self.rank}: step {s} is on no tier it can read")
             # Rank 0 collects the outcomes; every rank gets one summary (O(N) bytes).
-            _, (problems, used_tiers, from_peers), _ = gather_routed(
+            problems, used_tiers, from_peers = gather_summary(
                 self._coord,
                 f"tiered: restore {s}",
-                "restore",
-                functools.partial(_identity, (used, problem)),
+                (used, problem),
                 _restore_outcomes,
-                _no_routes,
-                dst=0,
-                routed=False,
                 timeout_s=self.timeout_s,
             )
             if not problems:
@@ -2067,14 +2065,6 @@ class _PeerSink:
         return None
 
 
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _no_routes(_outcomes: list[Any]) -> None:
-    return None
-
-
 def _restore_outcomes(
     outcomes: list[tuple[int | str | None, tuple[str, str] | None]],
 ) -> tuple[list[tuple[str, str]], tuple[int, ...], tuple[int, ...]]:
@@ -2085,3 +2075,9 @@ def _restore_outcomes(
     used = {0 if u == "peer" else u for u, _p in outcomes if u is not None}
     peers = tuple(r for r, (u, _p) in enumerate(outcomes) if u == "peer")
     return problems, tuple(sorted(int(t) for t in used)), peers
+
+
+def _run_id_of(views: list[tuple[str | None, bool]]) -> tuple[str | None, bool]:
+    """The run id rank 0 names, else the first any node names; and whether some node
+    could not read the persistent tier."""
+    return next((r for r, _u in views if r), None), any(u for _r, u in views)

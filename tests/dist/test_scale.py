@@ -326,3 +326,32 @@ def test_a_job_on_node_local_disks_costs_each_rank_the_same_bytes_whatever_n(tmp
     small, large = bytes_per_rank(4), bytes_per_rank(16)
     for what in small:
         assert large[what] <= small[what] * 1.2, (what, small, large)
+
+
+@pytest.mark.timeout(60)
+def test_shared_failures_names_every_failing_rank_on_every_rank_at_constant_bytes():
+    # The DCP and Accelerate integrations exchange failures around every framework
+    # write and read: every rank gets the same list, naming each failing rank, and
+    # reads one answer of the same size whatever the number of ranks.
+    from atomic_checkpoint.coordination import shared_failures
+    from atomic_checkpoint.errors import RankFailure
+
+    def run(world: int) -> tuple[dict[int, Any], int]:
+        server, stores, coords = _counted_clients(world, f"failures{world}")
+
+        def call(c: TorchDistributedCoordinator) -> Any:
+            failure = RankFailure(c.rank, "write", "OSError", "disk full") if c.rank == 2 else None
+            before = stores[c.rank].counts.snapshot()["bytes"]
+            got = shared_failures(c, "write", failure, timeout_s=20)
+            c._worker.run(lambda: None, 10)
+            return got, stores[c.rank].counts.snapshot()["bytes"] - before
+
+        out = _at_once(coords, call)
+        del server
+        return {r: got for r, (got, _) in out.items()}, max(b for r, (_, b) in out.items() if r)
+
+    (small, small_bytes), (large, large_bytes) = run(4), run(16)
+    for world, answers in ((4, small), (16, large)):
+        assert sorted(answers) == list(range(world))
+        assert all(a == [RankFailure(2, "write", "OSError", "disk full")] for a in answers.values())
+    assert large_bytes <= small_bytes * 1.2, (small_bytes, large_bytes)

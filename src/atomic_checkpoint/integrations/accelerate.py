@@ -70,7 +70,7 @@ from typing import Any
 
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt
 from ..catalog import read_manifest
-from ..coordination import Coordinator, exchange_outcomes, rank_failure
+from ..coordination import Coordinator, gather_summary, rank_failure, shared_failures
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -128,7 +128,7 @@ def _share_outcome(
     then the failing rank re-raises its own error, every other rank raises one error
     naming each failing rank."""
     failure = None if own is None else rank_failure(own, coordinator.rank, phase)
-    _, failures = exchange_outcomes(coordinator, key, None, failure, timeout_s=timeout_s)
+    failures = shared_failures(coordinator, key, failure, timeout_s=timeout_s)
     if not failures:
         return
     if own is not None:
@@ -342,16 +342,22 @@ class FrameworkRoot:
         """
         mgr = self.manager
         names = sorted(set(_masked_names(target))) if mgr.is_coordinator else None
-        views = mgr.coordinator.all_gather(
+        leaders = mgr.domain.leaders
+
+        def lacking_of(views: list[list[str] | None]) -> dict[int, list[str]]:
+            copies = {lead: set(views[lead] or ()) for lead in leaders}
+            everything = set().union(*copies.values())
+            return {
+                lead: sorted(everything - got) for lead, got in copies.items() if got != everything
+            }
+
+        lacking = gather_summary(
+            mgr.coordinator,
             f"{self.label} step {step}: files of each storage domain",
             names,
+            lacking_of,
             timeout_s=self.timeout_s,
         )
-        copies = {lead: set(views[lead] or ()) for lead in mgr.domain.leaders}
-        everything = set().union(*copies.values())
-        lacking = {
-            lead: sorted(everything - got) for lead, got in copies.items() if got != everything
-        }
         if lacking:
             detail = "; ".join(f"domain of rank {lead} lacks {m}" for lead, m in lacking.items())
             raise CommitError(
@@ -397,10 +403,13 @@ class FrameworkRoot:
                 except CorruptCheckpointError as exc:
                     problem = str(exc)
                     log.warning("%s: skipping checkpoint step %d: %s", self.label, candidate, exc)
-            problems = mgr.coordinator.all_gather(
-                f"{self.label}: verified step {candidate}", problem, timeout_s=self.timeout_s
+            bad = gather_summary(
+                mgr.coordinator,
+                f"{self.label}: verified step {candidate}",
+                problem,
+                _given,
+                timeout_s=self.timeout_s,
             )
-            bad = [p for p in problems if p]
             if not bad:
                 return candidate
             if step is not None:
@@ -408,10 +417,13 @@ class FrameworkRoot:
                     f"{self.label}: checkpoint step {step} failed verification: {bad[0]}"
                 )
         names = _checkpoint_like_names(self.folders) if mgr.is_coordinator else []
-        seen = mgr.coordinator.all_gather(
-            f"{self.label}: checkpoint folders", names, timeout_s=self.timeout_s
+        torn = gather_summary(
+            mgr.coordinator,
+            f"{self.label}: checkpoint folders",
+            names,
+            _union,
+            timeout_s=self.timeout_s,
         )
-        torn = sorted({n for found in seen for n in found})
         if not torn:
             return None
         raise ResumeError(
@@ -424,6 +436,15 @@ class FrameworkRoot:
     def close(self) -> None:
         """Wait for background retention. Not collective; idempotent."""
         self.manager.close()
+
+
+def _given(values: list[Any]) -> list[Any]:
+    """What the ranks reported, in rank order, without the ranks that had nothing."""
+    return [v for v in values if v]
+
+
+def _union(values: list[list[str]]) -> list[str]:
+    return sorted({n for found in values for n in found})
 
 
 def _masked_names(directory: Path) -> list[str]:
@@ -568,10 +589,14 @@ def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
                     pass  # unreadable: torn, replaced like one
             except CheckpointError:
                 pass
-    found = mgr.coordinator.all_gather(
-        f"accelerate step {step}: stock checkpoint in the way", problem, timeout_s=opened.timeout_s
+    given = gather_summary(
+        mgr.coordinator,
+        f"accelerate step {step}: stock checkpoint in the way",
+        problem,
+        _given,
+        timeout_s=opened.timeout_s,
     )
-    where = next((p for p in found if p), None)
+    where = given[0] if given else None
     if where is not None:
         raise CheckpointExistsError(
             f"save_state: {where} is a complete checkpoint that Accelerate's own save_state() "

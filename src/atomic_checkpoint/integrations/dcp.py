@@ -108,7 +108,7 @@ from .. import catalog
 from .._faults import fault_point
 from .._version import __version__
 from ..async_save import SaveHandle
-from ..coordination import exchange_outcomes
+from ..coordination import shared_failures
 from ..errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -230,9 +230,7 @@ def _agree(
     that gets an answer. A rank that does not report within ``mgr.timeout_s`` counts as
     failed. Collective."""
     try:
-        _, failures = exchange_outcomes(
-            mgr.coordinator, key, None, failure, timeout_s=mgr.timeout_s
-        )
+        failures = shared_failures(mgr.coordinator, key, failure, timeout_s=mgr.timeout_s)
     except CoordinationTimeoutError as exc:
         failures = [failure] if failure is not None else []
         failures += [

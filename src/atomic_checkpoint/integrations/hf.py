@@ -75,6 +75,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..coordination import gather_summary
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -453,15 +454,13 @@ class _AtomicTrainer:
                 view.update(result.refused)
             except (CheckpointError, OSError, ValueError) as exc:
                 view = {s: f"could not be checked: {exc}" for s in steps or ()}
-        views = mgr.coordinator.all_gather(
-            f"{opened.label}: stock checkpoints", view, timeout_s=self.settings.timeout_s
+        return gather_summary(
+            mgr.coordinator,
+            f"{opened.label}: stock checkpoints",
+            view,
+            _merged_views,
+            timeout_s=self.settings.timeout_s,
         )
-        merged: dict[int, str | None] = {}
-        for v in views:
-            for step, why in (v or {}).items():
-                if merged.get(step) is None:
-                    merged[step] = why
-        return merged
 
     def _stock_hint(self, opened: FrameworkRoot) -> str:
         """The end of the "nothing to resume from" error: which stock checkpoints are
@@ -784,3 +783,14 @@ def _trainer_holding(callback: Any) -> Any:
             return candidate
         frame = frame.f_back
     return None
+
+
+def _merged_views(views: list[dict[int, str | None] | None]) -> dict[int, str | None]:
+    """The storage domains' verdicts on the stock folders, merged: a step is adoptable
+    (None) only if no domain refused it."""
+    merged: dict[int, str | None] = {}
+    for v in views:
+        for step, why in (v or {}).items():
+            if merged.get(step) is None:
+                merged[step] = why
+    return merged
