@@ -57,3 +57,17 @@ def test_preemption_check_summary_is_what_every_rank_decides_from():
     }
     apart = _check_summary([(10, None, None, None), (11, None, None, None)])
     assert apart["by_rank"] == {0: 10, 1: 11} and apart["signalled"] == ()
+
+
+def test_visibility_that_is_not_a_partition_is_one_error_naming_the_ranks(tmp_path):
+    # Rank 0 decides from every rank's probe report and sends the verdict: a rank that
+    # sees no probe, or sees other probes than its leader does, is every rank's error.
+    from atomic_checkpoint import CheckpointError
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    storage = LocalStorage(tmp_path)
+    assert domains._leaders_seen(storage, [[0], [0], [2], [2]]) == [0, 0, 2, 2]
+    with pytest.raises(CheckpointError, match="rank 1 sees no storage probe"):
+        domains._leaders_seen(storage, [[0], [], [2], [2]])
+    with pytest.raises(CheckpointError, match=r"rank 1 sees the probes of ranks \[0, 2\]"):
+        domains._leaders_seen(storage, [[0], [0, 2], [2], [2]])
