@@ -1670,6 +1670,17 @@ def _open_target(text: str, options: Sequence[str] | None) -> Storage:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    coord, owned = _drain_group()
+    try:
+        return _drain(args, coord)
+    finally:
+        if owned:  # this process made the group: leave it torn down, as torchrun asks
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _drain(args: argparse.Namespace, coord: Any) -> int:
     from .tiered import Tier, TieredCheckpointManager
 
     fast = _open_root(args.root, args.storage_option)
@@ -1705,7 +1716,6 @@ def cmd_drain(args: argparse.Namespace) -> int:
                 EXIT_USAGE,
             ) from None
 
-    coord = _drain_group()
     if coord is None:
         check_locks()
     else:
@@ -1769,19 +1779,20 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _drain_group() -> Any:
+def _drain_group() -> tuple[Any, bool]:
     """Under torchrun (``WORLD_SIZE`` > 1), one ``drain`` process per node: the job's
     coordinator, the process group initialised from the environment (gloo) unless the
-    caller did. None for a single process."""
+    caller did, and whether this call initialised it. None for a single process."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+        return None, False
     import torch.distributed as dist
 
     from .coordination import TorchDistributedCoordinator
 
-    if not dist.is_initialized():
+    owned = not dist.is_initialized()
+    if owned:
         dist.init_process_group("gloo")
-    return TorchDistributedCoordinator()
+    return TorchDistributedCoordinator(), owned
 
 
 def _named_refusals(refusals: list[tuple[int, str] | None]) -> list[tuple[int, tuple[int, str]]]:

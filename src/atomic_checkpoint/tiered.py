@@ -60,7 +60,9 @@ C. rank 0 publishes one manifest (every rank's file, the checksums of the save,
 At start (and after tier 1 was unreachable) one round agrees what tier 1 lacks: the
 steps every node committed on tier 0, newer than tier 1's newest. A rank that dies
 mid-round makes the others' round time out (``timeout_s``): replication stops there
-and the steps stay held on tier 0 until the job restarts. ``latest()``,
+and the steps stay held on tier 0 until the job restarts. Each round begins with one
+exchange that also says whether any rank is closing: the replicators stop together,
+between rounds, so a ``close()`` never leaves another rank waiting in a round. ``latest()``,
 ``checkpoints()`` and ``restore()`` are collective: each rank says which steps it can
 load from its own node's tier 0 copy, rank 0 says what tier 1 holds, and every rank
 picks the newest step that every rank can load from some tier. Each rank then reads
@@ -316,6 +318,7 @@ class TieredCheckpointManager:
         self._fatal: BaseException | None = None
         self._last_error: BaseException | None = None
         self._stop = threading.Event()
+        self._abandon = False  # interpreter exit: stop without the agreed last round
         self._kick = False  # a new step arrived: retry at once
         self._persistent: CheckpointManager | None = None
         self._reader: CheckpointManager | None = None
@@ -749,31 +752,37 @@ class TieredCheckpointManager:
                     and not self._peer_todo
                 ):
                     self._cv.wait()
-                if self._stop.is_set():
-                    return
+                if self._abandon:
+                    return  # interpreter exit without close(): nobody to agree with
+                stopping = self._stop.is_set()
                 reconciled = self._reconciled
                 step = min(self._todo) if self._todo else None
                 peer_step = min(self._peer_todo) if self._peer_todo else None
                 self._kick = False
             try:
-                if self._peer_group is not None:
-                    # Peer rounds first: they need no persistent tier (it may be the
-                    # reason the others wait). A rank whose save has not returned yet
-                    # reports None; the oldest step any rank reports is everyone's.
-                    picks = self._rc.all_gather(
-                        "tiered: peer step", peer_step, timeout_s=self.timeout_s
-                    )
-                    chosen = min((p for p in picks if p is not None), default=None)
-                    if chosen is not None:
-                        self._peer_round(chosen)
-                        continue
+                # Each round starts with one agreed exchange: whether any rank is
+                # stopping (close() on every rank: they stop together, so no rank is
+                # left waiting in a round another one will never join) and, with peer
+                # replicas, the oldest step any rank reports for a peer round (peer
+                # rounds first: they need no persistent tier, which may be the reason
+                # the others wait; a rank whose save has not returned yet reports None).
+                stop, chosen = gather_summary(
+                    self._rc,
+                    "tiered: next",
+                    (stopping, peer_step),
+                    _next_round,
+                    timeout_s=self.timeout_s,
+                )
+                if stop:
+                    return
+                if chosen is not None:
+                    self._peer_round(chosen)
+                    continue
                 if not reconciled:
                     self._reconcile_multi()
                 else:
                     self._replicate_multi(step)
                 delay = _RETRY_MIN_S
-            except _Stopped:
-                return
             except _RoundFailed as exc:  # every rank got the same outcome: all retry
                 delay = self._back_off(exc, delay)
             except CheckpointError as exc:  # a rank is gone (exchange timed out)
@@ -899,7 +908,9 @@ class TieredCheckpointManager:
             try:
                 copied = ("ok", self._copy_node_files(step, plan["staged"]))
             except _Stopped:
-                raise
+                # close() on this rank: the round ends alike for everyone (rank 0
+                # discards the attempt), and the next round's exchange stops them all.
+                copied = ("retry", f"rank {self.rank}: stopping")
             except (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError) as e:
                 copied = ("failed", f"rank {self.rank}: {e}")
             except Exception as e:
@@ -1744,9 +1755,9 @@ class TieredCheckpointManager:
             The steps that did not reach the persistent tier (empty when drained). They
             stay on tier 0 and are replicated at the next start on the same tier 0.
 
-        Multi-rank: collective (tier 0's close is). With the persistent tier
-        unreachable, a rank may wait up to ``timeout_s`` more for the other ranks'
-        replicators to leave a round they started before the close.
+        Multi-rank: collective. The replicators stop together, at the start of their
+        next round (a copy in flight is discarded, never half committed): a rank whose
+        ``close()`` comes first waits for the others' (at most ``timeout_s``).
         """
         if self._closed:
             return []
@@ -1826,14 +1837,22 @@ class TieredCheckpointManager:
         )
 
 
+def _next_round(reports: list[tuple[bool, int | None]]) -> tuple[bool, int | None]:
+    """The multi-rank replicator's first exchange of a round, on rank 0: whether any
+    rank is stopping, and the oldest step any rank has for a peer round."""
+    stop = any(s for s, _ in reports)
+    return stop, min((p for _, p in reports if p is not None), default=None)
+
+
 def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:
     """Interpreter exit without ``close()``: stop the replicator (an attempt in flight is
     discarded, never half committed), bounded, without draining."""
     mgr = ref()
     if mgr is None or mgr._closed or os.getpid() != pid:
         return
-    mgr._stop.set()
     with mgr._cv:
+        mgr._abandon = True
+        mgr._stop.set()
         mgr._cv.notify_all()
     mgr._thread.join(timeout=30.0)
     left = mgr.replication_backlog()

@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -313,10 +316,11 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, HOST_ENV: f"node{n}", "OMP_NUM_THREADS": "1"},
+            start_new_session=True,  # its own process group: killed whole on timeout
         )
         for n in (0, 1)
     ]
-    outs = [p.communicate(timeout=150) for p in nodes]
+    outs = wait_nodes(nodes, timeout_s=150)
     assert [p.returncode for p in nodes] == [0, 0], outs
     docs = [json.loads(out[out.index("{") :]) for out, _ in outs]
     assert all(d["ok"] and d["left"] == [] for d in docs), docs
@@ -327,6 +331,73 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
         catalog.load_checkpoint(reader.storage, s, full=True)
         for r in range(4):
             assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
+
+
+@pytest.mark.netfs
+def test_ranks_that_close_one_by_one_while_s3_fails_stop_replicating_together(
+    tmp_path, s3_server, s3_bucket
+):
+    # Once the tiers are open, the persistent tier answers 503 to everything, so the 3
+    # ranks' replicators retry their rounds in lockstep. Rank 0 closes at once, the
+    # others 3 s later: every replicator stops at the start of its next round, agreed,
+    # instead of ranks 1 and 2 waiting in a round that rank 0 left until the exchange
+    # times out (30 s here).
+    flag = tmp_path / "s3-is-down"
+    with S3Proxy(s3_server, lifetime_s=120) as proxy:
+        down = proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
+        job = ok_values(
+            run_ranks(
+                workers.w_close_one_by_one,
+                WORLD,
+                str(tmp_path / "nodes"),
+                f"s3://{s3_bucket}/run",
+                proxy.storage_options(max_attempts=1),
+                3.0,
+                str(flag),
+                tmp_dir=str(tmp_path),
+                timeout_s=150,
+            )
+        )
+    assert down.fired > 0
+    assert all(v["left"] == [1] for v in job), job
+    assert all(v["fatal"] == "None" for v in job), job  # no exchange timed out
+    # Rank 0's replicator stopped the others' at their next round: by the time they
+    # close, replication has ended (before, ranks 1 and 2 waited about 30 s here).
+    assert all(v["close_s"] < 10 for v in job), job
+    for n in range(WORLD):
+        kept = CheckpointManager(tmp_path / "nodes" / f"node{n}", read_only=True)
+        assert [c.step for c in kept.checkpoints()] == [1]  # held on tier 0
+
+
+def wait_nodes(nodes: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[str, str]]:
+    """Every node's (stdout, stderr), read at once (a node whose pipe fills would block
+    the others). A node that fails makes torchrun on the other nodes wait at its exit
+    barrier, so on timeout every node's process group is killed and the test fails with
+    what each node printed: the first failure is in one of them."""
+    outs: list[tuple[str, str]] = [("", "")] * len(nodes)
+
+    def read(i: int) -> None:
+        outs[i] = nodes[i].communicate()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(nodes))]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = [i for i, p in enumerate(nodes) if p.poll() is None]
+    for i in late:
+        os.killpg(nodes[i].pid, signal.SIGKILL)
+    for t in readers:
+        t.join(30)
+    if late:
+        shown = "\n".join(
+            f"--- node {i} (rc {p.returncode}{', killed' if i in late else ''}) ---\n"
+            f"{outs[i][0][-3000:]}\n{outs[i][1][-6000:]}"
+            for i, p in enumerate(nodes)
+        )
+        pytest.fail(f"nodes {late} did not exit within {timeout_s:g} s:\n{shown}")
+    return outs
 
 
 def free_port() -> int:

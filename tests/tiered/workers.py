@@ -5,6 +5,7 @@ directory as tier 0, as separate machines with local NVMe disks would have."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from tests.dist.workers import make_state, states_equal
@@ -188,7 +189,7 @@ def w_peers(
     import torch.distributed as dist
 
     _, mgr = _node_manager(
-        rank, base, slow, opts, keep=3, timeout_s=8, retry_max_s=0.2, peers=peers
+        rank, base, slow, opts, keep=3, timeout_s=30, retry_max_s=0.2, peers=peers
     )
     if hasattr(mgr._slow_storage, "fs"):
         mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
@@ -307,3 +308,28 @@ def w_two_per_node_cut(
     for s in (1, 2, 3):
         mgr.save(s, make_state(s, rank, big_elems=ELEMS))
     return {"left": mgr.close(timeout_s=0), "domain": mgr.fast.domain.members}
+
+
+def w_close_one_by_one(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], late_s: float, down: str
+) -> dict[str, Any]:
+    """Every rank its own node. Once every rank opened the tiers, rank 0 creates
+    ``down`` (the proxy in front of the persistent tier answers errors from then on), so
+    the replicators retry their rounds in lockstep. Save step 1, then rank 0 closes at
+    once and the others ``late_s`` later. Reports how long each close took, what stayed
+    on tier 0 and whether replication stopped on an exchange that timed out."""
+    import torch.distributed as dist
+
+    _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=30, retry_max_s=0.2)
+    mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
+    dist.barrier()
+    if rank == 0:
+        with open(down, "w"):
+            pass
+    mgr.save(1, make_state(1, rank, big_elems=ELEMS))
+    dist.barrier()
+    if rank != 0:
+        time.sleep(late_s)
+    t0 = time.monotonic()
+    left = mgr.close(timeout_s=0)
+    return {"close_s": time.monotonic() - t0, "left": left, "fatal": repr(mgr._fatal)}

@@ -330,7 +330,8 @@ def test_crashed_save_leftovers_are_swept_at_start(tmp_path):
         tmp_path / PENDING_DIR / "checkpoint-2.0123456789abcdef" / "rank-00000.safetensors"
     ).write_bytes(b"x")
     assert [c.step for c in mgr.checkpoints()] == [1]  # pending data is never a checkpoint
-    CheckpointManager(tmp_path)
+    mgr.close()  # else its lease renewal, fenced by the next start, logs after the test
+    CheckpointManager(tmp_path).close()
     assert os.listdir(tmp_path / PENDING_DIR) == []
 
 
