@@ -111,6 +111,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -127,7 +128,9 @@ from .coordination import (
     Coordinator,
     SingleProcessCoordinator,
     default_coordinator,
+    gather_routed,
     gather_summary,
+    gather_to,
 )
 from .errors import (
     CheckpointError,
@@ -228,6 +231,29 @@ class _Views:
         default_factory=dict
     )
     slow_error: str | None = None  # peers only: why rank 0 could not list tier 1
+
+
+def _meta_errors(leaders: list[int], metas: list[Any]) -> list[str]:
+    """On rank 0, a peer round's first exchange: the nodes whose copy cannot be sent."""
+    return [
+        f"node {i}: {metas[lead]['error']}"
+        for i, lead in enumerate(leaders)
+        if "error" in metas[lead]
+    ]
+
+
+def _peer_problems(reports: list[dict[int, str | None] | None]) -> list[str]:
+    """On rank 0, a peer round's last exchange: every copy that a leader rejected."""
+    return [
+        f"node {src} -> rank {r}: {msg}"
+        for r, rep in enumerate(reports)
+        for src, msg in (rep or {}).items()
+        if msg is not None
+    ]
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 class _Stopped(Exception):
@@ -822,19 +848,28 @@ class TieredCheckpointManager:
             except CheckpointError as exc:
                 log.warning("could not list the peer copies under %s: %s", self.fast.root, exc)
                 held = {}
-        views = self._rc.all_gather(
-            "tiered: reconcile", (on_fast, on_slow, error, held), timeout_s=self.timeout_s
+
+        def agree(views: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+            # On rank 0, once: every rank reads this answer, not every rank's view.
+            kind, msg = views[0][2] or (None, None)
+            if kind is not None:
+                return kind, msg, set(), set(), None
+            common = set.intersection(*(v[0] for v in views if v[0] is not None))
+            return None, None, views[0][1], common, self._peer_state_at_start(common, views)
+
+        kind, msg, slow_steps, common, peer_state = gather_summary(
+            self._rc,
+            "tiered: reconcile",
+            (on_fast, on_slow, error, held),
+            agree,
+            timeout_s=self.timeout_s,
         )
-        kind, msg = views[0][2] or (None, None)
         if kind == "fatal":
             raise CheckpointError(f"replication to {self._slow_storage.url('')}: {msg}")
         if kind == "retry":
             raise _RoundFailed(f"opening {self._slow_storage.url('')}: {msg}")
-        slow_steps: set[int] = views[0][1]
-        common = set.intersection(*(v[0] for v in views if v[0] is not None))
         newest_slow = max(slow_steps, default=None)
         missing = {s for s in common - slow_steps if newest_slow is None or s > newest_slow}
-        peer_state = self._peer_state_at_start(common, views)
         with self._cv:
             self._todo = {s for s in self._todo | missing if s not in slow_steps}
             self._replicated |= common & slow_steps
@@ -852,7 +887,7 @@ class TieredCheckpointManager:
     ) -> tuple[int, bool] | None:
         """With peer replicas: the newest step every node holds on tier 0 at this start
         (saved before it, by an earlier run of the job), and whether the leaders'
-        reports (``views``, gathered alike on every rank) show each node's files of it
+        reports (``views``, every rank's, merged on rank 0) show each node's files of it
         committed on the next ``peers`` nodes already. If not, the replicator runs its
         peer round, so that a restarted job is again recoverable without the persistent
         tier; if so, it is ``peer_recoverable`` at once. None without peer replicas or
@@ -915,9 +950,10 @@ class TieredCheckpointManager:
                 copied = ("failed", f"rank {self.rank}: {e}")
             except Exception as e:
                 copied = ("retry", f"rank {self.rank}: {type(e).__name__}: {e}")
-        results = rc.all_gather("tiered: copied", copied, timeout_s=self.timeout_s)
+        # Only rank 0 reads the nodes' results (it commits); everyone gets the outcome.
+        results = gather_to(rc, "tiered: copied", copied, dst=0, timeout_s=self.timeout_s)
         outcome: tuple[str, str | None] = ("committed", None)
-        if self.rank == 0 and not plan.get("done"):
+        if results is not None and not plan.get("done"):
             outcome = self._commit_multi(step, plan, results, t0)
         outcome = rc.broadcast("tiered: outcome", outcome, src=0, timeout_s=self.timeout_s)
         kind, msg = outcome
@@ -1070,15 +1106,36 @@ class TieredCheckpointManager:
         nodes' files, verifies them against the sender's manifest, commits them under
         ``.peers/node-<n>/`` by rename; every rank gathers every leader's outcome."""
         domain, k = self.fast.domain, self._peers
+        leaders = list(domain.leaders)
         meta: dict[str, Any] | None = None
         if self.fast.is_coordinator:
             self._prune_peer_copies()
             meta = _node_meta(self._fast_storage, step)
-        metas = self._rc.all_gather(f"tiered: peer meta {step}", meta, timeout_s=self.timeout_s)
+
+        def to_leaders(metas: list[Any]) -> dict[int, Any]:
+            # On rank 0: each leader gets the metas of the K nodes it receives from (what
+            # arrives is checked against them), the other ranks nothing; every rank gets
+            # the nodes' errors.
+            n = len(leaders)
+            return {
+                lead: {(i - d) % n: metas[leaders[(i - d) % n]] for d in range(1, k + 1)}
+                for i, lead in enumerate(leaders)
+            }
+
+        _, meta_errors, node_meta = gather_routed(
+            self._rc,
+            f"tiered: peer meta {step}",
+            f"peer meta {step}",
+            functools.partial(_identity, meta),
+            functools.partial(_meta_errors, leaders),
+            to_leaders,
+            dst=0,
+            routed=self.fast.is_coordinator,
+            timeout_s=self.timeout_s,
+        )
         report: dict[int, str | None] = {}
         if self.fast.is_coordinator:
             n, me = domain.count, domain.index
-            node_meta = [metas[leader] for leader in domain.leaders]
             for d in range(1, k + 1):
                 dst, src = (me + d) % n, (me - d) % n
                 report[src] = self._transfer(
@@ -1087,18 +1144,9 @@ class TieredCheckpointManager:
                     recv=(domain.leaders[src], src, node_meta[src]),
                     tag=_TAG_REPLICATE,
                 )
-        results = self._rc.all_gather(f"tiered: peer done {step}", report, timeout_s=self.timeout_s)
-        problems = [
-            f"node {src} -> rank {r}: {msg}"
-            for r, rep in enumerate(results)
-            for src, msg in (rep or {}).items()
-            if msg is not None
-        ]
-        problems += [
-            f"node {i}: {metas[lead]['error']}"
-            for i, lead in enumerate(domain.leaders)
-            if "error" in metas[lead]
-        ]
+        problems = gather_summary(
+            self._rc, f"tiered: peer done {step}", report, _peer_problems, timeout_s=self.timeout_s
+        ) + list(meta_errors)
         with self._cv:
             self._peer_todo.discard(step)
             self._peer_done.add(step)

@@ -355,3 +355,74 @@ def test_shared_failures_names_every_failing_rank_on_every_rank_at_constant_byte
         assert sorted(answers) == list(range(world))
         assert all(a == [RankFailure(2, "write", "OSError", "disk full")] for a in answers.values())
     assert large_bytes <= small_bytes * 1.2, (small_bytes, large_bytes)
+
+
+def test_a_tiered_job_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkeypatch):
+    # A tiered job with a tier 0 per node (2 ranks each) and a shared persistent tier:
+    # saving and replicating a step (the replicators' rounds: what tier 1 lacks, the
+    # plan, the nodes' copies, the outcome), then checkpoints() and restore(). Every
+    # rank used to read every node leader's steps and every node's copy report (4 to
+    # 16 ranks: 3,316 to 5,336 bytes per rank); now rank 0 collects them and each rank
+    # reads one answer. The views of checkpoints() and restore() are equal on the
+    # ranks of this job, which an all-gather stores once: flat before and now.
+    import torch
+
+    from atomic_checkpoint import Tier, TieredCheckpointManager, domains
+
+    monkeypatch.setattr(
+        domains, "current_host", lambda: threading.current_thread().name.split("/")[0]
+    )
+    per_node = 2
+
+    def bytes_per_rank(world: int) -> dict[str, int]:
+        server, stores, coords = _counted_clients(world, f"tiered{world}")
+        slow = tmp_path / f"world{world}" / "persistent"
+        out: dict[int, Any] = {}
+
+        def job(c: TorchDistributedCoordinator) -> None:
+            counts = stores[c.rank].counts
+            mgr = TieredCheckpointManager(
+                [Tier(tmp_path / f"world{world}" / f"node-{c.rank // per_node}"), Tier(slow)],
+                coordinator=c,
+                fast_domains="per-host",
+                timeout_s=30,
+            )
+            mine = {"w": torch.full((4,), float(c.rank))}
+            before = counts.snapshot()["bytes"]
+            mgr.save(1, mine)
+            replicated = mgr.wait_replicated(timeout_s=60)
+            c._worker.run(lambda: None, 10)
+            saved = counts.snapshot()["bytes"] - before
+            before = counts.snapshot()["bytes"]
+            listed = [(i.step, i.tiers) for i in mgr.checkpoints()]
+            got = mgr.restore()
+            c._worker.run(lambda: None, 10)
+            viewed = counts.snapshot()["bytes"] - before
+            mgr.close()
+            out[c.rank] = {
+                "replicated": replicated,
+                "listed": listed,
+                "restored": bool(torch.equal(got["w"], mine["w"])),
+                "bytes": {"save and replicate": saved, "checkpoints and restore": viewed},
+            }
+
+        threads = [
+            threading.Thread(target=job, args=(c,), name=f"node-{c.rank // per_node}/{c.rank}")
+            for c in coords
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(out) == list(range(world)), f"ranks that finished: {sorted(out)}"
+        for r, o in out.items():
+            assert o["replicated"] and o["restored"], (r, o)
+            assert o["listed"] == [(1, (0, 1))], (r, o)
+        del server
+        return {
+            what: max(o["bytes"][what] for r, o in out.items() if r) for what in out[1]["bytes"]
+        }
+
+    small, large = bytes_per_rank(4), bytes_per_rank(16)
+    for what in small:
+        assert large[what] <= small[what] * 1.2, (what, small, large)
