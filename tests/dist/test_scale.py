@@ -104,6 +104,24 @@ def _counted_clients(
     return server, stores, coords
 
 
+def _thread_node() -> str:
+    """``domains.current_host`` for ranks run by ``_as_nodes``: the thread's node."""
+    return threading.current_thread().name.split("/")[0]
+
+
+def _as_nodes(coords: tuple[TorchDistributedCoordinator, ...], job: Any, per_node: int) -> None:
+    """``job(c)`` for every rank at once, a thread each, ``per_node`` ranks per node
+    (rank r on ``node-<r // per_node>``, as ``_thread_node`` reports); bounded."""
+    threads = [
+        threading.Thread(target=job, args=(c,), name=f"node-{c.rank // per_node}/{c.rank}")
+        for c in coords
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+
 def _at_once(clients: tuple[TorchDistributedCoordinator, ...], call: Any) -> dict[int, Any]:
     """``call(c)`` for every client at the same time, a thread each (as ranks would):
     what each returned, by rank."""
@@ -253,9 +271,7 @@ def test_a_job_on_node_local_disks_costs_each_rank_the_same_bytes_whatever_n(tmp
     from atomic_checkpoint import CheckpointManager, KeepLast, domains
 
     # Ranks are threads here: each one's host is its thread's node.
-    monkeypatch.setattr(
-        domains, "current_host", lambda: threading.current_thread().name.split("/")[0]
-    )
+    monkeypatch.setattr(domains, "current_host", _thread_node)
     per_node = 2
 
     def bytes_per_rank(world: int) -> dict[int, int]:
@@ -301,14 +317,7 @@ def test_a_job_on_node_local_disks_costs_each_rank_the_same_bytes_whatever_n(tmp
                 },
             }
 
-        threads = [
-            threading.Thread(target=job, args=(c,), name=f"node-{c.rank // per_node}/{c.rank}")
-            for c in coords
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _as_nodes(coords, job, per_node)
         assert sorted(out) == list(range(world)), f"ranks that finished: {sorted(out)}"
         for r, o in out.items():
             assert o["domains"] == world // per_node, (r, o)
@@ -369,9 +378,7 @@ def test_a_tiered_job_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkey
 
     from atomic_checkpoint import Tier, TieredCheckpointManager, domains
 
-    monkeypatch.setattr(
-        domains, "current_host", lambda: threading.current_thread().name.split("/")[0]
-    )
+    monkeypatch.setattr(domains, "current_host", _thread_node)
     per_node = 2
 
     def bytes_per_rank(world: int) -> dict[str, int]:
@@ -406,14 +413,7 @@ def test_a_tiered_job_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkey
                 "bytes": {"save and replicate": saved, "checkpoints and restore": viewed},
             }
 
-        threads = [
-            threading.Thread(target=job, args=(c,), name=f"node-{c.rank // per_node}/{c.rank}")
-            for c in coords
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        _as_nodes(coords, job, per_node)
         assert sorted(out) == list(range(world)), f"ranks that finished: {sorted(out)}"
         for r, o in out.items():
             assert o["replicated"] and o["restored"], (r, o)
