@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,19 +55,45 @@ def spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 def communicate(procs: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
-    """Wait for every process; on timeout kill each one's whole process group (torchrun
-    workers included) so nothing outlives the test."""
+    """Wait for every process (each started by ``spawn``: stderr in stdout); on timeout
+    kill each one's whole process group (torchrun workers included) so nothing outlives
+    the test, and fail the test with what each printed."""
+    outs, late = read_all(procs, timeout_s)
+    if late:
+        shown = "\n".join(
+            f"--- process {i} ---\n{out[-4000:]}\n{err[-4000:]}"
+            for i, (out, err) in enumerate(outs)
+        )
+        pytest.fail(f"processes {late} did not exit within {timeout_s:g} s:\n{shown}")
+    return [out for out, _ in outs]
+
+
+def read_all(
+    procs: list[subprocess.Popen[str]], timeout_s: float
+) -> tuple[list[tuple[str, str]], list[int]]:
+    """Every process's (stdout, stderr), read at once: read one after the other, a
+    process blocked on a full pipe stalls the rest (torchrun on one node waits at exit
+    for the other nodes' agents, which wait for theirs). Processes still running after
+    ``timeout_s`` have their process group killed (each must be started in its own
+    session); returns the outputs and the indices of the processes killed."""
+    outs: list[tuple[str, str]] = [("", "")] * len(procs)
+
+    def read(i: int) -> None:
+        out, err = procs[i].communicate()
+        outs[i] = (out or "", err or "")
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in readers:
+        t.start()
     deadline = time.monotonic() + timeout_s
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return outs
+    for t in readers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = [i for i, p in enumerate(procs) if p.poll() is None]
+    for i in late:
+        os.killpg(procs[i].pid, signal.SIGKILL)
+    for t in readers:
+        t.join(30)
+    return outs, late
 
 
 def check_exit(proc: subprocess.Popen[str], out: str, what: str) -> None:

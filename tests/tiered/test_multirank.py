@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from tests.cli.helpers import run_cli
 from tests.dist.launcher import ok_values, run_ranks
 from tests.dist.workers import make_state, states_equal
+from tests.integrations.helpers import read_all
 from tests.testbed.pytest_fixtures import (  # noqa: F401
     s3_bucket,
     s3_server,
@@ -370,26 +368,10 @@ def test_ranks_that_close_one_by_one_while_s3_fails_stop_replicating_together(
 
 
 def wait_nodes(nodes: list[subprocess.Popen[str]], timeout_s: float) -> list[tuple[str, str]]:
-    """Every node's (stdout, stderr), read at once (a node whose pipe fills would block
-    the others). A node that fails makes torchrun on the other nodes wait at its exit
-    barrier, so on timeout every node's process group is killed and the test fails with
-    what each node printed: the first failure is in one of them."""
-    outs: list[tuple[str, str]] = [("", "")] * len(nodes)
-
-    def read(i: int) -> None:
-        outs[i] = nodes[i].communicate()
-
-    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(nodes))]
-    for t in readers:
-        t.start()
-    deadline = time.monotonic() + timeout_s
-    for t in readers:
-        t.join(max(0.0, deadline - time.monotonic()))
-    late = [i for i, p in enumerate(nodes) if p.poll() is None]
-    for i in late:
-        os.killpg(nodes[i].pid, signal.SIGKILL)
-    for t in readers:
-        t.join(30)
+    """Every node's (stdout, stderr). A node that fails makes torchrun on the others wait
+    at its exit barrier: on timeout the test fails with what each node printed (the
+    first failure is in one of them)."""
+    outs, late = read_all(nodes, timeout_s)
     if late:
         shown = "\n".join(
             f"--- node {i} (rc {p.returncode}{', killed' if i in late else ''}) ---\n"

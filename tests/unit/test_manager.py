@@ -373,7 +373,9 @@ def test_restoring_a_step_that_is_not_there_says_which_steps_are(tmp_path: Path)
         assert "no checkpoint step 15" in text and "checkpoint steps there: 10, 20;" in text
         # A directory of that name that was never committed is named as such.
         (tmp_path / "ck" / "checkpoint-15").mkdir()
-        with pytest.raises(CheckpointNotFoundError, match="has no manifest: it was never committed"):
+        with pytest.raises(
+            CheckpointNotFoundError, match="has no manifest: it was never committed"
+        ):
             mgr.restore(15)
 
 
