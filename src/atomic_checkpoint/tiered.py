@@ -256,6 +256,25 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _merge_views(views: list[tuple[Any, ...]]) -> _Views:
+    """On rank 0, ``_views_multi``'s exchange: every rank's view as one ``_Views``. The
+    step infos are merged (each step's once, tier 1's and rank 0's first), and ranks
+    that can load the same steps (a node's ranks) share one set object, which pickles
+    once: the answer grows with the nodes and steps, not with ranks times nodes."""
+    same: dict[frozenset[int], set[int]] = {}
+    locals_ = [same.setdefault(frozenset(v[0]), set(v[0])) for v in views]
+    infos = dict(views[0][2])
+    out = _Views(locals_, views[0][1] or set(), infos)
+    if len(views[0]) > 3:  # with peer replicas
+        for v in views:
+            for s, info in v[5].items():
+                infos.setdefault(s, info)
+        out.leader = [v[3] for v in views]
+        out.held = {r: v[4] for r, v in enumerate(views) if r == v[3]}
+        out.slow_error = views[0][6]
+    return out
+
+
 class _Stopped(Exception):
     """Internal: ``close()`` asked the replicator to stop mid-copy."""
 
@@ -1338,17 +1357,11 @@ class TieredCheckpointManager:
                     for s, m in local.items()
                 )
             mine += (self.fast.domain.leader, held, more, slow_error)
-        views = self._coord.all_gather("tiered: loadable", mine, timeout_s=self.timeout_s)
-        infos = dict(views[0][2])
-        out = _Views([v[0] for v in views], views[0][1] or set(), infos)
-        if self._peer_group is not None:
-            for v in views:
-                for s, info in v[5].items():
-                    infos.setdefault(s, info)
-            out.leader = [v[3] for v in views]
-            out.held = {r: v[4] for r, v in enumerate(views) if r == v[3]}
-            out.slow_error = views[0][6]
-        return out
+        # Rank 0 merges the views once; every rank reads that one answer. With peer
+        # copies, an all-gather sent each node leader's step infos to every rank.
+        return gather_summary(
+            self._coord, "tiered: loadable", mine, _merge_views, timeout_s=self.timeout_s
+        )
 
     def _peer_loadable(self, v: _Views, rank: int) -> set[int]:
         """The steps some node holds a peer copy of ``rank``'s file of."""
