@@ -252,10 +252,6 @@ def _peer_problems(reports: list[dict[int, str | None] | None]) -> list[str]:
     ]
 
 
-def _identity(value: Any) -> Any:
-    return value
-
-
 def _merge_views(views: list[tuple[Any, ...]]) -> _Views:
     """On rank 0, ``_views_multi``'s exchange: every rank's view as one ``_Views``. The
     step infos are merged (each step's once, tier 1's and rank 0's first), and ranks
@@ -1145,7 +1141,7 @@ class TieredCheckpointManager:
             self._rc,
             f"tiered: peer meta {step}",
             f"peer meta {step}",
-            functools.partial(_identity, meta),
+            lambda: meta,
             functools.partial(_meta_errors, leaders),
             to_leaders,
             dst=0,

@@ -104,6 +104,27 @@ def _counted_clients(
     return server, stores, coords
 
 
+def _bytes_used(counts: Any, c: TorchDistributedCoordinator, call: Any) -> tuple[Any, int]:
+    """``call()``'s result and the bytes this rank's client moved for it, the deferred
+    deletes of its rounds included."""
+    before = counts.snapshot()["bytes"]
+    got = call()
+    c._worker.run(lambda: None, 10)
+    return got, counts.snapshot()["bytes"] - before
+
+
+def _most_read(out: dict[int, Any]) -> dict[str, int]:
+    """Per measured call, the most bytes any rank but the collector (rank 0) read."""
+    return {what: max(o["bytes"][what] for r, o in out.items() if r) for what in out[1]["bytes"]}
+
+
+def _no_rank_reads_more_at_16_ranks_than_at_4(bytes_per_rank: Any) -> None:
+    """Rank 0 collects; what matters is that no other rank reads more as N grows."""
+    small, large = bytes_per_rank(4), bytes_per_rank(16)
+    for what in small:
+        assert large[what] <= small[what] * 1.2, (what, small, large)
+
+
 def _thread_node() -> str:
     """``domains.current_host`` for ranks run by ``_as_nodes``: the thread's node."""
     return threading.current_thread().name.split("/")[0]
@@ -283,10 +304,7 @@ def test_a_job_on_node_local_disks_costs_each_rank_the_same_bytes_whatever_n(tmp
             counts = stores[c.rank].counts
 
             def used(call: Any) -> tuple[Any, int]:
-                before = counts.snapshot()["bytes"]
-                got = call()
-                c._worker.run(lambda: None, 10)  # deferred deletes are counted too
-                return got, counts.snapshot()["bytes"] - before
+                return _bytes_used(counts, c, call)
 
             mgr, opened = used(
                 lambda: CheckpointManager(
@@ -327,14 +345,9 @@ def test_a_job_on_node_local_disks_costs_each_rank_the_same_bytes_whatever_n(tmp
             node = tmp_path / f"world{world}" / f"node-{d}"
             assert sorted(p.name for p in node.glob("checkpoint-*")) == ["checkpoint-2"]
         del server
-        # Rank 0 collects; what matters is that no other rank reads more as N grows.
-        return {
-            what: max(o["bytes"][what] for r, o in out.items() if r) for what in out[1]["bytes"]
-        }
+        return _most_read(out)
 
-    small, large = bytes_per_rank(4), bytes_per_rank(16)
-    for what in small:
-        assert large[what] <= small[what] * 1.2, (what, small, large)
+    _no_rank_reads_more_at_16_ranks_than_at_4(bytes_per_rank)
 
 
 @pytest.mark.timeout(60)
@@ -395,16 +408,17 @@ def test_a_tiered_job_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkey
                 timeout_s=30,
             )
             mine = {"w": torch.full((4,), float(c.rank))}
-            before = counts.snapshot()["bytes"]
-            mgr.save(1, mine)
-            replicated = mgr.wait_replicated(timeout_s=60)
-            c._worker.run(lambda: None, 10)
-            saved = counts.snapshot()["bytes"] - before
-            before = counts.snapshot()["bytes"]
-            listed = [(i.step, i.tiers) for i in mgr.checkpoints()]
-            got = mgr.restore()
-            c._worker.run(lambda: None, 10)
-            viewed = counts.snapshot()["bytes"] - before
+
+            def save_and_replicate() -> bool:
+                mgr.save(1, mine)
+                return mgr.wait_replicated(timeout_s=60)
+
+            replicated, saved = _bytes_used(counts, c, save_and_replicate)
+            (listed, got), viewed = _bytes_used(
+                counts,
+                c,
+                lambda: ([(i.step, i.tiers) for i in mgr.checkpoints()], mgr.restore()),
+            )
             mgr.close()
             out[c.rank] = {
                 "replicated": replicated,
@@ -419,10 +433,6 @@ def test_a_tiered_job_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkey
             assert o["replicated"] and o["restored"], (r, o)
             assert o["listed"] == [(1, (0, 1))], (r, o)
         del server
-        return {
-            what: max(o["bytes"][what] for r, o in out.items() if r) for what in out[1]["bytes"]
-        }
+        return _most_read(out)
 
-    small, large = bytes_per_rank(4), bytes_per_rank(16)
-    for what in small:
-        assert large[what] <= small[what] * 1.2, (what, small, large)
+    _no_rank_reads_more_at_16_ranks_than_at_4(bytes_per_rank)
