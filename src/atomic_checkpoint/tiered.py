@@ -1436,19 +1436,30 @@ class TieredCheckpointManager:
                 plan.append((lead, h, n))
         if not plan:
             return None
+        # The holders' manifests go to their receivers alone, and every rank reads only
+        # the receivers' rejections: O(N) bytes a round, as a save's (gather_routed).
+        holder_of = {lead: h for lead, h, _n in plan if h != lead}
         metas = {
             lead: _node_meta(self._peer_storage(n), step)
             for lead, h, n in plan
             if h == self.rank and h != lead
         }
-        gathered = self._coord.all_gather(
-            f"tiered: peer fetch {step}", metas, timeout_s=self.timeout_s
+        _, _, routed = gather_routed(
+            self._coord,
+            f"tiered: peer fetch {step}",
+            f"peer fetch {step}",
+            lambda: metas,
+            lambda _sent: None,
+            lambda sent: {lead: sent[h][lead] for lead, h in holder_of.items()},
+            dst=0,
+            routed=self.rank in holder_of,
+            timeout_s=self.timeout_s,
         )
         result: str | None = None
         for lead, h, n in plan:
             if h == lead or self.rank not in (lead, h):
                 continue
-            meta = gathered[h][lead]
+            meta = metas[lead] if self.rank == h else routed
             try:
                 if self.rank == h:
                     self._transfer(
@@ -1463,18 +1474,22 @@ class TieredCheckpointManager:
                     )
             except CheckpointError as exc:
                 result = str(exc) if self.rank == lead else result
-        fetched = self._coord.all_gather(
-            f"tiered: peer fetched {step}", result, timeout_s=self.timeout_s
+        rejected = gather_summary(
+            self._coord,
+            f"tiered: peer fetched {step}",
+            result,
+            _rejections,
+            timeout_s=self.timeout_s,
         )
         for lead, h, n in plan:
             if v.leader[self.rank] != lead:
                 continue
-            if fetched[lead] is not None:
+            if lead in rejected:
                 log.warning(
                     "restore: the peer copy of step %d from rank %d is rejected: %s",
                     step,
                     h,
-                    fetched[lead],
+                    rejected[lead],
                 )
                 return None
             return n
@@ -1978,6 +1993,12 @@ _TAG_RESTORE = 2
 
 def _chunk_sizes(size: int) -> list[int]:
     return [min(_CHUNK, size - off) for off in range(0, size, _CHUNK)]
+
+
+def _rejections(results: list[str | None]) -> dict[int, str]:
+    """A peer fetch's outcome, on rank 0: each receiving leader's reason for rejecting
+    its copy (indexed by rank), nothing for the copies that verified."""
+    return {rank: why for rank, why in enumerate(results) if why is not None}
 
 
 def _node_meta(storage: Storage, step: int) -> dict[str, Any]:
