@@ -1200,6 +1200,10 @@ class TieredCheckpointManager:
         if recv is not None and recv[2] is not None and "error" not in recv[2]:
             sink = _PeerSink(self._fast_storage, self._peer_dir(recv[1]), step, recv[2])
         sizes = sink.chunk_sizes() if sink is not None else []
+        # One buffer each way, reused: every chunk is hashed and written before the
+        # next is received, and every send completes before the next chunk is read.
+        inbox = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+        started = time.perf_counter()
         try:
             i = 0
             while True:
@@ -1210,7 +1214,7 @@ class TieredCheckpointManager:
                     else None
                 )
                 if i < len(sizes):
-                    buf = torch.empty(sizes[i], dtype=torch.uint8)
+                    buf = inbox[: sizes[i]]
                     dist.recv(buf, recv[0], group=group, tag=tag)  # type: ignore[index]
                     assert sink is not None
                     sink.write(buf.numpy())
@@ -1228,7 +1232,18 @@ class TieredCheckpointManager:
             ) from exc
         if sink is None:
             return None
-        return sink.commit()
+        received = time.perf_counter()
+        rejected = sink.commit()
+        log.info(
+            "peer copy of step %d from rank %d: %.1f MiB received in %.3f s, committed in %.3f s%s",
+            step,
+            recv[0],  # type: ignore[index]
+            sum(sizes) / 2**20,
+            received - started,
+            time.perf_counter() - received,
+            "" if rejected is None else f", rejected: {rejected}",
+        )
+        return rejected
 
     def _prune_peer_copies(self) -> None:
         """Tier 0's retention, applied to the peer copies this node holds: a step's
@@ -2026,6 +2041,9 @@ def _read_chunks(storage: Storage, name: str, manifest: Manifest) -> Any:
     checksums reject it): the receiver expects exactly these sizes."""
     import torch
 
+    out = torch.empty(
+        min(_CHUNK, max((e.size_bytes for e in manifest.files), default=0)), dtype=torch.uint8
+    )
     for entry in manifest.files:
         reader: Any = None
         try:
@@ -2034,7 +2052,7 @@ def _read_chunks(storage: Storage, name: str, manifest: Manifest) -> Any:
             log.warning("peer copy: cannot read %s: %s", storage.url(name), exc)
         try:
             for n in _chunk_sizes(entry.size_bytes):
-                buf = torch.empty(n, dtype=torch.uint8)
+                buf = out[:n]  # the caller sends each chunk before it asks for the next
                 got = 0
                 if reader is not None:
                     try:
