@@ -890,6 +890,7 @@ class CheckpointManager:
             )
 
         def run() -> CheckpointInfo:
+            self._finish_rotation()  # before ROOT is touched; see _start_async
             done = self._commit(
                 ctx,
                 step,
@@ -966,6 +967,7 @@ class CheckpointManager:
             return RankReport((), 0.0, 0.0)
 
         def run() -> CheckpointInfo:
+            self._finish_rotation()  # before ROOT is touched; see _start_async
             done = self._commit(
                 ctx,
                 step,
@@ -991,8 +993,9 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None,
     ) -> tuple[int, dict[str, float], dict[str, Any], SaveContext]:
         """What every async save does first, on the calling thread: check the inputs,
-        finish the previous save (raising its failure once) and its rotation, check the
-        step order, create the background saver on the first call. Returns the checked
+        finish the previous save (raising its failure once), check the step order,
+        create the background saver on the first call (the previous save's rotation is
+        waited for by the background save, before it touches ROOT). Returns the checked
         step, metrics and metadata, and the context of the background commit: its own
         store connection, and the saver's ``cancel`` event, which the leader checks with
         the run lock before it creates the pending location and before it commits (an
@@ -1005,7 +1008,11 @@ class CheckpointManager:
         step = validate_step(step)
         metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
         self._finish_async()
-        self._finish_rotation()
+        # The previous save's rotation may still be deleting (unlinking a large file
+        # frees its cached pages: about 0.5 s per GiB on ext4). The background save
+        # waits for it before it touches ROOT (first thing in its ``run``): the copy
+        # into host memory needs no storage, so training is not held up by a delete,
+        # and no write of this save starts before the delete freed its space.
         self._check_step_order(step)
         if self._async is None:
             # Created once, on every rank at the same (first) async save, so the clone's
@@ -1414,11 +1421,17 @@ class CheckpointManager:
             log.info("%s: deleted %s", why, name)
 
     def _finish_rotation(self) -> None:
+        """Wait for the rotation in flight, if any; log its failure once. Several
+        threads may wait at once (an async save's thread, the training thread in
+        ``checkpoints()``): each returns only once the rotation ended."""
         with self._rotation_lock:
-            t, self._rotation = self._rotation, None
+            t = self._rotation
         if t is not None:
             t.join()
-        err, self._rotation_error = self._rotation_error, None
+        with self._rotation_lock:
+            if self._rotation is t:
+                self._rotation = None
+            err, self._rotation_error = self._rotation_error, None
         if err is not None:
             log.warning(
                 "retention after the previous save failed: %s (the checkpoints it "

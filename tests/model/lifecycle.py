@@ -166,6 +166,10 @@ class Inflight:
     after: dict[int, Entry] = field(default_factory=dict)
     victims: dict[int, Entry] = field(default_factory=dict)
     reported: bool = False  # handle.result() already showed the outcome
+    # Earlier saves' victims that a rotation may still be deleting when this save was
+    # started: its background thread waits for that rotation before it touches ROOT,
+    # so they are gone once this save's outcome is known.
+    prior: dict[int, Entry] = field(default_factory=dict)
 
 
 class _ListHandler(logging.Handler):
@@ -583,6 +587,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if fl is None:
             return
         self.inflight = None
+        self._prior_gone(fl)  # this call waits for the save, which waited for them
         if fl.allowed == {"ok"}:
             # Committed; its rotation may still run (a save refused for its step order
             # does not wait for it).
@@ -660,15 +665,21 @@ class LifecycleMachine(RuleBasedStateMachine):
                 step, make_state(vid, step), metrics={METRIC: metric_of(vid)}, overwrite=overwrite
             )
         except CheckpointError as exc:
-            call = f"save_async({step})"
-            if self._refused_as_predicted(exc, allowed, step, call, " at the call") is not None:
-                self._sync_rotation()
+            # Refused at the call: the training thread does not wait for a rotation.
+            self._refused_as_predicted(exc, allowed, step, f"save_async({step})", " at the call")
             return
         self._no_async_error_left("save_async")
-        self._sync_rotation()
         after = dict(self.steps)
         victims = self._apply_save(after, step, vid) if "ok" in allowed else {}
-        self.inflight = Inflight(step, vid, overwrite, handle, allowed, after, victims)
+        self.inflight = Inflight(
+            step, vid, overwrite, handle, allowed, after, victims, prior=dict(self.victims)
+        )
+
+    def _prior_gone(self, fl: Inflight) -> None:
+        """The async save ``fl`` ended: the rotation it waited for ended before it."""
+        for step, entry in fl.prior.items():
+            if self.victims.get(step) is entry:
+                del self.victims[step]
 
     # Training mostly saves the next step, sometimes overwrites the newest one: these
     # rules weigh the choice that way (Hypothesis picks among rules evenly).
@@ -696,6 +707,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         try:
             info = fl.handle.result()
         except CheckpointError as exc:
+            self._prior_gone(fl)
             said = f"handle.result() of save_async({fl.step}) raised"
             kind = self._kind_as_predicted(exc, fl.allowed, said)
             self._check_refusal(exc, kind, fl.step)
@@ -709,6 +721,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             )
         # Committed; its rotation may still run.
         self.inflight = None
+        self._prior_gone(fl)
         self._apply_inflight(fl)
 
     @precondition(lambda self: self.mgr is not None)

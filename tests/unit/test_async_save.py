@@ -356,6 +356,54 @@ def test_retention_of_an_async_save_runs_only_after_its_commit(tmp_path):
     mgr.close()
 
 
+class GatedDeletes(LocalStorage):
+    """A real LocalStorage whose tree deletes (retention's) wait until ``gate`` is set."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def delete_tree(self, path):
+        self.entered.set()
+        if not self.gate.wait(60):
+            raise TimeoutError("test gate never opened")
+        super().delete_tree(path)
+
+
+def test_an_async_save_leaves_the_previous_delete_to_its_background_thread(tmp_path):
+    # Deleting a large checkpoint takes long (unlinking frees its cached pages). The
+    # training thread used to wait for the previous save's delete in save_async; now
+    # only the snapshot copy holds it, and the background save waits for the delete
+    # before it touches ROOT (so its writes never compete with the delete for space).
+    storage = GatedDeletes(tmp_path)
+    mgr = CheckpointManager(storage, retention=KeepLast(1))
+    mgr.save(1, {"w": torch.ones(4)})
+    storage.gate.clear()
+    mgr.save(2, {"w": torch.full((4,), 2.0)})  # its rotation deletes step 1, held
+    assert storage.entered.wait(10)
+    valve = threading.Timer(10, storage.gate.set)  # so that a wait here fails, not hangs
+    valve.start()
+    w = torch.full((4,), 3.0)
+    t = time.perf_counter()
+    handle = mgr.save_async(3, {"w": w})
+    blocked = time.perf_counter() - t
+    assert blocked < 5, f"save_async waited {blocked:.1f} s for the previous delete"
+    w.zero_()  # the snapshot was taken: this change must not reach step 3
+    time.sleep(0.2)
+    assert not handle.done()
+    pending = tmp_path / PENDING_DIR
+    assert not pending.exists() or not os.listdir(pending), "step 3 wrote before the delete"
+    storage.gate.set()
+    valve.cancel()
+    assert handle.result(timeout=30).step == 3
+    mgr.wait()
+    assert listed(tmp_path) == [3]
+    assert torch.equal(mgr.restore(3)["w"], torch.full((4,), 3.0))
+    mgr.close()
+
+
 def test_close_finishes_the_save_in_flight_and_says_so(tmp_path, caplog):
     storage, mgr, _ = held_first_save(tmp_path, torch.ones(4))
     assert storage.entered.wait(10)
