@@ -36,8 +36,8 @@ pytestmark = pytest.mark.timeout(120)
 FAULTS = "ATOMIC_CHECKPOINT_FAULTS"
 
 
-class GatedStorage(LocalStorage):
-    """A real LocalStorage whose rank-file writes wait until ``gate`` is set."""
+class _Gated(LocalStorage):
+    """A real LocalStorage with a ``gate``: ``_hold()`` waits until it is set."""
 
     def __init__(self, root):
         super().__init__(root)
@@ -45,11 +45,18 @@ class GatedStorage(LocalStorage):
         self.gate.set()
         self.entered = threading.Event()
 
+    def _hold(self):
+        self.entered.set()
+        if not self.gate.wait(60):
+            raise TimeoutError("test gate never opened")
+
+
+class GatedStorage(_Gated):
+    """Rank-file writes wait until ``gate`` is set."""
+
     def open_write(self, path, *, size_hint=None):
         if path.endswith(".safetensors"):
-            self.entered.set()
-            if not self.gate.wait(60):
-                raise TimeoutError("test gate never opened")
+            self._hold()
         return super().open_write(path, size_hint=size_hint)
 
 
@@ -356,19 +363,11 @@ def test_retention_of_an_async_save_runs_only_after_its_commit(tmp_path):
     mgr.close()
 
 
-class GatedDeletes(LocalStorage):
-    """A real LocalStorage whose tree deletes (retention's) wait until ``gate`` is set."""
-
-    def __init__(self, root):
-        super().__init__(root)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
+class GatedDeletes(_Gated):
+    """Tree deletes (retention's) wait until ``gate`` is set."""
 
     def delete_tree(self, path):
-        self.entered.set()
-        if not self.gate.wait(60):
-            raise TimeoutError("test gate never opened")
+        self._hold()
         super().delete_tree(path)
 
 
