@@ -142,6 +142,7 @@ _DTYPES: dict[str, tuple[int, str, str | None]] = {
     "F8_E5M2": (1, "float8_e5m2", None),
     "F8_E4M3FNUZ": (1, "float8_e4m3fnuz", None),
     "F8_E5M2FNUZ": (1, "float8_e5m2fnuz", None),
+    "C64": (8, "complex64", "complex64"),
 }
 # numpy (kind, item size) -> dtype code; avoids importing numpy to build the table.
 _NUMPY_CODES: dict[tuple[str, int], str] = {
@@ -154,6 +155,7 @@ _NUMPY_CODES: dict[tuple[str, int], str] = {
     for bits in widths
 }
 _NUMPY_CODES[("b", 1)] = "BOOL"
+_NUMPY_CODES[("c", 8)] = "C64"
 _TORCH_CODES: dict[Any, str] = {}  # torch.dtype -> code, filled on first use
 
 _CONVERT_HINT = (
@@ -240,7 +242,8 @@ def _torch_problem(torch: Any, t: Any) -> str | None:
     if t.is_quantized:
         return f"a quantized tensor ({t.dtype}) is not supported (call .dequantize())"
     if t.dtype not in _torch_codes(torch):
-        hint = " (use torch.view_as_real())" if t.dtype.is_complex else ""
+        # safetensors, whose header our files use, knows only complex64 (C64).
+        hint = " (use torch.view_as_real(), or complex64)" if t.dtype.is_complex else ""
         return f"a tensor of dtype {t.dtype} is not supported{hint}"
     return None
 
@@ -250,6 +253,8 @@ def _torch_bytes(torch: Any, t: Any) -> Any:
     t = t.detach()
     if t.is_neg():
         t = t.resolve_neg()
+    if t.is_conj():  # a lazily conjugated view (``t.conj()``): store its values
+        t = t.resolve_conj()
     # Make it contiguous where it lives (a device-side copy for GPU tensors), then bring
     # it to the host: one temporary per tensor, never one for the whole state.
     if not t.is_contiguous():
@@ -547,7 +552,16 @@ class _Planner:
         key = None
         if x.numel() > 0:
             # Distinct empty tensors all report data_ptr 0; they are never merged.
-            key = ("torch", x.data_ptr(), tuple(x.shape), x.stride(), x.dtype, x.device, x.is_neg())
+            key = (
+                "torch",
+                x.data_ptr(),
+                tuple(x.shape),
+                x.stride(),
+                x.dtype,
+                x.device,
+                x.is_neg(),
+                x.is_conj(),
+            )
             name = self.by_view.get(key)
         if name is None:
             code = _torch_codes(torch)[x.dtype]
@@ -1244,7 +1258,12 @@ class _Loader:
         """A writable byte view of ``dest``'s memory, if bytes can be read straight in."""
         torch = self.torch
         if torch is not None and isinstance(dest, torch.Tensor):
-            if dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_neg():
+            if (
+                dest.device.type != "cpu"
+                or not dest.is_contiguous()
+                or dest.is_neg()
+                or dest.is_conj()
+            ):
                 return None
             return memoryview(_flat_bytes(torch, dest).numpy())
         if dest.flags.c_contiguous and not _is_big_endian(dest.dtype):
