@@ -72,8 +72,9 @@ log = logging.getLogger("atomic_checkpoint")
 # page where the memory is ours to align.
 _PAGE = 4096
 _HUGE_PAGE = 2 << 20
-# The background writer learns of copied bytes in steps of this size (see Snapshot._copy).
-_STREAM_STEP_BYTES = 256 << 20
+# The background writer learns of copied bytes in steps of this size (see Snapshot._copy):
+# by default only once the whole state is copied.
+_STREAM_STEP_BYTES = 1 << 62
 
 
 def lower_priority() -> None:
@@ -479,12 +480,15 @@ class Snapshot:
     def _copy(self) -> None:
         torch = sys.modules.get("torch")
         progress = self._progress
-        # The writer is told in steps of _STREAM_STEP_BYTES, not per tensor: each wake-up
-        # of the writer (and the writes it starts) takes CPU and memory bandwidth from
-        # this copy, which uses every core (measured at 1 GiB with two writes in flight,
-        # time blocked / plain copy: 1.43 told per tensor, 1.19 in 256 MiB steps, 1.07
-        # told only at the end; time until durable / sync save: 1.04, 1.06, 1.17). The
-        # writer also keeps only one write in flight until the copy ends.
+        # The writer is told in steps of _STREAM_STEP_BYTES, by default only at the end:
+        # each wake-up of the writer (and the writes it starts) takes CPU and memory
+        # bandwidth from this copy, which uses every core, and training waits for the
+        # copy. Measured at 1 GiB with one write in flight while copying (time blocked /
+        # plain copy, then time until durable / sync save; benchmarks/run.py --focus io,
+        # 5 rounds, flat and train shapes): in 256 MiB steps 1.93 and 1.43, then 0.88
+        # and 0.90; told at the end 1.03 and 1.27, then 0.92 and 0.94. The writes that
+        # overlapped the copy saved little time until durable and cost the training
+        # thread much. Streaming stays available (smaller steps) for tests.
         told = 0
         if torch is None:
             for src, dst, end in self._copies:

@@ -905,8 +905,9 @@ class CheckpointManager:
                 done.timings["snapshot"] = snapshot.copy_s
             return self._after_commit(done.manifest, done.timings, done.domain_views)
 
-        # The background save starts before the copy: its first phase (agreeing on the
-        # pending location) and its writes overlap the copy.
+        # The background save starts before the copy: waiting for the previous rotation
+        # and its first phase (agreeing on the pending location) overlap the copy; its
+        # writes start as the copy tells it (async_save._STREAM_STEP_BYTES).
         handle = saver.submit(step, run)
         if snapshot is not None:
             with contextlib.suppress(Exception):  # the write fails with it, on every rank

@@ -351,11 +351,13 @@ def write_image(
     copies it (``snap.wait_ready``), and checksum it.
 
     Where the storage offers O_DIRECT (local disks) each chunk goes to the device by DMA
-    straight from the page-aligned image as soon as it is copied: nothing is copied
-    again, and the writes overlap the copy, so the save is durable about when a sync
-    save would be. The checksum is computed afterwards from the image (it does not
-    change), by this thread at its lowered priority (``demote()`` is called once the
-    copy is complete: while training copies, this thread must keep up with it). Else
+    straight from the page-aligned image as soon as the writer learns it is copied (by
+    default once the whole copy is done, so that the writes do not slow the training
+    thread's copy; see ``Snapshot._copy``): nothing is copied again, and the save is
+    durable about when a sync save would be. The checksum is computed afterwards from
+    the image (it does not change), by this thread at its lowered priority (``demote()``
+    is called once the copy is complete: while training copies, this thread must keep up
+    with it). Else
     the image goes through the page cache, hashed on a helper core as it is written.
 
     ``cancel``: when set, the write stops at the next chunk and fails.
