@@ -100,6 +100,11 @@ def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(t
         run_ranks(workers.w_peers, WORLD, str(base), str(slow), None, 1, [], tmp_dir=str(tmp_path))
     )
     assert all(v["restored_ok"] and v["restored"] == (3, (0, 1), ()) for v in third), third
+    # Rank 1 learns of the rejection in the fetch round and says so; no rank tries to
+    # load the rejected copy (which would fail and fall back with a warning of its own).
+    assert any("peer copy of step 3 from rank 2 is rejected" in w for w in third[1]["warnings"])
+    for v in third:
+        assert not any("trying the next copy" in w for w in v["warnings"]), v["warnings"]
     assert not _peer_copy(base, 1, 1, 3).exists()
     assert not list((base / "node1" / ".peers" / "node-1").glob(".incoming-*"))
 

@@ -186,8 +186,14 @@ def w_peers(
     it once every rank got there, and the proxy in front of the persistent tier answers
     503 from then on) save ``held`` and wait for their peer copies only. ``settle``:
     with no ``steps``, wait all the same (for what this start found to do)."""
+    import logging
+
     import torch.distributed as dist
 
+    warned: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("atomic_checkpoint").addHandler(catch)
     _, mgr = _node_manager(
         rank, base, slow, opts, keep=3, timeout_s=30, retry_max_s=0.2, peers=peers
     )
@@ -218,6 +224,7 @@ def w_peers(
     out["recoverable"] = mgr.peer_recoverable()
     out["listed"] = [(c.step, c.tiers, c.node_copies) for c in mgr.checkpoints()]
     out["left"] = mgr.close(timeout_s=1 if flag is not None else None)
+    out["warnings"] = warned
     return out
 
 
