@@ -121,3 +121,15 @@ class CountsReads:
 
 class CountingLocalStorage(CountsReads, LocalStorage):
     """The real LocalStorage, counting manifest reads and file size checks."""
+
+
+class ListHandler(logging.Handler):
+    """Keeps the library's warnings (level and message, cut at 600 characters) in
+    ``out``: add it to the ``atomic_checkpoint`` logger."""
+
+    def __init__(self, out: list[str]):
+        super().__init__(logging.WARNING)
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.out.append(f"{record.levelname} {record.getMessage()}"[:600])

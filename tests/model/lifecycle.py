@@ -77,7 +77,7 @@ from atomic_checkpoint.errors import (
     ResumeError,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR, TRASH_DIR, checkpoint_name
-from tests.helpers import last_json, run_module
+from tests.helpers import ListHandler, last_json, run_module
 
 from .kinds import METRIC, POLICIES, make_state, metric_of, open_manager, vid_of
 
@@ -172,17 +172,6 @@ class Inflight:
     prior: dict[int, Entry] = field(default_factory=dict)
 
 
-class _ListHandler(logging.Handler):
-    """Keeps the library's warnings for the failure message."""
-
-    def __init__(self, out: list[str]):
-        super().__init__(logging.WARNING)
-        self.out = out
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.out.append(f"{record.levelname} {record.getMessage()}"[:600])
-
-
 def _join_stray_threads() -> None:
     """Let any save or rotation thread still running after ``close()`` finish (bounded),
     so that what it does to ROOT is seen by the next check ("ROOT changed after
@@ -237,7 +226,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.copies = 0
         self.trace: list[str] = []
         self.logs: list[str] = []
-        self._handler = _ListHandler(self.logs)
+        self._handler = ListHandler(self.logs)
         logging.getLogger("atomic_checkpoint").addHandler(self._handler)
 
     # ------------------------------------------------------------------ helpers

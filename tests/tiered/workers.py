@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from tests.dist.workers import make_state, states_equal
+from tests.helpers import ListHandler
 
 from atomic_checkpoint import KeepLast, Tier, TieredCheckpointManager
 from atomic_checkpoint.domains import HOST_ENV
@@ -191,9 +192,7 @@ def w_peers(
     import torch.distributed as dist
 
     warned: list[str] = []
-    catch = logging.Handler(logging.WARNING)
-    catch.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("atomic_checkpoint").addHandler(catch)
+    logging.getLogger("atomic_checkpoint").addHandler(ListHandler(warned))
     _, mgr = _node_manager(
         rank, base, slow, opts, keep=3, timeout_s=30, retry_max_s=0.2, peers=peers
     )
