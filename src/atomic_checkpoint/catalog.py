@@ -682,7 +682,7 @@ def _vanished(storage: Storage, rel: str) -> bool:
     return False
 
 
-def _warn_skipped(storage: Storage, e: Entry) -> None:
+def warn_skipped(storage: Storage, e: Entry) -> None:
     if e.status == "corrupt" or (e.status == "foreign" and _UNSAFE in (e.problem or "")):
         log.warning("skipping %s: %s", storage.url(e.name), e.problem)
 
@@ -700,6 +700,20 @@ def committed(
     return list(_valid_only(storage, scan(storage, run_id=run_id, cache=cache), warn=warn))
 
 
+def listed_steps(storage: Storage) -> list[tuple[int, str]]:
+    """The strict ``checkpoint-<step>`` names of the root as ``(step, name)``, ascending:
+    one listing, no manifest read (the names say nothing of validity)."""
+    return _checkpoint_names(storage.listdir(""))[0]
+
+
+def newest_first(
+    storage: Storage, *, run_id: str | None, steps: list[tuple[int, str]]
+) -> Iterator[Entry]:
+    """The entries named in ``steps`` (``listed_steps``), newest first, each read (its
+    manifest and its files' sizes) only when the caller asks for it."""
+    return _newest_first(storage, run_id=run_id, steps=steps)
+
+
 def _valid_only(storage: Storage, entries: Iterable[Entry], *, warn: bool) -> Iterator[Manifest]:
     """The manifests of the valid checkpoints among ``entries``, in their order; with
     ``warn``, each invalid one is logged as it is passed over."""
@@ -707,7 +721,7 @@ def _valid_only(storage: Storage, entries: Iterable[Entry], *, warn: bool) -> It
         if e.status == "ok" and e.manifest is not None:
             yield e.manifest
         elif warn:
-            _warn_skipped(storage, e)
+            warn_skipped(storage, e)
 
 
 def newest(

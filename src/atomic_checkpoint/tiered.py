@@ -231,6 +231,9 @@ class _Views:
         default_factory=dict
     )
     slow_error: str | None = None  # peers only: why rank 0 could not list tier 1
+    #: A restore's view reads tier 1 newest first and stops at its first candidate:
+    #: the lowest step read there. Below it, ``slow`` says nothing (None: all read).
+    slow_floor: int | None = None
 
 
 def _meta_errors(leaders: list[int], metas: list[Any]) -> list[str]:
@@ -363,6 +366,7 @@ class TieredCheckpointManager:
         self._kick = False  # a new step arrived: retry at once
         self._persistent: CheckpointManager | None = None
         self._reader: CheckpointManager | None = None
+        self._reader_storage: Storage | None = None
         self._closed = False
         #: The tier the last ``restore`` loaded from (0 or 1) and what it loaded.
         self.last_restored: TieredCheckpointInfo | None = None
@@ -370,6 +374,12 @@ class TieredCheckpointManager:
         fast, slow = tiers
         self._fast_storage = _open(fast)
         self._slow_storage = _open(slow)
+        # The persistent tier's client (an object store's session) is set up beside the
+        # rest of the start, not by the first request: restore's first listing of tier
+        # 1 would otherwise wait for it (0.2-0.3 s per process with s3fs).
+        connect = getattr(self._slow_storage, "connect", None)
+        if connect is not None:
+            threading.Thread(target=connect, name="atomic-checkpoint-connect", daemon=True).start()
         opened_slow: CheckpointError | None = None
         # Tier 0 holds no run file when its manager was opened with a run id (below):
         # then its newest checkpoint names the run.
@@ -1325,11 +1335,16 @@ class TieredCheckpointManager:
             storage_domains="shared",
         )
 
-    def _views_multi(self) -> _Views:
+    def _views_multi(self, *, newest: bool = False, want: int | None = None) -> _Views:
         """Collective: what each rank can load from its own tier 0 (its node's copy
         holds its file), what tier 1 holds (read by rank 0 only), and rank 0's infos;
         with peer copies, also each rank's node leader and the peer copies each leader's
-        tier 0 holds."""
+        tier 0 holds.
+
+        With ``newest`` (a restore, ``latest()``), tier 1 is listed by name and its
+        manifests are read newest first only down to the newest step every rank can
+        load (``want``: that step's only), once the fast tiers' views are in: a few
+        manifest reads however many checkpoints tier 1 keeps (``_Views.slow_floor``)."""
         local = {
             m.step: m
             for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
@@ -1338,9 +1353,14 @@ class TieredCheckpointManager:
         slow: dict[int, CheckpointInfo] | None = None
         infos: dict[int, CheckpointInfo] = {}
         slow_error: str | None = None
+        names: list[tuple[int, str]] | None = None
         if self.rank == 0:
             try:
-                slow = {c.step: c for c in self._slow_reader().checkpoints()}
+                if newest:
+                    names = catalog.listed_steps(self._slow_read_storage())
+                    slow = {}
+                else:
+                    slow = {c.step: c for c in self._slow_reader().checkpoints()}
             except (StorageError, CommitError) as exc:
                 slow_error = f"{type(exc).__name__}: {exc}"
                 log.warning(
@@ -1368,11 +1388,47 @@ class TieredCheckpointManager:
                     for s, m in local.items()
                 )
             mine += (self.fast.domain.leader, held, more, slow_error)
+
         # Rank 0 merges the views once; every rank reads that one answer. With peer
         # copies, an all-gather sent each node leader's step infos to every rank.
+        def merge(views: list[tuple[Any, ...]]) -> _Views:
+            v = _merge_views(views)
+            if names is not None:
+                self._read_slow_newest(v, names, want)
+            return v
+
         return gather_summary(
-            self._coord, "tiered: loadable", mine, _merge_views, timeout_s=self.timeout_s
+            self._coord, "tiered: loadable", mine, merge, timeout_s=self.timeout_s
         )
+
+    def _read_slow_newest(self, v: _Views, names: list[tuple[int, str]], want: int | None) -> None:
+        """On rank 0, in a restore's views: read tier 1's checkpoints named ``names``
+        newest first (only ``want``'s, if given), stopping at the first that every rank
+        can load (valid on tier 1, or at or below the newest step every rank loads from
+        tier 0 or a peer); fills ``v.slow``, tier 1's infos and ``v.slow_floor``."""
+        reach = [loc | self._peer_loadable(v, r) for r, loc in enumerate(v.locals_)]
+        top = max(set.intersection(*reach), default=None) if reach else None
+        storage = self._slow_read_storage()
+        walked = names if want is None else [(s, n) for s, n in names if s == want]
+        floor: int | None = None
+        try:
+            for entry in catalog.newest_first(storage, run_id=self.run_id, steps=walked):
+                if entry.status == "ok" and entry.manifest is not None:
+                    v.slow.add(entry.manifest.step)
+                    v.infos[entry.manifest.step] = entry.manifest.info(storage.url(entry.name))
+                    if want is None:
+                        floor = entry.manifest.step
+                        break
+                else:
+                    catalog.warn_skipped(storage, entry)
+                if want is None and top is not None and (entry.step or 0) <= top:
+                    floor = entry.step
+                    break
+        except (StorageError, CommitError) as exc:
+            log.warning("persistent tier %s cannot be read: %s", storage.url(""), exc)
+            v.slow.clear()
+            v.slow_error = f"{type(exc).__name__}: {exc}"
+        v.slow_floor = floor
 
     def _peer_loadable(self, v: _Views, rank: int) -> set[int]:
         """The steps some node holds a peer copy of ``rank``'s file of."""
@@ -1398,8 +1454,9 @@ class TieredCheckpointManager:
             counts.append(len(nodes))
         return min(counts)
 
-    def _checkpoints_multi(self) -> list[TieredCheckpointInfo]:
-        v = self._views_multi()
+    def _checkpoints_multi(self, v: _Views | None = None) -> list[TieredCheckpointInfo]:
+        if v is None:
+            v = self._views_multi()
         fast = [loc | self._peer_loadable(v, r) for r, loc in enumerate(v.locals_)]
         everywhere = set.intersection(*fast)
         out = []
@@ -1422,16 +1479,13 @@ class TieredCheckpointManager:
             "it answers"
         )
 
-    def _fetch_from_peers(self, v: _Views, step: int) -> int | None:
-        """Collective, during a restore: every node whose ranks lack ``step`` on their
-        own tier 0 gets its node's files from a peer holding them (the holder reads its
-        copy and sends it over the peer group; the receiver verifies every byte against
-        the manifest recorded at save and commits it under ``.peers/``). Returns the
-        node index of the peer copy this rank can load from (on its own tier 0), or
-        None."""
+    def _fetch_plan(self, v: _Views, step: int) -> list[tuple[int, int, int]]:
+        """Who fetches ``step`` from whom, alike on every rank (it is computed from the
+        agreed views): ``(receiving leader, holding leader, node)`` for every node whose
+        ranks lack ``step`` on their own tier 0 while a peer holds their files."""
         if not v.leader:
-            return None
-        plan: list[tuple[int, int, int]] = []  # (receiver leader, holder leader, node)
+            return []
+        plan: list[tuple[int, int, int]] = []
         world = len(v.locals_)
         for lead in sorted(set(v.leader)):
             members = [r for r in range(world) if v.leader[r] == lead]
@@ -1449,6 +1503,17 @@ class TieredCheckpointManager:
             if holders:
                 _d, h, n = holders[0]
                 plan.append((lead, h, n))
+        return plan
+
+    def _fetch_from_peers(
+        self, v: _Views, step: int, plan: list[tuple[int, int, int]]
+    ) -> int | None:
+        """Collective, during a restore (every rank, with the same ``plan``): every
+        node of the plan gets its node's files from a peer holding them (the holder
+        reads its copy and sends it over the peer group; the receiver verifies every
+        byte against the manifest recorded at save and commits it under ``.peers/``).
+        Returns the node index of the peer copy this rank can load from (on its own
+        tier 0), or None."""
         if not plan:
             return None
         # The holders' manifests go to their receivers alone, and every rank reads only
@@ -1515,22 +1580,36 @@ class TieredCheckpointManager:
         node's tier 0 copy, else from a peer's copy (sent over and verified), else from
         tier 1; every rank learns every rank's outcome, so all return the same step or
         all raise (DESIGN invariant 11)."""
-        v = self._views_multi()
-        locals_, slow, infos = v.locals_, v.slow, v.infos
-        mine = locals_[self.rank]
-        reach = [loc | self._peer_loadable(v, r) for r, loc in enumerate(locals_)]
-        loadable = set.intersection(*(loc | slow for loc in reach))
-        candidates = [validate_step(step)] if step is not None else sorted(loadable, reverse=True)
-        if not candidates and v.slow_error is not None:
-            raise self._unreadable(v)
-        if not candidates:
-            raise CheckpointNotFoundError(
-                f"no checkpoint of run {self.run_id!r} that every rank can load from "
-                f"{self.fast.root} (each node's own) or {self._slow_storage.url('')}"
-            )
+        if step is not None:
+            step = validate_step(step)
+        # Tier 1 is read newest first, down to the first candidate only; a fallback
+        # below that (the newer candidates failed to load) reads the rest of it.
+        v = self._views_multi(newest=True, want=step)
         skipped: list[str] = []
-        for s in candidates:
-            peer_node = self._fetch_from_peers(v, s) if self._peer_group is not None else None
+        tried: set[int] = set()
+        while True:
+            locals_, slow, infos = v.locals_, v.slow, v.infos
+            mine = locals_[self.rank]
+            reach = [loc | self._peer_loadable(v, r) for r, loc in enumerate(locals_)]
+            loadable = set.intersection(*(loc | slow for loc in reach))
+            pending = [step] if step is not None else sorted(loadable, reverse=True)
+            pending = [c for c in pending if c not in tried]
+            if v.slow_floor is not None and (not pending or pending[0] < v.slow_floor):
+                v = self._views_multi()  # every rank alike: the same agreed outcomes
+                continue
+            if not pending:
+                break
+            s = pending[0]
+            tried.add(s)
+            plan = self._fetch_plan(v, s) if self._peer_group is not None else []
+            # A rank whose own tier 0 holds its file loads it while the fetch runs: the
+            # fetch's receivers load last, so only their load follows the transfer.
+            early = _Background(self._load_mine, 0, s, kwargs) if plan and s in mine else None
+            try:
+                peer_node = self._fetch_from_peers(v, s, plan)
+            finally:
+                if early is not None:
+                    early.join()
             tiers: list[int | str] = [
                 t
                 for t, held in ((0, s in mine), ("peer", peer_node is not None), (1, s in slow))
@@ -1541,7 +1620,10 @@ class TieredCheckpointManager:
             problem: tuple[str, str] | None = None
             for tier in tiers:
                 try:
-                    state = self._load_mine(tier, s, kwargs, peer_node)
+                    if tier == 0 and early is not None:
+                        state = early.result()
+                    else:
+                        state = self._load_mine(tier, s, kwargs, peer_node)
                     used, problem = tier, None
                     break
                 except Exception as exc:  # shared below: every rank raises alike
@@ -1576,8 +1658,15 @@ class TieredCheckpointManager:
                 )
                 raise error_type(f"restore of step {s}: {text}")
             skipped.append(f"step {s}: {text}")
-        raise CorruptCheckpointError(
-            "no checkpoint every rank can load verifies: " + "; ".join(skipped)
+        if skipped:
+            raise CorruptCheckpointError(
+                "no checkpoint every rank can load verifies: " + "; ".join(skipped)
+            )
+        if v.slow_error is not None:
+            raise self._unreadable(v)
+        raise CheckpointNotFoundError(
+            f"no checkpoint of run {self.run_id!r} that every rank can load from "
+            f"{self.fast.root} (each node's own) or {self._slow_storage.url('')}"
         )
 
     def _load_mine(
@@ -1701,11 +1790,16 @@ class TieredCheckpointManager:
 
     # ------------------------------------------------------------------ discovery
     def _slow_reader(self) -> CheckpointManager:
-        # A separate read-only manager (its own storage client): restore and listing
+        # A separate read-only manager (its own storage object): restore and listing
         # never wait for, or share state with, the replicator's copy in flight.
         if self._reader is None:
-            self._reader = self._read_only(_open(self.tiers[1]))
+            self._reader = self._read_only(self._slow_read_storage())
         return self._reader
+
+    def _slow_read_storage(self) -> Storage:
+        if self._reader_storage is None:
+            self._reader_storage = _open(self.tiers[1])
+        return self._reader_storage
 
     def _tier_lists(self) -> tuple[list[CheckpointInfo], list[CheckpointInfo] | None]:
         fast = self.fast.checkpoints()
@@ -1742,7 +1836,14 @@ class TieredCheckpointManager:
         ``CheckpointManager.latest``), with the tiers that hold it. Multi-rank
         (collective): the newest step every rank can load from some tier."""
         if self._multi:
-            held = self._checkpoints_multi()
+            # Tier 1 read newest first down to the newest step every rank can load:
+            # what is listed at or above its floor is exactly what a full listing has.
+            v = self._views_multi(newest=True)
+            held = [
+                c
+                for c in self._checkpoints_multi(v)
+                if v.slow_floor is None or c.step >= v.slow_floor
+            ]
             return held[-1] if held else None
         found = [(0, self.fast.latest())]
         try:
@@ -1951,6 +2052,33 @@ def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:
             mgr._slow_storage.url(""),
             mgr.fast.root,
         )
+
+
+class _Background:
+    """``fn(*args)`` on a thread of its own; ``result()`` returns what it returned or
+    raises what it raised, in the calling thread."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = fn(*args)
+            except BaseException as exc:  # re-raised by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="atomic-checkpoint-load", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _open(tier: Tier) -> Storage:

@@ -359,3 +359,18 @@ def test_missing_bucket_and_dead_server_are_clear_storage_errors(s3_server, tmp_
         # Mapped at the storage boundary: one of ours, naming the URL.
         assert f"s3://{bucket}/run" in str(err.value)
         mgr.close()  # releasing the lock on a dead server is logged, never raised
+
+
+def test_connect_sets_the_client_up_before_the_first_request(s3_server, s3_bucket):
+    """``connect()`` (which a tiered manager starts beside the rest of its start) leaves
+    the S3 client ready, so that the first listing of a restore does not build it."""
+    from atomic_checkpoint.storage.fsspec import FsspecStorage
+
+    opts = {**s3_server.storage_options(), "skip_instance_cache": True}
+    storage = FsspecStorage(f"s3://{s3_bucket}/run", opts)
+    assert storage.fs._s3 is None  # s3fs builds its client at the first request
+    storage.connect()
+    client = storage.fs._s3
+    assert client is not None
+    assert storage.listdir("") == []
+    assert storage.fs._s3 is client  # the first request used it, built nothing new

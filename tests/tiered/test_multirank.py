@@ -386,3 +386,40 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def test_a_restore_reads_a_handful_of_tier_1_manifests_however_many_it_keeps(tmp_path):
+    """Tier 1 keeps 24 steps. ``latest()`` and ``restore()`` read its manifests newest
+    first, down to the newest step every rank can load: a process restart reads none
+    past the newest, a wiped node one. Below that, only a fallback reads on: with rank
+    1's file of the newest step rotten on tier 1, the restore falls back to the step
+    before it, which only tier 1 holds, and restores it exactly."""
+    slow, base = tmp_path / "persistent", tmp_path / "nodes"
+    args = (str(base), str(slow), None)
+    n = 24
+    saved = ok_values(run_ranks(workers.w_counted_restore, WORLD, *args, n, tmp_dir=str(tmp_path)))
+    assert all(v["replicated"] for v in saved), saved
+
+    restart = ok_values(
+        run_ranks(workers.w_counted_restore, WORLD, *args, 0, tmp_dir=str(tmp_path))
+    )
+    assert all(v["restored_ok"] and v["restored"] == (n, (0,)) for v in restart), restart
+    assert restart[0]["latest"] == (n, (0, 1)), restart[0]
+    # The newest step's manifest on tier 1 (is it there?), nothing older.
+    assert restart[0]["latest_reads"] <= 2 and restart[0]["restore_reads"] <= 2, restart[0]
+
+    shutil.rmtree(base / "node1")
+    wiped = ok_values(run_ranks(workers.w_counted_restore, WORLD, *args, 0, tmp_dir=str(tmp_path)))
+    assert all(v["restored_ok"] and v["restored"] == (n, (0, 1)) for v in wiped), wiped
+    assert wiped[0]["latest_reads"] <= 2 and wiped[0]["restore_reads"] <= 2, wiped[0]
+
+    shutil.rmtree(base / "node1")
+    rotten = next((slow / checkpoint_name(n)).rglob(rank_state_file(1)))
+    raw = bytearray(rotten.read_bytes())
+    raw[-20] ^= 0xFF
+    rotten.write_bytes(bytes(raw))
+    fell = ok_values(run_ranks(workers.w_counted_restore, WORLD, *args, 0, tmp_dir=str(tmp_path)))
+    assert all(v["restored_ok"] and v["restored"] == (n - 1, (1,)) for v in fell), fell
+    assert any(f"step {n}" in w and "trying the next copy" in w for w in fell[1]["warnings"])
+    # Only the fallback read the rest of tier 1 (a full listing: every manifest).
+    assert fell[0]["latest_reads"] <= 2 and fell[0]["restore_reads"] >= n, fell[0]

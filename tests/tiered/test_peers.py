@@ -109,6 +109,21 @@ def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(t
     assert not list((base / "node1" / ".peers" / "node-1").glob(".incoming-*"))
 
 
+def test_ranks_holding_their_own_file_load_it_while_the_peer_fetch_runs(tmp_path):
+    """A node that holds its files need not wait for another node's fetch to load them:
+    the sender of node 1's files loads its own during the transfer. (On the base, the
+    sender's wait for its own load timed out: loads came after the fetch.)"""
+    slow, base = tmp_path / "persistent", tmp_path / "nodes"
+    args = (str(base), str(slow), None)
+    first = ok_values(run_ranks(workers.w_peers, WORLD, *args, 1, [1], tmp_dir=str(tmp_path)))
+    assert all(v["replicated"] and v["peered"] for v in first), first
+    shutil.rmtree(base / "node1")
+    got = ok_values(run_ranks(workers.w_overlapped_restore, WORLD, *args, tmp_dir=str(tmp_path)))
+    assert all(v["restored_ok"] and v["restored"] == (1, (0,), (1,)) for v in got), got
+    assert got[2]["loaded_before_send"], got[2]
+    assert got[0]["waited"] == [] and got[1]["waited"] == [], got
+
+
 @pytest.mark.netfs
 def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_server, s3_bucket):
     url = f"s3://{s3_bucket}/run"

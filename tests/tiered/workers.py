@@ -227,6 +227,99 @@ def w_peers(
     return out
 
 
+def w_overlapped_restore(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Restore while node 1's tier 0 is wiped (its file comes from node 2's peer copy).
+    Node 2, the sender, holds its own file on its tier 0: before it sends a byte, it
+    waits (10 s at most) until its own load of that file has finished. Only a restore
+    that loads that file while the fetch runs lets the sender go on at once."""
+    import threading
+    import time
+
+    _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=30, retry_max_s=0.2, peers=1)
+    loaded = threading.Event()
+    waited: list[float] = []
+    load_mine, transfer = mgr._load_mine, mgr._transfer
+
+    def load_and_tell(tier: Any, *args: Any, **kwargs: Any) -> Any:
+        state = load_mine(tier, *args, **kwargs)
+        if tier == 0:
+            loaded.set()
+        return state
+
+    def transfer_after_load(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("send") is not None:
+            t = time.monotonic()
+            loaded.wait(10)
+            waited.append(time.monotonic() - t)
+        return transfer(*args, **kwargs)
+
+    mgr._load_mine = load_and_tell  # type: ignore[method-assign]
+    mgr._transfer = transfer_after_load  # type: ignore[method-assign]
+    state = mgr.restore()
+    got = mgr.last_restored
+    out = {
+        "restored_ok": states_equal(state, make_state(got.step, rank, big_elems=ELEMS)),
+        "restored": (got.step, got.tiers, got.from_peers),
+        "loaded_before_send": loaded.is_set() and bool(waited) and max(waited) < 5,
+        "waited": waited,
+    }
+    mgr.close()
+    return out
+
+
+def w_counted_restore(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any] | None, steps: int
+) -> dict[str, Any]:
+    """Save steps 1..``steps`` (none if 0) and wait until tier 1 has them; else
+    ``latest()`` and ``restore()``, counting on rank 0 the tier-1 manifests each reads."""
+    import threading
+
+    from atomic_checkpoint import catalog
+
+    warned: list[str] = []
+    import logging
+
+    logging.getLogger("atomic_checkpoint").addHandler(ListHandler(warned))
+    _, mgr = _node_manager(rank, base, slow, opts, keep=steps or 100, timeout_s=30, retry_max_s=0.2)
+    if steps:
+        for s in range(1, steps + 1):
+            mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+        out: dict[str, Any] = {"replicated": mgr.wait_replicated(timeout_s=60)}
+        mgr.close()
+        return out
+    reads = [0]
+    read_manifest = catalog.read_manifest
+
+    def counted(storage: Any, rel: str) -> Any:
+        # The calling thread's reads only: the replicator's start lists tier 1 too.
+        if threading.current_thread() is threading.main_thread() and storage.url("").rstrip(
+            "/"
+        ) == mgr._slow_storage.url("").rstrip("/"):
+            reads[0] += 1
+        return read_manifest(storage, rel)
+
+    catalog.read_manifest = counted  # type: ignore[assignment]
+    try:
+        latest = mgr.latest()
+        latest_reads, reads[0] = reads[0], 0
+        state = mgr.restore()
+    finally:
+        catalog.read_manifest = read_manifest  # type: ignore[assignment]
+    got = mgr.last_restored
+    out = {
+        "latest": None if latest is None else (latest.step, latest.tiers),
+        "latest_reads": latest_reads,
+        "restore_reads": reads[0],
+        "restored": (got.step, got.tiers),
+        "restored_ok": states_equal(state, make_state(got.step, rank, big_elems=ELEMS)),
+        "warnings": warned,
+    }
+    mgr.close()
+    return out
+
+
 def w_tiered_disk_full(
     rank: int,
     world: int,
