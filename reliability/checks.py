@@ -172,6 +172,10 @@ class RootView:
             library's temporary files (a marker or manifest write killed between its
             temporary file and the rename): what a kill leaves by design, which the next
             start must remove (checked by the campaigns after it).
+        killed_deletes: empty ``checkpoint-<step>`` directories: what the marker
+            strategy's delete leaves when it is killed between the unlink of its last
+            marker and its ``rmdir`` (no order of the two closes that window). Nothing
+            in them, so they block no save; the next start's sweep must remove them.
         pending: entries under ``.pending``.
         trash: entries under ``.trash``.
         run_ids: run ids of the valid checkpoints.
@@ -181,6 +185,7 @@ class RootView:
     torn: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     killed_writes: list[str] = field(default_factory=list)
+    killed_deletes: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
     trash: list[str] = field(default_factory=list)
     run_ids: set[str] = field(default_factory=set)
@@ -219,7 +224,11 @@ def inspect_root(root: str | Storage, *, world: int, size: int | SizeOf) -> Root
                 view.pending.append(e.name)
         elif e.status == "foreign":
             if e.step is not None and e.problem == "no manifest":
-                view.orphans.append(f"{e.name} ({sorted(storage.listdir(e.name))})")
+                inside = sorted(storage.listdir(e.name))
+                if inside:
+                    view.orphans.append(f"{e.name} ({inside})")
+                else:
+                    view.killed_deletes.append(e.name)
         elif e.status == "ok" and e.manifest is not None and e.step is not None:
             problem = _check_exact(storage, e.step, e.manifest, world, size, load_state)
             if problem:

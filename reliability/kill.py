@@ -373,14 +373,24 @@ def _judge(
         tally.violate("stuck", f"{label}: the next start failed: {error}")
     if left:
         tally.violate("leaks", f"{label}: still there after the next start: {left}")
-    if after.killed_writes and not error:
-        # A kill inside a marker or manifest write leaves its temporary file: the next
-        # start (its sweep) must have removed it, and the directory with it.
-        tally.count("killed_write_left", str(len(after.killed_writes)))
+    if (after.killed_writes or after.killed_deletes) and not error:
+        # A kill inside a marker or manifest write leaves its temporary file, and one
+        # between a delete's last marker and its rmdir an empty directory: the next
+        # start (its sweep) must have removed them.
         again = inspect_root(where.truth, world=cfg.world, size=cfg.tensor_elems)
-        still = [n for n in after.killed_writes if n in again.killed_writes]
-        if still:
-            tally.violate("leaks", f"{label}: temporary files outlived the next start: {still}")
+        if after.killed_writes:
+            tally.count("killed_write_left", str(len(after.killed_writes)))
+            still = [n for n in after.killed_writes if n in again.killed_writes]
+            if still:
+                tally.violate("leaks", f"{label}: temporary files outlived the next start: {still}")
+        if after.killed_deletes:
+            tally.count("killed_delete_left", str(len(after.killed_deletes)))
+            still = [n for n in after.killed_deletes if n in again.killed_deletes]
+            if still:
+                tally.violate(
+                    "leaks",
+                    f"{label}: empty checkpoint directories outlived the next start: {still}",
+                )
     if where.direct is not None and not error:
         leaks_after_clean(
             tally, label, where.direct, where.leaked, where.clean_root, where.clean_options

@@ -184,3 +184,43 @@ def test_a_checkpoint_directory_holding_only_a_killed_writes_temporary_file_is_o
     with CheckpointManager(root, strategy="marker") as mgr:
         assert not (root / "checkpoint-7").exists()
         assert [c.step for c in mgr.checkpoints()] == [1]
+
+
+_KILLED_BEFORE_RMDIR = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from atomic_checkpoint import CheckpointManager, KeepLast, strategies
+from tests.faults.test_failure_modes import np_state
+
+def killed(storage, rel):
+    os.kill(os.getpid(), signal.SIGKILL)  # the delete's last marker is gone, rmdir not yet
+
+strategies._drop_if_empty = killed
+mgr = CheckpointManager(sys.argv[1], strategy="marker", retention=KeepLast(1))
+mgr.save(1, np_state(1))
+mgr.save(2, np_state(2))
+mgr.checkpoints()  # waits for the rotation that deletes step 1
+print("the rotation was not killed")
+"""
+
+
+def test_an_empty_directory_left_by_a_delete_killed_before_its_rmdir_goes_at_the_next_start(
+    tmp_path,
+):
+    # The marker strategy's delete removes a step's data, then its markers, then the
+    # directory: a kill between the last two leaves checkpoint-<step>/ empty (found by
+    # the kill campaign on s3fs-fuse, in CI). The campaigns count it as what a killed
+    # delete leaves, not as a foreign directory; the next start's sweep removes it.
+    from reliability.checks import inspect_root
+
+    root = tmp_path / "r"
+    assert_killed(run_python(_KILLED_BEFORE_RMDIR.format(repo=str(REPO)), root))
+    assert sorted(os.listdir(root / "checkpoint-1")) == []
+    view = inspect_root(str(root), world=1, size=1)
+    assert view.killed_deletes == ["checkpoint-1"] and view.orphans == [], view
+
+    with CheckpointManager(root, strategy="marker") as mgr:
+        assert not (root / "checkpoint-1").exists()
+        assert [c.step for c in mgr.checkpoints()] == [2]
+        assert same(mgr.restore(), np_state(2))
+    assert inspect_root(str(root), world=1, size=1).killed_deletes == []
