@@ -118,6 +118,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -1406,7 +1407,7 @@ class TieredCheckpointManager:
         newest first (only ``want``'s, if given), stopping at the first that every rank
         can load (valid on tier 1, or at or below the newest step every rank loads from
         tier 0 or a peer); fills ``v.slow``, tier 1's infos and ``v.slow_floor``."""
-        reach = [loc | self._peer_loadable(v, r) for r, loc in enumerate(v.locals_)]
+        reach = self._fast_reach(v)
         top = max(set.intersection(*reach), default=None) if reach else None
         storage = self._slow_read_storage()
         walked = names if want is None else [(s, n) for s, n in names if s == want]
@@ -1429,6 +1430,11 @@ class TieredCheckpointManager:
             v.slow.clear()
             v.slow_error = f"{type(exc).__name__}: {exc}"
         v.slow_floor = floor
+
+    def _fast_reach(self, v: _Views) -> list[set[int]]:
+        """For each rank, the steps it can load without tier 1: its node's tier 0
+        copy, or a peer copy some node holds of its file."""
+        return [loc | self._peer_loadable(v, r) for r, loc in enumerate(v.locals_)]
 
     def _peer_loadable(self, v: _Views, rank: int) -> set[int]:
         """The steps some node holds a peer copy of ``rank``'s file of."""
@@ -1457,7 +1463,7 @@ class TieredCheckpointManager:
     def _checkpoints_multi(self, v: _Views | None = None) -> list[TieredCheckpointInfo]:
         if v is None:
             v = self._views_multi()
-        fast = [loc | self._peer_loadable(v, r) for r, loc in enumerate(v.locals_)]
+        fast = self._fast_reach(v)
         everywhere = set.intersection(*fast)
         out = []
         for step in sorted(set.intersection(*(loc | v.slow for loc in fast))):
@@ -1585,17 +1591,16 @@ class TieredCheckpointManager:
         # Tier 1 is read newest first, down to the first candidate only; a fallback
         # below that (the newer candidates failed to load) reads the rest of it.
         v = self._views_multi(newest=True, want=step)
+        loadable = set.intersection(*(loc | v.slow for loc in self._fast_reach(v)))
         skipped: list[str] = []
         tried: set[int] = set()
         while True:
-            locals_, slow, infos = v.locals_, v.slow, v.infos
-            mine = locals_[self.rank]
-            reach = [loc | self._peer_loadable(v, r) for r, loc in enumerate(locals_)]
-            loadable = set.intersection(*(loc | slow for loc in reach))
+            slow, infos, mine = v.slow, v.infos, v.locals_[self.rank]
             pending = [step] if step is not None else sorted(loadable, reverse=True)
             pending = [c for c in pending if c not in tried]
             if v.slow_floor is not None and (not pending or pending[0] < v.slow_floor):
                 v = self._views_multi()  # every rank alike: the same agreed outcomes
+                loadable = set.intersection(*(loc | v.slow for loc in self._fast_reach(v)))
                 continue
             if not pending:
                 break
@@ -1604,12 +1609,13 @@ class TieredCheckpointManager:
             plan = self._fetch_plan(v, s) if self._peer_group is not None else []
             # A rank whose own tier 0 holds its file loads it while the fetch runs: the
             # fetch's receivers load last, so only their load follows the transfer.
-            early = _Background(self._load_mine, 0, s, kwargs) if plan and s in mine else None
-            try:
+            early: Future[Any] | None = None
+            if plan and s in mine:
+                with ThreadPoolExecutor(1, thread_name_prefix="atomic-checkpoint-load") as pool:
+                    early = pool.submit(self._load_mine, 0, s, kwargs)
+                    peer_node = self._fetch_from_peers(v, s, plan)
+            else:
                 peer_node = self._fetch_from_peers(v, s, plan)
-            finally:
-                if early is not None:
-                    early.join()
             tiers: list[int | str] = [
                 t
                 for t, held in ((0, s in mine), ("peer", peer_node is not None), (1, s in slow))
@@ -2052,33 +2058,6 @@ def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:
             mgr._slow_storage.url(""),
             mgr.fast.root,
         )
-
-
-class _Background:
-    """``fn(*args)`` on a thread of its own; ``result()`` returns what it returned or
-    raises what it raised, in the calling thread."""
-
-    def __init__(self, fn: Callable[..., Any], *args: Any):
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = fn(*args)
-            except BaseException as exc:  # re-raised by result()
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, name="atomic-checkpoint-load", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        self._thread.join()
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _open(tier: Tier) -> Storage:

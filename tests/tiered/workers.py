@@ -27,15 +27,16 @@ def _node_manager(
     timeout_s: float,
     retry_max_s: float,
     peers: int = 0,
+    fast_keep: int = 1,
 ) -> tuple[str, TieredCheckpointManager]:
     """This rank as node ``node<rank>``: its tier 0 (``base/node<rank>``, the newest
-    step only) and its manager over that and the persistent tier ``slow`` (the newest
-    ``keep`` steps). Returns tier 0's directory and the manager."""
+    ``fast_keep`` steps) and its manager over that and the persistent tier ``slow`` (the
+    newest ``keep`` steps). Returns tier 0's directory and the manager."""
     os.environ[HOST_ENV] = f"node{rank}"
     fast = os.path.join(base, f"node{rank}")
     mgr = TieredCheckpointManager(
         [
-            Tier(fast, retention=KeepLast(1)),
+            Tier(fast, retention=KeepLast(fast_keep)),
             Tier(slow, retention=KeepLast(keep), storage_options=opts),
         ],
         timeout_s=timeout_s,
@@ -274,13 +275,12 @@ def w_counted_restore(
 ) -> dict[str, Any]:
     """Save steps 1..``steps`` (none if 0) and wait until tier 1 has them; else
     ``latest()`` and ``restore()``, counting on rank 0 the tier-1 manifests each reads."""
+    import logging
     import threading
 
     from atomic_checkpoint import catalog
 
     warned: list[str] = []
-    import logging
-
     logging.getLogger("atomic_checkpoint").addHandler(ListHandler(warned))
     _, mgr = _node_manager(rank, base, slow, opts, keep=steps or 100, timeout_s=30, retry_max_s=0.2)
     if steps:
@@ -432,3 +432,67 @@ def w_close_one_by_one(
     t0 = time.monotonic()
     left = mgr.close(timeout_s=0)
     return {"close_s": time.monotonic() - t0, "left": left, "fatal": repr(mgr._fatal)}
+
+
+def w_restore_states(
+    rank: int,
+    world: int,
+    base: str,
+    slow: str,
+    pristine: str,
+    steps: int,
+    scenarios: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """With ``scenarios`` empty: save steps 1..``steps`` (tier 0 keeps 3, tier 1 all of
+    them, one peer copy of each node's files) and wait until tier 1 and the peers have
+    them. Else, for each scenario: rank 0 resets ``base`` and ``slow`` to the copies in
+    ``pristine``, removes the scenario's ``wipe`` nodes' tier 0 and flips a byte in each
+    of its ``rot`` files; then every rank opens its manager and restores. Reports each
+    restore's step, tiers and exactness, or its error's type and text."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointError
+
+    def manager() -> TieredCheckpointManager:
+        return _node_manager(
+            rank, base, slow, None, keep=steps, timeout_s=30, retry_max_s=0.2, peers=1,
+            fast_keep=3,
+        )[1]
+
+    if not scenarios:
+        mgr = manager()
+        for s in range(1, steps + 1):
+            mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+        done = {"replicated": mgr.wait_replicated(timeout_s=60)}
+        done["peered"] = mgr.wait_peers(timeout_s=60)
+        mgr.close()
+        return done
+    outcomes: list[Any] = []
+    for sc in scenarios:
+        dist.barrier()
+        if rank == 0:
+            for live, kept in ((base, "nodes"), (slow, "persistent")):
+                shutil.rmtree(live)
+                shutil.copytree(os.path.join(pristine, kept), live)
+            for node in sc["wipe"]:
+                shutil.rmtree(os.path.join(base, f"node{node}"))
+            for path in sc["rot"]:
+                with open(path, "r+b") as f:
+                    f.seek(os.path.getsize(path) // 2)
+                    byte = f.read(1)
+                    f.seek(-1, os.SEEK_CUR)
+                    f.write(bytes([byte[0] ^ 0xFF]))
+        dist.barrier()
+        mgr = manager()
+        try:
+            state = mgr.restore()
+            got = mgr.last_restored
+            exact = states_equal(state, make_state(got.step, rank, big_elems=ELEMS))
+            outcomes.append(("ok", got.step, list(got.tiers), exact))
+        except CheckpointError as exc:
+            outcomes.append((type(exc).__name__, str(exc)[:300]))
+        finally:
+            mgr.close()
+    return {"outcomes": outcomes}
