@@ -843,6 +843,19 @@ class TieredCheckpointManager:
                     self._cv.notify_all()
                 log.error("replication stopped on rank %d: %s", self.rank, exc)
                 return
+            except Exception as exc:
+                # Anything else is a bug. Stop as for a lost rank: the waits end with
+                # this error at once, and the other ranks' exchanges with this one time
+                # out (timeout_s) instead of waiting for a thread that is gone.
+                err = CheckpointError(
+                    f"replication stopped on rank {self.rank}: {type(exc).__name__}: {exc}"
+                )
+                err.__cause__ = exc
+                with self._cv:
+                    self._fatal = err
+                    self._cv.notify_all()
+                log.exception("replication stopped on rank %d", self.rank)
+                return
 
     def _reconcile_multi(self) -> None:
         """Agree on what tier 1 lacks: the steps every node committed on tier 0, newer

@@ -236,3 +236,25 @@ def test_a_restarted_job_gives_the_steps_saved_before_it_their_peer_copies(tmp_p
     slow.rename(tmp_path / "persistent-away")
     fourth = ok_values(run_ranks(workers.w_peers, WORLD, *args, 1, [], tmp_dir=str(tmp_path)))
     assert all(v["restored_ok"] and v["restored"] == (2, (0,), (1,)) for v in fourth), fourth
+
+
+def test_a_bug_in_one_replicator_ends_every_rank_s_wait_within_the_timeout(tmp_path):
+    """An unexpected exception in rank 0's replicator thread (not a storage or
+    coordination error) must not leave a dead thread that every wait then waits on until
+    its own timeout: it stops replication with an error naming it, at once on rank 0 and
+    within the exchange timeout (5 s here) on the other ranks."""
+    base, slow = tmp_path / "nodes", tmp_path / "persistent"
+    got = ok_values(
+        run_ranks(
+            workers.w_replicator_bug,
+            WORLD,
+            str(base),
+            str(slow),
+            tmp_dir=str(tmp_path),
+            timeout_s=150,
+        )
+    )
+    assert all(v["peered"] is False for v in got), got
+    assert all(v["waited_s"] < 30 for v in got), got
+    assert "ValueError: a bug in the sender" in got[0]["replicated"], got[0]
+    assert all(isinstance(v["replicated"], str) for v in got), got

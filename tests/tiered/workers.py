@@ -457,7 +457,14 @@ def w_restore_states(
 
     def manager() -> TieredCheckpointManager:
         return _node_manager(
-            rank, base, slow, None, keep=steps, timeout_s=30, retry_max_s=0.2, peers=1,
+            rank,
+            base,
+            slow,
+            None,
+            keep=steps,
+            timeout_s=30,
+            retry_max_s=0.2,
+            peers=1,
             fast_keep=3,
         )[1]
 
@@ -496,3 +503,32 @@ def w_restore_states(
         finally:
             mgr.close()
     return {"outcomes": outcomes}
+
+
+def w_replicator_bug(rank: int, world: int, base: str, slow: str) -> dict[str, Any]:
+    """A bug in rank 0's replicator (reading its peer copy raises ValueError) during the
+    peer round of step 1: how long each rank's ``wait_peers`` and ``wait_replicated``
+    take to end, and what they report."""
+    from atomic_checkpoint import CheckpointError, tiered
+
+    if rank == 0:
+
+        def broken(*_args: Any, **_kwargs: Any) -> Any:
+            raise ValueError("a bug in the sender")
+
+        tiered._read_chunks = broken  # type: ignore[assignment]
+    _, mgr = _node_manager(rank, base, slow, None, keep=3, timeout_s=5, retry_max_s=0.2, peers=1)
+    mgr.save(1, make_state(1, rank, big_elems=ELEMS))
+    t = time.monotonic()
+    out: dict[str, Any] = {"peered": mgr.wait_peers(timeout_s=60)}
+    out["peers_s"] = time.monotonic() - t
+    try:
+        out["replicated"] = mgr.wait_replicated(timeout_s=60)
+    except CheckpointError as exc:
+        out["replicated"] = f"{type(exc).__name__}: {exc}"
+    out["waited_s"] = time.monotonic() - t
+    try:
+        mgr.close()
+    except CheckpointError as exc:
+        out["close"] = f"{type(exc).__name__}: {exc}"
+    return out
