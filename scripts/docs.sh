@@ -6,6 +6,8 @@
 #
 #   scripts/docs.sh            build (exit status: mkdocs's)
 #   scripts/docs.sh serve      build and serve on http://127.0.0.1:8000 while editing
+#   scripts/docs.sh deps       only install what the site needs (scripts/test.sh does: the
+#                              tests of the site's build hooks and of the release import it)
 #
 # Sets up the project venv with scripts/bootstrap.sh, then installs requirements/docs.txt
 # into it (pinned, resolved with requirements/constraints.txt) when that file changed.
@@ -34,6 +36,10 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
     "$VPY" -m pip check >&2
     echo "$want" >"$STAMP"
     printf 'docs.sh: installed requirements/docs.txt (%ds)\n' $((SECONDS - t0)) >&2
+fi
+
+if [ "${1:-}" = deps ]; then
+    exit 0
 fi
 
 export NO_MKDOCS_2_WARNING=1 # the theme's notice about its successor, printed on every build

@@ -10,6 +10,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 bash scripts/bootstrap.sh
+# The site's build tools and the release checks (requirements/docs.txt): the tests of the
+# site's hooks import them, and the packaging tests run twine.
+bash scripts/docs.sh deps
 
 VPY="$ROOT/.venv/bin/python"
 lint_failed=()
