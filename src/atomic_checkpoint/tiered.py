@@ -118,7 +118,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
@@ -837,24 +837,23 @@ class TieredCheckpointManager:
                 delay = _RETRY_MIN_S
             except _RoundFailed as exc:  # every rank got the same outcome: all retry
                 delay = self._back_off(exc, delay)
-            except CheckpointError as exc:  # a rank is gone (exchange timed out)
-                with self._cv:
-                    self._fatal = exc
-                    self._cv.notify_all()
-                log.error("replication stopped on rank %d: %s", self.rank, exc)
-                return
             except Exception as exc:
-                # Anything else is a bug. Stop as for a lost rank: the waits end with
-                # this error at once, and the other ranks' exchanges with this one time
-                # out (timeout_s) instead of waiting for a thread that is gone.
-                err = CheckpointError(
-                    f"replication stopped on rank {self.rank}: {type(exc).__name__}: {exc}"
-                )
-                err.__cause__ = exc
+                # A rank is gone (an exchange timed out: CheckpointError), or a bug. Either
+                # way replication stops here: the waits end with this error at once, and
+                # the other ranks' exchanges with this one time out (timeout_s) instead of
+                # waiting for a thread that is gone.
+                err = exc
+                if not isinstance(exc, CheckpointError):
+                    err = CheckpointError(
+                        f"replication stopped on rank {self.rank}: {type(exc).__name__}: {exc}"
+                    )
+                    err.__cause__ = exc
                 with self._cv:
                     self._fatal = err
                     self._cv.notify_all()
-                log.exception("replication stopped on rank %d", self.rank)
+                log.error(
+                    "replication stopped on rank %d: %s", self.rank, exc, exc_info=err is not exc
+                )
                 return
 
     def _reconcile_multi(self) -> None:
@@ -1444,6 +1443,10 @@ class TieredCheckpointManager:
             v.slow_error = f"{type(exc).__name__}: {exc}"
         v.slow_floor = floor
 
+    def _loadable(self, v: _Views) -> set[int]:
+        """The steps every rank can load from some tier."""
+        return set.intersection(*(loc | v.slow for loc in self._fast_reach(v)))
+
     def _fast_reach(self, v: _Views) -> list[set[int]]:
         """For each rank, the steps it can load without tier 1: its node's tier 0
         copy, or a peer copy some node holds of its file."""
@@ -1476,10 +1479,9 @@ class TieredCheckpointManager:
     def _checkpoints_multi(self, v: _Views | None = None) -> list[TieredCheckpointInfo]:
         if v is None:
             v = self._views_multi()
-        fast = self._fast_reach(v)
-        everywhere = set.intersection(*fast)
+        everywhere = set.intersection(*self._fast_reach(v))
         out = []
-        for step in sorted(set.intersection(*(loc | v.slow for loc in fast))):
+        for step in sorted(self._loadable(v)):
             tiers = tuple(t for t, held in ((0, step in everywhere), (1, step in v.slow)) if held)
             info = _tiered(v.infos[step], tiers)
             if self._peer_group is not None:
@@ -1604,7 +1606,7 @@ class TieredCheckpointManager:
         # Tier 1 is read newest first, down to the first candidate only; a fallback
         # below that (the newer candidates failed to load) reads the rest of it.
         v = self._views_multi(newest=True, want=step)
-        loadable = set.intersection(*(loc | v.slow for loc in self._fast_reach(v)))
+        loadable = self._loadable(v)
         skipped: list[str] = []
         tried: set[int] = set()
         while True:
@@ -1613,7 +1615,7 @@ class TieredCheckpointManager:
             pending = [c for c in pending if c not in tried]
             if v.slow_floor is not None and (not pending or pending[0] < v.slow_floor):
                 v = self._views_multi()  # every rank alike: the same agreed outcomes
-                loadable = set.intersection(*(loc | v.slow for loc in self._fast_reach(v)))
+                loadable = self._loadable(v)
                 continue
             if not pending:
                 break
@@ -1622,12 +1624,8 @@ class TieredCheckpointManager:
             plan = self._fetch_plan(v, s) if self._peer_group is not None else []
             # A rank whose own tier 0 holds its file loads it while the fetch runs: the
             # fetch's receivers load last, so only their load follows the transfer.
-            early: Future[Any] | None = None
-            if plan and s in mine:
-                with ThreadPoolExecutor(1, thread_name_prefix="atomic-checkpoint-load") as pool:
-                    early = pool.submit(self._load_mine, 0, s, kwargs)
-                    peer_node = self._fetch_from_peers(v, s, plan)
-            else:
+            with ThreadPoolExecutor(1, thread_name_prefix="atomic-checkpoint-load") as pool:
+                early = pool.submit(self._load_mine, 0, s, kwargs) if plan and s in mine else None
                 peer_node = self._fetch_from_peers(v, s, plan)
             tiers: list[int | str] = [
                 t

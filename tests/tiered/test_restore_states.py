@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from tests.dist.launcher import ok_values, run_ranks
 from tests.tiered import workers
+from tests.tiered.test_peers import _peer_copy
 
 from atomic_checkpoint.layout import checkpoint_name, rank_state_file
 
@@ -53,7 +54,7 @@ def _inventory(base: Path, slow: Path) -> Copies:
             if own:
                 c.own[rank, step] = own[0]
             for holder in range(WORLD):
-                copy = base / f"node{holder}" / ".peers" / f"node-{rank}" / name
+                copy = _peer_copy(base, holder, rank, step)
                 found = list(copy.rglob(rank_state_file(rank))) if copy.is_dir() else []
                 if found:
                     c.peer.setdefault((rank, step), []).append((holder, found[0]))

@@ -450,8 +450,10 @@ def w_restore_states(
     of its ``rot`` files; then every rank opens its manager and restores. Reports each
     restore's step, tiers and exactness, or its error's type and text."""
     import shutil
+    from pathlib import Path
 
     import torch.distributed as dist
+    from tests.cli.helpers import flip_byte
 
     from atomic_checkpoint import CheckpointError
 
@@ -486,11 +488,7 @@ def w_restore_states(
             for node in sc["wipe"]:
                 shutil.rmtree(os.path.join(base, f"node{node}"))
             for path in sc["rot"]:
-                with open(path, "r+b") as f:
-                    f.seek(os.path.getsize(path) // 2)
-                    byte = f.read(1)
-                    f.seek(-1, os.SEEK_CUR)
-                    f.write(bytes([byte[0] ^ 0xFF]))
+                flip_byte(Path(path))
         dist.barrier()
         mgr = manager()
         try:
