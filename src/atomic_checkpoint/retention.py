@@ -23,6 +23,7 @@ run counts its pre-restart checkpoints like any others (B6).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -118,8 +119,23 @@ class _Composable:
         return AnyOf(other, self)  # type: ignore[arg-type]
 
 
+class _Counted(_Composable):
+    """A built-in policy whose first field is a count of at least 1 (``KeepLast(n)``,
+    ``KeepEvery(k)``, ``KeepBest(k, ...)``): checked when it is made, shown as
+    ``Name(count)`` unless the policy has more to show."""
+
+    def __post_init__(self) -> None:
+        name = dataclasses.fields(self)[0].name  # type: ignore[arg-type]
+        value = _check_count(type(self).__name__, name, getattr(self, name))
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        name = dataclasses.fields(self)[0].name  # type: ignore[arg-type]
+        return f"{type(self).__name__}({getattr(self, name)})"
+
+
 @dataclass(frozen=True, repr=False)
-class KeepLast(_Composable):
+class KeepLast(_Counted):
     """Keep the ``n`` checkpoints with the highest steps.
 
     Pure: no I/O; called on the coordinator after a commit is durable.
@@ -134,12 +150,6 @@ class KeepLast(_Composable):
 
     n: int
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "n", _check_count("KeepLast", "n", self.n))
-
-    def __repr__(self) -> str:
-        return f"KeepLast({self.n})"
-
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
         """Why each kept step is kept: ``"last <n>"``; see :meth:`_Composable.reasons`."""
         newest_first = sorted(_index(checkpoints), reverse=True)
@@ -147,7 +157,7 @@ class KeepLast(_Composable):
 
 
 @dataclass(frozen=True, repr=False)
-class KeepBest(_Composable):
+class KeepBest(_Counted):
     """Keep the ``k`` checkpoints with the best value of a metric.
 
     Pure: no I/O; called on the coordinator after a commit is durable.
@@ -174,7 +184,7 @@ class KeepBest(_Composable):
     mode: Literal["min", "max"] = "min"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "k", _check_count("KeepBest", "k", self.k))
+        super().__post_init__()
         if not isinstance(self.metric, str):
             raise TypeError(
                 f"KeepBest(metric=...) must be a metric name (str), "
@@ -208,7 +218,7 @@ class KeepBest(_Composable):
 
 
 @dataclass(frozen=True, repr=False)
-class KeepEvery(_Composable):
+class KeepEvery(_Counted):
     """Keep every checkpoint whose step is a multiple of ``k`` (step 0 included).
 
     Pure: no I/O; called on the coordinator after a commit is durable.
@@ -222,12 +232,6 @@ class KeepEvery(_Composable):
     """
 
     k: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "k", _check_count("KeepEvery", "k", self.k))
-
-    def __repr__(self) -> str:
-        return f"KeepEvery({self.k})"
 
     def reasons(self, checkpoints: Sequence[CheckpointInfo]) -> dict[int, str]:
         """Why each kept step is kept: ``"every <k>"``; see :meth:`_Composable.reasons`."""

@@ -291,12 +291,7 @@ class RenameStrategy:
         return f"{PENDING_DIR}/{pending_name(step, attempt)}"
 
     def prepare(self, storage: Storage, step: int, attempt: str) -> str:
-        pending = self.pending_location(step, attempt)
-        storage.makedirs(pending)
-        # The pending entry must be durable before ranks write into it, or a crash
-        # could leave their files in a directory that never existed.
-        storage.fsync_dir(PENDING_DIR)
-        return pending
+        return _durable_dir(storage, self.pending_location(step, attempt), PENDING_DIR)
 
     def publish(
         self, storage: Storage, pending: str, manifest: Manifest, *, rank: int, overwrite: bool
@@ -535,19 +530,14 @@ class MarkerStrategy:
     def prepare(self, storage: Storage, step: int, attempt: str) -> str:
         final = checkpoint_name(step)
         pending = self.pending_location(step, attempt)
-        storage.makedirs(final)
-        # The entry of checkpoint-<step>/ in ROOT must be durable before anything in it
-        # is: fsync'd files and manifest in a directory whose own entry is lost in a
-        # power cut are lost with it (found by the crash-state enumerator).
-        storage.fsync_dir("")
-        # The marker goes first: from here on, whatever this attempt leaves behind is
-        # ours to sweep rather than an anonymous directory we must not touch.
+        # checkpoint-<step>/ in ROOT (found by the crash-state enumerator: see
+        # _durable_dir), then the marker: from here on, whatever this attempt leaves
+        # behind is ours to sweep rather than an anonymous directory we must not touch.
+        _durable_dir(storage, final, "")
         storage.write_bytes_atomic(
             f"{final}/{marker_name(attempt)}", _marker_doc(step, attempt, "save")
         )
-        storage.makedirs(pending)
-        storage.fsync_dir(final)
-        return pending
+        return _durable_dir(storage, pending, final)
 
     def publish(
         self, storage: Storage, pending: str, manifest: Manifest, *, rank: int, overwrite: bool
@@ -907,6 +897,15 @@ def _remove_entry(storage: Storage, rel: str) -> None:
         storage.delete_file(rel)
     else:
         storage.delete_tree(rel)
+
+
+def _durable_dir(storage: Storage, path: str, parent: str) -> str:
+    """Create ``path`` (and its parents) and make its entry in ``parent`` durable before
+    anything is written into it: fsync'd files and manifest in a directory whose own
+    entry a power cut loses are lost with it. Returns ``path``."""
+    storage.makedirs(path)
+    storage.fsync_dir(parent)
+    return path
 
 
 def _marker_doc(step: int, attempt: str, purpose: str) -> bytes:
