@@ -283,7 +283,21 @@ def _short_problem(storage: Storage, name: str, problem: str | None) -> str | No
 
 
 def _emit_json(doc: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    _write_out(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+_OUT_PIECE = 1 << 16
+
+
+def _write_out(text: str) -> None:
+    """Write ``text`` to stdout in pieces of 64 KiB, flushing each. One large write to a
+    pipe whose reader goes away (``list --json | head``) is taken in part by the kernel,
+    and CPython's buffered writer then reports it as written: the command would exit 0
+    with its output cut. Written in pieces, the next piece raises BrokenPipeError, and
+    ``main`` exits 1 quietly."""
+    for i in range(0, len(text), _OUT_PIECE):
+        sys.stdout.write(text[i : i + _OUT_PIECE])
+        sys.stdout.flush()
 
 
 # ---------------------------------------------------------------------- the root
@@ -630,7 +644,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows.append(row)
     if others:
         rows.append(_others_row(others, len(headers)))
-    print(_table(headers, rows, right={1, 3}))
+    _write_out(_table(headers, rows, right={1, 3}) + "\n")
     counts: dict[str, int] = {}
     for d in docs:
         counts[d["status"]] = counts.get(d["status"], 0) + 1
@@ -1403,7 +1417,7 @@ def _print_inspect(
         ]
         for f in files
     ]
-    print(_indent(_table(["PATH", "SIZE", "CHECKSUM", "RANK"], rows, right={1, 3})))
+    _write_out(_indent(_table(["PATH", "SIZE", "CHECKSUM", "RANK"], rows, right={1, 3})) + "\n")
     for f in files:
         if f["tensors"] is None and f["problem"] is None:
             continue

@@ -67,16 +67,19 @@ def test_verbose_logs_what_the_library_does(tmp_path):
 def test_closed_stdout_stops_quietly(tmp_path):
     root = tmp_path / "root"
     make_root(root, (1,))
-    for i in range(3000):  # a table far larger than a pipe's buffer
+    # 3000 foreign entries: the table sums them up in one row, the JSON lists each, far
+    # more than a pipe's buffer holds, so the command is still writing when the reader
+    # goes (with the table alone, the command could finish first and exit 0).
+    for i in range(3000):
         (root / f"stray-{i:05d}").write_text("")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "atomic_checkpoint", "list", str(root)],
+        [sys.executable, "-m", "atomic_checkpoint", "list", "--json", str(root)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=cli_env(),
     )
     assert proc.stdout is not None and proc.stderr is not None
-    assert proc.stdout.read(10) == b"NAME      "
+    assert proc.stdout.read(10) == b'{\n "schema'
     proc.stdout.close()  # like `| head -1`
     err = proc.stderr.read().decode()
     proc.wait(timeout=30)
