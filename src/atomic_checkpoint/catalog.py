@@ -280,11 +280,15 @@ def manifest_now(storage: Storage, rel: str) -> Manifest | None:
 
 
 def validate_consistent(
-    storage: Storage, rel: str, manifest: Manifest, check: Callable[[Manifest], None]
+    storage: Storage,
+    rel: str,
+    manifest: Manifest,
+    *,
+    full: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> Manifest:
-    """``check(manifest)`` (``validate`` with its options, e.g. ``functools.partial(
-    validate, storage, rel, full=True)``), robust to a concurrent overwrite of the step;
-    returns the manifest the files were checked against.
+    """``validate``, robust to a concurrent overwrite of the step; returns the manifest
+    the files were checked against.
 
     A reader that read the manifest of one copy can find the other copy's files under
     the same name: an overwrite swaps the whole directory (``renameat2`` with
@@ -304,7 +308,7 @@ def validate_consistent(
     """
     for _ in range(READ_ATTEMPTS):
         try:
-            check(manifest)
+            validate(storage, rel, manifest, full=full, progress=progress)
             return manifest
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             error = exc
@@ -332,9 +336,7 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
         manifest = read_manifest(storage, rel)
     except CheckpointNotFoundError as exc:
         raise missing_step_error(storage, step) from exc
-    return validate_consistent(
-        storage, rel, manifest, functools.partial(validate, storage, rel, full=full)
-    )
+    return validate_consistent(storage, rel, manifest, full=full)
 
 
 def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
@@ -561,9 +563,7 @@ def _checkpoint_entry(
             cache._put(name, token, manifest, False)  # read, not validated: not ours
         return Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
     try:
-        checked = validate_consistent(
-            storage, name, manifest, functools.partial(validate, storage, name, full=full)
-        )
+        checked = validate_consistent(storage, name, manifest, full=full)
     except CheckpointNotFoundError:
         return None  # un-committed under us (rotation): gone, not corrupt
     except StorageError:

@@ -143,7 +143,6 @@ strings or null. ``list --json``::
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import math
@@ -728,8 +727,9 @@ def _verify_one(
     try:
         # A step saved again while it is verified reads as corrupt if its new files are
         # checked against the manifest listed before: verify the copy that is there.
-        check = functools.partial(catalog.validate, storage, name, full=True, progress=on_progress)
-        manifest = catalog.validate_consistent(storage, name, manifest, check)
+        manifest = catalog.validate_consistent(
+            storage, name, manifest, full=True, progress=on_progress
+        )
     except CheckpointNotFoundError as exc:  # un-committed meanwhile: gone, not corrupt
         status, problem = "error", f"removed while being verified: {exc}"
     except CorruptCheckpointError as exc:
