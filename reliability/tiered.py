@@ -724,12 +724,14 @@ def _check_root(tally: Tally, label: str, storage: Any, elems: int, world: int |
 
 
 def _drain_cli(fast: str, slow: str, opts: dict[str, Any] | None) -> subprocess.CompletedProcess:
-    """``atomic-checkpoint drain FAST --to SLOW`` as a user runs it, bounded."""
+    """``atomic-checkpoint drain FAST --to SLOW --missing-ok`` as a user's end-of-job
+    script runs it on every node, bounded (a kill before the job's first save leaves no
+    tier 0: nothing to drain there, exit 0)."""
     import json
 
     from atomic_checkpoint.domains import HOST_ENV
 
-    argv = ["drain", fast, "--to", slow]
+    argv = ["drain", fast, "--to", slow, "--missing-ok"]
     for k, v in (opts or {}).items():
         argv.append(f"--to-storage-option={k}={json.dumps(v)}")
     env = dict(os.environ)

@@ -17,14 +17,16 @@ root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
     atomic-checkpoint adopt ROOT [STEP ...] [--framework NAME] [--run-id RUN]
                             [--dry-run] [--json]
     atomic-checkpoint drain ROOT --to PERSISTENT [--to-storage-option KEY=VALUE]
-                            [--timeout S] [--json]
+                            [--timeout S] [--missing-ok] [--json]
 
 ``drain`` finishes a tiered job's replication (``tiered.py``) after the job ended:
 every step committed on ROOT (the fast tier) that PERSISTENT lacks is copied, verified
 as it is read and once it arrived, and committed there; it never deletes. It takes
 ROOT's run lock (exit 3 while the job is alive), exits 1 when a step cannot be
 replicated (ROOT's copy is corrupt), 2 when PERSISTENT did not answer within
-``--timeout`` (the steps stay on ROOT). A multi-node job's ROOT holds one node's ranks
+``--timeout`` (the steps stay on ROOT). ``--missing-ok``: a ROOT that does not exist
+(the job ended before its first save on this node) is nothing to drain, exit 0
+(``"root_missing": true``). A multi-node job's ROOT holds one node's ranks
 only: under torchrun (``WORLD_SIZE`` > 1), one ``drain`` process per node drains every
 node's copy together, as the job's replicators would. ``--json``: ``{"schema_version", "command":
 "drain", "root", "to", "run_id", "replicated": [{"step", "size_bytes", "seconds"}],
@@ -1694,10 +1696,42 @@ def cmd_drain(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+def _missing_root(text: str, options: Sequence[str] | None) -> Storage | None:
+    """For ``drain --missing-ok``: the storage of a ROOT that does not exist (a
+    directory never created; an empty object-store prefix), None when it exists. Any
+    other problem (not a directory, unreadable, no answer) is still ``_open_root``'s."""
+    path = text[len("file://") :] if text.startswith("file://") else text
+    if "://" in path:
+        try:
+            storage = open_storage(text, _storage_options(options) or None)
+            return None if storage.listdir("") else storage
+        except CheckpointError:
+            return None  # _open_root says why it cannot be read
+    if not path or posix.lexists(local_root(text)) or options:
+        return None
+    return open_storage(local_root(text))
+
+
 def _drain(args: argparse.Namespace, coord: Any) -> int:
     from .tiered import Tier, TieredCheckpointManager
 
-    fast = _open_root(args.root, args.storage_option)
+    missing = _missing_root(args.root, args.storage_option)
+    if missing is not None and not args.missing_ok:
+        raise CliError(
+            f"checkpoint root {missing.url()} does not exist (check the path, and that "
+            "its filesystem is mounted); if the job ended before its first save on this "
+            "node, there is nothing to drain: --missing-ok makes that exit 0",
+            EXIT_USAGE,
+        )
+    if missing is not None and coord is None:
+        # The job ended (or was killed) before its first save on this node: nothing
+        # was ever committed here, so nothing can be waiting for the persistent tier.
+        return _drained_nothing(args, missing)
+    # Under torchrun a node without ROOT still takes part (its tier 0 is empty): the
+    # other nodes' steps need every node's agreement.
+    fast = missing if missing is not None else _open_root(args.root, args.storage_option)
+    if missing is not None and not args.json:
+        print(f"{fast.url()} does not exist: this node takes part with an empty tier 0")
     slow = _open_target(args.to, args.to_storage_option)
     done: list[dict[str, Any]] = []
     last = [time.monotonic()]
@@ -1789,6 +1823,31 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
             f"steps {left} did not reach {slow.url()} within {args.timeout:g} s ({why}); "
             f"they stay on {fast.url()}: run `{PROG} drain` again once it answers",
             EXIT_USAGE,
+        )
+    return EXIT_OK
+
+
+def _drained_nothing(args: argparse.Namespace, fast: Storage) -> int:
+    """``drain --missing-ok`` of a ROOT that does not exist: exit 0, said plainly (a
+    mistyped ROOT reads the same, hence the flag: without it this is exit 2)."""
+    if args.json:
+        _emit_json(
+            {
+                "schema_version": JSON_SCHEMA_VERSION,
+                "command": "drain",
+                "root": fast.url(),
+                "to": _open_target(args.to, args.to_storage_option).url(),
+                "run_id": None,
+                "root_missing": True,
+                "replicated": [],
+                "failed": [],
+                "left": [],
+                "ok": True,
+            }
+        )
+    else:
+        print(
+            f"{fast.url()} does not exist: nothing to drain (no step was saved there; --missing-ok)"
         )
     return EXIT_OK
 
@@ -2108,6 +2167,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=3600.0,
         metavar="S",
         help="give up after S seconds without finishing (default 3600)",
+    )
+    p.add_argument(
+        "--missing-ok",
+        action="store_true",
+        help="a ROOT that does not exist (the job ended before its first save on this "
+        "node) is nothing to drain: exit 0, not 2; for scripts that drain every node",
     )
     finish(p, cmd_drain, force="drain even though a live job holds a run lock (that job is fenced)")
     return parser

@@ -182,6 +182,44 @@ def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_buck
         assert same(reader.restore(step=s), state(s))
 
 
+def test_drain_of_a_root_never_created_is_exit_2_unless_missing_ok(tmp_path):
+    # A node whose job died before its first save never created its tier 0. A script
+    # that drains every node passes --missing-ok: that node has nothing to drain (exit
+    # 0, said so). Without it, a missing ROOT is exit 2 (it may be a mistyped path,
+    # and exit 0 would let the user delete the real tier 0 undrained).
+    root, slow = tmp_path / "node0", tmp_path / "persistent"
+    proc = run_cli("drain", root, "--to", slow)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "does not exist" in proc.stderr and "--missing-ok" in proc.stderr
+    proc = run_cli("drain", root, "--to", slow, "--missing-ok")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "does not exist: nothing to drain" in proc.stdout
+    proc = run_cli("drain", root, "--to", slow, "--missing-ok", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] and doc["root_missing"] and doc["replicated"] == doc["left"] == []
+    assert doc["root"] == str(root) and doc["to"] == str(slow)
+    # Nothing was created on either side.
+    assert not root.exists() and not slow.exists()
+    # A ROOT that exists but is not a directory is still an error, flag or not.
+    (tmp_path / "file").write_text("x")
+    proc = run_cli("drain", tmp_path / "file", "--to", slow, "--missing-ok")
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+@pytest.mark.netfs
+def test_drain_missing_ok_reads_an_empty_s3_prefix_as_a_root_never_created(
+    s3_server, s3_bucket, tmp_path
+):
+    opts = s3_server.storage_options()
+    root = f"s3://{s3_bucket}/never-saved"
+    root_opts = [a for k, v in opts.items() for a in ("--storage-option", f"{k}={json.dumps(v)}")]
+    proc = run_cli("drain", root, *root_opts, "--to", tmp_path / "slow")
+    assert proc.returncode == 2 and "--missing-ok" in proc.stderr, proc.stderr
+    proc = run_cli("drain", root, *root_opts, "--to", tmp_path / "slow", "--missing-ok")
+    assert proc.returncode == 0 and "nothing to drain" in proc.stdout, proc.stderr
+
+
 @pytest.mark.timeout(90)
 def test_inspect_tier_says_which_tiers_hold_a_step_and_shows_another_tiers_copy(
     fast_root, crashed_slow
