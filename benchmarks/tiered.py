@@ -3,6 +3,8 @@ from the fast tier and from the persistent tier (a local S3 server).
 
     python benchmarks/tiered.py [--size 256M] [--rounds 5] [--interval 2]
                                 [--dir DIR] [--json PATH]
+    python benchmarks/tiered.py --ranks N [--peers K] [--size 256M] [--rounds 3]
+                                [--dir DIR] [--json PATH] [--plot PATH]
 
 One run, interleaved, medians:
 
@@ -24,7 +26,9 @@ rank its own "node" with its own tier 0 directory, tier 1 on the S3 server, ``--
 per rank. One save (how long it blocks, how long until tier 1 has every rank's files),
 then ``restore()`` by a new job after (a) a process crash (every node's tier 0 intact),
 (b) node 1's tier 0 wiped (its ranks read from S3), (c) every tier 0 lost (all from
-S3); the slowest rank's time, each compared with the saved state. With ``--peers K``
+S3); the slowest rank's time, each compared with the saved state. Against them, first,
+the same job saving directly to the persistent tier (a plain ``CheckpointManager`` on
+S3): how long its save blocks, how long its restore takes. With ``--peers K``
 (default 1; 0 skips it), a second job saves with ``peers=K`` and node 1's tier 0 is
 wiped before each of ``--rounds`` pairs of restores, alternating: one with ``peers=K``
 (node 1's files come from a peer over gloo, verified) and one without (node 1 reads
@@ -32,6 +36,8 @@ from S3): the peer restore against the persistent-tier restore, in one run. Targ
 S3 / peers >= 3. Both restores pay the same fixed costs (the ranks' agreement, the
 first touch of the state's memory in a new process), so the ratio grows with
 ``--size``: on 2 cores it passes 3 from 512M per rank (the README has the figures).
+``--json PATH`` keeps every figure; ``--plot PATH`` draws them (a PNG, two panels:
+the save's blocking time, the restores).
 
 Exit status 0, or 1 when a restored state differs from the saved one.
 """
@@ -48,7 +54,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -101,6 +107,7 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="seconds of 'training'")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write every raw figure here")
+    ap.add_argument("--plot", default=None, help="--ranks N: draw the figures to this PNG")
     ap.add_argument("--ranks", type=int, default=1, help="N > 1: a multi-rank gloo job")
     ap.add_argument("--peers", type=int, default=1, help="--ranks N: peer copies (0: skip)")
     args = ap.parse_args()
@@ -207,13 +214,10 @@ def main() -> int:
     return 0 if ok else 1
 
 
-_peer_ok = True
-
-
-def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> list[tuple[str, float]]:
+def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> tuple[list[Row], bool]:
     """Node 1 wiped: restore from a peer's copy (``peers=K``) against restore from S3
     (``peers=0``), alternating, ``--rounds`` pairs; medians of the slowest rank."""
-    global _peer_ok
+    ok = True
     shutil.rmtree(nodes, ignore_errors=True)
     saved = job("save", args.peers)
     from_peer: list[float] = []
@@ -224,22 +228,35 @@ def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> list[tuple[str,
             got = job("restore", peers)
             into.append(max(v["restore_s"] for v in got))
             want = (1,) if peers else ()
-            _peer_ok &= all(v["from_peers"] == want for v in got)
-            _peer_ok &= all(v["tiers"] == ((0,) if peers else (0, 1)) for v in got)
+            ok &= all(v["from_peers"] == want for v in got)
+            ok &= all(v["tiers"] == ((0,) if peers else (0, 1)) for v in got)
     p, s = statistics.median(from_peer), statistics.median(from_s3)
-    return [
-        (
+    rows = [
+        Row(
+            "peer_blocked_s",
             f"save blocks training, peers={args.peers} (slowest rank)",
             max(v["blocked_s"] for v in saved),
         ),
-        (
+        Row(
+            "peer_held_s",
             f"save until {args.peers} peer(s) hold every node's files (slowest rank)",
             max(v["peered_s"] for v in saved),
         ),
-        (f"restore, node 1 wiped: its rank from a peer (median of {len(from_peer)})", p),
-        (f"restore, node 1 wiped: its rank from S3 (median of {len(from_s3)})", s),
-        ("  ratio S3 / peer (target >= 3)", s / p),
+        Row(
+            "restore_wiped_peer_s",
+            f"restore, node 1 wiped: from a peer (median of {len(from_peer)})",
+            p,
+        ),
+        Row("restore_wiped_s3_s", f"restore, node 1 wiped: from S3 (median of {len(from_s3)})", s),
+        Row("ratio_s3_over_peer", "  ratio S3 / peer (target >= 3)", s / p),
     ]
+    return rows, ok
+
+
+class Row(NamedTuple):
+    key: str  # the JSON name
+    text: str  # the table's
+    value: float
 
 
 def multi_rank(args: argparse.Namespace, size: int) -> int:
@@ -248,11 +265,12 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
     from tests.tiered import workers
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-tiered-", dir=args.dir))
-    rows: list[tuple[str, float]] = []
+    rows: list[Row] = []
     ok = True
     try:
         with S3Server(scratch / "moto") as s3:
-            url = f"s3://{s3.create_bucket('bench-tiered')}/run"
+            bucket = s3.create_bucket("bench-tiered")
+            url, direct_url = f"s3://{bucket}/run", f"s3://{bucket}/direct"
             opts = s3.storage_options()
             nodes = str(scratch / "nodes")
 
@@ -262,7 +280,7 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
                     workers.w_bench,
                     args.ranks,
                     nodes,
-                    url,
+                    direct_url if mode.startswith("direct-") else url,
                     opts,
                     size,
                     mode,
@@ -276,9 +294,29 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
                 ok &= all(r.value["ok"] for r in res)
                 return [r.value for r in res]
 
+            def slowest(values: list[dict[str, Any]], key: str) -> float:
+                return max(v[key] for v in values)
+
+            # The same job saving directly to the persistent tier, first (a cold S3
+            # server favours neither side: the tiered job's replication warms it too).
+            direct_blocked = slowest(job("direct-save"), "blocked_s")
+            direct_restore = slowest(job("direct-restore"), "restore_s")
             saved = job("save")
-            rows.append(("save blocks training (slowest rank)", max(v["blocked_s"] for v in saved)))
-            rows.append(("save until tier 1 has every rank", max(v["replicated_s"] for v in saved)))
+            blocked = slowest(saved, "blocked_s")
+            rows += [
+                Row("tiered_blocked_s", "save blocks training, tiered (slowest rank)", blocked),
+                Row(
+                    "tiered_replicated_s",
+                    "save until tier 1 has every rank",
+                    slowest(saved, "replicated_s"),
+                ),
+                Row("direct_blocked_s", "save blocks training, directly to S3", direct_blocked),
+                Row(
+                    "ratio_direct_over_tiered_save",
+                    "  ratio direct / tiered",
+                    direct_blocked / blocked,
+                ),
+            ]
             crash = job("restore")
             ok &= all(v["tiers"] == (0,) for v in crash)
             shutil.rmtree(Path(nodes) / "node1")
@@ -287,25 +325,93 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
             shutil.rmtree(nodes)
             lost = job("restore")
             ok &= all(v["tiers"] == (1,) for v in lost)
-            a, b, c = (max(v["restore_s"] for v in r) for r in (crash, wiped, lost))
+            a, b, c = (slowest(r, "restore_s") for r in (crash, wiped, lost))
             rows += [
-                ("restore (a) process crash: every rank from tier 0", a),
-                ("restore (b) node 1 wiped: its rank from S3", b),
-                ("restore (c) every tier 0 lost: all from S3", c),
-                ("  ratio (b) / (a)", b / a),
-                ("  ratio (c) / (a)", c / a),
+                Row("restore_crash_s", "restore (a) process crash: every rank from tier 0", a),
+                Row("restore_wiped_s", "restore (b) node 1 wiped: its rank from S3", b),
+                Row("restore_lost_s", "restore (c) every tier 0 lost: all from S3", c),
+                Row(
+                    "restore_direct_s", "restore, the job that saved directly to S3", direct_restore
+                ),
+                Row("ratio_direct_over_crash", "  ratio direct / (a)", direct_restore / a),
+                Row("ratio_direct_over_wiped", "  ratio direct / (b)", direct_restore / b),
+                Row("ratio_direct_over_lost", "  ratio direct / (c)", direct_restore / c),
             ]
             if args.peers:
-                rows += peer_rows(args, nodes, job)
-                ok &= _peer_ok
+                more, peer_ok = peer_rows(args, nodes, job)
+                rows += more
+                ok &= peer_ok
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\n{args.ranks} ranks, {size / MiB:.0f} MiB per rank, seconds (slowest rank)")
     print("| figure | value |\n|---|---|")
-    for name, v in rows:
-        print(f"| {name} | {v:.3f} |")
+    for row in rows:
+        print(f"| {row.text} | {row.value:.3f} |")
     print(f"restored states bit-exact on every rank, from the expected tiers: {ok}")
+    doc = {
+        "ranks": args.ranks,
+        "size_bytes_per_rank": size,
+        "rounds": args.rounds,
+        "peers": args.peers,
+        "cpus": os.cpu_count(),
+        "bit_exact": ok,
+        "figures": {row.key: row.value for row in rows},
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"plot: {args.plot}")
     return 0 if ok else 1
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Two panels from one run: how long a save blocks training, and how long a restore
+    takes, each bar a median or a slowest rank's time (``--json`` has every figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    f = doc["figures"]
+    saves = [
+        ("tiered", f["tiered_blocked_s"]),
+        ("directly\nto S3", f["direct_blocked_s"]),
+    ]
+    restores = [
+        ("(a) crash:\ntier 0", f["restore_crash_s"]),
+        ("(b) node\nwiped: S3", f["restore_wiped_s"]),
+        ("(c) tier 0s\nlost: S3", f["restore_lost_s"]),
+        ("saved\ndirectly\nto S3", f["restore_direct_s"]),
+    ]
+    if "restore_wiped_peer_s" in f:
+        # The paired medians of the peer measurement, S3 and peer side by side.
+        restores[1] = ("(b) node\nwiped: S3", f["restore_wiped_s3_s"])
+        restores.insert(2, ("(b) node\nwiped: peer", f["restore_wiped_peer_s"]))
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [len(saves), len(restores)]}
+    )
+    for ax, bars, title in (
+        (left, saves, "save: time training is blocked"),
+        (right, restores, "restore after a failure"),
+    ):
+        names = [n for n, _ in bars]
+        values = [v for _, v in bars]
+        shown = ax.bar(
+            names, values, color=["tab:green" if "S3" not in n else "tab:gray" for n in names]
+        )
+        ax.bar_label(shown, fmt="%.2f s", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("seconds (slowest rank)")
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(
+        f"tiered checkpoints: {doc['ranks']} ranks, "
+        f"{doc['size_bytes_per_rank'] / MiB:.0f} MiB per rank, S3 server on loopback",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -97,17 +97,33 @@ def w_bench(
 ) -> dict[str, Any]:
     """``benchmarks/tiered.py --ranks N``: one save (``mode="save"``: the time it blocks,
     then the time until the persistent tier (and, with ``peers``, the peers) has it) or
-    one timed ``restore()``."""
+    one timed ``restore()``. ``direct-save`` and ``direct-restore``: the same job with
+    a plain ``CheckpointManager`` on the persistent tier (``slow``) alone."""
     import time
 
+    from atomic_checkpoint import CheckpointManager
+
     os.environ[HOST_ENV] = f"node{rank}"
+    state = bench_state(size, rank)
+    if mode.startswith("direct-"):
+        plain = CheckpointManager(slow, storage_options=opts, timeout_s=600)
+        t = time.perf_counter()
+        if mode == "direct-save":
+            plain.save(1, state)
+            out = {"blocked_s": time.perf_counter() - t, "ok": True}
+        else:
+            got = plain.restore()
+            dt = time.perf_counter() - t
+            ok = all(got["layers"][k].tobytes() == v.tobytes() for k, v in state["layers"].items())
+            out = {"restore_s": dt, "ok": ok}
+        plain.close()
+        return out
     mgr = TieredCheckpointManager(
         [Tier(os.path.join(base, f"node{rank}")), Tier(slow, storage_options=opts)],
         timeout_s=600,
         fast_domains="per-host",
         peers=peers,
     )
-    state = bench_state(size, rank)
     if mode == "save":
         t = time.perf_counter()
         mgr.save(1, state)
