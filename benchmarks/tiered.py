@@ -214,6 +214,17 @@ def main() -> int:
     return 0 if ok else 1
 
 
+class Row(NamedTuple):
+    key: str  # the JSON name
+    text: str  # the table's
+    value: float
+
+
+def slowest(values: list[dict[str, Any]], key: str) -> float:
+    """The slowest rank's figure ``key`` (every rank's figures from one job)."""
+    return max(v[key] for v in values)
+
+
 def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> tuple[list[Row], bool]:
     """Node 1 wiped: restore from a peer's copy (``peers=K``) against restore from S3
     (``peers=0``), alternating, ``--rounds`` pairs; medians of the slowest rank."""
@@ -226,7 +237,7 @@ def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> tuple[list[Row]
         for peers, into in ((args.peers, from_peer), (0, from_s3)):
             shutil.rmtree(Path(nodes) / "node1")  # its own peer copies and fetched files too
             got = job("restore", peers)
-            into.append(max(v["restore_s"] for v in got))
+            into.append(slowest(got, "restore_s"))
             want = (1,) if peers else ()
             ok &= all(v["from_peers"] == want for v in got)
             ok &= all(v["tiers"] == ((0,) if peers else (0, 1)) for v in got)
@@ -235,12 +246,12 @@ def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> tuple[list[Row]
         Row(
             "peer_blocked_s",
             f"save blocks training, peers={args.peers} (slowest rank)",
-            max(v["blocked_s"] for v in saved),
+            slowest(saved, "blocked_s"),
         ),
         Row(
             "peer_held_s",
             f"save until {args.peers} peer(s) hold every node's files (slowest rank)",
-            max(v["peered_s"] for v in saved),
+            slowest(saved, "peered_s"),
         ),
         Row(
             "restore_wiped_peer_s",
@@ -251,12 +262,6 @@ def peer_rows(args: argparse.Namespace, nodes: str, job: Any) -> tuple[list[Row]
         Row("ratio_s3_over_peer", "  ratio S3 / peer (target >= 3)", s / p),
     ]
     return rows, ok
-
-
-class Row(NamedTuple):
-    key: str  # the JSON name
-    text: str  # the table's
-    value: float
 
 
 def multi_rank(args: argparse.Namespace, size: int) -> int:
@@ -293,9 +298,6 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
                     raise RuntimeError(f"rank {bad[0].rank}: {bad[0].error_text}")
                 ok &= all(r.value["ok"] for r in res)
                 return [r.value for r in res]
-
-            def slowest(values: list[dict[str, Any]], key: str) -> float:
-                return max(v[key] for v in values)
 
             # The same job saving directly to the persistent tier, first (a cold S3
             # server favours neither side: the tiered job's replication warms it too).

@@ -26,10 +26,10 @@ ROOT's run lock (exit 3 while the job is alive), exits 1 when a step cannot be
 replicated (ROOT's copy is corrupt), 2 when PERSISTENT did not answer within
 ``--timeout`` (the steps stay on ROOT). ``--missing-ok``: a ROOT that does not exist
 (the job ended before its first save on this node) is nothing to drain, exit 0
-(``"root_missing": true``). A multi-node job's ROOT holds one node's ranks
+(``"root_missing": true``, else false). A multi-node job's ROOT holds one node's ranks
 only: under torchrun (``WORLD_SIZE`` > 1), one ``drain`` process per node drains every
 node's copy together, as the job's replicators would. ``--json``: ``{"schema_version", "command":
-"drain", "root", "to", "run_id", "replicated": [{"step", "size_bytes", "seconds"}],
+"drain", "root", "to", "run_id", "root_missing", "replicated": [{"step", "size_bytes", "seconds"}],
 "failed": [{"step", "problem"}], "left": [step, ...], "ok": bool}``. ``list --tier
 ROOT2`` and ``verify --tier ROOT2`` (repeatable) also read the run's other tiers: each
 ``list`` entry gets ``tiers`` (indexes, 0 = ROOT) and a step held only elsewhere gets a
@@ -153,7 +153,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
 from . import catalog
@@ -226,6 +226,16 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = EXIT_PROBLEM):
         super().__init__(message)
         self.code = code
+
+
+class RootMissing(CliError):
+    """ROOT does not exist (a directory never created, an empty object-store prefix):
+    exit 2 for every command; ``drain --missing-ok`` takes ``open()`` as an empty fast
+    tier instead (nothing is opened unless it asks)."""
+
+    def __init__(self, message: str, open_root: Callable[[], Storage]):
+        super().__init__(message, EXIT_USAGE)
+        self.open = open_root
 
 
 def _error_line(message: str) -> None:
@@ -335,10 +345,10 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
     path = local_root(text)  # ~, relative, trailing slashes, file:// escapes
     if not posix.lexists(path):
-        raise CliError(
+        raise RootMissing(
             f"checkpoint root {path!r} does not exist (check the path, and that its "
             "filesystem is mounted)",
-            EXIT_USAGE,
+            lambda: open_storage(path),
         )
     if not posix.is_dir(path):
         raise CliError(
@@ -363,10 +373,10 @@ def _open_url_root(url: str, options: dict[str, Any]) -> Storage:
     except CheckpointError as exc:
         raise CliError(f"cannot read checkpoint root {url}: {exc}", EXIT_USAGE) from None
     if not names:
-        raise CliError(
+        raise RootMissing(
             f"checkpoint root {url} holds nothing (check the bucket and prefix, and the "
             "endpoint and credentials: AWS_ENDPOINT_URL, or --storage-option)",
-            EXIT_USAGE,
+            lambda: storage,
         )
     return storage
 
@@ -1696,43 +1706,30 @@ def cmd_drain(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def _missing_root(text: str, options: Sequence[str] | None) -> Storage | None:
-    """For ``drain --missing-ok``: the storage of a ROOT that does not exist (a
-    directory never created; an empty object-store prefix), None when it exists. Any
-    other problem (not a directory, unreadable, no answer) is still ``_open_root``'s."""
-    path = text[len("file://") :] if text.startswith("file://") else text
-    if "://" in path:
-        try:
-            storage = open_storage(text, _storage_options(options) or None)
-            return None if storage.listdir("") else storage
-        except CheckpointError:
-            return None  # _open_root says why it cannot be read
-    if not path or posix.lexists(local_root(text)) or options:
-        return None
-    return open_storage(local_root(text))
-
-
 def _drain(args: argparse.Namespace, coord: Any) -> int:
     from .tiered import Tier, TieredCheckpointManager
 
-    missing = _missing_root(args.root, args.storage_option)
-    if missing is not None and not args.missing_ok:
-        raise CliError(
-            f"checkpoint root {missing.url()} does not exist (check the path, and that "
-            "its filesystem is mounted); if the job ended before its first save on this "
-            "node, there is nothing to drain: --missing-ok makes that exit 0",
-            EXIT_USAGE,
-        )
-    if missing is not None and coord is None:
-        # The job ended (or was killed) before its first save on this node: nothing
-        # was ever committed here, so nothing can be waiting for the persistent tier.
-        return _drained_nothing(args, missing)
-    # Under torchrun a node without ROOT still takes part (its tier 0 is empty): the
-    # other nodes' steps need every node's agreement.
-    fast = missing if missing is not None else _open_root(args.root, args.storage_option)
-    if missing is not None and not args.json:
-        print(f"{fast.url()} does not exist: this node takes part with an empty tier 0")
+    missing = False
+    try:
+        fast = _open_root(args.root, args.storage_option)
+    except RootMissing as exc:
+        # A job that ended (or was killed) before its first save on this node never
+        # created ROOT: nothing can be waiting for the persistent tier. A mistyped ROOT
+        # reads the same, so exit 0 only when asked.
+        if not args.missing_ok:
+            raise CliError(
+                f"{exc}; if the job ended before its first save on this node, there is "
+                "nothing to drain: --missing-ok makes that exit 0",
+                exc.code,
+            ) from None
+        fast, missing = exc.open(), True
     slow = _open_target(args.to, args.to_storage_option)
+    if missing and coord is None:
+        _drain_outcome(args, fast, slow, None, root_missing=True)
+        return EXIT_OK
+    if missing and not args.json:
+        # Under torchrun it still takes part: the other nodes' steps need every node.
+        print(f"{fast.url()} does not exist: this node takes part with an empty tier 0")
     done: list[dict[str, Any]] = []
     last = [time.monotonic()]
 
@@ -1791,26 +1788,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         left = mgr.close(timeout_s=0)
     failed = mgr.replication_failures()
     error = mgr.last_replication_error
-    doc = {
-        "schema_version": JSON_SCHEMA_VERSION,
-        "command": "drain",
-        "root": fast.url(),
-        "to": slow.url(),
-        "run_id": mgr.run_id,
-        "replicated": done,
-        "failed": [{"step": s, "problem": str(e)} for s, e in sorted(failed.items())],
-        "left": left,
-        "ok": not failed and not left,
-    }
-    if args.json:
-        _emit_json(doc)
-    else:
-        for s, e in sorted(failed.items()):
-            print(f"{checkpoint_name(s)}: NOT REPLICATED: {e}", flush=True)
-        print(
-            f"{slow.url()}: {len(done)} replicated, {len(failed)} failed, {len(left)} left "
-            f"on {fast.url()}"
-        )
+    _drain_outcome(args, fast, slow, mgr.run_id, missing, done, failed, left)
     if failed:
         first = min(failed)
         raise CliError(
@@ -1827,29 +1805,44 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
     return EXIT_OK
 
 
-def _drained_nothing(args: argparse.Namespace, fast: Storage) -> int:
-    """``drain --missing-ok`` of a ROOT that does not exist: exit 0, said plainly (a
-    mistyped ROOT reads the same, hence the flag: without it this is exit 2)."""
+def _drain_outcome(
+    args: argparse.Namespace,
+    fast: Storage,
+    slow: Storage,
+    run_id: str | None,
+    root_missing: bool,
+    done: Sequence[dict[str, Any]] = (),
+    failed: Mapping[int, BaseException] | None = None,
+    left: Sequence[int] = (),
+) -> None:
+    """``drain``'s report: the JSON document, or one line per failed step and a summary
+    (for a ROOT that does not exist, with ``--missing-ok``, that it had nothing)."""
+    failed = failed or {}
     if args.json:
         _emit_json(
             {
                 "schema_version": JSON_SCHEMA_VERSION,
                 "command": "drain",
                 "root": fast.url(),
-                "to": _open_target(args.to, args.to_storage_option).url(),
-                "run_id": None,
-                "root_missing": True,
-                "replicated": [],
-                "failed": [],
-                "left": [],
-                "ok": True,
+                "to": slow.url(),
+                "run_id": run_id,
+                "root_missing": root_missing,
+                "replicated": list(done),
+                "failed": [{"step": s, "problem": str(e)} for s, e in sorted(failed.items())],
+                "left": list(left),
+                "ok": not failed and not left,
             }
         )
-    else:
-        print(
-            f"{fast.url()} does not exist: nothing to drain (no step was saved there; --missing-ok)"
-        )
-    return EXIT_OK
+        return
+    if root_missing and not done and not failed and not left:
+        print(f"{fast.url()} does not exist: nothing to drain (no step was saved there)")
+        return
+    for s, e in sorted(failed.items()):
+        print(f"{checkpoint_name(s)}: NOT REPLICATED: {e}", flush=True)
+    print(
+        f"{slow.url()}: {len(done)} replicated, {len(failed)} failed, {len(left)} left "
+        f"on {fast.url()}"
+    )
 
 
 def _drain_group() -> tuple[Any, bool]:

@@ -172,6 +172,7 @@ def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_buck
     proc = run_cli("drain", fast_root, "--to", url, *opt_args, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(proc.stdout)
+    assert doc["root_missing"] is False
     assert doc["ok"] and [r["step"] for r in doc["replicated"]] == [
         s for s in (1, 2, 3) if s not in before
     ]

@@ -105,6 +105,10 @@ def w_bench(
 
     os.environ[HOST_ENV] = f"node{rank}"
     state = bench_state(size, rank)
+
+    def exact(got: dict[str, Any]) -> bool:
+        return all(got["layers"][k].tobytes() == v.tobytes() for k, v in state["layers"].items())
+
     if mode.startswith("direct-"):
         plain = CheckpointManager(slow, storage_options=opts, timeout_s=600)
         t = time.perf_counter()
@@ -113,9 +117,7 @@ def w_bench(
             out = {"blocked_s": time.perf_counter() - t, "ok": True}
         else:
             got = plain.restore()
-            dt = time.perf_counter() - t
-            ok = all(got["layers"][k].tobytes() == v.tobytes() for k, v in state["layers"].items())
-            out = {"restore_s": dt, "ok": ok}
+            out = {"restore_s": time.perf_counter() - t, "ok": exact(got)}
         plain.close()
         return out
     mgr = TieredCheckpointManager(
@@ -141,13 +143,12 @@ def w_bench(
         t = time.perf_counter()
         got = mgr.restore()
         dt = time.perf_counter() - t
-        ok = all(got["layers"][k].tobytes() == v.tobytes() for k, v in state["layers"].items())
         got_from = mgr.last_restored
         out = {
             "restore_s": dt,
             "tiers": got_from.tiers,
             "from_peers": got_from.from_peers,
-            "ok": ok,
+            "ok": exact(got),
         }
     mgr.close()
     return out
