@@ -228,7 +228,7 @@ class CliError(Exception):
         self.code = code
 
 
-class RootMissing(CliError):
+class _RootMissing(CliError):
     """ROOT does not exist (a directory never created, an empty object-store prefix):
     exit 2 for every command; ``drain --missing-ok`` takes ``open()`` as an empty fast
     tier instead (nothing is opened unless it asks)."""
@@ -345,7 +345,7 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
     path = local_root(text)  # ~, relative, trailing slashes, file:// escapes
     if not posix.lexists(path):
-        raise RootMissing(
+        raise _RootMissing(
             f"checkpoint root {path!r} does not exist (check the path, and that its "
             "filesystem is mounted)",
             lambda: open_storage(path),
@@ -373,7 +373,7 @@ def _open_url_root(url: str, options: dict[str, Any]) -> Storage:
     except CheckpointError as exc:
         raise CliError(f"cannot read checkpoint root {url}: {exc}", EXIT_USAGE) from None
     if not names:
-        raise RootMissing(
+        raise _RootMissing(
             f"checkpoint root {url} holds nothing (check the bucket and prefix, and the "
             "endpoint and credentials: AWS_ENDPOINT_URL, or --storage-option)",
             lambda: storage,
@@ -1712,7 +1712,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
     missing = False
     try:
         fast = _open_root(args.root, args.storage_option)
-    except RootMissing as exc:
+    except _RootMissing as exc:
         # A job that ended (or was killed) before its first save on this node never
         # created ROOT: nothing can be waiting for the persistent tier. A mistyped ROOT
         # reads the same, so exit 0 only when asked.
