@@ -324,31 +324,6 @@ class TorchDistributedCoordinator:
         )
         return _unpack_list(raw)
 
-    def gather(
-        self,
-        key: str,
-        obj: Any,
-        *,
-        dst: int,
-        timeout_s: float,
-        reduce: Callable[[list[Any]], Any],
-    ) -> tuple[list[Any] | None, Any]:
-        """Every rank contributes ``obj``; ``dst`` gets the list indexed by rank, and
-        every rank gets ``reduce(list)``, computed once on ``dst``. Returns ``(list on
-        dst else None, reduced)``. O(N) store requests and, for a small ``reduce``
-        result, O(N) bytes per round: the write round of a save, whose reports only the
-        leader needs.
-
-        Raises:
-            CoordinationTimeoutError: some ranks did not arrive within ``timeout_s``
-                (``dst`` among them if it never answered); the same ranks are named on
-                every rank.
-        """
-        values, reduced, _ = self.gather_and_route(
-            key, obj, dst=dst, timeout_s=timeout_s, reduce=reduce
-        )
-        return values, reduced
-
     def gather_and_route(
         self,
         key: str,
@@ -360,11 +335,15 @@ class TorchDistributedCoordinator:
         route: Callable[[list[Any]], dict[int, Any] | None] | None = None,
         routed: bool = False,
     ) -> tuple[list[Any] | None, Any, Any]:
-        """``gather``, and besides one value for some ranks alone: ``route(list)``,
-        computed once on ``dst``, maps a rank to what only it receives (None: nothing
-        for anyone, e.g. the round failed). A rank that passes ``routed=True`` reads
-        its value, and must then be in ``route``'s answer whenever it is not None.
-        Returns ``(list on dst else None, reduced, this rank's routed value or None)``.
+        """Every rank contributes ``obj``; ``dst`` gets the list indexed by rank, and
+        every rank gets ``reduce(list)``, computed once on ``dst``: O(N) store requests
+        and, for a small ``reduce`` result, O(N) bytes per round (a save's write round,
+        whose reports only the leader needs). Besides, one value for some ranks alone:
+        ``route(list)``, computed once on ``dst``, maps a rank to what only it receives
+        (None: nothing for anyone, e.g. the round failed). A rank that passes
+        ``routed=True`` reads its value, and must then be in ``route``'s answer
+        whenever it is not None. Returns ``(list on dst else None, reduced, this
+        rank's routed value or None)``.
 
         With several storage domains, each domain's leader needs its members' reports
         and each rank its own leader's answer: sent this way, a round puts O(N) bytes
@@ -373,6 +352,11 @@ class TorchDistributedCoordinator:
         a rank that read the outcome finds its key; each is one more request for the
         rank that reads it (and one to delete it, off the caller's path), and ``dst``
         writes them in one ``multi_set``.
+
+        Raises:
+            CoordinationTimeoutError: some ranks did not arrive within ``timeout_s``
+                (``dst`` among them if it never answered); the same ranks are named on
+                every rank.
         """
         seq = self._next_round(key)
         box: list[Any] = []

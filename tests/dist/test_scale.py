@@ -193,20 +193,25 @@ def test_a_leader_that_never_answers_is_named_and_fails_when_it_comes_back():
     errors = _at_once(
         (r1, r2),
         lambda c: _raises(
-            lambda: c.gather("save step 9: write", c.rank, dst=0, timeout_s=0.3, reduce=len)
+            lambda: c.gather_and_route(
+                "save step 9: write", c.rank, dst=0, timeout_s=0.3, reduce=len
+            )
         ),
     )
     assert sorted(errors) == [1, 2]
     assert all(e.missing_ranks == (0,) for e in errors.values())
     assert any("rank 0, which collects" in str(e) for e in errors.values())
-    late = _raises(lambda: lead.gather("save step 9: write", 0, dst=0, timeout_s=600, reduce=len))
+    late = _raises(
+        lambda: lead.gather_and_route("save step 9: write", 0, dst=0, timeout_s=600, reduce=len)
+    )
     assert late.missing_ranks == (0,) and "after rank" in str(late)
     # The next round, everyone on time: the leader gets every value, the others only
     # the summary.
     out = _at_once(
-        (lead, r1, r2), lambda c: c.gather("g", c.rank * 10, dst=0, timeout_s=10, reduce=sum)
+        (lead, r1, r2),
+        lambda c: c.gather_and_route("g", c.rank * 10, dst=0, timeout_s=10, reduce=sum),
     )
-    assert out == {0: ([0, 10, 20], 30), 1: (None, 30), 2: (None, 30)}
+    assert out == {0: ([0, 10, 20], 30, None), 1: (None, 30, None), 2: (None, 30, None)}
     del server
 
 
