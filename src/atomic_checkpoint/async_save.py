@@ -544,6 +544,10 @@ class SnapshotPool:
         self._keep: Any = None  # the allocation the aligned buffer is cut from
         self._pinned = False
         self.allocations = 0  # how many times memory was (re)allocated
+        # The last prepare's destination views, by (offset, dtype, shape): a training
+        # job saves the same layout again and again, and cutting a view costs three
+        # tensor operations per leaf on the training thread (~10 us; 6 ms at 624 leaves).
+        self._views: dict[tuple[int, Any, Any], tuple[Any, int]] = {}
 
     @property
     def capacity_bytes(self) -> int:
@@ -558,6 +562,7 @@ class SnapshotPool:
         """Drop the buffer (at close). Views still held by a running write keep their
         memory alive until that write ends."""
         self._torch_buf = self._np_buf = self._keep = None
+        self._views = {}
 
     def _ensure(self, nbytes: int, *, use_torch: bool, pin: bool) -> None:
         have = self.capacity_bytes
@@ -644,10 +649,16 @@ class SnapshotPool:
             flat[off : off + len(blob)] = memoryview(blob)
         flat[total:capacity] = 0  # the padded last page is written, then cut
         copies = []
+        views, self._views = self._views, {}
         for (_name, src), off in zip(items, offsets, strict=True):
             if torch is not None and isinstance(src, torch.Tensor):
-                nbytes = src.numel() * src.element_size()
-                dst = self._torch_buf[off : off + nbytes].view(src.dtype).view(src.shape)
+                key = (off, src.dtype, src.shape)
+                view = views.get(key)
+                if view is None:
+                    nbytes = src.numel() * src.element_size()
+                    cut = self._torch_buf[off : off + nbytes]
+                    view = (cut.view(src.dtype).view(src.shape), nbytes)
+                dst, nbytes = self._views[key] = view
             else:
                 nbytes = int(src.nbytes)
                 dst = flat[off : off + nbytes].view(src.dtype).reshape(src.shape)

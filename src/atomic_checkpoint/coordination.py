@@ -879,17 +879,17 @@ def gather_to(
     coord: Coordinator, key: str, value: Any, *, dst: int, timeout_s: float
 ) -> list[Any] | None:
     """Every rank contributes ``value``; ``dst`` gets the list indexed by rank, the
-    others None. Collective. Through a coordinator with ``gather`` a round costs O(N)
-    store requests and bytes (each rank writes its value once, ``dst`` reads them);
-    otherwise it is an all-gather. A rank that does not arrive within ``timeout_s`` is
-    named on every rank, as for an all-gather."""
+    others None. Collective. Through a coordinator with ``gather_and_route`` a round
+    costs O(N) store requests and bytes (each rank writes its value once, ``dst`` reads
+    them); otherwise it is an all-gather. A rank that does not arrive within
+    ``timeout_s`` is named on every rank, as for an all-gather."""
     if coord.world_size == 1:
         return [value]
-    gather = getattr(coord, "gather", None)
+    gather = getattr(coord, "gather_and_route", None)
     if gather is None:
         values = coord.all_gather(key, value, timeout_s=timeout_s)
         return values if coord.rank == dst else None
-    values, _ = gather(key, value, dst=dst, timeout_s=timeout_s, reduce=_no_routes)
+    values, _, _ = gather(key, value, dst=dst, timeout_s=timeout_s, reduce=_no_routes)
     return values if coord.rank == dst else None
 
 

@@ -1537,25 +1537,12 @@ class TieredCheckpointManager:
         tier 0), or None."""
         if not plan:
             return None
-        # The holders' manifests go to their receivers alone, and every rank reads only
-        # the receivers' rejections: O(N) bytes a round, as a save's (gather_routed).
-        holder_of = {lead: h for lead, h, _n in plan if h != lead}
         metas = {
             lead: _node_meta(self._peer_storage(n), step)
             for lead, h, n in plan
             if h == self.rank and h != lead
         }
-        _, _, routed = gather_routed(
-            self._coord,
-            f"tiered: peer fetch {step}",
-            f"peer fetch {step}",
-            lambda: metas,
-            lambda _sent: None,
-            lambda sent: {lead: sent[h][lead] for lead, h in holder_of.items()},
-            dst=0,
-            routed=self.rank in holder_of,
-            timeout_s=self.timeout_s,
-        )
+        routed = _route_fetch_metas(self._coord, step, plan, metas, self.timeout_s)
         result: str | None = None
         for lead, h, n in plan:
             if h == lead or self.rank not in (lead, h):
@@ -1575,13 +1562,7 @@ class TieredCheckpointManager:
                     )
             except CheckpointError as exc:
                 result = str(exc) if self.rank == lead else result
-        rejected = gather_summary(
-            self._coord,
-            f"tiered: peer fetched {step}",
-            result,
-            _rejections,
-            timeout_s=self.timeout_s,
-        )
+        rejected = _share_rejections(self._coord, step, result, self.timeout_s)
         for lead, h, n in plan:
             if v.leader[self.rank] != lead:
                 continue
@@ -2126,6 +2107,43 @@ _TAG_RESTORE = 2
 
 def _chunk_sizes(size: int) -> list[int]:
     return [min(_CHUNK, size - off) for off in range(0, size, _CHUNK)]
+
+
+def _route_fetch_metas(
+    coord: Coordinator,
+    step: int,
+    plan: list[tuple[int, int, int]],
+    metas: dict[int, dict[str, Any]],
+    timeout_s: float,
+) -> Any:
+    """A peer fetch's first round (collective): each holder's ``metas`` (receiving
+    leader -> what it sends, ``_node_meta``) go to their receivers alone, through rank
+    0: O(N) bytes a round, as a save's. Returns this rank's (a receiver always gets
+    one), or None."""
+    holder_of = {lead: h for lead, h, _n in plan if h != lead}
+    _, _, routed = gather_routed(
+        coord,
+        f"tiered: peer fetch {step}",
+        f"peer fetch {step}",
+        lambda: metas,
+        lambda _sent: None,
+        lambda sent: {lead: sent[h][lead] for lead, h in holder_of.items()},
+        dst=0,
+        routed=coord.rank in holder_of,
+        timeout_s=timeout_s,
+    )
+    return routed
+
+
+def _share_rejections(
+    coord: Coordinator, step: int, result: str | None, timeout_s: float
+) -> dict[int, str]:
+    """A peer fetch's last round (collective): every rank learns which receiving
+    leaders rejected their copy, and why (``result``: this rank's reason, or None);
+    each reads that one answer, not every rank's result."""
+    return gather_summary(
+        coord, f"tiered: peer fetched {step}", result, _rejections, timeout_s=timeout_s
+    )
 
 
 def _rejections(results: list[str | None]) -> dict[int, str]:

@@ -441,3 +441,57 @@ def test_a_tiered_job_costs_each_rank_the_same_bytes_whatever_n(tmp_path, monkey
         return _most_read(out)
 
     _no_rank_reads_more_at_16_ranks_than_at_4(bytes_per_rank)
+
+
+def test_a_peer_fetch_and_a_gather_to_cost_each_rank_the_same_bytes_whatever_n():
+    # A restore after a node wipe: every wiped node's leader receives its node's
+    # manifest from the holding peer's leader, then every rank learns which receivers
+    # rejected their copy. An all-gather of the holders' manifests (every rank reading
+    # every one) would grow each rank's bytes with the number of wiped nodes; routed
+    # through rank 0, each receiver reads its own. gather_to (the replicators' round)
+    # likewise: only its destination reads every rank's value. Every value here is
+    # distinct, so no sharing of equal values can hide an all-gather.
+    from atomic_checkpoint.coordination import gather_to
+    from atomic_checkpoint.tiered import _route_fetch_metas, _share_rejections
+
+    def meta(node: int) -> dict[str, str]:
+        return {"manifest": f"node {node}: " + "m" * 2000}  # a manifest of a few files
+
+    def bytes_per_rank(world: int) -> dict[str, int]:
+        server, stores, coords = _counted_clients(world, f"fetch{world}")
+        # Two ranks per node; every odd node was wiped and fetches from the node below:
+        # (receiving leader, holding leader, node whose files move).
+        plan = [(2 * k, 2 * (k - 1), k) for k in range(1, world // 2, 2)]
+        rejecting = plan[-1][0]
+
+        def job(c: TorchDistributedCoordinator) -> dict[str, Any]:
+            counts = stores[c.rank].counts
+            metas = {lead: meta(n) for lead, h, n in plan if h == c.rank}
+            routed, fetch = _bytes_used(
+                counts, c, lambda: _route_fetch_metas(c, 7, plan, metas, 20)
+            )
+            why = "checksum mismatch" if c.rank == rejecting else None
+            rejected, rejections = _bytes_used(counts, c, lambda: _share_rejections(c, 7, why, 20))
+            copied = f"rank {c.rank} copied " + "c" * 300
+            gathered, gather = _bytes_used(
+                counts, c, lambda: gather_to(c, "copied", copied, dst=0, timeout_s=20)
+            )
+            return {
+                "routed": routed,
+                "rejected": rejected,
+                "gathered": gathered,
+                "bytes": {"peer fetch": fetch, "rejections": rejections, "gather_to": gather},
+            }
+
+        out = _at_once(coords, job)
+        assert sorted(out) == list(range(world)), f"ranks that finished: {sorted(out)}"
+        receivers = {lead: n for lead, _h, n in plan}
+        for r, o in out.items():
+            assert o["routed"] == (meta(receivers[r]) if r in receivers else None), r
+            assert o["rejected"] == {rejecting: "checksum mismatch"}, (r, o["rejected"])
+            expected = [f"rank {i} copied " + "c" * 300 for i in range(world)]
+            assert o["gathered"] == (expected if r == 0 else None), r
+        del server
+        return _most_read(out)
+
+    _no_rank_reads_more_at_16_ranks_than_at_4(bytes_per_rank)
