@@ -236,6 +236,34 @@ def test_snapshot_buffer_is_allocated_once_and_grows_only_with_the_state(tmp_pat
     mgr.close()
 
 
+def test_a_layout_that_changes_at_the_same_offset_gets_fresh_views(tmp_path):
+    """The pool reuses the previous save's destination views only for the same offset,
+    dtype and shape: a tensor that changes dtype or shape in place of another (a
+    resized embedding, a cast) is copied through a view of its own layout."""
+    mgr = CheckpointManager(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    first = {"a": torch.randn(256, 64, generator=g), "b": torch.randn(4096, generator=g)}
+    mgr.save_async(1, first).result()
+    views = dict(mgr._snapshots._views)
+    mgr.save_async(2, first).result()
+    assert mgr._snapshots._views == views  # the same layout: the same view objects
+    # Same bytes at the same offsets, other shapes and dtypes.
+    second = {
+        "a": torch.randn(64, 256, generator=g),
+        "b": torch.randn(4096, generator=g).to(torch.float64)[:2048],
+    }
+    mgr.save_async(3, second).result()
+    third = {"a": first["a"].to(torch.bfloat16), "b": first["b"]}
+    mgr.save_async(4, third).result()
+    for step, want in ((1, first), (2, first), (3, second), (4, third)):
+        got = mgr.restore(step)
+        assert {k: (v.dtype, v.shape) for k, v in got.items()} == {
+            k: (v.dtype, v.shape) for k, v in want.items()
+        }, step
+        assert same_bytes(got, want), f"step {step}"
+    mgr.close()
+
+
 # -- one save in flight, errors exactly once -------------------------------------------
 
 
