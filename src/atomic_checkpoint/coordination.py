@@ -46,6 +46,7 @@ import pickle
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -323,6 +324,18 @@ class TorchDistributedCoordinator:
             key, lambda: self._gather(key, obj, 0, timeout_s, seq, _pack_list), timeout_s
         )
         return _unpack_list(raw)
+
+    def gather(self, key: str, obj: Any, **options: Any) -> tuple[list[Any] | None, Any]:
+        """Deprecated (it warns; removed in 0.2): ``gather_and_route`` with the same
+        arguments, of which it returns the first two values."""
+        warnings.warn(
+            "TorchDistributedCoordinator.gather is deprecated and will be removed in 0.2: "
+            "call gather_and_route with the same arguments and take its first two values",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        values, reduced, _ = self.gather_and_route(key, obj, **options)
+        return values, reduced
 
     def gather_and_route(
         self,

@@ -495,3 +495,12 @@ def test_a_peer_fetch_and_a_gather_to_cost_each_rank_the_same_bytes_whatever_n()
         return _most_read(out)
 
     _no_rank_reads_more_at_16_ranks_than_at_4(bytes_per_rank)
+
+
+def test_the_deprecated_gather_warns_and_answers_as_gather_and_route():
+    server, (only,) = _clients(1, "deprecated")
+    with pytest.warns(DeprecationWarning, match="gather_and_route"):
+        got = only.gather("g", 7, dst=0, timeout_s=10, reduce=sum)
+    assert got == ([7], 7)
+    assert only.gather_and_route("g", 8, dst=0, timeout_s=10, reduce=sum) == ([8], 8, None)
+    del server
