@@ -365,6 +365,12 @@ def write_image(
     t = time.perf_counter()
     total = snap.total_size_bytes
     image = snap.image
+    # Opened (its space reserved) once the first chunk is copied, not while training
+    # copies: on tmpfs, reserving allocates and zeroes every page, and beside the copy
+    # it slowed it 2-4x (1 GiB on 2 cores: 0.19-0.40 s against 0.09 s without it). The
+    # writer learns of copied bytes at the end of the copy by default, so the space is
+    # still reserved before any byte is written: a full disk fails the save as before.
+    snap.wait_ready(min(_IMAGE_CHUNK_BYTES, total))
     dw = _open_direct(storage, path, total)
     w = None if dw is not None else storage.open_write(path, size_hint=total)
     h = _HashPipe(Hasher(), background=dw is None and total >= _PIPELINE_MIN_BYTES)
