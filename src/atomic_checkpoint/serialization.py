@@ -115,9 +115,13 @@ _SMALL_ENTRY_BYTES = 1 << 16
 # Tensor data is laid out at file offsets that are multiples of this where possible.
 _FILE_ALIGN = 64
 _SMALL_BATCH_BYTES = 1 << 20
-# Positioned reads (see _read_pieces): the unit a reader thread reads and the digest
-# consumes; files smaller than _THREADED_MIN_BYTES are read on the calling thread.
-_READ_CHUNK_BYTES = 8 << 20
+# Positioned reads (see _read_pieces): the unit a worker reads from the page cache and
+# then hashes, small enough to be still in that core's L2 cache (1-2 MiB on current
+# server CPUs). Measured warm at 1 GiB, 624 tensors (2 cores, L2 1 MiB): verified load
+# / raw read 1.07 with 512 KiB, 1.04 with 1 MiB, 1.07 with 2 MiB; 1.36 when a separate
+# thread hashed 8 MiB chunks after the readers. Files smaller than _THREADED_MIN_BYTES
+# are read on the calling thread.
+_READ_CHUNK_BYTES = 1 << 20
 _THREADED_MIN_BYTES = 16 << 20
 DEFAULT_READ_THREADS = 4
 
@@ -1516,7 +1520,12 @@ class _DirectReads:
 
 def _cached_fraction(fd: int) -> float | None:
     """How much of the file the page cache holds (``mincore`` over a mapping of it,
-    which reads nothing), or None where that cannot be told."""
+    which reads nothing), or None where that cannot be told.
+
+    A large file is sampled: ``_MINCORE_WINDOWS`` evenly spaced windows of
+    ``_MINCORE_WINDOW_PAGES`` pages. Asking about every page of a 1 GiB file took 18 ms,
+    8 % of a warm verified load, to decide only whether more or less than half of it is
+    cached."""
     try:
         import ctypes
         import mmap
@@ -1524,31 +1533,57 @@ def _cached_fraction(fd: int) -> float | None:
         size = os.fstat(fd).st_size
         if size == 0:
             return None
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc = _libc()
         addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr is None or addr == ctypes.c_void_p(-1).value:
             return None
         try:
-            pages = -(-size // mmap.PAGESIZE)
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(addr, size, vec) != 0:
-                return None
-            return (pages - bytes(vec).count(0)) / pages  # the kernel sets bit 0 only
+            page = mmap.PAGESIZE
+            pages = -(-size // page)
+            span = _MINCORE_WINDOWS * _MINCORE_WINDOW_PAGES
+            if pages <= 4 * span:
+                windows = [(0, pages)]
+            else:
+                stride = pages // _MINCORE_WINDOWS
+                windows = [(i * stride, _MINCORE_WINDOW_PAGES) for i in range(_MINCORE_WINDOWS)]
+            vec = (ctypes.c_ubyte * max(n for _, n in windows))()
+            seen = resident = 0
+            for first, n in windows:
+                length = min(n * page, size - first * page)
+                if libc.mincore(addr + first * page, length, vec) != 0:
+                    return None
+                count = -(-length // page)
+                resident += count - bytes(vec)[:count].count(0)  # the kernel sets bit 0 only
+                seen += count
+            return resident / seen
         finally:
             libc.munmap(addr, size)
     except (ImportError, OSError, AttributeError, ValueError):
         return None
+
+
+_MINCORE_WINDOWS = 64
+_MINCORE_WINDOW_PAGES = 64
+
+
+@functools.cache
+def _libc() -> Any:
+    """libc through ctypes, with the signatures ``_cached_fraction`` calls."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
 
 
 def _pread_chunk(
@@ -1578,14 +1613,14 @@ def _read_pieces(
 ) -> None:
     """Read ``(file offset, size, destination, entry name)`` pieces with ``os.preadv``.
 
-    Pieces are cut into chunks of ``_READ_CHUNK_BYTES`` that ``threads`` reader threads
-    take in file order, so the device always has several requests queued (one
-    synchronous read at a time leaves it idle between requests) and, for fresh tensors,
-    the page faults of first touching their memory are spread over the cores. The
-    calling thread feeds ``digest`` each chunk in file order as soon as it is in, while
-    later chunks are being read: the checksum is one pass over memory that was just
-    written, overlapped with the reads. A piece without a destination is read into a
-    throwaway buffer if there is a digest, else skipped. ``preadv`` and the digests used
+    Pieces are cut into chunks of ``_READ_CHUNK_BYTES`` that ``threads`` workers (the
+    calling thread and helpers) take in file order, so the device always has several
+    requests queued (one synchronous read at a time leaves it idle between requests)
+    and, for fresh tensors, the page faults of first touching their memory are spread
+    over the cores. The worker that read a chunk feeds it to ``digest`` at once, in file
+    order, while the other workers read the next chunks: the checksum reads the bytes
+    from the cache of the core that just wrote them. A piece without a destination is
+    read into a throwaway buffer if there is a digest, else skipped. ``preadv`` and the digests used
     here (xxhash, zlib.crc32) release the GIL. With ``direct``, what the page cache does
     not hold is read with O_DIRECT (see :class:`_DirectReads`).
     """
@@ -1599,13 +1634,13 @@ def _read_pieces(
             except (OSError, ImportError):  # no O_DIRECT here: buffered reads
                 reads = None
     # Direct reads go to the device in large requests, ``threads`` of them in flight;
-    # buffered ones copy from the cache in chunks small enough that the digest finds
-    # them still in the CPU cache, one reader per core the digest leaves free (more
-    # readers than cores only contend for memory bandwidth).
+    # buffered ones copy from the cache in chunks that fit a core's L2 cache, where the
+    # same worker then hashes them (see _read_chunks), one worker per core (more only
+    # contend for memory bandwidth).
     step = _READ_CHUNK_BYTES if reads is None else _DIRECT_CHUNK_BYTES
     workers = threads
     if reads is None and threads > 1:
-        workers = max(1, min(threads, (os.cpu_count() or 1) - (digest is not None)))
+        workers = max(1, min(threads, os.cpu_count() or 1))
     chunks: list[tuple[int, int, memoryview | None, str]] = []
     for offset, size, view, name in pieces:
         if view is None and digest is None:
@@ -1640,14 +1675,29 @@ def _read_chunks(
                 digest.update(data)
         return
     count = len(chunks)
-    ready = [threading.Event() for _ in range(count)]
+    # Who hashes: from the page cache (a memory copy) the worker that read a chunk
+    # hashes it at once, in its turn, while its bytes are still in that core's cache:
+    # one pass over memory, not a read and then a second pass of the digest over memory
+    # the reads have long evicted (warm, 1 GiB, 624 tensors: 1.36x the raw read ->
+    # 1.04-1.09x). From the device (direct reads) the calling thread hashes and the
+    # workers only read: a worker waiting for its turn would leave the device idle
+    # (cold, the same state: 1.20-1.51x the raw read against 0.81-0.87x).
+    in_turn = digest is not None and direct is None
+    turns = [threading.Event() for _ in range(count + 1)]
+    turns[0].set()
     done: list[memoryview | None] = [None] * count
     errors: list[BaseException] = []
     lock = threading.Lock()
     cursor = [0]
     stop = threading.Event()
 
-    def reader() -> None:
+    def fail(exc: BaseException) -> None:
+        errors.append(exc)
+        stop.set()
+        for event in turns:  # wake everyone waiting for a turn or a chunk
+            event.set()
+
+    def work() -> None:
         while not stop.is_set():
             with lock:
                 i = cursor[0]
@@ -1655,34 +1705,44 @@ def _read_chunks(
             if i >= count:
                 return
             try:
-                done[i] = _pread_chunk(fd, chunks[i], direct)
+                data = _pread_chunk(fd, chunks[i], direct)
+                if not in_turn:
+                    if digest is not None:
+                        done[i] = data
+                        turns[i + 1].set()  # chunk i is in, for the calling thread
+                    continue
+                # A worker waits only for chunks taken before its own, which are being
+                # read or hashed: the workers cannot wait for each other in a cycle.
+                turns[i].wait()
+                if stop.is_set():
+                    return
+                digest.update(data)
+                turns[i + 1].set()  # chunks up to i are hashed
             except BaseException as exc:  # raised by the calling thread below
-                errors.append(exc)
-                stop.set()
-                for event in ready:
-                    event.set()
+                fail(exc)
                 return
-            ready[i].set()
 
-    workers = [
-        threading.Thread(target=reader, name="atomic-checkpoint-read", daemon=True)
-        for _ in range(min(threads, count))
+    helpers = [
+        threading.Thread(target=work, name="atomic-checkpoint-read", daemon=True)
+        for _ in range(min(threads, count) - in_turn)  # in turn, the caller is a worker too
     ]
-    for w in workers:
+    for w in helpers:
         w.start()
     try:
-        if digest is not None:
+        if in_turn:
+            work()
+        elif digest is not None:
             for i in range(count):
-                ready[i].wait()
-                if errors:
+                turns[i + 1].wait()
+                if stop.is_set():
                     break
                 digest.update(done[i])
                 done[i] = None
-    except BaseException:
-        stop.set()
+    except BaseException as exc:  # e.g. KeyboardInterrupt: stop the helpers, then raise
+        fail(exc)
         raise
     finally:
-        for w in workers:
+        for w in helpers:
             w.join()
     if errors:
         raise errors[0]

@@ -85,6 +85,69 @@ def test_digest_sees_every_byte_in_order_on_every_read_path(tmp_path, threads, k
     assert out["model"]["head.weight"] is out["model"]["layer0.weight"]
 
 
+def _address(buf) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def test_each_chunk_is_hashed_by_the_worker_that_read_it_in_file_order(tmp_path, monkeypatch):
+    # One pass over memory: the worker that read a chunk hashes it at once, while the
+    # bytes are in its core's cache, instead of the calling thread hashing every chunk
+    # again after the readers (a second pass over memory long evicted from the cache).
+    path = tmp_path / "s.safetensors"
+    data = _write(path, _state())
+    reads: dict[int, int] = {}  # buffer address -> the thread that filled it
+    preadv = os.preadv
+
+    def recording_preadv(fd, buffers, offset, *args):
+        got = preadv(fd, buffers, offset, *args)
+        reads[_address(buffers[0])] = threading.get_ident()
+        return got
+
+    class RecordingDigest:
+        def __init__(self):
+            self.inner = xxhash.xxh3_64()
+            self.updates: list[tuple[int, int]] = []  # (thread, buffer address)
+
+        def update(self, b):
+            self.updates.append((threading.get_ident(), _address(b)))
+            self.inner.update(b)
+
+    monkeypatch.setattr(os, "preadv", recording_preadv)
+    digest = RecordingDigest()
+    with open(path, "rb", buffering=0) as f:
+        out = load_state(f, digest=digest, threads=4)
+    assert digest.inner.hexdigest() == xxhash.xxh3_64(data).hexdigest()  # in file order
+    _same(out, _state())
+    chunks = digest.updates[1:]  # the first update is the header, hashed before reading
+    assert len(chunks) > 8
+    for thread, address in chunks:
+        assert reads.get(address) == thread, "a chunk was hashed by another thread"
+
+
+def test_the_cached_share_of_a_large_file_is_sampled_and_still_right(tmp_path):
+    # Past 64 MiB mincore asks about evenly spaced windows, not every page.
+    path = tmp_path / "big.bin"
+    size = 96 << 20
+    path.write_bytes(os.urandom(1 << 20) * 96)
+    _uncached(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _cached_fraction(fd) == 0.0
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past the reads
+        done = 0
+        while done < int(size * 0.4):
+            done += len(os.pread(fd, 1 << 20, done))
+        share = _cached_fraction(fd)
+        if share is None or share == 0.0:
+            pytest.skip("the page cache did not keep the pages just read")
+        assert 0.3 <= share <= 0.5, share
+        while done < size:
+            done += len(os.pread(fd, 1 << 20, done))
+        assert _cached_fraction(fd) == 1.0
+    finally:
+        os.close(fd)
+
+
 def test_a_read_that_fails_in_a_reader_thread_fails_the_load_and_stops_the_readers(tmp_path):
     path = tmp_path / "s.safetensors"
     data = _write(path, _state())
