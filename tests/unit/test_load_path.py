@@ -85,31 +85,27 @@ def test_digest_sees_every_byte_in_order_on_every_read_path(tmp_path, threads, k
     assert out["model"]["head.weight"] is out["model"]["layer0.weight"]
 
 
-def _address(buf) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-
-
-def test_each_chunk_is_hashed_by_the_worker_that_read_it_in_file_order(tmp_path, monkeypatch):
-    # One pass over memory: the worker that read a chunk hashes it at once, while the
-    # bytes are in its core's cache, instead of the calling thread hashing every chunk
-    # again after the readers (a second pass over memory long evicted from the cache).
+def test_the_read_workers_hash_the_chunks_themselves_in_file_order(tmp_path, monkeypatch):
+    # One pass over memory: a worker that has read a chunk hashes the chunks that are
+    # in, in file order, mostly its own while its bytes are in its core's cache. No
+    # separate thread hashes every chunk again after the readers (a second pass over
+    # memory long evicted from the cache).
     path = tmp_path / "s.safetensors"
     data = _write(path, _state())
-    reads: dict[int, int] = {}  # buffer address -> the thread that filled it
+    readers: set[int] = set()
     preadv = os.preadv
 
     def recording_preadv(fd, buffers, offset, *args):
-        got = preadv(fd, buffers, offset, *args)
-        reads[_address(buffers[0])] = threading.get_ident()
-        return got
+        readers.add(threading.get_ident())
+        return preadv(fd, buffers, offset, *args)
 
     class RecordingDigest:
         def __init__(self):
             self.inner = xxhash.xxh3_64()
-            self.updates: list[tuple[int, int]] = []  # (thread, buffer address)
+            self.threads: list[int] = []
 
         def update(self, b):
-            self.updates.append((threading.get_ident(), _address(b)))
+            self.threads.append(threading.get_ident())
             self.inner.update(b)
 
     monkeypatch.setattr(os, "preadv", recording_preadv)
@@ -118,10 +114,9 @@ def test_each_chunk_is_hashed_by_the_worker_that_read_it_in_file_order(tmp_path,
         out = load_state(f, digest=digest, threads=4)
     assert digest.inner.hexdigest() == xxhash.xxh3_64(data).hexdigest()  # in file order
     _same(out, _state())
-    chunks = digest.updates[1:]  # the first update is the header, hashed before reading
-    assert len(chunks) > 8
-    for thread, address in chunks:
-        assert reads.get(address) == thread, "a chunk was hashed by another thread"
+    hashers = set(digest.threads[1:])  # the first update is the header, read before
+    assert len(digest.threads) > 8
+    assert hashers <= readers, "a thread that read no chunk hashed chunks"
 
 
 def test_the_cached_share_of_a_large_file_is_sampled_and_still_right(tmp_path):
