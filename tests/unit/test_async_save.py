@@ -529,6 +529,30 @@ def test_gpu_state_is_snapshot_into_pinned_memory(tmp_path):
     mgr.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_state_restores_into_device_tensors_and_onto_the_device(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    state = {
+        "model": {"w": torch.randn(1 << 20, device="cuda", generator=g).bfloat16()},
+        "opt": {"m": torch.randn(333, 777, device="cuda", generator=g), "step": 7},
+    }
+    mgr.save(1, state)
+    into = {
+        "model": {"w": torch.zeros(1 << 20, device="cuda", dtype=torch.bfloat16)},
+        "opt": {"m": torch.zeros(333, 777, device="cuda"), "step": 0},
+    }
+    ptr = into["opt"]["m"].data_ptr()
+    out = mgr.restore(1, into=into)
+    assert out["opt"]["m"].data_ptr() == ptr and out["opt"]["m"].device.type == "cuda"
+    assert torch.equal(out["model"]["w"], state["model"]["w"])
+    assert torch.equal(out["opt"]["m"], state["opt"]["m"]) and out["opt"]["step"] == 7
+    placed = mgr.restore(1, device="cuda")
+    assert placed["opt"]["m"].device.type == "cuda"
+    assert torch.equal(placed["model"]["w"], state["model"]["w"])
+    mgr.close()
+
+
 # -- the load path ---------------------------------------------------------------------
 
 
