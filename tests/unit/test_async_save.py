@@ -31,6 +31,7 @@ from atomic_checkpoint import (
     StateMismatchError,
 )
 from atomic_checkpoint.layout import PENDING_DIR, checkpoint_name, rank_state_file
+from tests.cli.helpers import flip_byte
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -533,23 +534,45 @@ def test_gpu_state_is_snapshot_into_pinned_memory(tmp_path):
 def test_gpu_state_restores_into_device_tensors_and_onto_the_device(tmp_path):
     mgr = CheckpointManager(tmp_path)
     g = torch.Generator(device="cuda").manual_seed(3)
+    shared = torch.randn(5, device="cuda", generator=g)
     state = {
         "model": {"w": torch.randn(1 << 20, device="cuda", generator=g).bfloat16()},
         "opt": {"m": torch.randn(333, 777, device="cuda", generator=g), "step": 7},
+        # Small tensors (read as one run through a scratch buffer), a 0-d tensor, a
+        # tensor saved twice, and a tensor on the CPU beside them.
+        "norm": torch.randn(7, device="cuda", generator=g).half(),
+        "scalar": torch.tensor(2.5, device="cuda"),
+        "tied": [shared, shared],
+        "cpu": torch.arange(1000, dtype=torch.int64),
     }
     mgr.save(1, state)
+    blank = torch.zeros(5, device="cuda")
     into = {
         "model": {"w": torch.zeros(1 << 20, device="cuda", dtype=torch.bfloat16)},
         "opt": {"m": torch.zeros(333, 777, device="cuda"), "step": 0},
+        "norm": torch.zeros(7, device="cuda", dtype=torch.float16),
+        "scalar": torch.tensor(0.0, device="cuda"),
+        "tied": [blank, blank],
+        "cpu": torch.zeros(1000, dtype=torch.int64),
     }
     ptr = into["opt"]["m"].data_ptr()
     out = mgr.restore(1, into=into)
     assert out["opt"]["m"].data_ptr() == ptr and out["opt"]["m"].device.type == "cuda"
     assert torch.equal(out["model"]["w"], state["model"]["w"])
     assert torch.equal(out["opt"]["m"], state["opt"]["m"]) and out["opt"]["step"] == 7
+    assert torch.equal(out["norm"], state["norm"]) and out["scalar"].item() == 2.5
+    assert out["tied"][0] is out["tied"][1] and torch.equal(out["tied"][0], shared)
+    assert torch.equal(out["cpu"], state["cpu"])
     placed = mgr.restore(1, device="cuda")
-    assert placed["opt"]["m"].device.type == "cuda"
+    assert all(t.device.type == "cuda" for t in (placed["opt"]["m"], placed["norm"]))
     assert torch.equal(placed["model"]["w"], state["model"]["w"])
+    assert torch.equal(placed["tied"][1], shared) and placed["cpu"].device.type == "cuda"
+    assert torch.equal(placed["cpu"].cpu(), state["cpu"])
+    # A flipped byte in a tensor bound for the device is still caught by the checksum.
+    path = tmp_path / checkpoint_name(1) / rank_state_file(0)
+    flip_byte(path, -(1 << 20))
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        mgr.restore(1, device="cuda")
     mgr.close()
 
 
@@ -569,11 +592,7 @@ def test_restore_into_existing_tensors_verifies_while_reading(tmp_path):
     assert same_bytes(out, state)
     # One flipped byte deep in the file is caught by the checksum of the same pass.
     path = tmp_path / checkpoint_name(1) / rank_state_file(0)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - (5 << 20))
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, -(5 << 20))
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         mgr.restore(1, into=into)
     mgr.close()
