@@ -1003,11 +1003,6 @@ class _Loader:
         self.np: Any = None
         self.every_byte = False  # read entries the tree does not use too (for a digest)
         self.views: dict[str, memoryview] = {}  # name -> byte view of its into= target
-        # Tensors bound for a device (a GPU ``into`` target, or ``device=``): name -> byte
-        # length, read into one host staging buffer, then copied over (``upload``).
-        self.staged: dict[str, int] = {}
-        self.uploads: list[Callable[[], None]] = []  # run once every byte is in the host
-        self.staging: dict[str, Any] = {}  # name -> its slice of the staging buffer
 
     def collect(self, node: Any, into: Any) -> None:
         self.building = False
@@ -1320,66 +1315,22 @@ class _Loader:
             dest[...] = src
 
     def can_read_positionally(self) -> bool:
-        """Whether every entry's bytes can be read straight into host memory: no
-        big-endian array, every CPU ``into`` target contiguous. Tensors bound for a
-        device (GPU) are read into a host staging buffer and copied over after."""
+        """Whether every entry's bytes can be read straight into host memory: no GPU
+        placement, no big-endian array, every ``into`` target contiguous CPU memory."""
         torch = self.torch
         placed = torch is not None and self.device is not None
-        off_host = placed and torch.device(self.device).type != "cpu"
+        if placed and torch.device(self.device).type != "cpu":
+            return False
         for name, (tag, big) in self.kinds.items():
             if big:
                 return False
             targets = self.targets.get(name)
-            if tag == "tensor" and (targets[0].device.type != "cpu" if targets else off_host):
-                self.staged[name] = self.entries[name].size_bytes
-            elif tag != "pickle" and targets:
+            if tag != "pickle" and targets:
                 view = self.direct_view(targets[0])
                 if view is None:
                     return False
                 self.views[name] = view
         return True
-
-    def stage(self) -> Callable[[], None]:
-        """Cut the host staging buffer for the tensors bound for a device into one byte
-        view per tensor (in ``self.views``), and return what waits for their copies.
-
-        The buffer is ordinary (pageable) memory. Page-locked memory would make each
-        copy a DMA transfer, but locking it costs far more than it saves for a load
-        done once: measured on an H200 at 2 GiB, locking took 1.5 s and the copies
-        from it 56 ms, against no allocation cost and 380 ms of copies from pageable
-        memory. One synchronize at the end (the returned callable) makes the copies
-        complete before the buffer is freed.
-        """
-        torch = self.torch
-        if not self.staged:
-            return lambda: None
-        align = 64
-        total = sum(-(-n // align) * align for n in self.staged.values())
-        devices = set()
-        for name in self.staged:
-            targets = self.targets.get(name)
-            devices.add(targets[0].device if targets else torch.device(self.device))
-        cuda = {d for d in devices if d.type == "cuda"}
-        buf = torch.empty(total, dtype=torch.uint8)
-        offset = 0
-        for name, n in self.staged.items():
-            piece = buf[offset : offset + n]
-            self.staging[name] = piece
-            if n:
-                self.views[name] = memoryview(piece.numpy())
-            offset += -(-n // align) * align
-
-        def wait() -> None:
-            for dev in cuda:
-                torch.cuda.synchronize(dev)
-
-        return wait
-
-    def upload(self, dest: Any, name: str) -> None:
-        """Copy a staged tensor's bytes from the host buffer to ``dest`` on its device."""
-        piece = self.staging[name]
-        with self.torch.no_grad():
-            dest.copy_(piece.view(dest.dtype).reshape(dest.shape), non_blocking=True)
 
     def destination(self, entry: _Entry, after: list[Callable[[], None]]) -> memoryview | None:
         """Where ``entry``'s bytes go (allocating its tensor), or None if nowhere. What
@@ -1393,12 +1344,6 @@ class _Loader:
             return memoryview(buf)
         targets = self.targets.get(entry.name, [])
         dest = targets[0] if targets else self.allocate(tag, entry, big)
-        if entry.name in self.staged:
-            # Its bytes land in the staging buffer; the copy to the device (and to any
-            # alias) waits until every read and scratch copy is done.
-            if entry.size_bytes:
-                self.uploads.append(functools.partial(self.upload, dest, entry.name))
-            after = self.uploads
         for other in targets[1:]:
             if not _same_memory(other, dest):
                 after.append(functools.partial(self.assign, other, dest))
@@ -1418,10 +1363,8 @@ class _Loader:
         self, fd: int, header: _Header, digest: Any, threads: int, direct: bool
     ) -> None:
         """Read every entry with positioned reads, ``threads`` at a time, straight into
-        its final memory (or, bound for a device, into host staging memory first); feed
-        ``digest`` (if any) the whole file in order."""
+        its final memory; feed ``digest`` (if any) the whole file in order."""
         after: list[Callable[[], None]] = []
-        wait = self.stage()
         pieces: list[tuple[int, int, memoryview | None, str]] = []
         base = header.data_start
         entries = header.entries
@@ -1448,17 +1391,6 @@ class _Loader:
         _read_pieces(fd, pieces, digest=digest, threads=threads, direct=direct)
         for action in after:
             action()
-        try:
-            for action in self.uploads:
-                action()
-        finally:
-            wait()
-            # The uploads refer to this loader: drop them (and the staging buffer) now
-            # rather than when the cycle collector finds them.
-            self.uploads.clear()
-            self.staging.clear()
-            for name in self.staged:
-                self.views.pop(name, None)
 
     def read_data(self, f: Any, header: _Header) -> None:
         entries = header.entries
@@ -1964,12 +1896,9 @@ def load_state(
             array in ``into`` is read straight into it, in place, and that object is
             returned at that path; this is the fast path for resuming. Paths that are
             missing from ``into`` get new tensors.
-        device: where new torch tensors are placed (e.g. ``"cuda:0"``). From a regular
-            file, the bytes of every tensor bound for a device (placed there, or an
-            ``into`` tensor living there) are read into one host staging buffer
-            (page-locked for CUDA), then copied over; otherwise through a host
-            temporary of one tensor at a time. Tensors filled through ``into`` stay
-            where they are.
+        device: where new torch tensors are placed (e.g. ``"cuda:0"``); bytes are read
+            through a host temporary of one tensor at a time. Tensors filled through
+            ``into`` stay where they are.
         size_bytes: the file's size, if known, to bound the header before reading it.
         digest: an object with ``update(bytes-like)`` (e.g. ``manifest.Hasher``): it is
             fed every byte of the file, header included, in file order, before this
