@@ -204,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
+    shapes = args.shapes.split(",")
+    unknown = [s for s in shapes if s not in STATE_SHAPES]
+    if unknown:
+        ap.error(f"unknown shape {unknown[0]!r}: choose from {', '.join(STATE_SHAPES)}")
     if not torch.cuda.is_available():
         print("gpu.py: no CUDA device here; run it on a machine with one", file=sys.stderr)
         return 2
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{size_label(size)}, {args.rounds} rounds, work dir {work}"
     )
     out: dict[str, Any] = {}
-    for shape in args.shapes.split(","):
+    for shape in shapes:
         t0 = time.perf_counter()
         m = run_shape(shape, size, args.rounds, work)
         out[shape] = m
