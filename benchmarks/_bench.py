@@ -232,9 +232,10 @@ def check_state(loaded: dict[str, Any], state: dict[str, torch.Tensor], what: st
 class HostBuffers:
     """Preallocated host memory shaped like the state: one flat buffer, each tensor a
     64-byte aligned view into it. The target of the host-copy baseline, of loads into
-    existing tensors, and of the raw read (the whole buffer)."""
+    existing tensors, and of the raw read (the whole buffer). ``pin``: page-locked
+    (CUDA's pinned memory, page-aligned), the target of device-to-host copies."""
 
-    def __init__(self, state: dict[str, torch.Tensor], extra_bytes: int):
+    def __init__(self, state: dict[str, torch.Tensor], extra_bytes: int, pin: bool = False):
         offsets = []
         off = 0
         for t in state.values():
@@ -242,7 +243,7 @@ class HostBuffers:
             off += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         # Page-aligned: the direct-I/O baselines read and write it with O_DIRECT (one
         # buffer fewer of the state's size: at 4 GiB the benchmark must fit in 23 GB).
-        raw = torch.empty(off + extra_bytes + _DIRECT_ALIGN, dtype=torch.uint8)
+        raw = torch.empty(off + extra_bytes + _DIRECT_ALIGN, dtype=torch.uint8, pin_memory=pin)
         skip = -raw.data_ptr() % _DIRECT_ALIGN
         self.flat = raw[skip : skip + off + extra_bytes]
         self.flat.fill_(1)  # resident now, not at the first timed trial
