@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import (
     CheckpointError,
@@ -51,6 +51,8 @@ from .layout import (
     parse_checkpoint_name,
     parse_marker_name,
     parse_pending_name,
+    parse_replaced_name,
+    pending_name,
 )
 from .manifest import FileEntry, Hasher, Manifest, SharedManifest
 from .storage import posix
@@ -170,6 +172,7 @@ def _until_fresh(
 
 
 _UNSAFE = "unsafe"
+_NO_MANIFEST = "no manifest"
 
 
 def is_link(storage: Storage, rel: str) -> bool:
@@ -250,6 +253,89 @@ def validate(
 #: before it gives up (a step overwritten again and again, faster than it can be read).
 #: A retry costs a read of the checkpoint, and happens only when its manifest changed.
 READ_ATTEMPTS = 8
+
+#: How long a reader waits for an overwrite without an atomic exchange (sshfs, NFS,
+#: Windows) to give its step a name in ROOT again. Such an overwrite moves the old copy
+#: into ``.trash/`` and then renames the new one in: between the two renames the step
+#: has no name in ROOT, and a reader listing it then would miss a committed checkpoint
+#: (found by the lifecycle model test). Two renames take milliseconds; a writer that
+#: crashed between them leaves the step absent until the next start puts the new copy
+#: back, and readers then report what they see after this wait, with a warning.
+REPLACE_WAIT_S = 2.0
+
+
+def _being_replaced(storage: Storage, names: Collection[str] | None = None) -> dict[int, set[str]]:
+    """The steps whose old copy an overwrite without atomic exchange has moved into
+    ``.trash/`` and not yet deleted, with the attempts that did it: one listing of
+    ``.trash/``, none where ``names`` (a listing of ROOT) shows there is no ``.trash/``."""
+    if names is not None and TRASH_DIR not in names:
+        return {}
+    found: dict[int, set[str]] = {}
+    for name in storage.listdir(TRASH_DIR):
+        parsed = parse_replaced_name(name)
+        if parsed is not None:
+            found.setdefault(parsed[0], set()).add(parsed[1])
+    return found
+
+
+def _back(storage: Storage, steps: Collection[int]) -> set[int]:
+    """Of ``steps``, each just found without a name in ROOT, those that have one again.
+
+    A step that an overwrite without atomic exchange is replacing (its old copy is in
+    ``.trash/``, its new one still in ``.pending/``) is waited for, up to
+    ``REPLACE_WAIT_S``; the others are looked for once more. Each round looks at
+    ``.trash/``, then ``.pending/``, then ROOT: an overwrite whose new copy has left
+    ``.pending/`` has renamed it in, so a step found absent between the two renames is
+    never missed. (An old copy left in ``.trash/`` by an overwrite that finished, once
+    its step is deleted, has no twin in ``.pending/``: nothing to wait for.)
+    """
+    back: set[int] = set()
+    waiting = set(steps)
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    delay = 0.001
+    while waiting:
+        replacing = _being_replaced(storage)
+        live = {
+            s
+            for s in waiting
+            if any(
+                storage.is_dir(f"{PENDING_DIR}/{pending_name(s, a)}") for a in replacing.get(s, ())
+            )
+        }
+        back |= {s for s in waiting if storage.is_dir(checkpoint_name(s))}
+        waiting = live - back
+        if not waiting:
+            break
+        if time.monotonic() >= deadline:
+            log.warning(
+                "checkpoint step(s) %s in %s stayed absent for %.0f s: an overwrite without "
+                "an atomic exchange stopped between its two renames (its writer crashed?); "
+                "both copies are kept, and the next start of the job (or `atomic-checkpoint "
+                "clean`) puts the new one back",
+                ", ".join(map(str, sorted(waiting))),
+                storage.url(""),
+                REPLACE_WAIT_S,
+            )
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return back
+
+
+def _root_names(storage: Storage, known: Iterable[str] = ()) -> list[str]:
+    """One listing of ROOT, with the checkpoints that an overwrite without atomic
+    exchange had just moved out of it put back (``_back``): those whose old copy is in
+    ``.trash/``, and those of ``known`` (names seen in an earlier listing) now absent."""
+    names = storage.listdir("")
+    present = set(names)
+    absent = {s for s in _being_replaced(storage, names) if checkpoint_name(s) not in present}
+    for name in known:
+        step = parse_checkpoint_name(name)
+        if step is not None and name not in present:
+            absent.add(step)
+    if not absent:
+        return names
+    return names + [checkpoint_name(s) for s in sorted(_back(storage, absent))]
 
 
 #: The fields that tell one commit of a step from another.
@@ -332,11 +418,23 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
     """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint.
     Returns the manifest of the copy that was checked (see ``validate_consistent``)."""
     rel = checkpoint_name(step)
-    try:
-        manifest = read_manifest(storage, rel)
-    except CheckpointNotFoundError as exc:
-        raise missing_step_error(storage, step) from exc
-    return validate_consistent(storage, rel, manifest, full=full)
+    for attempt in range(READ_ATTEMPTS):
+        last = attempt + 1 == READ_ATTEMPTS
+        # Absent, or un-committed while being read: unless an overwrite without atomic
+        # exchange was between its two renames and has put the step back (``_back``).
+        try:
+            manifest = read_manifest(storage, rel)
+        except CheckpointNotFoundError as exc:
+            if not last and _back(storage, (step,)):
+                continue
+            raise missing_step_error(storage, step) from exc
+        try:
+            return validate_consistent(storage, rel, manifest, full=full)
+        except CheckpointNotFoundError:
+            if not last and _back(storage, (step,)):
+                continue
+            raise
+    raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
 
 def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
@@ -407,6 +505,10 @@ class ManifestCache:
         got = self._entries.pop(name, None)
         if got is not None:
             self._files -= len(got[1].files)
+
+    def _names(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
 
     def _keep_only(self, names: set[str]) -> None:
         with self._lock:
@@ -544,7 +646,7 @@ def _checkpoint_entry(
             # foreign directory.
             why = "not committed (an interrupted write's temporary file)"
             return Entry(name, step, "pending", problem=why)
-        return Entry(name, step, "foreign", problem="no manifest")
+        return Entry(name, step, "foreign", problem=_NO_MANIFEST)
     except StorageError:
         # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.
         # Counting it as corrupt would resume from an older step, or find "nothing
@@ -580,6 +682,27 @@ def _checkpoint_entry(
         # Replaced while being checked: the token is the old copy's; not cached.
         cache._put(name, token, checked, True)
     return Entry(name, step, "ok", checked)
+
+
+def _settled(storage: Storage, name: str, step: int, **how: Any) -> Entry | None:
+    """``_checkpoint_entry(storage, name, step, **how)``, read again where the entry lost
+    its name while it was being read and has it again (``_back``: an overwrite without
+    atomic exchange between its two renames), at most ``READ_ATTEMPTS`` times; None
+    where it is gone."""
+    entry = _checkpoint_entry(storage, name, step, **how)
+    for _ in range(READ_ATTEMPTS - 1):
+        # Gone (None), or "no manifest", which a directory that vanished under the reader
+        # also reads as.
+        vanished = entry is None or (
+            entry.status == "foreign" and entry.problem == _NO_MANIFEST and not storage.is_dir(name)
+        )
+        if not vanished:
+            return entry
+        if not _back(storage, (step,)):
+            return None
+        how.update(token=None, sizes=None)  # those were taken of the copy that left
+        entry = _checkpoint_entry(storage, name, step, **how)
+    return entry
 
 
 def _files_as_listed(
@@ -631,7 +754,9 @@ def scan(
     Reads every checkpoint's manifest and checks its files' sizes, except where
     ``cache`` (not with ``full``) proves a manifest unchanged since it was validated.
     """
-    names = storage.listdir("")
+    # A checkpoint listed before (in ``cache``) and absent now is looked for again: an
+    # overwrite without atomic exchange may be between its two renames (``_back``).
+    names = _root_names(storage, () if cache is None else cache._names())
     steps, others = _checkpoint_names(names)
     tokens: list[Hashable | None] = [None] * len(steps)
     sizes: dict[str, dict[str, int]] | None = None
@@ -644,7 +769,7 @@ def scan(
         Entry(name, None, "foreign", problem="not a checkpoint name") for name in others
     ]
     for (step, name), token in zip(steps, tokens, strict=True):
-        entry = _checkpoint_entry(
+        entry = _settled(
             storage,
             name,
             step,
@@ -703,7 +828,7 @@ def committed(
 def listed_steps(storage: Storage) -> list[tuple[int, str]]:
     """The strict ``checkpoint-<step>`` names of the root as ``(step, name)``, ascending:
     one listing, no manifest read (the names say nothing of validity)."""
-    return _checkpoint_names(storage.listdir(""))[0]
+    return _checkpoint_names(_root_names(storage))[0]
 
 
 def newest_first(
@@ -765,14 +890,12 @@ def _newest_first(
     its files per entry. Names that vanish meanwhile are passed over. ``cache`` is
     filled with what is read, so a later ``scan`` through it does not read it again."""
     if steps is None:
-        steps, _ = _checkpoint_names(storage.listdir(""))
+        steps, _ = _checkpoint_names(_root_names(storage))
     for step, name in reversed(steps):
         if step in skip:
             continue
         token = manifest_token(storage, name) if cache is not None else None
-        entry = _checkpoint_entry(
-            storage, name, step, run_id=run_id, full=False, cache=cache, token=token
-        )
+        entry = _settled(storage, name, step, run_id=run_id, full=False, cache=cache, token=token)
         if entry is not None:
             yield entry
 

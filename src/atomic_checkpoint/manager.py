@@ -704,8 +704,10 @@ class CheckpointManager:
         ``overwrite=True`` replaces a committed ``step``: the new copy is committed
         before the old one goes, and once it is, the save succeeds even if the old copy
         cannot be removed (a warning; the next start or ``clean`` removes it). Without
-        an atomic exchange (sshfs, NFS, Windows) a crash between the two renames leaves
-        the step absent until the next start puts the new copy back.
+        an atomic exchange (sshfs, NFS, Windows) the step has no name between the two
+        renames: readers that look then wait for the second one (up to
+        ``catalog.REPLACE_WAIT_S``), and a crash between them leaves the step absent
+        until the next start puts the new copy back.
 
         Returns:
             The committed checkpoint, identical on every rank, with ``timings_s``.

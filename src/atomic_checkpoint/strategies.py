@@ -20,10 +20,12 @@ directories holding an in-progress marker.
 
 Overwrite (``overwrite=True``, rename strategy): the new copy is committed before the old
 one goes, by one ``RENAME_EXCHANGE`` where the filesystem has it, else by two renames (the
-old copy into ``.trash/checkpoint-<step>.<attempt>.replaced``, then the new one in). A
-crash between those two leaves the step absent; ``recover_replaced`` (the next start's
-sweep, ``atomic-checkpoint clean``) puts a complete copy back. Once ROOT is fsync'd the
-save has succeeded: removing the replaced copy is best effort.
+old copy into ``.trash/checkpoint-<step>.<attempt>.replaced``, then the new one in).
+Between those two the step has no name in ROOT: readers that find it absent while its
+old copy is in ``.trash/`` and its new one in ``.pending/`` wait for the second rename
+(``catalog._back``). A crash between them leaves the step absent; ``recover_replaced``
+(the next start's sweep, ``atomic-checkpoint clean``) puts a complete copy back. Once ROOT
+is fsync'd the save has succeeded: removing the replaced copy is best effort.
 
 A ROOT may hold the remains of both strategies (a run forced ``strategy="marker"`` on a
 disk whose rename is atomic, then a later run chose rename): ``clean`` looks for both,

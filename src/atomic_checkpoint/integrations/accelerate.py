@@ -288,9 +288,9 @@ class FrameworkRoot:
                 self._check_copies_match(target, step)
             if nested and mgr.is_coordinator:
                 _flatten(pending, nested, step=step, label=self.label)
-        if mgr.last_saved is None:  # pragma: no cover - saving() either commits or raises
+        if pending.info is None:  # pragma: no cover - saving() either commits or raises
             raise CommitError(f"{self.label} step {step}: the save returned no checkpoint")
-        return mgr.last_saved
+        return pending.info
 
     def _set_aside_torn(self, step: int) -> None:
         """Coordinator: move a torn ``checkpoint-<step>`` without a manifest (left by a

@@ -325,7 +325,7 @@ def save_dcp(
         failures = _agree(mgr, f"save step {step}: dcp_write", "dcp_write", failure)
         if failures:
             raise DistributedCheckpointError(failures, step=step) from cause
-    info = mgr.last_saved
+    info = pending.info
     if info is None:  # pragma: no cover - saving() sets it on success
         raise CheckpointError(f"checkpoint step {step} was saved but returned no result")
     return info

@@ -1,0 +1,170 @@
+"""Readers racing an overwrite on storage without ``RENAME_EXCHANGE`` (sshfs, NFS,
+Windows), where an overwrite moves the old copy into ``.trash/`` and then renames the
+new one in: between the two renames the step has no name in ROOT.
+
+Found by the lifecycle model (``tests/model``, no-exchange machine, a read-only reader
+listing while an async overwrite of the newest step committed): the reader's listing
+lacked the step, and ``restore(step)`` raised "no checkpoint step 1 ... (checkpoint steps
+there: 1)". Here the window is held open for a second (the ``mid_replace`` fault point's
+``delay``), so every read below lands inside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator, catalog
+from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR, pending_name, replaced_name
+from tests.model.kinds import NoExchangeStorage
+
+
+def _manager(root: Path, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(
+        NoExchangeStorage(root), coordinator=SingleProcessCoordinator(), timeout_s=30.0, **kw
+    )
+
+
+def _state(value: float) -> dict[str, Any]:
+    return {"w": np.full(1000, value, dtype=np.float32)}
+
+
+def _value(state: dict[str, Any]) -> float:
+    w = state["w"]
+    assert w.shape == (1000,) and bool((w == w[0]).all()), "a torn state"
+    return float(w[0])
+
+
+class _Overwrite:
+    """Overwrite step 1 in a thread, held between its two renames for a second."""
+
+    def __init__(self, writer: CheckpointManager, root: Path, value: float):
+        self.writer, self.root, self.value = writer, root, value
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        try:
+            self.writer.save(1, _state(self.value), overwrite=True)
+        except BaseException as exc:  # re-raised by the test thread in __exit__
+            self.error = exc
+
+    def __enter__(self) -> _Overwrite:
+        self.thread.start()
+        deadline = time.monotonic() + 20.0
+        while (self.root / "checkpoint-1").exists():  # wait for the first rename
+            assert time.monotonic() < deadline, "the overwrite never moved the old copy out"
+            assert self.thread.is_alive(), f"the overwrite ended early: {self.error!r}"
+            time.sleep(0.002)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join(30.0)
+        assert not self.thread.is_alive()
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_replace@0=delay")
+    mgr = _manager(tmp_path / "root")
+    mgr.save(0, _state(0.0))
+    mgr.save(1, _state(1.0))
+    yield mgr
+    mgr.close()
+
+
+def _reader(writer: CheckpointManager) -> CheckpointManager:
+    return _manager(Path(writer.root), read_only=True, run_id=writer.run_id)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "read", ["checkpoints, listed before", "checkpoints", "latest", "restore(1)", "restore()"]
+)
+def test_a_reader_inside_the_window_sees_the_step_being_overwritten(writer, read):
+    root = Path(writer.root)
+    reader = _reader(writer)
+    if read == "checkpoints, listed before":
+        assert [c.step for c in reader.checkpoints()] == [0, 1]
+    with _Overwrite(writer, root, 2.0):
+        assert not (root / "checkpoint-1").exists()  # inside the window
+        if read.startswith("checkpoints"):
+            assert [c.step for c in reader.checkpoints()] == [0, 1]
+        elif read == "latest":
+            latest = reader.latest()
+            assert latest is not None and latest.step == 1
+        else:
+            state = reader.restore(1 if read == "restore(1)" else None)
+            assert reader.last_restored is not None and reader.last_restored.step == 1
+            assert _value(state) in (1.0, 2.0)
+    # The overwrite committed; the reader now sees its new copy.
+    assert _value(reader.restore(1)) == 2.0
+    reader.close()
+
+
+def _stop_between_the_renames(root: Path, step: int, attempt: str) -> None:
+    """The state an overwrite of ``step`` leaves when its writer dies between its two
+    renames: the old copy in ``.trash/``, the new one still in ``.pending/``."""
+    (root / TRASH_DIR).mkdir(exist_ok=True)
+    old = root / TRASH_DIR / replaced_name(step, attempt)
+    os.rename(root / f"checkpoint-{step}", old)
+    shutil.copytree(old, root / PENDING_DIR / pending_name(step, attempt))
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_dead_between_the_renames_costs_readers_a_bounded_wait_and_a_warning(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(catalog, "REPLACE_WAIT_S", 0.3)
+    root = tmp_path / "root"
+    with _manager(root) as mgr:
+        mgr.save(0, _state(0.0))
+        mgr.save(1, _state(1.0))
+        run_id = mgr.run_id
+    _stop_between_the_renames(root, 1, "0123456789abcdef")
+    reader = _manager(root, read_only=True, run_id=run_id)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert [c.step for c in reader.checkpoints()] == [0]
+    said = [r.getMessage() for r in caplog.records if "stayed absent" in r.getMessage()]
+    assert said and "step(s) 1 " in said[0] and "atomic-checkpoint clean" in said[0], said
+    reader.close()
+    # The next start puts the new copy back, as the warning says.
+    with _manager(root, run_id=run_id) as mgr:
+        assert [c.step for c in mgr.checkpoints()] == [0, 1]
+        assert _value(mgr.restore(1)) == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_an_old_copy_left_in_the_trash_of_a_deleted_step_is_not_waited_for(
+    tmp_path, monkeypatch, caplog
+):
+    # An overwrite that finished but could not delete the old copy leaves it in .trash/
+    # (a warning; the next start removes it). Once that step is deleted too, its old
+    # copy has no new copy in .pending/: nothing is being replaced, nothing to wait for.
+    monkeypatch.setattr(catalog, "REPLACE_WAIT_S", 3600.0)  # a wait would hit the timeout
+    root = tmp_path / "root"
+    with _manager(root) as mgr:
+        mgr.save(0, _state(0.0))
+        mgr.save(1, _state(1.0))
+        run_id = mgr.run_id
+    (root / TRASH_DIR).mkdir(exist_ok=True)
+    os.rename(root / "checkpoint-1", root / TRASH_DIR / replaced_name(1, "0123456789abcdef"))
+    reader = _manager(root, read_only=True, run_id=run_id)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert [c.step for c in reader.checkpoints()] == [0]
+        latest = reader.latest()
+        assert latest is not None and latest.step == 0
+        with pytest.raises(Exception, match="no checkpoint step 1"):
+            reader.restore(1)
+    assert not [r for r in caplog.records if "stayed absent" in r.getMessage()]
+    reader.close()
