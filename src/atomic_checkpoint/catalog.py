@@ -294,15 +294,14 @@ def _back(storage: Storage, steps: Collection[int]) -> set[int]:
     deadline = time.monotonic() + REPLACE_WAIT_S
     delay = 0.001
     while waiting:
+        # Listings, not ``is_dir``: a network filesystem's client answers a ``stat`` from
+        # its cache, where a name deleted on another node lives on for seconds (sshfs);
+        # ``listdir`` asks the server.
         replacing = _being_replaced(storage)
-        live = {
-            s
-            for s in waiting
-            if any(
-                storage.is_dir(f"{PENDING_DIR}/{pending_name(s, a)}") for a in replacing.get(s, ())
-            )
-        }
-        back |= {s for s in waiting if storage.is_dir(checkpoint_name(s))}
+        pending = set(storage.listdir(PENDING_DIR)) if replacing.keys() & waiting else set()
+        live = {s for s in waiting if pending & {pending_name(s, a) for a in replacing.get(s, ())}}
+        present = set(storage.listdir(""))
+        back |= {s for s in waiting if checkpoint_name(s) in present}
         waiting = live - back
         if not waiting:
             break
@@ -694,7 +693,9 @@ def _settled(storage: Storage, name: str, step: int, **how: Any) -> Entry | None
         # Gone (None), or "no manifest", which a directory that vanished under the reader
         # also reads as.
         vanished = entry is None or (
-            entry.status == "foreign" and entry.problem == _NO_MANIFEST and not storage.is_dir(name)
+            entry.status == "foreign"
+            and entry.problem == _NO_MANIFEST
+            and name not in storage.listdir("")  # the server's answer (see _back)
         )
         if not vanished:
             return entry
