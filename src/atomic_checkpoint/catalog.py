@@ -172,7 +172,6 @@ def _until_fresh(
 
 
 _UNSAFE = "unsafe"
-_NO_MANIFEST = "no manifest"
 
 
 def is_link(storage: Storage, rel: str) -> bool:
@@ -278,7 +277,9 @@ def _being_replaced(storage: Storage, names: Collection[str] | None = None) -> d
     return found
 
 
-def _back(storage: Storage, steps: Collection[int]) -> set[int]:
+def _back(
+    storage: Storage, steps: Collection[int], replacing: dict[int, set[str]] | None = None
+) -> set[int]:
     """Of ``steps``, each just found without a name in ROOT, those that have one again.
 
     A step that an overwrite without atomic exchange is replacing (its old copy is in
@@ -288,6 +289,7 @@ def _back(storage: Storage, steps: Collection[int]) -> set[int]:
     ``.pending/`` has renamed it in, so a step found absent between the two renames is
     never missed. (An old copy left in ``.trash/`` by an overwrite that finished, once
     its step is deleted, has no twin in ``.pending/``: nothing to wait for.)
+    ``replacing`` is ``_being_replaced``'s answer if the caller has just asked it.
     """
     back: set[int] = set()
     waiting = set(steps)
@@ -297,7 +299,8 @@ def _back(storage: Storage, steps: Collection[int]) -> set[int]:
         # Listings, not ``is_dir``: a network filesystem's client answers a ``stat`` from
         # its cache, where a name deleted on another node lives on for seconds (sshfs);
         # ``listdir`` asks the server.
-        replacing = _being_replaced(storage)
+        if replacing is None:
+            replacing = _being_replaced(storage)
         pending = set(storage.listdir(PENDING_DIR)) if replacing.keys() & waiting else set()
         live = {s for s in waiting if pending & {pending_name(s, a) for a in replacing.get(s, ())}}
         present = set(storage.listdir(""))
@@ -318,6 +321,7 @@ def _back(storage: Storage, steps: Collection[int]) -> set[int]:
             break
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+        replacing = None
     return back
 
 
@@ -327,14 +331,15 @@ def _root_names(storage: Storage, known: Iterable[str] = ()) -> list[str]:
     ``.trash/``, and those of ``known`` (names seen in an earlier listing) now absent."""
     names = storage.listdir("")
     present = set(names)
-    absent = {s for s in _being_replaced(storage, names) if checkpoint_name(s) not in present}
+    replacing = _being_replaced(storage, names)
+    absent = {s for s in replacing if checkpoint_name(s) not in present}
     for name in known:
         step = parse_checkpoint_name(name)
         if step is not None and name not in present:
             absent.add(step)
     if not absent:
         return names
-    return names + [checkpoint_name(s) for s in sorted(_back(storage, absent))]
+    return names + [checkpoint_name(s) for s in sorted(_back(storage, absent, replacing))]
 
 
 #: The fields that tell one commit of a step from another.
@@ -603,7 +608,8 @@ def _checkpoint_entry(
     sizes: Mapping[str, int] | None = None,
 ) -> Entry | None:
     """The status of the one entry ``name`` (a strict ``checkpoint-<step>`` name) of the
-    root, or None if it vanished while being looked at (un-committed by rotation).
+    root, or None if it vanished or changed while being looked at (un-committed by
+    rotation, or an overwrite between its two renames: see ``_settled``).
 
     Raises:
         StorageError: an I/O error that says nothing about the checkpoint.
@@ -635,7 +641,17 @@ def _checkpoint_entry(
     try:
         manifest = read_manifest(storage, name)
     except CheckpointNotFoundError:
+        # Changed while being looked at: gone (un-committed, or an overwrite without
+        # atomic exchange between its two renames), or back with a manifest since it was
+        # read; None, and the caller (``_settled``) looks again. Asked of listings, which
+        # a network filesystem's client takes from the server, not of a cached ``stat``.
         children = storage.listdir(name)
+        if not children:  # gone, or empty: ROOT tells, and a copy renamed in since is not
+            if name not in storage.listdir(""):
+                return None
+            children = storage.listdir(name)
+        if MANIFEST_NAME in children:
+            return None
         if any(parse_marker_name(c) is not None for c in children):
             return Entry(name, step, "pending", problem="not committed (marker, no manifest)")
         if children and all(parse_temp_name(c) is not None for c in children):
@@ -645,7 +661,7 @@ def _checkpoint_entry(
             # foreign directory.
             why = "not committed (an interrupted write's temporary file)"
             return Entry(name, step, "pending", problem=why)
-        return Entry(name, step, "foreign", problem=_NO_MANIFEST)
+        return Entry(name, step, "foreign", problem="no manifest")
     except StorageError:
         # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.
         # Counting it as corrupt would resume from an older step, or find "nothing
@@ -685,22 +701,13 @@ def _checkpoint_entry(
 
 def _settled(storage: Storage, name: str, step: int, **how: Any) -> Entry | None:
     """``_checkpoint_entry(storage, name, step, **how)``, read again where the entry lost
-    its name while it was being read and has it again (``_back``: an overwrite without
+    its name (or changed) while it was being read and has it again (``_back``: an overwrite without
     atomic exchange between its two renames), at most ``READ_ATTEMPTS`` times; None
     where it is gone."""
     entry = _checkpoint_entry(storage, name, step, **how)
     for _ in range(READ_ATTEMPTS - 1):
-        # Gone (None), or "no manifest", which a directory that vanished under the reader
-        # also reads as.
-        vanished = entry is None or (
-            entry.status == "foreign"
-            and entry.problem == _NO_MANIFEST
-            and name not in storage.listdir("")  # the server's answer (see _back)
-        )
-        if not vanished:
+        if entry is not None or not _back(storage, (step,)):
             return entry
-        if not _back(storage, (step,)):
-            return None
         how.update(token=None, sizes=None)  # those were taken of the copy that left
         entry = _checkpoint_entry(storage, name, step, **how)
     return entry
