@@ -72,9 +72,10 @@ import struct
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from . import device_staging
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -1003,6 +1004,11 @@ class _Loader:
         self.np: Any = None
         self.every_byte = False  # read entries the tree does not use too (for a digest)
         self.views: dict[str, memoryview] = {}  # name -> byte view of its into= target
+        self.staged = False  # some bytes go to device memory, through device_staging
+
+    # Treat CPU tensors as device memory: runs the staged path (read_staged) on
+    # machines without a GPU, for its tests.
+    stage_host = False
 
     def collect(self, node: Any, into: Any) -> None:
         self.building = False
@@ -1314,27 +1320,50 @@ class _Loader:
         else:
             dest[...] = src
 
+    def on_device(self, dest: Any) -> bool:
+        """Whether ``dest`` is device memory that staged reads can fill: a contiguous
+        torch tensor off the CPU (``stage_host``: on it too)."""
+        torch = self.torch
+        return (
+            torch is not None
+            and isinstance(dest, torch.Tensor)
+            and (dest.device.type != "cpu" or self.stage_host)
+            and dest.is_contiguous()
+            and not dest.is_neg()
+            and not dest.is_conj()
+        )
+
     def can_read_positionally(self) -> bool:
-        """Whether every entry's bytes can be read straight into host memory: no GPU
-        placement, no big-endian array, every ``into`` target contiguous CPU memory."""
+        """Whether every entry's bytes can be read with positioned reads: no big-endian
+        array, every ``into`` target contiguous memory. Targets in device memory (and
+        tensors placed there with ``device=``) set ``staged``: their bytes go through
+        page-locked host buffers (:meth:`read_staged`)."""
         torch = self.torch
         placed = torch is not None and self.device is not None
-        if placed and torch.device(self.device).type != "cpu":
-            return False
+        if placed and (torch.device(self.device).type != "cpu" or self.stage_host):
+            self.staged = True
         for name, (tag, big) in self.kinds.items():
             if big:
                 return False
             targets = self.targets.get(name)
             if tag != "pickle" and targets:
+                if self.on_device(targets[0]):
+                    self.staged = True
+                    continue
                 view = self.direct_view(targets[0])
                 if view is None:
                     return False
                 self.views[name] = view
+        if self.stage_host and any(t == "tensor" for t, _ in self.kinds.values()):
+            self.staged = True
         return True
 
-    def destination(self, entry: _Entry, after: list[Callable[[], None]]) -> memoryview | None:
-        """Where ``entry``'s bytes go (allocating its tensor), or None if nowhere. What
-        must wait until the bytes are in (aliases, numpy scalars) is added to ``after``."""
+    def destination(
+        self, entry: _Entry, after: list[Callable[[], None]]
+    ) -> memoryview | _OnDevice | None:
+        """Where ``entry``'s bytes go (allocating its tensor), or None if nowhere: host
+        memory, or (when ``staged``) device memory. What must wait until the bytes are
+        in (aliases, numpy scalars) is added to ``after``."""
         if entry.name not in self.kinds:
             return None
         tag, big = self.kinds[entry.name]
@@ -1354,7 +1383,18 @@ class _Loader:
         if not entry.size_bytes:
             return None
         view = self.views.get(entry.name)
-        return self.direct_view(dest) if view is None else view
+        if view is not None:
+            return view
+        if self.staged and self.on_device(dest):
+            return _OnDevice(_flat_bytes(self.torch, dest))
+        return self.direct_view(dest)
+
+    def host_destination(self, entry: _Entry, after: list[Callable[[], None]]) -> memoryview | None:
+        """``destination`` where nothing is staged: host memory or nowhere."""
+        view = self.destination(entry, after)
+        if isinstance(view, _OnDevice):  # pragma: no cover - only when staged
+            raise AssertionError(f"entry {entry.name!r} is in device memory, not staged")
+        return view
 
     def set_scalar(self, name: str, array: Any) -> None:
         self.values[name] = array[()]  # a numpy scalar: a copy, taken once the bytes are in
@@ -1364,6 +1404,9 @@ class _Loader:
     ) -> None:
         """Read every entry with positioned reads, ``threads`` at a time, straight into
         its final memory; feed ``digest`` (if any) the whole file in order."""
+        if self.staged:
+            self.read_staged(fd, header, digest, threads, direct)
+            return
         after: list[Callable[[], None]] = []
         pieces: list[tuple[int, int, memoryview | None, str]] = []
         base = header.data_start
@@ -1372,7 +1415,7 @@ class _Loader:
         while i < len(entries):
             entry = entries[i]
             if entry.size_bytes >= _SMALL_ENTRY_BYTES:
-                view = self.destination(entry, after)
+                view = self.host_destination(entry, after)
                 pieces.append((base + entry.begin, entry.size_bytes, view, entry.name))
                 i += 1
                 continue
@@ -1380,7 +1423,7 @@ class _Loader:
             j, total = _small_run(entries, i)
             scratch = memoryview(bytearray(total))
             for e in entries[i:j]:
-                view = self.destination(e, after)
+                view = self.host_destination(e, after)
                 if view is not None:
                     chunk = scratch[e.begin - entry.begin : e.end - entry.begin]
                     after.append(functools.partial(_copy_into, view, chunk))
@@ -1391,6 +1434,115 @@ class _Loader:
         _read_pieces(fd, pieces, digest=digest, threads=threads, direct=direct)
         for action in after:
             action()
+
+    def read_staged(
+        self, fd: int, header: _Header, digest: Any, threads: int, direct: bool
+    ) -> None:
+        """``read_positional`` where some bytes go to device memory.
+
+        The file is read in order, in batches: each batch's device-bound bytes are read
+        (``threads`` at a time, like host-bound ones) into one slot of a
+        :class:`~.device_staging.DeviceStaging` ring, then copied to the device
+        asynchronously from there while the next batch is read into the other slot. A
+        tensor larger than what is left of a slot is split across batches. Host-bound
+        entries are read straight into their memory, in the batch they fall in, so the
+        digest still sees the file in order.
+        """
+        torch = self.torch
+        ring = device_staging.acquire(torch, pin=bool(torch.cuda.is_available()))
+        try:
+            batches, after = self.staged_batches(header, ring)
+            if digest is not None:
+                digest.update(header.raw)
+            total = sum(_piece_bytes(b.pieces, digest) for b in batches)
+            reads = _direct_reads(fd, total, direct)
+            try:
+                for b in batches:
+                    ring.wait(b.slot)  # its previous copies have left it
+                    _read_pieces_with(fd, b.pieces, digest=digest, threads=threads, reads=reads)
+                    slot_bytes = ring.views[b.slot]
+                    for view, off, n in b.host:
+                        view[:] = slot_bytes[off : off + n]
+                    slot = ring.slots[b.slot]
+                    devices = set()
+                    for dst, off, n in b.device:
+                        dst.copy_(slot[off : off + n], non_blocking=True)
+                        devices.add(dst.device)
+                    ring.record(b.slot, devices)
+            finally:
+                if reads is not None:
+                    reads.close()
+        finally:
+            device_staging.release(ring)  # after every queued copy is done
+        for action in after:
+            action()
+
+    def staged_batches(
+        self, header: _Header, ring: device_staging.DeviceStaging
+    ) -> tuple[list[_Batch], list[Callable[[], None]]]:
+        """The reads and copies of ``read_staged``, in file order, one batch per slot
+        fill; and what must wait until every byte is in."""
+        after: list[Callable[[], None]] = []
+        size = ring.slot_bytes
+        if size < _SMALL_ENTRY_BYTES:  # a small entry is never split
+            raise ValueError(f"staging slots of {size} bytes: at least {_SMALL_ENTRY_BYTES}")
+        batches: list[_Batch] = [_Batch(0)]
+        used = 0
+        base = header.data_start
+        entries = header.entries
+
+        def room(n: int) -> _Batch:
+            """The batch with ``n`` bytes of slot left (a new one if need be)."""
+            nonlocal used
+            if used + n > size:
+                batches.append(_Batch(len(batches) % len(ring.slots)))
+                used = 0
+            return batches[-1]
+
+        i = 0
+        while i < len(entries):
+            entry = entries[i]
+            start = base + entry.begin
+            if entry.size_bytes >= _SMALL_ENTRY_BYTES:
+                dest = self.destination(entry, after)
+                if not isinstance(dest, _OnDevice):
+                    batches[-1].pieces.append((start, entry.size_bytes, dest, entry.name))
+                    i += 1
+                    continue
+                done = 0
+                while done < entry.size_bytes:
+                    b = room(1)
+                    n = min(entry.size_bytes - done, size - used)
+                    view = ring.views[b.slot][used : used + n]
+                    b.pieces.append((start + done, n, view, entry.name))
+                    b.device.append((dest.data[done : done + n], used, n))
+                    used += n
+                    done += n
+                i += 1
+                continue
+            # A run of small entries: one read into a slot (device-bound ones among
+            # them) or a scratch buffer, then copies.
+            j, total = _small_run(entries, i, limit=size)
+            dests = [(e, self.destination(e, after)) for e in entries[i:j]]
+            if any(isinstance(d, _OnDevice) for _, d in dests):
+                b = room(total)
+                b.pieces.append((start, total, ring.views[b.slot][used : used + total], entry.name))
+                for e, d in dests:
+                    off = used + e.begin - entry.begin
+                    if isinstance(d, _OnDevice):
+                        b.device.append((d.data, off, e.size_bytes))
+                    elif d is not None:
+                        b.host.append((d, off, e.size_bytes))
+                used += total
+            else:
+                scratch = memoryview(bytearray(total))
+                for e, d in dests:
+                    if isinstance(d, memoryview):
+                        chunk = scratch[e.begin - entry.begin : e.end - entry.begin]
+                        after.append(functools.partial(_copy_into, d, chunk))
+                batches[-1].pieces.append((start, total, scratch, entry.name))
+            i = j
+        return batches, after
 
     def read_data(self, f: Any, header: _Header) -> None:
         entries = header.entries
@@ -1424,15 +1576,38 @@ class _Loader:
             i = j
 
 
-def _small_run(entries: Sequence[Any], i: int) -> tuple[int, int]:
+class _OnDevice(NamedTuple):
+    """A destination in device memory: the tensor's bytes, as a flat uint8 tensor."""
+
+    data: Any
+
+
+_Piece = tuple[int, int, "memoryview | None", str]  # file offset, size, where to, entry name
+
+
+@dataclass
+class _Batch:
+    """One slot fill of a staged read: the pieces to read (some into slot ``slot``),
+    then the copies out of that slot: ``(host view, slot offset, size)`` and
+    ``(device bytes, slot offset, size)``."""
+
+    slot: int
+    pieces: list[_Piece] = field(default_factory=list)
+    host: list[tuple[memoryview, int, int]] = field(default_factory=list)
+    device: list[tuple[Any, int, int]] = field(default_factory=list)
+
+
+def _small_run(entries: Sequence[Any], i: int, limit: int = _SMALL_BATCH_BYTES) -> tuple[int, int]:
     """The end index and byte count of the run of small entries from ``i``: read with
-    one request into a scratch buffer (at most ``_SMALL_BATCH_BYTES``), then copied."""
+    one request into a scratch buffer (at most ``_SMALL_BATCH_BYTES``, and ``limit``;
+    at least one entry), then copied."""
     j = i
     total = 0
+    limit = min(limit, _SMALL_BATCH_BYTES)
     while (
         j < len(entries)
         and entries[j].size_bytes < _SMALL_ENTRY_BYTES
-        and total + entries[j].size_bytes <= _SMALL_BATCH_BYTES
+        and (j == i or total + entries[j].size_bytes <= limit)
     ):
         total += entries[j].size_bytes
         j += 1
@@ -1626,15 +1801,38 @@ def _read_pieces(
     With ``direct``, what the page cache does not hold is read with O_DIRECT (see
     :class:`_DirectReads`).
     """
-    total = sum(size for _, size, view, _ in pieces if view is not None or digest is not None)
-    reads = None
+    reads = _direct_reads(fd, _piece_bytes(pieces, digest), direct)
+    try:
+        _read_pieces_with(fd, pieces, digest=digest, threads=threads, reads=reads)
+    finally:
+        if reads is not None:
+            reads.close()
+
+
+def _piece_bytes(pieces: list[_Piece], digest: Any) -> int:
+    """The bytes that reading ``pieces`` reads (those without a destination only for
+    a digest)."""
+    return sum(size for _, size, view, _ in pieces if view is not None or digest is not None)
+
+
+def _direct_reads(fd: int, total: int, direct: bool) -> _DirectReads | None:
+    """O_DIRECT reads for a read of ``total`` bytes of ``fd`` if ``direct`` and the
+    page cache holds less than half of the file; else None (buffered reads)."""
     if direct and total >= _THREADED_MIN_BYTES and hasattr(os, "O_DIRECT"):
         cached = _cached_fraction(fd)
         if cached is not None and cached < 0.5:
             try:
-                reads = _DirectReads(fd)
+                return _DirectReads(fd)
             except (OSError, ImportError):  # no O_DIRECT here: buffered reads
-                reads = None
+                return None
+    return None
+
+
+def _read_pieces_with(
+    fd: int, pieces: list[_Piece], *, digest: Any, threads: int, reads: _DirectReads | None
+) -> None:
+    """:func:`_read_pieces` with the direct-read decision made (``reads``)."""
+    total = _piece_bytes(pieces, digest)
     # Direct reads go to the device in large requests, ``threads`` of them in flight;
     # buffered ones copy from the cache in chunks that fit a core's L2 cache, where the
     # same worker then mostly hashes them (see _read_chunks), one worker per core (more only
@@ -1651,13 +1849,9 @@ def _read_pieces(
             n = min(step, size - start)
             part = None if view is None else view[start : start + n]
             chunks.append((offset + start, n, part, name))
-    try:
-        _read_chunks(
-            fd, chunks, total, digest=digest, threads=workers, direct=reads, inline=threads <= 1
-        )
-    finally:
-        if reads is not None:
-            reads.close()
+    _read_chunks(
+        fd, chunks, total, digest=digest, threads=workers, direct=reads, inline=threads <= 1
+    )
 
 
 def _read_chunks(
@@ -1896,9 +2090,11 @@ def load_state(
             array in ``into`` is read straight into it, in place, and that object is
             returned at that path; this is the fast path for resuming. Paths that are
             missing from ``into`` get new tensors.
-        device: where new torch tensors are placed (e.g. ``"cuda:0"``); bytes are read
-            through a host temporary of one tensor at a time. Tensors filled through
-            ``into`` stay where they are.
+        device: where new torch tensors are placed (e.g. ``"cuda:0"``). Bytes bound
+            for GPU memory (here or in ``into``) are read into page-locked host buffers
+            and copied from there while the next ones are read (see
+            :mod:`~atomic_checkpoint.device_staging`). Tensors filled through ``into``
+            stay where they are.
         size_bytes: the file's size, if known, to bound the header before reading it.
         digest: an object with ``update(bytes-like)`` (e.g. ``manifest.Hasher``): it is
             fed every byte of the file, header included, in file order, before this
