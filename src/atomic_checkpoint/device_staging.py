@@ -21,6 +21,7 @@ a second load that runs while it is in use gets a private ring of pageable slots
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -29,6 +30,9 @@ SLOTS = 2
 
 _shared: DeviceStaging | None = None
 _shared_lock = threading.Lock()
+_pin_failed = False  # locking failed once: not tried again in this process
+
+log = logging.getLogger(__name__)
 
 
 class DeviceStaging:
@@ -86,13 +90,23 @@ def acquire(torch: Any, pin: bool) -> DeviceStaging:
     """A ring for one load: the process's locked one if ``pin`` and it is free (locked
     on first use), else a private one of pageable slots. Hand it back with
     :func:`release`."""
-    global _shared
-    if pin:
+    global _shared, _pin_failed
+    if pin and not _pin_failed:
         with _shared_lock:
             if _shared is None or _shared.slot_bytes != SLOT_BYTES:
-                _shared = DeviceStaging(torch, slot_bytes=SLOT_BYTES, pin=True)
+                try:
+                    _shared = DeviceStaging(torch, slot_bytes=SLOT_BYTES, pin=True)
+                except RuntimeError as exc:  # e.g. the driver cannot lock more memory
+                    _pin_failed = True
+                    log.warning(
+                        "atomic-checkpoint: could not lock %d MiB of host memory for "
+                        "loads into GPU memory (%s); loading through pageable memory, "
+                        "which is slower",
+                        SLOTS * SLOT_BYTES >> 20,
+                        exc,
+                    )
             ring = _shared
-        if ring.try_acquire():
+        if ring is not None and ring.try_acquire():
             return ring
     ring = DeviceStaging(torch, slot_bytes=SLOT_BYTES, pin=False)
     ring.try_acquire()

@@ -1466,7 +1466,13 @@ class _Loader:
                     slot = ring.slots[b.slot]
                     devices = set()
                     for dst, off, n in b.device:
-                        dst.copy_(slot[off : off + n], non_blocking=True)
+                        # Asynchronous only from page-locked memory to a CUDA device,
+                        # where the slot's event tells when the copy has read it; any
+                        # other copy returns once the slot may be refilled.
+                        dst.copy_(
+                            slot[off : off + n],
+                            non_blocking=ring.pinned and dst.device.type == "cuda",
+                        )
                         devices.add(dst.device)
                     ring.record(b.slot, devices)
             finally:

@@ -199,6 +199,32 @@ def test_without_staging_a_cpu_load_takes_the_direct_path(tmp_path: Path) -> Non
     assert same(out, mixed_state()) and calls == []
 
 
+def test_a_ring_that_cannot_be_locked_falls_back_to_pageable_memory_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class NoLocking:
+        """torch, whose driver refuses to lock host memory."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        def empty(self, *args: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+            if pin_memory:
+                raise RuntimeError("cudaHostAlloc: out of memory")
+            return torch.empty(*args, **kwargs)
+
+    monkeypatch.setattr(device_staging, "_shared", None)
+    monkeypatch.setattr(device_staging, "_pin_failed", False)
+    monkeypatch.setattr(device_staging, "SLOT_BYTES", SLOT)
+    with caplog.at_level("WARNING", logger="atomic_checkpoint.device_staging"):
+        rings = [device_staging.acquire(NoLocking(), pin=True) for _ in range(2)]
+    assert [r.pinned for r in rings] == [False, False]
+    assert [r.message for r in caplog.records] == [caplog.records[0].message]
+    assert "could not lock" in caplog.records[0].message and "out of memory" in caplog.text
+    for ring in rings:
+        device_staging.release(ring)
+
+
 # -- on a GPU --------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
