@@ -53,12 +53,14 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import device_staging
 from ._faults import fault_point
 from .errors import SaveAbandonedError
 from .manifest import FileEntry, Hasher
@@ -155,6 +157,11 @@ class _HashPipe:
                     self.hasher.update(data)
                 except BaseException as exc:  # re-raised by close() in the producer
                     self._error = exc
+
+    @property
+    def background(self) -> bool:
+        """Whether fed chunks are hashed later, on the helper (so must stay unchanged)."""
+        return self._q is not None
 
     def update(self, data: Any) -> None:
         if self._q is None:
@@ -301,7 +308,33 @@ def _stream_direct(
     dw: DirectWriter, plan: Any, h: _HashPipe, staging: Staging, rank: int, step: int
 ) -> int:
     """Copy the plan's chunks into staging buffers and write each full buffer with
-    O_DIRECT; the checksum is computed (by ``h``'s helper) from the same chunks."""
+    O_DIRECT; the checksum is computed (by ``h``'s helper) from the same chunks.
+
+    GPU tensors come to the host through page-locked slots (``device_staging``): each
+    chunk is copied there by DMA while the one before it is copied into staging (this
+    loop is done with a chunk before it asks for the next, which
+    ``iter_chunks(staging=)`` requires)."""
+    ring = None
+    if plan.on_gpu():
+        if h.background:  # pragma: no cover - write_plan hashes in line here
+            raise AssertionError("a hashing queue would hold chunks of reused slots")
+        ring = device_staging.acquire(sys.modules["torch"], pin=True)
+    try:
+        return _stage_and_write(dw, plan, h, staging, ring, rank, step)
+    finally:
+        if ring is not None:
+            device_staging.release(ring)
+
+
+def _stage_and_write(
+    dw: DirectWriter,
+    plan: Any,
+    h: _HashPipe,
+    staging: Staging,
+    ring: device_staging.DeviceStaging | None,
+    rank: int,
+    step: int,
+) -> int:
     import numpy as np
 
     chunk = _staging_chunk(plan.total_size_bytes)
@@ -309,7 +342,7 @@ def _stream_direct(
     in_flight: list[threading.Event | None] = [None] * len(bufs)
     k, fill, offset, size = 0, 0, 0, 0
     cur = bufs[0]
-    for i, piece in enumerate(plan.iter_chunks(chunk)):
+    for i, piece in enumerate(plan.iter_chunks(chunk, staging=ring)):
         h.update(piece)
         src = np.frombuffer(piece, dtype=np.uint8)
         pos, n_src = 0, int(src.size)

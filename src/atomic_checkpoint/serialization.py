@@ -362,6 +362,11 @@ class StatePlan:
         """
         return [(e.name, e.source) for e in self._entries if e.kind != "blob"]
 
+    def on_gpu(self) -> bool:
+        """Whether a tensor of the plan lives on a CUDA device (its bytes reach the
+        host by DMA: see ``iter_chunks(staging=)``)."""
+        return any(e.kind == "torch" and e.source.device.type == "cuda" for e in self._entries)
+
     def image_layout(self) -> tuple[bytes, list[int], list[tuple[int, bytes]]]:
         """Where everything sits in the file, for writers that build the file's image in
         memory (an async save's snapshot buffer).
@@ -421,9 +426,8 @@ class StatePlan:
             entries[i] = old._replace(kind=kind, source=new)
         return StatePlan(self._header, tuple(entries))
 
-    def _entry_bytes(self, entry: _Entry) -> memoryview:
-        if entry.kind == "blob":
-            return memoryview(entry.source)
+    def _checked(self, entry: _Entry) -> str:
+        """The source's kind ("torch" or "numpy"); raises if it changed since the plan."""
         where = f"tensor {entry.name!r}"
         kind, code, shape = _describe_array(entry.source, where)
         if code != entry.code or shape != entry.shape:
@@ -432,6 +436,12 @@ class StatePlan:
                 f"planned as {entry.code} of shape {entry.shape}; plan again after "
                 "changing the state"
             )
+        return kind
+
+    def _entry_bytes(self, entry: _Entry) -> memoryview:
+        if entry.kind == "blob":
+            return memoryview(entry.source)
+        kind = self._checked(entry)
         np = _import_numpy()
         if kind == "torch":
             arr = _torch_bytes(sys.modules["torch"], entry.source)
@@ -439,10 +449,30 @@ class StatePlan:
             arr = _numpy_bytes(np, entry.source)
         view = memoryview(arr)
         if view.nbytes != entry.size_bytes:  # pragma: no cover - guarded by the shape check
-            raise SerializationError(f"{where}: {view.nbytes} bytes, planned {entry.size_bytes}")
+            raise SerializationError(
+                f"tensor {entry.name!r}: {view.nbytes} bytes, planned {entry.size_bytes}"
+            )
         return view
 
-    def iter_chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes | memoryview]:
+    def _device_bytes(self, entry: _Entry) -> Any:
+        """The flat uint8 tensor over a GPU tensor's memory that can be copied to the
+        host as it is (contiguous, no lazy negation or conjugation), else None."""
+        src = entry.source
+        if entry.kind != "torch" or getattr(src, "device", None) is None:
+            return None
+        if src.device.type != "cuda" or not src.is_contiguous():
+            return None
+        if src.is_neg() or src.is_conj():
+            return None
+        self._checked(entry)
+        return _flat_bytes(sys.modules["torch"], src)
+
+    def iter_chunks(
+        self,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        *,
+        staging: device_staging.DeviceStaging | None = None,
+    ) -> Iterator[bytes | memoryview]:
         """Yield the whole file, in order, as chunks of at most ``chunk_bytes`` bytes.
 
         The header comes first, then each tensor's bytes. A contiguous CPU tensor's
@@ -453,8 +483,14 @@ class StatePlan:
         after the next one is produced (nothing is reused), but chunks that view a
         tensor's memory change if the tensor does.
 
+        With ``staging``, GPU tensors of 64 KiB and more come through its slots
+        instead: each chunk is copied to a slot by DMA while the one before it is
+        consumed, and is valid only until the next chunk is asked for. Only a caller
+        that is done with each chunk before asking for the next may pass it.
+
         Args:
             chunk_bytes: upper bound on the size of each chunk; at least 1.
+            staging: page-locked slots for GPU tensors' chunks (see above).
 
         Raises:
             ValueError: ``chunk_bytes`` is below 1.
@@ -473,13 +509,25 @@ class StatePlan:
             pending_size = 0
             return out
 
-        def pieces() -> Iterator[memoryview]:
+        def pieces() -> Iterator[memoryview | _OnDevice]:
             yield memoryview(self._header)
             for entry in self._entries:
-                if entry.size_bytes:
-                    yield self._entry_bytes(entry)
+                if not entry.size_bytes:
+                    continue
+                if staging is not None and entry.size_bytes >= small_limit:
+                    flat = self._device_bytes(entry)
+                    if flat is not None:
+                        yield _OnDevice(flat)
+                        continue
+                yield self._entry_bytes(entry)
 
         for piece in pieces():
+            if isinstance(piece, _OnDevice):
+                if pending:
+                    yield flush()
+                assert staging is not None  # only made with staging
+                yield from _device_chunks(piece.data, staging, chunk_bytes)
+                continue
             size = piece.nbytes
             if size < small_limit:
                 if pending_size + size > chunk_bytes:
@@ -493,6 +541,34 @@ class StatePlan:
                 yield piece[start : start + chunk_bytes]
         if pending:
             yield flush()
+
+
+def _device_chunks(
+    flat: Any, ring: device_staging.DeviceStaging, chunk_bytes: int
+) -> Iterator[memoryview]:
+    """GPU bytes ``flat`` as host chunks through ``ring``'s slots, in turn: the copy of
+    the next chunk runs while the caller consumes this one."""
+    size = min(chunk_bytes, ring.slot_bytes)
+    total = int(flat.numel())
+    starts = range(0, total, size)
+    count = len(ring.slots)
+    # Asynchronous only into page-locked memory; a pageable slot's copy returns done.
+    async_copy = ring.pinned
+
+    def fetch(i: int) -> None:
+        k = i % count
+        ring.wait(k)  # the chunk last yielded from this slot is consumed
+        n = min(size, total - starts[i])
+        ring.slots[k][:n].copy_(flat[starts[i] : starts[i] + n], non_blocking=async_copy)
+        ring.record(k, {flat.device})
+
+    fetch(0)
+    for i, start in enumerate(starts):
+        if i + 1 < len(starts):
+            fetch(i + 1)
+        k = i % count
+        ring.wait(k)
+        yield ring.views[k][: min(size, total - start)]
 
 
 class _Planner:
