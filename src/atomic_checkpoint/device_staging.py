@@ -1,21 +1,26 @@
-"""Page-locked host buffers between a file and GPU memory, for loads into GPU tensors.
+"""Page-locked host buffers between files and GPU memory, reused by every save and load.
 
 A load into a GPU tensor cannot read the file straight into the tensor's memory: the
-bytes go to host memory first, then to the device. From pageable memory that second
-copy runs at a fraction of the link's speed (the driver copies through its own
-page-locked buffer, and the call waits for it), and locking the whole state's worth of
-memory for one load costs more than the load (measured on one H200 machine: 2 GiB took
-380 ms to copy from pageable memory, 56 ms from page-locked memory, and 1.5 s to lock).
+bytes go to host memory first, then to the device; a save goes the other way. To or
+from pageable memory that copy runs at a fraction of the link's speed (the driver
+copies through its own page-locked buffer, and the call waits for it), and locking the
+whole state's worth of memory costs more than the load (measured on one H200 machine:
+2 GiB took 380 ms to copy from pageable memory, 56 ms from page-locked memory, and
+1.5 s to lock).
 
-So loads go through a few small buffers that are locked once per process and reused:
-a load reads a window of the file into one slot while the previous slot's
-host-to-device copies run on the GPU's copy engine; before a slot is filled again,
-its copies are waited for (a CUDA event per slot and device). The whole file is
-read once, the copies overlap the reads, and the GPU memory of the loaded tensors is
-written by DMA only.
+So both go through a few small buffers that are locked once per process and reused:
 
-One :class:`DeviceStaging` (two slots of 32 MiB, 64 MiB locked) serves the process;
-a second load that runs while it is in use gets a private ring of pageable slots
+- a load (``serialization.load_state``) reads a window of the file into one slot while
+  the previous slot's host-to-device copies run on the GPU's copy engine;
+- a sync save to a local disk (``rankfiles``, through ``StatePlan.iter_chunks(staging=)``)
+  copies the next chunk of a GPU tensor into one slot while the previous slot's chunk
+  is copied into the O_DIRECT staging buffers and hashed.
+
+Before a slot is used again its copies are waited for (a CUDA event per slot and
+device). An async save does not use them: its snapshot buffer is page-locked as a whole.
+
+One :class:`DeviceStaging` (two slots of 32 MiB, 64 MiB locked) serves the process; a
+second save or load that runs while it is in use gets a private ring of pageable slots
 (correct, slower) rather than waiting or locking more memory.
 """
 

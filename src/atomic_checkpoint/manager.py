@@ -1565,8 +1565,8 @@ class CheckpointManager:
                 tensors are read straight into it (the fast path). After a fallback it
                 holds the older checkpoint's values.
             device: move loaded tensors there (e.g. ``"cuda:0"``). Tensors bound for a
-                GPU (here or in ``into``) are read through page-locked buffers that the
-                first such load locks once per process (64 MiB).
+                GPU (here or in ``into``) are read through page-locked buffers that are
+                locked once per process (64 MiB; see ``device_staging``).
             verify: check the checksum of every byte read (cheap: hashed while reading).
                 Without it, a corrupt file is found only where it does not parse.
             allow_pickle: override the manager's setting for this call.
