@@ -906,9 +906,24 @@ class LifecycleMachine(RuleBasedStateMachine):
         # cannot tell from a rotation that forgot them.
         old.checkpoints()
         self._sync_rotation()
+        old_error, self.pending_error = self.pending_error, None
         self.mgr = self._reopen(self.spec, run_id=self.run_id)
         step, vid = max(self.ever, default=0) + 5 * rel, self._new_vid()
         self.ever.add(step)
+        if old_error is not None:
+            # An earlier async failure not raised yet comes first (raised once, at the
+            # next call, by every manager), then the fence.
+            try:
+                old.save(step, make_state(vid, step), metrics={METRIC: metric_of(vid)})
+            except CheckpointError as exc:
+                if self._classify(exc) not in old_error:
+                    self.fail(
+                        f"the taken-over manager's save({step}) raised "
+                        f"{type(exc).__name__}, not the earlier async failure "
+                        f"{sorted(old_error)}: {exc}"
+                    )
+            else:
+                self.fail(f"the taken-over manager committed step {step} after the takeover")
         try:
             old.save(step, make_state(vid, step), metrics={METRIC: metric_of(vid)})
         except FencedError:

@@ -133,3 +133,20 @@ def test_listing_while_an_async_save_starts_its_rotation() -> None:
             assert not left, f"rotation still running after close(): {left}"
         finally:
             mgr.close()
+
+
+def test_a_taken_over_manager_raises_its_earlier_async_failure_first() -> None:
+    """A model defect, found with seed 9127 (marker strategy). An async save of a step
+    that exists fails (``CheckpointExistsError``), ``handle.result()`` shows it, then
+    the job is restarted while the old process lives. The old manager's next ``save``
+    raises that earlier failure first, as every manager does (DESIGN invariant 11: a
+    failed save is raised once, at the next call, on every rank), and only the save
+    after it ``FencedError``. The model expected ``FencedError`` at once; on the
+    strategies that refuse the step at the call it never saw a pending failure here."""
+    for cls in (MarkerMachine, ExchangeMachine):
+        with replay(cls) as state:
+            state.start(policy=0)
+            state.save_async(rel=1, overwrite=False)
+            state.save_async(rel=0, overwrite=False)
+            state.result()
+            state.takeover_by_restart(rel=1)
