@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     # Loads into GPU memory go through page-locked slots that the first such load of
     # the process locks: a cost paid once, reported here, not in the rounds below.
     t0 = time.perf_counter()
-    device_staging.release(device_staging.acquire(torch, pin=True))
+    with device_staging.borrowed(torch, pin=True):
+        pass
     pin_s = time.perf_counter() - t0
     print(
         f"staging ring: {device_staging.SLOTS} x {size_label(device_staging.SLOT_BYTES)} "

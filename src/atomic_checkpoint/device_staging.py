@@ -26,8 +26,10 @@ second save or load that runs while it is in use gets a private ring of pageable
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 SLOT_BYTES = 32 << 20
@@ -87,14 +89,15 @@ class DeviceStaging:
         return self._lock.acquire(blocking=False)
 
     def release(self) -> None:
+        """Wait for the ring's copies and free it for the next save or load."""
         self.drain()
         self._lock.release()
 
 
 def acquire(torch: Any, pin: bool) -> DeviceStaging:
-    """A ring for one load: the process's locked one if ``pin`` and it is free (locked
-    on first use), else a private one of pageable slots. Hand it back with
-    :func:`release`."""
+    """A ring for one save or load: the process's locked one if ``pin`` and it is free
+    (locked on first use), else a private one of pageable slots. Hand it back with
+    ``ring.release()`` (or take it with :func:`borrowed`)."""
     global _shared, _pin_failed
     if pin and not _pin_failed:
         with _shared_lock:
@@ -105,8 +108,8 @@ def acquire(torch: Any, pin: bool) -> DeviceStaging:
                     _pin_failed = True
                     log.warning(
                         "atomic-checkpoint: could not lock %d MiB of host memory for "
-                        "loads into GPU memory (%s); loading through pageable memory, "
-                        "which is slower",
+                        "saves and loads of GPU tensors (%s); copying through pageable "
+                        "memory, which is slower",
                         SLOTS * SLOT_BYTES >> 20,
                         exc,
                     )
@@ -118,6 +121,12 @@ def acquire(torch: Any, pin: bool) -> DeviceStaging:
     return ring
 
 
-def release(ring: DeviceStaging) -> None:
-    """Wait for the ring's copies and free it for the next load."""
-    ring.release()
+@contextlib.contextmanager
+def borrowed(torch: Any, pin: bool) -> Iterator[DeviceStaging]:
+    """:func:`acquire`'s ring for the block; handed back (its copies waited for) at
+    the end, whether the block raised or not."""
+    ring = acquire(torch, pin)
+    try:
+        yield ring
+    finally:
+        ring.release()

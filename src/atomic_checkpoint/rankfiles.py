@@ -314,16 +314,12 @@ def _stream_direct(
     chunk is copied there by DMA while the one before it is copied into staging (this
     loop is done with a chunk before it asks for the next, which
     ``iter_chunks(staging=)`` requires)."""
-    ring = None
-    if plan.on_gpu():
-        if h.background:  # pragma: no cover - write_plan hashes in line here
-            raise AssertionError("a hashing queue would hold chunks of reused slots")
-        ring = device_staging.acquire(sys.modules["torch"], pin=True)
-    try:
+    if not plan.on_gpu():
+        return _stage_and_write(dw, plan, h, staging, None, rank, step)
+    if h.background:  # pragma: no cover - write_plan hashes in line here
+        raise AssertionError("a hashing queue would hold chunks of reused slots")
+    with device_staging.borrowed(sys.modules["torch"], pin=True) as ring:
         return _stage_and_write(dw, plan, h, staging, ring, rank, step)
-    finally:
-        if ring is not None:
-            device_staging.release(ring)
 
 
 def _stage_and_write(

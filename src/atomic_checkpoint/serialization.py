@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -270,6 +271,12 @@ def _torch_bytes(torch: Any, t: Any) -> Any:
     return _flat_bytes(torch, t).numpy()
 
 
+def _plain(t: Any) -> bool:
+    """Whether tensor ``t``'s memory holds its values as they are: contiguous, with no
+    lazy negation or conjugation (its bytes can be copied in or out as one block)."""
+    return bool(t.is_contiguous() and not t.is_neg() and not t.is_conj())
+
+
 def _flat_bytes(torch: Any, t: Any) -> Any:
     """A 1-D uint8 view of contiguous tensor ``t``'s memory."""
     flat = t.detach().reshape(-1)
@@ -458,11 +465,7 @@ class StatePlan:
         """The flat uint8 tensor over a GPU tensor's memory that can be copied to the
         host as it is (contiguous, no lazy negation or conjugation), else None."""
         src = entry.source
-        if entry.kind != "torch" or getattr(src, "device", None) is None:
-            return None
-        if src.device.type != "cuda" or not src.is_contiguous():
-            return None
-        if src.is_neg() or src.is_conj():
+        if entry.kind != "torch" or src.device.type != "cuda" or not _plain(src):
             return None
         self._checked(entry)
         return _flat_bytes(sys.modules["torch"], src)
@@ -1082,7 +1085,7 @@ class _Loader:
         self.views: dict[str, memoryview] = {}  # name -> byte view of its into= target
         self.staged = False  # some bytes go to device memory, through device_staging
 
-    # Treat CPU tensors as device memory: runs the staged path (read_staged) on
+    # Treat CPU tensors as device memory: runs the staged path (read_positional) on
     # machines without a GPU, for its tests.
     stage_host = False
 
@@ -1345,12 +1348,7 @@ class _Loader:
         """A writable byte view of ``dest``'s memory, if bytes can be read straight in."""
         torch = self.torch
         if torch is not None and isinstance(dest, torch.Tensor):
-            if (
-                dest.device.type != "cpu"
-                or not dest.is_contiguous()
-                or dest.is_neg()
-                or dest.is_conj()
-            ):
+            if dest.device.type != "cpu" or not _plain(dest):
                 return None
             return memoryview(_flat_bytes(torch, dest).numpy())
         if dest.flags.c_contiguous and not _is_big_endian(dest.dtype):
@@ -1404,16 +1402,14 @@ class _Loader:
             torch is not None
             and isinstance(dest, torch.Tensor)
             and (dest.device.type != "cpu" or self.stage_host)
-            and dest.is_contiguous()
-            and not dest.is_neg()
-            and not dest.is_conj()
+            and _plain(dest)
         )
 
     def can_read_positionally(self) -> bool:
         """Whether every entry's bytes can be read with positioned reads: no big-endian
         array, every ``into`` target contiguous memory. Targets in device memory (and
         tensors placed there with ``device=``) set ``staged``: their bytes go through
-        page-locked host buffers (:meth:`read_staged`)."""
+        page-locked host buffers (:meth:`read_positional`)."""
         torch = self.torch
         placed = torch is not None and self.device is not None
         if placed and (torch.device(self.device).type != "cpu" or self.stage_host):
@@ -1465,13 +1461,6 @@ class _Loader:
             return _OnDevice(_flat_bytes(self.torch, dest))
         return self.direct_view(dest)
 
-    def host_destination(self, entry: _Entry, after: list[Callable[[], None]]) -> memoryview | None:
-        """``destination`` where nothing is staged: host memory or nowhere."""
-        view = self.destination(entry, after)
-        if isinstance(view, _OnDevice):  # pragma: no cover - only when staged
-            raise AssertionError(f"entry {entry.name!r} is in device memory, not staged")
-        return view
-
     def set_scalar(self, name: str, array: Any) -> None:
         self.values[name] = array[()]  # a numpy scalar: a copy, taken once the bytes are in
 
@@ -1479,93 +1468,46 @@ class _Loader:
         self, fd: int, header: _Header, digest: Any, threads: int, direct: bool
     ) -> None:
         """Read every entry with positioned reads, ``threads`` at a time, straight into
-        its final memory; feed ``digest`` (if any) the whole file in order."""
-        if self.staged:
-            self.read_staged(fd, header, digest, threads, direct)
-            return
-        after: list[Callable[[], None]] = []
-        pieces: list[tuple[int, int, memoryview | None, str]] = []
-        base = header.data_start
-        entries = header.entries
-        i = 0
-        while i < len(entries):
-            entry = entries[i]
-            if entry.size_bytes >= _SMALL_ENTRY_BYTES:
-                view = self.host_destination(entry, after)
-                pieces.append((base + entry.begin, entry.size_bytes, view, entry.name))
-                i += 1
-                continue
-            # A run of small entries: one read into a scratch buffer, then copies.
-            j, total = _small_run(entries, i)
-            scratch = memoryview(bytearray(total))
-            for e in entries[i:j]:
-                view = self.host_destination(e, after)
-                if view is not None:
-                    chunk = scratch[e.begin - entry.begin : e.end - entry.begin]
-                    after.append(functools.partial(_copy_into, view, chunk))
-            pieces.append((base + entry.begin, total, scratch, entry.name))
-            i = j
-        if digest is not None:
-            digest.update(header.raw)
-        _read_pieces(fd, pieces, digest=digest, threads=threads, direct=direct)
-        for action in after:
-            action()
+        its final memory; feed ``digest`` (if any) the whole file in order.
 
-    def read_staged(
-        self, fd: int, header: _Header, digest: Any, threads: int, direct: bool
-    ) -> None:
-        """``read_positional`` where some bytes go to device memory.
-
-        The file is read in order, in batches: each batch's device-bound bytes are read
-        (``threads`` at a time, like host-bound ones) into one slot of a
+        Where some bytes go to device memory (``staged``), the file is read in batches:
+        each batch's device-bound bytes are read into one slot of a
         :class:`~.device_staging.DeviceStaging` ring, then copied to the device
         asynchronously from there while the next batch is read into the other slot. A
         tensor larger than what is left of a slot is split across batches. Host-bound
         entries are read straight into their memory, in the batch they fall in, so the
-        digest still sees the file in order.
+        digest still sees the file in order. With nothing staged there is one batch.
         """
-        torch = self.torch
-        ring = device_staging.acquire(torch, pin=bool(torch.cuda.is_available()))
-        try:
-            batches, after = self.staged_batches(header, ring)
+        with contextlib.ExitStack() as stack:
+            ring = None
+            if self.staged:
+                pin = bool(self.torch.cuda.is_available())
+                ring = stack.enter_context(device_staging.borrowed(self.torch, pin))
+            batches, after = self.read_batches(header, ring)
             if digest is not None:
                 digest.update(header.raw)
             total = sum(_piece_bytes(b.pieces, digest) for b in batches)
             reads = _direct_reads(fd, total, direct)
-            try:
-                for b in batches:
+            if reads is not None:
+                stack.callback(reads.close)
+            for b in batches:
+                if ring is not None:
                     ring.wait(b.slot)  # its previous copies have left it
-                    _read_pieces_with(fd, b.pieces, digest=digest, threads=threads, reads=reads)
-                    slot_bytes = ring.views[b.slot]
-                    for view, off, n in b.host:
-                        view[:] = slot_bytes[off : off + n]
-                    slot = ring.slots[b.slot]
-                    devices = set()
-                    for dst, off, n in b.device:
-                        # Asynchronous only from page-locked memory to a CUDA device,
-                        # where the slot's event tells when the copy has read it; any
-                        # other copy returns once the slot may be refilled.
-                        dst.copy_(
-                            slot[off : off + n],
-                            non_blocking=ring.pinned and dst.device.type == "cuda",
-                        )
-                        devices.add(dst.device)
-                    ring.record(b.slot, devices)
-            finally:
-                if reads is not None:
-                    reads.close()
-        finally:
-            device_staging.release(ring)  # after every queued copy is done
+                _read_pieces(fd, b.pieces, digest=digest, threads=threads, reads=reads)
+                if ring is not None:
+                    _copy_out(ring, b)
+        # After every queued copy is done (the ring is handed back above).
         for action in after:
             action()
 
-    def staged_batches(
-        self, header: _Header, ring: device_staging.DeviceStaging
+    def read_batches(
+        self, header: _Header, ring: device_staging.DeviceStaging | None
     ) -> tuple[list[_Batch], list[Callable[[], None]]]:
-        """The reads and copies of ``read_staged``, in file order, one batch per slot
-        fill; and what must wait until every byte is in."""
+        """The reads and copies of ``read_positional``, in file order, one batch per
+        slot fill of ``ring`` (one batch without a ring: nothing goes to a device); and
+        what must wait until every byte is in."""
         after: list[Callable[[], None]] = []
-        size = ring.slot_bytes
+        size = _SMALL_BATCH_BYTES if ring is None else ring.slot_bytes
         if size < _SMALL_ENTRY_BYTES:  # a small entry is never split
             raise ValueError(f"staging slots of {size} bytes: at least {_SMALL_ENTRY_BYTES}")
         batches: list[_Batch] = [_Batch(0)]
@@ -1577,6 +1519,7 @@ class _Loader:
             """The batch with ``n`` bytes of slot left (a new one if need be)."""
             nonlocal used
             if used + n > size:
+                assert ring is not None  # only device-bound bytes take room
                 batches.append(_Batch(len(batches) % len(ring.slots)))
                 used = 0
             return batches[-1]
@@ -1591,6 +1534,7 @@ class _Loader:
                     batches[-1].pieces.append((start, entry.size_bytes, dest, entry.name))
                     i += 1
                     continue
+                assert ring is not None  # only staged loads have device destinations
                 done = 0
                 while done < entry.size_bytes:
                     b = room(1)
@@ -1606,7 +1550,7 @@ class _Loader:
             # them) or a scratch buffer, then copies.
             j, total = _small_run(entries, i, limit=size)
             dests = [(e, self.destination(e, after)) for e in entries[i:j]]
-            if any(isinstance(d, _OnDevice) for _, d in dests):
+            if ring is not None and any(isinstance(d, _OnDevice) for _, d in dests):
                 b = room(total)
                 b.pieces.append((start, total, ring.views[b.slot][used : used + total], entry.name))
                 for e, d in dests:
@@ -1677,6 +1621,23 @@ class _Batch:
     pieces: list[_Piece] = field(default_factory=list)
     host: list[tuple[memoryview, int, int]] = field(default_factory=list)
     device: list[tuple[Any, int, int]] = field(default_factory=list)
+
+
+def _copy_out(ring: device_staging.DeviceStaging, b: _Batch) -> None:
+    """Batch ``b``'s bytes, just read into its slot, to where they go: host memory at
+    once, device memory queued (``ring.record``: the slot's next fill waits for it)."""
+    slot_bytes = ring.views[b.slot]
+    for view, off, n in b.host:
+        view[:] = slot_bytes[off : off + n]
+    slot = ring.slots[b.slot]
+    devices = set()
+    for dst, off, n in b.device:
+        # Asynchronous only from page-locked memory to a CUDA device, where the slot's
+        # event tells when the copy has read it; any other copy returns once the slot
+        # may be refilled.
+        dst.copy_(slot[off : off + n], non_blocking=ring.pinned and dst.device.type == "cuda")
+        devices.add(dst.device)
+    ring.record(b.slot, devices)
 
 
 def _small_run(entries: Sequence[Any], i: int, limit: int = _SMALL_BATCH_BYTES) -> tuple[int, int]:
@@ -1861,36 +1822,6 @@ def _pread_chunk(
     return view
 
 
-def _read_pieces(
-    fd: int,
-    pieces: list[tuple[int, int, memoryview | None, str]],
-    *,
-    digest: Any,
-    threads: int,
-    direct: bool = False,
-) -> None:
-    """Read ``(file offset, size, destination, entry name)`` pieces with ``os.preadv``.
-
-    Pieces are cut into chunks of ``_READ_CHUNK_BYTES`` that ``threads`` workers (the
-    calling thread and helpers) take in file order, so the device always has several
-    requests queued (one synchronous read at a time leaves it idle between requests)
-    and, for fresh tensors, the page faults of first touching their memory are spread
-    over the cores. A worker that has read a chunk feeds ``digest`` the chunks that are
-    in, in file order, unless another worker is doing so (see :func:`_read_chunks`): the
-    checksum mostly reads bytes from the cache of the core that just wrote them. A piece
-    without a destination is read into a throwaway buffer if there is a digest, else
-    skipped. ``preadv`` and the digests used here (xxhash, zlib.crc32) release the GIL.
-    With ``direct``, what the page cache does not hold is read with O_DIRECT (see
-    :class:`_DirectReads`).
-    """
-    reads = _direct_reads(fd, _piece_bytes(pieces, digest), direct)
-    try:
-        _read_pieces_with(fd, pieces, digest=digest, threads=threads, reads=reads)
-    finally:
-        if reads is not None:
-            reads.close()
-
-
 def _piece_bytes(pieces: list[_Piece], digest: Any) -> int:
     """The bytes that reading ``pieces`` reads (those without a destination only for
     a digest)."""
@@ -1910,10 +1841,23 @@ def _direct_reads(fd: int, total: int, direct: bool) -> _DirectReads | None:
     return None
 
 
-def _read_pieces_with(
+def _read_pieces(
     fd: int, pieces: list[_Piece], *, digest: Any, threads: int, reads: _DirectReads | None
 ) -> None:
-    """:func:`_read_pieces` with the direct-read decision made (``reads``)."""
+    """Read ``(file offset, size, destination, entry name)`` pieces with ``os.preadv``.
+
+    Pieces are cut into chunks of ``_READ_CHUNK_BYTES`` that ``threads`` workers (the
+    calling thread and helpers) take in file order, so the device always has several
+    requests queued (one synchronous read at a time leaves it idle between requests)
+    and, for fresh tensors, the page faults of first touching their memory are spread
+    over the cores. A worker that has read a chunk feeds ``digest`` the chunks that are
+    in, in file order, unless another worker is doing so (see :func:`_read_chunks`): the
+    checksum mostly reads bytes from the cache of the core that just wrote them. A piece
+    without a destination is read into a throwaway buffer if there is a digest, else
+    skipped. ``preadv`` and the digests used here (xxhash, zlib.crc32) release the GIL.
+    With ``reads`` (:func:`_direct_reads`), what the page cache does not hold is read
+    with O_DIRECT (see :class:`_DirectReads`).
+    """
     total = _piece_bytes(pieces, digest)
     # Direct reads go to the device in large requests, ``threads`` of them in flight;
     # buffered ones copy from the cache in chunks that fit a core's L2 cache, where the

@@ -34,14 +34,15 @@ def staged(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(_Loader, "stage_host", True)
     monkeypatch.setattr(device_staging, "SLOT_BYTES", SLOT)
     batches: list[int] = []
-    real = _Loader.staged_batches
+    real = _Loader.read_batches
 
     def counting(self: _Loader, header: Any, ring: Any) -> Any:
         out = real(self, header, ring)
-        batches.append(len(out[0]))
+        if ring is not None:
+            batches.append(len(out[0]))
         return out
 
-    monkeypatch.setattr(_Loader, "staged_batches", counting)
+    monkeypatch.setattr(_Loader, "read_batches", counting)
     return batches
 
 
@@ -145,7 +146,7 @@ def test_a_staged_restore_catches_a_flipped_byte_and_hands_the_ring_back(
     mgr.close()
     # A read that fails inside a batch (EIO on the second one): the error reaches the
     # caller and the ring is handed back all the same.
-    real_read = serialization._read_pieces_with
+    real_read = serialization._read_pieces
     reads: list[int] = []
 
     def failing(*args: Any, **kwargs: Any) -> None:
@@ -154,7 +155,7 @@ def test_a_staged_restore_catches_a_flipped_byte_and_hands_the_ring_back(
             raise OSError(errno.EIO, "Input/output error")
         real_read(*args, **kwargs)
 
-    monkeypatch.setattr(serialization, "_read_pieces_with", failing)
+    monkeypatch.setattr(serialization, "_read_pieces", failing)
     path = write(tmp_path / "s", state)
     with open(path, "rb", buffering=0) as f, pytest.raises(OSError, match="Input/output"):
         load_state(f)
@@ -185,15 +186,22 @@ def test_slots_smaller_than_a_small_tensor_are_refused(
 
 def test_without_staging_a_cpu_load_takes_the_direct_path(tmp_path: Path) -> None:
     calls: list[int] = []
-    real = _Loader.read_staged
+    real_acquire = device_staging.acquire
+    real_batches = _Loader.read_batches
 
-    def spy(self: _Loader, *args: Any) -> None:
+    def acquire(*args: Any) -> device_staging.DeviceStaging:
         calls.append(1)
-        real(self, *args)
+        return real_acquire(*args)
+
+    def batches(self: _Loader, header: Any, ring: Any) -> Any:
+        out = real_batches(self, header, ring)
+        assert ring is None and len(out[0]) == 1  # one batch, straight into memory
+        return out
 
     path = write(tmp_path / "s", mixed_state())
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_Loader, "read_staged", spy)
+        mp.setattr(device_staging, "acquire", acquire)
+        mp.setattr(_Loader, "read_batches", batches)
         with open(path, "rb", buffering=0) as f:
             out = load_state(f)
     assert same(out, mixed_state()) and calls == []
@@ -222,7 +230,7 @@ def test_a_ring_that_cannot_be_locked_falls_back_to_pageable_memory_with_one_war
     assert [r.message for r in caplog.records] == [caplog.records[0].message]
     assert "could not lock" in caplog.records[0].message and "out of memory" in caplog.text
     for ring in rings:
-        device_staging.release(ring)
+        ring.release()
 
 
 # -- saves: GPU bytes to the host through the slots --------------------------------------
@@ -313,11 +321,8 @@ def test_gpu_tensors_are_saved_through_the_pinned_slots(
     }
     plan = plan_state(state)
     assert plan.on_gpu()
-    ring = device_staging.acquire(torch, pin=True)
-    try:
+    with device_staging.borrowed(torch, pin=True) as ring:
         staged_file = b"".join(bytes(c) for c in plan.iter_chunks(8 << 20, staging=ring))
-    finally:
-        device_staging.release(ring)
     assert staged_file == b"".join(bytes(c) for c in plan.iter_chunks(8 << 20))
     # Through the manager: a sync save whose rank file is written with O_DIRECT (where
     # this filesystem takes it) uses the ring; whatever the path, the bytes are exact.
