@@ -108,6 +108,11 @@ class Entry:
     problem: str | None = None
 
 
+#: ``Entry.problem`` of a ``checkpoint-<step>`` directory with no manifest and no marker
+#: of ours: another tool's checkpoint, or one that lost its manifest (not a link).
+NO_MANIFEST = "no manifest"
+
+
 def read_manifest(storage: Storage, rel: str) -> Manifest:
     """Open and parse the manifest of checkpoint directory ``rel``.
 
@@ -661,7 +666,7 @@ def _checkpoint_entry(
             # foreign directory.
             why = "not committed (an interrupted write's temporary file)"
             return Entry(name, step, "pending", problem=why)
-        return Entry(name, step, "foreign", problem="no manifest")
+        return Entry(name, step, "foreign", problem=NO_MANIFEST)
     except StorageError:
         # An I/O error (EIO, EACCES, ESTALE...) says nothing about the checkpoint.
         # Counting it as corrupt would resume from an older step, or find "nothing
@@ -922,12 +927,16 @@ class Newest:
         complete: every checkpoint name of the root was looked at, so ``valid`` and
             ``corrupt`` are what a full ``scan`` counts; otherwise names below the
             oldest step in ``valid`` were not read.
+        unmanifested: the ``checkpoint-<step>`` directories met on the way that hold
+            no manifest and no marker of ours (another tool's, e.g. a stock Trainer's,
+            or a checkpoint that lost its manifest), ascending.
     """
 
     valid: tuple[Manifest, ...]
     corrupt: int
     last_seq: int
     complete: bool
+    unmanifested: tuple[str, ...] = ()
 
 
 def newest_valid(
@@ -956,19 +965,22 @@ def _walk_down(
 ) -> Newest:
     """``newest_valid`` over the checkpoint names ``steps`` (``_checkpoint_names``)."""
     valid: list[Manifest] = []
+    unmanifested: list[str] = []
     corrupt = last_seq = 0
     for entry in _newest_first(storage, run_id=run_id, cache=cache, steps=steps):
         if entry.manifest is not None:
             last_seq = max(last_seq, entry.manifest.commit_seq)
         if entry.status == "corrupt":
             corrupt += 1
+        elif entry.status == "foreign" and entry.problem == NO_MANIFEST:
+            unmanifested.append(entry.name)
         elif entry.status == "ok" and entry.manifest is not None:
             valid.append(entry.manifest)
             if len(valid) >= count:
                 break
     # Stopped at the count-th valid checkpoint: complete only if it was the oldest name.
     complete = len(valid) < count or valid[-1].step == steps[0][0]
-    return Newest(tuple(valid), corrupt, last_seq, complete)
+    return Newest(tuple(valid), corrupt, last_seq, complete, tuple(reversed(unmanifested)))
 
 
 @dataclass(frozen=True)

@@ -636,7 +636,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         status = d["status"] + (" (adopted)" if d["adopted"] else "")
         if d["problem"] is not None:
             status = f"{status}: {d['problem']}"
-            if d["problem"] == "no manifest" and "/" not in d["name"]:
+            if d["problem"] == catalog.NO_MANIFEST and "/" not in d["name"]:
                 status += f" (`{PROG} adopt ROOT --dry-run` tells whether it is complete)"
             elif d["name"].endswith(".ckpt") and d["step"] is None:
                 status += f" (a Lightning checkpoint file: `{PROG} verify ROOT` checks it)"
@@ -808,7 +808,7 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
             f"leftover of a crashed save or delete; restore ignores it, `{PROG} clean` "
             "removes it"
         )
-    if e.problem == "no manifest":
+    if e.problem == catalog.NO_MANIFEST:
         try:
             if not storage.is_dir(e.name):
                 return None
@@ -1474,7 +1474,7 @@ def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .retention import KeepBest, describe_plan, plan_deletions
+    from .retention import describe_plan, plan_deletions, unrecorded_metrics
 
     policy = _policy(args, args.parser)
     storage = _open_root(args.root, args.storage_option)
@@ -1503,16 +1503,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if e.status != "ok"
     ]
     infos: list[CheckpointInfo] = [m.info(storage.url(checkpoint_name(m.step))) for m in manifests]
-    parts = getattr(policy, "policies", (policy,))
-    for p in parts:
-        if isinstance(p, KeepBest) and infos and not any(p.metric in i.metrics for i in infos):
-            recorded = sorted({k for i in infos for k in i.metrics})
-            raise CliError(
-                f"no checkpoint of run {run_id!r} records metric {p.metric!r} (recorded: "
-                f"{', '.join(recorded) or 'none'}), so --keep-best would keep nothing: "
-                "check --metric",
-                EXIT_USAGE,
-            )
+    for metric, recorded in unrecorded_metrics(policy, infos).items():
+        raise CliError(
+            f"no checkpoint of run {run_id!r} records metric {metric!r} (recorded: "
+            f"{', '.join(recorded) or 'none'}), so --keep-best would keep nothing: "
+            "check --metric",
+            EXIT_USAGE,
+        )
     plan = describe_plan(policy, infos)
     victims = {i.step for i in plan_deletions(policy, infos)}
     failed: list[dict[str, Any]] = []
@@ -1707,7 +1704,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace, coord: Any) -> int:
-    from .tiered import Tier, TieredCheckpointManager
+    from .tiered import Tier, TieredCheckpointManager, check_tiers_separate
 
     missing = False
     try:
@@ -1724,6 +1721,10 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
             ) from None
         fast, missing = exc.open(), True
     slow = _open_target(args.to, args.to_storage_option)
+    try:
+        check_tiers_separate(fast, slow)
+    except ValueError as exc:
+        raise CliError(f"{exc}: pass another --to", EXIT_USAGE) from None
     if missing and coord is None:
         _drain_outcome(args, fast, slow, None, root_missing=True)
         return EXIT_OK
@@ -1884,7 +1885,10 @@ class _Parser(argparse.ArgumentParser):
     other error of this command."""
 
     def error(self, message: str) -> NoReturn:
-        _error_line(f"{self.prog}: {message} (see `{self.prog} --help`)")
+        # The line starts with "atomic-checkpoint: error:" already; a subcommand's
+        # parser adds its name ("list: ...").
+        where = self.prog.removeprefix(PROG).strip()
+        _error_line(f"{where + ': ' if where else ''}{message} (see `{self.prog} --help`)")
         raise SystemExit(EXIT_USAGE)
 
 

@@ -123,9 +123,10 @@ class SerializationError(CheckpointError, TypeError):
 
 class StateMismatchError(CheckpointError, ValueError):
     """``restore(into=...)`` was given a state that does not match the checkpoint (a
-    tensor of another shape or dtype where the checkpoint holds one): the checkpoint is
-    fine, the target is not, so ``restore()`` never falls back to an older checkpoint
-    for it."""
+    tensor of another shape or dtype where the checkpoint holds one, or a tensor where
+    it holds none: a key it lacks, or a value of another kind): the checkpoint is fine,
+    the target is not, so ``restore()`` never falls back to an older checkpoint for
+    it."""
 
 
 class StorageError(CheckpointError, OSError):

@@ -800,6 +800,16 @@ class RunLock:
             why = f"{self.storage.url(LOCK_FILE)} was replaced by an unreadable file"
         else:
             why = f"it is now held by {current.describe(now)}"
+        if current is not None and _PROCESS_IDENTITY(current) == _PROCESS_IDENTITY(holder):
+            # Not another job: this process opened a second writable manager on ROOT
+            # (a notebook cell run again), which took the lock over from this one.
+            self._fence(
+                f"this CheckpointManager (run {self.run_id!r}, fencing token {holder.token}) "
+                f"lost the run lock on {self.storage.url('')} to a newer CheckpointManager "
+                "of this same process, opened on the same ROOT without closing this one: "
+                "only the newest can commit or delete. Use that one (and close() this), "
+                "or open one manager per ROOT"
+            )
         self._fence(
             f"this job (run {self.run_id!r}, fencing token {holder.token}) lost the run lock "
             f"on {self.storage.url('')}: {why}. A job that lost the lock can neither commit "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -22,7 +23,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ from .errors import (
     ResumeError,
     StepOrderError,
     StorageError,
+    StoragePermissionError,
     UnsafeCheckpointError,
 )
 from .layout import (
@@ -110,7 +112,9 @@ class CheckpointManager:
             checkpoints but none is valid), "must" (error if nothing valid), "never"
             (error if this run already has checkpoints: start a new run instead).
         on_commit: called on the coordinator with each ``CheckpointInfo`` after its
-            commit is durable (for uploaders: never a pending path).
+            commit is durable (for uploaders: never a pending path); from the save's
+            background thread for async saves. An exception it raises is logged with
+            its traceback and does not fail the save (the checkpoint is committed).
         allow_pickle: allow saving/loading objects that need pickle. Loading pickle
             executes code from the checkpoint: only for checkpoints you trust.
         visibility_timeout_s: bound on waits for network filesystems to show changes.
@@ -188,6 +192,7 @@ class CheckpointManager:
         # (catalog.ManifestCache). The start fills it with the few it reads.
         self._manifests = catalog.ManifestCache()
         self._rotation: threading.Thread | None = None
+        self._warned_metrics: set[str] = set()  # _warn_unrecorded_metrics, once each
         # Rotations start on the thread that commits (the async save's, for save_async)
         # and are joined on the training thread: the hand-over goes through this lock.
         self._rotation_lock = threading.Lock()
@@ -371,6 +376,7 @@ class CheckpointManager:
             "n_corrupt": sum(1 for e in entries if e.status == "corrupt"),
             "valid_steps": valid,
             "complete": True,
+            "unmanifested": [e.name for e in entries if e.problem == catalog.NO_MANIFEST],
         }
 
     def _start_view(self, run_id: str, resume: str) -> dict[str, Any]:
@@ -413,6 +419,7 @@ class CheckpointManager:
             "n_corrupt": found.corrupt,
             "valid_steps": [m.step for m in found.valid],
             "complete": found.complete,
+            "unmanifested": list(found.unmanifested),
         }
 
     def _setup_coordinator(
@@ -443,8 +450,11 @@ class CheckpointManager:
         # Their entries in ROOT must be durable before anything is created inside them.
         self.storage.fsync_dir("")
         if local is not None and not posix.is_accessible(local, write=True):
-            raise StorageError(
-                f"checkpoint root {local!r} is not writable by this user", path=local
+            raise StoragePermissionError(
+                f"checkpoint root {local!r} is not writable by this user: fix its "
+                "permissions, or open it with read_only=True to restore from it",
+                errno=errno.EACCES,
+                path=local,
             )
         recorded = self._recorded_run_id()
         torn = self._run_file_problem
@@ -602,6 +612,8 @@ class CheckpointManager:
             lock.release()
 
     def _check_resume_mode(self, resume: str, setup: Mapping[str, Any]) -> None:
+        unmanifested = setup.get("unmanifested") or ()
+        shown = ", ".join(unmanifested[:5]) + (", ..." if len(unmanifested) > 5 else "")
         if resume == "must" and setup["n_valid"] == 0:
             raise ResumeError(
                 f"resume='must' but {self.root} has no valid checkpoint of run {self.run_id!r}"
@@ -610,12 +622,32 @@ class CheckpointManager:
                     if setup["n_corrupt"]
                     else ""
                 )
+                + (
+                    f"; its checkpoint folders without a manifest ({shown}) are another "
+                    f"tool's: adopt them first (`atomic-checkpoint adopt {self.root} "
+                    "--dry-run`)"
+                    if unmanifested
+                    else ""
+                )
             )
         if resume == "auto" and setup["n_valid"] == 0 and setup["n_corrupt"] > 0:
             raise ResumeError(
                 f"{self.root} holds {setup['n_corrupt']} checkpoint(s) of run {self.run_id!r} but "
                 "none is valid (see `atomic-checkpoint verify`); refusing to start from scratch "
                 "over them. Repair or move them, or pass resume='never' with a new run_id"
+            )
+        if setup["n_valid"] == 0 and unmanifested and self.rank == 0:
+            log.warning(
+                "%s holds %d checkpoint folder(s) without a manifest (%s): written by "
+                "another tool (a stock Trainer, Accelerate, DCP) or without their "
+                "manifest, so nothing tells a complete one from one torn by a crash. This "
+                "run does not resume from them and starts from scratch. To resume from the "
+                "complete ones, adopt them first: `atomic-checkpoint adopt %s --dry-run` "
+                "(or adopt_existing=True in the integrations)",
+                self.root,
+                len(unmanifested),
+                shown,
+                self.root,
             )
         if resume == "never" and setup["n_valid"] > 0:
             found = (
@@ -1168,9 +1200,51 @@ class CheckpointManager:
                 timings.get("commit", 0.0),
             )
             if self.on_commit is not None:
-                self.on_commit(info)
+                self._call_on_commit(info)
         log.debug("rank %d: step %d timings %s", self.rank, manifest.step, timings)
         return info
+
+    def _call_on_commit(self, info: CheckpointInfo) -> None:
+        """Call ``on_commit`` with a committed checkpoint. The save has succeeded by
+        then, on every rank: a callback that raises (an upload that failed) must not
+        make this rank alone raise (the others returned; a loop that stops on rank 0
+        leaves them waiting in the next collective) nor report a committed checkpoint
+        as failed (a retry would find the step taken). Its exception is logged at
+        ERROR with the traceback, and the save returns its info."""
+        callback = self.on_commit
+        if callback is None:  # pragma: no cover - checked by the caller
+            return
+        try:
+            callback(info)
+        except Exception:
+            log.exception(
+                "on_commit callback failed for %s (the checkpoint is committed and kept; "
+                "the save succeeded): handle errors inside the callback to act on them",
+                checkpoint_name(info.step),
+            )
+
+    def _nothing_to_restore(self) -> str:
+        """The message of ``restore()`` when ROOT holds no valid checkpoint of this run,
+        with what it holds instead (the failure path: one scan of ROOT)."""
+        of_run = f" of run {self.run_id!r}" if self.run_id else ""
+        message = f"no valid checkpoint{of_run} in {self.root}"
+        try:
+            entries = catalog.scan(self.storage, run_id=self.run_id or None)
+        except CheckpointError:
+            return message
+        foreign = [e for e in entries if e.status == "foreign" and e.step is not None]
+        unmanifested = [e.name for e in foreign if e.problem == catalog.NO_MANIFEST]
+        others = sum(1 for e in foreign if e.manifest is not None)  # other runs' checkpoints
+        if unmanifested:
+            message += (
+                f"; it holds {len(unmanifested)} checkpoint folder(s) without a manifest "
+                f"({', '.join(unmanifested[:5])}{', ...' if len(unmanifested) > 5 else ''}), "
+                "written by another tool or without their manifest: to load the complete "
+                f"ones, adopt them first (`atomic-checkpoint adopt {self.root} --dry-run`)"
+            )
+        if others:
+            message += f"; {others} checkpoint(s) of other runs are there (pass run_id=...)"
+        return message
 
     # ------------------------------------------------------------------ copies
     def begin_copy(self, step: int) -> CopyAttempt:
@@ -1283,6 +1357,8 @@ class CheckpointManager:
             for s, m, t in everywhere
         ]
         victims = {i.step for i in plan_deletions(self.retention, infos, protect=(newest,))}
+        if self.is_coordinator:
+            self._warn_unrecorded_metrics(infos, victims)
         common = {i.step for i in infos}
         newest_common = max(common, default=-1)
         # Steps only some domains committed (a save that failed half way) never count;
@@ -1305,14 +1381,18 @@ class CheckpointManager:
             rank.
 
         Raises:
-            CheckpointError: the manager is closed or read-only, or a deletion failed
+            ReadOnlyError: the manager is read-only.
+            CheckpointError: the manager is closed, or a deletion failed
                 (on every rank alike; what was deleted before it stays deleted, the
                 rest is retried by the next rotation).
         """
         if self._closed:
             raise CheckpointError("this CheckpointManager is closed")
         if self.read_only:
-            raise CheckpointError("apply_retention() on a read-only CheckpointManager")
+            raise ReadOnlyError(
+                f"apply_retention() on a read-only CheckpointManager of {self.root}: "
+                "open it without read_only=True to delete checkpoints"
+            )
         self._finish_async()
         self._finish_rotation()
         if self.domain.count == 1:
@@ -1359,9 +1439,38 @@ class CheckpointManager:
         if newest not in steps:
             return []  # nothing committed, or our own commit is not visible: a stale view
         victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
+        self._warn_unrecorded_metrics(infos, victims)
         for step in victims:
             self._delete_checkpoint(step)
         return sorted(victims)
+
+    def _warn_unrecorded_metrics(
+        self, infos: Sequence[CheckpointInfo], victims: Collection[int]
+    ) -> None:
+        """Once per metric and manager: a ``KeepBest`` rule keeps nothing because no
+        checkpoint records its metric (a misspelt name), while retention deletes
+        checkpoints, among them the ones that rule was meant to keep. (The CLI's
+        ``prune --keep-best`` refuses the same mistake.)"""
+        from .retention import unrecorded_metrics
+
+        if not victims:
+            return
+        for metric, recorded in unrecorded_metrics(self.retention, infos).items():
+            if metric in self._warned_metrics:
+                continue
+            self._warned_metrics.add(metric)
+            log.warning(
+                "retention %r: none of this run's %d checkpoint(s) records metric %r "
+                "(they record: %s), so KeepBest keeps none of them and the other rules "
+                "decide what is deleted (now: %s). Check the metric name, and pass it in "
+                "save(..., metrics={%r: value})",
+                self.retention,
+                len(infos),
+                metric,
+                ", ".join(recorded) or "no metric",
+                ", ".join(checkpoint_name(s) for s in sorted(victims)),
+                metric,
+            )
 
     def _retention_view(self) -> list[tuple[int, dict[str, float], float]]:
         """This domain's committed steps, as retention decides from them (leader)."""
@@ -1561,9 +1670,13 @@ class CheckpointManager:
         any rank, every rank reads the new copy (bounded, ``catalog.READ_ATTEMPTS``).
 
         Args:
-            into: an existing state of the same structure (e.g. ``model.state_dict()``):
-                tensors are read straight into it (the fast path). After a fallback it
-                holds the older checkpoint's values.
+            into: an existing state of the same structure (e.g. ``model.state_dict()``),
+                or a part of it: tensors are read straight into it (the fast path); what
+                it leaves out is loaded into new memory and returned. A tensor there of
+                another shape or dtype, or one the checkpoint does not hold (a key it
+                lacks, a list it has shorter, a value of another kind) raises
+                ``StateMismatchError`` before anything is read. After a fallback it holds
+                the older checkpoint's values.
             device: move loaded tensors there (e.g. ``"cuda:0"``). Tensors bound for a
                 GPU (here or in ``into``) are read through page-locked buffers that are
                 locked once per process (64 MiB; see ``device_staging``).
@@ -1577,7 +1690,12 @@ class CheckpointManager:
                 checkpoint ``step``.
             CorruptCheckpointError: the checkpoint (``step``), or every checkpoint
                 (``step=None``), does not verify.
+            StateMismatchError: ``into`` does not match the checkpoint (no older
+                checkpoint is tried for it).
+            CheckpointError: ``device`` is a GPU this process does not see.
         """
+        if device is not None:
+            device = _torch_device(device)
         load = functools.partial(
             self._load_here,
             into=into,
@@ -1601,9 +1719,7 @@ class CheckpointManager:
                         + ". Restore one of them with restore(step=...) only after "
                         "repairing it; `atomic-checkpoint verify` lists every problem"
                     )
-                raise CheckpointNotFoundError(
-                    f"no valid checkpoint of run {self.run_id!r} in {self.root}"
-                )
+                raise CheckpointNotFoundError(self._nothing_to_restore())
             tried.add(newest)
             try:
                 state = self._restore_agreed(newest, load, rank)
@@ -2072,6 +2188,7 @@ def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
         "newest": newest,
         "n_corrupt": sum(v.get("n_corrupt", 0) for v in views),
         "last_seq": max((v.get("last_seq", 0) for v in views), default=0),
+        "unmanifested": sorted({n for v in views for n in v.get("unmanifested", ())}),
     }
     return {"decide": decide, "newest": newest, "setup": setup}
 
@@ -2091,6 +2208,32 @@ def _restore_outcome(
     """Every rank's outcome of a load, as every rank needs it: whether any rank saw the
     checkpoint replaced while reading it, and the ranks' failures in rank order."""
     return any(c for c, _ in outcomes), [f for _, f in outcomes if f is not None]
+
+
+def _torch_device(device: Any) -> Any:
+    """``restore(device=...)`` as a ``torch.device``, checked before anything is read: a
+    CUDA device this process cannot use is refused here, in words, not by torch's
+    ``AssertionError`` from the first tensor moved (after the file was read).
+
+    Raises:
+        ValueError: ``device`` names no torch device.
+        CheckpointError: it is a CUDA device that this process has not got.
+    """
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"restore(device={device!r}): not a torch device ({exc})") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            raise CheckpointError(
+                f"restore(device={device!r}): this process sees {count} CUDA device(s) "
+                "(torch.cuda.device_count(); CUDA_VISIBLE_DEVICES may hide some): load "
+                "with device=None or 'cpu', or where that GPU is visible"
+            )
+    return dev
 
 
 def _without_steps(setup: dict[str, Any], _want: Any) -> dict[str, Any]:

@@ -62,7 +62,8 @@ from typing import Any
 
 from . import device_staging
 from ._faults import fault_point
-from .errors import SaveAbandonedError
+from .errors import CheckpointError, SaveAbandonedError
+from .layout import MANIFEST_NAME
 from .manifest import FileEntry, Hasher
 from .storage import posix
 from .storage.base import DIRECT_IO_ALIGN, DirectWriter, Storage, Writer, direct_io
@@ -92,6 +93,15 @@ def report_files(storage: Storage, pending: str, rank: int) -> RankReport:
     entries = []
     local = storage.local_path(pending)
     for rel, _size in storage.walk_files(pending):
+        if rel == MANIFEST_NAME:
+            # The commit writes the manifest there, over this file: the checkpoint would
+            # list a file that is not what it says (corrupt from its first commit).
+            raise CheckpointError(
+                f"the save wrote a file named {MANIFEST_NAME!r} at the top of the "
+                f"checkpoint ({storage.url(pending + '/' + rel)}); that name is the "
+                "manifest's, which the commit writes. Nothing was committed. Was an "
+                "earlier checkpoint copied in whole? Copy its data files only"
+            )
         h = Hasher()
         path = storage.local_path(f"{pending}/{rel}") if local else None
         with storage.open_read(f"{pending}/{rel}") as f:

@@ -44,6 +44,7 @@ __all__ = [
     "RetentionPolicy",
     "describe_plan",
     "plan_deletions",
+    "unrecorded_metrics",
 ]
 
 
@@ -423,6 +424,23 @@ def describe_plan(
         else:
             rows.append((info, False, f"not kept by {policy!r}"))
     return rows
+
+
+def unrecorded_metrics(
+    policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointInfo]
+) -> dict[str, list[str]]:
+    """The metrics of ``policy``'s ``KeepBest`` rules (in an ``AnyOf`` too) that none of
+    ``checkpoints`` records, each with the metric names they do record, sorted: such a
+    rule keeps nothing, which is most often a misspelt name (``"eval-loss"`` for
+    ``"eval_loss"``). Empty when there are no checkpoints. Pure."""
+    if policy is None or not checkpoints:
+        return {}
+    recorded = sorted({name for info in checkpoints for name in info.metrics})
+    out: dict[str, list[str]] = {}
+    for part in policy.policies if isinstance(policy, AnyOf) else (policy,):
+        if isinstance(part, KeepBest) and part.metric not in recorded:
+            out[part.metric] = recorded
+    return out
 
 
 def _check_count(cls: str, arg: str, value: object) -> int:

@@ -185,6 +185,44 @@ def _format_path(path: _Path) -> str:
     return "state" + "".join(f"[{v}]" if is_index else f"[{v!r}]" for is_index, v in path)
 
 
+def _is_array(x: Any) -> bool:
+    """A torch tensor or a numpy array (checked without importing either)."""
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
+    return (torch is not None and isinstance(x, torch.Tensor)) or (
+        np is not None and isinstance(x, np.ndarray)
+    )
+
+
+def _holds_array(x: Any, depth: int) -> bool:
+    """Whether ``x`` is or contains (through dicts, lists and tuples) a tensor or array."""
+    if _is_array(x):
+        return True
+    if depth >= MAX_DEPTH:
+        return False
+    if isinstance(x, Mapping):
+        return any(_holds_array(v, depth + 1) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_holds_array(v, depth + 1) for v in x)
+    return False
+
+
+def _array_kind(x: Any) -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a numpy array of shape {tuple(x.shape)}"
+
+
+def _node_kind(node: Any, tag: str | None) -> str:
+    """What a tree node holds, for a message: ``dict``, ``list``, ``int`` ..."""
+    if tag is None:
+        return type(node).__name__
+    return {"odict": "OrderedDict", "npscalar": "numpy scalar", "pickle": "pickled object"}.get(
+        tag, tag
+    )
+
+
 def _import_torch() -> Any:
     try:
         import torch
@@ -880,7 +918,7 @@ class CheckpointHeader:
 class _Header:
     entries: tuple[_Entry, ...]  # file order; source unused
     metadata: dict[str, str]
-    tree: Any
+    tree: Any  # _MISSING for a file without our tree
     data_start: int
     raw: bytes = b""  # the length prefix and header exactly as read (for digests)
 
@@ -1000,7 +1038,8 @@ def _parse_header(f: Any, size_bytes: int | None) -> _Header:
                 f"up to {FORMAT_VERSION}; upgrade atomic-checkpoint to load it"
             )
     tree_json = meta.pop(TREE_METADATA_KEY, None)
-    tree = None if tree_json is None else _strict_json(tree_json, "the state tree")
+    # _MISSING: no tree (another tool's safetensors file); a saved None is the tree null.
+    tree = _MISSING if tree_json is None else _strict_json(tree_json, "the state tree")
     return _Header(tuple(entries), meta, tree, data_start, prefix + raw)
 
 
@@ -1105,6 +1144,8 @@ class _Loader:
 
     def walk_node(self, node: Any, into: Any, path: _Path, depth: int) -> Any:
         t = type(node)
+        if self.for_load and not self.building and into is not _MISSING:
+            self.check_into(node, into, path)
         if node is None or t is bool or t is str or t is int:
             return node
         if depth >= MAX_DEPTH:
@@ -1185,6 +1226,9 @@ class _Loader:
 
     def sequence(self, items: list[Any], into: Any, path: _Path, depth: int, t: type) -> Any:
         has_into = isinstance(into, (list, tuple))
+        if has_into and not self.building and len(into) > len(items):
+            extra = [(True, i) for i in range(len(items), len(into))]
+            self.check_unloaded(into, extra, path)
         out = []
         for i, item in enumerate(items):
             sub = into[i] if has_into and i < len(into) else _MISSING
@@ -1211,6 +1255,12 @@ class _Loader:
             if duplicate:
                 raise self.corrupt(path, f"dict key {key!r:.60} appears twice")
             out[key] = self.walk_node(raw_value, sub, (*path, (False, key)), depth + 1)
+        if has_into and not self.building:
+            try:
+                missing = [(False, k) for k in into if k not in out]
+            except TypeError:  # an unhashable key in into=: it matches nothing
+                missing = []
+            self.check_unloaded(into, missing, path)
         if "attrs" in node:
             for name, raw_value in self.pairs(node["attrs"], path, "attrs"):
                 if not _is_safe_attr(name):
@@ -1220,6 +1270,40 @@ class _Loader:
                 if self.building:
                     setattr(out, name, value)
         return out if self.building else None
+
+    # -- into= checks (the collect pass of a load; nothing is read yet) --------------------
+
+    def check_into(self, node: Any, into: Any, path: _Path) -> None:
+        """An array in ``into`` where the checkpoint holds no array: it would be left as
+        it is, not loaded (a state dict filled in place would keep stale values)."""
+        if not _is_array(into):
+            return
+        tag = next(iter(node)) if type(node) is dict and node else None
+        if tag in ("tensor", "ndarray"):
+            return
+        kind = _node_kind(node, tag)
+        holds = "None" if node is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
+        raise StateMismatchError(
+            f"{_format_path(path)}: into= has {_array_kind(into)} there, but the checkpoint "
+            f"holds {holds}: it would not be loaded. Pass into= with the structure of the "
+            "saved state (or restore() without into= and pick what you need)"
+        )
+
+    def check_unloaded(self, into: Any, extra: list[tuple[bool, Any]], path: _Path) -> None:
+        """Entries of ``into`` (``extra``: their path steps) that the checkpoint lacks
+        and that hold an array: they would not be loaded, and a caller filling a state
+        dict in place would not know (``torch``'s ``load_state_dict`` calls these missing
+        keys)."""
+        unloaded = [_format_path((*path, step)) for step in extra if _holds_array(into[step[1]], 0)]
+        if unloaded:
+            more = len(unloaded) - 5
+            shown = ", ".join(unloaded[:5]) + (f" and {more} more" if more > 0 else "")
+            raise StateMismatchError(
+                f"into= holds {shown}, which the checkpoint lacks: "
+                f"{'it' if len(unloaded) == 1 else 'they'} would not be loaded. Was the "
+                "checkpoint saved from another model or state layout? Pass into= only what "
+                "the checkpoint holds, or restore() without into="
+            )
 
     def key(self, raw: Any, path: _Path, depth: int) -> Any:
         t = type(raw)
@@ -2071,13 +2155,13 @@ def read_header(fileobj: Any, *, size_bytes: int | None = None) -> CheckpointHea
         UnsupportedSchemaError: the file was written by a newer format version.
     """
     header = _parse_header(fileobj, size_bytes)
-    if header.tree is not None:
+    if header.tree is not _MISSING:
         _Loader(header, allow_pickle=True, device=None, for_load=False).collect(
             header.tree, _MISSING
         )
     return CheckpointHeader(
         tensors={e.name: (e.code, e.shape) for e in header.entries},
-        tree=header.tree,
+        tree=None if header.tree is _MISSING else header.tree,
         metadata=dict(header.metadata),
         header_size_bytes=header.data_start,
         data_size_bytes=header.entries[-1].end if header.entries else 0,
@@ -2140,7 +2224,7 @@ def load_state(
         ImportError: the file holds torch tensors and torch is not installed.
     """
     header = _parse_header(fileobj, size_bytes)
-    tree = header.tree if header.tree is not None else _flat_tree(header)
+    tree = header.tree if header.tree is not _MISSING else _flat_tree(header)
     loader = _Loader(header, allow_pickle=allow_pickle, device=device, for_load=True)
     root_into = _MISSING if into is None else into
     loader.collect(tree, root_into)

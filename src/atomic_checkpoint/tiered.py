@@ -154,7 +154,7 @@ from .layout import (
 )
 from .manager import CheckpointManager, CopyAttempt
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
-from .storage import open_storage
+from .storage import open_storage, posix
 from .storage.base import Storage, renaming
 
 __all__ = ["Tier", "TieredCheckpointInfo", "TieredCheckpointManager"]
@@ -289,6 +289,24 @@ class _ArrivalMismatch(CommitError):
     or transfer went wrong): the attempt is discarded and retried."""
 
 
+def check_tiers_separate(fast: Storage, slow: Storage) -> None:
+    """Refuse tiers that are one location, or one inside the other: each tier's manager
+    would take the other's checkpoints for its own (retention, sweeps), and a copy
+    "replicated" onto itself protects nothing."""
+
+    def where(storage: Storage) -> str:
+        local = storage.local_path("")
+        return (posix.real_path(local) if local is not None else storage.url("")).rstrip("/")
+
+    a, b = where(fast), where(slow)
+    if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
+        raise ValueError(
+            f"tier 0 ({fast.url('')}) and tier 1 ({slow.url('')}) must be two separate "
+            "locations, neither inside the other: the persistent tier is the copy that "
+            "survives the loss of the fast one"
+        )
+
+
 class TieredCheckpointManager:
     """Save to the first (fast) tier, replicate each committed step to the second
     (persistent) tier in the background, restore from the fastest tier with a valid copy.
@@ -375,6 +393,7 @@ class TieredCheckpointManager:
         fast, slow = tiers
         self._fast_storage = _open(fast)
         self._slow_storage = _open(slow)
+        check_tiers_separate(self._fast_storage, self._slow_storage)
         # The persistent tier's client (an object store's session) is set up beside the
         # rest of the start, not by the first request: restore's first listing of tier
         # 1 would otherwise wait for it (0.2-0.3 s per process with s3fs).

@@ -50,6 +50,7 @@ def test_usage_errors_are_one_line_exit_2(tmp_path):
         assert proc.returncode == 2, (args, proc.stderr)
         assert proc.stderr.count("\n") == 1 and needle in error_line(proc), (args, proc.stderr)
         assert "--help" in proc.stderr  # says where to look
+        assert proc.stderr.count("atomic-checkpoint:") == 1, proc.stderr  # named once
 
 
 @pytest.mark.timeout(60)

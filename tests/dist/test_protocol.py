@@ -150,3 +150,13 @@ def test_sigkill_at_every_phase_leaves_only_complete_checkpoints(tmp_path, phase
     # And the job goes on: the next save of the killed step commits.
     mgr.save(3, {"x": 1}, overwrite=committed_3)
     assert mgr.latest().step == 3
+
+
+def test_an_on_commit_callback_that_raises_on_the_coordinator_fails_no_rank(tmp_path):
+    # on_commit runs on the coordinator only: if its exception escaped there, rank 0
+    # would raise while the others returned, and the next collective would hang them.
+    root = tmp_path / "ckpt"
+    values = ok_values(run_ranks(workers.w_failing_on_commit, 2, str(root), tmp_dir=str(tmp_path)))
+    assert [v["saved"] for v in values] == [[1, 2, 3], [1, 2, 3]]
+    reader = CheckpointManager(root, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]

@@ -106,6 +106,25 @@ def w_files_mode(rank: int, world: int, root: str, step: int) -> dict[str, Any]:
     }
 
 
+def w_failing_on_commit(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The coordinator's on_commit raises at every commit; every rank saves twice."""
+
+    def upload(info: Any) -> None:
+        raise RuntimeError(f"upload of step {info.step} failed")
+
+    mgr = CheckpointManager(root, timeout_s=30, on_commit=upload)
+    out = []
+    for step in (1, 2):
+        try:
+            out.append(mgr.save(step, make_state(step, rank)).step)
+        except Exception as exc:  # reported, not raised: the test asserts there is none
+            out.append(f"{type(exc).__name__}: {exc}")
+    handle = mgr.save_async(3, make_state(3, rank))
+    out.append(handle.result().step)
+    mgr.close()
+    return {"saved": out}
+
+
 def w_save_steps(
     rank: int,
     world: int,

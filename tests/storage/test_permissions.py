@@ -5,8 +5,11 @@ root). Both are refused at open with ``StoragePermissionError``."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -25,24 +28,43 @@ def test_read_only_filesystem_gives_a_permission_error(tmp_path):
         subprocess.run(["umount", str(ro)], check=True)
 
 
-def test_unwritable_root_for_a_normal_user(tmp_path):
-    # Root ignores permission bits, so this runs the check as an unprivileged user.
+@pytest.mark.parametrize("holds", ["nothing", "checkpoints"])
+def test_unwritable_root_for_a_normal_user(holds):
+    # Root ignores permission bits, so this runs the check as an unprivileged user, in a
+    # directory that user can reach (pytest's tmp_path sits under a directory only root
+    # may enter, where every path would be "Permission denied" whatever we check).
+    # Empty, ROOT's first mkdir fails; holding the user's own run (ROOT alone made
+    # read-only afterwards), the lock is taken in its .atomic-checkpoint/ and the
+    # writability check refuses ROOT: the same error type either way.
     if os.geteuid() != 0:
         pytest.skip("needs root to switch to an unprivileged user")
-    root = tmp_path / "locked"
-    root.mkdir(mode=0o555)
-    os.chmod(tmp_path, 0o755)
-    code = (
-        "import os, sys\n"
-        # Import first: the interpreter's own files may not be readable by that user.
-        "from atomic_checkpoint import CheckpointManager, StoragePermissionError\n"
-        "os.setgid(65534); os.setuid(65534)\n"
-        f"try:\n    CheckpointManager({str(root)!r})\n"
-        "except StoragePermissionError as e:\n    print('OK', e); sys.exit(0)\n"
-        "sys.exit(3)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=str(tmp_path)
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Permission denied" in proc.stdout or "writable" in proc.stdout
+    base = Path(tempfile.mkdtemp(prefix="ac-perm-"))
+    try:
+        os.chmod(base, 0o755)
+        root = base / "locked"
+        if holds == "checkpoints":
+            with CheckpointManager(root) as mgr:
+                mgr.save(1, {"x": 1})
+            for d, dirs, files in os.walk(root):
+                for name in [d, *(os.path.join(d, n) for n in dirs + files)]:
+                    os.chown(name, 65534, 65534)
+        root.mkdir(mode=0o555, exist_ok=True)
+        os.chmod(root, 0o555)
+        code = (
+            "import os, sys\n"
+            # Import first: the interpreter's own files may not be readable by that user.
+            "from atomic_checkpoint import CheckpointManager, StoragePermissionError\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            f"try:\n    CheckpointManager({str(root)!r})\n"
+            "except StoragePermissionError as e:\n    print('OK', e); sys.exit(0)\n"
+            "except Exception as e:\n    print(type(e).__name__, e); sys.exit(3)\n"
+            "sys.exit(4)\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=base
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        want = "Permission denied" if holds == "nothing" else "is not writable by this user"
+        assert want in proc.stdout, proc.stdout
+    finally:
+        shutil.rmtree(base)

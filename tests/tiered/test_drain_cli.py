@@ -21,7 +21,7 @@ from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.testbed.s3proxy import Rule, S3Proxy
 from tests.tiered.test_tiered import fast_root, killed_job, same, state  # noqa: F401
 
-from atomic_checkpoint import CheckpointManager, catalog
+from atomic_checkpoint import CheckpointManager, Tier, TieredCheckpointManager, catalog
 from atomic_checkpoint.layout import checkpoint_name
 
 JOB = textwrap.dedent(
@@ -206,6 +206,27 @@ def test_drain_of_a_root_never_created_is_exit_2_unless_missing_ok(tmp_path):
     (tmp_path / "file").write_text("x")
     proc = run_cli("drain", tmp_path / "file", "--to", slow, "--missing-ok")
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def test_drain_and_tiers_refuse_one_location_for_both_tiers(tmp_path):
+    # "Replicating" a tier onto itself (or into a folder inside it) protects nothing,
+    # and each tier's manager would take the other's files for its own: refused with
+    # exit 2 before any lock is touched, and by TieredCheckpointManager itself.
+    root = tmp_path / "node0"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+    before = sorted(str(p) for p in root.rglob("*"))
+    for to in (root, root / "persistent", tmp_path / "node0" / "." / ""):
+        proc = run_cli("drain", root, "--to", to)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert "must be two separate locations" in proc.stderr, proc.stderr
+        assert "WARNING" not in proc.stderr  # no lock was taken over
+    assert sorted(str(p) for p in root.rglob("*")) == before
+    with pytest.raises(ValueError, match="separate locations"):
+        TieredCheckpointManager(
+            [Tier(tmp_path / "persistent" / "fast"), Tier(tmp_path / "persistent")]
+        )
+    assert not (tmp_path / "persistent").exists()
 
 
 @pytest.mark.netfs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,14 @@ import pytest
 import torch
 
 from atomic_checkpoint import (
+    CheckpointError,
     CheckpointExistsError,
     CheckpointManager,
     CheckpointNotFoundError,
     CommitError,
     CorruptCheckpointError,
+    FencedError,
+    KeepBest,
     KeepLast,
     ReadOnlyError,
     ResumeError,
@@ -245,6 +249,8 @@ def test_read_only_manager_never_writes(tmp_path):
     assert ro.latest().step == 1 and same(ro.restore(), state(1))
     with pytest.raises(ReadOnlyError):
         ro.save(2, state(2))
+    with pytest.raises(ReadOnlyError, match="without read_only=True"):
+        ro.apply_retention()
     assert sorted(str(p) for p in (tmp_path / "r").rglob("*")) == before
 
 
@@ -265,6 +271,108 @@ def test_on_commit_sees_only_committed_paths(tmp_path):
         (1, str(tmp_path / "checkpoint-1"), True),
         (2, str(tmp_path / "checkpoint-2"), True),
     ]
+
+
+def test_an_on_commit_callback_that_raises_is_logged_and_the_save_succeeds(tmp_path, caplog):
+    # An upload that fails in on_commit must not report a committed checkpoint as
+    # failed: the save returns its info (a retry would find the step taken), the
+    # error is logged with its traceback, and later saves call the callback again.
+    calls = []
+
+    def upload(info):
+        calls.append(info.step)
+        raise RuntimeError(f"upload of step {info.step} failed")
+
+    mgr = CheckpointManager(tmp_path, on_commit=upload)
+    with caplog.at_level(logging.ERROR, logger="atomic_checkpoint"):
+        assert mgr.save(1, state(1)).step == 1
+        with mgr.saving(2) as d:
+            (d / "x.txt").write_text("x")
+        assert mgr.save_async(3, state(3)).result().step == 3
+        mgr.close()  # no pending failure: step 3 committed
+    assert calls == [1, 2, 3]
+    failed = [r for r in caplog.records if "on_commit callback failed" in r.getMessage()]
+    assert [r.exc_info[1].args[0] for r in failed] == [
+        f"upload of step {s} failed" for s in (1, 2, 3)
+    ]
+    assert "checkpoint-3" in failed[2].getMessage()
+    reader = CheckpointManager(tmp_path, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
+    assert same(reader.restore(3), state(3))
+
+
+@pytest.mark.parametrize("strategy", ["rename", "marker"])
+def test_saving_refuses_a_file_named_like_the_manifest(tmp_path, strategy):
+    # Copying the previous checkpoint into the block copies its manifest too; the
+    # commit would write the real manifest over it, and the checkpoint would list a
+    # manifest of the wrong size: committed, and corrupt from the start.
+    mgr = CheckpointManager(tmp_path, strategy=strategy)
+    with mgr.saving(1) as d:
+        (d / "model.bin").write_bytes(b"v1")
+    with pytest.raises(CheckpointError, match="manifest") as caught, mgr.saving(2) as d:
+        shutil.copytree(mgr.checkpoint_path(1), d, dirs_exist_ok=True)
+        (d / "model.bin").write_bytes(b"v2")
+    assert "Nothing was committed" in str(caught.value)
+    assert [c.step for c in mgr.checkpoints()] == [1]
+    with mgr.saving(2) as d:  # the same save, without the manifest, commits
+        (d / "model.bin").write_bytes(b"v2")
+    mgr.verify(2)
+    # (under attempt-<token>/ with the marker strategy)
+    [model] = Path(mgr.checkpoint_path(2)).rglob("model.bin")
+    assert model.read_bytes() == b"v2"
+
+
+def test_keep_best_on_a_metric_no_save_records_warns_once_when_it_deletes(tmp_path, caplog):
+    # A misspelt metric name makes KeepBest keep nothing: the best checkpoints go,
+    # deleted by the newest-is-kept rule. The policy is not wrong to do so (a missing
+    # metric is not kept, as documented), but the user is told, once, what is deleted.
+    logs = caplog.at_level(logging.WARNING, logger="atomic_checkpoint")
+    with logs, CheckpointManager(tmp_path, retention=KeepBest(2, metric="eval-loss")) as mgr:
+        for step, loss in [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]:
+            mgr.save(step, state(step), metrics={"eval_loss": loss})
+        assert [c.step for c in mgr.checkpoints()] == [4]
+    warned = [r.getMessage() for r in caplog.records if "records metric" in r.getMessage()]
+    assert len(warned) == 1
+    assert "'eval-loss'" in warned[0] and "they record: eval_loss" in warned[0]
+    assert "checkpoint-1" in warned[0]
+    caplog.clear()
+    # Spelt right: kept by the metric, and no warning.
+    other = tmp_path / "right"
+    logs = caplog.at_level(logging.WARNING, logger="atomic_checkpoint")
+    with logs, CheckpointManager(other, retention=KeepBest(2, metric="eval_loss")) as mgr:
+        for step, loss in [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]:
+            mgr.save(step, state(step), metrics={"eval_loss": loss})
+        assert [c.step for c in mgr.checkpoints()] == [1, 2, 4]
+    assert not [r for r in caplog.records if "records metric" in r.getMessage()]
+
+
+def test_restore_refuses_a_device_this_process_has_not_got_before_reading(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state(1))
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last visible GPU
+    with pytest.raises(CheckpointError, match=r"sees \d+ CUDA device\(s\)") as caught:
+        mgr.restore(device=missing)
+    assert not isinstance(caught.value, AssertionError) and missing in str(caught.value)
+    with pytest.raises(ValueError, match="not a torch device"):
+        mgr.restore(device="gpu0")
+    assert same(mgr.restore(device="cpu"), state(1))
+
+
+def test_a_second_manager_of_the_same_process_supersedes_the_first_and_says_so(tmp_path, caplog):
+    # A notebook cell run again opens a second writable manager on ROOT: it takes the
+    # lock over (a warning names the reason), and the first one's next save is fenced
+    # with a message about this process, not about another job.
+    first = CheckpointManager(tmp_path)
+    first.save(1, state(1))
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        second = CheckpointManager(tmp_path)
+    assert "earlier CheckpointManager of this same process" in caplog.text
+    with pytest.raises(FencedError, match="newer CheckpointManager of this same process"):
+        first.save(2, state(2))
+    assert second.save(2, state(2)).step == 2
+    second.close()
+    first.close()  # fenced already: nothing of ROOT is its to release
+    assert [c.step for c in CheckpointManager(tmp_path, read_only=True).checkpoints()] == [1, 2]
 
 
 def test_saving_block_that_raises_discards_everything(tmp_path):

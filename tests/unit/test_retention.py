@@ -28,6 +28,7 @@ from atomic_checkpoint.retention import (
     RetentionPolicy,
     describe_plan,
     plan_deletions,
+    unrecorded_metrics,
 )
 
 NAN = math.nan
@@ -638,3 +639,14 @@ def test_no_policy_and_keep_all_delete_nothing(checkpoints: list[CheckpointInfo]
     assert plan_deletions(None, checkpoints) == []
     assert plan_deletions(KeepAll(), checkpoints) == []
     assert all(is_kept for _, is_kept, _ in describe_plan(None, checkpoints))
+
+
+def test_unrecorded_metrics_names_keep_best_rules_no_checkpoint_records():
+    checkpoints = [ck(1, 0.5), ck(2, train_loss=0.4), ck(3)]
+    typo = KeepLast(2) | KeepBest(1, metric="eval-loss") | KeepBest(1, metric="eval_loss")
+    assert unrecorded_metrics(typo, checkpoints) == {"eval-loss": ["eval_loss", "train_loss"]}
+    assert unrecorded_metrics(KeepBest(1, metric="acc"), [ck(1)]) == {"acc": []}
+    assert unrecorded_metrics(KeepBest(1), checkpoints) == {}
+    assert unrecorded_metrics(KeepBest(1, metric="acc"), []) == {}
+    assert unrecorded_metrics(KeepLast(1), checkpoints) == {}
+    assert unrecorded_metrics(None, checkpoints) == {}

@@ -354,6 +354,14 @@ def test_python_values_round_trip_exactly() -> None:
     assert list(out["keys"])[:2] == [0, "0"]
 
 
+@pytest.mark.parametrize("state", [None, 7, "text", b"raw", [], ()], ids=repr)
+def test_a_bare_value_round_trips_as_the_whole_state(state: Any) -> None:
+    # The tree of a bare None is JSON null: it must not read as "no tree" (a foreign
+    # safetensors file, loaded as a flat dict), which turned None into {}.
+    out = roundtrip(state)
+    assert type(out) is type(state) and out == state
+
+
 def test_safetensors_safe_open_reads_our_tensors(tmp_path: Path) -> None:
     from safetensors import safe_open
 
@@ -651,6 +659,32 @@ def test_into_rejects_shape_and_dtype_mismatch() -> None:
         roundtrip(state, into={"model": {"fc.bias": torch.zeros(4, dtype=torch.float16)}})
     with pytest.raises(StateMismatchError, match="numpy array"):
         roundtrip(state, into={"model": {"fc.bias": np.zeros(4, dtype=np.float32)}})
+
+
+def test_into_rejects_arrays_the_checkpoint_would_not_load() -> None:
+    # A state dict filled in place must not keep stale values unnoticed: an array in
+    # into= that the checkpoint lacks, or where it holds no array, is refused (like
+    # load_state_dict's missing keys), naming each path; nothing is loaded.
+    state = {"model": {"w": torch.ones(2)}, "step": 3, "groups": [torch.zeros(1)]}
+    new_layer = {"model": {"w": torch.zeros(2), "new.bias": torch.zeros(2)}}
+    with pytest.raises(StateMismatchError, match=r"state\['model'\]\['new.bias'\].*lacks"):
+        roundtrip(state, into=new_layer)
+    assert new_layer["model"]["w"].sum() == 0  # refused before anything was read
+    with pytest.raises(StateMismatchError, match=r"state\['groups'\]\[1\], which"):
+        roundtrip(state, into={"groups": [torch.zeros(1), np.zeros(2)]})
+    with pytest.raises(StateMismatchError, match=r"state\['step'\]: into= has a tensor.*an int"):
+        roundtrip(state, into={"step": torch.zeros(1)})
+    with pytest.raises(StateMismatchError, match=r"^state: into= has a tensor.*a dict"):
+        roundtrip(state, into=torch.zeros(2))
+    many = {"model": {f"extra{i}": torch.zeros(1) for i in range(7)}}
+    with pytest.raises(StateMismatchError, match="and 2 more"):
+        roundtrip(state, into=many)
+    # Allowed: a part of the state (the rest is loaded fresh), entries without arrays
+    # that the checkpoint lacks, and non-arrays where the checkpoint holds arrays.
+    w = torch.zeros(2)
+    out = roundtrip(state, into={"model": {"w": w}, "note": "mine", "groups": [None]})
+    assert out["model"]["w"] is w and w.tolist() == [1.0, 1.0] and "note" not in out
+    assert torch.equal(out["groups"][0], torch.zeros(1)) and out["step"] == 3
 
 
 def test_into_fills_numpy_arrays_in_place() -> None:

@@ -11,14 +11,17 @@ every copy a save can replace; retention, whose first pass reads the rest once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from atomic_checkpoint import (
     CheckpointManager,
+    CheckpointNotFoundError,
     KeepLast,
     ResumeError,
     StepOrderError,
@@ -165,7 +168,7 @@ def test_other_runs_checkpoints_are_not_ours_to_resume(root: Path, tmp_path: Pat
         assert mgr.latest() is None
 
 
-def test_directories_that_are_not_checkpoints(tmp_path: Path) -> None:
+def test_directories_that_are_not_checkpoints(tmp_path: Path, caplog: Any) -> None:
     root = tmp_path / "root"
     root.mkdir()
     (root / "checkpoint-5").mkdir()  # no manifest: foreign, not corrupt
@@ -173,12 +176,24 @@ def test_directories_that_are_not_checkpoints(tmp_path: Path) -> None:
     (root / "tensorboard").mkdir()
     (root / "checkpoint-07").mkdir()  # not a strict checkpoint name
     os.symlink(tmp_path, root / "checkpoint-9")  # a link: never a checkpoint
-    with pytest.raises(ResumeError, match=r"no valid checkpoint of run 'r'$"):
+    with pytest.raises(ResumeError, match=r"no valid checkpoint of run 'r'; .*\(checkpoint-5\)"):
         CheckpointManager(root, run_id="r", resume="must")
-    with CheckpointManager(root, run_id="r") as mgr:  # auto: nothing ours, a fresh start
+    logs = caplog.at_level(logging.WARNING, logger="atomic_checkpoint")
+    with logs, CheckpointManager(root, run_id="r") as mgr:  # auto: nothing ours, a fresh start
         assert mgr.latest() is None
         mgr.save(10, _state(10))
+    # The start says which folders it does not resume from, and how to adopt them.
+    [warned] = [r.getMessage() for r in caplog.records if "without a manifest" in r.getMessage()]
+    assert "1 checkpoint folder(s) without a manifest (checkpoint-5)" in warned
+    assert "atomic-checkpoint adopt" in warned
     assert (root / "checkpoint-5" / "notes.txt").read_text() == "mine"
+    caplog.clear()
+    logs = caplog.at_level(logging.WARNING, logger="atomic_checkpoint")
+    with logs, CheckpointManager(root, run_id="r") as mgr:  # resumes from step 10: no warning
+        assert mgr.latest().step == 10
+    assert not [r for r in caplog.records if "without a manifest" in r.getMessage()]
+    with pytest.raises(CheckpointNotFoundError, match=r"in .*; it holds 1 checkpoint folder"):
+        CheckpointManager(root, run_id="other", read_only=True).restore()
 
 
 # ---------------------------------------------------------------------- commit numbers
