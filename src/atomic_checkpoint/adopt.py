@@ -398,9 +398,15 @@ def hf_is_complete(path: str) -> str | None:
     if not files:
         return "the folder is empty"
     if _TRAINER_STATE not in files:
+        other = (
+            "a torch.distributed.checkpoint (DCP) folder: adopt it with --framework dcp, "
+            "which checks DCP's own completeness"
+            if _looks_like_dcp(files)
+            else "try --framework generic"
+        )
         return (
             f"{_TRAINER_STATE} is missing: the Trainer writes it last, so this save did not "
-            "finish (or the folder is not a Trainer checkpoint: try --framework generic)"
+            f"finish (or the folder is not a Trainer checkpoint: {other})"
         )
     try:
         state = folder.read_json(_TRAINER_STATE)
@@ -445,13 +451,27 @@ def accelerate_is_complete(path: str) -> str | None:
     )
 
 
+def _looks_like_dcp(files: Iterable[str]) -> bool:
+    """A ``torch.distributed.checkpoint`` folder at the top (``dcp.save``'s own layout):
+    ``*.distcp`` data files or its ``.metadata``, with no Trainer state."""
+    tops = [n for n in files if "/" not in n]
+    return any(n.endswith(".distcp") or n == ".metadata" for n in tops)
+
+
 def generic_is_complete(path: str) -> str | None:
     """No framework rule: any folder whose files can all be read (checked by reading
-    the first bytes of each; the checksum pass reads the rest)."""
+    the first bytes of each; the checksum pass reads the rest). A DCP folder is refused:
+    readable files say nothing of whether DCP finished it (``.metadata``, written last),
+    and only the ``dcp`` rule records it so that ``load_dcp`` loads it."""
     folder = _folder(path)
     files = folder.files()
     if not files:
         return "the folder is empty"
+    if _looks_like_dcp(files):
+        return (
+            "a torch.distributed.checkpoint (DCP) folder: adopt it with --framework dcp "
+            '(framework="dcp"), which checks that DCP finished it'
+        )
     for name in files:
         folder.read_head(name, 1)
     return None
@@ -772,6 +792,7 @@ def _classify(
         else [_FRAMEWORKS[framework]]
     )
     by_step: dict[int, list[tuple[str, list[Framework]]]] = {}
+    misnamed: dict[int, tuple[str, str]] = {}
     for name in storage.listdir(""):
         if name in (layout.PENDING_DIR, layout.TRASH_DIR, layout.META_DIR):
             continue
@@ -782,9 +803,28 @@ def _classify(
         step = matching[0].step_of(disk)
         if step is None or (wanted is not None and step not in wanted):
             continue
+        if matching[0].name == GENERIC and layout.parse_checkpoint_name(name) != step:
+            # ``checkpoint_400`` in a plain root (``generic`` matches both spellings):
+            # adopted, it would be a checkpoint no manager of this root ever lists.
+            misnamed[step] = (
+                name,
+                (
+                    f"{name} is not named as the checkpoints of {storage.url('')} are "
+                    f"({layout.checkpoint_name(step)}), so no CheckpointManager there would ever "
+                    f"find it: rename it to {layout.checkpoint_name(step)} first (Accelerate's "
+                    "checkpoint_<i> folders are adopted from their project directory, with "
+                    "--framework accelerate)"
+                ),
+            )
+            continue
         by_step.setdefault(step, []).append((name, matching))
     out: list[_Candidate | None] = []
+    for step, (name, why) in sorted(misnamed.items()):
+        if step not in by_step:
+            out.append(_Candidate(step, name, problem=why))
     for step in sorted(set(by_step) | set(wanted or ())):
+        if step in misnamed and step not in by_step:
+            continue  # said above
         entries = by_step.get(step)
         if not entries:
             names = ", ".join(f.names.pattern for f in rules)
@@ -820,7 +860,7 @@ def _classify(
                 valid=(valid or {}).get(name),
             )
         )
-    return [c for c in out if c is not None]
+    return sorted((c for c in out if c is not None), key=lambda c: c.step)
 
 
 def _judge(

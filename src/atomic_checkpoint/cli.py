@@ -107,7 +107,10 @@ strings or null. ``list --json``::
   means the files could not be read (permissions, I/O), not that they differ;
   ``not_a_checkpoint`` is a ``checkpoint-<step>`` entry with no readable manifest
   (``problem`` says which case). ``in_progress`` is true for a save of the live lock
-  holder, the one manifest-less ``checkpoint-<step>`` that does not fail ``verify``.
+  holder, the one manifest-less ``checkpoint-<step>`` that does not fail ``verify``. A
+  checkpoint that the job owning ROOT un-commits while it is verified (retention,
+  rollback) is listed in ``skipped`` with status ``removed`` and does not fail
+  ``verify ROOT`` (``verify ROOT STEP`` of that step fails with ``error``).
 - ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
   "lock": <lock> | null, "lock_removed": bool, "removed": [{"name", "kind": "pending" |
   "trash" | "stale", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
@@ -743,7 +746,7 @@ def _verify_one(
             storage, name, manifest, full=True, progress=on_progress
         )
     except CheckpointNotFoundError as exc:  # un-committed meanwhile: gone, not corrupt
-        status, problem = "error", f"removed while being verified: {exc}"
+        status, problem = "removed", f"removed while being verified: {exc}"
     except CorruptCheckpointError as exc:
         status, problem = "corrupt", str(exc)
     except CheckpointError as exc:  # unreadable (permissions, I/O): not proven corrupt
@@ -762,6 +765,10 @@ def _verify_one(
         "verified_bytes": verified[0],
         "seconds": seconds,
     }
+
+
+def _skip_fields(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: r[k] for k in ("name", "step", "status", "problem")}
 
 
 def _broken(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
@@ -895,7 +902,7 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
     try:
         info = verify_checkpoint(target, full=True, require_manifest=True)
     except CheckpointNotFoundError as exc:
-        return {**doc, "status": "error", "problem": f"removed while being verified: {exc}"}
+        return {**doc, "status": "removed", "problem": f"removed while being verified: {exc}"}
     except CorruptCheckpointError as exc:
         return {**doc, "status": "corrupt", "problem": str(exc)}
     except CheckpointError as exc:
@@ -916,6 +923,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
     skipped: list[dict[str, Any]] = []
 
     def report(r: dict[str, Any], n_files: int) -> None:
+        if r["status"] == "removed":
+            if args.step is None:
+                # Un-committed by the job that owns ROOT (retention, rollback) while it
+                # was read: a checkpoint that is gone, not a failed one. Verifying a live
+                # job's root must not fail because the job rotates.
+                skipped.append({**_skip_fields(r), "in_progress": False})
+                if not args.json and not args.quiet:
+                    print(
+                        f"{r['name']}: removed while being verified (retention or rollback "
+                        "of the job that owns ROOT): skipped",
+                        flush=True,
+                    )
+                return
+            r = {**r, "status": "error"}  # the step asked for is gone
         results.append(r)
         if args.json:
             return
@@ -1020,13 +1041,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 held.setdefault(r["step"], []).append(r["tier"])
         for step, where in sorted(held.items()):
             print(f"{checkpoint_name(step)}: verified on tier(s) {','.join(map(str, where))}")
-        extra = f", {len(skipped)} skipped (pending or foreign: see `{PROG} list`)"
+        extra = f", {len(skipped)} skipped (pending, foreign or removed: see `{PROG} list`)"
         print(
             f"{storage.url()}: {len(results) - len(bad)} ok, {len(bad)} failed"
             + (extra if skipped else "")
         )
     if not results:
         whose = f" of run {run_id!r}" if run_id else ""
+        if any(r["status"] == "removed" for r in skipped):
+            raise CliError(
+                f"nothing was verified: every checkpoint{whose} in {storage.url()} was removed "
+                "while it was being read (the job that owns ROOT rotates them faster than "
+                "verify reads them); run verify again, or verify one step with a longer life"
+            )
         raise CliError(f"nothing to verify: {storage.url()} holds no checkpoint{whose}")
     if bad:
         names = ", ".join(r["name"] for r in bad)

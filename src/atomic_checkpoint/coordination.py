@@ -40,6 +40,7 @@ outcome (DESIGN invariant 11).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import pickle
@@ -47,6 +48,7 @@ import queue
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -123,6 +125,9 @@ _STALL_GRACE_S = 5.0
 #: A coordinator's worker thread ends after this long without work.
 _WORKER_IDLE_S = 30.0
 
+#: At interpreter exit, how long in all the workers' queued store requests may take.
+_EXIT_DRAIN_S = 5.0
+
 #: The caller waits for its worker in slices this long; a slice that ends more than
 #: ``_NOT_RUNNING_S`` late means this process was not running (frozen, descheduled).
 _WAIT_SLICE_S = 0.25
@@ -182,6 +187,7 @@ class _Worker:
         self._thread: threading.Thread | None = None
         self._pid = -1
         self._lock = threading.Lock()
+        _WORKERS.add(self)
 
     def _loop(self, jobs: queue.SimpleQueue[Any]) -> None:
         while True:
@@ -253,6 +259,36 @@ class _Worker:
         """Run ``fn`` on the worker after what is queued; its errors are ignored (best
         effort clean-up)."""
         self._submit((fn, None, None))
+
+    def drain(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, until what is queued (deferred key deletions)
+        has run. Not collective; a worker that is not running returns at once."""
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid():
+                return
+        done = threading.Event()
+        self._submit((lambda: None, [], done))
+        done.wait(timeout_s)
+
+
+_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_workers() -> None:
+    """At interpreter exit, let every worker finish its queued store requests.
+
+    Workers are daemon threads, and the last round's key deletions are deferred to
+    them. A process that exits right after an exchange (the end of a training loop
+    guarded by ``PreemptionGuard``, whose ``should_save`` exchanges at every step)
+    would otherwise tear the interpreter and torch's store client down while the worker
+    is inside a store request: the process then aborts (``terminate called without an
+    active exception``, SIGABRT) instead of exiting 0, and its launcher reports the
+    job as failed. atexit handlers run before that teardown, while threads still run.
+    """
+    deadline = time.monotonic() + _EXIT_DRAIN_S
+    for worker in list(_WORKERS):
+        worker.drain(max(0.0, deadline - time.monotonic()))
 
 
 _namespace_lock = threading.Lock()

@@ -24,7 +24,7 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     ├── LockError(CheckpointError)
     │   ├── LockHeldError                another live job owns ROOT
     │   └── FencedError                  this job's token is stale (a zombie)
-    ├── ResumeError(CheckpointError)     asked to resume, nothing valid
+    ├── ResumeError(CheckpointError, ValueError)   asked to resume, nothing valid
     └── ReadOnlyError(CheckpointError, PermissionError)
 
 All errors are picklable: they cross ranks inside :class:`DistributedCheckpointError`.
@@ -243,8 +243,12 @@ class FencedError(LockError):
     """This job's fencing token is stale: another job took over ROOT."""
 
 
-class ResumeError(CheckpointError):
-    """Asked to resume, but no valid checkpoint was found."""
+class ResumeError(CheckpointError, ValueError):
+    """Asked to resume, but no valid checkpoint was found.
+
+    A ``ValueError`` too, as the Hugging Face Trainer's own "no valid checkpoint found"
+    is, so code that catches that around ``train(resume_from_checkpoint=True)`` keeps
+    working."""
 
 
 class ReadOnlyError(CheckpointError, PermissionError):

@@ -114,7 +114,8 @@ DEFAULT_SIGNALS: tuple[int, ...] = tuple(
 #: rule must tell "stopped cleanly, resume me" from "died".
 REQUEUE_EXIT_CODE = 75
 
-#: ``ATOMIC_CHECKPOINT_ARM=1``: :func:`arm` runs when ``atomic_checkpoint`` is imported.
+#: ``ATOMIC_CHECKPOINT_ARM=1``: :func:`arm` runs when ``atomic_checkpoint`` is imported
+#: (``0``, ``false``, ``no``, ``off`` or empty: it does not).
 ARM_ENV = "ATOMIC_CHECKPOINT_ARM"
 #: ``ATOMIC_CHECKPOINT_GRACE_S=30``: the grace period, when ``grace_s`` is not given.
 GRACE_ENV = "ATOMIC_CHECKPOINT_GRACE_S"
@@ -895,7 +896,7 @@ class PreemptionGuard:
         return f"PreemptionGuard({names}, rank={self._coord.rank}, {state})"
 
 
-if os.environ.get(ARM_ENV, "").strip() not in ("", "0"):
+if os.environ.get(ARM_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
     # At import, as early as the training script can do anything: an import from
     # another thread cannot install handlers; then arm() must be called explicitly.
     if threading.current_thread() is threading.main_thread():

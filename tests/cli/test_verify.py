@@ -240,3 +240,72 @@ def test_verify_corruption_found_after_list_said_ok(tmp_path):
     doc = run_json("verify", root, expect_rc=1)
     assert [c["status"] for c in doc["checkpoints"]] == ["ok", "corrupt"]
     assert "does not match the manifest" in doc["checkpoints"][1]["problem"]
+
+
+
+def _job_acts_while_verified(monkeypatch, root, step, act):
+    """Make the real ``verify`` meet a real change of ROOT just as it starts reading
+    checkpoint ``step``: the job that owns ROOT (a real manager, opened at that moment)
+    does ``act(manager)`` (its retention, a rollback), which un-commits checkpoints."""
+    from atomic_checkpoint import catalog
+
+    real = catalog.validate_consistent
+    done: list[int] = []
+    acted: list[bool] = []
+
+    def validate(storage, name, manifest, **kwargs):
+        if manifest.step == step and kwargs.get("full") and not acted:
+            acted.append(True)  # once: the manager reads through here too
+            mgr = CheckpointManager(root, coordinator=SingleProcessCoordinator())
+            try:
+                done.extend(act(mgr))
+            finally:
+                mgr.close()
+        return real(storage, name, manifest, **kwargs)
+
+    monkeypatch.setattr(catalog, "validate_consistent", validate)
+    return done
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_rotated_away_while_verified_is_skipped_not_failed(
+    tmp_path, monkeypatch, capsys
+):
+    """``verify ROOT`` of a live job's root: the job's retention un-commits the oldest
+    checkpoint while verify reads it. That checkpoint is gone, not corrupt: listed as
+    skipped (status ``removed``) and the exit status is 0. Asked for by step, or when
+    every checkpoint went, nothing was verified: exit 1."""
+    from atomic_checkpoint import KeepLast
+    from atomic_checkpoint.cli import main
+
+    def rotate(mgr):
+        mgr.retention = KeepLast(1)
+        return mgr.apply_retention()
+
+    root = tmp_path / "root"
+    make_root(root, (10, 20, 30))
+    removed = _job_acts_while_verified(monkeypatch, root, 10, rotate)
+    assert main(["verify", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(removed) == [10, 20]
+    assert doc["ok"] is True
+    assert [(c["name"], c["status"]) for c in doc["checkpoints"]] == [("checkpoint-30", "ok")]
+    assert [(s["name"], s["status"]) for s in doc["skipped"]] == [
+        ("checkpoint-10", "removed"),
+        ("checkpoint-20", "removed"),
+    ]
+
+    root = tmp_path / "root2"
+    make_root(root, (10, 20))
+    _job_acts_while_verified(monkeypatch, root, 10, rotate)
+    assert main(["verify", str(root), "10"]) == 1
+    assert "removed while being verified" in capsys.readouterr().out
+
+    root = tmp_path / "root3"
+    make_root(root, (10, 20))
+    removed = _job_acts_while_verified(monkeypatch, root, 10, lambda m: m.rollback(0))
+    assert main(["verify", str(root)]) == 1
+    captured = capsys.readouterr()
+    assert removed == [20, 10]
+    assert "checkpoint-10: removed while being verified" in captured.out
+    assert "nothing was verified" in captured.err

@@ -56,12 +56,17 @@ def test_env_arms_at_import_a_sigterm_before_the_guard_is_adopted_and_exits_75(t
     reader = CheckpointManager(tmp_path / "ckpt", read_only=True)
     assert reader.latest().step == 1 and reader.restore(1) == {"step": 1}
 
-    # Without the variable, the same early SIGTERM kills the process (the default).
-    env.pop("ATOMIC_CHECKPOINT_ARM")
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == -signal.SIGTERM
+    # Without the variable, or with it saying no, the same early SIGTERM kills the
+    # process (the default action).
+    for off in (None, "0", "false", "No", "off", ""):
+        if off is None:
+            env.pop("ATOMIC_CHECKPOINT_ARM")
+        else:
+            env["ATOMIC_CHECKPOINT_ARM"] = off
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == -signal.SIGTERM, (off, proc.stderr)
 
 
 _STARTING = """

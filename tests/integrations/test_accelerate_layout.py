@@ -306,3 +306,36 @@ def test_sigkill_mid_stock_save_state_under_the_switch_keeps_the_previous_checkp
     assert sorted(r["listing_after_save"]) == ["checkpoint_1", "checkpoint_2"]
     assert r["stock_load"] == "returned None"
     assert r["stock_loaded_vs_saved"] == []
+
+
+@pytest.mark.parametrize("how", ["explicit_step", "newer_ones_corrupt"])
+def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
+    tmp_path: Path, how: str
+) -> None:
+    """Accelerate's number counts saves. Loading checkpoint_1 while 2 and 3 exist (asked
+    for, or because 2 and 3 fail verification) continues with checkpoint_4, as stock
+    Accelerate does in the same process; it used to set the counter to 2, and the next
+    save_state() raised StepOrderError (2 is below the newest, 3)."""
+    project = tmp_path / "run"
+    acc, model, opt, sched = build(str(project), total_limit=None)
+    make_atomic(acc, timeout_s=30)
+    for step in range(1, 5):
+        train_step(acc, model, opt, sched, step)
+        acc.save_state()
+    close(acc)
+    assert _folders(project) == [f"checkpoint_{i}" for i in range(4)]
+
+    acc, model, opt, sched = build(str(project), total_limit=None, seed=3)
+    make_atomic(acc, timeout_s=30)
+    if how == "explicit_step":
+        info = acc.load_state(str(project / "checkpoints" / "checkpoint_1"))
+    else:
+        _corrupt(project, 2)
+        _corrupt(project, 3)
+        info = acc.load_state()
+    assert info.step == 1
+    assert acc.save_iteration == 4
+    train_step(acc, model, opt, sched, 5)
+    assert acc.save_state().endswith("checkpoint_4")
+    close(acc)
+    assert _folders(project) == [f"checkpoint_{i}" for i in range(5)]

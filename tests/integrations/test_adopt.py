@@ -370,3 +370,20 @@ def test_cli_verify_checks_a_lightning_directory_through_its_sidecars(tmp_path: 
     (ckpts / ("epoch=0-step=2.ckpt" + ".manifest.json")).unlink()
     stock = run_cli("verify", ckpts)
     assert stock.returncode == 1 and "stock.ckpt: NOT A CHECKPOINT" in stock.stdout
+
+
+def test_generic_refuses_a_folder_no_manager_of_the_root_would_list(tmp_path: Path) -> None:
+    """``generic`` matches ``checkpoint_<N>`` too (Accelerate's spelling, which a project
+    directory maps). In a plain root such a folder, once adopted, would be a checkpoint
+    that ``checkpoints()``, ``latest()`` and ``verify`` never see: refused, with the
+    rename that makes it one; nothing is written into it."""
+    root = tmp_path / "root"
+    for name in ("checkpoint-100", "checkpoint_400"):
+        (root / name).mkdir(parents=True)
+        (root / name / "weights.bin").write_bytes(os.urandom(4096))
+    result = adopt(root, framework="generic")
+    assert result.adopted == [100]
+    assert "rename it to checkpoint-400" in result.refused[400]
+    assert not (root / "checkpoint_400" / MANIFEST_NAME).exists()
+    with CheckpointManager(root) as mgr:
+        assert [c.step for c in mgr.checkpoints()] == [100]

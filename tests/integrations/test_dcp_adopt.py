@@ -223,3 +223,62 @@ def test_path_style_load_adopts_a_complete_stock_directory_only(tmp_path):
     assert not (torn / MANIFEST_NAME).exists()
     with pytest.raises(CheckpointError):
         load(_target(), checkpoint_id=tmp_path / "ckpts" / "step-9", adopt=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_root_of_stock_dcp_checkpoints_is_not_a_first_run(tmp_path):
+    """``load_dcp(mgr, sd, missing_ok=True)``, the usual first line of a training script,
+    on a root that holds only stock ``dcp.save`` checkpoints: not "nothing to load"
+    (training from scratch, then a save colliding with a stock folder), but a
+    ``ResumeError`` naming them and how to adopt them; nothing is written."""
+    from atomic_checkpoint import ResumeError
+
+    root = tmp_path / "run"
+    for step in (1, 2):
+        _stock_save(_plain(step), root / f"checkpoint-{step}")
+    before = _snapshot(root)
+    mgr = CheckpointManager(root)
+    try:
+        for missing_ok in (True, False):
+            with pytest.raises(ResumeError) as caught:
+                load_dcp(mgr, _target(), missing_ok=missing_ok)
+            message = str(caught.value)
+            assert "checkpoint-1, checkpoint-2" in message
+            assert "adopt_existing=True" in message and "--framework dcp" in message
+        assert _snapshot(root) == before
+        target = _target()
+        assert load_dcp(mgr, target, adopt_existing=True).step == 2  # the way out it names
+        assert torch.equal(target["model"]["w"], _full(2)["w"])
+    finally:
+        mgr.close()
+    # An empty root is a first run: None.
+    with CheckpointManager(tmp_path / "empty") as fresh:
+        assert load_dcp(fresh, _target(), missing_ok=True) is None
+
+
+@pytest.mark.parametrize("call", ["save_dcp", "load_dcp"])
+def test_a_path_instead_of_a_manager_is_a_type_error_that_says_what_to_pass(tmp_path, call):
+    with pytest.raises(TypeError, match=r"expected a CheckpointManager .* CheckpointManager\(ROOT\)"):
+        if call == "save_dcp":
+            save_dcp(str(tmp_path), 1, _plain(1))  # type: ignore[arg-type]
+        else:
+            load_dcp(str(tmp_path), _target())  # type: ignore[arg-type]
+
+
+def test_the_adopt_hints_on_a_stock_dcp_root_lead_to_the_dcp_rule(tmp_path):
+    """A stock DCP root with a torn newest save: ``auto`` (the Trainer's rule, which the
+    manager's warning suggests) refuses the folders and points at ``--framework dcp``,
+    not ``generic``; ``generic`` refuses DCP folders too (readable files say nothing of
+    whether DCP finished one), so the torn one is never recorded as complete."""
+    root = tmp_path / "run"
+    for step in (1, 2):
+        _stock_save(_plain(step), root / f"checkpoint-{step}")
+    (root / "checkpoint-2" / ".metadata").unlink()  # torn: DCP writes .metadata last
+    auto = adopt(root, dry_run=True)
+    assert auto.adopted == [] and "--framework dcp" in auto.refused[1]
+    generic = adopt(root, framework="generic")
+    assert generic.adopted == [] and set(generic.refused) == {1, 2}
+    assert all("--framework dcp" in why for why in generic.refused.values())
+    assert not (root / "checkpoint-2" / MANIFEST_NAME).exists()
+    dcp_rule = adopt(root, framework="dcp")
+    assert dcp_rule.adopted == [1] and ".metadata is missing" in dcp_rule.refused[2]

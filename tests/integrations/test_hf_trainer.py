@@ -315,3 +315,118 @@ def test_resuming_an_older_checkpoint_continues_and_replaces_the_newer_ones(
     assert "GLOBAL_STEP 8" in proc.stdout, proc.stdout[-3000:]
     assert "STEPS [2, 4, 6, 8]" in proc.stdout, proc.stdout[-3000:]
     assert "REPLACED_4 True" in proc.stdout, proc.stdout[-3000:]
+
+
+def _run_snippet(tmp_path: Path, code: str, *args: str, timeout_s: float = 150) -> str:
+    """Run ``code`` in a fresh interpreter (``argv``: the output dir, the scripts
+    folder, ``args``); returns stdout + stderr, after checking it exited 0."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "out"), str(SCRIPTS), *args],
+        cwd=REPO,
+        env=job_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
+_BELOW_NEWEST = r"""
+import logging, os, sys
+sys.path.insert(0, sys.argv[2])
+from tiny_hf import RandomTokens, tiny_args, tiny_model
+from transformers import Trainer
+from atomic_checkpoint import CheckpointManager, StepOrderError
+from atomic_checkpoint.integrations.hf import make_atomic
+
+logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
+out, case = sys.argv[1], sys.argv[3]
+first = Trainer(model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32))
+make_atomic(first).train()
+before = {c.step: c.commit_seq for c in CheckpointManager(out, read_only=True).checkpoints()}
+print("BEFORE", sorted(before))
+
+def trainer():
+    return make_atomic(
+        Trainer(model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32))
+    )
+
+if case == "older":
+    trainer().train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))
+elif case == "corrupt":
+    for step in (6, 8):  # one flipped byte in each newer checkpoint's weights
+        path = os.path.join(out, f"checkpoint-{step}", "model.safetensors")
+        data = bytearray(open(path, "rb").read()); data[-1] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    trainer().train(resume_from_checkpoint=True)
+elif case == "scratch":
+    second = trainer()
+    try:
+        second.train()
+    except StepOrderError as exc:
+        print("REFUSED_AT_STEP", second.state.global_step, "|", exc)
+    else:
+        print("NOT REFUSED")
+after = {c.step: c.commit_seq for c in CheckpointManager(out, read_only=True).checkpoints()}
+print("STEPS", sorted(after))
+print("NEW", sorted(s for s in after if after[s] > before.get(s, -1)))
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["older", "corrupt"])
+def test_resuming_below_the_newest_checkpoint_trains_on_and_replaces_the_newer_ones(
+    tmp_path: Path, case: str
+) -> None:
+    """Resuming checkpoint-4 while 6 and 8 exist (on purpose, or because 6 and 8 fail
+    verification and ``resume_from_checkpoint=True`` falls back): the stock Trainer
+    trains on and overwrites 6 and 8. Here too, instead of refusing the save of step 6
+    (below the newest, 8) after ``save_steps`` of training: the first save discards the
+    newer checkpoints (said at ``train()``), and 6 and 8 are saved again."""
+    text = _run_snippet(tmp_path, _BELOW_NEWEST, case, timeout_s=200)
+    assert "BEFORE [2, 4, 6, 8]" in text, text[-3000:]
+    assert "STEPS [2, 4, 6, 8]" in text, text[-3000:]
+    assert "NEW [6, 8]" in text, text[-3000:]
+    assert "the first save of this training discards them" in text, text[-3000:]
+    assert "discarded the newer checkpoints ['checkpoint-6', 'checkpoint-8']" in text
+
+
+@pytest.mark.timeout(180)
+def test_training_from_scratch_over_this_runs_checkpoints_is_refused_before_any_step(
+    tmp_path: Path,
+) -> None:
+    """``train()`` without ``resume_from_checkpoint`` in an ``output_dir`` holding this
+    run's checkpoints up to step 8, saving every 2 steps: every save would be refused
+    (below the newest). It is refused at ``train()``, at step 0, saying what to do,
+    instead of after ``save_steps`` of training; nothing is deleted."""
+    text = _run_snippet(tmp_path, _BELOW_NEWEST, "scratch")
+    assert "REFUSED_AT_STEP 0 |" in text, text[-3000:]
+    assert "resume_from_checkpoint=True" in text
+    assert "STEPS [2, 4, 6, 8]" in text and "NEW []" in text, text[-3000:]
+
+
+_ARGS_RECORDED = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from tiny_hf import RandomTokens, tiny_args, tiny_model
+from transformers import Trainer
+from atomic_checkpoint.integrations.hf import make_atomic
+
+out = sys.argv[1]
+args = tiny_args(out, max_steps=2, save_total_limit=3)
+make_atomic(Trainer(model=tiny_model(), args=args, train_dataset=RandomTokens(16))).train()
+saved = torch.load(os.path.join(out, "checkpoint-2", "training_args.bin"), weights_only=False)
+print("SAVED_LIMIT", saved.save_total_limit, "AFTER", args.save_total_limit)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_training_args_bin_records_the_users_save_total_limit(tmp_path: Path) -> None:
+    """Rotation is the library's during ``train()``, but each checkpoint's
+    ``training_args.bin`` records the ``save_total_limit`` the user set, as the stock
+    Trainer's does (it recorded None)."""
+    text = _run_snippet(tmp_path, _ARGS_RECORDED, timeout_s=100)
+    assert "SAVED_LIMIT 3 AFTER 3" in text, text[-2000:]

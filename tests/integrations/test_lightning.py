@@ -655,6 +655,60 @@ def test_fabric_save_and_load_go_through_the_plugin(tmp_path):
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
 
+def test_latest_checkpoint_finds_fabric_files_that_record_no_step(tmp_path):
+    """``fabric.save`` states carry no ``global_step`` unless the user adds one: such
+    files rank by when their save committed (in the manifest), not never (it returned
+    None, and a resume loop silently started from scratch)."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[AtomicCheckpointIO()])
+    model = fabric.setup(torch.nn.Linear(3, 2))
+    for i, name in enumerate(("b.ckpt", "c.ckpt", "a.ckpt")):
+        fabric.save(tmp_path / name, {"model": model, "iteration": i})
+        assert verify_checkpoint(tmp_path / name).global_step is None
+    os.utime(tmp_path / "c.ckpt", (time.time() + 100, time.time() + 100))  # mtime: ignored
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "a.ckpt")
+    state = {"model": model, "iteration": -1}
+    fabric.load(latest_checkpoint(tmp_path), state)
+    assert state["iteration"] == 2
+    # A file that records a step outranks them.
+    AtomicCheckpointIO().save_checkpoint(_state(1), tmp_path / "step.ckpt")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "step.ckpt")
+
+
+def test_latest_checkpoint_warns_when_only_files_without_a_manifest_are_there(
+    tmp_path, caplog
+):
+    """Stock ``.ckpt`` files and nothing of ours: None (never resumed from, unverified),
+    but said, with the way to adopt them, not silently."""
+    torch.save(_state(5), tmp_path / "epoch=0-step=5.ckpt")
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert latest_checkpoint(tmp_path) is None
+    assert "epoch=0-step=5.ckpt" in caplog.text and "adopt=True" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert latest_checkpoint(tmp_path, adopt=True) == str(tmp_path / "epoch=0-step=5.ckpt")
+    assert "without a manifest" not in caplog.text
+
+
+def test_async_save_creates_the_directory_before_it_returns(tmp_path):
+    """``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` into the directory right
+    after ``save_checkpoint`` returns, on the training thread: the directory must exist
+    by then, not when the background write reaches it (FileNotFoundError at the first
+    save, most of the time)."""
+    io = AsyncAtomicCheckpointIO()
+    gate = threading.Event()
+    io._submit(gate.wait, 30)  # the background writer is busy with an earlier job
+    target = tmp_path / "new" / "deeper" / "epoch=0-step=1.ckpt"
+    io.save_checkpoint(_state(1), target)
+    assert target.parent.is_dir() and not target.exists()
+    os.symlink(target.name, target.parent / "last.ckpt")  # what ModelCheckpoint does now
+    gate.set()
+    io.wait()
+    assert verify_checkpoint(target.parent / "last.ckpt").global_step == 1
+    io.teardown()
+
+
 # ---------------------------------------------------------------------- links and adoption
 @pytest.mark.slow
 @pytest.mark.timeout(300)

@@ -208,6 +208,10 @@ def test_corrupt_newest_checkpoint_is_skipped_and_named(tmp_path, case, caplog):
 def test_resume_modes(tmp_path):
     with pytest.raises(ResumeError, match="no valid checkpoint"):
         CheckpointManager(tmp_path / "a", resume="must")
+    # A ValueError too, as the Trainer's "no valid checkpoint found" is: a fallback
+    # written for that keeps working.
+    with pytest.raises(ValueError, match="no valid checkpoint"):
+        CheckpointManager(tmp_path / "a", resume="must")
     mgr = CheckpointManager(tmp_path / "b")
     mgr.save(1, state(1))
     mgr.close()

@@ -46,10 +46,11 @@ project written by an earlier version (our folders inside ``checkpoints/``) is u
 it is.
 
 The step defaults to ``accelerator.save_iteration`` (Accelerate's automatic naming
-counter); ``load_state`` sets that counter past the loaded step, so the next save does
-not collide. ``total_limit`` becomes ``KeepLast(total_limit)`` unless a ``retention``
-policy is given. ``save_on_each_node`` keeps its meaning, verified against the storage
-(see :class:`FrameworkRoot`). ``load_state(..., adopt_existing=True)`` first adopts the
+counter); ``load_state`` sets that counter past the newest checkpoint (also when it
+loaded an older one), so the next save neither collides nor falls below the newest.
+``total_limit`` becomes ``KeepLast(total_limit)`` unless a ``retention`` policy is given.
+``save_on_each_node`` keeps its meaning, verified against the storage (see
+:class:`FrameworkRoot`). ``load_state(..., adopt_existing=True)`` first adopts the
 complete folders that Accelerate's own ``save_state`` wrote (``atomic_checkpoint.adopt``).
 An error raised by ``save_state``/``load_state`` releases the root's run lock.
 
@@ -738,10 +739,15 @@ def load_state(
                 "start from scratch when there is none"
             )
         _stock(accelerator, "load_state")(opened.path(chosen), **load_state_kwargs)
-        # Continue the automatic-naming counter after the loaded step, so the next
-        # save_state() does not collide with (and replace) a newer checkpoint.
-        accelerator.project_configuration.iteration = chosen + 1
-        found = [i for i in opened.manager.checkpoints() if i.step == chosen]
+        # Continue the automatic-naming counter after the newest checkpoint, not after
+        # the loaded one: Accelerate's number counts saves, not training steps, and
+        # checkpoints are ordered by it (a save below the newest is refused). Loading an
+        # older checkpoint on purpose, or after the newer ones failed verification, so
+        # goes on with the next number and keeps the newer folders, as Accelerate does.
+        committed = opened.manager.checkpoints()
+        newest = max((i.step for i in committed), default=chosen)
+        accelerator.project_configuration.iteration = max(chosen, newest) + 1
+        found = [i for i in committed if i.step == chosen]
         if not found:
             raise CheckpointNotFoundError(
                 f"load_state: checkpoint step {chosen} under {opened.folders} vanished while "

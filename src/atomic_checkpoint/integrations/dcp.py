@@ -247,6 +247,12 @@ def _agree(
 
 
 def _local_root(mgr: CheckpointManager) -> str:
+    if not isinstance(mgr, CheckpointManager):
+        raise TypeError(
+            f"expected a CheckpointManager as the first argument, got {type(mgr).__name__} "
+            f"{mgr!r}: create one per job, e.g. mgr = CheckpointManager(ROOT), and pass it "
+            "(the path-style save(state_dict, checkpoint_id=...) takes paths)"
+        )
     root = mgr.storage.local_path("")
     if root is None:
         raise CheckpointError(
@@ -547,7 +553,9 @@ def load_dcp(
             ``save_dcp`` that verifies (an invalid one is skipped with a warning).
         verify: checksum every file first, each rank a share (one extra read of
             the checkpoint, spread over the ranks); False checks sizes only.
-        missing_ok: return None instead of raising when there is no checkpoint.
+        missing_ok: return None instead of raising when there is no checkpoint (a
+            first run). Folders without a manifest in ROOT (a stock ``dcp.save`` run's)
+            still raise ``ResumeError``: adopt them, or move them away.
         adopt_existing: first adopt the ``checkpoint-<step>`` directories that a stock
             ``dcp.save(sd, checkpoint_id=ROOT/checkpoint-<step>)`` run left in ROOT:
             each complete one (:func:`stock_checkpoint_problem`: ``.metadata`` and
@@ -564,7 +572,8 @@ def load_dcp(
         CheckpointNotFoundError: no (such) checkpoint.
         CorruptCheckpointError: ``step`` does not verify.
         ResumeError: ``step`` is None and no checkpoint can be loaded (none was
-            written by ``save_dcp``, or none verifies).
+            written by ``save_dcp``, or none verifies, or ROOT holds only folders
+            without a manifest).
         DistributedCheckpointError: DCP failed to load on some rank (every rank
             raises it).
     """
@@ -582,6 +591,7 @@ def load_dcp(
     else:
         candidates = list(reversed(infos))
         if not candidates:
+            _refuse_unadopted(mgr)
             if missing_ok:
                 return None
             raise CheckpointNotFoundError(
@@ -1068,6 +1078,40 @@ def _adopt_existing(mgr: CheckpointManager) -> None:
             checkpoint_name(step),
             mgr.root,
             why,
+        )
+
+
+def _refuse_unadopted(mgr: CheckpointManager) -> None:
+    """Collective. ROOT holds no checkpoint of this run to load, but ``checkpoint-<step>``
+    folders without a manifest (a stock ``dcp.save`` run, or another tool's): raise
+    ``ResumeError`` on every rank, even with ``missing_ok``, rather than start from
+    scratch over them (and have the first save collide with one), saying how to adopt
+    the complete ones. The coordinator looks; every rank gets its answer."""
+    failure: RankFailure | None = None
+    if mgr.is_coordinator:
+        try:
+            entries = catalog.scan(mgr.storage, run_id=mgr.run_id or None)
+        except CheckpointError:
+            entries = []
+        names = [
+            e.name
+            for e in entries
+            if e.status == "foreign" and e.step is not None and e.problem == catalog.NO_MANIFEST
+        ]
+        if names:
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            failure = RankFailure(mgr.rank, "discover", "ResumeError", shown)
+    failures = _agree(mgr, "load: folders without a manifest", "discover", failure)
+    found = [f.message for f in failures if f.error_type == "ResumeError"]
+    if failures and not found:  # a rank that did not report
+        raise DistributedCheckpointError(failures, step=None, operation="load")
+    if found:
+        raise ResumeError(
+            f"load_dcp: {mgr.root} holds no checkpoint of run {mgr.run_id!r}, but checkpoint "
+            f"folders without a manifest ({found[0]}): a stock dcp.save run's, or torn. "
+            "Starting from scratch over them is refused. To load the complete ones, adopt "
+            "them: load_dcp(..., adopt_existing=True), or `atomic-checkpoint adopt "
+            f"{mgr.root} --framework dcp` once; to start from scratch, move them away"
         )
 
 

@@ -61,6 +61,11 @@ What the options keep meaning (and what changes):
   never candidates, and "checkpoints exist but none is valid" is an error.
 - Hub pushes (``push_to_hub``) and ``on_save`` callbacks run after the commit and are
   given the committed path, never the pending one (FAILURE_MODES A9).
+- Resuming below the newest checkpoint (an explicit older path, or ``True`` past newer
+  ones that failed verification): the first save discards the newer checkpoints, as
+  the stock Trainer would overwrite them (``_AtomicTrainer._plan_continuation``);
+  ``train()`` from scratch over this run's checkpoints is refused before any step when
+  its first save would not be above them.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     ResumeError,
+    StepOrderError,
 )
 from ..layout import checkpoint_name, parse_attempt_dir, parse_checkpoint_name
 from ..manifest import CheckpointInfo
@@ -220,6 +226,9 @@ class _AtomicTrainer:
         self.strategy: str | None = None
         # Stock checkpoints the last adoption refused (step -> why), for error messages.
         self.refused: dict[int, str] = {}
+        # (root, step): train() resumed from ``step`` below newer checkpoints of ``root``;
+        # the first save discards them (``_plan_continuation``).
+        self.continue_from: tuple[str, int] | None = None
 
     # ------------------------------------------------------------------ roots
     def retention_for(self, run_dir: str) -> Any:
@@ -257,11 +266,26 @@ class _AtomicTrainer:
         """Replaces ``trainer._save_checkpoint(model, trial)``; every rank calls it."""
         trainer = self.trainer
         trial = kwargs.get("trial", args[1] if len(args) > 1 else None)
-        run_dir = os.path.abspath(self._orig_output_dir(trial=trial))
+        given = os.fspath(self._orig_output_dir(trial=trial))  # as the Trainer names it
+        run_dir = os.path.abspath(given)
         step = int(trainer.state.global_step)
         opened = self.root(run_dir)
         name = checkpoint_name(step)
         pushes: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        if self.continue_from is not None and self.continue_from[0] == opened.root:
+            # Collective, like this method: every rank saw the same plan at train().
+            start = self.continue_from[1]
+            self.continue_from = None
+            removed = opened.manager.rollback(start)
+            if removed:
+                log.warning(
+                    "Trainer: continuing from step %d: discarded the newer checkpoints %s "
+                    "of %s before saving step %d",
+                    start,
+                    [checkpoint_name(s) for s in sorted(removed)],
+                    opened.root,
+                    step,
+                )
 
         def write(directory: Path, final: str) -> None:
             pending = str(directory.parent)
@@ -270,9 +294,15 @@ class _AtomicTrainer:
             trainer._get_output_dir = lambda *a, **k: pending
             self._pending, self._final, self._pushes = str(directory), final, pushes
             model = _per_node_writer(trainer)
+            # The user's save_total_limit is back for the write, so training_args.bin
+            # records it; the Trainer's rotation then sees only this checkpoint (its
+            # folder is alone under the pending directory) and deletes nothing.
+            during = trainer.args.save_total_limit
+            trainer.args.save_total_limit = self.save_total_limit
             try:
                 self._orig_save(*args, **kwargs)
             finally:
+                trainer.args.save_total_limit = during
                 self._pending = self._final = None
                 _restore(trainer, "_get_output_dir", self._orig_output_dir)
                 if model is not None:
@@ -282,7 +312,9 @@ class _AtomicTrainer:
             if best and posix.is_under(best, str(directory)):
                 # The Trainer recorded the pending path as the best checkpoint; record
                 # where it will be once committed, in memory and in trainer_state.json.
-                state.best_model_checkpoint = _moved(best, str(directory), final)
+                # Named as the Trainer names it (a relative output_dir stays relative).
+                named = os.path.join(given, os.path.relpath(final, run_dir))
+                state.best_model_checkpoint = _moved(best, str(directory), named)
                 state_file = directory / _TRAINER_STATE_NAME
                 if trainer.args.should_save and state_file.is_file():
                     state.save_to_json(str(state_file))
@@ -330,7 +362,11 @@ class _AtomicTrainer:
         try:
             if self.settings.adopt_existing:
                 self.adopt(output_dir)
-            resume_from_checkpoint = self._resume_path(resume_from_checkpoint, output_dir)
+            resume_from_checkpoint, start = self._resume_path(resume_from_checkpoint, output_dir)
+            self.continue_from = None
+            trial = kwargs.get("trial", args[0] if args else None)
+            if trial is None:  # a search trial saves under its own run-<id> folder
+                self._plan_continuation(resume_from_checkpoint, start, output_dir)
             trainer.args.save_total_limit = None
             if self.settings.preemption:
                 callback = _preemption_callback(
@@ -353,8 +389,9 @@ class _AtomicTrainer:
             trainer.args.save_total_limit = limit
             self.close()
 
-    def _resume_path(self, resume_from_checkpoint: Any, output_dir: str) -> Any:
-        """What to hand the Trainer's ``train``: ``True`` becomes the newest complete
+    def _resume_path(self, resume_from_checkpoint: Any, output_dir: str) -> tuple[Any, int | None]:
+        """What to hand the Trainer's ``train``, and the step it resumes from when that is
+        a checkpoint of ``output_dir`` (else None): ``True`` becomes the newest complete
         checkpoint; an explicit path under ``output_dir`` is checked (never half-load a
         torn one); anything else passes through."""
         if resume_from_checkpoint is True:
@@ -371,7 +408,7 @@ class _AtomicTrainer:
                 )
             path = opened.path(step)
             log.info("Trainer: resuming from %s", path)
-            return path
+            return path, step
         if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.path.abspath(os.fspath(resume_from_checkpoint))
             step = parse_checkpoint_name(os.path.basename(path))
@@ -382,7 +419,73 @@ class _AtomicTrainer:
                     opened.resolve(step, verify=self.settings.verify_on_resume)
                 except CheckpointNotFoundError as exc:
                     self._check_stock(opened, step, path, exc)
-        return resume_from_checkpoint
+                return resume_from_checkpoint, step
+        return resume_from_checkpoint, None
+
+    def _plan_continuation(self, resume: Any, start: int | None, output_dir: str) -> None:
+        """Checkpoints are ordered by step (a save below the newest committed step of the
+        run raises ``StepOrderError``), while the stock Trainer simply overwrites
+        ``checkpoint-<step>`` folders as it reaches them again. Where the two meet:
+
+        - resuming from step ``start`` below the newest checkpoint (an explicit older
+          path, or ``True`` after the newer ones failed verification): the newer
+          checkpoints belong to a trajectory this training abandons, and a resume after
+          a crash must not load them. The first save of this ``train()`` discards them
+          (``rollback(start)``, newest first, un-committed before deleted), just before
+          it commits; until then nothing is deleted. A warning says so now.
+        - starting from scratch (``resume_from_checkpoint`` None or False) over this
+          run's checkpoints: when the first save's step is known (``save_strategy=
+          "steps"``) and not above the newest, every save would be refused, so this
+          refuses now, before any training, with what to do instead; otherwise a
+          warning.
+        """
+        args = self.trainer.args
+        strategy = getattr(args.save_strategy, "value", args.save_strategy)
+        if str(strategy) == "no" or (resume not in (None, False) and start is None):
+            return  # nothing is saved, or resumed from elsewhere: nothing to reconcile
+        opened = self.root(output_dir)
+        steps = sorted(i.step for i in opened.manager.checkpoints())
+        newer = [s for s in steps if start is None or s > start]
+        if not newer:
+            return
+        if start is not None:
+            log.warning(
+                "Trainer: resuming from step %d of %s, below this run's newer checkpoints "
+                "%s: the first save of this training discards them (checkpoints are "
+                "ordered by step, and a resume after a crash must not load the trajectory "
+                "this one abandons). Copy them elsewhere before that save to keep them",
+                start,
+                opened.root,
+                [checkpoint_name(s) for s in newer],
+            )
+            self.continue_from = (opened.root, start)
+            return
+        first = _first_save_step(args)
+        where = (
+            f"{opened.root} holds this run's checkpoints up to step {newer[-1]} "
+            f"({len(newer)} of them)"
+        )
+        advice = (
+            "pass resume_from_checkpoint=True to continue from the newest, or "
+            f"resume_from_checkpoint='{os.path.join(opened.root, checkpoint_name(newer[0]))}' "
+            "(any of them) to go back to it (its first save discards the newer ones), or "
+            "train into another output_dir"
+        )
+        if first is not None and first <= newer[-1]:
+            raise StepOrderError(
+                f"Trainer: train() starts from scratch, but {where}, and its first save "
+                f"(step {first}) would not be above them: checkpoints are ordered by step, "
+                f"so every such save is refused. Nothing was trained yet: {advice}",
+                step=first,
+                newest=newer[-1],
+            )
+        log.warning(
+            "Trainer: train() starts from scratch, but %s: a save at or below step %d will "
+            "be refused (checkpoints are ordered by step); to avoid it, %s",
+            where,
+            newer[-1],
+            advice,
+        )
 
     # ------------------------------------------------------------------ adoption
     def adopt(self, run_dir: str) -> None:
@@ -500,6 +603,20 @@ class _AtomicTrainer:
             path,
             _OPT_IN,
         )
+
+
+def _first_save_step(args: Any) -> int | None:
+    """The step of the first save of a training from scratch, where the arguments say
+    it (``save_strategy="steps"`` with a whole ``save_steps``); else None."""
+    strategy = getattr(args.save_strategy, "value", args.save_strategy)
+    every = getattr(args, "save_steps", None)
+    if str(strategy) != "steps" or not isinstance(every, (int, float)) or every < 1:
+        return None
+    first = int(every)
+    max_steps = getattr(args, "max_steps", -1)
+    if isinstance(max_steps, int) and 0 < max_steps < first:
+        return None  # the only save is the one at the end, which some releases skip
+    return first
 
 
 def _collective() -> tuple[int, int, Any]:

@@ -204,6 +204,8 @@ class CheckpointFile:
             ``last.ckpt``), when ``path`` is its target; None otherwise.
         adopted: the manifest was written by adoption (checksum taken then, not
             while the file was written).
+        written_unix: when the verified version's save committed (recorded in the
+            manifest; None without one).
     """
 
     path: str
@@ -215,6 +217,7 @@ class CheckpointFile:
     is_newest: bool = True
     link: str | None = None
     adopted: bool = False
+    written_unix: float | None = None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -371,6 +374,7 @@ def verify_checkpoint(
         True,
         is_newest=newest,
         adopted=recorded is not None and recorded[1],
+        written_unix=match.written_unix,
     )
 
 
@@ -382,8 +386,12 @@ def latest_checkpoint(
 
     Use it to resume from the newest complete checkpoint whatever its name
     (``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``). Steps come from the
-    manifests, never from modification times or names. Files without a manifest are
-    not considered; invalid ones are skipped with a warning that says what is wrong.
+    manifests, never from modification times or names. A file whose state had no
+    ``global_step`` (Lightning Fabric's ``fabric.save``) ranks by when its save
+    committed, recorded in its manifest, below any file with a step. Files without a
+    manifest are not considered (a warning names them when nothing else is found, with
+    ``adopt=True`` to take the complete ones); invalid ones are skipped with a warning
+    that says what is wrong.
 
     Args:
         dirpath: ``ModelCheckpoint``'s directory.
@@ -406,11 +414,13 @@ def latest_checkpoint(
     if listed is None:
         return None
     names = sorted(listed)
-    best: tuple[int, str] | None = None
+    best: tuple[bool, int, float, str] | None = None
+    unmanifested: list[str] = []
     for name in names:
-        if not name.endswith(".ckpt") or not posix.exists(
-            os.path.join(directory, name + MANIFEST_SUFFIX)
-        ):
+        if not name.endswith(".ckpt"):
+            continue
+        if not posix.exists(os.path.join(directory, name + MANIFEST_SUFFIX)):
+            unmanifested.append(name)
             continue
         path = os.path.join(directory, name)
         try:
@@ -418,12 +428,23 @@ def latest_checkpoint(
         except CheckpointError as exc:
             log.warning("skipping %s: %s", path, exc)
             continue
-        if info.global_step is None:
-            continue
-        key = (info.global_step, name)
+        step = info.global_step
+        key = (step is not None, step or 0, info.written_unix or 0.0, name)
         if best is None or key > best:
             best = key
-    return os.path.join(directory, best[1]) if best is not None else None
+    if best is None and unmanifested:
+        log.warning(
+            "latest_checkpoint: %s holds %d .ckpt file(s) without a manifest (%s%s), written "
+            "without AtomicCheckpointIO or torn, and no verified one: returning None, so a "
+            "resume starts from scratch. To resume from the complete ones, pass adopt=True "
+            "(or run `atomic-checkpoint adopt %s --framework lightning` once)",
+            directory,
+            len(unmanifested),
+            ", ".join(unmanifested[:5]),
+            ", ..." if len(unmanifested) > 5 else "",
+            directory,
+        )
+    return os.path.join(directory, best[3]) if best is not None else None
 
 
 # ---------------------------------------------------------------------- adoption
@@ -927,6 +948,10 @@ class _AsyncAtomicFileIO:
                 f"{type(self).__name__}.save_checkpoint takes no storage_options "
                 f"(got {storage_options!r})"
             )
+        # The directory exists when this returns, not when the background write gets
+        # there: ModelCheckpoint(save_last="link") links last.ckpt into it right after
+        # this call, on this thread (it raised FileNotFoundError at the first save).
+        _ensure_dir(os.path.dirname(_local_path(path)))
         self._submit(self._save_job, _snapshot(checkpoint), os.fspath(path))
 
     def _save_job(self, snapshot: dict[str, Any], path: str) -> None:
