@@ -587,8 +587,9 @@ def adopt(
         _load_integration_rule(framework)
     if framework != AUTO and framework not in _FRAMEWORKS:
         raise ValueError(
-            f"unknown framework {framework!r}: one of {[AUTO, *frameworks()]} (integrations "
-            "register theirs with atomic_checkpoint.register_framework)"
+            f"unknown framework {framework!r}: one of "
+            f"{sorted({AUTO, *frameworks(), *_ON_DEMAND})} (integrations register theirs "
+            "with atomic_checkpoint.register_framework)"
         )
     if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
         raise ValueError("run_id must be a non-empty string")
@@ -712,10 +713,14 @@ def adopt_held(
     return out
 
 
+#: Rules that integrations register when their module is imported (it imports torch).
+_ON_DEMAND = ("dcp", "lightning")
+
+
 def _load_integration_rule(framework: str) -> None:
     """``framework="lightning"`` or ``"dcp"``: its rule is registered by its
     integration module, imported on demand (it imports torch)."""
-    if framework not in ("lightning", "dcp"):
+    if framework not in _ON_DEMAND:
         return
     with contextlib.suppress(ImportError):
         importlib.import_module(f"{__package__}.integrations.{framework}")

@@ -107,10 +107,12 @@ class SaveHandle:
         step: the step being saved.
         blocked_s: how long ``save_async`` blocked the caller (wait for the previous
             save, plan, snapshot copy).
+        started_monotonic: ``time.monotonic()`` when the background write started.
     """
 
     def __init__(self, step: int):
         self.step = step
+        self.started_monotonic = time.monotonic()
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._info: CheckpointInfo | None = None
@@ -194,6 +196,12 @@ class AsyncSaver:
         """The process that created this saver (a forked child must not finish or close
         its parent's saves)."""
         return self._pid
+
+    @property
+    def running(self) -> SaveHandle | None:
+        """The save still in progress, if any (a finished one is None)."""
+        handle = self._handle
+        return handle if handle is not None and not handle.done() else None
 
     def submit(self, step: int, fn: Callable[[], CheckpointInfo]) -> SaveHandle:
         """Start ``fn`` (write + commit of ``step``) in the background.

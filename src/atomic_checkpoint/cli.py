@@ -1537,8 +1537,34 @@ def cmd_prune(args: argparse.Namespace) -> int:
             "check --metric",
             EXIT_USAGE,
         )
-    plan = describe_plan(policy, infos)
-    victims = {i.step for i in plan_deletions(policy, infos)}
+    # The newest checkpoint the policy keeps is what a resume would load, and what makes
+    # deleting the others safe: every byte of it is verified first. One that fails its
+    # checksums (size checks pass) is set aside, never deleted, and does not count; the
+    # next newest must verify instead. Otherwise a corrupt newest would let prune delete
+    # every checkpoint that can still be restored.
+    while True:
+        plan = describe_plan(policy, infos)
+        victims = {i.step for i in plan_deletions(policy, infos)}
+        staying = [i for i in infos if i.step not in victims]
+        if not victims or not staying:
+            break
+        newest = max(staying, key=lambda i: i.step)
+        name = checkpoint_name(newest.step)
+        manifest = next(m for m in manifests if m.step == newest.step)
+        try:
+            catalog.validate_consistent(storage, name, manifest, full=True)
+            break
+        except CorruptCheckpointError as exc:
+            problem = f"failed verification, so not counted as kept: {exc}"
+            skipped.append(
+                {
+                    "name": name,
+                    "step": newest.step,
+                    "status": "corrupt",
+                    "problem": _short_problem(storage, name, problem),
+                }
+            )
+            infos = [i for i in infos if i.step != newest.step]
     failed: list[dict[str, Any]] = []
     deleted: set[int] = set()
     if victims and not args.dry_run:
@@ -1934,6 +1960,16 @@ def _count_arg(text: str) -> int:
     return int(text)
 
 
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: seconds > 0")
+    return value
+
+
 _TIER_HELP = (
     "another tier of ROOT's run (a TieredCheckpointManager's persistent tier, a directory or "
     "a URL with credentials from the environment); repeatable: shows which tiers (0: ROOT, "
@@ -2187,7 +2223,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds_arg,
         default=3600.0,
         metavar="S",
         help="give up after S seconds without finishing (default 3600)",

@@ -204,7 +204,7 @@ def begin(
         # Known before it exists, so a failure from here on discards it.
         pending.owned = ctx.strategy.pending_location(step, attempt)
         _fence(ctx, step)
-        exists = _is_step_committed(ctx.storage, step, overwrite=overwrite)
+        exists = _is_step_committed(ctx.storage, step, overwrite=overwrite, run_id=ctx.run_id)
         if exists and not overwrite and len(ctx.leaders) == 1:
             raise _exists_error(ctx.storage, step)
         return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists
@@ -638,13 +638,24 @@ def _foreign_entries(storage: Storage, rel: str) -> list[str]:
     ]
 
 
-def _is_step_committed(storage: Storage, step: int, *, overwrite: bool = False) -> bool:
+def _is_step_committed(
+    storage: Storage, step: int, *, overwrite: bool = False, run_id: str | None = None
+) -> bool:
     """Whether ``checkpoint-<step>`` is taken: by a manifest, or (with ``overwrite``,
     which then replaces it) by a foreign directory. Without ``overwrite`` a foreign
-    directory is an error: it is never replaced silently."""
+    directory is an error: it is never replaced silently. Another run's checkpoint
+    (a manifest with another run id than ``run_id``) is an error with or without
+    ``overwrite``: other runs' checkpoints are never replaced or deleted."""
     name = checkpoint_name(step)
     try:
-        read_manifest(storage, name)
+        manifest = read_manifest(storage, name)
+        if run_id and manifest.run_id and manifest.run_id != run_id:
+            raise errors.CheckpointExistsError(
+                f"{storage.url(name)} is a checkpoint of another run ({manifest.run_id!r}; "
+                f"this job continues run {run_id!r}): checkpoints of other runs are never "
+                "replaced or deleted, overwrite=True included. Save under another step or "
+                f"into another root, or continue that run (run_id={manifest.run_id!r})"
+            )
     except errors.CheckpointNotFoundError:
         # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
         if storage.is_dir(name) and _foreign_entries(storage, name):
@@ -656,8 +667,15 @@ def _is_step_committed(storage: Storage, step: int, *, overwrite: bool = False) 
                 "Move it away, or pass overwrite=True to replace it"
             ) from None
         return False
-    except errors.CorruptCheckpointError:
-        pass
+    except errors.CorruptCheckpointError as exc:
+        if not overwrite:
+            # Not "already committed": nothing valid is there, but it is never replaced
+            # silently (it may be a checkpoint whose manifest a disk fault damaged).
+            raise errors.CheckpointExistsError(
+                f"{storage.url(name)} holds a manifest that cannot be read ({exc}): it is not "
+                "a valid checkpoint, and it is never replaced silently. Pass overwrite=True "
+                "to replace it, or move it away"
+            ) from None
     return True
 
 

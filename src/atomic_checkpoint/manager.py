@@ -193,6 +193,11 @@ class CheckpointManager:
         self._manifests = catalog.ManifestCache()
         self._rotation: threading.Thread | None = None
         self._warned_metrics: set[str] = set()  # _warn_unrecorded_metrics, once each
+        # Steps restore() skipped because their files failed their checksums, on every
+        # rank alike: retention neither keeps nor deletes them (a corrupt newest must not
+        # make it delete the valid one training resumed from), and a save of such a step
+        # replaces it without overwrite=True (training went on from an older one).
+        self._failed_verification: set[int] = set()
         # Rotations start on the thread that commits (the async save's, for save_async)
         # and are joined on the training thread: the hand-over goes through this lock.
         self._rotation_lock = threading.Lock()
@@ -595,6 +600,12 @@ class CheckpointManager:
                     log.warning("could not remove %s: %s", self.storage.url(rel), exc)
 
     @property
+    def async_in_flight(self) -> SaveHandle | None:
+        """The handle of the ``save_async`` still writing or committing in the
+        background, or None. Local to this rank; never blocks."""
+        return self._async.running if self._async is not None else None
+
+    @property
     def strategy(self) -> CommitStrategy:
         """How this manager's saves commit and its checkpoints are retired
         (``commit_strategy`` is its name)."""
@@ -878,11 +889,12 @@ class CheckpointManager:
         one extra copy of the state.
 
         At most one save is in flight: this call (like ``save`` and ``saving``) first
-        waits for the previous async save and raises its failure if the program has
-        not been told yet. The background commit agrees with the other ranks through
-        its own store connection, never through the training's collectives, so it
-        cannot deadlock with them. Retention runs only after the commit is durable,
-        and ``on_commit`` is called from the background thread.
+        waits for the previous async save and raises its failure (once, on every rank
+        alike, even where ``handle.result()`` already raised it). The background commit
+        agrees with the other ranks through its own store connection, never through the
+        training's collectives, so it cannot deadlock with them. Retention runs only
+        after the commit is durable, and ``on_commit`` is called from the background
+        thread.
 
         Unsupported objects in ``state`` are found here, but reported like every other
         failure of the save (by the handle, or the next save/``wait``/``close``), on
@@ -1149,6 +1161,15 @@ class CheckpointManager:
         (the leader creates the pending location), this rank's ``write`` into it, then
         ``finish`` (gather, commit, publish). ``problem``: this rank's bad input, shared
         by ``begin``; ``phase`` names the write in a shared failure. Collective."""
+        if step in self._failed_verification and not overwrite:
+            log.warning(
+                "saving step %d replaces checkpoint %s of %s, which restore() skipped "
+                "because it failed verification",
+                step,
+                checkpoint_name(step),
+                self.root,
+            )
+            overwrite = True
         pending = commit.begin(ctx, step, overwrite=overwrite, problem=problem)
         try:
             written = (
@@ -1160,7 +1181,7 @@ class CheckpointManager:
             # (``begin`` and ``finish`` clean up after their own failures.)
             commit.abort(ctx, pending)
             raise
-        return commit.finish(
+        done = commit.finish(
             ctx,
             pending,
             written,
@@ -1170,6 +1191,8 @@ class CheckpointManager:
             metadata=metadata,
             scan=scan,
         )
+        self._failed_verification.discard(step)  # replaced by a valid copy
+        return done
 
     def _after_commit(
         self, manifest: Manifest, timings: dict[str, float], domain_views: Any = None
@@ -1355,6 +1378,7 @@ class CheckpointManager:
         infos = [
             CheckpointInfo(step=s, path=checkpoint_name(s), size_bytes=0, metrics=m, created_unix=t)
             for s, m, t in everywhere
+            if s not in self._failed_verification
         ]
         victims = {i.step for i in plan_deletions(self.retention, infos, protect=(newest,))}
         if self.is_coordinator:
@@ -1432,7 +1456,11 @@ class CheckpointManager:
         manifests = catalog.committed(
             self.storage, run_id=self.run_id, warn=False, cache=self._manifests
         )
-        infos = [m.info(self.storage.url(checkpoint_name(m.step))) for m in manifests]
+        infos = [
+            m.info(self.storage.url(checkpoint_name(m.step)))
+            for m in manifests
+            if m.step not in self._failed_verification  # never kept or deleted by policy
+        ]
         steps = {i.step for i in infos}
         if newest is None:
             newest = max(steps, default=None)
@@ -1742,6 +1770,7 @@ class CheckpointManager:
                     exc,
                 )
                 skipped.append(f"step {newest}: {exc}")
+                self._failed_verification.add(newest)
                 continue
             if skipped and self._newest_step is not None and self._newest_step > newest:
                 # Every checkpoint above this one failed verification, on every rank
@@ -1826,6 +1855,12 @@ class CheckpointManager:
         rel = checkpoint_name(manifest.step)
         if manifest.state_kind == "files":
             how = "adopted from a framework's files" if manifest.adopted else "saved with saving()"
+            if "torch.distributed.checkpoint" in manifest.metadata:  # dcp.DCP_METADATA_KEY
+                raise CheckpointError(
+                    f"checkpoint step {manifest.step} is a torch.distributed.checkpoint (DCP) "
+                    "checkpoint: load it with atomic_checkpoint.integrations.dcp.load_dcp(mgr, "
+                    "state_dict, step), which reshards it into your state dict"
+                )
             raise CheckpointError(
                 f"checkpoint step {manifest.step} was {how}: read its files "
                 f"from {self.storage.url(rel)} (checkpoint_path(step); verify(step) checks "

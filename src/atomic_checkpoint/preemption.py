@@ -739,6 +739,18 @@ class PreemptionGuard:
         if took is not None:
             self._recent = [*self._recent, float(took)][-RECENT_SAVES:]
 
+    def _needed_s(self) -> float | None:
+        """How long a save started now would take to commit on this rank: the slowest
+        recent save, plus what is left of an async save still in flight (the save waits
+        for it first). None: no save seen yet."""
+        estimate = self.save_estimate_s
+        if estimate is None:
+            return None
+        running = getattr(self._manager, "async_in_flight", None)
+        if running is None:
+            return estimate
+        return estimate + max(0.0, estimate - (time.monotonic() - running.started_monotonic))
+
     def _time_left(self) -> float | None:
         if self.grace_s is None or self._record.at is None:
             return None
@@ -780,7 +792,13 @@ class PreemptionGuard:
         check = gather_summary(
             self._coord,
             f"preemption check {self._checks} at step {step}",
-            (step, mine, self._time_left() if mine is not None else None, self.save_estimate_s),
+            (
+                step,
+                mine,
+                self._time_left() if mine is not None else None,
+                self._needed_s(),
+                self.save_estimate_s,
+            ),
             _check_summary,
             timeout_s=self.timeout_s,
         )
@@ -801,10 +819,16 @@ class PreemptionGuard:
         # rank signalled first) against the slowest recent save.
         left, estimate = check["left"], check["estimate"]
         if left is not None and estimate is not None and estimate * MARGIN > left:
+            slowest = check["slowest"] or estimate
+            busy = (
+                ""
+                if estimate <= slowest
+                else (f", after the async save in flight ({estimate - slowest:.2f} s more)")
+            )
             self.skipped_save = (
-                f"the slowest of the recent saves took {estimate:.2f} s and {left:.2f} s "
-                f"are left of the {self.grace_s:g} s grace period (a save is started only "
-                f"if {MARGIN:g} x its expected time fits)"
+                f"a save would take {estimate:.2f} s (the slowest of the recent saves took "
+                f"{slowest:.2f} s{busy}) and {left:.2f} s are left of the {self.grace_s:g} s "
+                f"grace period (a save is started only if {MARGIN:g} x its expected time fits)"
             )
         elif left is not None and left <= 0:
             self.skipped_save = f"the {self.grace_s:g} s grace period is already over"
@@ -829,6 +853,9 @@ class PreemptionGuard:
         )
         last = getattr(self._manager, "last_saved", None)
         previous = f"step {last.step}" if last is not None else "the newest committed step"
+        running = getattr(self._manager, "async_in_flight", None)
+        if running is not None:  # it still commits (close() waits for it)
+            previous += f", or step {running.step} once its async save in flight commits"
         if self.skipped_save is not None:
             log.warning(
                 "preemption: %s received by rank(s) %s; every rank stops at step %d (%s) "
@@ -851,7 +878,7 @@ class PreemptionGuard:
         elif estimate is None:
             fits = f"{left:.1f} s of the grace period left; no save measured yet"
         else:
-            fits = f"{left:.1f} s of the grace period left, recent saves took <= {estimate:.2f} s"
+            fits = f"{left:.1f} s of the grace period left, a save takes <= {estimate:.2f} s"
         log.warning(
             "preemption: %s received by rank(s) %s; every rank saves step %d now (%s; %s) "
             "and stops",
@@ -911,16 +938,18 @@ if os.environ.get(ARM_ENV, "").strip().lower() not in ("", "0", "false", "no", "
 
 
 def _check_summary(
-    views: list[tuple[int, int | None, float | None, float | None]],
+    views: list[tuple[int, int | None, float | None, float | None, float | None]],
 ) -> dict[str, Any]:
     """What every rank needs of the ranks' views at a preemption check (each rank's
-    step, signal, time left and slowest recent save), computed once: the steps by rank
-    if they differ (an error), the ranks signalled and their signals, the least time
-    left and the slowest save."""
+    step, signal, time left, time a save started now would take, slowest recent save),
+    computed once: the steps by rank if they differ (an error), the ranks signalled and
+    their signals, the least time left, the longest save time and the slowest save."""
     steps = {v[0] for v in views}
     lefts = [v[2] for v in views if v[2] is not None]
     estimates = [v[3] for v in views if v[3] is not None]
+    slowest = [v[4] for v in views if v[4] is not None]
     return {
+        "slowest": max(slowest) if slowest else None,
         "by_rank": {r: v[0] for r, v in enumerate(views)} if len(steps) > 1 else None,
         "signalled": tuple(r for r, v in enumerate(views) if v[1] is not None),
         "signals": sorted({v[1] for v in views if v[1] is not None}),

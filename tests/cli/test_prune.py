@@ -14,6 +14,7 @@ from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
 from tests.cli.helpers import (
     Holder,
     error_line,
+    flip_byte,
     foreign_run,
     make_root,
     run_cli,
@@ -105,6 +106,24 @@ def test_prune_never_deletes_the_newest(tmp_path):
     assert _committed(root) == [1, 3]
     doc = run_json("prune", root, "--keep-best", "1", "--mode", "max", "--metric", "acc")
     assert _committed(root) == [3]
+
+
+@pytest.mark.timeout(60)
+def test_prune_never_deletes_the_last_restorable_checkpoint_for_a_corrupt_newest(tmp_path):
+    """The newest checkpoint fails its checksums (sizes intact: ``list`` says ok).
+    ``--keep-last 1`` used to keep it and delete every other one, leaving nothing that
+    restores. The newest kept is verified first: a corrupt one is set aside (never
+    deleted, not counted) and the next newest is kept in its place."""
+    root = tmp_path / "root"
+    make_root(root, (10, 20, 30, 40))
+    flip_byte(state_file(root, 40), 40)
+    doc = run_json("prune", root, "--keep-last", "1")
+    assert {c["step"] for c in doc["checkpoints"] if c["kept"]} == {30}
+    assert [(s["step"], s["status"]) for s in doc["skipped"]] == [(40, "corrupt")]
+    assert "failed verification" in doc["skipped"][0]["problem"]
+    assert _committed(root) == [30, 40]
+    with CheckpointManager(root, read_only=True) as reader:
+        assert reader.restore()["step"] == 30  # 40 is skipped: 30 is what resumes
 
 
 @pytest.mark.timeout(60)

@@ -387,3 +387,12 @@ def test_generic_refuses_a_folder_no_manager_of_the_root_would_list(tmp_path: Pa
     assert not (root / "checkpoint_400" / MANIFEST_NAME).exists()
     with CheckpointManager(root) as mgr:
         assert [c.step for c in mgr.checkpoints()] == [100]
+
+
+def test_an_unknown_framework_lists_every_rule_the_integrations_bring(tmp_path: Path) -> None:
+    """In a fresh process no integration is imported yet, but ``dcp`` and ``lightning``
+    are accepted (imported on demand): the error lists them too."""
+    proc = run_cli("adopt", tmp_path, "--framework", "nosuch")
+    assert proc.returncode == 2
+    for name in ("'accelerate'", "'dcp'", "'generic'", "'hf'", "'lightning'"):
+        assert name in proc.stderr, proc.stderr

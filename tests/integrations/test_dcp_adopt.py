@@ -282,3 +282,10 @@ def test_the_adopt_hints_on_a_stock_dcp_root_lead_to_the_dcp_rule(tmp_path):
     assert not (root / "checkpoint-2" / MANIFEST_NAME).exists()
     dcp_rule = adopt(root, framework="dcp")
     assert dcp_rule.adopted == [1] and ".metadata is missing" in dcp_rule.refused[2]
+
+
+def test_restore_of_a_dcp_checkpoint_names_load_dcp(tmp_path):
+    with CheckpointManager(tmp_path / "run") as mgr:
+        save_dcp(mgr, 1, _plain(1))
+        with pytest.raises(CheckpointError, match=r"load it with .*load_dcp\(mgr"):
+            mgr.restore()

@@ -206,6 +206,11 @@ def test_drain_of_a_root_never_created_is_exit_2_unless_missing_ok(tmp_path):
     (tmp_path / "file").write_text("x")
     proc = run_cli("drain", tmp_path / "file", "--to", slow, "--missing-ok")
     assert proc.returncode == 2 and "is not a directory" in proc.stderr
+    # A timeout that is not a positive number of seconds is a usage error, not a
+    # drain that "did not finish within -1 s".
+    for bad in ("-1", "0", "nan", "inf", "soon"):
+        proc = run_cli("drain", root, "--to", slow, "--missing-ok", "--timeout", bad)
+        assert proc.returncode == 2 and "seconds > 0" in proc.stderr, (bad, proc.stderr)
 
 
 def test_drain_and_tiers_refuse_one_location_for_both_tiers(tmp_path):

@@ -46,16 +46,19 @@ def test_a_domain_costs_the_same_bytes_at_any_size_when_ranks_go_node_by_node():
 
 
 def test_preemption_check_summary_is_what_every_rank_decides_from():
-    views = [(10, None, None, 2.0), (10, 15, 30.0, 3.5), (10, 10, 12.5, None)]
+    # (step, signal, time left, a save's time now, slowest recent save); rank 1 has an
+    # async save in flight, so a save there now takes longer than its slowest save.
+    views = [(10, None, None, 2.0, 2.0), (10, 15, 30.0, 3.5, 2.5), (10, 10, 12.5, None, None)]
     summary = _check_summary(views)
     assert summary == {
+        "slowest": 2.5,
         "by_rank": None,
         "signalled": (1, 2),
         "signals": [10, 15],
         "left": 12.5,
         "estimate": 3.5,
     }
-    apart = _check_summary([(10, None, None, None), (11, None, None, None)])
+    apart = _check_summary([(10, None, None, None, None), (11, None, None, None, None)])
     assert apart["by_rank"] == {0: 10, 1: 11} and apart["signalled"] == ()
 
 

@@ -507,3 +507,39 @@ def test_restoring_into_a_state_of_another_shape_never_falls_back(
         assert not [r for r in caplog.records if "skipping" in r.getMessage()]
         assert isinstance(StateMismatchError("x"), ValueError)
         assert torch.equal(mgr.restore(into={"w": torch.ones(4, 3)})["w"], torch.zeros(4, 3))
+
+
+def test_another_runs_checkpoint_of_the_same_step_is_never_replaced(tmp_path):
+    """Run b's checkpoint-500 sits in run a's root. a's save of step 500 is refused,
+    saying whose it is, and ``overwrite=True`` does not delete b's checkpoint either
+    (other runs' checkpoints are never counted, resumed from or deleted)."""
+    with CheckpointManager(tmp_path, run_id="run-b") as b:
+        b.save(500, state(1))
+    with CheckpointManager(tmp_path, run_id="run-a") as a:
+        for overwrite in (False, True):
+            with pytest.raises(CheckpointExistsError, match="another run .'run-b'") as caught:
+                a.save(500, state(2), overwrite=overwrite)
+            assert "overwrite=True included" in str(caught.value)
+        a.save(600, state(3))
+    with CheckpointManager(tmp_path, run_id="run-b", read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [500]
+        assert same(reader.restore(500), state(1))
+
+
+def test_a_step_whose_manifest_cannot_be_read_is_not_called_committed(tmp_path):
+    """checkpoint-20's manifest is truncated (a disk fault): it is no checkpoint (the
+    listing says corrupt, restore skips it), so a save of step 20 must not say "already
+    committed". It is still never replaced silently: overwrite=True replaces it."""
+    with CheckpointManager(tmp_path) as first:
+        first.save(10, state(10))
+        first.save(20, state(20))
+    manifest = tmp_path / "checkpoint-20" / MANIFEST_NAME
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    with CheckpointManager(tmp_path) as mgr:
+        assert same(mgr.restore(), state(10))
+        with pytest.raises(CheckpointExistsError, match="cannot be read") as caught:
+            mgr.save(20, state(21))
+        assert "already committed" not in str(caught.value)
+        assert "overwrite=True" in str(caught.value)
+        mgr.save(20, state(21), overwrite=True)
+        assert same(mgr.restore(20), state(21))

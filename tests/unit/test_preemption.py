@@ -90,6 +90,36 @@ def test_a_save_that_cannot_fit_in_the_grace_period_is_not_started(
         mgr.close()
 
 
+def test_an_async_save_in_flight_counts_against_the_grace_period(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    """A save started now first waits for the async save in flight: with saves of about
+    1 s and a 2.4 s grace period, one save fits (1.25 x 1 s), but not the rest of the
+    one in flight plus a new one. The guard used to start it, and the commit landed
+    after the grace period (the scheduler's SIGKILL). Stopping without a save, it also
+    says that the save in flight still commits."""
+    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
+    mgr = CheckpointManager(tmp_path / "r")
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    try:
+        mgr.save(1, state)
+        with PreemptionGuard(mgr, grace_s=2.4) as guard:
+            handle = mgr.save_async(2, state)
+            assert mgr.async_in_flight is handle
+            os.kill(os.getpid(), signal.SIGTERM)
+            _until(lambda: guard.requested, "the guard's handler")
+            with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+                assert guard.should_save(3) is False
+            assert "after the async save in flight" in (guard.skipped_save or "")
+            assert "or step 2 once its async save in flight commits" in caplog.text
+            handle.result()
+        assert mgr.async_in_flight is None
+        assert [c.step for c in mgr.checkpoints()] == [1, 2]
+    finally:
+        monkeypatch.delenv("ATOMIC_CHECKPOINT_FAULTS")
+        mgr.close()
+
+
 def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environment(
     tmp_path, monkeypatch, caplog, clean_signals
 ):

@@ -60,3 +60,33 @@ def test_restore_with_nothing_that_verifies_is_an_error_listing_what_was_skipped
     with pytest.raises(CorruptCheckpointError, match=r"step 1: .*checksum"):
         mgr.restore()
     mgr.close()
+
+
+def test_training_goes_on_after_a_fallback_without_losing_the_restored_checkpoint(
+    tmp_path, caplog
+):
+    """After ``restore()`` skipped a corrupt newest checkpoint (30) and loaded 20, the
+    loop goes on: retention must not count the corrupt one as "the newest" (KeepLast(2)
+    deleted 20, the only valid one training came from, and kept 30), and the loop's
+    save of step 30 replaces the corrupt copy instead of raising CheckpointExistsError."""
+    from atomic_checkpoint import KeepLast
+
+    with CheckpointManager(tmp_path) as first:
+        for s in (10, 20, 30):
+            first.save(s, _state(s))
+    _flip_middle_byte(str(tmp_path / "checkpoint-30" / "rank-00000.safetensors"))
+
+    mgr = CheckpointManager(tmp_path, retention=KeepLast(2))
+    assert mgr.restore()["step"] == 20
+    mgr.save(25, _state(25))
+    mgr.wait()
+    # 10 rotated out; 20 and 25 kept; the corrupt 30 neither counted nor deleted.
+    assert [c.step for c in mgr.checkpoints()] == [20, 25, 30]
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        mgr.save(30, _state(30))
+    assert "replaces checkpoint checkpoint-30" in caplog.text
+    mgr.save(35, _state(35))
+    mgr.close()
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [30, 35]
+        assert reader.restore(30)["step"] == 30  # the new copy verifies

@@ -429,7 +429,9 @@ def latest_checkpoint(
             log.warning("skipping %s: %s", path, exc)
             continue
         step = info.global_step
-        key = (step is not None, step or 0, info.written_unix or 0.0, name)
+        # Files of one step: by name, as before; files without a step: by commit time.
+        when = 0.0 if step is not None else info.written_unix or 0.0
+        key = (step is not None, step or 0, when, name)
         if best is None or key > best:
             best = key
     if best is None and unmanifested:
