@@ -2045,6 +2045,7 @@ class CheckpointManager:
                 run_id=self.run_id,
             )
         self._newest_step = summary["newest"]
+        self._failed_verification = {s for s in self._failed_verification if s <= step}
         if self.rank == 0:
             log.info(
                 "rollback to step %d in %s: removed step(s) %s; the newest checkpoint is now %s",

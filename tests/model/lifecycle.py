@@ -170,6 +170,10 @@ class Inflight:
     # started: its background thread waits for that rotation before it touches ROOT,
     # so they are gone once this save's outcome is known.
     prior: dict[int, Entry] = field(default_factory=dict)
+    # Victims that a restore() fallback during the save took out of retention: deleted
+    # or not, depending on which came first (kept unsure until observed).
+    maybe: dict[int, Entry] = field(default_factory=dict)
+    failed: frozenset[int] = frozenset()  # the model's ``failed`` when it was started
 
 
 def _join_stray_threads() -> None:
@@ -291,7 +295,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             newest = self.floor
         if newest is not None and step < newest:
             allowed = {"order"}
-        elif step in self._counted() and not overwrite:
+        elif step in self._counted() and not overwrite and step not in self.failed:
             allowed = {"exists"}
         else:
             allowed = {"ok"}
@@ -327,12 +331,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         """Commit ``vid`` at ``step`` into ``steps``; returns retention's victims, with
         their values, removed from ``steps``."""
         steps[step] = Entry(vid, metric_of(vid))
-        return {v: steps.pop(v) for v in reference_victims(self.spec, steps, step)}
+        # Steps that failed verification at a restore() fallback are outside retention.
+        pool = {s: e for s, e in steps.items() if s not in self.failed or s == step}
+        return {v: steps.pop(v) for v in reference_victims(self.spec, pool, step)}
 
     def _commit(self, step: int, vid: int) -> None:
         """A save of ``vid`` at ``step`` returned: committed; its rotation may run on."""
         self._advance_floor(step)
         self.ghosts.discard(step)
+        self.failed.discard(step)  # a valid copy now
         # The victims keep their values while they may still be listed.
         self.victims.update(self._apply_save(self.steps, step, vid))
 
@@ -532,6 +539,9 @@ class LifecycleMachine(RuleBasedStateMachine):
     def start(self, policy: int) -> None:
         self._count("start")
         self.floor: int | None = None  # the manager's step order after a fallback
+        # Steps the open manager's restore() skipped for failing their checksums:
+        # retention neither counts nor deletes them, a save of one replaces it.
+        self.failed: set[int] = set()
         self.spec = POLICIES[policy]
         self.mgr = self._open(self.spec)
         self.run_id = self.mgr.run_id
@@ -566,6 +576,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._advance_floor(fl.step)
         self.steps = fl.after
         self.victims.update(fl.victims)
+        for step, entry in fl.maybe.items():
+            self.unsure[step] = {entry, None}
+        self.failed.discard(fl.step)  # a valid copy now
         self.ghosts.discard(fl.step)
         self.ever.add(fl.step)
 
@@ -661,7 +674,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         after = dict(self.steps)
         victims = self._apply_save(after, step, vid) if "ok" in allowed else {}
         self.inflight = Inflight(
-            step, vid, overwrite, handle, allowed, after, victims, prior=dict(self.victims)
+            step,
+            vid,
+            overwrite,
+            handle,
+            allowed,
+            after,
+            victims,
+            prior=dict(self.victims),
+            failed=frozenset(self.failed),
         )
 
     def _prior_gone(self, fl: Inflight) -> None:
@@ -746,10 +767,45 @@ class LifecycleMachine(RuleBasedStateMachine):
             fresh = got is not None and got is not before
             if fresh and newest is not None and got.step < newest:
                 self.floor = got.step  # it fell back past damaged checkpoints
+            self._learn_failed()
             if self.inflight is None:
                 self._sync_rotation()  # restore(None) asks latest(), which waits for it
         else:
             self._restore_check(self.reader, None, verify, "restore_newest")
+
+    def _learn_failed(self) -> None:
+        """The steps the manager's restore() skipped as failing verification (its own
+        record, which retention and saves act on): each must be a checkpoint the model
+        damaged, or one being replaced by an async save in flight."""
+        seen = set(getattr(self.mgr, "_failed_verification", ()))
+        fl = self.inflight
+        new = seen - self.failed
+        for s in new:
+            entry = self.steps.get(s)
+            if entry is not None and entry.damaged is None and (fl is None or fl.step != s):
+                self.fail(f"restore() marked the undamaged checkpoint {s} as failing")
+        self.failed = seen
+        if fl is None or not new:
+            return
+        # The async save in flight commits and rotates in the background, before or
+        # after this restore() marked the steps: both outcomes are right.
+        if fl.step in new and "exists" in fl.allowed:
+            fl.allowed.add("ok")  # it may replace the marked step without overwrite
+        if "ok" not in fl.allowed:
+            return
+        # Its rotation excludes the steps marked by then: from those marked when it
+        # started (the most deletions) to all marked now (the fewest, a subset).
+        base = {**self.steps, **fl.after, **fl.victims, **fl.maybe}
+        base[fl.step] = Entry(fl.vid, metric_of(fl.vid))
+
+        def victims_with(failed: frozenset[int] | set[int]) -> set[int]:
+            pool = {s: e for s, e in base.items() if s not in failed or s == fl.step}
+            return reference_victims(self.spec, pool, fl.step)
+
+        most, fewest = victims_with(fl.failed) | set(fl.maybe), victims_with(seen)
+        fl.after = {s: e for s, e in base.items() if s not in most}
+        fl.victims = {s: base[s] for s in fewest}
+        fl.maybe = {s: base[s] for s in most - fewest}
 
     @precondition(lambda self: self.mgr is not None)
     @rule()
@@ -800,6 +856,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 f"(newest first), possibly with damaged {sorted(may - set(must))}"
             )
         self.floor = None  # rollback() sets the step order to what remains
+        self.failed = {s for s in self.failed if s <= target}
         for s in must:
             del self.steps[s]
         for g in list(self.ghosts):
@@ -820,6 +877,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _close(self) -> None:
         self._before_save_call("close")
         mgr, self.mgr = self.mgr, None
+        self.failed = set()  # a manager's own record, gone with it
         try:
             mgr.close()
         except CheckpointError as exc:
@@ -970,6 +1028,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         moves the damaged ones away, as the error says, and starts again."""
         expect_resume_error = not self._counted() and bool(self.ghosts)
         self.floor = None  # a new manager orders saves by the newest listed step
+        self.failed = set()
         self.frozen = None
         self.closed_mgr = None
         try:

@@ -952,8 +952,11 @@ class _AsyncAtomicFileIO:
             )
         # The directory exists when this returns, not when the background write gets
         # there: ModelCheckpoint(save_last="link") links last.ckpt into it right after
-        # this call, on this thread (it raised FileNotFoundError at the first save).
-        _ensure_dir(os.path.dirname(_local_path(path)))
+        # this call, on this thread (it raised FileNotFoundError at the first save). A
+        # path it cannot create (not a mounted filesystem, no permission) is left to the
+        # background save, which reports it like any other failure.
+        with contextlib.suppress(CheckpointError):
+            _ensure_dir(os.path.dirname(_local_path(path)))
         self._submit(self._save_job, _snapshot(checkpoint), os.fspath(path))
 
     def _save_job(self, snapshot: dict[str, Any], path: str) -> None:
