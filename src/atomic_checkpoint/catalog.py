@@ -107,6 +107,12 @@ class Entry:
     manifest: Manifest | None = None
     problem: str | None = None
 
+    @property
+    def unmanifested(self) -> bool:
+        """A ``checkpoint-<step>`` folder without a manifest (``NO_MANIFEST``): another
+        tool's checkpoint, or one torn before its manifest; adoptable, never resumed."""
+        return self.status == "foreign" and self.problem == NO_MANIFEST
+
 
 #: ``Entry.problem`` of a ``checkpoint-<step>`` directory with no manifest and no marker
 #: of ours: another tool's checkpoint, or one that lost its manifest (not a link).
@@ -972,7 +978,7 @@ def _walk_down(
             last_seq = max(last_seq, entry.manifest.commit_seq)
         if entry.status == "corrupt":
             corrupt += 1
-        elif entry.status == "foreign" and entry.problem == NO_MANIFEST:
+        elif entry.unmanifested:
             unmanifested.append(entry.name)
         elif entry.status == "ok" and entry.manifest is not None:
             valid.append(entry.manifest)

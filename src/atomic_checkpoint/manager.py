@@ -381,7 +381,7 @@ class CheckpointManager:
             "n_corrupt": sum(1 for e in entries if e.status == "corrupt"),
             "valid_steps": valid,
             "complete": True,
-            "unmanifested": [e.name for e in entries if e.problem == catalog.NO_MANIFEST],
+            "unmanifested": [e.name for e in entries if e.unmanifested],
         }
 
     def _start_view(self, run_id: str, resume: str) -> dict[str, Any]:
@@ -1256,7 +1256,7 @@ class CheckpointManager:
         except CheckpointError:
             return message
         foreign = [e for e in entries if e.status == "foreign" and e.step is not None]
-        unmanifested = [e.name for e in foreign if e.problem == catalog.NO_MANIFEST]
+        unmanifested = [e.name for e in foreign if e.unmanifested]
         others = sum(1 for e in foreign if e.manifest is not None)  # other runs' checkpoints
         if unmanifested:
             message += (

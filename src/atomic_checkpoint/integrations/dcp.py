@@ -1093,11 +1093,7 @@ def _refuse_unadopted(mgr: CheckpointManager) -> None:
             entries = catalog.scan(mgr.storage, run_id=mgr.run_id or None)
         except CheckpointError:
             entries = []
-        names = [
-            e.name
-            for e in entries
-            if e.status == "foreign" and e.step is not None and e.problem == catalog.NO_MANIFEST
-        ]
+        names = [e.name for e in entries if e.unmanifested]
         if names:
             shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
             failure = RankFailure(mgr.rank, "discover", "ResumeError", shown)

@@ -440,8 +440,7 @@ class _AtomicTrainer:
           warning.
         """
         args = self.trainer.args
-        strategy = getattr(args.save_strategy, "value", args.save_strategy)
-        if str(strategy) == "no" or (resume not in (None, False) and start is None):
+        if _save_strategy(args) == "no" or (resume not in (None, False) and start is None):
             return  # nothing is saved, or resumed from elsewhere: nothing to reconcile
         opened = self.root(output_dir)
         steps = sorted(i.step for i in opened.manager.checkpoints())
@@ -605,12 +604,16 @@ class _AtomicTrainer:
         )
 
 
+def _save_strategy(args: Any) -> str:
+    """``args.save_strategy`` as a string (an enum in the Trainer's arguments)."""
+    return str(getattr(args.save_strategy, "value", args.save_strategy))
+
+
 def _first_save_step(args: Any) -> int | None:
     """The step of the first save of a training from scratch, where the arguments say
     it (``save_strategy="steps"`` with a whole ``save_steps``); else None."""
-    strategy = getattr(args.save_strategy, "value", args.save_strategy)
     every = getattr(args, "save_steps", None)
-    if str(strategy) != "steps" or not isinstance(every, (int, float)) or every < 1:
+    if _save_strategy(args) != "steps" or not isinstance(every, (int, float)) or every < 1:
         return None
     first = int(every)
     max_steps = getattr(args, "max_steps", -1)
