@@ -39,6 +39,16 @@ the link returns.
 copy that verifies, else from tier 1, so a wiped tier 0 restores from tier 1 without
 user action.
 
+Step order spans both tiers. A start reads tier 1's newest step of the run; while tier
+0 holds nothing as new (a wiped tier 0), a save at or below it raises
+``StepOrderError`` (a resume would load tier 1's step, and tier 1 would never take the
+lower one). ``rollback(step)`` goes back on both: the training thread asks the
+replicator thread, which alone drives tier 1, to roll tier 1 back (a copy in flight is
+discarded; multi-rank: an agreed round, rank 0 on tier 1, then each node leader drops
+its peer copies above the step) and to forget the steps above it; only then is tier 0
+rolled back. While it runs, a reading of tier 0 queues nothing above the step. A tier 1
+that cannot be reached fails the call before anything is removed.
+
 Multi-rank jobs (a ``torch.distributed`` process group, or ``coordinator=``): tier 0 is
 node-local (each node its own disk under the same path, found by the storage-domain
 probe of ``domains.py``, or ``fast_domains="per-host"``), so each node's leader commits
@@ -141,6 +151,7 @@ from .errors import (
     CorruptCheckpointError,
     LockError,
     LockHeldError,
+    StepOrderError,
     StorageError,
     UnsafeCheckpointError,
 )
@@ -279,6 +290,10 @@ class _Stopped(Exception):
     """Internal: ``close()`` asked the replicator to stop mid-copy."""
 
 
+class _Interrupted(Exception):
+    """A replication attempt discarded for a rollback (single process)."""
+
+
 class _RoundFailed(Exception):
     """Internal: a multi-rank replication round failed alike on every rank (tier 1
     unreachable, a node's upload failed): every rank backs off and retries."""
@@ -383,6 +398,17 @@ class TieredCheckpointManager:
         self._stop = threading.Event()
         self._abandon = False  # interpreter exit: stop without the agreed last round
         self._kick = False  # a new step arrived: retry at once
+        # rollback(): the step tier 1 is to go back to, asked of the replicator thread
+        # (it owns tier 1), and its answer: ("ok", removed steps) or ("error", exc).
+        self._rollback_req: int | None = None
+        self._rollback_result: tuple[str, Any] | None = None
+        # While a rollback runs: the highest step a reading of tier 0 may queue for
+        # replication (the steps above it are being removed from tier 0).
+        self._ceiling: int | None = None
+        # Tier 1's newest step of this run, read at open: a save at or below it while
+        # tier 0 holds nothing as new (a wiped or replaced tier 0) is refused.
+        self._floor: int | None = None
+        self._queuer: threading.Thread | None = None
         self._persistent: CheckpointManager | None = None
         self._reader: CheckpointManager | None = None
         self._reader_storage: Storage | None = None
@@ -448,6 +474,17 @@ class TieredCheckpointManager:
             storage_domains=fast_domains if self._multi else "shared",
         )
         self.run_id: str = self.fast.run_id
+        if self._multi:
+            try:
+                self._floor = coord.broadcast(
+                    "tiered: floor",
+                    self._read_floor() if self.rank == 0 else None,
+                    src=0,
+                    timeout_s=self.timeout_s,
+                )
+            except BaseException:
+                self.fast.close()
+                raise
         self._local_reader_mgr: CheckpointManager | None = None
         self._peers = 0
         self._peer_group: Any = None
@@ -507,6 +544,7 @@ class TieredCheckpointManager:
         arguments); returns once it is committed there. Replication follows in the
         background."""
         self._check_open()
+        self._check_floor(step)
         info = self.fast.save(step, state, **kwargs)
         if self._multi:
             self._queue(info.step)  # every rank: the replicators go step by step together
@@ -516,11 +554,15 @@ class TieredCheckpointManager:
         """``CheckpointManager.save_async`` on tier 0; replication starts once the
         step commits there."""
         self._check_open()
+        self._check_floor(step)
         handle = self.fast.save_async(step, state, **kwargs)
         if self._multi:
             # Every rank queues the step once its commit is known here (rank 0's
             # on_commit alone would leave the other replicators behind).
-            threading.Thread(target=self._queue_when_done, args=(handle,), daemon=True).start()
+            self._queuer = threading.Thread(
+                target=self._queue_when_done, args=(handle,), daemon=True
+            )
+            self._queuer.start()
         return handle
 
     def _queue_when_done(self, handle: Any) -> None:
@@ -553,7 +595,115 @@ class TieredCheckpointManager:
         self._check_open()
         if self._multi:
             raise NotImplementedError("saving() of a multi-rank tiered job: use save()")
+        self._check_floor(step)
         return self.fast.saving(step, **kwargs)
+
+    def _check_floor(self, step: int) -> None:
+        """Refuse a save at or below tier 1's newest step of this run when tier 0 holds
+        nothing as new (a wiped or replaced tier 0): a resume would load tier 1's newer
+        step, and tier 1 orders checkpoints by step (``StepOrderError``, as a single
+        root does). The same on every rank: the floor is agreed at open."""
+        floor, newest = self._floor, self.fast._newest_step
+        if floor is None or (newest is not None and newest >= floor):
+            return
+        step = validate_step(step)
+        if step <= floor:
+            raise StepOrderError(
+                f"cannot save step {step}: the persistent tier {self._slow_storage.url('')} "
+                f"holds step {floor} of run {self.run_id!r}, newer than anything on "
+                f"{self.fast.root}, and checkpoints are ordered by step, so a resume would "
+                f"load step {floor}. To continue from it, restore() and save above {floor}; "
+                "to continue from an older checkpoint, first call rollback(<that step>) on "
+                "every rank (it deletes this run's checkpoints above it on both tiers)",
+                step=step,
+                newest=floor,
+            )
+
+    def _read_floor(self) -> int | None:
+        """Tier 1's newest valid step of this run; None if it holds none or cannot be
+        read (then nothing is refused: replication reconciles once it answers)."""
+        try:
+            found = catalog.newest_valid(self._slow_storage, run_id=self.run_id)
+        except CheckpointError as exc:
+            log.debug("reading %s at start: %s", self._slow_storage.url(""), exc)
+            return None
+        return found.valid[0].step if found.valid else None
+
+    def rollback(self, step: int) -> list[int]:
+        """Discard this run's checkpoints above ``step`` on both tiers (and their peer
+        copies), to continue training from an older checkpoint. Collective: call it on
+        every rank.
+
+        As ``CheckpointManager.rollback``: ``restore(100)`` and ``rollback(100)`` (in
+        either order), then save 110, 120, ... Tier 1 goes first, through the
+        replicator (a copy in flight is discarded; nothing above ``step`` is replicated
+        again), then tier 0: if tier 1 cannot be reached, the error is raised before
+        tier 0 is touched, and calling ``rollback`` again once it answers does it all.
+        Waits for an in-flight async save first (raising its failure, as ``save``
+        does).
+
+        Args:
+            step: the step to continue from; it need not exist on either tier.
+
+        Returns:
+            The steps removed from either tier, newest first; the same on every rank.
+
+        Raises:
+            CheckpointError: a tier could not be rolled back (unreachable, another job
+                holds it, replication stopped): every rank raises alike; the steps not
+                removed yet are still valid.
+        """
+        self._check_open()
+        step = validate_step(step)
+        self.fast.wait()
+        if self._queuer is not None:
+            self._queuer.join()  # its step is queued before the replicator is asked
+        with self._cv:
+            self._ceiling = step
+        try:
+            removed = set(self._rollback_persistent(step))
+            removed |= set(self.fast.rollback(step))
+        finally:
+            with self._cv:
+                self._ceiling = None
+        if self._floor is not None and self._floor > step:
+            self._floor = None
+        return sorted(removed, reverse=True)
+
+    def _rollback_persistent(self, step: int) -> list[int]:
+        """Ask the replicator thread (it owns tier 1) to roll tier 1 back; its answer."""
+        with self._cv:
+            if self._fatal is not None:
+                raise CheckpointError(
+                    f"rollback to step {step}: replication to {self._slow_storage.url('')} "
+                    f"has stopped ({self._fatal}), so this manager cannot roll it back; "
+                    f"nothing was removed from {self.fast.root}"
+                )
+            self._rollback_result = None
+            self._rollback_req = step
+            self._kick = True
+            self._cv.notify_all()
+            done = self._cv.wait_for(
+                lambda: self._rollback_result is not None or not self._thread.is_alive(),
+                timeout=self.timeout_s,
+            )
+            result, self._rollback_result = self._rollback_result, None
+            self._rollback_req = None
+        if result is None:
+            why = "its replicator has stopped" if done else f"no answer in {self.timeout_s:g} s"
+            raise CheckpointError(
+                f"rollback to step {step}: {self._slow_storage.url('')} was not rolled back "
+                f"({why}: {self._fatal or self._last_error or 'see the log'}); nothing was "
+                f"removed from {self.fast.root}: call rollback({step}) again"
+            )
+        kind, value = result
+        if kind == "error":
+            raise CheckpointError(
+                f"rollback to step {step}: {self._slow_storage.url('')} could not be rolled "
+                f"back ({value}); no checkpoint was removed from {self.fast.root}: call "
+                f"rollback({step}) again once it answers"
+            ) from value
+        return list(value)
 
     def _on_fast_commit(self, info: CheckpointInfo) -> None:
         # Called by tier 0's manager after the commit is durable: the step is a
@@ -587,18 +737,14 @@ class TieredCheckpointManager:
         pm = self._new_persistent()
         try:
             on_slow = {c.step for c in pm.checkpoints()}
-            # Read from storage, not through tier 0's manager: this may run on the
-            # replicator thread while the training thread saves through that manager.
-            on_fast = {
-                m.step
-                for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
-            }
+            on_fast = self._on_fast()
         except BaseException:
             pm.close()
             raise
         newest_slow = max(on_slow, default=None)
         with self._cv:
             self._persistent = pm
+            self._floor = newest_slow
             # Steps at or below tier 1's newest that it lacks were replicated and then
             # dropped by its own policy (or never replicable): not queued again, since
             # tier 1 orders checkpoints by step like any root.
@@ -615,6 +761,18 @@ class TieredCheckpointManager:
                 self.fast.root,
             )
 
+    def _on_fast(self) -> set[int]:
+        """The steps of this run committed on tier 0, read from storage, not through
+        tier 0's manager (the replicator thread runs this while the training thread
+        saves through it). During a rollback, only those at or below its step: the
+        ones above are being removed, never to be replicated again."""
+        ceiling = self._ceiling
+        return {
+            m.step
+            for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
+            if ceiling is None or m.step <= ceiling
+        }
+
     def _replicate_loop(self) -> None:
         # Replication is never urgent next to training: the lowest CPU priority, as an
         # async save's writer thread (the copy's hashing runs here).
@@ -624,9 +782,18 @@ class TieredCheckpointManager:
             with self._cv:
                 if self._stop.is_set():
                     return
-                if self._fatal is None and self._persistent is not None and not self._todo:
+                rollback = self._rollback_req
+                if (
+                    rollback is None
+                    and self._fatal is None
+                    and self._persistent is not None
+                    and not self._todo
+                ):
                     self._cv.wait()
                     continue
+            if rollback is not None:
+                self._serve_rollback(rollback)
+                continue
             if self._fatal is not None:
                 self._stop.wait()
                 return
@@ -647,6 +814,8 @@ class TieredCheckpointManager:
                 delay = _RETRY_MIN_S
             except _Stopped:
                 return
+            except _Interrupted:
+                continue  # a rollback: served at the top of the loop
             except (
                 CorruptCheckpointError,
                 UnsafeCheckpointError,
@@ -683,6 +852,51 @@ class TieredCheckpointManager:
                 delay = self._back_off(exc, delay)
             except Exception as exc:  # unreachable, throttled: retried with a back-off
                 delay = self._back_off(exc, delay)
+
+    def _serve_rollback(self, step: int) -> None:
+        """The replicator's part of ``rollback(step)`` (single process): tier 1 loses
+        this run's checkpoints above ``step``, and nothing above it is replicated again."""
+        result: tuple[str, Any]
+        try:
+            if self._fatal is not None:
+                raise CheckpointError(
+                    f"replication to {self._slow_storage.url('')} stopped: {self._fatal}"
+                )
+            if self._persistent is None:
+                self._open_persistent()  # queues only steps at or below the ceiling
+            assert self._persistent is not None
+            result = ("ok", self._persistent.rollback(step))
+            # Only now: if tier 1 failed, tier 0 keeps these steps, still to replicate.
+            self._purge_above(step)
+        except Exception as exc:
+            if isinstance(exc, LockError):
+                self._drop_persistent()
+            result = ("error", exc)
+        with self._cv:
+            self._rollback_req = None
+            self._rollback_result = result
+            self._cv.notify_all()
+
+    def _purge_above(self, step: int) -> None:
+        """Forget every step above ``step`` (rolled back): not replicated, not peer
+        copied, and a new save of the same number starts afresh."""
+        with self._cv:
+            for steps in (self._todo, self._replicated, self._peer_todo):
+                steps -= {s for s in steps if s > step}
+            for done in (self._peer_done, self._peer_safe):
+                done -= {s for s in done if s > step}
+            for failed in (self._failed, self._peer_failed):
+                for s in [s for s in failed if s > step]:
+                    del failed[s]
+            self._cv.notify_all()
+
+    def _check_interrupt(self) -> None:
+        """Between the chunks of a copy: close() stops it; a rollback (single
+        process) discards it, to be served at once."""
+        if self._stop.is_set():
+            raise _Stopped()
+        if not self._multi and self._rollback_req is not None:
+            raise _Interrupted()
 
     def _back_off(self, exc: BaseException, delay: float) -> float:
         with self._cv:
@@ -749,8 +963,7 @@ class TieredCheckpointManager:
                 )
             files = self._copy_files(source, attempt.staged, rank=0)
             fault_point("before_replica_commit", 0, step)
-            if self._stop.is_set():
-                raise _Stopped()
+            self._check_interrupt()
             pm.publish_copy(attempt, source, files, started=t0)
         except BaseException:
             pm.abandon_copy(attempt)
@@ -768,8 +981,7 @@ class TieredCheckpointManager:
         try:
             with self._fast_storage.open_read(src) as r:
                 while n := r.readinto(view):
-                    if self._stop.is_set():
-                        raise _Stopped()
+                    self._check_interrupt()
                     h.update(view[:n])
                     w.write(view[:n])
                     size += n
@@ -795,8 +1007,7 @@ class TieredCheckpointManager:
         view = memoryview(buf)
         with self._slow_storage.open_read(dst) as r:
             while n := r.readinto(view):
-                if self._stop.is_set():
-                    raise _Stopped()
+                self._check_interrupt()
                 h.update(view[:n])
                 size += n
         digest = h.hexdigest()
@@ -821,6 +1032,7 @@ class TieredCheckpointManager:
                     and self._reconciled
                     and not self._todo
                     and not self._peer_todo
+                    and self._rollback_req is None
                 ):
                     self._cv.wait()
                 if self._abandon:
@@ -829,23 +1041,29 @@ class TieredCheckpointManager:
                 reconciled = self._reconciled
                 step = min(self._todo) if self._todo else None
                 peer_step = min(self._peer_todo) if self._peer_todo else None
+                rollback = self._rollback_req
                 self._kick = False
             try:
                 # Each round starts with one agreed exchange: whether any rank is
                 # stopping (close() on every rank: they stop together, so no rank is
-                # left waiting in a round another one will never join) and, with peer
-                # replicas, the oldest step any rank reports for a peer round (peer
-                # rounds first: they need no persistent tier, which may be the reason
-                # the others wait; a rank whose save has not returned yet reports None).
-                stop, chosen = gather_summary(
+                # left waiting in a round another one will never join); a rollback,
+                # once every rank asks for it (rollback() is collective; until then the
+                # others' rounds go on); with peer replicas, the oldest step any rank
+                # reports for a peer round (peer rounds first: they need no persistent
+                # tier, which may be the reason the others wait; a rank whose save has
+                # not returned yet reports None).
+                stop, back, chosen = gather_summary(
                     self._rc,
                     "tiered: next",
-                    (stopping, peer_step),
+                    (stopping, peer_step, rollback),
                     _next_round,
                     timeout_s=self.timeout_s,
                 )
                 if stop:
                     return
+                if back is not None:
+                    self._rollback_round(back)
+                    continue
                 if chosen is not None:
                     self._peer_round(chosen)
                     continue
@@ -875,15 +1093,70 @@ class TieredCheckpointManager:
                 )
                 return
 
+    def _rollback_round(self, asked: list[int]) -> None:
+        """The replicators' part of ``rollback`` (every rank, agreed): rank 0 rolls
+        tier 1 back, then every rank forgets the steps above it and node leaders drop
+        their peer copies above it; every rank gets the same outcome."""
+        step = min(asked)
+        problem: str | None = None
+        removed: list[int] = []
+        if self.rank == 0:
+            if len(set(asked)) > 1:
+                problem = f"the ranks called rollback() with different steps: {sorted(set(asked))}"
+            else:
+                try:
+                    if self._persistent is None:
+                        self._persistent = self._new_persistent()
+                    removed = self._persistent.rollback(step)
+                except CheckpointError as exc:
+                    self._drop_persistent()
+                    problem = f"{self._slow_storage.url('')}: {type(exc).__name__}: {exc}"
+        removed, problem = self._rc.broadcast(
+            "tiered: rollback", (removed, problem), src=0, timeout_s=self.timeout_s
+        )
+        kind, value = "error", problem
+        if problem is None:
+            # Tier 1 holds nothing above the step: forget those steps, and drop their
+            # peer copies (a failure leaves tier 0 untouched: calling again finishes).
+            self._purge_above(step)
+            mine = None
+            if self._peer_group is not None and self.fast.is_coordinator:
+                mine = self._drop_peer_copies_above(step)
+            problems = gather_summary(
+                self._rc,
+                "tiered: rollback peers",
+                mine,
+                lambda found: [f"rank {r}: {p}" for r, p in enumerate(found) if p is not None],
+                timeout_s=self.timeout_s,
+            )
+            kind, value = ("error", "; ".join(problems)) if problems else ("ok", removed)
+        with self._cv:
+            self._rollback_req = None
+            self._rollback_result = (kind, CheckpointError(value) if kind == "error" else value)
+            self._cv.notify_all()
+
+    def _drop_peer_copies_above(self, step: int) -> str | None:
+        """Remove the peer copies this node holds of steps above ``step`` (rolled
+        back): each one's manifest first (un-committed), then its files. Returns what
+        failed, or None."""
+        store = self._fast_storage
+        try:
+            for node in store.listdir(_PEERS):
+                for name in store.listdir(f"{_PEERS}/{node}"):
+                    s = parse_checkpoint_name(name)
+                    if s is not None and s > step:
+                        copy = f"{_PEERS}/{node}/{name}"
+                        store.delete_file(f"{copy}/{MANIFEST_NAME}")
+                        store.fsync_dir(copy)
+                        store.delete_tree(copy)
+        except CheckpointError as exc:
+            return f"removing the peer copies above step {step} under {store.url(_PEERS)}: {exc}"
+        return None
+
     def _reconcile_multi(self) -> None:
         """Agree on what tier 1 lacks: the steps every node committed on tier 0, newer
         than tier 1's newest, minus tier 1's. Rank 0 opens tier 1 (its run lock)."""
-        on_fast = None
-        if self.fast.is_coordinator:
-            on_fast = {
-                m.step
-                for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
-            }
+        on_fast = self._on_fast() if self.fast.is_coordinator else None
         on_slow, error = None, None
         if self.rank == 0:
             try:
@@ -2042,11 +2315,16 @@ class TieredCheckpointManager:
         )
 
 
-def _next_round(reports: list[tuple[bool, int | None]]) -> tuple[bool, int | None]:
+def _next_round(
+    reports: list[tuple[bool, int | None, int | None]],
+) -> tuple[bool, list[int] | None, int | None]:
     """The multi-rank replicator's first exchange of a round, on rank 0: whether any
-    rank is stopping, and the oldest step any rank has for a peer round."""
-    stop = any(s for s, _ in reports)
-    return stop, min((p for _, p in reports if p is not None), default=None)
+    rank is stopping; the steps of a rollback once every rank asks for one (each rank's:
+    they should be one step); and the oldest step any rank has for a peer round."""
+    stop = any(s for s, _, _ in reports)
+    asked = [r for _, _, r in reports]
+    back = None if any(r is None for r in asked) else [int(r) for r in asked if r is not None]
+    return stop, back, min((p for _, p, _ in reports if p is not None), default=None)
 
 
 def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:

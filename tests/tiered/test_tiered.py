@@ -19,7 +19,7 @@ import signal
 import subprocess
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,10 +280,13 @@ class CutLink:
 
 
 @contextmanager
-def s3_link_cut(s3_server: Any, s3_bucket: str, fast_root: Path, **slow: Any) -> Iterator[CutLink]:
+def s3_link_cut(
+    s3_server: Any, s3_bucket: str, fast_root: Path, saved: Sequence[int] = (), **slow: Any
+) -> Iterator[CutLink]:
     """A tiered job: tier 0 at ``fast_root`` keeping one step, tier 1 on S3 (``slow``: its
     other ``Tier`` options) reached through a proxy with no retries, so that a 503
-    fails a request at once. Step 1 is saved and replicated, then the link is cut."""
+    fails a request at once. Step 1 is saved and replicated, then the link is cut, then
+    the steps ``saved`` are saved and the replicator has tried (and failed) to copy."""
     url = f"s3://{s3_bucket}/run"
     with S3Proxy(s3_server, lifetime_s=120) as proxy:
         tiers = [
@@ -294,7 +297,11 @@ def s3_link_cut(s3_server: Any, s3_bucket: str, fast_root: Path, **slow: Any) ->
         mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
         mgr.save(1, state(1))
         assert mgr.wait_replicated(1, timeout_s=30)
-        yield CutLink(url, proxy, tiers, mgr, proxy.add(Rule("error", status=503, times=None)))
+        link = CutLink(url, proxy, tiers, mgr, proxy.add(Rule("error", status=503, times=None)))
+        for step in saved:
+            mgr.save(step, state(step))
+        assert not saved or link.cut.arrived.wait(30)
+        yield link
 
 
 @pytest.mark.netfs
@@ -302,11 +309,8 @@ def s3_link_cut(s3_server: Any, s3_bucket: str, fast_root: Path, **slow: Any) ->
 def test_saves_go_on_while_s3_is_unreachable_and_replication_catches_up(
     s3_server, s3_bucket, fast_root
 ):
-    with s3_link_cut(s3_server, s3_bucket, fast_root, retention=KeepLast(3)) as link:
+    with s3_link_cut(s3_server, s3_bucket, fast_root, (2, 3, 4, 5), retention=KeepLast(3)) as link:
         mgr = link.mgr
-        for s in (2, 3, 4, 5):
-            mgr.save(s, state(s))
-        assert link.cut.arrived.wait(30)  # the replicator did try, and failed
         # Nothing older than KeepLast(1) was deleted on tier 0: those steps exist
         # nowhere else.
         assert mgr.replication_backlog() == [2, 3, 4, 5]
@@ -335,11 +339,8 @@ def test_close_drains_then_applies_tier_0_retention_to_what_the_drain_released(
     # Steps 2-5 wait on tier 0 for the persistent tier (held beyond KeepLast(1)); the
     # link comes back just as the job closes: close() replicates them, and tier 0's
     # policy then applies, as it would have at a next save.
-    with s3_link_cut(s3_server, s3_bucket, fast_root) as link:
+    with s3_link_cut(s3_server, s3_bucket, fast_root, (2, 3, 4, 5)) as link:
         mgr = link.mgr
-        for s in (2, 3, 4, 5):
-            mgr.save(s, state(s))
-        assert link.cut.arrived.wait(30)
         assert steps_on(mgr.fast) == [2, 3, 4, 5]
         link.proxy.remove(link.cut)
         assert mgr.close() == []  # drained
@@ -384,11 +385,8 @@ def test_a_corrupt_fast_copy_is_never_replicated(fast_root, tmp_path):
 def test_close_and_restart_while_s3_is_unreachable_keep_every_step_until_it_answers(
     s3_server, s3_bucket, fast_root
 ):
-    with s3_link_cut(s3_server, s3_bucket, fast_root) as link:
+    with s3_link_cut(s3_server, s3_bucket, fast_root, (2, 3)) as link:
         mgr = link.mgr
-        mgr.save(2, state(2))
-        mgr.save(3, state(3))
-        assert link.cut.arrived.wait(30)
         # close() says what did not reach S3 instead of claiming success.
         assert mgr.close(timeout_s=0) == [2, 3]
         assert steps_on(CheckpointManager(fast_root, read_only=True)) == [2, 3]

@@ -547,3 +547,30 @@ def w_replicator_bug(rank: int, world: int, base: str, slow: str) -> dict[str, A
     except CheckpointError as exc:
         out["close"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def w_rollback(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any] | None, peers: int
+) -> dict[str, Any]:
+    """Save steps 1-3 (replicated and peer copied), roll back to step 1 on every rank,
+    save another step 2 (the state of "step 20") and report what each rank then sees
+    and restores."""
+    _, mgr = _node_manager(
+        rank, base, slow, opts, keep=5, timeout_s=30, retry_max_s=0.2, peers=peers, fast_keep=2
+    )
+    for s in (1, 2, 3):
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    out: dict[str, Any] = {"replicated": mgr.wait_replicated(timeout_s=60)}
+    out["peered"] = mgr.wait_peers(timeout_s=60)
+    out["removed"] = mgr.rollback(1)
+    mgr.save(2, make_state(20, rank, big_elems=ELEMS))
+    out["replicated_again"] = mgr.wait_replicated(timeout_s=60)
+    out["peered_again"] = mgr.wait_peers(timeout_s=60)
+    out["listed"] = [(c.step, c.tiers) for c in mgr.checkpoints()]
+    out["recoverable"] = mgr.peer_recoverable()
+    state = mgr.restore()
+    out["restored"] = mgr.last_restored.step
+    out["restored_ok"] = states_equal(state, make_state(20, rank, big_elems=ELEMS))
+    out["failures"] = sorted(mgr.replication_failures())
+    out["left"] = mgr.close()
+    return out

@@ -1,0 +1,143 @@
+"""Going back to an older checkpoint with tiers: ``TieredCheckpointManager.rollback``
+removes this run's newer checkpoints from both tiers (and from the peers), so that the
+run continues from the older step and a resume never loads the abandoned trajectory;
+a save below the persistent tier's newest step (a wiped tier 0) is refused before it
+is written, as a single root refuses a save below its newest step.
+
+Real parts: tier 0 is a local directory, tier 1 a local directory or the real S3
+server (moto on 127.0.0.1) behind the fault-injecting proxy that cuts the link; the
+multi-rank case is a real 3-rank gloo job, each rank its own node with peer copies."""
+
+# Fixtures imported from tests.testbed are requested by parameter name.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from tests.dist.launcher import ok_values, run_ranks
+from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.tiered import workers
+from tests.tiered.test_tiered import fast_root, s3_link_cut, same, state, steps_on  # noqa: F401
+
+from atomic_checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    KeepLast,
+    StepOrderError,
+    Tier,
+    TieredCheckpointManager,
+    catalog,
+)
+from atomic_checkpoint.layout import checkpoint_name
+
+
+@pytest.mark.timeout(60)
+def test_a_wiped_tier_0_refuses_a_save_below_the_persistent_tiers_newest_until_rollback(
+    fast_root, tmp_path
+):
+    slow = tmp_path / "persistent"
+    tiers = [Tier(fast_root, retention=KeepLast(1)), Tier(slow, retention=KeepLast(3))]
+    with TieredCheckpointManager(tiers) as mgr:
+        for s in (100, 200):
+            mgr.save(s, state(s))
+        assert mgr.wait_replicated(timeout_s=30)
+    shutil.rmtree(fast_root)  # a replaced node: tier 0 is empty, tier 1 holds 100, 200
+
+    with TieredCheckpointManager(tiers) as mgr:
+        # Saved as is, step 50 would be the first one tier 1's retention drops, never
+        # replicated (below tier 1's newest), and a resume would load step 200.
+        with pytest.raises(StepOrderError, match=r"rollback\(<that step>\)") as err:
+            mgr.save(50, state(50))
+        assert (err.value.step, err.value.newest) == (50, 200)
+        with pytest.raises(StepOrderError):
+            mgr.save(200, state(200))  # another copy of step 200: refused too
+        assert same(mgr.restore(100), state(100))
+        assert mgr.last_restored.tiers == (1,)
+        assert mgr.rollback(100) == [200]
+        mgr.save(150, state(150))
+        assert mgr.wait_replicated(timeout_s=30)
+        assert [c.step for c in mgr.checkpoints()] == [100, 150]
+    reader = CheckpointManager(slow, read_only=True)
+    assert steps_on(reader) == [100, 150]
+    with TieredCheckpointManager(tiers) as mgr:
+        assert same(mgr.restore(), state(150))
+        assert mgr.last_restored.step == 150
+
+
+@pytest.mark.timeout(60)
+def test_rollback_removes_newer_steps_from_both_tiers_and_the_run_goes_on(fast_root, tmp_path):
+    slow = tmp_path / "persistent"
+    tiers = [Tier(fast_root, retention=KeepLast(2)), Tier(slow, retention=KeepLast(5))]
+    with TieredCheckpointManager(tiers) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, state(s))
+        assert mgr.wait_replicated(timeout_s=30)
+        assert mgr.rollback(2) == [4, 3]
+        assert max(steps_on(mgr.fast)) == 2  # step 1 too, if its replication came late
+        # A new step 3, from another trajectory: replicated afresh, never mistaken for
+        # the step 3 that tier 1 held before.
+        mgr.save(3, state(30))
+        assert mgr.wait_replicated(timeout_s=30)
+        assert mgr.replication_failures() == {}
+        listed = [(c.step, c.tiers) for c in mgr.checkpoints()]
+        assert listed == [(1, (1,)), (2, (0, 1)), (3, (0, 1))]
+    on_slow = CheckpointManager(slow, read_only=True)
+    assert catalog.load_checkpoint(on_slow.storage, 3, full=True).step == 3
+    shutil.rmtree(fast_root)
+    with TieredCheckpointManager(tiers) as mgr:
+        assert same(mgr.restore(), state(30))  # from tier 1: the new step 3
+
+
+@pytest.mark.netfs
+@pytest.mark.timeout(120)
+def test_rollback_while_the_persistent_tier_is_unreachable_touches_neither_tier(
+    s3_server, s3_bucket, fast_root
+):
+    with s3_link_cut(s3_server, s3_bucket, fast_root, (2, 3, 4), retention=KeepLast(5)) as link:
+        mgr = link.mgr
+        with pytest.raises(CheckpointError, match=r"call rollback\(2\) again"):
+            mgr.rollback(2)
+        # Nothing removed anywhere: the steps above 2 are still on tier 0, still held
+        # for replication.
+        assert steps_on(mgr.fast) == [2, 3, 4]
+        assert mgr.replication_backlog() == [2, 3, 4]
+        link.proxy.remove(link.cut)
+        assert mgr.rollback(2) == [4, 3]
+        assert steps_on(mgr.fast) == [2]
+        assert mgr.wait_replicated(timeout_s=60)
+        assert mgr.replication_backlog() == []
+        assert mgr.close() == []
+        opts = s3_server.storage_options()
+        reader = CheckpointManager(link.url, storage_options=opts, read_only=True)
+        # Steps 3 and 4 never reach tier 1, whether or not they were copied before the
+        # rollback: the replicator forgot them.
+        assert steps_on(reader) == [1, 2]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+def test_rollback_in_a_multi_node_job_removes_tier_1_tier_0_and_peer_copies_alike(tmp_path):
+    base, slow = tmp_path / "nodes", tmp_path / "persistent"
+    got = ok_values(
+        run_ranks(workers.w_rollback, 3, str(base), str(slow), None, 1, tmp_dir=str(tmp_path))
+    )
+    assert all(v["replicated"] and v["peered"] for v in got), got
+    assert all(v["removed"] == [3, 2] for v in got), got
+    assert all(v["replicated_again"] and v["peered_again"] for v in got), got
+    # The new step 2 is on both tiers and on the peers; the old step 3 nowhere.
+    # (Tier 0 keeps its newest two: steps 1 and the new 2.)
+    assert all(v["listed"] == [(1, (0, 1)), (2, (0, 1))] for v in got), got
+    assert all(v["recoverable"][-1] == 2 for v in got), [v["recoverable"] for v in got]
+    assert all(v["restored"] == 2 and v["restored_ok"] for v in got), got
+    assert all(v["failures"] == [] and v["left"] == [] for v in got), got
+    reader = CheckpointManager(slow, read_only=True)
+    assert steps_on(reader) == [1, 2]
+    tier1_step2 = catalog.load_checkpoint(reader.storage, 2, full=True)
+    for node in range(3):
+        tier0 = CheckpointManager(base / f"node{node}", read_only=True)
+        own = catalog.load_checkpoint(tier0.storage, 2)
+        assert {f.checksum for f in own.files} <= {f.checksum for f in tier1_step2.files}
+        assert not list(base.glob(f"node{node}/.peers/*/{checkpoint_name(3)}"))
+        assert list(base.glob(f"node{node}/.peers/*/{checkpoint_name(2)}"))
