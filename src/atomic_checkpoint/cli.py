@@ -717,6 +717,17 @@ class _Progress:
         self.stream.flush()
 
 
+def _progress_option(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"progress {what + ' ' if what else ''}with bytes/s on stderr (default: a bar "
+        "when stderr is a terminal, for checkpoints of "
+        f"{_human_bytes(_AUTO_PROGRESS_MIN_BYTES)} or more)",
+    )
+
+
 def _progress_for(args: argparse.Namespace, label: str, total: int) -> _Progress | None:
     tty = sys.stderr.isatty()
     if args.progress is False:
@@ -1551,8 +1562,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
         newest = max(staying, key=lambda i: i.step)
         name = checkpoint_name(newest.step)
         manifest = next(m for m in manifests if m.step == newest.step)
+        progress = _progress_for(args, f"verifying {name}", manifest.size_bytes)
         try:
-            catalog.validate_consistent(storage, name, manifest, full=True)
+            catalog.validate_consistent(storage, name, manifest, full=True, progress=progress)
             break
         except CorruptCheckpointError as exc:
             problem = f"failed verification, so not counted as kept: {exc}"
@@ -1565,6 +1577,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 }
             )
             infos = [i for i in infos if i.step != newest.step]
+        finally:
+            if progress is not None:
+                progress.finish()
     failed: list[dict[str, Any]] = []
     deleted: set[int] = set()
     if victims and not args.dry_run:
@@ -2084,13 +2099,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg, help="only this step")
     p.add_argument("-q", "--quiet", action="store_true", help="print only problems")
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress with bytes/s on stderr (default: a bar when stderr is a terminal, "
-        f"for checkpoints of {_human_bytes(_AUTO_PROGRESS_MIN_BYTES)} or more)",
-    )
+    _progress_option(p)
     finish(p, cmd_verify, all_runs="verify the checkpoints of every run in ROOT", tier=True)
 
     p = command(
@@ -2131,9 +2140,11 @@ def build_parser() -> argparse.ArgumentParser:
         "apply a retention policy by hand",
         "Delete this run's committed checkpoints that no given policy keeps (a "
         "checkpoint is kept if any policy keeps it); the newest is never deleted, "
-        "corrupt and foreign entries are never touched. Each deletion un-commits first "
-        "(renames into ROOT/.trash/), then deletes. Refuses (exit 3) while a live job "
-        "holds the run lock.",
+        "corrupt and foreign entries are never touched. Before anything is deleted, every "
+        "byte of the newest checkpoint kept is verified (what a resume would load): one "
+        "that fails is set aside, never deleted, and the next newest must verify instead. "
+        "Each deletion un-commits first (renames into ROOT/.trash/), then deletes. Refuses "
+        "(exit 3) while a live job holds the run lock.",
         "/ckpt/run1 --keep-last 3 --dry-run",
         "/ckpt/run1 --keep-last 2 --keep-best 1 --metric eval_loss --mode min --pin 10000",
     )
@@ -2156,6 +2167,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep these steps (--pin 1000 5000, or --pin 1000 --pin 5000)",
     )
     p.add_argument("--run-id", metavar="RUN", help="prune this run (default: ROOT's run)")
+    _progress_option(p, "of the verification of the newest checkpoint kept")
     finish(
         p,
         cmd_prune,

@@ -117,7 +117,15 @@ def test_prune_never_deletes_the_last_restorable_checkpoint_for_a_corrupt_newest
     root = tmp_path / "root"
     make_root(root, (10, 20, 30, 40))
     flip_byte(state_file(root, 40), 40)
-    doc = run_json("prune", root, "--keep-last", "1")
+    proc = run_cli("prune", root, "--keep-last", "1", "--json", "--progress")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    # The full read says what it reads, and how fast (stderr: stdout stays pure JSON).
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("verifying ")]
+    assert [ln.split(":")[0] for ln in lines if " verified " in ln] == [
+        "verifying checkpoint-40",
+        "verifying checkpoint-30",
+    ], proc.stderr
     assert {c["step"] for c in doc["checkpoints"] if c["kept"]} == {30}
     assert [(s["step"], s["status"]) for s in doc["skipped"]] == [(40, "corrupt")]
     assert "failed verification" in doc["skipped"][0]["problem"]

@@ -242,7 +242,6 @@ def test_verify_corruption_found_after_list_said_ok(tmp_path):
     assert "does not match the manifest" in doc["checkpoints"][1]["problem"]
 
 
-
 def _job_acts_while_verified(monkeypatch, root, step, act):
     """Make the real ``verify`` meet a real change of ROOT just as it starts reading
     checkpoint ``step``: the job that owns ROOT (a real manager, opened at that moment)

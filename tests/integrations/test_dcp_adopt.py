@@ -258,7 +258,9 @@ def test_a_root_of_stock_dcp_checkpoints_is_not_a_first_run(tmp_path):
 
 @pytest.mark.parametrize("call", ["save_dcp", "load_dcp"])
 def test_a_path_instead_of_a_manager_is_a_type_error_that_says_what_to_pass(tmp_path, call):
-    with pytest.raises(TypeError, match=r"expected a CheckpointManager .* CheckpointManager\(ROOT\)"):
+    with pytest.raises(
+        TypeError, match=r"expected a CheckpointManager .* CheckpointManager\(ROOT\)"
+    ):
         if call == "save_dcp":
             save_dcp(str(tmp_path), 1, _plain(1))  # type: ignore[arg-type]
         else:

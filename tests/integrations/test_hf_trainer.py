@@ -283,10 +283,14 @@ from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.integrations.hf import make_atomic
 
 out = sys.argv[1]
-first = Trainer(model=tiny_model(), args=tiny_args(out, max_steps=4), train_dataset=RandomTokens(32))
+first = Trainer(
+    model=tiny_model(), args=tiny_args(out, max_steps=4), train_dataset=RandomTokens(32)
+)
 make_atomic(first).train()
 before = CheckpointManager(out, read_only=True).checkpoints()[-1].commit_seq
-second = Trainer(model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32))
+second = Trainer(
+    model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32)
+)
 make_atomic(second).train(resume_from_checkpoint=out + "/checkpoint-2")
 after = {c.step: c.commit_seq for c in CheckpointManager(out, read_only=True).checkpoints()}
 print("GLOBAL_STEP", second.state.global_step)
@@ -343,15 +347,16 @@ from atomic_checkpoint.integrations.hf import make_atomic
 
 logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
 out, case = sys.argv[1], sys.argv[3]
-first = Trainer(model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32))
+first = Trainer(
+    model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32)
+)
 make_atomic(first).train()
 before = {c.step: c.commit_seq for c in CheckpointManager(out, read_only=True).checkpoints()}
 print("BEFORE", sorted(before))
 
 def trainer():
-    return make_atomic(
-        Trainer(model=tiny_model(), args=tiny_args(out, max_steps=8), train_dataset=RandomTokens(32))
-    )
+    args = tiny_args(out, max_steps=8)
+    return make_atomic(Trainer(model=tiny_model(), args=args, train_dataset=RandomTokens(32)))
 
 if case == "older":
     trainer().train(resume_from_checkpoint=os.path.join(out, "checkpoint-4"))

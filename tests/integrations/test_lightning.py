@@ -13,8 +13,8 @@ import importlib.util
 import json
 import logging
 import os
-import re
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -676,9 +676,7 @@ def test_latest_checkpoint_finds_fabric_files_that_record_no_step(tmp_path):
     assert latest_checkpoint(tmp_path) == str(tmp_path / "step.ckpt")
 
 
-def test_latest_checkpoint_warns_when_only_files_without_a_manifest_are_there(
-    tmp_path, caplog
-):
+def test_latest_checkpoint_warns_when_only_files_without_a_manifest_are_there(tmp_path, caplog):
     """Stock ``.ckpt`` files and nothing of ours: None (never resumed from, unverified),
     but said, with the way to adopt them, not silently."""
     torch.save(_state(5), tmp_path / "epoch=0-step=5.ckpt")

@@ -517,7 +517,7 @@ def test_another_runs_checkpoint_of_the_same_step_is_never_replaced(tmp_path):
         b.save(500, state(1))
     with CheckpointManager(tmp_path, run_id="run-a") as a:
         for overwrite in (False, True):
-            with pytest.raises(CheckpointExistsError, match="another run .'run-b'") as caught:
+            with pytest.raises(CheckpointExistsError, match=r"another run .'run-b'") as caught:
                 a.save(500, state(2), overwrite=overwrite)
             assert "overwrite=True included" in str(caught.value)
         a.save(600, state(3))

@@ -62,9 +62,7 @@ def test_restore_with_nothing_that_verifies_is_an_error_listing_what_was_skipped
     mgr.close()
 
 
-def test_training_goes_on_after_a_fallback_without_losing_the_restored_checkpoint(
-    tmp_path, caplog
-):
+def test_training_goes_on_after_a_fallback_without_losing_the_restored_checkpoint(tmp_path, caplog):
     """After ``restore()`` skipped a corrupt newest checkpoint (30) and loaded 20, the
     loop goes on: retention must not count the corrupt one as "the newest" (KeepLast(2)
     deleted 20, the only valid one training came from, and kept 30), and the loop's
