@@ -620,7 +620,8 @@ class PreemptionGuard:
     before the guard existed counts as received by the guard.
 
     Args:
-        manager: the job's ``CheckpointManager``; its coordinator carries the vote.
+        manager: the job's ``CheckpointManager`` (or ``TieredCheckpointManager``); its
+            coordinator carries the vote.
         signals: the signals that mean "save and stop".
         timeout_s: bound on the wait for the other ranks in ``should_save``; default:
             the manager's ``timeout_s``.
@@ -755,6 +756,15 @@ class PreemptionGuard:
         if self.grace_s is None or self._record.at is None:
             return None
         return self.grace_s - (time.monotonic() - self._record.at)
+
+    @property
+    def time_left_s(self) -> float | None:
+        """Seconds left of the grace period since this process's first signal (at
+        least 0), or None: no signal yet, or the grace period is unknown. Local to this
+        rank. For what comes after the save, e.g. a tiered manager's
+        ``close(timeout_s=guard.time_left_s)`` replicating the preemption save."""
+        left = self._time_left()
+        return None if left is None else max(0.0, left)
 
     def should_save(self, step: int) -> bool:
         """Whether to save now and stop, decided by all ranks together. Collective.

@@ -1591,6 +1591,9 @@ class _Loader:
         slot fill of ``ring`` (one batch without a ring: nothing goes to a device); and
         what must wait until every byte is in."""
         after: list[Callable[[], None]] = []
+        # Copies out of the scratch buffers of small entries: they run before ``after``,
+        # whose scalars and aliases read the memory these copies fill.
+        copies: list[Callable[[], None]] = []
         size = _SMALL_BATCH_BYTES if ring is None else ring.slot_bytes
         if size < _SMALL_ENTRY_BYTES:  # a small entry is never split
             raise ValueError(f"staging slots of {size} bytes: at least {_SMALL_ENTRY_BYTES}")
@@ -1649,10 +1652,10 @@ class _Loader:
                 for e, d in dests:
                     if isinstance(d, memoryview):
                         chunk = scratch[e.begin - entry.begin : e.end - entry.begin]
-                        after.append(functools.partial(_copy_into, d, chunk))
+                        copies.append(functools.partial(_copy_into, d, chunk))
                 batches[-1].pieces.append((start, total, scratch, entry.name))
             i = j
-        return batches, after
+        return batches, copies + after
 
     def read_data(self, f: Any, header: _Header) -> None:
         entries = header.entries

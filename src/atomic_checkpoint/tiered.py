@@ -580,6 +580,24 @@ class TieredCheckpointManager:
             self._kick = True
             self._cv.notify_all()
 
+    @property
+    def coordinator(self) -> Coordinator:
+        """How the ranks agree (tier 0's manager's coordinator); a ``PreemptionGuard``
+        votes through it."""
+        return self._coord
+
+    @property
+    def last_saved(self) -> CheckpointInfo | None:
+        """The last checkpoint committed on tier 0 by this manager (with its
+        ``timings_s``), or None."""
+        return self.fast.last_saved
+
+    @property
+    def async_in_flight(self) -> Any:
+        """The handle of tier 0's ``save_async`` still writing or committing, or
+        None. Local to this rank; never blocks."""
+        return self.fast.async_in_flight
+
     def prepare_async(self, state: Any, **kwargs: Any) -> int:
         """``CheckpointManager.prepare_async`` on tier 0."""
         return self.fast.prepare_async(state, **kwargs)

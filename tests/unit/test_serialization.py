@@ -14,6 +14,7 @@ import math
 import pickle
 import random
 import struct
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -62,14 +63,35 @@ def load(path: Path, **kwargs: Any) -> Any:
         return load_state(f, **kwargs)
 
 
-def roundtrip(state: Any, **kwargs: Any) -> Any:
+def roundtrip(state: Any, *, through: str = "stream", **kwargs: Any) -> Any:
+    """Save ``state`` and load it back: from an in-memory stream (one sequential pass)
+    or, ``through="file"``, from a regular file (positioned reads, as a restore does)."""
     plan = plan_state(state, allow_pickle=kwargs.pop("allow_pickle_save", False))
     buf = io.BytesIO()
     for chunk in plan.iter_chunks(chunk_bytes=kwargs.pop("chunk_bytes", 1 << 20)):
         buf.write(chunk)
     assert buf.tell() == plan.total_size_bytes
     buf.seek(0)
-    return load_state(buf, **kwargs)
+    if through == "stream":
+        return load_state(buf, **kwargs)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "state.safetensors"
+        path.write_bytes(buf.getvalue())
+        poison_small_allocations()
+        return load(path, **kwargs)
+
+
+def poison_small_allocations() -> None:
+    """Fill the memory that numpy and torch hand out next for small arrays with 0xA5
+    bytes: a value read before its bytes arrived shows as 0xA5..., never, by luck, as
+    the value that a recent write of the same state left in freed memory."""
+    junk = [np.full(n, 0xA5, dtype=np.uint8) for n in (1, 2, 4, 8, 16, 64, 256) * 200]
+    junk += [torch.full((n,), 0xA5, dtype=torch.uint8) for n in (1, 4, 8, 16, 64) * 100]
+    del junk
+
+
+#: The two ways a state file is read: both must give the state that was saved.
+THROUGH = pytest.mark.parametrize("through", ["stream", "file"])
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -308,7 +330,8 @@ def test_tied_weights_are_stored_once_and_restored_tied() -> None:
     assert torch.equal(out["overlapping"][1], w[1:4])
 
 
-def test_numpy_arrays_and_scalars_round_trip() -> None:
+@THROUGH
+def test_numpy_arrays_and_scalars_round_trip(through: str) -> None:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((3, 4))
     state = {
@@ -323,10 +346,40 @@ def test_numpy_arrays_and_scalars_round_trip() -> None:
         "same": [a, a],
         "empty": np.zeros((0, 2), dtype=np.int32),
     }
-    out = roundtrip(state)
+    out = roundtrip(state, through=through)
     assert_same(state, out)
     assert out["same"][0] is out["same"][1]
     assert out["big_endian"].dtype.str == ">f4"
+
+
+def test_small_entries_read_positionally_hold_their_own_bytes(tmp_path: Path) -> None:
+    """A file of small entries (numpy scalars, small arrays and tensors, one tensor
+    restored into two tied targets) is read with positioned reads: each small run into
+    a scratch buffer, then copied out. A numpy scalar is taken, and a tied target
+    filled, only after those copies: before, they held the memory the allocation
+    happened to reuse (a resumed ``step`` counter of 4575657222473777152)."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {
+        "step": np.int64(25),
+        "scalars": [np.int64(i * 7919 + 1) for i in range(32)]
+        + [np.float32(i / 3) for i in range(32)],
+        "flags": (np.bool_(True), np.uint8(200), np.float16(1.5)),
+        "arrays": [np.full(3, i, dtype=np.int32) for i in range(8)],
+        "tensors": [torch.full((2,), float(i)) for i in range(8)],
+        "a": w,
+        "b": w,
+    }
+    save(tmp_path / "state.safetensors", state)
+    a, b = torch.zeros(3, 4), torch.zeros(3, 4)
+    for into in (None, {"a": a, "b": b}):
+        poison_small_allocations()
+        out = load(tmp_path / "state.safetensors", into=into)
+        expected = dict(state)
+        if into is not None:
+            assert out["a"] is a and out["b"] is b
+            assert torch.equal(a, w) and torch.equal(b, w)
+            expected.pop("a"), expected.pop("b"), out.pop("a"), out.pop("b")
+        assert_same(expected, out)
 
 
 def test_python_values_round_trip_exactly() -> None:
@@ -636,7 +689,8 @@ def test_into_fills_existing_tensors_in_place(tmp_path: Path) -> None:
     assert_same(state["optimizer"], out["optimizer"])  # absent in into: loaded fresh
 
 
-def test_into_handles_non_contiguous_and_tied_targets() -> None:
+@THROUGH
+def test_into_handles_non_contiguous_and_tied_targets(through: str) -> None:
     w = torch.randn(3, 4)
     state = {"t": w.T.contiguous(), "a": w, "b": w}
     target_t = torch.zeros(4, 3).T.contiguous().T  # non-contiguous (4, 3)... as a view
@@ -644,7 +698,7 @@ def test_into_handles_non_contiguous_and_tied_targets() -> None:
     a, b = torch.zeros(3, 4), torch.zeros(3, 4)
     one = torch.zeros(10)[::5][:1]  # one element with stride 5: filled through a flat view
     state["one"] = torch.tensor([7.0])
-    out = roundtrip(state, into={"t": target_t, "a": a, "b": b, "one": one})
+    out = roundtrip(state, through=through, into={"t": target_t, "a": a, "b": b, "one": one})
     assert out["one"] is one and one.item() == 7.0
     assert out["t"] is target_t and torch.equal(target_t, state["t"])
     assert out["a"] is a and out["b"] is b
@@ -826,9 +880,15 @@ trees = st.recursive(leaves, containers, max_leaves=20)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(tree=trees, chunk_bytes=st.sampled_from([1, 7, 64, 1 << 20]))
-def test_property_any_supported_tree_round_trips_exactly(tree: Any, chunk_bytes: int) -> None:
-    out = roundtrip({"state": tree}, chunk_bytes=chunk_bytes)
+@given(
+    tree=trees,
+    chunk_bytes=st.sampled_from([1, 7, 64, 1 << 20]),
+    through=st.sampled_from(["stream", "file"]),
+)
+def test_property_any_supported_tree_round_trips_exactly(
+    tree: Any, chunk_bytes: int, through: str
+) -> None:
+    out = roundtrip({"state": tree}, chunk_bytes=chunk_bytes, through=through)
     assert_same({"state": tree}, out)
     # And the bytes are a valid file for the reference reader.
     data = b"".join(plan_state({"state": tree}).iter_chunks())
