@@ -2124,6 +2124,56 @@ class TieredCheckpointManager:
             slow = None
         return fast, slow
 
+    @property
+    def is_coordinator(self) -> bool:
+        """True on the rank that commits tier 0's copy of this rank's node (as
+        ``CheckpointManager.is_coordinator``)."""
+        return self.fast.is_coordinator
+
+    def verify(self, step: int) -> TieredCheckpointInfo:
+        """Full checksum verification of every copy of ``step`` this rank can read:
+        tier 0's (this node's copy) and tier 1's. Run on the calling rank.
+
+        Returns:
+            The step's info (the fastest tier's), with ``tiers`` the tiers whose copy
+            verified.
+
+        Raises:
+            CorruptCheckpointError: a copy fails its checksums (the message names the
+                tier, and says whether the other tier's copy verified: ``restore``
+                falls back to a good one).
+            CheckpointNotFoundError: neither tier holds the step.
+            StorageError: tier 1 cannot be read and tier 0 does not hold the step.
+        """
+        self._check_open()
+        step = validate_step(step)
+        found: list[tuple[int, CheckpointInfo]] = []
+        corrupt: list[str] = []
+        missing: CheckpointError | None = None
+        for tier, storage in ((0, self._fast_storage), (1, self._slow_read_storage())):
+            try:
+                m = catalog.load_checkpoint(storage, step, full=True)
+            except CheckpointNotFoundError as exc:
+                missing = exc
+                continue
+            except CorruptCheckpointError as exc:
+                corrupt.append(f"tier {tier}: {exc}")
+                continue
+            except StorageError:
+                if tier == 0 or not found:
+                    raise
+                log.warning("verify: tier 1 (%s) cannot be read", self._slow_storage.url(""))
+                continue
+            found.append((tier, m.info(storage.url(checkpoint_name(step)))))
+        if corrupt:
+            good = f"tier {found[0][0]}'s copy verified" if found else "no copy verified"
+            raise CorruptCheckpointError(f"step {step}: {'; '.join(corrupt)} ({good})")
+        if not found:
+            raise CheckpointNotFoundError(
+                f"step {step} is on neither tier ({self.fast.root}, {self._slow_storage.url('')})"
+            ) from missing
+        return _tiered(found[0][1], tuple(t for t, _ in found))
+
     def checkpoints(self) -> list[TieredCheckpointInfo]:
         """Every step valid on some tier, ascending, each with the tiers that hold it
         (``tiers``); the info is the fastest holder's. Multi-rank (collective): the steps

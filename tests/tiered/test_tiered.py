@@ -422,3 +422,24 @@ def test_an_async_save_is_replicated_once_it_commits_on_tier_0(fast_root, tmp_pa
     assert sorted(seen) == [(0, 7), (1, 7)]
     assert mgr.close() == []
     assert same(CheckpointManager(slow_root, read_only=True).restore(step=7), state(7))
+
+
+@pytest.mark.timeout(60)
+def test_verify_checks_every_copy_and_names_the_corrupt_tier(fast_root, tmp_path):
+    slow = tmp_path / "persistent"
+    tiers = [Tier(fast_root, retention=KeepLast(2)), Tier(slow, retention=KeepLast(2))]
+    with TieredCheckpointManager(tiers) as mgr:
+        assert mgr.is_coordinator
+        for s in (1, 2):
+            mgr.save(s, state(s))
+        assert mgr.wait_replicated(timeout_s=30)
+        assert mgr.verify(2).tiers == (0, 1)
+        # One byte of tier 1's copy rots (same size: only the checksums tell).
+        m = catalog.load_checkpoint(CheckpointManager(slow, read_only=True).storage, 2)
+        flip_byte(slow / checkpoint_name(2) / m.files[0].path, -100)
+        with pytest.raises(CorruptCheckpointError, match=r"tier 1: .*\(tier 0's copy verified\)"):
+            mgr.verify(2)
+        assert mgr.verify(1).tiers == (0, 1)
+        with pytest.raises(CheckpointNotFoundError, match="neither tier"):
+            mgr.verify(3)
+        assert same(mgr.restore(2), state(2))  # tier 0's copy
