@@ -787,6 +787,7 @@ def scan(
     entries: list[Entry] = [
         Entry(name, None, "foreign", problem="not a checkpoint name") for name in others
     ]
+    vanished = False
     for (step, name), token in zip(steps, tokens, strict=True):
         entry = _settled(
             storage,
@@ -800,6 +801,23 @@ def scan(
         )
         if entry is not None:
             entries.append(entry)
+        vanished = vanished or entry is None
+    # Names that vanished meanwhile were deleted by a rotation, which commits a newer
+    # checkpoint first: list again for names this listing predates (bounded), so that
+    # a reader racing a KeepLast(1) rotation never sees an empty root.
+    seen = {step for step, _ in steps}
+    for _ in range(READ_ATTEMPTS - 1):
+        if not vanished:
+            break
+        vanished = False
+        for step, name in _checkpoint_names(_root_names(storage))[0]:
+            if step in seen:
+                continue
+            seen.add(step)
+            entry = _settled(storage, name, step, run_id=run_id, full=full, cache=cache)
+            if entry is not None:
+                entries.append(entry)
+            vanished = vanished or entry is None
     for name in storage.listdir(PENDING_DIR):
         parsed = parse_pending_name(name)
         entries.append(
@@ -907,16 +925,34 @@ def _newest_first(
     read when the caller asks for the next one: one listing of ROOT (unless ``steps``,
     from ``_checkpoint_names``, is given), then one manifest read and one size check of
     its files per entry. Names that vanish meanwhile are passed over. ``cache`` is
-    filled with what is read, so a later ``scan`` through it does not read it again."""
+    filled with what is read, so a later ``scan`` through it does not read it again.
+
+    Without ``steps``, a walk on which names vanished (retention deleted them, after it
+    committed a newer checkpoint this listing predates) lists ROOT again when it runs
+    out, for the names it has not walked yet: a reader racing a ``KeepLast(1)``
+    rotation would otherwise find no checkpoint at all, although one was committed at
+    every instant. At most ``READ_ATTEMPTS`` listings."""
+    relist = steps is None
     if steps is None:
         steps, _ = _checkpoint_names(_root_names(storage))
-    for step, name in reversed(steps):
-        if step in skip:
-            continue
-        token = manifest_token(storage, name) if cache is not None else None
-        entry = _settled(storage, name, step, run_id=run_id, full=False, cache=cache, token=token)
-        if entry is not None:
-            yield entry
+    walked: set[int] = set(skip)
+    for _ in range(READ_ATTEMPTS):
+        vanished = False
+        for step, name in reversed(steps):
+            if step in walked:
+                continue
+            walked.add(step)
+            token = manifest_token(storage, name) if cache is not None else None
+            entry = _settled(
+                storage, name, step, run_id=run_id, full=False, cache=cache, token=token
+            )
+            if entry is None:
+                vanished = True
+            else:
+                yield entry
+        if not (relist and vanished):
+            return
+        steps, _ = _checkpoint_names(_root_names(storage))
 
 
 @dataclass(frozen=True)

@@ -1275,18 +1275,31 @@ class _Loader:
 
     def check_into(self, node: Any, into: Any, path: _Path) -> None:
         """An array in ``into`` where the checkpoint holds no array: it would be left as
-        it is, not loaded (a state dict filled in place would keep stale values)."""
-        if not _is_array(into):
-            return
+        it is, not loaded (a state dict filled in place would keep stale values); nor a
+        container of arrays where the checkpoint holds another kind of container (a
+        dict where it holds a list): none of them would be loaded."""
         tag = next(iter(node)) if type(node) is dict and node else None
-        if tag in ("tensor", "ndarray"):
+        if _is_array(into):
+            if tag in ("tensor", "ndarray"):
+                return
+            what = _array_kind(into)
+        elif isinstance(into, Mapping) or type(into) in (list, tuple):
+            if tag in ("dict", "odict") if isinstance(into, Mapping) else tag == "tuple":
+                return
+            if type(node) is list and not isinstance(into, Mapping):
+                return
+            if not _holds_array(into, 0):
+                return
+            what = f"a {type(into).__name__} of tensors or arrays"
+        else:
             return
         kind = _node_kind(node, tag)
         holds = "None" if node is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
         raise StateMismatchError(
-            f"{_format_path(path)}: into= has {_array_kind(into)} there, but the checkpoint "
-            f"holds {holds}: it would not be loaded. Pass into= with the structure of the "
-            "saved state (or restore() without into= and pick what you need)"
+            f"{_format_path(path)}: into= has {what} there, but the checkpoint holds "
+            f"{holds}: {'it' if _is_array(into) else 'they'} would not be loaded. Pass "
+            "into= with the structure of the saved state (or restore() without into= and "
+            "pick what you need)"
         )
 
     def check_unloaded(self, into: Any, extra: list[tuple[bool, Any]], path: _Path) -> None:

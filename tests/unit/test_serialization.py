@@ -733,6 +733,20 @@ def test_into_rejects_arrays_the_checkpoint_would_not_load() -> None:
     many = {"model": {f"extra{i}": torch.zeros(1) for i in range(7)}}
     with pytest.raises(StateMismatchError, match="and 2 more"):
         roundtrip(state, into=many)
+    # Another kind of container holding arrays: none of them would be loaded.
+    t = torch.zeros(1)
+    with pytest.raises(
+        StateMismatchError, match=r"state\['groups'\]: into= has a dict of .*a list"
+    ):
+        roundtrip(state, into={"groups": {"0": t}})
+    with pytest.raises(StateMismatchError, match=r"state\['model'\]: into= has a list of .*a dict"):
+        roundtrip(state, into={"model": [torch.zeros(2)]})
+    with pytest.raises(StateMismatchError, match=r"^state: into= has a list of .*a dict"):
+        roundtrip(state, into=[t])
+    assert t.sum() == 0
+    # A tuple and a list are one kind here (into= may hold the one the state was not).
+    out = roundtrip({"g": (torch.ones(1),)}, into={"g": [t]})
+    assert out["g"][0] is t and t.item() == 1.0
     # Allowed: a part of the state (the rest is loaded fresh), entries without arrays
     # that the checkpoint lacks, and non-arrays where the checkpoint holds arrays.
     w = torch.zeros(2)
