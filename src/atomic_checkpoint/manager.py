@@ -19,6 +19,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -161,20 +162,27 @@ class CheckpointManager:
     ):
         if resume not in _RESUME_MODES:
             raise ValueError(f"resume must be one of {_RESUME_MODES}, got {resume!r}")
-        if retention is not None and not hasattr(retention, "keep"):
-            raise TypeError(
-                f"retention must be a policy such as KeepLast(3), got {type(retention).__name__}"
-            )
+        _check_retention(retention)
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ValueError("run_id must be a non-empty string")
-        self.storage: Storage = (
-            root
-            if not isinstance(root, (str, os.PathLike))
-            else open_storage(root, storage_options)
-        )
+        timeout_s = _positive_seconds("timeout_s", timeout_s)
+        if isinstance(root, (str, os.PathLike)):
+            if not os.fspath(root).strip():
+                raise ValueError(
+                    "root is an empty path: pass the checkpoint directory or URL (an unset "
+                    "environment variable? use '.' for the current directory)"
+                )
+            self.storage: Storage = open_storage(root, storage_options)
+        elif callable(getattr(root, "listdir", None)) and callable(getattr(root, "url", None)):
+            self.storage = root  # a Storage
+        else:
+            raise TypeError(
+                "root must be a path (str or os.PathLike), a URL such as 's3://bucket/run', "
+                f"or a Storage, got {type(root).__name__}"
+            )
         self.coordinator = coordinator or default_coordinator()
         self.retention = retention
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
         self.read_only = read_only
         self.on_commit = on_commit
         self.allow_pickle = allow_pickle
@@ -198,6 +206,9 @@ class CheckpointManager:
         # make it delete the valid one training resumed from), and a save of such a step
         # replaces it without overwrite=True (training went on from an older one).
         self._failed_verification: set[int] = set()
+        # Steps this manager committed, or restored with every checksum checked: what
+        # apply_retention() may count as kept without reading it in full first.
+        self._known_good: set[int] = set()
         # Rotations start on the thread that commits (the async save's, for save_async)
         # and are joined on the training thread: the hand-over goes through this lock.
         self._rotation_lock = threading.Lock()
@@ -285,6 +296,17 @@ class CheckpointManager:
     @property
     def root(self) -> str:
         return self.storage.url("")
+
+    @property
+    def retention(self) -> RetentionPolicy | None:
+        """The retention policy (None: keep everything). May be set to another
+        policy; ``apply_retention()`` applies it at once, else the next save does."""
+        return self._retention
+
+    @retention.setter
+    def retention(self, policy: RetentionPolicy | None) -> None:
+        _check_retention(policy)
+        self._retention = policy
 
     def __repr__(self) -> str:
         where = f"rank={self.rank}/{self.world_size}"
@@ -1205,6 +1227,7 @@ class CheckpointManager:
             manifest.info(self.storage.url(checkpoint_name(manifest.step))), timings
         )
         self.last_saved = info
+        self._known_good.add(manifest.step)
         self._manifests.forget(checkpoint_name(manifest.step))
         if self._newest_step is None or manifest.step > self._newest_step:
             self._newest_step = manifest.step
@@ -1421,7 +1444,10 @@ class CheckpointManager:
         self._finish_rotation()
         if self.domain.count == 1:
             _, deleted = self._on_leaders(
-                "apply retention", self._retain, combine=_first, pick=_nothing
+                "apply retention",
+                functools.partial(self._retain, verify_kept=True),
+                combine=_first,
+                pick=_nothing,
             )
             return list(deleted)
         mine, everywhere = self._on_leaders(
@@ -1445,10 +1471,17 @@ class CheckpointManager:
         )
         return list(deleted)
 
-    def _retain(self, newest: int | None = None) -> list[int]:
+    def _retain(self, newest: int | None = None, *, verify_kept: bool = False) -> list[int]:
         """One storage domain, on its leader: apply retention, never to ``newest`` (the
         step just committed; None: the newest committed step). Returns the deleted
-        steps. Only what changed since the last scan is read (the manifest cache)."""
+        steps. Only what changed since the last scan is read (the manifest cache).
+
+        ``verify_kept`` (``apply_retention``, where no save just committed the newest
+        checkpoint): before anything is deleted, the newest checkpoint the policy keeps
+        is read in full unless this manager committed or restored it; one that fails
+        its checksums is set aside (neither kept nor deleted) and the next newest must
+        verify instead, so a corrupt newest never makes retention delete the last
+        checkpoint that can be restored (as ``prune`` does)."""
         from .retention import plan_deletions
 
         if self.retention is None:  # set to None meanwhile (a rotation thread): nothing
@@ -1466,11 +1499,37 @@ class CheckpointManager:
             newest = max(steps, default=None)
         if newest not in steps:
             return []  # nothing committed, or our own commit is not visible: a stale view
-        victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
+        while True:
+            victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
+            kept = [i for i in infos if i.step not in victims]
+            if not (verify_kept and victims and kept):
+                break
+            top = max(kept, key=lambda i: i.step)
+            if top.step in self._known_good or self._verifies(top.step, manifests):
+                break
+            infos = [i for i in infos if i.step != top.step]  # neither kept nor deleted
         self._warn_unrecorded_metrics(infos, victims)
         for step in victims:
             self._delete_checkpoint(step)
         return sorted(victims)
+
+    def _verifies(self, step: int, manifests: Sequence[Manifest]) -> bool:
+        """Whether checkpoint ``step`` (of ``manifests``) passes a full read of its
+        files; a failure is logged."""
+        name = checkpoint_name(step)
+        manifest = next(m for m in manifests if m.step == step)
+        try:
+            catalog.validate_consistent(self.storage, name, manifest, full=True)
+        except CorruptCheckpointError as exc:
+            log.warning(
+                "retention: %s fails verification, so it does not count as kept and is not "
+                "deleted (the next newest must verify instead): %s",
+                self.storage.url(name),
+                exc,
+            )
+            return False
+        self._known_good.add(step)
+        return True
 
     def _warn_unrecorded_metrics(
         self, infos: Sequence[CheckpointInfo], victims: Collection[int]
@@ -1831,6 +1890,7 @@ class CheckpointManager:
                 continue
             if not failures:
                 self.last_restored = manifest.info(self.storage.url(checkpoint_name(step)))
+                self._known_good.add(step)
                 return state
             raise _agreed_restore_error(step, failures, error, self.world_size)
         raise CheckpointError(
@@ -2356,3 +2416,34 @@ def _log_strategy_once(storage: Storage, strategy: str, *, forced: bool) -> None
     else:
         why = f"{caps.name}: atomic directory rename"
     log.info("atomic-checkpoint: using %s commits on %s (%s)", strategy, storage.url(""), why)
+
+
+def _check_retention(policy: Any) -> None:
+    """Raise ``TypeError`` unless ``policy`` is None or a retention policy object (a
+    class such as ``KeepLast`` itself, or a number, is a mistake to say at once: as
+    a policy it would fail at every rotation, and the disk would fill)."""
+    if policy is None or (not isinstance(policy, type) and callable(getattr(policy, "keep", None))):
+        return
+    if isinstance(policy, type):
+        raise TypeError(
+            f"retention must be a policy object such as {policy.__name__}(3), not the class "
+            f"{policy.__name__} itself"
+        )
+    hint = f" (KeepLast({policy}) keeps the {policy} newest)" if isinstance(policy, int) else ""
+    raise TypeError(
+        f"retention must be a policy such as KeepLast(3), got {type(policy).__name__}{hint}"
+    )
+
+
+def _positive_seconds(name: str, value: Any) -> float:
+    """``value`` as a positive, finite number of seconds, else ``ValueError``."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds, got {value!r} (for a "
+            "bound that never matters in practice, pass e.g. 86400: a day)"
+        )
+    return seconds

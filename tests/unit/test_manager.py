@@ -543,3 +543,33 @@ def test_a_step_whose_manifest_cannot_be_read_is_not_called_committed(tmp_path):
         assert "overwrite=True" in str(caught.value)
         mgr.save(20, state(21), overwrite=True)
         assert same(mgr.restore(20), state(21))
+
+
+def test_arguments_a_user_gets_wrong_are_refused_at_construction(tmp_path, monkeypatch):
+    """Each of these used to be accepted and to fail later, or never: the class
+    ``KeepLast`` as a policy (every rotation failed, only logged: the disk filled),
+    ``timeout_s=inf`` (``close()`` raised ``OverflowError`` and kept the run lock),
+    ``root=None`` (an ``AttributeError``), ``root=""`` (an unset variable: the current
+    directory became the root)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match=r"KeepLast\(3\), not the class KeepLast"):
+        CheckpointManager(tmp_path / "a", retention=KeepLast)
+    with pytest.raises(TypeError, match=r"KeepLast\(3\) keeps the 3 newest"):
+        CheckpointManager(tmp_path / "a", retention=3)
+    for bad in (float("inf"), float("nan"), 0, -5):
+        with pytest.raises(ValueError, match="timeout_s must be a positive, finite number"):
+            CheckpointManager(tmp_path / "a", timeout_s=bad)
+    for root in (None, 123, b"ckpt"):
+        with pytest.raises(TypeError, match="root must be a path"):
+            CheckpointManager(root)
+    for root in ("", "  "):
+        with pytest.raises(ValueError, match="root is an empty path"):
+            CheckpointManager(root)
+    assert os.listdir(tmp_path) == []  # nothing was created anywhere
+    # A policy set later is checked the same way; the valid one is kept.
+    with CheckpointManager(tmp_path / "b", retention=KeepLast(2)) as mgr:
+        with pytest.raises(TypeError, match="not the class"):
+            mgr.retention = KeepLast
+        assert mgr.retention == KeepLast(2) or repr(mgr.retention) == repr(KeepLast(2))
+        mgr.retention = None
+        assert mgr.retention is None

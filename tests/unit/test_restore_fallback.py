@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from atomic_checkpoint import CheckpointManager, CorruptCheckpointError
+from atomic_checkpoint import CheckpointManager, CorruptCheckpointError, KeepLast
 
 
 def _state(step: int) -> dict:
@@ -88,3 +88,26 @@ def test_training_goes_on_after_a_fallback_without_losing_the_restored_checkpoin
     with CheckpointManager(tmp_path, read_only=True) as reader:
         assert [c.step for c in reader.checkpoints()] == [30, 35]
         assert reader.restore(30)["step"] == 30  # the new copy verifies
+
+
+def test_apply_retention_never_deletes_the_last_checkpoint_that_restores(tmp_path, caplog):
+    """``mgr.retention = KeepLast(1)`` then ``apply_retention()`` on a root whose newest
+    checkpoint rotted (sizes intact, checksums not): it used to keep the corrupt newest
+    and delete the only one that restores. The newest kept is verified first unless
+    this manager committed or restored it; a corrupt one is neither kept nor deleted."""
+    with CheckpointManager(tmp_path) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    _flip_middle_byte(str(tmp_path / "checkpoint-3" / "rank-00000.safetensors"))
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.retention = KeepLast(1)
+        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+            assert mgr.apply_retention() == [1]
+        assert "checkpoint-3 fails verification" in caplog.text
+        assert [c.step for c in mgr.checkpoints()] == [2, 3]
+        assert mgr.restore()["step"] == 2
+        # What this manager restored (or saved) is not read again: a new save's
+        # rotation, and a later apply_retention, keep the new newest step only.
+        mgr.save(4, _state(4))
+        assert mgr.apply_retention() == []
+        assert [c.step for c in mgr.checkpoints()] == [3, 4]
