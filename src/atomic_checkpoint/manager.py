@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import catalog, commit
 from ._version import __version__
@@ -90,6 +90,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("atomic_checkpoint")
 
 _RESUME_MODES = ("auto", "must", "never")
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _one_at_a_time(method: _F) -> _F:
+    """Run a save method of ``CheckpointManager`` inside its ``_save_slot``."""
+
+    @functools.wraps(method)
+    def wrapper(self: CheckpointManager, *args: Any, **kwargs: Any) -> Any:
+        with self._save_slot(f"{method.__name__}()"):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 class CheckpointManager:
@@ -209,6 +223,9 @@ class CheckpointManager:
         # Steps this manager committed, or restored with every checksum checked: what
         # apply_retention() may count as kept without reading it in full first.
         self._known_good: set[int] = set()
+        # One save at a time per manager (see _save_slot): the thread inside one.
+        self._save_mutex = threading.Lock()
+        self._saver_thread: int | None = None
         # Rotations start on the thread that commits (the async save's, for save_async)
         # and are joined on the training thread: the hand-over goes through this lock.
         self._rotation_lock = threading.Lock()
@@ -750,6 +767,7 @@ class CheckpointManager:
                 newest=newest,
             )
 
+    @_one_at_a_time
     def save(
         self,
         step: int,
@@ -846,15 +864,37 @@ class CheckpointManager:
 
         Raises ``StepOrderError`` (before the block runs) like ``save``.
         """
-        self._check_writable()
-        self._finish_async()  # at most one save in flight
-        step = validate_step(step)
-        self._check_step_order(step)
-        metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
-        gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
-        with gen as path:
-            yield path
-        self.last_saved = path.info = gen.info
+        with self._save_slot("saving()"):
+            self._check_writable()
+            self._finish_async()  # at most one save in flight
+            step = validate_step(step)
+            self._check_step_order(step)
+            metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
+            gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
+            with gen as path:
+                yield path
+            self.last_saved = path.info = gen.info
+
+    @contextlib.contextmanager
+    def _save_slot(self, what: str) -> Iterator[None]:
+        """One save at a time per manager, whatever the thread: the step-order check
+        and the commit it guards must not interleave with another save's (two threads'
+        saves of 103 and 102 would both pass the check and commit out of order). Other
+        threads wait their turn; a save started inside one on the same thread (in a
+        ``saving()`` block) is an error."""
+        me = threading.get_ident()
+        if self._saver_thread == me:
+            raise CheckpointError(
+                f"{what} was called while this thread is inside a save of this manager (a "
+                "saving() block, or an on_commit callback of a synchronous save): one save "
+                "at a time per manager; save after the block has exited"
+            )
+        with self._save_mutex:
+            self._saver_thread = me
+            try:
+                yield
+            finally:
+                self._saver_thread = None
 
     last_saved: CheckpointInfo | None = None
 
@@ -891,6 +931,7 @@ class CheckpointManager:
             self._snapshots = SnapshotPool()
         return self._snapshots.reserve(plan)
 
+    @_one_at_a_time
     def save_async(
         self,
         step: int,
@@ -983,6 +1024,7 @@ class CheckpointManager:
         handle.blocked_s = time.perf_counter() - t0
         return handle
 
+    @_one_at_a_time
     def saving_async(
         self,
         step: int,

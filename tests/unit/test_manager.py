@@ -26,6 +26,7 @@ from atomic_checkpoint import (
     ResumeError,
     SerializationError,
     StateMismatchError,
+    StepOrderError,
     StorageError,
     UnsafeCheckpointError,
 )
@@ -573,3 +574,39 @@ def test_arguments_a_user_gets_wrong_are_refused_at_construction(tmp_path, monke
         assert mgr.retention == KeepLast(2) or repr(mgr.retention) == repr(KeepLast(2))
         mgr.retention = None
         assert mgr.retention is None
+
+
+def test_one_save_at_a_time_per_manager_keeps_the_step_order(tmp_path):
+    """A save inside a ``saving()`` block committed before the block's step, and two
+    threads saving through one manager committed out of step order: both passed the
+    step check before either committed. Now a nested save is an error and threads
+    take turns, so every commit is above the ones before it (or is refused)."""
+    import threading
+
+    with CheckpointManager(tmp_path) as mgr:
+        with mgr.saving(5) as d:
+            (d / "f").write_bytes(b"x")
+            with pytest.raises(CheckpointError, match="inside a save of this manager"):
+                mgr.save(6, state(6))
+        assert [c.step for c in mgr.checkpoints()] == [5]
+        mgr.save(6, state(6))  # after the block: fine
+
+        refused: list[int] = []
+
+        def saver(offset: int) -> None:
+            for i in range(20):
+                step = 100 + 2 * i + offset
+                try:
+                    mgr.save(step, state(1))
+                except StepOrderError:
+                    refused.append(step)
+
+        threads = [threading.Thread(target=saver, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        listed = mgr.checkpoints()
+    by_seq = [c.step for c in sorted(listed, key=lambda c: c.commit_seq)]
+    assert by_seq == sorted(by_seq), by_seq  # committed in step order
+    assert len(by_seq) - 2 + len(refused) == 40  # every save committed or was refused
