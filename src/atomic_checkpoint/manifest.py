@@ -397,7 +397,9 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
         if not isinstance(k, str):
             raise TypeError(f"metric names must be strings, got {k!r}")
         try:
-            value = float(v)
+            if isinstance(v, (str, bytes)):  # float("0.5") works, but is a mistake here
+                raise TypeError
+            value = float(v)  # numbers, numpy scalars, one-element tensors
         except (TypeError, ValueError):
             raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}") from None
         if not math.isfinite(value):

@@ -293,6 +293,12 @@ def _torch_problem(torch: Any, t: Any) -> str | None:
     return None
 
 
+def _overlaps_itself(t: Any) -> bool:
+    """Whether distinct elements of tensor ``t`` share memory through a zero stride
+    on a dimension of size > 1 (what ``expand()`` makes)."""
+    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+
+
 def _torch_bytes(torch: Any, t: Any) -> Any:
     """A 1-D uint8 numpy array over ``t``'s bytes: its own memory when it can be."""
     t = t.detach()
@@ -1406,9 +1412,22 @@ class _Loader:
             f"{entry.code} {'tensor' if tag == 'tensor' else 'numpy array'} of shape {entry.shape}"
         )
         if is_tensor:
+            problem = _torch_problem(torch, into)
+            if into.is_meta:
+                problem = "a meta tensor has no memory to load into (materialize the model first)"
+            elif problem is None and _overlaps_itself(into):
+                problem = (
+                    "its elements share memory (an expand()ed view), so it cannot hold "
+                    "distinct values"
+                )
+            if tag == "tensor" and problem is not None:
+                raise StateMismatchError(
+                    f"{_format_path(path)}: into= has a tensor that cannot be filled: "
+                    f"{problem}; pass a tensor with memory of its own there (e.g. "
+                    "torch.empty(...) on the device you want), or load without into="
+                )
             ok = (
                 tag == "tensor"
-                and _torch_problem(torch, into) is None
                 and into.dtype == _torch_dtype(torch, entry.code)
                 and tuple(into.shape) == entry.shape
             )

@@ -610,3 +610,15 @@ def test_one_save_at_a_time_per_manager_keeps_the_step_order(tmp_path):
     by_seq = [c.step for c in sorted(listed, key=lambda c: c.commit_seq)]
     assert by_seq == sorted(by_seq), by_seq  # committed in step order
     assert len(by_seq) - 2 + len(refused) == 40  # every save committed or was refused
+
+
+def test_metrics_must_be_numbers(tmp_path):
+    with CheckpointManager(tmp_path) as mgr:
+        for bad in ("0.5", b"1", None, [1.0]):
+            with pytest.raises(TypeError, match="metric 'loss' must be a number"):
+                mgr.save(1, state(1), metrics={"loss": bad})
+        with pytest.raises(ValueError, match="finite"):
+            mgr.save(1, state(1), metrics={"loss": float("nan")})
+        assert mgr.checkpoints() == []  # nothing was written
+        info = mgr.save(1, state(1), metrics={"loss": torch.tensor(0.25), "acc": np.float32(0.5)})
+        assert info.metrics == {"loss": 0.25, "acc": 0.5}

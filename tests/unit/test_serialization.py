@@ -755,6 +755,16 @@ def test_into_rejects_arrays_the_checkpoint_would_not_load() -> None:
     assert torch.equal(out["groups"][0], torch.zeros(1)) and out["step"] == 3
 
 
+def test_into_tensors_that_cannot_be_filled_are_refused_saying_why() -> None:
+    state = {"w": torch.ones(2, 3)}
+    with pytest.raises(StateMismatchError, match=r"state\['w'\]: .*a meta tensor has no memory"):
+        roundtrip(state, into={"w": torch.empty(2, 3, device="meta")})
+    expanded = torch.zeros(3).expand(2, 3)
+    with pytest.raises(StateMismatchError, match=r"state\['w'\]: .*share memory"):
+        roundtrip(state, into={"w": expanded})
+    assert expanded.sum() == 0
+
+
 def test_into_fills_numpy_arrays_in_place() -> None:
     state = {"rng": np.random.get_state(), "be": np.arange(3, dtype=">i4")}
     target = np.zeros(624, dtype=np.uint32)
