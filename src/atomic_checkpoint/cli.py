@@ -179,7 +179,7 @@ from .layout import (
 )
 from .manifest import CheckpointInfo, Manifest, format_size
 from .storage import local_root, open_storage, posix
-from .storage.base import Storage
+from .storage.base import Storage, answer_within
 from .storage.temps import abandoned_temps
 from .strategies import (
     CommitStrategy,
@@ -1817,12 +1817,20 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
                 flush=True,
             )
 
+    deadline = time.monotonic() + args.timeout
+
     def check_locks() -> None:
         # Opening the tiers with the job's run id would take its lock over (a restarted
         # job does that): a live job's lock on either tier is a refusal first (exit 3).
+        # The persistent tier's read counts against --timeout: an endpoint that never
+        # answers must not hold drain for its client's minutes of retries.
         _check_lock(fast, "drain", force=args.force, dry_run=False)
         try:
-            _check_lock(slow, "drain into", force=args.force, dry_run=False)
+            answer_within(
+                deadline - time.monotonic(),
+                f"the run lock of {slow.url()}",
+                lambda: _check_lock(slow, "drain into", force=args.force, dry_run=False),
+            )
         except StorageError as exc:
             raise CliError(
                 f"cannot read the run lock of {slow.url()} ({exc}): nothing was copied; run "
@@ -1839,6 +1847,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
     mgr = TieredCheckpointManager(
         [Tier(fast), Tier(slow)],
         on_commit=on_commit,
+        timeout_s=args.timeout,  # its start waits for tier 1 at most min(this, 30 s)
         **({} if coord is None else {"coordinator": coord, "fast_domains": "per-host"}),
     )
     try:
@@ -1850,7 +1859,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
                 flush=True,
             )
         if todo:
-            mgr.wait_replicated(timeout_s=args.timeout)
+            mgr.wait_replicated(timeout_s=max(deadline - time.monotonic(), 0.0))
     except CheckpointError:
         pass  # a failed step: reported below with the others
     finally:

@@ -166,7 +166,7 @@ from .layout import (
 from .manager import CheckpointManager, CopyAttempt
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage, posix
-from .storage.base import Storage, renaming
+from .storage.base import Storage, answer_within, renaming
 
 __all__ = ["Tier", "TieredCheckpointInfo", "TieredCheckpointManager"]
 
@@ -176,6 +176,12 @@ _CHUNK = 8 << 20
 # Back-off between attempts while the persistent tier fails (unreachable, throttled):
 # doubled after each failure up to the maximum, reset by a success or a new save.
 _RETRY_MIN_S = 0.05
+# The longest a start waits for the persistent tier (bounded by ``timeout_s``): an
+# endpoint that accepts connections and never answers must not hold the job's start.
+_START_WAIT_S = 30.0
+# What close() gives the replicator to stop, even with timeout_s=0: a copy in flight
+# notices the stop between two chunks.
+_STOP_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -413,6 +419,12 @@ class TieredCheckpointManager:
         self._reader: CheckpointManager | None = None
         self._reader_storage: Storage | None = None
         self._closed = False
+        self._start_wait_s = min(self.timeout_s, _START_WAIT_S)
+        # The thread opening tier 1 at start, while it has not answered (single process).
+        self._opener: threading.Thread | None = None
+        self._open_done = False
+        self._open_error: BaseException | None = None
+        self._start_gave_up = False
         #: The tier the last ``restore`` loaded from (0 or 1) and what it loaded.
         self.last_restored: TieredCheckpointInfo | None = None
 
@@ -435,11 +447,23 @@ class TieredCheckpointManager:
             # A fresh or wiped tier 0: the persistent tier says which run this is
             # (never a silent fresh start over its checkpoints, DESIGN invariant 6). If
             # it cannot be read, that error is raised: nobody can tell.
+            slow_url = self._slow_storage.url("")
             try:
-                rid = _recorded_run_id(self._slow_storage) or _newest_run_id(self._slow_storage)
+                rid = answer_within(
+                    self._start_wait_s,
+                    f"the persistent tier {slow_url}",
+                    lambda: (
+                        _recorded_run_id(self._slow_storage) or _newest_run_id(self._slow_storage)
+                    ),
+                )
             except StorageError as exc:
                 if not (self._multi and peers):
-                    raise
+                    raise StorageError(
+                        f"{self._fast_storage.url('')} holds no checkpoint (a new or replaced "
+                        f"node), so the run this job continues is read from the persistent "
+                        f"tier {slow_url}, which cannot be read: {exc}. Start the job again "
+                        "once it answers (nothing was written)"
+                    ) from exc
                 unread = exc  # the other nodes may know (a wiped node, peer copies)
         if self._multi:
             # One run on every node: rank 0's answer, else any node's (a wiped node
@@ -478,7 +502,7 @@ class TieredCheckpointManager:
             try:
                 self._floor = coord.broadcast(
                     "tiered: floor",
-                    self._read_floor() if self.rank == 0 else None,
+                    self._read_floor_within() if self.rank == 0 else None,
                     src=0,
                     timeout_s=self.timeout_s,
                 )
@@ -511,22 +535,38 @@ class TieredCheckpointManager:
             self._thread.start()
             atexit.register(_stop_at_exit, weakref.ref(self), os.getpid())
             return
-        try:
-            self._open_persistent()
-        except StorageError as exc:  # unreachable: saves go on, replication retries
-            opened_slow = exc
+        # Tier 1 is opened (its run lock, what it lacks) on a thread of its own, waited
+        # for at most _start_wait_s: past that, the job starts and saves to tier 0, and
+        # the replicator takes over once the opening returns.
+        self._opener = threading.Thread(
+            target=self._open_at_start, name="atomic-checkpoint-open", daemon=True
+        )
+        self._opener.start()
+        self._opener.join(self._start_wait_s)
+        with self._cv:
+            done, error = self._open_done, self._open_error
+            self._start_gave_up = not done
+        if not done:
+            opened_slow = StorageError(
+                f"{self._slow_storage.url('')} did not answer within {self._start_wait_s:g} s"
+            )
+        elif isinstance(error, StorageError):  # unreachable: saves go on, replication retries
+            opened_slow = error
+        elif error is not None:
+            # Another live job holds tier 1, or it holds only corrupt checkpoints: a
+            # decision for the user, not something to retry.
+            self.fast.close()
+            raise error
+        if done:
+            self._opener = None
+        if opened_slow is not None:
             log.warning(
                 "persistent tier %s is unreachable at start (%s): saves go to %s and are "
                 "held there; replication starts when it answers",
                 self._slow_storage.url(""),
-                exc,
+                opened_slow,
                 self.fast.root,
             )
-        except BaseException:
-            # Another live job holds tier 1, or it holds only corrupt checkpoints: a
-            # decision for the user, not something to retry.
-            self.fast.close()
-            raise
         self._thread = threading.Thread(
             target=self._replicate_loop, name="atomic-checkpoint-replicator", daemon=True
         )
@@ -636,6 +676,36 @@ class TieredCheckpointManager:
                 step=step,
                 newest=floor,
             )
+
+    def _open_at_start(self) -> None:
+        """The opener thread: ``_open_persistent`` once. What it raised is handed to
+        the constructor, or, once the constructor stopped waiting, handled here: an
+        unreachable tier is retried by the replicator, anything else stops replication."""
+        error: BaseException | None = None
+        try:
+            self._open_persistent()
+        except BaseException as exc:
+            error = exc
+        with self._cv:
+            self._open_done, self._open_error = True, error
+            late = self._start_gave_up
+            if late and error is not None and not isinstance(error, StorageError):
+                self._fatal = error
+            self._cv.notify_all()
+        if late and self._fatal is error and error is not None:
+            log.error("replication to %s stopped: %s", self._slow_storage.url(""), error)
+
+    def _read_floor_within(self) -> int | None:
+        """``_read_floor``, or None if tier 1 does not answer within the start's bound."""
+        try:
+            return answer_within(
+                self._start_wait_s,
+                f"the persistent tier {self._slow_storage.url('')}",
+                self._read_floor,
+            )
+        except StorageError as exc:
+            log.warning("%s: saves are not checked against its newest step", exc)
+            return None
 
     def _read_floor(self) -> int | None:
         """Tier 1's newest valid step of this run; None if it holds none or cannot be
@@ -809,6 +879,11 @@ class TieredCheckpointManager:
                 ):
                     self._cv.wait()
                     continue
+            opener = self._opener
+            if opener is not None:  # the start's opening of tier 1 has not returned yet
+                opener.join()
+                self._opener = None
+                continue
             if rollback is not None:
                 self._serve_rollback(rollback)
                 continue
@@ -867,7 +942,8 @@ class TieredCheckpointManager:
                         self._cv.notify_all()
                     log.error("replication stopped: %s", exc)
                     continue
-                delay = self._back_off(exc, delay)
+                # A lease that lapsed during an outage: the outage is what to report.
+                delay = self._back_off(self._last_error or exc, delay)
             except Exception as exc:  # unreachable, throttled: retried with a back-off
                 delay = self._back_off(exc, delay)
 
@@ -2314,13 +2390,34 @@ class TieredCheckpointManager:
         def stop_replication(saved: bool) -> None:
             # Tier 0's saves are done and its run lock still held.
             nonlocal stopped
-            self._drain(self.timeout_s if timeout_s is None else timeout_s)
+            bound = self.timeout_s if timeout_s is None else timeout_s
+            deadline = time.monotonic() + bound
+            self._drain(bound)
             with self._cv:
                 self._stop.set()
                 self._cv.notify_all()
-            self._thread.join()
+            # A copy in flight stops between chunks; a replicator inside one storage call
+            # that does not answer (an unreachable tier 1 and its client's retries) is
+            # left behind once the bound is spent: it can no longer commit anything half
+            # way, and close() keeps its word on timeout_s.
+            # (Multi-rank: the replicators stop together, at their next agreed exchange,
+            # which waits up to timeout_s for the other ranks' close().)
+            grace = self.timeout_s if self._multi else _STOP_GRACE_S
+            self._thread.join(max(deadline - time.monotonic(), grace))
             stopped = True
-            self._drop_persistent()
+            if self._thread.is_alive() or (self._opener is not None and self._opener.is_alive()):
+                log.warning(
+                    "close(): the replicator is still waiting for %s after %g s: left behind; "
+                    "tier 1's run lock is released in the background (or lapses with its "
+                    "lease)",
+                    self._slow_storage.url(""),
+                    bound,
+                )
+                threading.Thread(
+                    target=self._drop_persistent, name="atomic-checkpoint-release", daemon=True
+                ).start()
+            else:
+                self._drop_persistent()
             if saved and self.fast.retention is not None:
                 # The drain released steps that tier 0's retention held for replication
                 # (the last saves' steps, copied after their rotation): without this they

@@ -16,6 +16,7 @@ import errno
 import os
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
@@ -327,3 +328,31 @@ def linked(path: str) -> UnsafeCheckpointError:
         "inside a checkpoint root, so nothing outside the root is read, written or deleted "
         "through them; it is left alone. Replace the link by the real directory or file"
     )
+
+
+_R = TypeVar("_R")
+
+
+def answer_within(seconds: float, what: str, call: Callable[[], _R]) -> _R:
+    """``call()``'s result (or its exception), or ``StorageError`` if it has not
+    returned within ``seconds``: for a storage call that may never answer (an endpoint
+    that accepts connections and stays silent, whose client retries for minutes). The
+    call goes on in a daemon thread and what it returns later is dropped, so only
+    reads, or writes that are safe to finish unobserved, go through here."""
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, call()))
+        except BaseException as exc:  # handed to the caller
+            box.append((False, exc))
+
+    worker = threading.Thread(target=run, name="atomic-checkpoint-bounded", daemon=True)
+    worker.start()
+    worker.join(max(seconds, 0.0))
+    if not box:
+        raise StorageError(f"{what} did not answer within {seconds:g} s")
+    ok, value = box[0]
+    if ok:
+        return cast(_R, value)
+    raise value
