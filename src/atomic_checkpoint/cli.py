@@ -315,22 +315,38 @@ def _write_out(text: str) -> None:
 
 
 # ---------------------------------------------------------------------- the root
+#: Storage options that are always strings (credentials, names): a secret of digits
+#: only must not become a number because it parses as JSON.
+_STRING_OPTIONS = frozenset(
+    {"key", "secret", "token", "username", "password", "profile", "endpoint_url", "region_name"}
+)
+
+
 def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     """``--storage-option KEY=VALUE`` pairs; a VALUE that parses as JSON is that value
-    (``anon=true``, ``client_kwargs={"endpoint_url": "http://..."}``), else a string."""
+    (``anon=true``, ``client_kwargs={"endpoint_url": "http://..."}``), else a string;
+    credentials and names (``_STRING_OPTIONS``) are always the string given."""
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise CliError(
                 f"--storage-option {pair!r}: expected KEY=VALUE, e.g. "
                 'client_kwargs=\'{"endpoint_url": "http://127.0.0.1:9000"}\'',
                 EXIT_USAGE,
             )
+        if key in _STRING_OPTIONS:
+            quoted = len(value) >= 2 and value[0] == value[-1] == '"'
+            try:
+                out[key] = json.loads(value) if quoted else value  # '"123"' still works
+            except ValueError:
+                out[key] = value
+            continue
         try:
-            out[key.strip()] = json.loads(value)
+            out[key] = json.loads(value)
         except ValueError:
-            out[key.strip()] = value
+            out[key] = value
     return out
 
 
@@ -1516,18 +1532,28 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     policy = _policy(args, args.parser)
     storage = _open_root(args.root, args.storage_option)
+    # A live job's lock is the first answer (exit 3), whatever else is wrong.
+    holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
     try:
         run_id = args.run_id or catalog.recorded_run_id(storage)
     except CheckpointError as exc:
         raise CliError(f"{exc}: pass --run-id RUN to say whose checkpoints to prune", EXIT_USAGE)
     if run_id is None:
-        raise CliError(
-            f"{storage.url()} records no run ({RUN_FILE} is missing), so it is not known "
-            "whose checkpoints to prune: pass --run-id RUN (see the RUN column of "
-            f"`{PROG} list --all-runs`)",
-            EXIT_USAGE,
-        )
-    holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
+        # No run file (a tiered job's persistent tier, a root saved with run_id=): the
+        # run is unambiguous when every checkpoint there belongs to one.
+        runs = {
+            e.manifest.run_id
+            for e in catalog.scan(storage)
+            if e.status == "ok" and e.manifest is not None
+        }
+        if len(runs) != 1:
+            raise CliError(
+                f"{storage.url()} records no run ({RUN_FILE} is missing) and holds "
+                f"checkpoints of {len(runs)} runs, so it is not known whose checkpoints to "
+                f"prune: pass --run-id RUN (see the RUN column of `{PROG} list --all-runs`)",
+                EXIT_USAGE,
+            )
+        run_id = runs.pop()
     entries = catalog.scan(storage, run_id=run_id)
     manifests = [e.manifest for e in entries if e.status == "ok" and e.manifest is not None]
     skipped = [

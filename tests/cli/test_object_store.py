@@ -119,6 +119,10 @@ def test_storage_options_on_the_command_line(s3_server, s3_bucket):
     no_aws = {"AWS_ENDPOINT_URL": "", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
     listed = run_json("list", url, *args, env=no_aws)
     assert [e["step"] for e in listed["entries"]] == [7]
+    # Credentials of digits only stay strings (they parse as JSON numbers), quoted or not.
+    digits = [*args[2:], "--storage-option=key=12345678", '--storage-option=secret="87654321"']
+    listed = run_json("list", url, *digits, env=no_aws)
+    assert [e["step"] for e in listed["entries"]] == [7]
     # A malformed option is a usage error naming the expected form.
     bad = run_cli("list", url, "--storage-option", "no-equals-sign", env=no_aws)
     assert bad.returncode == 2 and "KEY=VALUE" in error_line(bad)

@@ -170,19 +170,35 @@ def test_prune_usage_errors_delete_nothing(tmp_path):
 @pytest.mark.timeout(60)
 def test_prune_without_recorded_run_needs_run_id(tmp_path):
     root, rid = _root(tmp_path)
-    os.unlink(root / ".atomic-checkpoint" / "run.json")
-    proc = run_cli("prune", root, "--keep-last", "1")
-    assert proc.returncode == 2 and "--run-id" in error_line(proc)
-    assert _committed(root) == list(STEPS)
-    doc = run_json("prune", root, "--keep-last", "1", "--run-id", "not-this-run")
-    assert doc["checkpoints"] == [] and _committed(root) == list(STEPS)
     (root / ".atomic-checkpoint" / "run.json").write_text("{garbage")
     proc = run_cli("prune", root, "--keep-last", "1")
     assert proc.returncode == 2 and "not valid JSON" in error_line(proc)
     assert "--run-id" in proc.stderr and _committed(root) == list(STEPS)
     os.unlink(root / ".atomic-checkpoint" / "run.json")
+    doc = run_json("prune", root, "--keep-last", "1", "--run-id", "not-this-run")
+    assert doc["checkpoints"] == [] and _committed(root) == list(STEPS)
+    # No run file and another run's checkpoint beside this run's: whose to prune is
+    # ambiguous, so --run-id is asked for.
+    with CheckpointManager(root, run_id="another-run") as other:
+        other.save(700, {"w": np.zeros(3)})
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 2 and "2 runs" in error_line(proc) and "--run-id" in proc.stderr
+    assert _committed(root) == [*STEPS, 700]
     doc = run_json("prune", root, "--keep-last", "1", "--run-id", rid)
-    assert _committed(root) == [600]
+    assert _committed(root) == [600, 700]
+
+
+def test_prune_of_a_root_without_run_file_holding_one_run_prunes_that_run(tmp_path):
+    """A tiered job's persistent tier has no run file (its manager is opened with the
+    run's id); every checkpoint there is the run's, so prune needs no --run-id. And a
+    live job's lock is the first answer (exit 3), before anything about the run."""
+    root, rid = _root(tmp_path)
+    os.unlink(root / ".atomic-checkpoint" / "run.json")
+    with CheckpointManager(root, run_id=rid):  # the live job
+        proc = run_cli("prune", root, "--keep-last", "1")
+        assert proc.returncode == 3, proc.stderr
+    doc = run_json("prune", root, "--keep-last", "1")
+    assert doc["run_id"] == rid and _committed(root) == [600]
 
 
 @pytest.mark.timeout(60)
