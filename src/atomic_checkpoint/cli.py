@@ -357,7 +357,8 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
         return _open_url_root(text, _storage_options(options))
     if options:
         raise CliError(
-            "--storage-option applies to URL roots (s3://, gs://, ...), not to a directory",
+            "--storage-option applies to URL roots (s3://, gs://, ...), not to a directory "
+            "(for a URL --tier, pass --tier-storage-option)",
             EXIT_USAGE,
         )
     if not path:
@@ -577,12 +578,12 @@ def _others_row(others: list[dict[str, Any]], n_columns: int) -> list[str]:
     return [*row, f"foreign: not checkpoints, left alone: {shown}"]
 
 
-def _open_tier(text: str) -> Storage:
+def _open_tier(text: str, options: Sequence[str] | None = None) -> Storage:
     """Another tier of ROOT's run (``--tier``): a directory that must exist, or a URL
-    (credentials from the environment) that may still be empty: a persistent tier
-    nothing reached yet."""
+    (credentials from the environment or ``--tier-storage-option``) that may still be
+    empty: a persistent tier nothing reached yet."""
     if "://" in (text[len("file://") :] if text.startswith("file://") else text):
-        return _open_target(text, None)
+        return _open_target(text, options)
     return _open_root(text)
 
 
@@ -590,7 +591,7 @@ def _tier_docs(args: argparse.Namespace, run_id: str | None) -> list[tuple[Stora
     """Each ``--tier``'s storage and its valid checkpoints of the run, by step."""
     out: list[tuple[Storage, dict[int, dict[str, Any]]]] = []
     for text in getattr(args, "tier", None) or ():
-        st = _open_tier(text)
+        st = _open_tier(text, getattr(args, "tier_storage_option", None))
         docs = {
             e.step: _entry_doc(st, e)
             for e in catalog.scan(st, run_id=run_id)
@@ -1027,7 +1028,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         report(_verify_lightning(storage, name), 1)
     # Other tiers of the run (--tier): every copy of every step is verified, each
     # result says its tier (0: ROOT).
-    tiers = [_open_tier(t) for t in args.tier or ()]
+    tiers = [_open_tier(t, args.tier_storage_option) for t in args.tier or ()]
     for r in results if tiers else ():
         r["tier"] = 0
     for i, st in enumerate(tiers, start=1):
@@ -1324,7 +1325,7 @@ def _tier_copies(
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     run_id = _run_id_for_reading(storage)
-    tiers = [_open_tier(t) for t in args.tier or ()]
+    tiers = [_open_tier(t, args.tier_storage_option) for t in args.tier or ()]
     name = checkpoint_name(args.step)
     if tiers and not storage.is_dir(name):
         # Held only by another tier (ROOT's copy rotated away, or a fresh node): that
@@ -2092,6 +2093,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--all-runs", action="store_true", help=all_runs)
         if tier:
             p.add_argument("--tier", action="append", metavar="ROOT2", help=_TIER_HELP)
+            p.add_argument(
+                "--tier-storage-option",
+                action="append",
+                metavar="KEY=VALUE",
+                help="an fsspec storage option for the URL --tier(s), as --storage-option "
+                "is for ROOT; repeatable",
+            )
         if dry_run:
             p.add_argument("--dry-run", action="store_true", help=dry_run)
         if force:

@@ -182,6 +182,20 @@ def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_buck
         catalog.load_checkpoint(reader.storage, s, full=True)
         assert same(reader.restore(step=s), state(s))
 
+    # list and verify --tier reach the S3 tier with options on the command line (no
+    # credentials in the environment); --storage-option, which is ROOT's, says so.
+    tier_args = [a.replace("--to-", "--tier-") for a in opt_args]
+    no_aws = {"AWS_ENDPOINT_URL": "", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+    doc = json.loads(
+        run_cli("list", fast_root, "--tier", url, *tier_args, "--json", env=no_aws).stdout
+    )
+    assert {e["step"]: e["tiers"] for e in doc["entries"]} == {s: [0, 1] for s in (1, 2, 3)}
+    proc = run_cli("verify", fast_root, "--tier", url, *tier_args, env=no_aws)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wrong = [a.replace("--to-", "--") for a in opt_args]
+    proc = run_cli("list", fast_root, "--tier", url, *wrong, env=no_aws)
+    assert proc.returncode == 2 and "--tier-storage-option" in proc.stderr
+
 
 def test_drain_of_a_root_never_created_is_exit_2_unless_missing_ok(tmp_path):
     # A node whose job died before its first save never created its tier 0. A script
