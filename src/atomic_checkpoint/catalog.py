@@ -263,6 +263,9 @@ def validate(
 #: before it gives up (a step overwritten again and again, faster than it can be read).
 #: A retry costs a read of the checkpoint, and happens only when its manifest changed.
 READ_ATTEMPTS = 8
+# ``load_checkpoint``'s pause before reading again a directory found without a manifest
+# (times the attempt: about 1.4 s in all before it is called never committed).
+_UNMANIFESTED_PAUSE_S = 0.05
 
 #: How long a reader waits for an overwrite without an atomic exchange (sshfs, NFS,
 #: Windows) to give its step a name in ROOT again. Such an overwrite moves the old copy
@@ -441,6 +444,13 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
             manifest = read_manifest(storage, rel)
         except CheckpointNotFoundError as exc:
             if not last and _back(storage, (step,)):
+                continue
+            if not last and storage.is_dir(rel):
+                # A directory, yet no manifest a moment ago: a copy renamed in since (an
+                # overwrite seen from another node of a network filesystem, whose client
+                # showed neither name in between), or one never committed. Read again,
+                # a little later each time, before calling it never committed.
+                time.sleep(_UNMANIFESTED_PAUSE_S * (attempt + 1))
                 continue
             raise missing_step_error(storage, step) from exc
         try:

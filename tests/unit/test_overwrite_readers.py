@@ -227,3 +227,33 @@ def test_a_step_renamed_back_in_between_two_looks_of_the_reader_is_read_again(wr
     assert storage.before_listing is None and storage.after_miss is None  # both raced
     assert _value(reader.restore(1)) == 2.0
     reader.close()
+
+
+def test_a_copy_renamed_in_just_after_a_read_found_no_manifest_is_read_not_called_uncommitted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen from another sshfs mount, an overwrite's two renames can show as: no
+    manifest at the instant of the read (neither copy visible, nothing in ``.trash/``
+    or ``.pending/`` any more), then the directory of the new copy. ``restore(1)``
+    reported "has no manifest: it was never committed" (1 read in ~2,800 while the
+    other node overwrote step 1 in a loop). The read is made again, a little later."""
+    writer = _manager(tmp_path)
+    writer.save(1, _state(1.0))
+    real = catalog.read_manifest
+    misses = [1]
+
+    def read_manifest(storage: Any, rel: str) -> Any:
+        if misses[0] and rel == "checkpoint-1":
+            misses[0] -= 1
+            raise CheckpointNotFoundError(f"{rel}: no manifest (the client's stale view)")
+        return real(storage, rel)
+
+    monkeypatch.setattr(catalog, "read_manifest", read_manifest)
+    reader = _manager(tmp_path, read_only=True)
+    assert _value(reader.restore(1)) == 1.0
+    assert misses == [0]
+    # A directory that really has no manifest is still called so, after a few reads.
+    (tmp_path / "checkpoint-2").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="has no manifest: it was never committed"):
+        reader.restore(2)
+    writer.close()
