@@ -240,7 +240,7 @@ def test_a_copy_renamed_in_just_after_a_read_found_no_manifest_is_read_not_calle
     writer = _manager(tmp_path)
     writer.save(1, _state(1.0))
     real = catalog.read_manifest
-    misses = [1]
+    misses = [0]  # armed once the reader is open
 
     def read_manifest(storage: Any, rel: str) -> Any:
         if misses[0] and rel == "checkpoint-1":
@@ -248,10 +248,21 @@ def test_a_copy_renamed_in_just_after_a_read_found_no_manifest_is_read_not_calle
             raise CheckpointNotFoundError(f"{rel}: no manifest (the client's stale view)")
         return real(storage, rel)
 
+    real_back = catalog._back
+
+    def back(storage: Any, steps: Any, replacing: Any = None) -> set[int]:
+        if misses[0] == 0 and 1 in steps and not back_seen:
+            back_seen.append(True)
+            return set()  # the listing of the same instant lacked the name too
+        return real_back(storage, steps, replacing)
+
+    back_seen: list[bool] = []
     monkeypatch.setattr(catalog, "read_manifest", read_manifest)
+    monkeypatch.setattr(catalog, "_back", back)
     reader = _manager(tmp_path, read_only=True)
+    misses[0] = 1
     assert _value(reader.restore(1)) == 1.0
-    assert misses == [0]
+    assert misses == [0] and back_seen == [True]
     # A directory that really has no manifest is still called so, after a few reads.
     (tmp_path / "checkpoint-2").mkdir()
     with pytest.raises(CheckpointNotFoundError, match="has no manifest: it was never committed"):
