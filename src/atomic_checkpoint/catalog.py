@@ -445,11 +445,15 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
         except CheckpointNotFoundError as exc:
             if not last and _back(storage, (step,)):
                 continue
-            if not last and storage.is_dir(rel):
-                # A directory, yet no manifest a moment ago: a copy renamed in since (an
-                # overwrite seen from another node of a network filesystem, whose client
-                # showed neither name in between), or one never committed. Read again,
-                # a little later each time, before calling it never committed.
+            caps = storage.capabilities
+            stale = not caps.coherent and caps.atomic_dir_rename
+            if not last and stale and storage.is_dir(rel):
+                # A network filesystem whose saves commit by rename (sshfs, NFS): a
+                # directory, yet no manifest a moment ago, is a copy renamed in since (an
+                # overwrite seen from another node, whose client showed neither name in
+                # between) or one never committed. Read again, a little later each
+                # time, before calling it never committed. (Where saves write in place,
+                # a directory without a manifest is a save in progress: not waited for.)
                 time.sleep(_UNMANIFESTED_PAUSE_S * (attempt + 1))
                 continue
             raise missing_step_error(storage, step) from exc

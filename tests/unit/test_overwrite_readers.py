@@ -16,6 +16,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from atomic_checkpoint.layout import (
     pending_name,
     replaced_name,
 )
+from atomic_checkpoint.storage.detect import local_capabilities
 from tests.model.kinds import NoExchangeStorage
 
 
@@ -259,7 +261,13 @@ def test_a_copy_renamed_in_just_after_a_read_found_no_manifest_is_read_not_calle
     back_seen: list[bool] = []
     monkeypatch.setattr(catalog, "read_manifest", read_manifest)
     monkeypatch.setattr(catalog, "_back", back)
-    reader = _manager(tmp_path, read_only=True)
+    # As on sshfs or NFS: renames are atomic, the namespace is not coherent across nodes.
+    caps = replace(local_capabilities(str(tmp_path)), name="sshfs-like", coherent=False)
+    reader = CheckpointManager(
+        NoExchangeStorage(tmp_path, capabilities=caps),
+        coordinator=SingleProcessCoordinator(),
+        read_only=True,
+    )
     misses[0] = 1
     assert _value(reader.restore(1)) == 1.0
     assert misses == [0] and back_seen == [True]
