@@ -824,10 +824,7 @@ def scan(
         if not vanished:
             break
         vanished = False
-        for step, name in _checkpoint_names(_root_names(storage))[0]:
-            if step in seen:
-                continue
-            seen.add(step)
+        for step, name in _new_names(storage, seen):
             entry = _settled(storage, name, step, run_id=run_id, full=full, cache=cache)
             if entry is not None:
                 entries.append(entry)
@@ -949,13 +946,12 @@ def _newest_first(
     relist = steps is None
     if steps is None:
         steps, _ = _checkpoint_names(_root_names(storage))
-    walked: set[int] = set(skip)
+    walked = set(skip)
+    steps = [(step, name) for step, name in steps if step not in walked]
+    walked.update(step for step, _ in steps)
     for _ in range(READ_ATTEMPTS):
         vanished = False
         for step, name in reversed(steps):
-            if step in walked:
-                continue
-            walked.add(step)
             token = manifest_token(storage, name) if cache is not None else None
             entry = _settled(
                 storage, name, step, run_id=run_id, full=False, cache=cache, token=token
@@ -966,7 +962,16 @@ def _newest_first(
                 yield entry
         if not (relist and vanished):
             return
-        steps, _ = _checkpoint_names(_root_names(storage))
+        steps = _new_names(storage, walked)
+
+
+def _new_names(storage: Storage, seen: set[int]) -> list[tuple[int, str]]:
+    """The checkpoint names of a fresh listing of ROOT whose steps are not in ``seen``
+    (added to it), ascending: what a walk on which names vanished (a rotation, which
+    commits a newer checkpoint first) has not looked at yet."""
+    fresh = [(s, n) for s, n in _checkpoint_names(_root_names(storage))[0] if s not in seen]
+    seen.update(s for s, _ in fresh)
+    return fresh
 
 
 @dataclass(frozen=True)

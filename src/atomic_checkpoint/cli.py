@@ -1529,7 +1529,7 @@ def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .retention import describe_plan, plan_deletions, unrecorded_metrics
+    from .retention import describe_plan, plan_keeping_a_verified_newest, unrecorded_metrics
 
     policy = _policy(args, args.parser)
     storage = _open_root(args.root, args.storage_option)
@@ -1539,14 +1539,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
         run_id = args.run_id or catalog.recorded_run_id(storage)
     except CheckpointError as exc:
         raise CliError(f"{exc}: pass --run-id RUN to say whose checkpoints to prune", EXIT_USAGE)
+    # No run file (a tiered job's persistent tier, a root saved with run_id=): the run
+    # is unambiguous when every checkpoint there belongs to one. One scan either way.
+    entries = catalog.scan(storage, run_id=run_id)
     if run_id is None:
-        # No run file (a tiered job's persistent tier, a root saved with run_id=): the
-        # run is unambiguous when every checkpoint there belongs to one.
-        runs = {
-            e.manifest.run_id
-            for e in catalog.scan(storage)
-            if e.status == "ok" and e.manifest is not None
-        }
+        runs = {e.manifest.run_id for e in entries if e.status == "ok" and e.manifest}
         if len(runs) != 1:
             raise CliError(
                 f"{storage.url()} records no run ({RUN_FILE} is missing) and holds "
@@ -1554,8 +1551,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 f"prune: pass --run-id RUN (see the RUN column of `{PROG} list --all-runs`)",
                 EXIT_USAGE,
             )
-        run_id = runs.pop()
-    entries = catalog.scan(storage, run_id=run_id)
+        run_id = runs.pop()  # every valid entry is this run's: the scan stands
     manifests = [e.manifest for e in entries if e.status == "ok" and e.manifest is not None]
     skipped = [
         {
@@ -1575,38 +1571,34 @@ def cmd_prune(args: argparse.Namespace) -> int:
             "check --metric",
             EXIT_USAGE,
         )
-    # The newest checkpoint the policy keeps is what a resume would load, and what makes
-    # deleting the others safe: every byte of it is verified first. One that fails its
-    # checksums (size checks pass) is set aside, never deleted, and does not count; the
-    # next newest must verify instead. Otherwise a corrupt newest would let prune delete
-    # every checkpoint that can still be restored.
-    while True:
-        plan = describe_plan(policy, infos)
-        victims = {i.step for i in plan_deletions(policy, infos)}
-        staying = [i for i in infos if i.step not in victims]
-        if not victims or not staying:
-            break
-        newest = max(staying, key=lambda i: i.step)
-        name = checkpoint_name(newest.step)
-        manifest = next(m for m in manifests if m.step == newest.step)
+
+    # Every byte of the newest checkpoint the policy keeps is verified before anything
+    # is deleted; one that fails is set aside (see plan_keeping_a_verified_newest).
+    def verifies(step: int) -> bool:
+        name = checkpoint_name(step)
+        manifest = next(m for m in manifests if m.step == step)
         progress = _progress_for(args, f"verifying {name}", manifest.size_bytes)
         try:
             catalog.validate_consistent(storage, name, manifest, full=True, progress=progress)
-            break
+            return True
         except CorruptCheckpointError as exc:
             problem = f"failed verification, so not counted as kept: {exc}"
             skipped.append(
                 {
                     "name": name,
-                    "step": newest.step,
+                    "step": step,
                     "status": "corrupt",
                     "problem": _short_problem(storage, name, problem),
                 }
             )
-            infos = [i for i in infos if i.step != newest.step]
+            return False
         finally:
             if progress is not None:
                 progress.finish()
+
+    victim_steps, infos = plan_keeping_a_verified_newest(policy, infos, verifies)
+    victims = set(victim_steps)
+    plan = describe_plan(policy, infos)
     failed: list[dict[str, Any]] = []
     deleted: set[int] = set()
     if victims and not args.dry_run:

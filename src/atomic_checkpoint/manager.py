@@ -1524,7 +1524,7 @@ class CheckpointManager:
         its checksums is set aside (neither kept nor deleted) and the next newest must
         verify instead, so a corrupt newest never makes retention delete the last
         checkpoint that can be restored (as ``prune`` does)."""
-        from .retention import plan_deletions
+        from .retention import plan_deletions, plan_keeping_a_verified_newest
 
         if self.retention is None:  # set to None meanwhile (a rotation thread): nothing
             return []
@@ -1541,15 +1541,15 @@ class CheckpointManager:
             newest = max(steps, default=None)
         if newest not in steps:
             return []  # nothing committed, or our own commit is not visible: a stale view
-        while True:
+        if verify_kept:
+            victims, infos = plan_keeping_a_verified_newest(
+                self.retention,
+                infos,
+                lambda step: step in self._known_good or self._verifies(step, manifests),
+                protect=(newest,),
+            )
+        else:
             victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
-            kept = [i for i in infos if i.step not in victims]
-            if not (verify_kept and victims and kept):
-                break
-            top = max(kept, key=lambda i: i.step)
-            if top.step in self._known_good or self._verifies(top.step, manifests):
-                break
-            infos = [i for i in infos if i.step != top.step]  # neither kept nor deleted
         self._warn_unrecorded_metrics(infos, victims)
         for step in victims:
             self._delete_checkpoint(step)

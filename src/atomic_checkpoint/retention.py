@@ -27,7 +27,7 @@ import dataclasses
 import math
 import numbers
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -379,6 +379,36 @@ def plan_deletions(
     kept = _kept_steps(policy, ordered) | frozenset(protect)
     newest = ordered[-1].step
     return [info for info in ordered if info.step != newest and info.step not in kept]
+
+
+def plan_keeping_a_verified_newest(
+    policy: RetentionPolicy | None,
+    checkpoints: Sequence[CheckpointInfo],
+    verifies: Callable[[int], bool],
+    *,
+    protect: Iterable[int] = (),
+) -> tuple[list[int], list[CheckpointInfo]]:
+    """``plan_deletions``, made safe against a corrupt newest checkpoint: the newest
+    one the plan keeps (what a resume would load, and what makes deleting the others
+    safe) must pass ``verifies(step)`` (a full read; the caller may know it good
+    already). One that fails is set aside, neither kept nor deleted, and the plan is
+    made again without it, so a corrupt newest never makes retention delete the last
+    checkpoint that can be restored. Nothing is verified when nothing would be deleted.
+
+    Returns:
+        The steps to delete, and the checkpoints the plan was made of (``checkpoints``
+        less the ones set aside).
+    """
+    infos = list(checkpoints)
+    while True:
+        victims = [v.step for v in plan_deletions(policy, infos, protect=protect)]
+        kept = [i for i in infos if i.step not in victims]
+        if not victims or not kept:
+            return victims, infos
+        top = max(kept, key=lambda i: i.step)
+        if verifies(top.step):
+            return victims, infos
+        infos = [i for i in infos if i.step != top.step]
 
 
 def describe_plan(

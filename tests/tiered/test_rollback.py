@@ -14,12 +14,20 @@ multi-rank case is a real 3-rank gloo job, each rank its own node with peer copi
 from __future__ import annotations
 
 import shutil
+import textwrap
 
 import pytest
 from tests.dist.launcher import ok_values, run_ranks
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
 from tests.tiered import workers
-from tests.tiered.test_tiered import fast_root, s3_link_cut, same, state, steps_on  # noqa: F401
+from tests.tiered.test_tiered import (  # noqa: F401
+    fast_root,
+    killed_job,
+    s3_link_cut,
+    same,
+    state,
+    steps_on,
+)
 
 from atomic_checkpoint import (
     CheckpointError,
@@ -141,3 +149,52 @@ def test_rollback_in_a_multi_node_job_removes_tier_1_tier_0_and_peer_copies_alik
         assert {f.checksum for f in own.files} <= {f.checksum for f in tier1_step2.files}
         assert not list(base.glob(f"node{node}/.peers/*/{checkpoint_name(3)}"))
         assert list(base.glob(f"node{node}/.peers/*/{checkpoint_name(2)}"))
+
+
+ROLLBACK_CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, os.environ["TEST_DIR"])
+    from test_tiered import state
+    from atomic_checkpoint import KeepLast, Tier, TieredCheckpointManager
+
+    cfg = json.loads(os.environ["TIERED_CFG"])
+    mgr = TieredCheckpointManager(
+        [Tier(cfg["fast"], retention=KeepLast(2)), Tier(cfg["slow"], retention=KeepLast(5))]
+    )
+    for s in (1, 2, 3, 4):
+        mgr.save(s, state(s))
+    assert mgr.wait_replicated(timeout_s=60)
+    print("replicated", flush=True)
+    mgr.rollback(2)  # killed on tier 1, after step 4 went, before step 3 goes
+    print("rolled back", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_a_rollback_killed_midway_leaves_whole_checkpoints_and_is_finished_by_calling_it_again(
+    fast_root, tmp_path
+):
+    """A SIGKILL inside ``rollback(2)``, on tier 1, with step 4 removed there and step 3
+    not yet: every checkpoint listed on either tier is whole; the next start sees the
+    rollback as not done (tier 0 still holds step 4, which is replicated again, so a
+    resume loads 4, as before the call), and calling ``rollback(2)`` again finishes it."""
+    slow = tmp_path / "persistent"
+    child = killed_job(
+        ROLLBACK_CHILD, "before_uncommit@0=kill:3", 60, fast=str(fast_root), slow=str(slow)
+    )
+    assert "replicated" in child.stdout and "rolled back" not in child.stdout
+    on_slow = CheckpointManager(slow, read_only=True)
+    assert steps_on(on_slow) == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert same(on_slow.restore(s), state(s))
+    assert {3, 4} <= set(steps_on(CheckpointManager(fast_root, read_only=True)))  # untouched
+    tiers = [Tier(fast_root, retention=KeepLast(2)), Tier(slow, retention=KeepLast(5))]
+    with TieredCheckpointManager(tiers) as mgr:
+        assert mgr.wait_replicated(timeout_s=30)
+        assert [c.step for c in mgr.checkpoints()] == [1, 2, 3, 4]
+        assert same(mgr.restore(), state(4))
+        assert mgr.rollback(2) == [4, 3]
+        assert [c.step for c in mgr.checkpoints()] == [1, 2]
+    assert steps_on(on_slow) == [1, 2]
