@@ -25,8 +25,11 @@ one rank's value without waiting for the others. docs/scale.md has the counts.
 
 Keys are ``atomic_checkpoint/<namespace>/<seq>/<rank>`` (and ``.../<seq>/arrived``).
 ``seq`` advances identically on every rank because every rank makes the same sequence
-of calls (DESIGN invariant 3), counted by the calling thread; the human-readable ``key``
-passed by the caller is only for error messages. Each outcome key is written once, by
+of calls (DESIGN invariant 3), counted by the calling thread. The human-readable ``key``
+passed by the caller (``"save step 10: write"``) travels with every value, so ranks
+that made different calls meet in the same round and every rank raises
+``CollectiveMismatchError`` naming them, instead of reading another call's value.
+Each outcome key is written once, by
 whoever writes it first (see ``_gather``). A rank deletes its keys once a later round is
 complete: by then every rank has finished reading them, so the store does not grow
 with the run.
@@ -45,6 +48,7 @@ import functools
 import os
 import pickle
 import queue
+import re
 import threading
 import time
 import warnings
@@ -56,6 +60,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
+    CollectiveMismatchError,
     CoordinationTimeoutError,
     DistributedCheckpointError,
     RankFailure,
@@ -133,9 +138,14 @@ _EXIT_DRAIN_S = 5.0
 _WAIT_SLICE_S = 0.25
 _NOT_RUNNING_S = 1.0
 
-#: Written into the key of a rank that did not arrive in time, followed by the rank that
-#: gave up. Pickled values start with the protocol byte 0x80, never with this.
+#: Written into the key of a rank that did not arrive in time, followed by
+#: ``<rank that gave up>|<ranks missing>|<its call's key>``. Values are tagged (``_tag``)
+#: and start with the 4-byte length of their key, which is never this long.
 _GAVE_UP = b"\x00atomic-checkpoint-gave-up:"
+
+#: The outcome of a round whose ranks made different calls, followed by the pickled
+#: ``{rank: key}``.
+_MISMATCH = b"\x00atomic-checkpoint-mismatch:"
 
 
 def _delete_keys(store: Any, keys: list[str]) -> None:
@@ -143,8 +153,58 @@ def _delete_keys(store: Any, keys: list[str]) -> None:
         store.delete_key(k)
 
 
-def _gave_up_by(raw: bytes) -> str:
-    return raw[len(_GAVE_UP) :].decode(errors="replace").partition("|")[0]
+def _gave_up_mark(rank: int, missing: Sequence[int], key: str) -> bytes:
+    return _GAVE_UP + f"{rank}|{','.join(map(str, missing))}|{key}".encode()
+
+
+def _gave_up_by(raw: bytes) -> tuple[str, tuple[int, ...], str]:
+    """A give-up mark's rank that gave up, ranks it names, and the call it was in."""
+    by, _, rest = raw[len(_GAVE_UP) :].decode(errors="replace").partition("|")
+    listed, _, key = rest.partition("|")
+    return by, tuple(int(r) for r in listed.split(",") if r), key
+
+
+def _tag(key: str, payload: bytes) -> bytes:
+    """``payload`` as stored: after the call's ``key``, so a rank that reads a value
+    knows which call sent it."""
+    k = key.encode()
+    return len(k).to_bytes(4, "big") + k + payload
+
+
+def _untag(raw: bytes) -> tuple[str, bytes]:
+    n = int.from_bytes(raw[:4], "big")
+    return raw[4 : 4 + n].decode(errors="replace"), raw[4 + n :]
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def _same_call(a: str, b: str) -> bool:
+    """Whether keys ``a`` and ``b`` name the same call, whatever its numbers: ranks that
+    save different steps meet in the same call, whose own check of the steps then
+    says so (``"save step 10: prepare"`` and ``"save step 11: prepare"``)."""
+    return a == b or _DIGITS.sub("#", a) == _DIGITS.sub("#", b)
+
+
+def _mismatch(calls: dict[int, str], rank: int) -> CollectiveMismatchError:
+    """The error of a round in which the ranks made different calls (``calls``: what
+    each rank known to differ was doing)."""
+    by_call: dict[str, list[int]] = {}
+    for r, k in sorted(calls.items()):
+        by_call.setdefault(k, []).append(r)
+    listed = "; ".join(
+        f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} in {k!r}"
+        for k, rs in by_call.items()
+    )
+    return CollectiveMismatchError(
+        f"rank {rank}: the ranks made different collective calls at the same point "
+        f"({listed}). Every rank must call the checkpoint methods (save, save_async, "
+        "restore, latest, checkpoints, rollback, apply_retention, close...) in the same "
+        "order with the same step; a call made on some ranks only (under "
+        "`if rank == 0:`) puts them out of step. For a rank-local look at ROOT, open "
+        "another manager with read_only=True and coordinator=SingleProcessCoordinator()",
+        calls=calls,
+    )
 
 
 #: What ``_give_up`` expects in a round's arrival list, to read it without waiting for it:
@@ -496,7 +556,7 @@ class TorchDistributedCoordinator:
         if clone is None:
             return ("unknown", None)  # the only connection is the one that hangs
         slot = self._keys(last[0])[src]
-        mark = _GAVE_UP + str(self.rank).encode()
+        mark = _gave_up_mark(self.rank, (src,), key)
         box: list[Any] = []
 
         def look() -> None:
@@ -508,9 +568,12 @@ class TorchDistributedCoordinator:
         if not box:
             return ("unknown", None)
         raw = box[0]
-        if raw.startswith(_GAVE_UP):
+        if raw.startswith((_GAVE_UP, _MISMATCH)):
             return ("failed", None)
-        return ("value", pickle.loads(raw))
+        sent_by, payload = _untag(raw)
+        if not _same_call(sent_by, key):
+            return ("failed", None)  # another call's value: every rank fails this round
+        return ("value", pickle.loads(payload))
 
     def _next_round(self, key: str) -> int:
         """The round number of the next exchange. Advanced by the calling thread, in
@@ -551,14 +614,21 @@ class TorchDistributedCoordinator:
             f"rank {self.rank}: coordination store failed at {key!r}: {result}"
         ) from result
 
-    def _claim(self, slot: str, obj: Any, key: str, timeout_s: float) -> bytes:
+    def _claim(self, slot: str, obj: Any, key: str, timeout_s: float, seq: int) -> bytes:
         """Write ``obj`` into this rank's ``slot`` unless a rank that gave up waiting
-        for it marked it first; then this rank is late, and fails like the others."""
-        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        for it marked it first; then this rank is late, and fails like the others. A
+        rank in another call may have written the slot first (its outcome, in a round
+        it collects): ``CollectiveMismatchError``."""
+        mine = _tag(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         stored = self._store.compare_set(slot, "", mine)
         if stored != mine:
+            if not stored.startswith(_GAVE_UP):
+                self._check_call(key, stored, slot, seq)  # raises: another call wrote it
+            by, _, their_key = _gave_up_by(stored)
+            if not _same_call(their_key, key):
+                raise _mismatch({int(by): their_key, self.rank: key}, self.rank)
             raise CoordinationTimeoutError(
-                f"rank {self.rank} arrived at {key!r} after rank {_gave_up_by(stored)} gave "
+                f"rank {self.rank} arrived at {key!r} after rank {by} gave "
                 f"up waiting for it ({timeout_s:g} s): this rank stalled (frozen, "
                 "descheduled or on slow storage), so the exchange failed for every rank",
                 missing_ranks=(self.rank,),
@@ -566,16 +636,53 @@ class TorchDistributedCoordinator:
             )
         return mine
 
-    def _give_up_on(self, keys: dict[int, str]) -> dict[int, bytes]:
+    def _give_up_on(self, key: str, keys: dict[int, str]) -> dict[int, bytes]:
         """After a timeout: write a give-up mark into every key in ``keys`` that is still
         empty; returns what each key holds now (a value that arrived meanwhile stands)."""
-        mark = _GAVE_UP + str(self.rank).encode()
+        mark = _gave_up_mark(self.rank, tuple(keys), key)
         return {r: self._store.compare_set(k, "", mark) for r, k in keys.items()}
+
+    def _check_call(self, key: str, raw: bytes, slot: str, seq: int) -> bytes:
+        """The payload of ``raw``, a value read at ``slot`` in round ``seq`` for this
+        rank's call ``key``.
+
+        Ranks in different calls can meet in any kind of round, and not every rank
+        reads every key: a rank that publishes goes on to the next round without
+        waiting. So the mismatch is found by whoever reads a value of another call (or
+        collects the values), and it then also fills every key of the next round with
+        the mismatch: each rank fails in this round or the next, and every rank of
+        this round skips the next one, so all start their next call in the same
+        round.
+
+        Raises:
+            CollectiveMismatchError: it is the outcome of a round whose ranks made
+                different calls, or a value another call sent (its rank was in
+                another call when it wrote this key).
+        """
+        if raw.startswith(_MISMATCH):
+            origin, calls = pickle.loads(raw[len(_MISMATCH) :])
+            if origin == seq:
+                self._seq = seq + 1  # filled with this mismatch: nobody waits in it
+            raise _mismatch(calls, self.rank)
+        sent_by, payload = _untag(raw)
+        if not _same_call(sent_by, key):
+            owner = int(slot.rsplit("/", 1)[1])
+            mark = self._mismatch_mark(seq, {owner: sent_by, self.rank: key})
+            return self._check_call(key, mark, slot, seq)
+        return payload
+
+    def _mismatch_mark(self, seq: int, calls: dict[int, str]) -> bytes:
+        """The mismatch found in round ``seq``, also written into every empty key of
+        the next round (see ``_check_call``)."""
+        mark = _MISMATCH + pickle.dumps((seq, calls), protocol=pickle.HIGHEST_PROTOCOL)
+        for k in self._keys(seq + 1):
+            self._store.compare_set(k, "", mark)
+        return mark
 
     def _publish(self, key: str, obj: Any, src: int, timeout_s: float, seq: int) -> Any:
         slot = self._keys(seq)[src]
         if self.rank == src:
-            self._claim(slot, obj, key, timeout_s)
+            self._claim(slot, obj, key, timeout_s, seq)
             self._read_by_all.append(slot)
             return obj
         try:
@@ -583,10 +690,10 @@ class TorchDistributedCoordinator:
             raw = self._store.get(slot)
         except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
             try:
-                raw = self._give_up_on({src: slot})[src]
+                raw = self._give_up_on(key, {src: slot})[src]
             except Exception as exc2:  # pragma: no cover - the store itself failed
                 raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
-            if raw.startswith(_GAVE_UP):
+            if raw.startswith(_GAVE_UP) and _gave_up_by(raw)[0] == str(self.rank):
                 raise CoordinationTimeoutError(
                     f"rank {self.rank}: rank {src} did not answer at {key!r} within "
                     f"{timeout_s:g} s (it crashed, hung, or is still working on slow "
@@ -595,13 +702,17 @@ class TorchDistributedCoordinator:
                     key=key,
                 ) from exc
         if raw.startswith(_GAVE_UP):
+            by, _, their_key = _gave_up_by(raw)
+            if not _same_call(their_key, key):
+                # A rank in another call (collecting in this slot) gave up on this one.
+                raise _mismatch({int(by): their_key, self.rank: key}, self.rank)
             raise CoordinationTimeoutError(
                 f"rank {self.rank}: rank {src} did not answer at {key!r} in time: rank "
-                f"{_gave_up_by(raw)} gave up waiting for it ({timeout_s:g} s)",
+                f"{by} gave up waiting for it ({timeout_s:g} s)",
                 missing_ranks=(src,),
                 key=key,
             )
-        return pickle.loads(raw)
+        return pickle.loads(self._check_call(key, raw, slot, seq))
 
     def _gather(
         self,
@@ -639,7 +750,7 @@ class TorchDistributedCoordinator:
         wait = timedelta(seconds=max(timeout_s, 0.001))
         values: list[bytes] | None = None
         self._routed_keys = []
-        mine = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        mine = _tag(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         if self.rank != dst:
             # Set before appended: a rank on the arrival list has its value in place.
             self._store.set(keys[self.rank], mine)
@@ -661,17 +772,28 @@ class TorchDistributedCoordinator:
             if not raw:  # everyone arrived (perhaps just as this rank gave up)
                 got = iter(self._store.multi_get(others) if others else ())
                 values = [mine if r == dst else next(got) for r in range(self.world_size)]
+                marked = next((v for v in values if v.startswith(_MISMATCH)), None)
                 if any(v.startswith(_GAVE_UP) for v in values):
                     # Marked by the rank that gave up on their owners, after it marked
                     # the outcome key: the round failed.
                     raw, values = self._store.get(out_key), None
+                elif marked is not None:  # a mismatch in the round before: this one fails
+                    raw, values = self._store.compare_set(out_key, "", marked), None
                 else:
-                    raw = self._store.compare_set(out_key, "", outcome_of(values))
+                    calls = [_untag(v) for v in values]
+                    if all(_same_call(k, key) for k, _ in calls):
+                        values = [payload for _, payload in calls]
+                        outcome = _tag(key, outcome_of(values))
+                    else:
+                        called = {r: k for r, (k, _) in enumerate(calls)}
+                        outcome, values = self._mismatch_mark(seq, called), None
+                    raw = self._store.compare_set(out_key, "", outcome)
         routed, self._routed_keys = self._routed_keys, []
         if raw.startswith(_GAVE_UP):
             if routed:  # written just before a rank's give-up mark won: nobody reads them
                 self._worker.defer(functools.partial(_delete_keys, self._store, routed))
             raise self._missing_error(key, raw, dst, timeout_s)
+        payload = self._check_call(key, raw, out_key, seq)
         # The outcome is out, so every rank has arrived in this round and finished every
         # earlier one: this rank's key of this round (read by ``dst`` before it wrote the
         # outcome) and what it published earlier can go, off the caller's path.
@@ -681,7 +803,7 @@ class TorchDistributedCoordinator:
             done = [*done, keys[self.rank]]
         if done:
             self._worker.defer(functools.partial(_delete_keys, self._store, done))
-        return values, raw
+        return values, payload
 
     def _arrivals(self, seq: int) -> str:
         return f"{self._ns}/{seq}/arrived"
@@ -705,7 +827,7 @@ class TorchDistributedCoordinator:
                 if self.rank == dst:
                     return b""
                 missing = [dst]
-            mark = _GAVE_UP + f"{self.rank}|{','.join(map(str, missing))}".encode()
+            mark = _gave_up_mark(self.rank, missing, key)
             keys = self._keys(seq)
             stored = self._store.compare_set(keys[dst], "", mark)
             if stored == mark:
@@ -718,10 +840,12 @@ class TorchDistributedCoordinator:
 
     def _missing_error(
         self, key: str, raw: bytes, dst: int, timeout_s: float
-    ) -> CoordinationTimeoutError:
-        """The one error of a round that a rank gave up on (``raw``: its mark)."""
-        by, _, listed = raw[len(_GAVE_UP) :].decode(errors="replace").partition("|")
-        late = tuple(int(r) for r in listed.split(",") if r)
+    ) -> CoordinationTimeoutError | CollectiveMismatchError:
+        """The one error of a round that a rank gave up on (``raw``: its mark), or,
+        if that rank was in another call, the mismatch."""
+        by, late, their_key = _gave_up_by(raw)
+        if not _same_call(their_key, key):
+            return _mismatch({int(by): their_key, self.rank: key}, self.rank)
         if by == str(self.rank) and late == (dst,) and dst != self.rank:
             text = (
                 f"rank {self.rank}: rank {dst}, which collects {key!r}, did not answer within "

@@ -19,6 +19,7 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     │   └── StoragePermissionError(StorageError, PermissionError)   EACCES, EPERM, EROFS
     ├── CommitError(CheckpointError)
     ├── CoordinationTimeoutError(CheckpointError, TimeoutError)
+    ├── CollectiveMismatchError(CheckpointError)   ranks made different calls
     ├── DistributedCheckpointError(CheckpointError)   carries every rank's failure
     ├── SaveAbandonedError(CheckpointError)   an async save stopped by close() or exit
     ├── LockError(CheckpointError)
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CollectiveMismatchError",
     "CommitError",
     "CoordinationTimeoutError",
     "CorruptCheckpointError",
@@ -169,6 +171,19 @@ class CoordinationTimeoutError(CheckpointError, TimeoutError):
         super().__init__(message)
         self.missing_ranks = tuple(missing_ranks)
         self.key = key
+
+
+class CollectiveMismatchError(CheckpointError):
+    """The ranks made different collective calls at the same point of the job (one
+    saves while another restores, or one skipped a call under ``if rank == 0:``).
+
+    ``calls`` maps a rank to the exchange it was in (e.g. ``"save step 10: write"``):
+    every rank when the collecting rank saw the mismatch, two ranks when a rank found
+    another's value in its place."""
+
+    def __init__(self, message: str, *, calls: dict[int, str] | None = None):
+        super().__init__(message)
+        self.calls = dict(calls or {})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,149 @@
+"""Ranks that make different collective calls at the same point of a job (one saves
+while another restores, a call under ``if rank == 0:``): every round carries its call's
+key, so they meet, every rank raises ``CollectiveMismatchError`` naming the calls at
+once instead of reading another call's value or waiting for its timeout, and the next
+calls made alike on every rank work again.
+
+Ranks are threads, each with its own client of one real TCPStore (the coordination a
+torchrun job uses).
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from atomic_checkpoint import CollectiveMismatchError, CoordinationTimeoutError
+
+dist = pytest.importorskip("torch.distributed")
+
+TIMEOUT_S = 8.0  # a mismatch must be raised long before this
+
+
+def _on_ranks(world: int, body: Callable[[Any, int], Any]) -> list[tuple[str, Any, float]]:
+    """Run ``body(coordinator, rank)`` on ``world`` threads sharing one TCPStore; per
+    rank ("ok", result, seconds) or ("error", exception, seconds)."""
+    from atomic_checkpoint.coordination import TorchDistributedCoordinator
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
+    port = server.port
+    results: list[tuple[str, Any, float]] = [("missing", None, 0.0)] * world
+
+    def run(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=30))
+        coord = TorchDistributedCoordinator(client, rank=rank, world_size=world, namespace="m")
+        t0 = time.monotonic()
+        try:
+            results[rank] = ("ok", body(coord, rank), time.monotonic() - t0)
+        except Exception as exc:
+            results[rank] = ("error", exc, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    del server
+    return results
+
+
+def _then_agree(first: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
+    """``first``, whose error is kept, then an all-gather made alike on every rank."""
+
+    def body(coord: Any, rank: int) -> tuple[Any, list[int]]:
+        try:
+            first(coord, rank)
+            outcome: Any = "no error"
+        except Exception as exc:
+            outcome = exc
+        return outcome, coord.all_gather("after", rank, timeout_s=TIMEOUT_S)
+
+    return body
+
+
+def _check_all_raised_the_mismatch(results, world: int, *calls: str) -> None:
+    for rank, (kind, (err, after), _) in enumerate(results):
+        assert kind == "ok", err
+        assert isinstance(err, CollectiveMismatchError), (rank, err)
+        for call in calls:
+            assert repr(call) in str(err), (rank, str(err))
+        assert "same order" in str(err)
+        # ... and the job goes on: the next call made alike on every rank works.
+        assert after == list(range(world)), (rank, after)
+    # Found at once, not at the timeout.
+    assert max(r[2] for r in results) < TIMEOUT_S / 2, [r[2] for r in results]
+
+
+def test_gathers_of_different_calls_fail_every_rank_naming_each_call():
+    def first(coord, rank):
+        key = "save step 10: write" if rank % 2 == 0 else "restore: next candidate"
+        return coord.all_gather(key, rank, timeout_s=TIMEOUT_S)
+
+    results = _on_ranks(4, _then_agree(first))
+    _check_all_raised_the_mismatch(results, 4, "save step 10: write", "restore: next candidate")
+    err = results[0][1][0]
+    saving, restoring = "save step 10: write", "restore: next candidate"
+    assert err.calls == {0: saving, 1: restoring, 2: saving, 3: restoring}
+    assert "ranks 0, 2 in 'save step 10: write'" in str(err)
+    assert pickle.loads(pickle.dumps(err)).calls == err.calls  # crosses ranks intact
+
+
+def test_a_publisher_that_does_not_wait_still_fails_with_the_others():
+    """Rank 0 publishes (it does not wait for anyone) while the others gather: they
+    find its value is another call's and fill the next round with the mismatch, where
+    rank 0 meets it."""
+
+    def first(coord, rank):
+        if rank == 0:
+            coord.publish("save step 3: prepare", "plan", src=0, timeout_s=TIMEOUT_S)
+            return coord.all_gather("save step 3: write", rank, timeout_s=TIMEOUT_S)
+        return coord.all_gather("latest", rank, timeout_s=TIMEOUT_S)
+
+    results = _on_ranks(3, _then_agree(first))
+    _check_all_raised_the_mismatch(results, 3, "save step 3: prepare", "latest")
+
+
+def test_a_gatherer_whose_round_a_publisher_took_fails_with_it():
+    """Ranks 0 and 2 wait for rank 1's answer to a broadcast, in the key where rank 1,
+    in another call, publishes."""
+
+    def first(coord, rank):
+        if rank == 1:
+            coord.publish("rollback: plan", "plan", src=1, timeout_s=TIMEOUT_S)
+            return coord.all_gather("rollback: done", rank, timeout_s=TIMEOUT_S)
+        return coord.broadcast("list", rank, src=1, timeout_s=TIMEOUT_S)
+
+    results = _on_ranks(3, _then_agree(first))
+    _check_all_raised_the_mismatch(results, 3, "rollback: plan", "list")
+
+
+def test_the_same_call_with_other_numbers_is_no_mismatch():
+    """Ranks saving different steps are in the same call: its own check of the steps
+    speaks (the values reach the collecting rank)."""
+
+    def body(coord, rank):
+        return coord.all_gather(f"save step {10 + rank}: prepare", rank, timeout_s=TIMEOUT_S)
+
+    results = _on_ranks(3, body)
+    assert [r[:2] for r in results] == [("ok", [0, 1, 2])] * 3
+
+
+def test_a_rank_that_makes_no_call_is_still_a_timeout_naming_it():
+    def body(coord, rank):
+        if rank == 2:
+            return None
+        return coord.all_gather("save step 1: write", rank, timeout_s=1.0)
+
+    results = _on_ranks(3, body)
+    for kind, err, _ in results[:2]:
+        assert kind == "error" and isinstance(err, CoordinationTimeoutError)
+        assert err.missing_ranks == (2,)
