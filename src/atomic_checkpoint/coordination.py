@@ -1048,6 +1048,34 @@ def gather_summary(
     return summary
 
 
+def agree(coord: Coordinator, call: str, value: Any, *, timeout_s: float) -> None:
+    """Check that every rank passed the same ``value`` to ``call`` (e.g. the step of
+    ``rollback``) before anything is done with it. Collective; one O(N) round.
+
+    Raises:
+        CollectiveMismatchError: on every rank, naming each rank's value, when they
+            differ (a step computed on each rank from its own clock or data).
+    """
+    differ = gather_summary(
+        coord, f"{call}: arguments", value, _by_rank_if_differ, timeout_s=timeout_s
+    )
+    if differ is None:
+        return
+    listed = ", ".join(f"rank {r}: {v!r}" for r, v in differ.items())
+    raise CollectiveMismatchError(
+        f"the ranks called {call} with different arguments ({listed}); nothing was done. "
+        "Every rank must pass the same value: compute it once (e.g. on rank 0) and use it "
+        "on every rank",
+        calls={r: f"{call} {v!r}" for r, v in differ.items()},
+    )
+
+
+def _by_rank_if_differ(values: list[Any]) -> dict[int, Any] | None:
+    if all(v == values[0] for v in values[1:]):
+        return None
+    return dict(enumerate(values))
+
+
 def gather_to(
     coord: Coordinator, key: str, value: Any, *, dst: int, timeout_s: float
 ) -> list[Any] | None:

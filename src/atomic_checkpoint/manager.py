@@ -34,6 +34,7 @@ from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
 from .coordination import (
     Coordinator,
+    agree,
     default_coordinator,
     gather_summary,
     run_on_leaders,
@@ -1834,7 +1835,9 @@ class CheckpointManager:
             rank=rank,
         )
         if step is not None:
-            return self._restore_agreed(validate_step(step), load, rank)
+            step = validate_step(step)
+            agree(self.coordinator, "restore(step)", step, timeout_s=self.timeout_s)
+            return self._restore_agreed(step, load, rank)
         skipped: list[str] = []
         tried: set[int] = set()
         vanished: dict[int, int] = {}
@@ -2120,6 +2123,8 @@ class CheckpointManager:
             above ``step``. Saves of steps above ``step`` are allowed afterwards.
 
         Raises:
+            CollectiveMismatchError: the ranks passed different steps (or some ranks
+                were in another call); nothing is deleted.
             FencedError: another job took over ROOT; nothing more is deleted.
             CheckpointError: a removal failed: every rank raises the same error, the
                 checkpoints not removed yet are still valid, and calling ``rollback``
@@ -2127,6 +2132,9 @@ class CheckpointManager:
         """
         self._check_writable()
         step = validate_step(step)
+        # Before anything is deleted: a rank with another step, or in another call
+        # (a rollback under `if rank == 0:`), stops it on every rank.
+        agree(self.coordinator, "rollback()", step, timeout_s=self.timeout_s)
         self._finish_async()
         self._finish_rotation()
         _, (removed, summary) = self._on_leaders(

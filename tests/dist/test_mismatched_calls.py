@@ -27,7 +27,7 @@ PAIRS = [
     ("save", "latest", ("save step 20: prepare", "'latest'")),
     ("restore", "checkpoints", ("restore: next candidate", "'list'")),
     ("latest", "apply_retention", ("'latest'", "apply retention")),
-    ("save", "rollback", ("save step 50: prepare", "'rollback'")),
+    ("save", "rollback", ("save step 50: prepare", "'rollback(): arguments'")),
 ]
 
 
@@ -79,3 +79,58 @@ def test_ranks_in_different_calls_all_raise_the_mismatch_at_once_and_go_on(tmp_p
     # rollback to step 1 never ran (the steps above 1 are still there).
     reader = CheckpointManager(root, read_only=True)
     assert [c.step for c in reader.checkpoints()] == [31, 41, 51]
+
+
+def w_mismatched_arguments(rank: int, world: int, root: str) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    mgr = CheckpointManager(root, timeout_s=3.0)
+    for s in (5, 6):
+        mgr.save(s, {"w": torch.full((4,), float(s))})
+    out: dict[str, Any] = {}
+
+    def outcome(fn: Any) -> tuple[str, str]:
+        try:
+            fn()
+        except Exception as exc:
+            return type(exc).__name__, str(exc)
+        return "ok", ""
+
+    # Before, restore(5) beside restore(6) said the step "was replaced 8 times while
+    # being read", and rollback(5) beside rollback(4) removed step 6 without a word.
+    out["restore"] = outcome(lambda: mgr.restore(5 if rank % 2 == 0 else 6))
+    out["rollback"] = outcome(lambda: mgr.rollback(5 if rank % 2 == 0 else 4))
+    out["after"] = [c.step for c in mgr.checkpoints()]
+    # A rollback under `if rank == 0:` while the others save: before, rank 0 deleted
+    # step 6 and then waited for the others.
+    if rank == 0:
+        out["alone"] = outcome(lambda: mgr.rollback(5))
+    else:
+        out["alone"] = outcome(lambda: mgr.save(7, {"w": torch.zeros(4)}))
+    out["on_disk"] = sorted(n for n in os.listdir(root) if n.startswith("checkpoint-"))
+    return out
+
+
+def test_ranks_passing_different_steps_to_restore_or_rollback_do_nothing(tmp_path):
+    root = tmp_path / "ckpt"
+    v = ok_values(
+        run_ranks(w_mismatched_arguments, 3, str(root), tmp_dir=str(tmp_path), timeout_s=90)
+    )
+    for call, values in (("restore(step)", "rank 0: 5, rank 1: 6, rank 2: 5"),
+                         ("rollback()", "rank 0: 5, rank 1: 4, rank 2: 5")):  # fmt: skip
+        key = "restore" if call.startswith("restore") else "rollback"
+        assert {x[key] for x in v} == {
+            (
+                "CollectiveMismatchError",
+                f"the ranks called {call} with different arguments ({values}); nothing "
+                "was done. Every rank must pass the same value: compute it once (e.g. on "
+                "rank 0) and use it on every rank",
+            )
+        }
+    assert all(x["after"] == [5, 6] for x in v)
+    # Nothing deleted and nothing committed; every rank failed.
+    assert all(x["alone"][0] != "ok" for x in v), [x["alone"] for x in v]
+    assert v[0]["alone"][0] == "CollectiveMismatchError" and "rollback()" in v[0]["alone"][1]
+    assert all(x["on_disk"] == ["checkpoint-5", "checkpoint-6"] for x in v)
