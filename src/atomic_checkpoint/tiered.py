@@ -2062,6 +2062,14 @@ class TieredCheckpointManager:
         else:
             reader = self._local_reader() if tier == 0 else self._slow_reader()
         manifest = catalog.load_checkpoint(reader.storage, step)
+        if manifest.state_kind != "replicated" and manifest.world_size != self.world_size:
+            # Each rank reads its own file by rank number: without this, a smaller job
+            # would load the first ranks' states and silently drop the others'.
+            raise CheckpointError(
+                f"checkpoint step {step} holds per-rank state of {manifest.world_size} "
+                f"rank(s) but this job has {self.world_size}; restore it with the same "
+                "world size, or save with the DCP integration for resharding"
+            )
         return reader._load_here(
             manifest,
             into=kwargs.get("into"),

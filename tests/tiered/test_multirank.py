@@ -133,6 +133,26 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
     assert all(v["restored_ok"] and v["restored"] == (4, (0, 1)) for v in third)
 
 
+def test_a_smaller_job_refuses_per_rank_state_of_a_larger_one_on_every_rank(tmp_path):
+    """Each rank reads its own file by rank number: a 2-rank job restoring a 3-rank
+    job's checkpoint loaded ranks 0 and 1's states and dropped rank 2's, without a
+    word, from tier 0 and from tier 1 alike. The plain manager refused it already."""
+    base, slow = str(tmp_path / "nodes"), str(tmp_path / "persistent")
+    ok_values(run_ranks(workers.w_tiered, WORLD, base, slow, None, [1, 2], tmp_dir=str(tmp_path)))
+    got = ok_values(
+        run_ranks(workers.w_tiered_restore_outcome, 2, base, slow, None, tmp_dir=str(tmp_path))
+    )
+    assert len(set(got)) == 1, got  # the same error on every rank
+    kind, msg = got[0]
+    assert kind == "CheckpointError", got
+    assert "per-rank state of 3 rank(s) but this job has 2" in msg
+    # The same world size still restores.
+    again = ok_values(
+        run_ranks(workers.w_tiered_restore_outcome, WORLD, base, slow, None, tmp_dir=str(tmp_path))
+    )
+    assert again == [("ok", "2")] * WORLD
+
+
 def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicates(tmp_path):
     slow = str(tmp_path / "persistent")
     base = str(tmp_path / "nodes")

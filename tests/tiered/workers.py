@@ -574,3 +574,18 @@ def w_rollback(
     out["failures"] = sorted(mgr.replication_failures())
     out["left"] = mgr.close()
     return out
+
+
+def w_tiered_restore_outcome(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any] | None
+) -> tuple[str, str]:
+    """``restore()`` on this rank's node: ("ok", the restored step) or (the error's
+    type, its message)."""
+    _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=30.0, retry_max_s=0.5)
+    try:
+        mgr.restore()
+        got = ("ok", str(mgr.last_restored.step))
+    except Exception as exc:
+        got = (type(exc).__name__, str(exc))
+    mgr.close()
+    return got
