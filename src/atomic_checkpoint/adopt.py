@@ -78,7 +78,7 @@ from .errors import (
 from .layout import MANIFEST_NAME, RUN_FILE
 from .manifest import FileEntry, Hasher, Manifest, format_size
 from .storage import open_storage, posix
-from .storage.base import Storage
+from .storage.base import Storage, renaming
 from .strategies import choose_strategy, create_or_own
 
 if TYPE_CHECKING:
@@ -1007,6 +1007,49 @@ def _record(
         )
     storage.fsync_dir(c.name)
     return True, manifest.size_bytes, len(files)
+
+
+def set_aside_unmanifested(storage: Storage, step: int, label: str) -> None:
+    """On the coordinator, before a save of ``step`` by an integration: move a
+    ``checkpoint-<step>`` without a manifest (torn by a crash of the framework's own
+    save, which adoption refused) out of the way, as the framework's own save of that
+    step would have overwritten it. A committed or corrupt one of ours stays: the
+    commit replaces it atomically (overwrite) or refuses.
+
+    Best effort: if it cannot be moved, the commit protocol refuses the save and every
+    rank gets that error.
+    """
+    name = layout.checkpoint_name(step)
+    try:
+        catalog.read_manifest(storage, name)
+        return
+    except CheckpointNotFoundError:
+        pass
+    except CheckpointError:
+        return
+    entries = storage.listdir(name)
+    if not entries or any(
+        layout.parse_marker_name(e) is not None or layout.parse_attempt_dir(e) is not None
+        for e in entries
+    ):
+        return  # empty, or marker-strategy leftovers that the commit protocol owns
+    trash = f"{layout.TRASH_DIR}/{name}.{layout.new_attempt_token()}"
+    try:
+        storage.makedirs(layout.TRASH_DIR)
+        renaming(storage).rename_dir(name, trash)
+    except CheckpointError as exc:
+        log.warning("%s: could not move the torn %s aside: %s", label, name, exc)
+        return
+    log.warning(
+        "%s: %s had no manifest (a save torn by a crash, or written without "
+        "atomic-checkpoint): replaced by this save",
+        label,
+        storage.url(name),
+    )
+    try:
+        storage.delete_tree(trash)
+    except CheckpointError as exc:  # the next start-up sweeps .trash/
+        log.warning("%s: could not delete %s: %s", label, storage.url(trash), exc)
 
 
 def checksum_and_sync(storage: Storage, rel: str) -> tuple[FileEntry, ...]:

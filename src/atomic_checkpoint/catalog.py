@@ -118,6 +118,12 @@ class Entry:
 #: of ours: another tool's checkpoint, or one that lost its manifest (not a link).
 NO_MANIFEST = "no manifest"
 
+#: ``Entry.problem`` of a file (a plain file, an object) named ``checkpoint-<step>``.
+NOT_A_DIRECTORY = (
+    "a file, not a checkpoint directory: restore and retention ignore it, but a script "
+    "that copies checkpoint-* would take it; move it out of ROOT"
+)
+
 
 def read_manifest(storage: Storage, rel: str) -> Manifest:
     """Open and parse the manifest of checkpoint directory ``rel``.
@@ -675,6 +681,8 @@ def _checkpoint_entry(
             if name not in storage.listdir(""):
                 return None
             children = storage.listdir(name)
+            if not children and storage.size(name) is not None:
+                return Entry(name, step, "foreign", problem=NOT_A_DIRECTORY)
         if MANIFEST_NAME in children:
             return None
         if any(parse_marker_name(c) is not None for c in children):

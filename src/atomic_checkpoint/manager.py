@@ -691,10 +691,10 @@ class CheckpointManager:
             log.warning(
                 "%s holds %d checkpoint folder(s) without a manifest (%s): written by "
                 "another tool (a stock Trainer, Accelerate, DCP) or without their "
-                "manifest, so nothing tells a complete one from one torn by a crash. This "
-                "run does not resume from them and starts from scratch. To resume from the "
-                "complete ones, adopt them first: `atomic-checkpoint adopt %s --dry-run` "
-                "(or adopt_existing=True in the integrations)",
+                "manifest, so nothing tells a complete one from one torn by a crash: "
+                "latest() and restore() ignore them until they are adopted. To resume from "
+                "the complete ones, adopt them: `atomic-checkpoint adopt %s --dry-run`, or "
+                "adopt_existing=True in the integrations (which adopt them next)",
                 self.root,
                 len(unmanifested),
                 shown,

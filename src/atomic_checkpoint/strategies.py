@@ -706,7 +706,8 @@ class MarkerStrategy:
             if not markers:
                 # An empty directory is what a delete leaves when the unlink of its last
                 # marker persisted and its rmdir did not (a power loss).
-                if temps or not children:
+                # A file of that name (not ours) lists no children either.
+                if temps or (not children and storage.is_dir(name)):
                     out.append(Leftover(name, True, (), (), (), temps))
                 continue
             try:

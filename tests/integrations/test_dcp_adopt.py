@@ -80,8 +80,8 @@ def w_stock_run(rank: int, world: int, root: str) -> None:
 
 
 def w_continue(rank: int, world: int, root: str) -> dict[str, Any]:
-    """The run continued with the integration: adopt, resume, try the torn step again,
-    save the next one."""
+    """The run continued with the integration: adopt, resume, save the torn step again
+    (the next step after the one resumed from) and the one after."""
     records = library_warnings()
     out: dict[str, Any] = {}
     mgr = CheckpointManager(root, timeout_s=10)
@@ -100,6 +100,8 @@ def w_continue(rank: int, world: int, root: str) -> dict[str, Any]:
         out["save3"] = None
     except BaseException as exc:
         out["save3"] = _error(exc)
+    sd3 = _sharded(world, None)
+    out["step3_ok"] = load_dcp(mgr, sd3, step=3) is not None and _matches(sd3, 3)
     save_dcp(mgr, 4, _sharded(world, 4))
     sd4 = _sharded(world, None)
     out["latest"] = load_dcp(mgr, sd4).step  # type: ignore[union-attr]
@@ -128,22 +130,29 @@ def test_killed_stock_dcp_run_continues_from_its_newest_complete_checkpoint(tmp_
         # Resumed bit-exactly from step 2 (the newest complete), on every rank.
         assert out["resumed"] == 2 and out["resumed_ok"], out
         assert out["steps"] == [1, 2]
-        # The torn step is never replaced silently, then the run goes on.
-        assert (
-            out["save3"] is not None and "not a committed checkpoint" in out["save3"]["message"]
-        ), out["save3"]
+        # The torn step is replaced by the run's next save (as DCP's own save would
+        # have), with a warning. Before, that save failed on every rank ("not a
+        # committed checkpoint"), at every restart.
+        assert out["save3"] is None and out["step3_ok"], out["save3"]
         assert out["latest"] == 4 and out["latest_ok"]
     # The torn one is refused with its reason (warned by the coordinator).
     assert any(
         "checkpoint-3" in w and ".metadata is missing" in w for w in results[0].value["warnings"]
     ), results[0].value["warnings"]
-    assert not (torn / MANIFEST_NAME).exists()
+    assert any(
+        "checkpoint-3" in w and "replaced by this save" in w for w in results[0].value["warnings"]
+    ), results[0].value["warnings"]
+    assert not json.loads((torn / MANIFEST_NAME).read_bytes()).get("adopted")  # ours, new
     for step in (1, 2):
         doc = json.loads((root / f"checkpoint-{step}" / MANIFEST_NAME).read_bytes())
         assert doc["adopted"] is True and doc["metadata"]["adoption"]["framework"] == "dcp"
-    # Nothing stock was modified (only manifests were added beside its files).
+    # Nothing stock was modified but the torn step (only manifests were added beside
+    # its files).
     after = _snapshot(root)
-    assert {k: v for k, v in after.items() if not k.startswith("checkpoint-4/")} == before
+    new = ("checkpoint-3/", "checkpoint-4/")
+    assert {k: v for k, v in after.items() if not k.startswith(new)} == {
+        k: v for k, v in before.items() if not k.startswith("checkpoint-3/")
+    }
 
 
 @pytest.mark.timeout(60)

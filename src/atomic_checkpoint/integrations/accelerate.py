@@ -69,7 +69,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..adopt import CheckpointFolder, accelerate_is_complete, adopt
+from ..adopt import CheckpointFolder, accelerate_is_complete, adopt, set_aside_unmanifested
 from ..catalog import read_manifest
 from ..coordination import Coordinator, gather_summary, rank_failure, shared_failures
 from ..errors import (
@@ -85,13 +85,10 @@ from ..errors import (
 from ..layout import (
     ACCELERATE_DIR,
     META_DIR,
-    TRASH_DIR,
     checkpoint_name,
-    new_attempt_token,
     parse_accelerate_name,
     parse_attempt_dir,
     parse_checkpoint_name,
-    parse_marker_name,
     validate_step,
 )
 from ..manager import CheckpointManager
@@ -99,7 +96,7 @@ from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protect_dataloaders, protecting_loaders_of
 from ..retention import KeepLast
 from ..storage import posix
-from ..storage.base import Storage, renaming
+from ..storage.base import Storage
 from ..storage.detect import local_capabilities
 from ..storage.local import LocalStorage
 from ..storage.project import ProjectStorage, layout_of, record_layout
@@ -264,7 +261,7 @@ class FrameworkRoot:
         mgr = self.manager
         final_base = self._local(checkpoint_name(step))
         if mgr.is_coordinator:
-            self._set_aside_torn(step)
+            set_aside_unmanifested(mgr.storage, step, self.label)
         with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
             target = pending / nested if nested else pending
             # Marker strategy: the pending directory is the committed attempt directory.
@@ -292,46 +289,6 @@ class FrameworkRoot:
         if pending.info is None:  # pragma: no cover - saving() either commits or raises
             raise CommitError(f"{self.label} step {step}: the save returned no checkpoint")
         return pending.info
-
-    def _set_aside_torn(self, step: int) -> None:
-        """Coordinator: move a torn ``checkpoint-<step>`` without a manifest (left by a
-        crash of a save made without this integration) out of the way of the save of
-        the same step, as the framework's own save would have overwritten it.
-
-        Best effort: if it cannot be moved, the commit protocol refuses the save and
-        every rank gets that error.
-        """
-        storage = self.manager.storage
-        name = checkpoint_name(step)
-        try:
-            read_manifest(storage, name)
-            return  # committed (or ours and corrupt): the commit replaces it atomically
-        except CheckpointNotFoundError:
-            pass
-        except CheckpointError:
-            return
-        entries = storage.listdir(name)
-        if not entries or any(
-            parse_marker_name(e) is not None or parse_attempt_dir(e) is not None for e in entries
-        ):
-            return  # empty, or marker-strategy leftovers that the commit protocol owns
-        trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
-        try:
-            storage.makedirs(TRASH_DIR)
-            renaming(storage).rename_dir(name, trash)
-        except CheckpointError as exc:
-            log.warning("%s: could not move the torn %s aside: %s", self.label, name, exc)
-            return
-        log.warning(
-            "%s: %s had no manifest (a save torn by a crash, or written without "
-            "atomic-checkpoint): replaced by this save",
-            self.label,
-            storage.url(name),
-        )
-        try:
-            storage.delete_tree(trash)
-        except CheckpointError as exc:  # the next start-up sweeps .trash/
-            log.warning("%s: could not delete %s: %s", self.label, storage.url(trash), exc)
 
     def _check_copies_match(self, target: Path, step: int) -> None:
         """Several storage domains: every domain must hold the same kinds of files.

@@ -107,6 +107,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .. import catalog
 from .._faults import fault_point
 from .._version import __version__
+from ..adopt import set_aside_unmanifested
 from ..async_save import SaveHandle
 from ..coordination import shared_failures
 from ..errors import (
@@ -308,6 +309,10 @@ def save_dcp(
     """
     _local_root(mgr)
     meta = _with_dcp_record(metadata, mgr.world_size)
+    if mgr.is_coordinator:
+        # A stock run's save torn by a crash (adoption refused it) is where this save
+        # lands: the next step after the one resumed from.
+        set_aside_unmanifested(mgr.storage, step, "save_dcp")
     with mgr.saving(step, metrics=metrics, metadata=meta, overwrite=overwrite) as pending:
         failure: RankFailure | None = None
         cause: BaseException | None = None
@@ -491,6 +496,8 @@ def async_save_dcp(
                 raise DistributedCheckpointError([failure], step=step) from exc
             raise _dcp_failure(exc) from exc
 
+    if mgr.is_coordinator:
+        set_aside_unmanifested(mgr.storage, step, "async_save_dcp")  # see save_dcp
     handle = mgr.saving_async(
         step,
         write,

@@ -633,6 +633,10 @@ class LocalStorage:
             fd = os.open(p, flags | _NOFOLLOW)
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{p!r} does not exist") from exc
+        except NotADirectoryError as exc:
+            # A parent is a file (a stray file named checkpoint-700 in ROOT): the path
+            # does not exist, as on an object store where such a key has no children.
+            raise CheckpointNotFoundError(f"{p!r} does not exist (a parent is a file)") from exc
         except OSError as exc:
             raise _open_error(exc, "open", p) from exc
         try:
