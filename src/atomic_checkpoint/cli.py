@@ -851,8 +851,10 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
             pass
         return (
             "no manifest: never committed by this library (a torn copy, another tool's "
-            "save, or a manifest deleted); restore ignores it; remove it or copy the "
-            "complete checkpoint again"
+            "save, or a manifest deleted); restore ignores it. If it is another tool's "
+            f"(a stock Trainer, Accelerate, DCP), `{PROG} adopt ROOT --dry-run` tells "
+            "whether it is complete and adopts it; otherwise copy the complete checkpoint "
+            "again, or remove it"
         )
     return _short_problem(storage, e.name, e.problem) or "not a checkpoint"
 
@@ -1433,7 +1435,15 @@ def _print_inspect(
 ) -> None:
     fields = [
         ("path", storage.url(name)),
-        ("status", status if problem is None else f"{status}: {problem}"),
+        (
+            "status",
+            f"{status}: {problem}"
+            if problem is not None
+            else f"{status} (manifest and file sizes; no data read: `{PROG} verify` checks "
+            "the checksums)"
+            if status == "ok"
+            else status,
+        ),
         ("step", str(m.step)),
         ("run id", m.run_id),
         ("commit seq", str(m.commit_seq)),

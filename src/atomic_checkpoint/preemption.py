@@ -759,12 +759,18 @@ class PreemptionGuard:
 
     @property
     def time_left_s(self) -> float | None:
-        """Seconds left of the grace period since this process's first signal (at
-        least 0), or None: no signal yet, or the grace period is unknown. Local to this
-        rank. For what comes after the save, e.g. a tiered manager's
-        ``close(timeout_s=guard.time_left_s)`` replicating the preemption save."""
+        """Seconds left of the grace period since this process's first signal, less the
+        way out (``EXIT_RESERVE_S``, at most half the grace period: this rank's exit,
+        then the launcher's, on a busy node); at least 0. None: no signal yet, or the
+        grace period is unknown. Local to this rank. For what comes after the save,
+        e.g. a tiered manager's ``close(timeout_s=guard.time_left_s)`` replicating the
+        preemption save: the process still exits with ``REQUEUE_EXIT_CODE`` before the
+        scheduler's SIGKILL (without the reserve, a close that used all of it left the
+        job killed with 137)."""
         left = self._time_left()
-        return None if left is None else max(0.0, left)
+        if left is None or self.grace_s is None:
+            return None
+        return max(0.0, left - min(EXIT_RESERVE_S, self.grace_s / 2))
 
     def should_save(self, step: int) -> bool:
         """Whether to save now and stop, decided by all ranks together. Collective.

@@ -69,6 +69,11 @@ def test_verify_mixed_root_names_each_problem_and_exits_1(tmp_path):
     assert "resolves outside the checkpoint" in line["checkpoint-800"]
     # A checkpoint name with no manifest is not a checkpoint: it fails verify too.
     assert "NOT A CHECKPOINT: no manifest" in line["checkpoint-600"]
+    # It may be another tool's complete checkpoint: adopt is offered before removal.
+    assert (
+        "`atomic-checkpoint adopt ROOT --dry-run` tells whether it is complete"
+        in (line["checkpoint-600"])
+    )
     for skipped in ("checkpoint-1000", "notes.txt", "checkpoint-007"):
         assert skipped not in line
     err = error_line(proc)

@@ -120,6 +120,22 @@ def test_an_async_save_in_flight_counts_against_the_grace_period(
         mgr.close()
 
 
+def test_time_left_keeps_the_way_out_of_the_grace_period(tmp_path, clean_signals):
+    """What ``close(timeout_s=guard.time_left_s)`` may use: the grace period less the
+    exit reserve (at most half of it), so the job still exits 75 before the SIGKILL."""
+    mgr = CheckpointManager(tmp_path / "r")
+    try:
+        for grace, reserve in ((30.0, preemption.EXIT_RESERVE_S), (4.0, 2.0)):
+            with PreemptionGuard(mgr, grace_s=grace) as guard:
+                assert guard.time_left_s is None  # no signal yet
+                os.kill(os.getpid(), signal.SIGTERM)
+                _until(lambda: guard.requested, "the guard's handler")
+                left = guard.time_left_s
+                assert left is not None and grace - reserve - 1.0 < left <= grace - reserve
+    finally:
+        mgr.close()
+
+
 def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environment(
     tmp_path, monkeypatch, caplog, clean_signals
 ):
