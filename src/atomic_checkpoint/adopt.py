@@ -50,6 +50,7 @@ record is their sidecar manifest, through ``record=``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import importlib
 import itertools
@@ -614,10 +615,13 @@ def adopt(
         _load_integration_rule("lightning")
     storage, record_layout = _accelerate_project(storage, framework)
     say = progress or (lambda line: None)
-    if dry_run:
+    ours = (layout.META_DIR, layout.PENDING_DIR, layout.TRASH_DIR)
+    if dry_run or all(n in ours for n in storage.listdir("")):
+        # Nothing there to adopt: report it without a lock, run file or layout record
+        # left behind (the same answer as a dry run).
         rid = _run_id_for(storage, run_id, create=False)
         result = _classify(storage, framework, wanted, rid)
-        return _dry_result(storage, rid, result, say)
+        return dataclasses.replace(_dry_result(storage, rid, result, say), dry_run=dry_run)
     rid = _run_id_for(storage, run_id, create=False) or layout.new_run_id()
     lock = _acquire(storage, rid)
     try:

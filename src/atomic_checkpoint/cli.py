@@ -73,8 +73,9 @@ Exit status:
        uploads a ``checkpoint-<step>`` that is not a complete, verified checkpoint;
        another run's checkpoints (``foreign``) are skipped, not verified.
     2  usage or environment error: bad arguments, ROOT missing or not a directory,
-       ROOT unreadable, a storage error, a prune with no recorded run and no
-       ``--run-id``, or ``--keep-best`` on a metric that no checkpoint records.
+       ROOT unreadable, a storage error, a prune with no recorded run, no
+       ``--run-id`` and checkpoints of several runs, or ``--keep-best`` on a metric that
+       no checkpoint records (a ROOT with no checkpoint has nothing to prune: 0).
     3  refused: a live job holds the run lock on ROOT (``clean``/``prune``).
     130 interrupted (Ctrl-C).
 
@@ -130,7 +131,8 @@ strings or null. ``list --json``::
   empty) when the manifest itself is unreadable. ``domain_count`` > 1 (node-local
   storage): this copy holds the files of the ranks in ``domain_ranks`` only;
   otherwise ``domain_ranks`` is null.
-- ``prune``: ``{"schema_version", "command": "prune", "root", "run_id", "policy",
+- ``prune``: ``{"schema_version", "command": "prune", "root", "run_id" (null: no run
+  recorded and no checkpoint), "policy",
   "dry_run", "forced", "lock": <lock> | null, "checkpoints": [{"name", "step",
   "size_bytes", "created_unix", "metrics", "kept": bool, "reason", "deleted": bool}],
   "failed": [{"name", "step", "problem"}], "skipped": [{"name", "step", "status",
@@ -175,6 +177,7 @@ from .layout import (
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
+    parse_checkpoint_name,
     validate_step,
 )
 from .manifest import CheckpointInfo, Manifest, format_size
@@ -1554,14 +1557,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     entries = catalog.scan(storage, run_id=run_id)
     if run_id is None:
         runs = {e.manifest.run_id for e in entries if e.status == "ok" and e.manifest}
-        if len(runs) != 1:
+        if len(runs) > 1:
             raise CliError(
                 f"{storage.url()} records no run ({RUN_FILE} is missing) and holds "
                 f"checkpoints of {len(runs)} runs, so it is not known whose checkpoints to "
                 f"prune: pass --run-id RUN (see the RUN column of `{PROG} list --all-runs`)",
                 EXIT_USAGE,
             )
-        run_id = runs.pop()  # every valid entry is this run's: the scan stands
+        # Every valid entry is this run's: the scan stands. None: nothing to prune.
+        run_id = runs.pop() if runs else None
     manifests = [e.manifest for e in entries if e.status == "ok" and e.manifest is not None]
     skipped = [
         {
@@ -1668,7 +1672,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def _print_prune(
     storage: Storage,
-    run_id: str,
+    run_id: str | None,
     policy: Any,
     rows: list[dict[str, Any]],
     failed: list[dict[str, Any]],
@@ -1676,7 +1680,7 @@ def _print_prune(
     freed: int,
     dry_run: bool,
 ) -> None:
-    print(f"{storage.url()}: run {run_id}, policy {policy!r}")
+    print(f"{storage.url()}: run {run_id or '(none recorded)'}, policy {policy!r}")
     if not rows:
         print("no committed checkpoint of this run: nothing to prune")
     failed_steps = {f["step"] for f in failed}
@@ -1824,6 +1828,11 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         raise CliError(f"{exc}: pass another --to", EXIT_USAGE) from None
     if missing and coord is None:
         _drain_outcome(args, fast, slow, None, root_missing=True)
+        return EXIT_OK
+    names = fast.listdir("") if coord is None else None
+    if names is not None and all(parse_checkpoint_name(n) is None for n in names):
+        # No checkpoint at all: nothing to copy, and nothing written on either tier.
+        _drain_outcome(args, fast, slow, None, root_missing=False)
         return EXIT_OK
     if missing and not args.json:
         # Under torchrun it still takes part: the other nodes' steps need every node.

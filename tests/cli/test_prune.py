@@ -201,6 +201,18 @@ def test_prune_of_a_root_without_run_file_holding_one_run_prunes_that_run(tmp_pa
     assert doc["run_id"] == rid and _committed(root) == [600]
 
 
+def test_prune_of_an_empty_root_has_nothing_to_prune(tmp_path):
+    """Before, it exited 2: "holds checkpoints of 0 runs ... pass --run-id"."""
+    root = tmp_path / "empty"
+    root.mkdir()
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to prune" in proc.stdout
+    doc = run_json("prune", root, "--keep-best", "1")
+    assert doc["run_id"] is None and doc["checkpoints"] == [] and doc["freed_bytes"] == 0
+    assert os.listdir(root) == []  # and nothing written
+
+
 @pytest.mark.timeout(60)
 def test_prune_a_failed_deletion_is_named_and_the_rest_still_done(tmp_path):
     root, _ = _root(tmp_path)

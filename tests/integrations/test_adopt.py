@@ -293,6 +293,7 @@ def test_cli_adopt_reports_and_exit_codes(out: Path, tmp_path: Path) -> None:
     empty.mkdir()
     nothing = run_cli("adopt", empty)
     assert nothing.returncode == 1 and "nothing to adopt" in nothing.stderr
+    assert os.listdir(empty) == []  # no run file or lock left behind
 
     # A live job holds the run lock: refused (3), nothing written.
     mgr = CheckpointManager(out)

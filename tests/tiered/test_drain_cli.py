@@ -216,6 +216,13 @@ def test_drain_of_a_root_never_created_is_exit_2_unless_missing_ok(tmp_path):
     assert doc["root"] == str(root) and doc["to"] == str(slow)
     # Nothing was created on either side.
     assert not root.exists() and not slow.exists()
+    # A ROOT that exists and holds no checkpoint: nothing to drain, nothing written
+    # (before, both tiers got a .atomic-checkpoint/ and a .pending/).
+    root.mkdir()
+    proc = run_cli("drain", root, "--to", slow)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 replicated, 0 failed, 0 left" in proc.stdout
+    assert os.listdir(root) == [] and not slow.exists()
     # A ROOT that exists but is not a directory is still an error, flag or not.
     (tmp_path / "file").write_text("x")
     proc = run_cli("drain", tmp_path / "file", "--to", slow, "--missing-ok")
