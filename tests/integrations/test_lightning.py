@@ -484,6 +484,25 @@ def test_latest_checkpoint_orders_by_recorded_step_not_name_or_mtime(tmp_path):
     assert latest_checkpoint(tmp_path / "nothing-here") is None
 
 
+@pytest.mark.timeout(60)
+def test_latest_checkpoint_skips_a_newest_file_whose_bytes_changed(tmp_path, caplog):
+    """One flipped byte keeps the size: before, the default (sizes only) returned the
+    file, and ``fit(ckpt_path=...)`` failed its checksum at every restart."""
+    io = AtomicCheckpointIO()
+    for step, name in ((5, "epoch=0-step=5.ckpt"), (10, "last.ckpt")):
+        io.save_checkpoint(_state(step), tmp_path / name)
+    with open(tmp_path / "last.ckpt", "r+b") as f:
+        f.seek(200)
+        byte = f.read(1)
+        f.seek(200)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        got = latest_checkpoint(tmp_path)
+    assert got == str(tmp_path / "epoch=0-step=5.ckpt")
+    assert "last.ckpt" in caplog.text and "trying the next older checkpoint" in caplog.text
+    assert io.load_checkpoint(got)["global_step"] == 5
+
+
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_kill_during_an_overwrite_leaves_a_complete_verified_file(tmp_path):

@@ -395,7 +395,11 @@ def latest_checkpoint(
 
     Args:
         dirpath: ``ModelCheckpoint``'s directory.
-        full: verify checksums too (a full read of every candidate).
+        full: verify every candidate's checksums (a full read of each). By default
+            every candidate's files are checked by size and only the one returned is
+            read whole: one that fails its checksums is skipped with a warning and the
+            next older one is returned, so a corrupt newest file never fails every
+            restart of a requeued job.
         adopt: first adopt the complete ``.ckpt`` files a stock run left there
             (``atomic_checkpoint.adopt(dirpath, framework="lightning")``; torn ones are
             refused with a warning), so a stock run continued with this plugin resumes
@@ -414,7 +418,7 @@ def latest_checkpoint(
     if listed is None:
         return None
     names = sorted(listed)
-    best: tuple[bool, int, float, str] | None = None
+    candidates: list[tuple[bool, int, float, str]] = []
     unmanifested: list[str] = []
     for name in names:
         if not name.endswith(".ckpt"):
@@ -431,9 +435,20 @@ def latest_checkpoint(
         step = info.global_step
         # Files of one step: by name, as before; files without a step: by commit time.
         when = 0.0 if step is not None else info.written_unix or 0.0
-        key = (step is not None, step or 0, when, name)
-        if best is None or key > best:
-            best = key
+        candidates.append((step is not None, step or 0, when, name))
+    best: tuple[bool, int, float, str] | None = None
+    for key in sorted(candidates, reverse=True):
+        if not full:
+            # The one returned is read whole and its checksums checked (the others were
+            # checked by size): a corrupt newest would fail fit() at every requeue.
+            path = os.path.join(directory, key[3])
+            try:
+                verify_checkpoint(path, full=True, require_manifest=True)
+            except CheckpointError as exc:
+                log.warning("skipping %s: %s; trying the next older checkpoint", path, exc)
+                continue
+        best = key
+        break
     if best is None and unmanifested:
         log.warning(
             "latest_checkpoint: %s holds %d .ckpt file(s) without a manifest (%s%s), written "
