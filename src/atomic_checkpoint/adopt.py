@@ -388,6 +388,9 @@ def _contiguous(folder: CheckpointFolder, pattern: str, what: str) -> str | None
 
 # ---------------------------------------------------------------------- built-in rules
 _TRAINER_STATE = "trainer_state.json"
+#: Files only the Trainer's own saves hold beside its model weights: a folder with one of
+#: them and no ``trainer_state.json`` is a Trainer save that did not finish.
+_TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth")
 
 
 def hf_is_complete(path: str) -> str | None:
@@ -399,15 +402,19 @@ def hf_is_complete(path: str) -> str | None:
     if not files:
         return "the folder is empty"
     if _TRAINER_STATE not in files:
-        other = (
-            "a torch.distributed.checkpoint (DCP) folder: adopt it with --framework dcp, "
-            "which checks DCP's own completeness"
-            if _looks_like_dcp(files)
-            else "try --framework generic"
-        )
+        if _looks_like_dcp(files):
+            other = (
+                " (or the folder is not a Trainer checkpoint: a torch.distributed.checkpoint "
+                "(DCP) folder: adopt it with --framework dcp, which checks DCP's own "
+                "completeness)"
+            )
+        elif any(n in files for n in _TRAINER_FILES):
+            other = ""  # it is the Trainer's: --framework generic would take a torn one
+        else:
+            other = " (or the folder is not a Trainer checkpoint: try --framework generic)"
         return (
             f"{_TRAINER_STATE} is missing: the Trainer writes it last, so this save did not "
-            f"finish (or the folder is not a Trainer checkpoint: {other})"
+            f"finish{other}"
         )
     try:
         state = folder.read_json(_TRAINER_STATE)

@@ -117,6 +117,9 @@ def test_stock_trainer_checkpoints_are_adopted_torn_ones_refused_then_resumed(
     assert sorted(result.refused) == [6, 8, 10]
     assert "model.safetensors" in result.refused[6] and "truncated" in result.refused[6]
     assert "trainer_state.json is missing" in result.refused[8]
+    # It holds the Trainer's other files: it is a Trainer save that did not finish, and
+    # "--framework generic" (which would adopt it torn) is not suggested.
+    assert "generic" not in result.refused[8], result.refused[8]
     assert "no model weights" in result.refused[10]
     assert result.frameworks == {2: "hf", 4: "hf"}
     # Nothing written for a refused folder, not even a manifest.
