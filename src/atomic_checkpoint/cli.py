@@ -1129,13 +1129,31 @@ def _clean_leftovers(
     return removed, failed
 
 
+def _open_uploads(storage: Storage) -> list[Any]:
+    """The unfinished multipart uploads under ROOT/ (S3); [] where there are none or
+    they cannot be listed (``_clean_uploads`` reports that)."""
+    listing = getattr(storage, "open_uploads", None)
+    try:
+        return [] if listing is None else list(listing(""))
+    except CheckpointError:
+        return []
+
+
 def _clean_uploads(
-    storage: Storage, holder: Any | None, since: float, *, dry_run: bool
+    storage: Storage,
+    holder: Any | None,
+    since: float,
+    *,
+    dry_run: bool,
+    before: Sequence[Any] = (),
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Abort the unfinished multipart uploads under ROOT/ (S3): a writer killed in the
     middle of a large file leaves one, its parts stored and billed but in no listing,
     and a sweep whose own abort failed leaves one no later sweep can find (the keys
     beside it are gone). Returns (removed, failed) items of kind ``upload``.
+
+    ``before``: the uploads open before ``clean`` removed the marker leftovers, which
+    aborts the uploads of each attempt it removes: those are reported here too.
 
     Which ones: only uploads under the prefix ``<root>/`` (never a sibling such as
     ``run10`` beside ``run1``, never another run's prefix), and never one a live writer
@@ -1155,8 +1173,14 @@ def _clean_uploads(
         return [], [
             {"name": "(unfinished uploads)", "kind": "upload", "size_bytes": 0, "problem": str(exc)}
         ]
+    open_now = {u.path for u in uploads}
+    with_attempts = [
+        {"name": u.path, "kind": "upload", "size_bytes": 0}
+        for u in before
+        if u.path not in open_now and (u.initiated_unix is None or u.initiated_unix < since)
+    ]
     if not uploads:
-        return [], []
+        return with_attempts, []
     if holder is not None and holder.is_live():
         _warn(
             f"left {len(uploads)} unfinished upload(s) under {storage.url()}: the run lock "
@@ -1164,7 +1188,7 @@ def _clean_uploads(
             "once that job has ended"
         )
         return [], []
-    removed: list[dict[str, Any]] = []
+    removed: list[dict[str, Any]] = with_attempts
     failed: list[dict[str, Any]] = []
     if not dry_run:
         _lock_unchanged(storage, holder, uploads[0].path)
@@ -1220,6 +1244,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     # Looked for whatever strategy the storage would choose now: a run may have asked
     # for the marker strategy on a disk whose rename is atomic (``strategy="marker"``).
     marker = MarkerStrategy()
+    uploads_before = [] if args.dry_run else _open_uploads(storage)
     gone, not_gone = _clean_leftovers(
         storage,
         marker,
@@ -1229,7 +1254,9 @@ def cmd_clean(args: argparse.Namespace) -> int:
     )
     removed += gone
     failed += not_gone
-    aborted, not_aborted = _clean_uploads(storage, holder, since, dry_run=args.dry_run)
+    aborted, not_aborted = _clean_uploads(
+        storage, holder, since, dry_run=args.dry_run, before=uploads_before
+    )
     removed += aborted
     failed += not_aborted
     lock_removed = False

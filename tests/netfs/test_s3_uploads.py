@@ -133,3 +133,28 @@ def test_clean_dry_run_lists_uploads_and_aborts_none(s3_server, s3_bucket, capsy
     assert rc == 0, err
     assert [i["name"] for i in doc["removed"] if i["kind"] == "upload"] == [key[len("dry/") :]]
     assert open_uploads(s3_server, s3_bucket) == [key]
+
+
+@pytest.mark.timeout(120)
+def test_clean_reports_the_upload_of_a_crashed_attempt_it_removes(s3_server, s3_bucket, capsys):
+    """A save SIGKILLed mid-upload leaves its marker, its attempt and the attempt's
+    upload. Removing the attempt aborts the upload with it: clean still reports it (a
+    dry run listed it; before, the real run did not)."""
+    from atomic_checkpoint.storage import FsspecStorage
+    from atomic_checkpoint.strategies import MarkerStrategy
+
+    opts = s3_server.storage_options()
+    url = f"s3://{s3_bucket}/crashed"
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(1, state(1))
+    MarkerStrategy().prepare(FsspecStorage(url, opts), 3, ATTEMPT.rsplit("-", 1)[1])
+    key = f"crashed/{ATTEMPT}/rank-00000.safetensors"
+    leave_uploads(s3_server, s3_bucket, [key])
+    rc, dry, err = clean(opts, url, capsys, "--dry-run")
+    assert rc == 0, err
+    planned = sorted((i["name"], i["kind"]) for i in dry["removed"])
+    rc, doc, err = clean(opts, url, capsys)
+    assert rc == 0, err
+    assert sorted((i["name"], i["kind"]) for i in doc["removed"]) == planned
+    assert (key[len("crashed/") :], "upload") in planned and ("checkpoint-3", "pending") in planned
+    assert open_uploads(s3_server, s3_bucket) == []
