@@ -557,6 +557,15 @@ def _entry_doc(storage: Storage, e: catalog.Entry) -> dict[str, Any]:
     }
 
 
+def _on_disk(storage: Storage, name: str) -> str:
+    """``name`` as it is under ROOT: Accelerate's project view names
+    ``checkpoints/checkpoint_<i>`` ``checkpoint-<i>``; what the text output shows is
+    what ``ls`` and ``rm`` find (the JSON documents keep the protocol's names, and each
+    entry's ``path``)."""
+    real = getattr(storage, "real", None)
+    return real(name) if callable(real) else name
+
+
 def _is_other_entry(d: dict[str, Any]) -> bool:
     """An entry of ROOT that is neither a checkpoint nor named like one (the Trainer's
     ``save_model()`` files, logs, a README): shown as one line by ``list``. Entries
@@ -664,7 +673,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             elif d["name"].endswith(".ckpt") and d["step"] is None:
                 status += f" (a Lightning checkpoint file: `{PROG} verify ROOT` checks it)"
         row = [
-            d["name"],
+            _on_disk(storage, d["name"]),
             "-" if d["step"] is None else str(d["step"]),
             _local_time(d["created_unix"]),
             _human_bytes(d["size_bytes"]),
@@ -973,7 +982,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         results.append(r)
         if args.json:
             return
-        name = r["name"] if not r.get("tier") else f"{r['name']} (tier {r['tier']})"
+        shown = _on_disk(storage, r["name"])
+        name = shown if not r.get("tier") else f"{shown} (tier {r['tier']})"
         if r["status"] == "ok":
             if not args.quiet:
                 rate = r["size_bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0
@@ -1089,7 +1099,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
         raise CliError(f"nothing to verify: {storage.url()} holds no checkpoint{whose}")
     if bad:
-        names = ", ".join(r["name"] for r in bad)
+        names = ", ".join(_on_disk(storage, r["name"]) for r in bad)
         first = bad[0]
         raise CliError(
             f"{len(bad)} of {len(results)} checkpoint(s) failed verification ({names}); "
@@ -1287,12 +1297,13 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 f"{r['copy']} copy of an interrupted overwrite ({r['from']})"
             )
         for i in removed:
+            name = _on_disk(storage, i["name"])
             if i["kind"] == "upload":
-                print(f"{verb} {i['name']} (unfinished multipart upload)")
+                print(f"{verb} {name} (unfinished multipart upload)")
             else:
-                print(f"{verb} {i['name']} ({i['kind']}, {_human_bytes(i['size_bytes'])})")
+                print(f"{verb} {name} ({i['kind']}, {_human_bytes(i['size_bytes'])})")
         for i in failed:
-            print(f"FAILED {i['name']}: {i['problem']}")
+            print(f"FAILED {_on_disk(storage, i['name'])}: {i['problem']}")
         if not removed and not failed:
             print(f"{storage.url()}: nothing to clean (no abandoned pending or trash data)")
         else:
@@ -1728,7 +1739,7 @@ def _print_prune(
     if table:
         print(_table(["STEP", "ACTION", "SIZE", "METRICS", "REASON"], table, right={0, 2}))
     for s in skipped:
-        print(f"not considered: {s['name']} ({s['status']}: {s['problem']})")
+        print(f"not considered: {_on_disk(storage, s['name'])} ({s['status']}: {s['problem']})")
     n = sum(1 for r in rows if not r["kept"]) if dry_run else sum(r["deleted"] for r in rows)
     verb = "would delete" if dry_run else "deleted"
     print(f"{verb} {n} checkpoint(s), {'would free' if dry_run else 'freed'} {_human_bytes(freed)}")

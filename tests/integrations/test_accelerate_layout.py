@@ -143,6 +143,16 @@ def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> Non
             timeout=60,
         )
         assert verify.returncode == 0, verify.stdout + verify.stderr
+        # The text output names the folders as they are on disk (before: checkpoint-1,
+        # which `ls` and `rm` do not find).
+        assert verify.stdout.startswith("checkpoints/checkpoint_1: ok"), verify.stdout
+        text = subprocess.run(
+            [sys.executable, "-m", "atomic_checkpoint", "list", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "checkpoints/checkpoint_1 " in text and "checkpoint-1" not in text, text
     assert _folders(project) == ["checkpoint_1", "checkpoint_2"]
 
 
