@@ -863,9 +863,26 @@ def _vanished(storage: Storage, rel: str) -> bool:
     return False
 
 
+#: (url, problem) of the entries a warning named, newest last: each is named once per
+#: process (later walks log it at debug level), so a reader that polls ``latest()``
+#: does not repeat the same warning for as long as the entry stays.
+_WARNED: dict[tuple[str, str], None] = {}
+_WARNED_MAX = 4096
+
+
 def warn_skipped(storage: Storage, e: Entry) -> None:
     if e.status == "corrupt" or (e.status == "foreign" and _UNSAFE in (e.problem or "")):
-        log.warning("skipping %s: %s", storage.url(e.name), e.problem)
+        url, problem = storage.url(e.name), e.problem or ""
+        # catalog's messages start with the checkpoint's path: said once.
+        problem = problem[len(url) + 2 :] if problem.startswith(f"{url}: ") else problem
+        key = (url, problem)
+        if key in _WARNED:
+            log.debug("skipping %s: %s (warned before)", url, problem)
+            return
+        _WARNED[key] = None
+        if len(_WARNED) > _WARNED_MAX:
+            del _WARNED[next(iter(_WARNED))]
+        log.warning("skipping %s: %s", url, problem)
 
 
 def committed(

@@ -173,3 +173,24 @@ def test_the_cache_holds_a_bounded_number_of_file_entries(tmp_path: Path) -> Non
         assert [m.step for m in found] == list(range(10))
     assert len(cache) == 3
     assert storage.manifest_reads == 7  # the three cached ones are not read again
+
+
+def test_a_skipped_checkpoint_is_warned_once_not_at_every_call(tmp_path, caplog):
+    """An evaluation job polling ``latest()`` beside a torn checkpoint: one warning
+    that names it (its path once), not one per call for as long as it stays."""
+    mgr = CheckpointManager(tmp_path / "r")
+    for step in (1, 2):
+        mgr.save(step, {"w": np.full(100, step)})
+    torn = next((tmp_path / "r" / "checkpoint-2").glob("rank-*"))
+    os.truncate(torn, 10)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        for _ in range(3):
+            assert mgr.latest().step == 1
+        assert [c.step for c in mgr.checkpoints()] == [1]
+        reader = CheckpointManager(tmp_path / "r", read_only=True)
+        assert reader.latest().step == 1
+    warned = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(warned) == 1, warned
+    path = str(tmp_path / "r" / "checkpoint-2")
+    assert warned[0].count(path) == 1 and "is 10 bytes" in warned[0], warned[0]
+    mgr.close()
