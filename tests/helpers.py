@@ -133,3 +133,41 @@ class ListHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.out.append(f"{record.levelname} {record.getMessage()}"[:600])
+
+
+def on_store_threads(world: int, body: Any) -> list[tuple[str, Any, float]]:
+    """Run ``body(coordinator, rank)`` for ``world`` ranks as threads, each with its own
+    client of one real TCPStore (the coordination a torchrun job uses) and its own
+    ``TorchDistributedCoordinator``. Per rank: ("ok", result, seconds) or ("error",
+    exception, seconds)."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from atomic_checkpoint.coordination import TorchDistributedCoordinator
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
+    port = server.port
+    results: list[tuple[str, Any, float]] = [("missing", None, 0.0)] * world
+
+    def run(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=30))
+        coord = TorchDistributedCoordinator(client, rank=rank, world_size=world, namespace="t")
+        t0 = time.monotonic()
+        try:
+            results[rank] = ("ok", body(coord, rank), time.monotonic() - t0)
+        except Exception as exc:
+            results[rank] = ("error", exc, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    del server
+    return results

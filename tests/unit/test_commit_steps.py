@@ -9,7 +9,6 @@ import dataclasses
 import inspect
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from atomic_checkpoint.coordination import SingleProcessCoordinator
 from atomic_checkpoint.manifest import FileEntry, Hasher
 from atomic_checkpoint.storage import open_storage
 from atomic_checkpoint.strategies import choose_strategy
+from tests.helpers import on_store_threads
 
 
 def _ctx(root: Path, coord: Any = None, **kw: Any) -> SaveContext:
@@ -148,31 +148,9 @@ def _ranks(
 ) -> list[tuple[str, Any]]:
     """Run ``body(ctx, rank)`` on ``world`` threads, each with its own client of one
     TCPStore; returns ("ok", result) or ("error", exception) per rank."""
-    dist = pytest.importorskip("torch.distributed")
-    from atomic_checkpoint.coordination import TorchDistributedCoordinator
-
-    server = dist.TCPStore(
-        "127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False
-    )
-    port = server.port
-    results: list[tuple[str, Any]] = [("missing", None)] * world
-
-    def run(rank: int) -> None:
-        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=30))
-        coord = TorchDistributedCoordinator(client, rank=rank, world_size=world, namespace="t")
-        try:
-            results[rank] = ("ok", body(_ctx(root, coord), rank))
-        except Exception as exc:
-            results[rank] = ("error", exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    del server
-    return results
+    pytest.importorskip("torch.distributed")
+    done = on_store_threads(world, lambda coord, rank: body(_ctx(root, coord), rank))
+    return [(kind, value) for kind, value, _ in done]
 
 
 def test_every_rank_gets_the_same_commit_through_the_leader(tmp_path):

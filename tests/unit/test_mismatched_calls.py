@@ -11,15 +11,13 @@ torchrun job uses).
 from __future__ import annotations
 
 import pickle
-import threading
-import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from atomic_checkpoint import CollectiveMismatchError, CoordinationTimeoutError
+from tests.helpers import on_store_threads
 
 dist = pytest.importorskip("torch.distributed")
 
@@ -27,33 +25,7 @@ TIMEOUT_S = 8.0  # a mismatch must be raised long before this
 
 
 def _on_ranks(world: int, body: Callable[[Any, int], Any]) -> list[tuple[str, Any, float]]:
-    """Run ``body(coordinator, rank)`` on ``world`` threads sharing one TCPStore; per
-    rank ("ok", result, seconds) or ("error", exception, seconds)."""
-    from atomic_checkpoint.coordination import TorchDistributedCoordinator
-
-    server = dist.TCPStore(
-        "127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False
-    )
-    port = server.port
-    results: list[tuple[str, Any, float]] = [("missing", None, 0.0)] * world
-
-    def run(rank: int) -> None:
-        client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=30))
-        coord = TorchDistributedCoordinator(client, rank=rank, world_size=world, namespace="m")
-        t0 = time.monotonic()
-        try:
-            results[rank] = ("ok", body(coord, rank), time.monotonic() - t0)
-        except Exception as exc:
-            results[rank] = ("error", exc, time.monotonic() - t0)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    del server
-    return results
+    return on_store_threads(world, body)
 
 
 def _then_agree(first: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
