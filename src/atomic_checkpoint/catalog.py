@@ -681,7 +681,9 @@ def _checkpoint_entry(
             if name not in storage.listdir(""):
                 return None
             children = storage.listdir(name)
-            if not children and storage.size(name) is not None:
+            # A file of that name lists no children either (an empty directory is what
+            # a killed delete leaves; a vanished name has no size).
+            if not children and not storage.is_dir(name) and storage.size(name) is not None:
                 return Entry(name, step, "foreign", problem=NOT_A_DIRECTORY)
         if MANIFEST_NAME in children:
             return None

@@ -130,7 +130,11 @@ def test_ranks_passing_different_steps_to_restore_or_rollback_do_nothing(tmp_pat
             )
         }
     assert all(x["after"] == [5, 6] for x in v)
-    # Nothing deleted and nothing committed; every rank failed.
-    assert all(x["alone"][0] != "ok" for x in v), [x["alone"] for x in v]
-    assert v[0]["alone"][0] == "CollectiveMismatchError" and "rollback()" in v[0]["alone"][1]
+    # Nothing deleted and nothing committed; every rank failed. These two calls wait on
+    # different keys, so they meet at the timeout: whichever rank gave up first marked
+    # the round (a timeout on its side), and a rank that reads that mark names the
+    # mismatch.
+    alone = [x["alone"] for x in v]
+    assert {kind for kind, _ in alone} <= {"CollectiveMismatchError", "CoordinationTimeoutError"}
+    assert any(k == "CollectiveMismatchError" and "rollback()" in m for k, m in alone), alone
     assert all(x["on_disk"] == ["checkpoint-5", "checkpoint-6"] for x in v)
