@@ -186,6 +186,15 @@ def _same_call(a: str, b: str) -> bool:
     return a == b or _DIGITS.sub("#", a) == _DIGITS.sub("#", b)
 
 
+def _mismatch_in_mark(raw: bytes, key: str, rank: int) -> CollectiveMismatchError | None:
+    """The mismatch a give-up mark ``raw`` shows, or None: the rank that gave up was in
+    another call than this rank's ``key`` (both sides waited on different keys)."""
+    by, _, their_key = _gave_up_by(raw)
+    if _same_call(their_key, key):
+        return None
+    return _mismatch({int(by): their_key, rank: key}, rank)
+
+
 def _mismatch(calls: dict[int, str], rank: int) -> CollectiveMismatchError:
     """The error of a round in which the ranks made different calls (``calls``: what
     each rank known to differ was doing)."""
@@ -624,11 +633,11 @@ class TorchDistributedCoordinator:
         if stored != mine:
             if not stored.startswith(_GAVE_UP):
                 self._check_call(key, stored, slot, seq)  # raises: another call wrote it
-            by, _, their_key = _gave_up_by(stored)
-            if not _same_call(their_key, key):
-                raise _mismatch({int(by): their_key, self.rank: key}, self.rank)
+            mismatch = _mismatch_in_mark(stored, key, self.rank)
+            if mismatch is not None:
+                raise mismatch
             raise CoordinationTimeoutError(
-                f"rank {self.rank} arrived at {key!r} after rank {by} gave "
+                f"rank {self.rank} arrived at {key!r} after rank {_gave_up_by(stored)[0]} gave "
                 f"up waiting for it ({timeout_s:g} s): this rank stalled (frozen, "
                 "descheduled or on slow storage), so the exchange failed for every rank",
                 missing_ranks=(self.rank,),
@@ -702,13 +711,13 @@ class TorchDistributedCoordinator:
                     key=key,
                 ) from exc
         if raw.startswith(_GAVE_UP):
-            by, _, their_key = _gave_up_by(raw)
-            if not _same_call(their_key, key):
-                # A rank in another call (collecting in this slot) gave up on this one.
-                raise _mismatch({int(by): their_key, self.rank: key}, self.rank)
+            # A rank in another call (collecting in this slot) may have given up on this one.
+            mismatch = _mismatch_in_mark(raw, key, self.rank)
+            if mismatch is not None:
+                raise mismatch
             raise CoordinationTimeoutError(
                 f"rank {self.rank}: rank {src} did not answer at {key!r} in time: rank "
-                f"{by} gave up waiting for it ({timeout_s:g} s)",
+                f"{_gave_up_by(raw)[0]} gave up waiting for it ({timeout_s:g} s)",
                 missing_ranks=(src,),
                 key=key,
             )
@@ -843,9 +852,10 @@ class TorchDistributedCoordinator:
     ) -> CoordinationTimeoutError | CollectiveMismatchError:
         """The one error of a round that a rank gave up on (``raw``: its mark), or,
         if that rank was in another call, the mismatch."""
-        by, late, their_key = _gave_up_by(raw)
-        if not _same_call(their_key, key):
-            return _mismatch({int(by): their_key, self.rank: key}, self.rank)
+        mismatch = _mismatch_in_mark(raw, key, self.rank)
+        if mismatch is not None:
+            return mismatch
+        by, late, _ = _gave_up_by(raw)
         if by == str(self.rank) and late == (dst,) and dst != self.rank:
             text = (
                 f"rank {self.rank}: rank {dst}, which collects {key!r}, did not answer within "

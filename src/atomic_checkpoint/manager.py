@@ -107,6 +107,22 @@ def _one_at_a_time(method: _F) -> _F:
     return cast(_F, wrapper)
 
 
+def check_world_size(manifest: Manifest, world_size: int) -> None:
+    """Refuse per-rank state saved by another number of ranks: each rank reads its own
+    file by rank number, so a smaller job would load the first ranks' states and drop
+    the others', and a larger one would find none for its last ranks.
+
+    Raises:
+        CheckpointError: the world sizes differ (replicated state passes).
+    """
+    if manifest.state_kind != "replicated" and manifest.world_size != world_size:
+        raise CheckpointError(
+            f"checkpoint step {manifest.step} holds per-rank state of "
+            f"{manifest.world_size} rank(s) but this job has {world_size}; restore it with "
+            "the same world size, or save with the DCP integration for resharding"
+        )
+
+
 class CheckpointManager:
     """Saves, discovers, restores and rotates the checkpoints of one run under ``root``.
 
@@ -1981,13 +1997,7 @@ class CheckpointManager:
                 )
             file_rel = rank_state_file(rank)
         else:
-            if manifest.world_size != self.world_size:
-                raise CheckpointError(
-                    f"checkpoint step {manifest.step} holds per-rank state of "
-                    f"{manifest.world_size} rank(s) but this job has {self.world_size}; "
-                    "restore it with the same world size, or save with the DCP integration "
-                    "for resharding"
-                )
+            check_world_size(manifest, self.world_size)
             file_rel = rank_state_file(self.rank)
         # Marker commits keep each attempt's files under attempt-<token>/.
         entry = catalog.state_file(manifest, file_rel)

@@ -163,7 +163,7 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import CheckpointManager, CopyAttempt
+from .manager import CheckpointManager, CopyAttempt, check_world_size
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage, posix
 from .storage.base import Storage, answer_within, renaming
@@ -2062,14 +2062,9 @@ class TieredCheckpointManager:
         else:
             reader = self._local_reader() if tier == 0 else self._slow_reader()
         manifest = catalog.load_checkpoint(reader.storage, step)
-        if manifest.state_kind != "replicated" and manifest.world_size != self.world_size:
-            # Each rank reads its own file by rank number: without this, a smaller job
-            # would load the first ranks' states and silently drop the others'.
-            raise CheckpointError(
-                f"checkpoint step {step} holds per-rank state of {manifest.world_size} "
-                f"rank(s) but this job has {self.world_size}; restore it with the same "
-                "world size, or save with the DCP integration for resharding"
-            )
+        # It reads its own file by rank number (rank=, below): the check that rank=
+        # skips in the plain manager.
+        check_world_size(manifest, self.world_size)
         return reader._load_here(
             manifest,
             into=kwargs.get("into"),
