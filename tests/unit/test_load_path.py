@@ -138,7 +138,15 @@ def test_the_cached_share_of_a_large_file_is_sampled_and_still_right(tmp_path):
         assert 0.3 <= share <= 0.5, share
         while done < size:
             done += len(os.pread(fd, 1 << 20, done))
-        assert _cached_fraction(fd) == 1.0
+        # Under memory pressure (other jobs on the machine) the kernel may evict a page
+        # between the read and the question; read it all again, a few times at most.
+        shares = [_cached_fraction(fd)]
+        while shares[-1] != 1.0 and len(shares) < 4:
+            done = 0
+            while done < size:
+                done += len(os.pread(fd, 1 << 20, done))
+            shares.append(_cached_fraction(fd))
+        assert shares[-1] == 1.0, shares
     finally:
         os.close(fd)
 
