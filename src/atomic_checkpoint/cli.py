@@ -73,7 +73,9 @@ Exit status:
        uploads a ``checkpoint-<step>`` that is not a complete, verified checkpoint;
        another run's checkpoints (``foreign``) are skipped, not verified.
     2  usage or environment error: bad arguments, ROOT missing or not a directory,
-       ROOT unreadable, a storage error, a prune with no recorded run, no
+       ROOT unreadable, a storage error, no answer within ``--timeout S`` (every
+       command but ``drain`` takes it: give up after S seconds, for a store that may
+       stop answering), a prune with no recorded run, no
        ``--run-id`` and checkpoints of several runs, or ``--keep-best`` on a metric that
        no checkpoint records (a ROOT with no checkpoint has nothing to prune: 0).
     3  refused: a live job holds the run lock on ROOT (``clean``/``prune``).
@@ -2153,6 +2155,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--dry-run", action="store_true", help=dry_run)
         if force:
             p.add_argument("--force", action="store_true", help=force)
+        if func is not cmd_drain:  # drain's --timeout bounds its wait for TO (its own)
+            p.add_argument(
+                "--timeout",
+                dest="give_up_s",
+                type=_seconds_arg,
+                default=None,
+                metavar="S",
+                help="give up after S seconds (exit 2): for a store that may stop "
+                "answering, whose client retries for many minutes (default: no limit)",
+            )
         p.add_argument("--json", action="store_true", help="one JSON document on stdout")
         p.set_defaults(func=func, parser=p)
 
@@ -2350,6 +2362,21 @@ def _setup_logging(verbose: int) -> None:
     log.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
 
 
+def _within(limit: float, func: Callable[[argparse.Namespace], int], args: Any) -> int:
+    """``func(args)``, or a ``CliError`` (exit 2) once it has run ``limit`` seconds
+    (``--timeout``). The command goes on in a daemon thread until the process exits,
+    as if the process had been killed there: what it changed is as safe as after a
+    crash (a delete un-commits before it deletes; ``clean`` removes what is left)."""
+    late = CliError(
+        f"{args.command} {args.root} did not finish within {limit:g} s (--timeout): the "
+        "storage answered too slowly or not at all (an endpoint that is down or hung?). "
+        "Nothing is left half-done that the next command cannot handle: run it again, "
+        "with a longer --timeout, once the storage answers",
+        EXIT_USAGE,
+    )
+    return answer_within(limit, args.command, lambda: func(args), late=lambda: late)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     parser = build_parser()
@@ -2361,7 +2388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(verbose)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        limit = getattr(args, "give_up_s", None)
+        return func(args) if limit is None else _within(limit, func, args)
     except SystemExit as exc:  # parser.error from inside a command
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except CliError as exc:

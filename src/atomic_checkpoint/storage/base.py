@@ -333,12 +333,18 @@ def linked(path: str) -> UnsafeCheckpointError:
 _R = TypeVar("_R")
 
 
-def answer_within(seconds: float, what: str, call: Callable[[], _R]) -> _R:
-    """``call()``'s result (or its exception), or ``StorageError`` if it has not
-    returned within ``seconds``: for a storage call that may never answer (an endpoint
-    that accepts connections and stays silent, whose client retries for minutes). The
-    call goes on in a daemon thread and what it returns later is dropped, so only
-    reads, or writes that are safe to finish unobserved, go through here."""
+def answer_within(
+    seconds: float,
+    what: str,
+    call: Callable[[], _R],
+    late: Callable[[], Exception] | None = None,
+) -> _R:
+    """``call()``'s result (or its exception), or ``StorageError`` (``late()`` if
+    given) if it has not returned within ``seconds``: for a storage call that may never
+    answer (an endpoint that accepts connections and stays silent, whose client retries
+    for minutes). The call goes on in a daemon thread and what it returns later is
+    dropped, so only reads, or writes that are safe to finish unobserved, go through
+    here."""
     box: list[tuple[bool, Any]] = []
 
     def run() -> None:
@@ -351,7 +357,7 @@ def answer_within(seconds: float, what: str, call: Callable[[], _R]) -> _R:
     worker.start()
     worker.join(max(seconds, 0.0))
     if not box:
-        raise StorageError(f"{what} did not answer within {seconds:g} s")
+        raise late() if late else StorageError(f"{what} did not answer within {seconds:g} s")
     ok, value = box[0]
     if ok:
         return cast(_R, value)
