@@ -1470,6 +1470,13 @@ class CheckpointManager:
         # Steps only some domains committed (a save that failed half way) never count;
         # once a newer step is complete everywhere they are garbage (B8: node disks fill).
         victims |= {s for s, _, _ in mine if s not in common and s < newest_common}
+        # Above the step just committed, a step only some domains have belongs to a
+        # trajectory the job abandoned: it resumed from an older step (a node's disk
+        # was replaced, a save half way failed at a step the new schedule skips). It
+        # can never complete (a save of that step replaces it) and would fill the disk
+        # of the node that kept it until training passed that step again.
+        complete = {s for s, _, _ in everywhere}
+        victims |= {s for s, _, _ in mine if s not in complete and s > newest}
         return sorted(victims - {newest})
 
     def apply_retention(self) -> list[int]:

@@ -90,3 +90,30 @@ def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_ste
     for root in (node0, node1):
         assert os.listdir(os.path.join(root, PENDING_DIR)) == []
         CheckpointManager(root, read_only=True).verify(3)
+
+
+def test_a_half_committed_step_above_the_resumed_one_is_removed_by_the_next_save(tmp_path):
+    # Node 1 dies while saving step 5, after node 0 committed its copy. The restarted
+    # job resumes from step 2 and saves step 3 (the schedule need not reach 5 again):
+    # node 0's copy of step 5 can never complete, and the rotation after step 3
+    # removes it instead of keeping it on node 0's disk until training reaches step 5.
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], 5, tmp_dir=base))
+    faults = "after_manifest@2=delay:5,after_manifest@2=kill:5"
+    crashed = run_ranks(
+        workers.w_node_local, 4, base, [5], 5, tmp_dir=base, faults=faults, timeout_s=40
+    )
+    assert crashed[2].killed
+    node0 = os.path.join(base, "node0")
+    assert os.path.isdir(os.path.join(node0, "checkpoint-5"))
+    values = ok_values(run_ranks(workers.w_node_local, 4, base, [3], 5, tmp_dir=base))
+    assert [v["latest"] for v in values] == [2, 2, 2, 2]
+    assert all(v["listed"] == [1, 2, 3] for v in values)
+    assert not os.path.exists(os.path.join(node0, "checkpoint-5"))
+    for node in ("node0", "node1"):
+        names = os.listdir(os.path.join(base, node))
+        assert sorted(n for n in names if n.startswith("checkpoint-")) == [
+            "checkpoint-1",
+            "checkpoint-2",
+            "checkpoint-3",
+        ]
