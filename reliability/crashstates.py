@@ -451,10 +451,29 @@ def _op_tiered(steps: list[int], *, block: int | None = None):
     return operate
 
 
+def _op_tiered_rollback(to: int):
+    """``rollback(to)`` of a tiered job whose steps are on both tiers: tier 1 first
+    (through the replicator), then tier 0; marked once it returned."""
+
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint import TieredCheckpointManager
+
+        mgr = TieredCheckpointManager(_tiers(root, _CURRENT.retention), retry_max_s=0.05)
+        if not mgr.wait_replicated(timeout_s=60):  # reconciled before recording
+            raise RuntimeError("the pre-state's steps were not replicated")
+        with record() as rec:
+            mgr.rollback(to)
+            rec.mark("rolled-back", step=to)
+        mgr.close()
+
+    return operate
+
+
 def _tiered_expectation(trace: Trace, state: CrashState) -> Any:
     """Which steps were acknowledged on tier 0 (``save`` returned) and as persisted
-    (``wait_replicated`` returned True) before the crash."""
-    wanted = ("committed", "persisted")
+    (``wait_replicated`` returned True) before the crash, and the step a returned
+    ``rollback()`` went back to."""
+    wanted = ("committed", "persisted", "rolled-back")
     marks = [(m.label, m.info["step"]) for m in state.marks if m.label in wanted]
     return tuple(sorted(marks))
 
@@ -501,6 +520,7 @@ def _check_tiered(path: str, state: CrashState, need: Any, trace: Trace) -> list
     found += bad
     committed = {s for label, s in need if label == "committed"}
     persisted = {s for label, s in need if label == "persisted"}
+    rolled = max((s for label, s in need if label == "rolled-back"), default=None)
     for step in sorted(persisted - on_slow):
         found.append(("lost", f"step {step} was acknowledged as persisted and is not on {slow}"))
     kept = committed | (set(scen.initial) - scen.may_drop)
@@ -517,12 +537,16 @@ def _check_tiered(path: str, state: CrashState, need: Any, trace: Trace) -> list
         for step in sorted(committed):
             if 1 not in held.get(step, ()):
                 found.append(("lost", f"step {step} did not reach {slow} after the restart"))
+        back = sorted(s for s in held if rolled is not None and s > rolled)
+        if back:  # a returned rollback: what it removed never comes back, on any tier
+            found.append(("torn", f"steps {back}, rolled back to {rolled}, are back: {held}"))
         if held:
             newest = max(held)
             got = mgr.restore()
             if not any(_same(got, state_of(newest, v)) for v in allowed.get(newest, ())):
                 found.append(("torn", f"restore() of step {newest} gave content nobody saved"))
-        nxt = max([*held, *allowed, 0]) + 1
+        # After a returned rollback the job saves right above its step.
+        nxt = max([*held, *allowed, 0]) + 1 if rolled is None else rolled + 1
         mgr.save(nxt, state_of(nxt))
         if not mgr.wait_replicated(nxt, timeout_s=60):
             found.append(("stuck", f"the next save {nxt} was not replicated"))
@@ -562,6 +586,17 @@ def _tiered_scenarios() -> list[Scenario]:
             {4: 0, 5: 0},
             may_drop=frozenset({1, 2, 3}),
             retention=(1, 2),
+            tiered=True,
+        ),
+        # Going back on both tiers: tier 1 first (a manifest un-committed, then
+        # deleted, by the replicator), then tier 0. Until it returned either tier may
+        # hold either set; once it returned, steps 2 and 3 are gone from both for good.
+        Scenario(
+            "tiered-rollback/local",
+            _prepare_tiered([1, 2, 3]),
+            _op_tiered_rollback(1),
+            {1: 0, 2: 0, 3: 0},
+            may_drop=frozenset({2, 3}),
             tiered=True,
         ),
     ]
