@@ -63,6 +63,7 @@ from typing import Any
 
 from .errors import CheckpointError, SaveAbandonedError
 from .manifest import CheckpointInfo
+from .serialization import is_big_endian
 
 __all__ = ["AsyncSaver", "SaveAbandonedError", "SaveHandle", "SnapshotPool"]
 
@@ -533,7 +534,8 @@ class Snapshot:
 def _numpy_copy(dst: Any, src: Any) -> None:
     import numpy as np
 
-    np.copyto(dst, src, casting="no")
+    # "equiv": the same dtype, but for the byte order (a big-endian source is swapped).
+    np.copyto(dst, src, casting="equiv")
 
 
 class SnapshotPool:
@@ -669,7 +671,10 @@ class SnapshotPool:
                 dst, nbytes = self._views[key] = view
             else:
                 nbytes = int(src.nbytes)
-                dst = flat[off : off + nbytes].view(src.dtype).reshape(src.shape)
+                # The file holds arrays little-endian (as the sync save converts them):
+                # a big-endian array is copied into a little-endian view, byte-swapped.
+                dtype = src.dtype.newbyteorder("<") if is_big_endian(src.dtype) else src.dtype
+                dst = flat[off : off + nbytes].view(dtype).reshape(src.shape)
             copies.append((src, dst, off + nbytes))
         # Until the first tensor is copied, the image is complete up to it.
         ready = offsets[0] if offsets else total

@@ -269,7 +269,9 @@ def _numpy_code(dtype: Any) -> str | None:
     return _NUMPY_CODES.get((dtype.kind, dtype.itemsize))
 
 
-def _is_big_endian(dtype: Any) -> bool:
+def is_big_endian(dtype: Any) -> bool:
+    """Whether numpy ``dtype`` stores its items big-endian (the file holds them
+    little-endian, with a ``"byteorder": ">"`` flag to give them back as they were)."""
     return dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder == "big")
 
 
@@ -334,7 +336,7 @@ def _flat_bytes(torch: Any, t: Any) -> Any:
 def _numpy_bytes(np: Any, a: Any) -> Any:
     """A 1-D uint8 numpy array over ``a``'s bytes, little-endian, C order."""
     a = np.asarray(a)
-    if _is_big_endian(a.dtype):
+    if is_big_endian(a.dtype):
         a = a.astype(a.dtype.newbyteorder("<"))
     a = np.ascontiguousarray(a)
     return a.reshape(-1).view(np.uint8)
@@ -708,7 +710,7 @@ class _Planner:
             return None
         tag = "ndarray" if is_array else "npscalar"
         node: dict[str, Any] = {tag: ""}
-        if is_array and _is_big_endian(x.dtype):
+        if is_array and is_big_endian(x.dtype):
             node["byteorder"] = ">"
         name = self.by_id.get(id(x))
         if name is None:
@@ -1436,7 +1438,7 @@ class _Loader:
             ok = (
                 tag == "ndarray"
                 and _numpy_code(into.dtype) == entry.code
-                and _is_big_endian(into.dtype) == big
+                and is_big_endian(into.dtype) == big
                 and tuple(into.shape) == entry.shape
             )
             have = f"a numpy array of {into.dtype} and shape {tuple(into.shape)}"
@@ -1467,7 +1469,7 @@ class _Loader:
             if dest.device.type != "cpu" or not _plain(dest):
                 return None
             return memoryview(_flat_bytes(torch, dest).numpy())
-        if dest.flags.c_contiguous and not _is_big_endian(dest.dtype):
+        if dest.flags.c_contiguous and not is_big_endian(dest.dtype):
             return memoryview(dest.reshape(-1).view(self.np.uint8))
         return None
 

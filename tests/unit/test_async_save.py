@@ -176,6 +176,30 @@ def test_save_async_returns_before_the_write_and_snapshots_the_state(tmp_path):
     mgr.close()
 
 
+def test_big_endian_arrays_are_written_as_the_sync_save_writes_them(tmp_path):
+    # Arrays read from network-order or FITS/HDF5 data are big-endian. The file holds
+    # them little-endian with a byte-order flag; the async snapshot copied their bytes
+    # unswapped, under checksums of the wrong bytes: restored garbage, verify() passed.
+    state = {
+        "f4": np.array([1.0, 2.0, 3.0], dtype=">f4"),
+        "i8": np.arange(6, dtype=">i8").reshape(2, 3)[:, ::2],  # not contiguous
+        "f8": np.array(2.5, dtype=">f8"),  # 0-d
+        "u1": np.arange(4, dtype=">u1"),  # one byte: no order
+        "le": np.array([7, 8], dtype="<i4"),
+    }
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, state)
+    mgr.save_async(2, state).result()
+    for step in (1, 2):
+        got = mgr.restore(step)
+        for key, want in state.items():
+            assert got[key].dtype == want.dtype, (step, key, got[key].dtype)
+            np.testing.assert_array_equal(got[key], want)
+    same = (tmp_path / checkpoint_name(s) / rank_state_file(0) for s in (1, 2))
+    assert next(same).read_bytes() == next(same).read_bytes()
+    mgr.close()
+
+
 def test_many_async_saves_each_hold_the_state_of_their_step(tmp_path):
     """Updates race the background writes for real (no gate): every checkpoint holds
     exactly the state at the moment its save_async returned."""
