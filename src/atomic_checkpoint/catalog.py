@@ -1018,6 +1018,9 @@ class Newest:
         unmanifested: the ``checkpoint-<step>`` directories met on the way that hold
             no manifest and no marker of ours (another tool's, e.g. a stock Trainer's,
             or a checkpoint that lost its manifest), ascending.
+        corrupt_steps: the steps among ``corrupt`` whose manifest is this run's and
+            readable (a file missing, of another size: a save of that step replaces
+            it, as one that failed its checksums), ascending.
     """
 
     valid: tuple[Manifest, ...]
@@ -1025,6 +1028,7 @@ class Newest:
     last_seq: int
     complete: bool
     unmanifested: tuple[str, ...] = ()
+    corrupt_steps: tuple[int, ...] = ()
 
 
 def newest_valid(
@@ -1054,12 +1058,15 @@ def _walk_down(
     """``newest_valid`` over the checkpoint names ``steps`` (``_checkpoint_names``)."""
     valid: list[Manifest] = []
     unmanifested: list[str] = []
+    ours_corrupt: list[int] = []
     corrupt = last_seq = 0
     for entry in _newest_first(storage, run_id=run_id, cache=cache, steps=steps):
         if entry.manifest is not None:
             last_seq = max(last_seq, entry.manifest.commit_seq)
         if entry.status == "corrupt":
             corrupt += 1
+            if entry.manifest is not None and entry.manifest.run_id == run_id:
+                ours_corrupt.append(entry.manifest.step)
         elif entry.unmanifested:
             unmanifested.append(entry.name)
         elif entry.status == "ok" and entry.manifest is not None:
@@ -1068,7 +1075,14 @@ def _walk_down(
                 break
     # Stopped at the count-th valid checkpoint: complete only if it was the oldest name.
     complete = len(valid) < count or valid[-1].step == steps[0][0]
-    return Newest(tuple(valid), corrupt, last_seq, complete, tuple(reversed(unmanifested)))
+    return Newest(
+        tuple(valid),
+        corrupt,
+        last_seq,
+        complete,
+        tuple(reversed(unmanifested)),
+        tuple(sorted(ours_corrupt)),
+    )
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,10 @@ class CheckpointManager:
         # The newest committed step of this run, the same on every rank (the domain
         # leaders' views, agreed at open): saves below it raise StepOrderError.
         self._newest_step: int | None = summary["newest"]
+        # This run's checkpoints found corrupt at open (a file missing or of another
+        # size): never loaded, and a save of one of those steps replaces it, as after a
+        # restore() that skipped one for its checksums (the same on every rank).
+        self._failed_verification.update(setup.get("corrupt_steps", ()))
         self._ctx = SaveContext(
             storage=self.storage,
             coord=self.coordinator,
@@ -435,6 +439,11 @@ class CheckpointManager:
             "n_valid_counted": True,
             "newest": max(valid, default=None),
             "n_corrupt": sum(1 for e in entries if e.status == "corrupt"),
+            "corrupt_steps": sorted(
+                e.manifest.step
+                for e in entries
+                if e.status == "corrupt" and e.manifest is not None and e.manifest.run_id == run_id
+            ),
             "valid_steps": valid,
             "complete": True,
             "unmanifested": [e.name for e in entries if e.unmanifested],
@@ -478,6 +487,7 @@ class CheckpointManager:
             "n_valid_counted": found.complete,
             "newest": found.valid[0].step if found.valid else None,
             "n_corrupt": found.corrupt,
+            "corrupt_steps": list(found.corrupt_steps),
             "valid_steps": [m.step for m in found.valid],
             "complete": found.complete,
             "unmanifested": list(found.unmanifested),
@@ -1244,8 +1254,8 @@ class CheckpointManager:
         by ``begin``; ``phase`` names the write in a shared failure. Collective."""
         if step in self._failed_verification and not overwrite:
             log.warning(
-                "saving step %d replaces checkpoint %s of %s, which restore() skipped "
-                "because it failed verification",
+                "saving step %d replaces checkpoint %s of %s, which failed verification "
+                "(restore() skips it)",
                 step,
                 checkpoint_name(step),
                 self.root,
@@ -1465,18 +1475,19 @@ class CheckpointManager:
         victims = {i.step for i in plan_deletions(self.retention, infos, protect=(newest,))}
         if self.is_coordinator:
             self._warn_unrecorded_metrics(infos, victims)
-        common = {i.step for i in infos}
-        newest_common = max(common, default=-1)
+        newest_common = max((i.step for i in infos), default=-1)
         # Steps only some domains committed (a save that failed half way) never count;
         # once a newer step is complete everywhere they are garbage (B8: node disks fill).
-        victims |= {s for s, _, _ in mine if s not in common and s < newest_common}
-        # Above the step just committed, a step only some domains have belongs to a
-        # trajectory the job abandoned: it resumed from an older step (a node's disk
-        # was replaced, a save half way failed at a step the new schedule skips). It
-        # can never complete (a save of that step replaces it) and would fill the disk
-        # of the node that kept it until training passed that step again.
+        # Above the step just committed, such a step belongs to a trajectory the job
+        # abandoned: it resumed from an older step (a node's disk was replaced, a save
+        # failed half way at a step the new schedule skips). It can never complete (a
+        # save of that step replaces it) and would fill the disk of the node that kept
+        # it until training passed that step again. A step every domain has but that
+        # failed verification is neither: it stays, as with one domain.
         complete = {s for s, _, _ in everywhere}
-        victims |= {s for s, _, _ in mine if s not in complete and s > newest}
+        victims |= {
+            s for s, _, _ in mine if s not in complete and (s < newest_common or s > newest)
+        }
         return sorted(victims - {newest})
 
     def apply_retention(self) -> list[int]:
@@ -2350,6 +2361,7 @@ def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
         "n_valid_counted": all(v.get("n_valid_counted", True) for v in views),
         "newest": newest,
         "n_corrupt": sum(v.get("n_corrupt", 0) for v in views),
+        "corrupt_steps": sorted({s for v in views for s in v.get("corrupt_steps", ())}),
         "last_seq": max((v.get("last_seq", 0) for v in views), default=0),
         "unmanifested": sorted({n for v in views for n in v.get("unmanifested", ())}),
     }

@@ -90,6 +90,36 @@ def test_training_goes_on_after_a_fallback_without_losing_the_restored_checkpoin
         assert reader.restore(30)["step"] == 30  # the new copy verifies
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_newest_checkpoint_with_a_torn_file_is_replaced_by_the_save_of_its_step(
+    tmp_path, caplog, damage
+):
+    """A file of the newest checkpoint cut short or gone (sizes, not checksums): the
+    start's walk skips it, so no restore() ever tried it. The resumed job's save of
+    that step raised CheckpointExistsError ("already committed") at every restart; it
+    replaces it, as it replaces one that failed its checksums."""
+    with CheckpointManager(tmp_path) as first:
+        for s in (10, 20, 30):
+            first.save(s, _state(s))
+    path = str(tmp_path / "checkpoint-30" / "rank-00000.safetensors")
+    if damage == "truncated":
+        os.truncate(path, os.path.getsize(path) - 10)
+    else:
+        os.remove(path)
+
+    mgr = CheckpointManager(tmp_path, retention=KeepLast(2))
+    assert mgr.latest().step == 20
+    assert mgr.restore()["step"] == 20
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        mgr.save(30, _state(30))
+    assert "replaces checkpoint checkpoint-30" in caplog.text
+    mgr.save(40, _state(40))
+    mgr.close()
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [30, 40]
+        assert float(reader.restore(30)["w"][0]) == 30.0  # the new copy
+
+
 def test_apply_retention_never_deletes_the_last_checkpoint_that_restores(tmp_path, caplog):
     """``mgr.retention = KeepLast(1)`` then ``apply_retention()`` on a root whose newest
     checkpoint rotted (sizes intact, checksums not): it used to keep the corrupt newest
