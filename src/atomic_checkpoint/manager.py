@@ -811,6 +811,11 @@ class CheckpointManager:
         (a model + optimizer + scheduler + RNG state). With ``replicated=True`` every
         rank holds the same state and only the coordinator writes it.
 
+        ``metrics`` (names to numbers, for ``KeepBest``; a NaN or inf is left out with
+        a warning) and ``metadata`` (JSON values, at most 16 MiB) are recorded as the
+        coordinator (rank 0) passed them: pass the same on every rank, or at least on
+        rank 0. Ones that cannot be recorded, on any rank, fail the save on every rank.
+
         ``overwrite=True`` replaces a committed ``step``: the new copy is committed
         before the old one goes, and once it is, the save succeeds even if the old copy
         cannot be removed (a warning; the next start or ``clean`` removes it). Without
@@ -835,12 +840,11 @@ class CheckpointManager:
         self._finish_async()  # at most one save in flight
         step = validate_step(step)
         self._check_step_order(step)
-        metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
+        metrics_d, metadata_d, problem = _checked_input(metrics, metadata)
         writes = not replicated or self.is_coordinator
         rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
         plan: Any = None
-        problem: Exception | None = None
-        if writes:
+        if writes and problem is None:
             # Planning walks the tree and finds unsupported objects before anything is
             # written; the commit's first step shares its failure with every rank.
             try:
@@ -1001,7 +1005,7 @@ class CheckpointManager:
         from .serialization import plan_state
 
         t0 = time.perf_counter()
-        step, metrics_d, metadata_d, ctx = self._start_async(step, metrics, metadata)
+        step, metrics_d, metadata_d, input_error, ctx = self._start_async(step, metrics, metadata)
         saver, pool = self._async, self._snapshots
         if saver is None or pool is None:  # pragma: no cover - set by _start_async
             raise CheckpointError("async save state is incomplete")
@@ -1009,8 +1013,7 @@ class CheckpointManager:
         rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
         cancel = saver.cancel
         snapshot: Any = None
-        input_error: Exception | None = None
-        if writes:
+        if writes and input_error is None:
             try:
                 plan = plan_state(state, allow_pickle=self.allow_pickle)
                 snapshot = pool.prepare(plan, cancel=cancel)
@@ -1094,7 +1097,8 @@ class CheckpointManager:
             raise CheckpointError(
                 "saving_async() needs a mounted filesystem; use save_async() for object stores"
             )
-        step, metrics_d, metadata_d, ctx = self._start_async(step, metrics, metadata)
+        step, metrics_d, metadata_d, bad_input, ctx = self._start_async(step, metrics, metadata)
+        failed = failed or bad_input
         saver = self._async
         if saver is None:  # pragma: no cover - set by _start_async
             raise CheckpointError("async save state is incomplete")
@@ -1129,12 +1133,13 @@ class CheckpointManager:
         step: int,
         metrics: Mapping[str, float] | None,
         metadata: Mapping[str, Any] | None,
-    ) -> tuple[int, dict[str, float], dict[str, Any], SaveContext]:
+    ) -> tuple[int, dict[str, float], dict[str, Any], Exception | None, SaveContext]:
         """What every async save does first, on the calling thread: check the inputs,
         finish the previous save (raising its failure once), check the step order,
         create the background saver on the first call (the previous save's rotation is
         waited for by the background save, before it touches ROOT). Returns the checked
-        step, metrics and metadata, and the context of the background commit: its own
+        step, metrics and metadata, this rank's bad metrics or metadata (shared by the
+        commit's first step, as bad state is), and the context of the background commit: its own
         store connection, and the saver's ``cancel`` event, which the leader checks with
         the run lock before it creates the pending location and before it commits (an
         abandoned save is never committed)."""
@@ -1144,7 +1149,7 @@ class CheckpointManager:
 
         self._check_writable()
         step = validate_step(step)
-        metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
+        metrics_d, metadata_d, problem = _checked_input(metrics, metadata)
         self._finish_async()
         # The previous save's rotation may still be deleting (unlinking a large file
         # frees its cached pages: about 0.5 s per GiB on ext4). The background save
@@ -1163,7 +1168,7 @@ class CheckpointManager:
         if self._async_coord is None:  # pragma: no cover - set together above
             raise CheckpointError("async save state is incomplete")
         ctx = replace(self._ctx, coord=self._async_coord, cancel=self._async.cancel)
-        return step, metrics_d, metadata_d, ctx
+        return step, metrics_d, metadata_d, problem, ctx
 
     def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Wait until the in-flight async save is committed and durable, and its
@@ -2318,6 +2323,19 @@ class _SavingBlock:
         why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
         with contextlib.suppress(CheckpointError):
             self._finish(commit.Failed("write", why))
+
+
+def _checked_input(
+    metrics: Mapping[str, float] | None, metadata: Mapping[str, Any] | None
+) -> tuple[dict[str, float], dict[str, Any], Exception | None]:
+    """A save's metrics and metadata, checked, and what is wrong with them on this rank
+    (None if nothing): handed to the commit's first step, which raises it on every
+    rank. Raised here on this rank alone, it left the other ranks in the save while
+    this one went on to the next (every later save then failed)."""
+    try:
+        return check_metrics(metrics), check_metadata(metadata), None
+    except (TypeError, ValueError) as exc:
+        return {}, {}, exc
 
 
 #: With several storage domains, how many of its newest valid steps each leader reports

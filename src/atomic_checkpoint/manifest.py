@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 import zlib
@@ -25,6 +26,8 @@ from .layout import validate_relative_path, validate_step
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "atomic-checkpoint"
+log = logging.getLogger("atomic_checkpoint")
+
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger in a manifest is corrupt, not a checkpoint
 MAX_MANIFEST_BYTES = 64 << 20
 # Integers in a manifest (commit sequence, world size, ranks, counts) are below this;
@@ -391,28 +394,75 @@ def _get(doc: Mapping[str, Any], key: str, typ: Any, where: str) -> Any:
 
 
 def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """Validate user metrics: a flat mapping of names to finite numbers."""
+    """Validate user metrics: a flat mapping of names to numbers. A value that is not
+    finite (a diverged loss: NaN, inf; an int too large for a float) is left out with a
+    warning, never a reason to lose the save: a checkpoint without the metric is never
+    among ``KeepBest``'s best.
+
+    Raises:
+        TypeError: ``metrics`` is not a mapping, a name is not a string, or a value is
+            not a number.
+    """
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise TypeError(
+            "metrics must be a mapping of names to numbers, e.g. metrics={'eval_loss': "
+            f"0.31}}, got {type(metrics).__name__}"
+        )
     out: dict[str, float] = {}
-    for k, v in (metrics or {}).items():
+    for k, v in metrics.items():
         if not isinstance(k, str):
             raise TypeError(f"metric names must be strings, got {k!r}")
+        if hasattr(v, "detach"):  # a tensor (with requires_grad, float() would warn)
+            v = v.detach()
         try:
             if isinstance(v, (str, bytes)):  # float("0.5") works, but is a mistake here
                 raise TypeError
             value = float(v)  # numbers, numpy scalars, one-element tensors
+        except OverflowError:
+            value = math.inf
         except (TypeError, ValueError):
             raise TypeError(f"metric {k!r} must be a number, got {type(v).__name__}") from None
         if not math.isfinite(value):
-            raise ValueError(f"metric {k!r} is {value}: metrics must be finite numbers")
+            log.warning(
+                "metric %r is %s: not recorded in the checkpoint (metrics are finite "
+                "numbers; KeepBest never counts a checkpoint without it among the best)",
+                k,
+                value,
+            )
+            continue
         out[k] = value
     return out
 
 
+#: Metadata may take at most this many bytes as JSON: the manifest holding it must stay
+#: readable (``MAX_MANIFEST_BYTES``) beside its list of files.
+MAX_METADATA_BYTES = 16 << 20
+
+
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Validate user metadata: anything JSON can hold."""
-    doc = dict(metadata or {})
+    """Validate user metadata: a mapping that JSON can hold, of a bounded size.
+
+    Raises:
+        TypeError: not a mapping, or not JSON-serialisable.
+        ValueError: larger than ``MAX_METADATA_BYTES`` as JSON.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            "metadata must be a mapping (a dict of JSON values, e.g. metadata={'epoch': 3}), "
+            f"got {type(metadata).__name__}"
+        )
+    doc = dict(metadata)
     try:
-        json.dumps(doc, allow_nan=False)
+        size = len(json.dumps(doc, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"metadata is {size} bytes as JSON, more than the {MAX_METADATA_BYTES} a "
+            "manifest may hold: put large data in the saved state, not in metadata"
+        )
     return doc

@@ -77,6 +77,24 @@ def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
     assert os.listdir(root / PENDING_DIR) == []
 
 
+@pytest.mark.parametrize("kind", ["metrics", "metadata"])
+def test_one_ranks_bad_metrics_or_metadata_fail_the_save_on_every_rank(tmp_path, kind):
+    # Checked on that rank alone, its error left the other ranks in the save while it
+    # went on to the next one: every later save failed ("asked to save different
+    # steps"), then timed out. Now the commit's first step shares it.
+    root = tmp_path / "ckpt"
+    results = run_ranks(workers.w_bad_input_on, 3, str(root), 1, kind, tmp_dir=str(tmp_path))
+    values = ok_values(results)
+    for how in ("sync", "async"):
+        seen = [v["errors"].get(how) for v in values]
+        assert all(e is not None and e[0] == "DistributedCheckpointError" for e in seen), seen
+        assert all(e[1] == (1,) for e in seen), seen
+        assert len({e[2] for e in seen}) == 1
+        assert "rank 1" in seen[0][2] and kind[:-1] in seen[0][2], seen[0][2]
+    assert all(v["listed"] == [1, 4] for v in values)  # the next save worked everywhere
+    assert os.listdir(root / PENDING_DIR) == []
+
+
 def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
     root = tmp_path / "ckpt"
     faults = "before_write@3=hang:5"

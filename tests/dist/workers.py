@@ -168,6 +168,30 @@ def w_bad_state_on(rank: int, world: int, root: str, bad_rank: int, step: int) -
     return {"error_type": None}
 
 
+def w_bad_input_on(rank: int, world: int, root: str, bad_rank: int, kind: str) -> dict[str, Any]:
+    """One rank passes metrics or metadata that cannot be recorded, to a save and to an
+    async save: every rank must raise, and the next save (made alike) must work."""
+    mgr = CheckpointManager(root, timeout_s=20)
+    mgr.save(1, make_state(1, rank, big_elems=64))
+    bad: dict[str, Any] = {}
+    if rank == bad_rank:
+        bad = {"metrics": {"loss": "x"}} if kind == "metrics" else {"metadata": {"f": object()}}
+    errors: dict[str, Any] = {}
+    for step, how in ((2, "sync"), (3, "async")):
+        try:
+            if how == "sync":
+                mgr.save(step, make_state(step, rank, big_elems=64), **bad)
+            else:
+                mgr.save_async(step, make_state(step, rank, big_elems=64), **bad)
+                mgr.wait()
+        except Exception as exc:
+            errors[how] = [type(exc).__name__, getattr(exc, "failed_ranks", None), str(exc)]
+    mgr.save(4, make_state(4, rank, big_elems=64))
+    listed = [c.step for c in mgr.checkpoints()]
+    mgr.close()
+    return {"errors": errors, "listed": listed}
+
+
 def w_hang_one(rank: int, world: int, root: str, step: int, timeout_s: float) -> dict[str, Any]:
     """Run with ATOMIC_CHECKPOINT_FAULTS=before_write@<r>=hang: the others must time out."""
     mgr = CheckpointManager(root, timeout_s=timeout_s)

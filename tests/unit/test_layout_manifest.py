@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
+import math
 import pickle
 
 import pytest
@@ -17,7 +19,14 @@ from atomic_checkpoint.layout import (
     validate_relative_path,
     validate_step,
 )
-from atomic_checkpoint.manifest import FileEntry, Hasher, Manifest, check_metrics
+from atomic_checkpoint.manifest import (
+    MAX_METADATA_BYTES,
+    FileEntry,
+    Hasher,
+    Manifest,
+    check_metadata,
+    check_metrics,
+)
 
 
 @pytest.mark.parametrize(
@@ -175,12 +184,31 @@ def test_hashers_are_streaming_and_distinct():
     assert c.hexdigest() == "0d4a1185"
 
 
-def test_metrics_must_be_finite_numbers():
+def test_metrics_are_numbers_and_non_finite_ones_are_left_out(caplog):
     assert check_metrics({"a": 1}) == {"a": 1.0}
-    with pytest.raises(ValueError, match="finite"):
-        check_metrics({"a": float("nan")})
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        got = check_metrics({"nan": float("nan"), "inf": -math.inf, "big": 10**400, "b": 2})
+    assert got == {"b": 2.0}  # a diverged loss never costs the save
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        "metric 'nan' is nan",
+        "metric 'inf' is -inf",
+        "metric 'big' is inf",
+    ]
     with pytest.raises(TypeError, match="number"):
         check_metrics({"a": "x"})
+    with pytest.raises(TypeError, match="must be a mapping"):
+        check_metrics(0.5)  # type: ignore[arg-type]
+
+
+def test_metadata_is_a_bounded_json_mapping():
+    assert check_metadata({"epoch": 3}) == {"epoch": 3}
+    with pytest.raises(TypeError, match="must be a mapping"):
+        check_metadata(["x"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="JSON-serialisable"):
+        check_metadata({"a": object()})
+    # A manifest larger than its readers accept would be a save that cannot be loaded.
+    with pytest.raises(ValueError, match="put large data in the saved state"):
+        check_metadata({"blob": "x" * (MAX_METADATA_BYTES + 1)})
 
 
 def test_errors_pickle_and_keep_their_fields():

@@ -617,8 +617,10 @@ def test_metrics_must_be_numbers(tmp_path):
         for bad in ("0.5", b"1", None, [1.0]):
             with pytest.raises(TypeError, match="metric 'loss' must be a number"):
                 mgr.save(1, state(1), metrics={"loss": bad})
-        with pytest.raises(ValueError, match="finite"):
-            mgr.save(1, state(1), metrics={"loss": float("nan")})
         assert mgr.checkpoints() == []  # nothing was written
-        info = mgr.save(1, state(1), metrics={"loss": torch.tensor(0.25), "acc": np.float32(0.5)})
+        # A diverged loss is left out of the manifest, not a lost save.
+        assert mgr.save(1, state(1), metrics={"loss": float("nan"), "acc": 0.5}).metrics == {
+            "acc": 0.5
+        }
+        info = mgr.save(2, state(2), metrics={"loss": torch.tensor(0.25), "acc": np.float32(0.5)})
         assert info.metrics == {"loss": 0.25, "acc": 0.5}
