@@ -278,6 +278,30 @@ def test_on_commit_sees_only_committed_paths(tmp_path):
     ]
 
 
+def test_a_saving_block_that_writes_nothing_commits_nothing(tmp_path):
+    # Committed, the empty step 200 was the newest checkpoint, and KeepLast(1) deleted
+    # step 100, the only one holding weights (a save_pretrained(output_dir) slip).
+    elsewhere = tmp_path / "output_dir"
+    elsewhere.mkdir()
+    mgr = CheckpointManager(tmp_path / "root", retention=KeepLast(1))
+    with mgr.saving(100) as d:
+        (d / "model.bin").write_bytes(b"w" * 1000)
+    with (
+        pytest.raises(CommitError, match=r"holds no file: the saving\(\) block wrote nothing"),
+        mgr.saving(200),
+    ):
+        (elsewhere / "model.bin").write_bytes(b"w" * 1000)
+    handle = mgr.saving_async(300, lambda d: None)
+    with pytest.raises(CommitError, match="holds no file"):
+        handle.result()
+    with pytest.raises(CommitError):
+        mgr.wait()
+    assert [c.step for c in mgr.checkpoints()] == [100]
+    assert mgr.verify(100).size_bytes == 1000
+    mgr.close()
+    assert os.listdir(tmp_path / "root" / PENDING_DIR) == []
+
+
 def test_an_on_commit_callback_that_raises_is_logged_and_the_save_succeeds(tmp_path, caplog):
     # An upload that fails in on_commit must not report a committed checkpoint as
     # failed: the save returns its info (a retry would find the step taken), the
