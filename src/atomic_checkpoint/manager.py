@@ -2132,7 +2132,7 @@ class CheckpointManager:
             raise async_error
 
     # ------------------------------------------------------------------ rollback
-    def rollback(self, step: int) -> list[int]:
+    def rollback(self, step: int, *, allow_empty: bool = False) -> list[int]:
         """Discard this run's checkpoints above ``step``, to continue training from an
         older checkpoint. Collective: call it on every rank.
 
@@ -2147,8 +2147,11 @@ class CheckpointManager:
         ``save`` does).
 
         Args:
-            step: the step to continue from; it need not exist (``rollback(0)`` keeps
-                only a step 0).
+            step: the step to continue from; it need not exist, but a valid checkpoint
+                of this run at or below it must (else retention had already deleted
+                the step meant, and nothing would be left to continue from).
+            allow_empty: remove this run's checkpoints above ``step`` even if none is
+                left at or below it (``rollback(0, allow_empty=True)``: start over).
 
         Returns:
             The removed steps, newest first; the same list on every rank (with several
@@ -2158,6 +2161,8 @@ class CheckpointManager:
         Raises:
             CollectiveMismatchError: the ranks passed different steps (or some ranks
                 were in another call); nothing is deleted.
+            CheckpointError: it would remove every checkpoint of this run and
+                ``allow_empty`` is False; nothing is deleted.
             FencedError: another job took over ROOT; nothing more is deleted.
             CheckpointError: a removal failed: every rank raises the same error, the
                 checkpoints not removed yet are still valid, and calling ``rollback``
@@ -2176,6 +2181,7 @@ class CheckpointManager:
             combine=_rollback_summary,
             pick=_nothing,
             step=step,
+            allow_empty=allow_empty,
         )
         if not summary["decide"]:
             # As at open: the domains' newest valid steps left differ by more than the few
@@ -2199,7 +2205,9 @@ class CheckpointManager:
             )
         return removed
 
-    def _rollback_coordinator(self, step: int) -> tuple[list[int], dict[str, Any]]:
+    def _rollback_coordinator(
+        self, step: int, allow_empty: bool = False
+    ) -> tuple[list[int], dict[str, Any]]:
         """Remove this domain's checkpoints of this run above ``step``, newest first.
         Returns the removed steps and this domain's view of the valid steps left (its
         newest ones at or below ``step``, as ``_start_view`` reports them at open).
@@ -2213,6 +2221,14 @@ class CheckpointManager:
             self.storage, step, run_id=self.run_id, count=count, cache=self._manifests
         )
         victims = sorted(found.ours)
+        if victims and not found.below.valid and not allow_empty:
+            raise CheckpointError(
+                f"rollback({step}) would remove every checkpoint of run {self.run_id!r} in "
+                f"{self.root} (steps {victims}) and leave none at or below step {step} to "
+                f"continue from: nothing was removed. Roll back to one of them (e.g. "
+                f"rollback({victims[0]}) keeps step {victims[0]}), or pass "
+                "allow_empty=True to remove them all and start over"
+            )
         remaining = {
             "valid_steps": [m.step for m in found.below.valid],
             "complete": found.below.complete,

@@ -750,7 +750,7 @@ class TieredCheckpointManager:
             self._ceiling = step
         try:
             removed = set(self._rollback_persistent(step))
-            removed |= set(self.fast.rollback(step))
+            removed |= set(self.fast.rollback(step, allow_empty=True))
         finally:
             with self._cv:
                 self._ceiling = None
@@ -959,7 +959,7 @@ class TieredCheckpointManager:
             if self._persistent is None:
                 self._open_persistent()  # queues only steps at or below the ceiling
             assert self._persistent is not None
-            result = ("ok", self._persistent.rollback(step))
+            result = ("ok", self._persistent.rollback(step, allow_empty=True))
             # Only now: if tier 1 failed, tier 0 keeps these steps, still to replicate.
             self._purge_above(step)
         except Exception as exc:
@@ -1201,7 +1201,7 @@ class TieredCheckpointManager:
                 try:
                     if self._persistent is None:
                         self._persistent = self._new_persistent()
-                    removed = self._persistent.rollback(step)
+                    removed = self._persistent.rollback(step, allow_empty=True)
                 except CheckpointError as exc:
                     self._drop_persistent()
                     problem = f"{self._slow_storage.url('')}: {type(exc).__name__}: {exc}"

@@ -148,10 +148,30 @@ def test_a_later_run_in_the_same_root_is_not_held_back(tmp_path):
         mgr.save(500, state(500))
     with CheckpointManager(root, run_id="second") as mgr:
         mgr.save(1, state(1))
-        assert mgr.rollback(0) == [1]  # never touches run "first"
+        assert mgr.rollback(0, allow_empty=True) == [1]  # never touches run "first"
     assert [
         c.step for c in CheckpointManager(root, read_only=True, run_id="first").checkpoints()
     ] == [500]
+
+
+def test_a_rollback_that_would_leave_nothing_is_refused_unless_asked_for(tmp_path):
+    # KeepLast(2) had already deleted step 300: rollback(300) used to delete 400 and
+    # 500 too, leaving nothing to continue from, with an INFO line as the only notice.
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, retention=KeepLast(2)) as mgr:
+        for s in (100, 200, 300, 400, 500):
+            mgr.save(s, state(s))
+        assert [c.step for c in mgr.checkpoints()] == [400, 500]
+        with pytest.raises(CheckpointError, match=r"would remove every checkpoint") as err:
+            mgr.rollback(300)
+        assert "rollback(400) keeps step 400" in str(err.value)
+        assert "allow_empty=True" in str(err.value)
+        assert [c.step for c in mgr.checkpoints()] == [400, 500]  # nothing removed
+        assert mgr.rollback(450) == [500]  # a step between two: the older one stays
+        assert mgr.rollback(0, allow_empty=True) == [400]  # start over, when asked
+        assert mgr.checkpoints() == []
+        mgr.save(10, state(10))
+    assert listed(root) == [10]
 
 
 def test_own_retention_pass_never_deletes_the_step_it_committed(tmp_path):
