@@ -151,6 +151,7 @@ from .errors import (
     CorruptCheckpointError,
     LockError,
     LockHeldError,
+    ResumeError,
     StepOrderError,
     StorageError,
     UnsafeCheckpointError,
@@ -482,21 +483,41 @@ class TieredCheckpointManager:
                     f"{self._fast_storage.url('')} names the run: retry once the persistent "
                     "tier answers"
                 )
-        self.fast = CheckpointManager(
-            self._fast_storage,
-            retention=(
-                _HoldUnreplicated(fast.retention, self) if fast.retention is not None else None
-            ),
-            run_id=rid,
-            coordinator=coord,
-            timeout_s=timeout_s,
-            resume=resume,
-            on_commit=self._on_fast_commit,
-            allow_pickle=allow_pickle,
-            takeover=takeover,
-            strategy=fast.strategy,
-            storage_domains=fast_domains if self._multi else "shared",
-        )
+
+        def open_fast(mode: str) -> CheckpointManager:
+            return CheckpointManager(
+                self._fast_storage,
+                retention=(
+                    _HoldUnreplicated(fast.retention, self) if fast.retention is not None else None
+                ),
+                run_id=rid,
+                coordinator=coord,
+                timeout_s=timeout_s,
+                resume=mode,
+                on_commit=self._on_fast_commit,
+                allow_pickle=allow_pickle,
+                takeover=takeover,
+                strategy=fast.strategy,
+                storage_domains=fast_domains if self._multi else "shared",
+            )
+
+        try:
+            self.fast = open_fast(resume)
+        except ResumeError:
+            # Tier 0 holds only corrupt checkpoints of the run (a torn copy of its one
+            # step): not a start from scratch over them if tier 1 holds valid ones, from
+            # which restore() loads. Every rank reads the same tier 1 alike.
+            if resume != "auto" or not self._slow_has_valid(rid):
+                raise
+            log.warning(
+                "%s holds no valid checkpoint of run %r, only corrupt ones (see "
+                "`atomic-checkpoint verify`); the persistent tier %s holds valid ones: "
+                "restore() loads from there",
+                self._fast_storage.url(""),
+                rid,
+                self._slow_storage.url(""),
+            )
+            self.fast = open_fast("never")  # never refuses a tier 0 without a valid one
         self.run_id: str = self.fast.run_id
         if self._multi:
             try:
@@ -694,6 +715,21 @@ class TieredCheckpointManager:
             self._cv.notify_all()
         if late and self._fatal is error and error is not None:
             log.error("replication to %s stopped: %s", self._slow_storage.url(""), error)
+
+    def _slow_has_valid(self, run_id: str | None) -> bool:
+        """Whether tier 1 holds a valid checkpoint of ``run_id`` (False if it cannot
+        tell within the start's bound)."""
+        if run_id is None:
+            return False
+        try:
+            found = answer_within(
+                self._start_wait_s,
+                f"the persistent tier {self._slow_storage.url('')}",
+                lambda: catalog.newest_valid(self._slow_storage, run_id=run_id),
+            )
+        except CheckpointError:
+            return False
+        return bool(found.valid)
 
     def _read_floor_within(self) -> int | None:
         """``_read_floor``, or None if tier 1 does not answer within the start's bound."""

@@ -13,6 +13,7 @@ of a child process at a named fault point of the replicator."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -41,7 +42,7 @@ from atomic_checkpoint import (
     TieredCheckpointManager,
     catalog,
 )
-from atomic_checkpoint.layout import checkpoint_name
+from atomic_checkpoint.layout import checkpoint_name, rank_state_file
 
 REPO = Path(__file__).resolve().parents[2]
 ELEMS = 40_000
@@ -164,6 +165,29 @@ def test_a_wiped_fast_tier_restores_from_s3_and_the_run_goes_on(s3_server, s3_bu
     assert mgr.wait_replicated(30, timeout_s=30)
     assert [(c.step, c.tiers) for c in mgr.checkpoints()] == [(10, (1,)), (20, (1,)), (30, (0, 1))]
     mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_torn_only_copy_on_tier_0_restarts_from_the_persistent_tier(fast_root, tmp_path, caplog):
+    # Tier 0 keeps one step; its file was cut to 0 bytes. The fast tier's manager
+    # refused to start "from scratch over" a corrupt-only root, so the job could not
+    # restart at all, though tier 1 held both steps.
+    tiers = [Tier(fast_root, retention=KeepLast(1)), Tier(tmp_path / "slow", retention=KeepLast(3))]
+    with TieredCheckpointManager(tiers) as mgr:
+        for s in (100, 200):
+            mgr.save(s, state(s))
+        assert mgr.wait_replicated(timeout_s=30)
+    os.truncate(fast_root / checkpoint_name(200) / rank_state_file(0), 0)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        mgr = TieredCheckpointManager(tiers)
+    assert "holds no valid checkpoint of run" in caplog.text
+    assert same(mgr.restore(), state(200))
+    assert mgr.last_restored.tiers == (1,)
+    mgr.save(300, state(300))
+    assert mgr.wait_replicated(300, timeout_s=30)
+    assert mgr.close() == []
+    with TieredCheckpointManager(tiers, resume="must") as mgr:
+        assert same(mgr.restore(), state(300))
 
 
 # ------------------------------------------------------------ a crash mid-replication
