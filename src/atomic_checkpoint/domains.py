@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .coordination import Coordinator, gather_routed
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, CoordinationTimeoutError
 from .layout import META_DIR
 from .lock import HOST_ENV as HOST_ENV
 from .lock import current_host
@@ -108,17 +108,27 @@ def discover(
     def probe_list(hosts: list[str]) -> list[int] | None:
         return None if by_host(hosts) is not None else candidates_of(hosts)
 
-    _, candidates, routed = gather_routed(
-        coord,
-        "domains: hosts",
-        "storage domains",
-        current_host,
-        probe_list,
-        lambda hosts: _routes(by_host(hosts)),
-        dst=0,
-        routed=True,
-        timeout_s=timeout_s,
-    )
+    try:
+        _, candidates, routed = gather_routed(
+            coord,
+            "domains: hosts",
+            "storage domains",
+            current_host,
+            probe_list,
+            lambda hosts: _routes(by_host(hosts)),
+            dst=0,
+            routed=True,
+            timeout_s=timeout_s,
+        )
+    except CoordinationTimeoutError as exc:
+        # The first collective of a new manager: the usual cause is a manager created
+        # on some ranks only (under `if rank == 0:`, the habit of a single-writer save).
+        raise CoordinationTimeoutError(
+            f"{exc}. Opening a checkpoint manager is collective: create it on every "
+            "rank, in the same order (not under `if rank == 0:`)",
+            missing_ranks=exc.missing_ranks,
+            key=exc.key,
+        ) from None
     if candidates is None:
         return _unpack(routed)
     token = coord.broadcast("domains: token", uuid.uuid4().hex, timeout_s=timeout_s)

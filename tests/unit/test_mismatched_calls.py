@@ -119,3 +119,20 @@ def test_a_rank_that_makes_no_call_is_still_a_timeout_naming_it():
     for kind, err, _ in results[:2]:
         assert kind == "error" and isinstance(err, CoordinationTimeoutError)
         assert err.missing_ranks == (2,)
+
+
+def test_a_manager_opened_on_rank_0_only_says_to_open_it_on_every_rank(tmp_path):
+    # The single-writer habit: `if rank == 0: mgr = CheckpointManager(...)`. Its first
+    # collective waits for the others, then says what to do, not only who is missing.
+    from atomic_checkpoint import CheckpointManager
+
+    def body(coord, rank):
+        if rank == 0:
+            CheckpointManager(tmp_path, coordinator=coord, timeout_s=2)
+
+    results = _on_ranks(2, body)
+    kind, err, _ = results[0]
+    assert kind == "error" and isinstance(err, CoordinationTimeoutError), err
+    assert err.missing_ranks == (1,)
+    assert "create it on every rank" in str(err) and "if rank == 0:" in str(err)
+    assert results[1][0] == "ok"
