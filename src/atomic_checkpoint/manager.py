@@ -2255,8 +2255,25 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        close_propagating(self, exc)
+
+
+def close_propagating(mgr: Any, exc: BaseException | None) -> None:
+    """``mgr.close()`` as a ``with`` block ends: if the block raised, its exception goes
+    on (the training error, ``KeyboardInterrupt``, the preemption exit's
+    ``SystemExit``); a failure of ``close()`` itself (a failed async save) is then
+    logged and noted on it, never raised in its place."""
+    if exc is None:
+        mgr.close()
+        return
+    try:
+        mgr.close()
+    except Exception as failure:
+        log.error("closing %r after the with-block raised: %s", mgr, failure)
+        note = getattr(exc, "add_note", None)  # Python >= 3.11
+        if note is not None:
+            note(f"closing the checkpoint manager also failed: {failure}")
 
 
 @dataclasses.dataclass(frozen=True)

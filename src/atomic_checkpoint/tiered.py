@@ -164,7 +164,7 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import CheckpointManager, CopyAttempt, check_world_size
+from .manager import CheckpointManager, CopyAttempt, check_world_size, close_propagating
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage, posix
 from .storage.base import Storage, answer_within, renaming
@@ -2509,8 +2509,8 @@ class TieredCheckpointManager:
     def __enter__(self) -> TieredCheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        close_propagating(self, exc)
 
     def __repr__(self) -> str:
         return (

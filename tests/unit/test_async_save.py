@@ -200,6 +200,22 @@ def test_big_endian_arrays_are_written_as_the_sync_save_writes_them(tmp_path):
     mgr.close()
 
 
+def test_a_with_block_that_raises_keeps_its_exception_over_a_failed_async_save(tmp_path, caplog):
+    # The training error (or KeyboardInterrupt, or the preemption exit's SystemExit)
+    # used to be replaced by the async save's failure that close() raised in __exit__.
+    with (
+        caplog.at_level(logging.ERROR, logger="atomic_checkpoint"),
+        pytest.raises(RuntimeError, match="out of memory") as err,
+        CheckpointManager(tmp_path) as mgr,
+    ):
+        mgr.save_async(1, {"x": object()})  # unsupported: the save fails in the background
+        raise RuntimeError("out of memory in training step")
+    assert "closing the checkpoint manager also failed" in "".join(err.value.__notes__)
+    assert "closing CheckpointManager" in caplog.text
+    with pytest.raises(SerializationError), CheckpointManager(tmp_path) as mgr:
+        mgr.save_async(1, {"x": object()})  # no exception in the block: close() raises it
+
+
 def test_many_async_saves_each_hold_the_state_of_their_step(tmp_path):
     """Updates race the background writes for real (no gate): every checkpoint holds
     exactly the state at the moment its save_async returned."""
