@@ -45,8 +45,10 @@ chunk or fence check and discards its pending data; one already past its last fe
 check is committing and cannot be interrupted. Either way ``close()`` waits until the
 save has ended and reports what happened (DESIGN invariant 12): after it returns or
 raises, no thread of the manager touches ROOT. Only interpreter exit bounds that last
-wait (a storage call can hang forever): a save still running then keeps the run lock,
-which dies with the process.
+wait (a storage call can hang forever): a save still running then dies with the process,
+which releases the run lock as it exits (a save past its last fence check may still
+commit in that moment; nothing else of it is a checkpoint, and the next start removes
+what it left).
 """
 
 from __future__ import annotations
@@ -328,9 +330,8 @@ class AsyncSaver:
                 log.error(
                     "%s: abandoned the in-flight async save of step %d after %.1f s, but it "
                     "is still running (inside a storage call): it is not a checkpoint unless "
-                    "it was already committing. The run lock on ROOT is kept, so no other job "
-                    "writes there until this process has ended; the next start removes "
-                    "whatever it left.",
+                    "it was already committing. It ends with this process, which releases "
+                    "the run lock as it exits; the next start removes whatever it left.",
                     why,
                     handle.step,
                     time.monotonic() - t,
