@@ -197,6 +197,12 @@ class CheckpointManager:
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ValueError("run_id must be a non-empty string")
         timeout_s = _positive_seconds("timeout_s", timeout_s)
+        if storage_domains not in ("auto", "shared", "per-host"):
+            # Checked here too: a single process never reaches the domains' own check.
+            raise ValueError(
+                f"storage_domains must be 'auto', 'shared' or 'per-host', got {storage_domains!r}"
+            )
+        self._named_root = isinstance(root, (str, os.PathLike))
         if isinstance(root, (str, os.PathLike)):
             if not os.fspath(root).strip():
                 raise ValueError(
@@ -503,6 +509,14 @@ class CheckpointManager:
                 path=local,
             )
         if self.read_only:
+            # A root named by the user (not a Storage a tiered manager opened on a tier
+            # still to be created) that is not there is most likely a typo.
+            if self._named_root and local is not None and not posix.exists(local):
+                log.warning(
+                    "checkpoint root %s does not exist (a mistyped path?): a read-only "
+                    "manager finds no checkpoint there",
+                    local,
+                )
             # An explicit run id needs no run file (which may be unreadable).
             recorded = None if run_id is not None else self._recorded_run_id()
             # A reader only needs to know whether there is a valid checkpoint (resume

@@ -168,8 +168,8 @@ _TORCH_CODES: dict[Any, str] = {}  # torch.dtype -> code, filled on first use
 _CONVERT_HINT = (
     "Convert it to a supported type (torch.Tensor or numpy.ndarray of a supported dtype, "
     "int, float, bool, str, bytes, None, torch.dtype/device/Size, or a dict/list/tuple "
-    "of these), or pass allow_pickle=True to pickle it (loading then needs "
-    "allow_pickle=True too)"
+    "of these), or create the manager with CheckpointManager(..., allow_pickle=True) to "
+    "pickle it (the manager that loads it needs allow_pickle=True too)"
 )
 
 _MISSING: Any = object()
@@ -1367,8 +1367,9 @@ class _Loader:
             if self.for_load and not self.allow_pickle:
                 raise UnsafeCheckpointError(
                     f"{_format_path(path)} is a pickled object (entry {name!r}); unpickling "
-                    "can run arbitrary code from the file, so it is refused. Pass "
-                    "allow_pickle=True only if you trust where this checkpoint came from"
+                    "can run arbitrary code from the file, so it is refused. Create the "
+                    "manager with CheckpointManager(..., allow_pickle=True) only if you "
+                    "trust where this checkpoint came from"
                 )
             return None
         if tag != "tensor" and _DTYPES[entry.code][2] is None:

@@ -648,3 +648,24 @@ def test_metrics_must_be_numbers(tmp_path):
         }
         info = mgr.save(2, state(2), metrics={"loss": torch.tensor(0.25), "acc": np.float32(0.5)})
         assert info.metrics == {"loss": 0.25, "acc": 0.5}
+
+
+def test_a_read_only_manager_on_a_missing_root_says_it_is_missing(tmp_path, caplog):
+    # The CLI exits 2 on a missing ROOT; the library's reader said nothing and found no
+    # checkpoint, which a typo in a resume path then looked like a fresh start.
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        reader = CheckpointManager(tmp_path / "chekpoints", read_only=True)
+    assert reader.latest() is None
+    assert "does not exist (a mistyped path?)" in caplog.text
+    assert not (tmp_path / "chekpoints").exists()  # a reader creates nothing
+    caplog.clear()
+    (tmp_path / "ok").mkdir()
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        CheckpointManager(tmp_path / "ok", read_only=True).close()
+    assert "does not exist" not in caplog.text
+
+
+def test_storage_domains_is_checked_in_a_single_process_too(tmp_path):
+    with pytest.raises(ValueError, match="storage_domains must be 'auto', 'shared' or"):
+        CheckpointManager(tmp_path, storage_domains="per_host")
+    assert not tmp_path.joinpath(".atomic-checkpoint").exists()
