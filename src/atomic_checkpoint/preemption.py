@@ -851,7 +851,28 @@ class PreemptionGuard:
         self._save_now = self.skipped_save is None
         if self._coord.rank == min(signalled):
             self._log_decision(step, signalled, check["signals"], left, estimate)
+        if self._save_now:
+            self._report_failed_async(step)
         return self._save_now
+
+    def _report_failed_async(self, step: int) -> None:
+        """Finish the async save in flight and report its failure here, logged: raised
+        by ``mgr.save(step)`` (the first call after it), it would cost the save the
+        grace period is for, and the job would exit 1 instead of being requeued. Every
+        rank gets the failure alike, so every rank goes on to the save."""
+        wait = getattr(self._manager, "wait", None)
+        if wait is None:
+            return
+        try:
+            wait()
+        except Exception as exc:  # any failure of that save: it is reported, not raised
+            log.error(
+                "preemption: the async save before step %d failed (%s); the preemption "
+                "save of step %d goes ahead",
+                step,
+                exc,
+                step,
+            )
 
     def _log_decision(
         self,

@@ -161,3 +161,24 @@ def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environ
             PreemptionGuard(mgr, grace_s=0)
     finally:
         mgr.close()
+
+
+def test_a_failed_async_save_does_not_cost_the_preemption_save(tmp_path, caplog, clean_signals):
+    # The periodic async save of step 10 failed; SIGTERM came at step 11. mgr.save(11),
+    # the first call after the failure, raised it: no preemption save, exit 1 (the
+    # scheduler does not requeue), the newest checkpoint the one before step 10.
+    mgr = CheckpointManager(tmp_path / "r")
+    try:
+        mgr.save(5, {"step": 5})
+        mgr.save_async(10, {"step": object()})  # unsupported: fails in the background
+        with PreemptionGuard(mgr, grace_s=60) as guard:
+            os.kill(os.getpid(), signal.SIGTERM)
+            _until(lambda: guard.requested, "the guard's handler")
+            with caplog.at_level(logging.ERROR, logger="atomic_checkpoint"):
+                assert guard.should_save(11) is True
+            assert "the async save before step 11 failed" in caplog.text
+            assert mgr.save(11, {"step": 11}).step == 11
+        assert [c.step for c in mgr.checkpoints()] == [5, 11]
+        assert guard.exit_code == REQUEUE_EXIT_CODE
+    finally:
+        mgr.close()
