@@ -725,7 +725,9 @@ class CheckpointManager:
             raise ResumeError(
                 f"{self.root} holds {setup['n_corrupt']} checkpoint(s) of run {self.run_id!r} but "
                 "none is valid (see `atomic-checkpoint verify`); refusing to start from scratch "
-                "over them. Repair or move them, or pass resume='never' with a new run_id"
+                "over them. Repair or move them, or start a separate run beside them with "
+                "a new run_id='...' (pass the same run_id again on every restart: a run "
+                "named by the caller is not recorded as the root's run)"
             )
         if setup["n_valid"] == 0 and unmanifested and self.rank == 0:
             log.warning(
