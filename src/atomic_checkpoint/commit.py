@@ -482,6 +482,8 @@ def _commit_on_leader(
     tc = time.perf_counter()
     scanned = [report_files(storage, staged, ctx.coord.rank)] if scan else []
     files = _merge(list(reports) + scanned)
+    _await_files(storage, staged, files, ctx.visibility_timeout_s)
+    _fence(ctx, step)  # first: a job that lost the lock may have lost its files with it
     if not files and state_kind == "files" and len(ctx.leaders) == 1:
         # Committed, it would be the newest checkpoint, and retention would delete the
         # real ones for it (a save_pretrained() into another directory is enough).
@@ -490,8 +492,6 @@ def _commit_on_leader(
             f"under {storage.url(staged)} (did it write to another directory?); nothing "
             "was committed and the previous checkpoints are intact"
         )
-    _await_files(storage, staged, files, ctx.visibility_timeout_s)
-    _fence(ctx, step)
     manifest = Manifest(
         step=step,
         run_id=ctx.run_id,
