@@ -866,8 +866,10 @@ class TorchDistributedCoordinator:
         elif by == str(self.rank):
             text = (
                 f"rank {self.rank}: rank(s) {list(late)} did not arrive at {key!r} within "
-                f"{timeout_s:g} s (a rank crashed, hung, or is still writing on slow "
-                "storage; raise timeout_s if saves legitimately take longer)"
+                f"{timeout_s:g} s (a rank crashed, hung, is still writing on slow storage, "
+                "or skipped this call: it left the loop or closed its manager early, and "
+                "every rank must make the same calls; raise timeout_s if saves "
+                "legitimately take longer)"
             )
         elif self.rank in late:
             text = (
