@@ -100,9 +100,12 @@ def main() -> None:
     # What a crash (OOM kill, preemption, full disk) during the save of step 8 leaves
     # with the stock Trainer: the model files, no optimizer, no trainer_state.json.
     torn = os.path.join(output_dir, "checkpoint-8")
-    os.makedirs(torn)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(os.path.join(output_dir, "checkpoint-6", name), torn)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one process makes it
+        os.makedirs(torn)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(os.path.join(output_dir, "checkpoint-6", name), torn)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank sees it before it resumes
     print(f"simulated a crash mid-save: {torn} holds only {sorted(os.listdir(torn))}")
     stock_pick = os.path.basename(get_last_checkpoint(output_dir))
     print(f"  the stock resume would load {stock_pick} and fail: it has no trainer_state.json")

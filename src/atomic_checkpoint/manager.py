@@ -704,7 +704,11 @@ class CheckpointManager:
 
     def _check_resume_mode(self, resume: str, setup: Mapping[str, Any]) -> None:
         unmanifested = setup.get("unmanifested") or ()
-        shown = ", ".join(unmanifested[:5]) + (", ..." if len(unmanifested) > 5 else "")
+        # As they are on disk (Accelerate's project view names checkpoints/checkpoint_<i>
+        # checkpoint-<i>): what ls and adopt find.
+        real = getattr(self.storage, "real", None)
+        named = [real(n) if callable(real) else n for n in unmanifested[:5]]
+        shown = ", ".join(named) + (", ..." if len(unmanifested) > 5 else "")
         if resume == "must" and setup["n_valid"] == 0:
             raise ResumeError(
                 f"resume='must' but {self.root} has no valid checkpoint of run {self.run_id!r}"
