@@ -194,6 +194,22 @@ def test_make_atomic_turns_the_stock_calls_atomic(tmp_path: Path, caplog) -> Non
     close(acc)
 
 
+def test_the_warning_about_stock_folders_names_them_as_they_are_on_disk(tmp_path, caplog):
+    # It said "checkpoint-0, checkpoint-1": the protocol's names, which ls cannot find.
+    project = tmp_path / "run"
+    acc, model, opt, sched = build(str(project), total_limit=3)
+    train_step(acc, model, opt, sched, 1)
+    acc.save_state()  # Accelerate's own: no manifest
+    acc, model, opt, sched = build(str(project), total_limit=3)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        make_atomic(acc, timeout_s=30)
+        with pytest.raises(CheckpointExistsError, match="Accelerate's own save_state"):
+            acc.save_state()  # its step 0 is the stock folder: refused, never replaced
+    warned = [r.getMessage() for r in caplog.records if "without a manifest" in r.getMessage()]
+    assert warned and "(checkpoints/checkpoint_0)" in warned[0], caplog.text
+    close(acc)
+
+
 def _corrupt(project: Path, step: int) -> None:
     path = project / "checkpoints" / f"checkpoint_{step}" / "optimizer.bin"
     data = bytearray(path.read_bytes())
