@@ -703,6 +703,31 @@ class CheckpointManager:
             lock.release()
 
     def _check_resume_mode(self, resume: str, setup: Mapping[str, Any]) -> None:
+        partial = setup.get("partial_steps") or []
+        if resume in ("auto", "must") and setup["n_valid"] == 0 and len(partial) > 1:
+            # Several steps on some nodes only: saves are made one at a time, so a save
+            # that failed half way leaves one such step; several mean checkpoints that
+            # were committed on every node and that some node has lost (a replaced or
+            # wiped disk, other nodes). Never a silent start from scratch over them.
+            err = ResumeError(
+                f"{self.root}: checkpoints of run {self.run_id!r} (steps {partial}) are on "
+                "some nodes only, and a step counts only once every node has it, so none "
+                "can be resumed: a node's disk was replaced or wiped, or the job runs on "
+                "other nodes than the ones that saved them. Refusing to start from scratch "
+                "over them: give the job those nodes' disks back, or start a separate run "
+                "with a new run_id='...' (the old steps stay, never deleted)"
+            )
+            err.partial_steps = tuple(partial)  # type: ignore[attr-defined]
+            raise err
+        if partial and setup["n_valid"] == 0 and self.rank == 0:
+            log.warning(
+                "%s: step %s of run %r is on some nodes only (a save that failed half way, "
+                "or a node whose disk was replaced): nothing to resume, the job starts from "
+                "scratch and a save of that step replaces it",
+                self.root,
+                partial[0],
+                self.run_id,
+            )
         unmanifested = setup.get("unmanifested") or ()
         # As they are on disk (Accelerate's project view names checkpoints/checkpoint_<i>
         # checkpoint-<i>): what ls and adopt find.
@@ -1503,16 +1528,12 @@ class CheckpointManager:
         newest_common = max((i.step for i in infos), default=-1)
         # Steps only some domains committed (a save that failed half way) never count;
         # once a newer step is complete everywhere they are garbage (B8: node disks fill).
-        # Above the step just committed, such a step belongs to a trajectory the job
-        # abandoned: it resumed from an older step (a node's disk was replaced, a save
-        # failed half way at a step the new schedule skips). It can never complete (a
-        # save of that step replaces it) and would fill the disk of the node that kept
-        # it until training passed that step again. A step every domain has but that
-        # failed verification is neither: it stays, as with one domain.
+        # Above the step just committed they stay: they may be the only copies a node
+        # kept of a run whose other node lost its disk (a save of that step replaces
+        # one). A step every domain has but that failed verification is neither: it
+        # stays, as with one domain.
         complete = {s for s, _, _ in everywhere}
-        victims |= {
-            s for s, _, _ in mine if s not in complete and (s < newest_common or s > newest)
-        }
+        victims |= {s for s, _, _ in mine if s not in complete and s < newest_common}
         return sorted(victims - {newest})
 
     def apply_retention(self) -> list[int]:
@@ -2435,6 +2456,8 @@ def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
         "corrupt_steps": sorted({s for v in views for s in v.get("corrupt_steps", ())}),
         "last_seq": max((v.get("last_seq", 0) for v in views), default=0),
         "unmanifested": sorted({n for v in views for n in v.get("unmanifested", ())}),
+        # Steps some domains hold and others not (see _check_resume_mode).
+        "partial_steps": sorted(set.union(*steps) - common) if steps else [],
     }
     return {"decide": decide, "newest": newest, "setup": setup}
 

@@ -503,20 +503,24 @@ class TieredCheckpointManager:
 
         try:
             self.fast = open_fast(resume)
-        except ResumeError:
-            # Tier 0 holds only corrupt checkpoints of the run (a torn copy of its one
-            # step): not a start from scratch over them if tier 1 holds valid ones, from
-            # which restore() loads. Every rank reads the same tier 1 alike.
-            if resume != "auto" or not self._slow_has_valid(rid):
+        except ResumeError as exc:
+            # A node's tier 0 wiped (replaced) while the others hold the run's steps:
+            # the tiered restore gets them from tier 1 or the peers. Tier 0 holds only
+            # corrupt checkpoints of the run (a torn copy of its one step): not a start
+            # from scratch over them if tier 1 holds valid ones, from which restore()
+            # loads. Every rank reads the same tier 1 alike.
+            wiped = bool(getattr(exc, "partial_steps", ()))
+            if resume == "must" or not (wiped or self._slow_has_valid(rid)):
                 raise
-            log.warning(
-                "%s holds no valid checkpoint of run %r, only corrupt ones (see "
-                "`atomic-checkpoint verify`); the persistent tier %s holds valid ones: "
-                "restore() loads from there",
-                self._fast_storage.url(""),
-                rid,
-                self._slow_storage.url(""),
-            )
+            if not wiped:
+                log.warning(
+                    "%s holds no valid checkpoint of run %r, only corrupt ones (see "
+                    "`atomic-checkpoint verify`); the persistent tier %s holds valid ones: "
+                    "restore() loads from there",
+                    self._fast_storage.url(""),
+                    rid,
+                    self._slow_storage.url(""),
+                )
             self.fast = open_fast("never")  # never refuses a tier 0 without a valid one
         self.run_id: str = self.fast.run_id
         if self._multi:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -92,28 +93,34 @@ def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_ste
         CheckpointManager(root, read_only=True).verify(3)
 
 
-def test_a_half_committed_step_above_the_resumed_one_is_removed_by_the_next_save(tmp_path):
-    # Node 1 dies while saving step 5, after node 0 committed its copy. The restarted
-    # job resumes from step 2 and saves step 3 (the schedule need not reach 5 again):
-    # node 0's copy of step 5 can never complete, and the rotation after step 3
-    # removes it instead of keeping it on node 0's disk until training reaches step 5.
+def test_a_node_whose_disk_was_wiped_is_never_a_silent_fresh_start(tmp_path):
+    # Node 1's root is gone (a replaced node); node 0 holds steps 1 and 2. A step counts
+    # only once every node has it, so nothing can be resumed: the job used to start
+    # from scratch without a word, and its rotation then deleted node 0's copies.
     base = str(tmp_path)
     ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], 5, tmp_dir=base))
-    faults = "after_manifest@2=delay:5,after_manifest@2=kill:5"
+    node0 = os.path.join(base, "node0")
+    shutil.rmtree(os.path.join(base, "node1"))
+    results = run_ranks(workers.w_node_local, 4, base, [3], 5, tmp_dir=base, timeout_s=40)
+    for r in results:
+        assert not r.ok and "ResumeError" in r.error_text, r.error_text
+        assert "steps [1, 2]) are on some nodes only" in r.error_text, r.error_text
+    assert sorted(n for n in os.listdir(node0) if n.startswith("checkpoint-")) == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]
+
+
+def test_a_first_save_that_failed_half_way_is_replaced_by_the_restart(tmp_path):
+    # One step on one node only is what a save that failed half way leaves: the restart
+    # starts from scratch (with a warning) and its save of that step replaces it.
+    base = str(tmp_path)
+    faults = "after_manifest@2=delay:1,after_manifest@2=kill:1"
     crashed = run_ranks(
-        workers.w_node_local, 4, base, [5], 5, tmp_dir=base, faults=faults, timeout_s=40
+        workers.w_node_local, 4, base, [1], None, tmp_dir=base, faults=faults, timeout_s=40
     )
     assert crashed[2].killed
-    node0 = os.path.join(base, "node0")
-    assert os.path.isdir(os.path.join(node0, "checkpoint-5"))
-    values = ok_values(run_ranks(workers.w_node_local, 4, base, [3], 5, tmp_dir=base))
-    assert [v["latest"] for v in values] == [2, 2, 2, 2]
-    assert all(v["listed"] == [1, 2, 3] for v in values)
-    assert not os.path.exists(os.path.join(node0, "checkpoint-5"))
-    for node in ("node0", "node1"):
-        names = os.listdir(os.path.join(base, node))
-        assert sorted(n for n in names if n.startswith("checkpoint-")) == [
-            "checkpoint-1",
-            "checkpoint-2",
-            "checkpoint-3",
-        ]
+    assert os.path.isdir(os.path.join(base, "node0", "checkpoint-1"))
+    values = ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    assert [v["latest"] for v in values] == [None] * 4
+    assert all(v["listed"] == [1, 2] for v in values)
