@@ -1977,15 +1977,19 @@ class CheckpointManager:
         and the replicated one)."""
         wanted = (rank_state_file(self.rank if rank is None else rank), REPLICATED_STATE_FILE)
         for _ in range(catalog.READ_ATTEMPTS):
-            resolved = self._collective(
+            resolved, refused = self._on_leaders(
                 "resolve",
                 self._resolve_coordinator if self.is_coordinator else None,
+                combine=_first_error,
                 pick=_files_for,
                 want=wanted,
                 step=step,
             )
-            if isinstance(resolved, CheckpointError):
-                raise resolved  # the coordinator's error, the same on every rank
+            if refused is not None:
+                # Any leader's error, the same on every rank: with several storage
+                # domains a step one domain lacks (committed half way) is refused on
+                # every rank, not loaded by some while the others raise.
+                raise refused
             manifest: Manifest = resolved
             state: Any = None
             error: Exception | None = None
@@ -2518,6 +2522,11 @@ def _nothing(_result: Any, _want: Any) -> None:
 
 def _first(results: list[Any]) -> Any:
     return results[0]
+
+
+def _first_error(results: list[Any]) -> CheckpointError | None:
+    """The first of the leaders' results that is an error (in the leaders' order)."""
+    return next((r for r in results if isinstance(r, CheckpointError)), None)
 
 
 def _union_sorted(results: list[list[int]]) -> list[int]:

@@ -124,3 +124,21 @@ def test_a_first_save_that_failed_half_way_is_replaced_by_the_restart(tmp_path):
     values = ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
     assert [v["latest"] for v in values] == [None] * 4
     assert all(v["listed"] == [1, 2] for v in values)
+
+
+def test_restore_of_a_step_only_some_nodes_committed_fails_alike_on_every_rank(tmp_path):
+    # Node 1's leader died before its commit of step 3. restore(step=3): ranks on node 1
+    # raised CheckpointNotFoundError at once, ranks on node 0 loaded it and then timed
+    # out naming the others, and every later collective was out of step.
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    faults = "after_manifest@2=delay:3,after_manifest@2=kill:3"
+    crashed = run_ranks(
+        workers.w_node_local, 4, base, [3], None, tmp_dir=base, faults=faults, timeout_s=40
+    )
+    assert crashed[2].killed
+    values = ok_values(run_ranks(workers.w_node_local_restore_step, 4, base, 3, tmp_dir=base))
+    assert {v["error"][0] for v in values} == {"CheckpointNotFoundError"}, values
+    assert len({v["error"][1] for v in values}) == 1  # one error, the same on every rank
+    assert all(v["seconds"] < 5 for v in values), values  # at once, not at the timeout
+    assert [v["latest"] for v in values] == [2, 2, 2, 2]  # and the next call works

@@ -259,6 +259,27 @@ def w_node_local(
     return out
 
 
+def w_node_local_restore_step(rank: int, world: int, base: str, step: int) -> dict[str, Any]:
+    """``w_node_local``'s layout: every rank asks for ``step`` (which may be on some
+    nodes only), then ``latest()``, made alike on every rank."""
+    import time
+
+    from atomic_checkpoint.domains import HOST_ENV
+
+    os.environ[HOST_ENV] = f"node{rank // 2}"
+    mgr = CheckpointManager(os.path.join(base, f"node{rank // 2}"), timeout_s=10)
+    t0 = time.monotonic()
+    try:
+        mgr.restore(step=step)
+        error = None
+    except Exception as exc:
+        error = [type(exc).__name__, str(exc)]
+    took = time.monotonic() - t0
+    latest = mgr.latest()
+    mgr.close()
+    return {"error": error, "seconds": took, "latest": latest.step if latest else None}
+
+
 def w_shared_two_hosts(rank: int, world: int, root: str) -> tuple[Any, ...]:
     from atomic_checkpoint.domains import HOST_ENV
 
