@@ -123,6 +123,25 @@ def check_world_size(manifest: Manifest, world_size: int) -> None:
         )
 
 
+def check_placement(manifest: Manifest, rank: int) -> None:
+    """Refuse, with the cause, a rank's load of per-rank state from a node that does
+    not hold it: with node-local disks each node's copy has the files of the ranks
+    that ran there when it was saved (``Manifest.domain_ranks``).
+
+    Raises:
+        CheckpointError: ``rank`` is not among them.
+    """
+    ranks = manifest.domain_ranks
+    if manifest.state_kind != "replicated" and ranks is not None and rank not in ranks:
+        raise CheckpointError(
+            f"checkpoint step {manifest.step} on this node holds the state of ranks "
+            f"{list(ranks)} (the ranks that ran on this node when it was saved), not rank "
+            f"{rank}'s: with node-local disks each node keeps its own ranks' files, so "
+            "start the job with the same ranks on the same nodes as when it saved (e.g. "
+            "torchrun's --node-rank as before), or save to storage every node shares"
+        )
+
+
 class CheckpointManager:
     """Saves, discovers, restores and rotates the checkpoints of one run under ``root``.
 
@@ -860,6 +879,9 @@ class CheckpointManager:
         a warning) and ``metadata`` (JSON values, at most 16 MiB) are recorded as the
         coordinator (rank 0) passed them: pass the same on every rank, or at least on
         rank 0. Ones that cannot be recorded, on any rank, fail the save on every rank.
+        With node-local disks (several storage domains) each node's leader commits its
+        node's copy: from its own state with ``replicated=True``, and with the metrics
+        and metadata it passed, so pass the same on every rank there.
 
         ``overwrite=True`` replaces a committed ``step``: the new copy is committed
         before the old one goes, and once it is, the save succeeds even if the old copy
@@ -2066,6 +2088,7 @@ class CheckpointManager:
             file_rel = rank_state_file(rank)
         else:
             check_world_size(manifest, self.world_size)
+            check_placement(manifest, self.rank)
             file_rel = rank_state_file(self.rank)
         # Marker commits keep each attempt's files under attempt-<token>/.
         entry = catalog.state_file(manifest, file_rel)

@@ -142,3 +142,18 @@ def test_restore_of_a_step_only_some_nodes_committed_fails_alike_on_every_rank(t
     assert len({v["error"][1] for v in values}) == 1  # one error, the same on every rank
     assert all(v["seconds"] < 5 for v in values), values  # at once, not at the timeout
     assert [v["latest"] for v in values] == [2, 2, 2, 2]  # and the next call works
+
+
+def test_ranks_placed_on_other_nodes_than_at_the_save_are_told_so(tmp_path):
+    # An elastic restart put ranks 0-1 on node 1 and 2-3 on node 0: each node's copy
+    # holds the other ranks' files. restore() called the intact step corrupt ("has no
+    # file 'rank-00000.safetensors' ... only after repairing it").
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    values = ok_values(
+        run_ranks(workers.w_node_local_restore_step, 4, base, None, True, tmp_dir=base)
+    )
+    for v in values:
+        assert v["error"] is not None and "Corrupt" not in v["error"][0], v
+        assert "start the job with the same ranks on the same nodes" in v["error"][1], v
+    assert [v["latest"] for v in values] == [2, 2, 2, 2]  # nothing was set aside as corrupt

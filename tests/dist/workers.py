@@ -259,15 +259,19 @@ def w_node_local(
     return out
 
 
-def w_node_local_restore_step(rank: int, world: int, base: str, step: int) -> dict[str, Any]:
-    """``w_node_local``'s layout: every rank asks for ``step`` (which may be on some
-    nodes only), then ``latest()``, made alike on every rank."""
+def w_node_local_restore_step(
+    rank: int, world: int, base: str, step: int | None, swapped: bool = False
+) -> dict[str, Any]:
+    """``w_node_local``'s layout (``swapped``: ranks 0-1 now on node 1, 2-3 on node 0):
+    every rank asks for ``step`` (which may be on some nodes only), then ``latest()``,
+    made alike on every rank."""
     import time
 
     from atomic_checkpoint.domains import HOST_ENV
 
-    os.environ[HOST_ENV] = f"node{rank // 2}"
-    mgr = CheckpointManager(os.path.join(base, f"node{rank // 2}"), timeout_s=10)
+    node = 1 - rank // 2 if swapped else rank // 2
+    os.environ[HOST_ENV] = f"node{node}"
+    mgr = CheckpointManager(os.path.join(base, f"node{node}"), timeout_s=10)
     t0 = time.monotonic()
     try:
         mgr.restore(step=step)
