@@ -160,7 +160,8 @@ class CheckpointManager:
         timeout_s: bound on every wait for other ranks.
         read_only: never write, lock or delete (safe while a job runs).
         resume: "auto" (resume if there is a valid checkpoint; error if there are
-            checkpoints but none is valid), "must" (error if nothing valid), "never"
+            checkpoints but none is valid, or, with node-local disks, several of the
+            run's steps are on some nodes only), "must" (error if nothing valid), "never"
             (error if this run already has checkpoints: start a new run instead).
         on_commit: called on the coordinator with each ``CheckpointInfo`` after its
             commit is durable (for uploaders: never a pending path); from the save's
