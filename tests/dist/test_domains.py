@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import pytest
 
@@ -68,16 +69,23 @@ def test_shared_storage_is_one_domain_even_across_hosts(tmp_path):
     assert all(v == (0, 0, (0, 1, 2, 3), (0,)) for v in values)
 
 
-def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_step(tmp_path):
-    base = str(tmp_path)
-    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
-    # Node 1's leader (rank 2) dies before its rename of step 3, after a pause that
-    # lets node 0 commit its copy of step 3 first.
-    faults = "after_manifest@2=delay:3,after_manifest@2=kill:3"
+def _node_1_dies_saving(base: str, step: int, before: list[int]) -> list[Any]:
+    """Save ``before`` on two nodes, then ``step``, whose save node 1's leader (rank 2)
+    dies in before its rename, after a pause that lets node 0 commit its copy first."""
+    if before:
+        ok_values(run_ranks(workers.w_node_local, 4, base, before, None, tmp_dir=base))
+    faults = f"after_manifest@2=delay:{step},after_manifest@2=kill:{step}"
     crashed = run_ranks(
-        workers.w_node_local, 4, base, [3], None, tmp_dir=base, faults=faults, timeout_s=40
+        workers.w_node_local, 4, base, [step], None, tmp_dir=base, faults=faults, timeout_s=40
     )
     assert crashed[2].killed
+    assert os.path.isdir(os.path.join(base, "node0", f"checkpoint-{step}"))
+    return crashed
+
+
+def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_step(tmp_path):
+    base = str(tmp_path)
+    crashed = _node_1_dies_saving(base, 3, [1, 2])
     assert not any(r.ok for r in crashed)
     node0, node1 = (os.path.join(base, f"node{n}") for n in (0, 1))
     assert os.path.isdir(os.path.join(node0, "checkpoint-3"))  # half-committed step
@@ -115,12 +123,7 @@ def test_a_first_save_that_failed_half_way_is_replaced_by_the_restart(tmp_path):
     # One step on one node only is what a save that failed half way leaves: the restart
     # starts from scratch (with a warning) and its save of that step replaces it.
     base = str(tmp_path)
-    faults = "after_manifest@2=delay:1,after_manifest@2=kill:1"
-    crashed = run_ranks(
-        workers.w_node_local, 4, base, [1], None, tmp_dir=base, faults=faults, timeout_s=40
-    )
-    assert crashed[2].killed
-    assert os.path.isdir(os.path.join(base, "node0", "checkpoint-1"))
+    _node_1_dies_saving(base, 1, [])
     values = ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
     assert [v["latest"] for v in values] == [None] * 4
     assert all(v["listed"] == [1, 2] for v in values)
@@ -131,12 +134,7 @@ def test_restore_of_a_step_only_some_nodes_committed_fails_alike_on_every_rank(t
     # raised CheckpointNotFoundError at once, ranks on node 0 loaded it and then timed
     # out naming the others, and every later collective was out of step.
     base = str(tmp_path)
-    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
-    faults = "after_manifest@2=delay:3,after_manifest@2=kill:3"
-    crashed = run_ranks(
-        workers.w_node_local, 4, base, [3], None, tmp_dir=base, faults=faults, timeout_s=40
-    )
-    assert crashed[2].killed
+    _node_1_dies_saving(base, 3, [1, 2])
     values = ok_values(run_ranks(workers.w_node_local_restore_step, 4, base, 3, tmp_dir=base))
     assert {v["error"][0] for v in values} == {"CheckpointNotFoundError"}, values
     assert len({v["error"][1] for v in values}) == 1  # one error, the same on every rank

@@ -80,14 +80,7 @@ def test_training_goes_on_after_a_fallback_without_losing_the_restored_checkpoin
     mgr.wait()
     # 10 rotated out; 20 and 25 kept; the corrupt 30 neither counted nor deleted.
     assert [c.step for c in mgr.checkpoints()] == [20, 25, 30]
-    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
-        mgr.save(30, _state(30))
-    assert "replaces checkpoint checkpoint-30" in caplog.text
-    mgr.save(35, _state(35))
-    mgr.close()
-    with CheckpointManager(tmp_path, read_only=True) as reader:
-        assert [c.step for c in reader.checkpoints()] == [30, 35]
-        assert reader.restore(30)["step"] == 30  # the new copy verifies
+    _save_replaces_30_then(mgr, caplog, 35, tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
@@ -110,14 +103,20 @@ def test_a_newest_checkpoint_with_a_torn_file_is_replaced_by_the_save_of_its_ste
     mgr = CheckpointManager(tmp_path, retention=KeepLast(2))
     assert mgr.latest().step == 20
     assert mgr.restore()["step"] == 20
+    _save_replaces_30_then(mgr, caplog, 40, tmp_path)
+
+
+def _save_replaces_30_then(mgr, caplog, then: int, root) -> None:
+    """The resumed loop saves step 30 (replacing the skipped copy, with a warning), then
+    ``then``; both are listed, and 30 restores the new copy."""
     with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
         mgr.save(30, _state(30))
     assert "replaces checkpoint checkpoint-30" in caplog.text
-    mgr.save(40, _state(40))
+    mgr.save(then, _state(then))
     mgr.close()
-    with CheckpointManager(tmp_path, read_only=True) as reader:
-        assert [c.step for c in reader.checkpoints()] == [30, 40]
-        assert float(reader.restore(30)["w"][0]) == 30.0  # the new copy
+    with CheckpointManager(root, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [30, then]
+        assert float(reader.restore(30)["w"][0]) == 30.0  # the new copy verifies
 
 
 def test_apply_retention_never_deletes_the_last_checkpoint_that_restores(tmp_path, caplog):
