@@ -550,6 +550,13 @@ class CheckpointManager:
                 "newest": None if newest is None else newest.step,
                 "n_corrupt": 0,
             }
+        if resume == "must" and local is not None and not posix.exists(local):
+            # Nothing to resume, and nothing created for it (a mistyped path).
+            raise ResumeError(
+                f"resume='must' but the checkpoint root {local!r} does not exist, so it "
+                "has no valid checkpoint to resume from: check the path (nothing was "
+                "created)"
+            )
         self.storage.makedirs(META_DIR)
         self.storage.makedirs(PENDING_DIR)
         # Their entries in ROOT must be durable before anything is created inside them.

@@ -213,6 +213,7 @@ def test_resume_modes(tmp_path):
     # written for that keeps working.
     with pytest.raises(ValueError, match="no valid checkpoint"):
         CheckpointManager(tmp_path / "a", resume="must")
+    assert not (tmp_path / "a").exists()  # a mistyped path: nothing created there
     mgr = CheckpointManager(tmp_path / "b")
     mgr.save(1, state(1))
     mgr.close()
