@@ -530,9 +530,10 @@ class CheckpointManager:
             )
         if self.read_only:
             # A root named by the user (not a Storage a tiered manager opened on a tier
-            # still to be created) that is not there is most likely a typo.
+            # still to be created) that is not there: a typo, or a watcher started before
+            # the job (so INFO, not a warning).
             if self._named_root and local is not None and not posix.exists(local):
-                log.warning(
+                log.info(
                     "checkpoint root %s does not exist (a mistyped path?): a read-only "
                     "manager finds no checkpoint there",
                     local,

@@ -242,7 +242,7 @@ def test_a_bug_in_one_replicator_ends_every_rank_s_wait_within_the_timeout(tmp_p
     """An unexpected exception in rank 0's replicator thread (not a storage or
     coordination error) must not leave a dead thread that every wait then waits on until
     its own timeout: it stops replication with an error naming it, at once on rank 0 and
-    within the exchange timeout (5 s here) on the other ranks."""
+    within the exchange timeout (10 s here) on the other ranks."""
     base, slow = tmp_path / "nodes", tmp_path / "persistent"
     got = ok_values(
         run_ranks(

@@ -532,7 +532,9 @@ def w_replicator_bug(rank: int, world: int, base: str, slow: str) -> dict[str, A
             raise ValueError("a bug in the sender")
 
         tiered._read_chunks = broken  # type: ignore[assignment]
-    _, mgr = _node_manager(rank, base, slow, None, keep=3, timeout_s=5, retry_max_s=0.2, peers=1)
+    # 10 s: the bound of every exchange, the first save's too, which a loaded 2-core
+    # machine starting 3 ranks can keep rank 0 from reaching within 5 s.
+    _, mgr = _node_manager(rank, base, slow, None, keep=3, timeout_s=10, retry_max_s=0.2, peers=1)
     mgr.save(1, make_state(1, rank, big_elems=ELEMS))
     t = time.monotonic()
     out: dict[str, Any] = {"peered": mgr.wait_peers(timeout_s=60)}
