@@ -1058,15 +1058,14 @@ def _walk_down(
     """``newest_valid`` over the checkpoint names ``steps`` (``_checkpoint_names``)."""
     valid: list[Manifest] = []
     unmanifested: list[str] = []
-    ours_corrupt: list[int] = []
+    seen: list[Entry] = []
     corrupt = last_seq = 0
     for entry in _newest_first(storage, run_id=run_id, cache=cache, steps=steps):
+        seen.append(entry)
         if entry.manifest is not None:
             last_seq = max(last_seq, entry.manifest.commit_seq)
         if entry.status == "corrupt":
             corrupt += 1
-            if entry.manifest is not None and entry.manifest.run_id == run_id:
-                ours_corrupt.append(entry.manifest.step)
         elif entry.unmanifested:
             unmanifested.append(entry.name)
         elif entry.status == "ok" and entry.manifest is not None:
@@ -1081,7 +1080,19 @@ def _walk_down(
         last_seq,
         complete,
         tuple(reversed(unmanifested)),
-        tuple(sorted(ours_corrupt)),
+        corrupt_steps_of(seen, run_id),
+    )
+
+
+def corrupt_steps_of(entries: Iterable[Entry], run_id: str) -> tuple[int, ...]:
+    """The steps of ``entries`` that are corrupt checkpoints of ``run_id`` with a
+    readable manifest (a file missing, or of another size), ascending."""
+    return tuple(
+        sorted(
+            e.manifest.step
+            for e in entries
+            if e.status == "corrupt" and e.manifest is not None and e.manifest.run_id == run_id
+        )
     )
 
 

@@ -263,7 +263,16 @@ class ResumeError(CheckpointError, ValueError):
 
     A ``ValueError`` too, as the Hugging Face Trainer's own "no valid checkpoint found"
     is, so code that catches that around ``train(resume_from_checkpoint=True)`` keeps
-    working."""
+    working.
+
+    Attributes:
+        partial_steps: with node-local disks, the run's steps that some nodes hold and
+            others lack (a node's disk replaced or wiped); empty otherwise.
+    """
+
+    def __init__(self, message: str, *, partial_steps: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.partial_steps = tuple(partial_steps)
 
 
 class ReadOnlyError(CheckpointError, PermissionError):

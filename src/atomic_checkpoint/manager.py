@@ -465,11 +465,7 @@ class CheckpointManager:
             "n_valid_counted": True,
             "newest": max(valid, default=None),
             "n_corrupt": sum(1 for e in entries if e.status == "corrupt"),
-            "corrupt_steps": sorted(
-                e.manifest.step
-                for e in entries
-                if e.status == "corrupt" and e.manifest is not None and e.manifest.run_id == run_id
-            ),
+            "corrupt_steps": list(catalog.corrupt_steps_of(entries, run_id)),
             "valid_steps": valid,
             "complete": True,
             "unmanifested": [e.name for e in entries if e.unmanifested],
@@ -737,16 +733,15 @@ class CheckpointManager:
             # that failed half way leaves one such step; several mean checkpoints that
             # were committed on every node and that some node has lost (a replaced or
             # wiped disk, other nodes). Never a silent start from scratch over them.
-            err = ResumeError(
+            raise ResumeError(
                 f"{self.root}: checkpoints of run {self.run_id!r} (steps {partial}) are on "
                 "some nodes only, and a step counts only once every node has it, so none "
                 "can be resumed: a node's disk was replaced or wiped, or the job runs on "
                 "other nodes than the ones that saved them. Refusing to start from scratch "
                 "over them: give the job those nodes' disks back, or start a separate run "
-                "with a new run_id='...' (the old steps stay, never deleted)"
+                "with a new run_id='...' (the old steps stay, never deleted)",
+                partial_steps=tuple(partial),
             )
-            err.partial_steps = tuple(partial)  # type: ignore[attr-defined]
-            raise err
         if partial and setup["n_valid"] == 0 and self.rank == 0:
             log.warning(
                 "%s: step %s of run %r is on some nodes only (a save that failed half way, "

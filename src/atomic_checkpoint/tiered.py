@@ -509,7 +509,7 @@ class TieredCheckpointManager:
             # corrupt checkpoints of the run (a torn copy of its one step): not a start
             # from scratch over them if tier 1 holds valid ones, from which restore()
             # loads. Every rank reads the same tier 1 alike.
-            wiped = bool(getattr(exc, "partial_steps", ()))
+            wiped = bool(exc.partial_steps)
             if resume == "must" or not (wiped or self._slow_has_valid(rid)):
                 raise
             if not wiped:
