@@ -580,6 +580,10 @@ class CheckpointManager:
                 run_id = self._adopted_run_id() or new_run_id()
                 if torn is None and not self.storage.create_exclusive(RUN_FILE, run_doc(run_id)):
                     run_id = self._recorded_run_id() or run_id
+        elif explicit_run_id and recorded is None and torn is None:
+            # The first job on ROOT records its run even when it named it: a restart
+            # that does not pass run_id continues it (not an "adoption" with a warning).
+            self.storage.create_exclusive(RUN_FILE, run_doc(run_id))
         # The lock comes before the sweep: only the owner of ROOT may delete anything,
         # or a second job would sweep the pending data of a live one (E3, F1).
         lock = RunLock(self.storage, run_id=run_id, lease_s=self._lease_s)
@@ -971,8 +975,11 @@ class CheckpointManager:
             self._finish_async()  # at most one save in flight
             step = validate_step(step)
             self._check_step_order(step)
-            metrics_d, metadata_d = check_metrics(metrics), check_metadata(metadata)
-            gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
+            # Bad metrics or metadata on one rank fail the save on every rank (shared by
+            # the commit's first step), as in save(): raised on this rank alone, the
+            # others were left in the save and every later one failed.
+            metrics_d, metadata_d, problem = _checked_input(metrics, metadata)
+            gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite, problem)
             with gen as path:
                 yield path
             self.last_saved = path.info = gen.info
@@ -1328,15 +1335,7 @@ class CheckpointManager:
         (the leader creates the pending location), this rank's ``write`` into it, then
         ``finish`` (gather, commit, publish). ``problem``: this rank's bad input, shared
         by ``begin``; ``phase`` names the write in a shared failure. Collective."""
-        if step in self._failed_verification and not overwrite:
-            log.warning(
-                "saving step %d replaces checkpoint %s of %s, which failed verification "
-                "(restore() skips it)",
-                step,
-                checkpoint_name(step),
-                self.root,
-            )
-            overwrite = True
+        overwrite = self._replaces_failed(step, overwrite)
         pending = commit.begin(ctx, step, overwrite=overwrite, problem=problem)
         try:
             written = (
@@ -1360,6 +1359,22 @@ class CheckpointManager:
         )
         self._failed_verification.discard(step)  # replaced by a valid copy
         return done
+
+    def _replaces_failed(self, step: int, overwrite: bool) -> bool:
+        """``overwrite`` for a save of ``step``: True also when this run's checkpoint of
+        that step failed verification (torn, or a checksum mismatch), which the save
+        then replaces, with a warning, instead of refusing it as committed at every
+        restart (restore() skips it, so the resumed job saves that step again)."""
+        if step in self._failed_verification and not overwrite:
+            log.warning(
+                "saving step %d replaces checkpoint %s of %s, which failed verification "
+                "(restore() skips it)",
+                step,
+                checkpoint_name(step),
+                self.root,
+            )
+            return True
+        return overwrite
 
     def _after_commit(
         self, manifest: Manifest, timings: dict[str, float], domain_views: Any = None
@@ -2376,6 +2391,7 @@ class _SavingBlock:
         metrics: dict[str, float],
         metadata: dict[str, Any],
         overwrite: bool,
+        problem: Exception | None = None,
     ):
         self.mgr, self.step, self.metrics, self.metadata, self.overwrite = (
             mgr,
@@ -2384,6 +2400,7 @@ class _SavingBlock:
             metadata,
             overwrite,
         )
+        self.problem = problem
         self.info: CheckpointInfo | None = None
         self._pending: commit.Pending | None = None
 
@@ -2396,7 +2413,12 @@ class _SavingBlock:
             )
         mgr._finish_rotation()
         # Step 1 on every rank; the user's block is step 2; ``__exit__`` finishes.
-        pending = self._pending = commit.begin(mgr._ctx, self.step, overwrite=self.overwrite)
+        pending = self._pending = commit.begin(
+            mgr._ctx,
+            self.step,
+            overwrite=mgr._replaces_failed(self.step, self.overwrite),
+            problem=self.problem,
+        )
         if not pending.writes:  # this rank must not write: finish says why, everywhere
             self._finish(None)
             raise CommitError(f"step {self.step}: this rank was told not to write")
@@ -2417,6 +2439,7 @@ class _SavingBlock:
             metadata=self.metadata,
             scan=True,  # the block's files: neither checksummed nor fsync'd yet
         )
+        mgr._failed_verification.discard(self.step)  # replaced by a valid copy
         self.info = mgr._after_commit(done.manifest, done.timings, done.domain_views)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:

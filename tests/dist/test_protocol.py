@@ -85,13 +85,13 @@ def test_one_ranks_bad_metrics_or_metadata_fail_the_save_on_every_rank(tmp_path,
     root = tmp_path / "ckpt"
     results = run_ranks(workers.w_bad_input_on, 3, str(root), 1, kind, tmp_dir=str(tmp_path))
     values = ok_values(results)
-    for how in ("sync", "async"):
+    for how in ("sync", "async", "saving"):
         seen = [v["errors"].get(how) for v in values]
         assert all(e is not None and e[0] == "DistributedCheckpointError" for e in seen), seen
         assert all(e[1] == (1,) for e in seen), seen
         assert len({e[2] for e in seen}) == 1
         assert "rank 1" in seen[0][2] and kind[:-1] in seen[0][2], seen[0][2]
-    assert all(v["listed"] == [1, 4] for v in values)  # the next save worked everywhere
+    assert all(v["listed"] == [1, 5] for v in values)  # the next save worked everywhere
     assert os.listdir(root / PENDING_DIR) == []
 
 

@@ -169,24 +169,28 @@ def w_bad_state_on(rank: int, world: int, root: str, bad_rank: int, step: int) -
 
 
 def w_bad_input_on(rank: int, world: int, root: str, bad_rank: int, kind: str) -> dict[str, Any]:
-    """One rank passes metrics or metadata that cannot be recorded, to a save and to an
-    async save: every rank must raise, and the next save (made alike) must work."""
+    """One rank passes metrics or metadata that cannot be recorded, to a save, an async
+    save and a saving() block: every rank must raise, and the next save (made alike)
+    must work."""
     mgr = CheckpointManager(root, timeout_s=20)
     mgr.save(1, make_state(1, rank, big_elems=64))
     bad: dict[str, Any] = {}
     if rank == bad_rank:
         bad = {"metrics": {"loss": "x"}} if kind == "metrics" else {"metadata": {"f": object()}}
     errors: dict[str, Any] = {}
-    for step, how in ((2, "sync"), (3, "async")):
+    for step, how in ((2, "sync"), (3, "async"), (4, "saving")):
         try:
             if how == "sync":
                 mgr.save(step, make_state(step, rank, big_elems=64), **bad)
+            elif how == "saving":
+                with mgr.saving(step, **bad) as d:
+                    (d / f"part-{rank}.txt").write_text(str(step))
             else:
                 mgr.save_async(step, make_state(step, rank, big_elems=64), **bad)
                 mgr.wait()
         except Exception as exc:
             errors[how] = [type(exc).__name__, getattr(exc, "failed_ranks", None), str(exc)]
-    mgr.save(4, make_state(4, rank, big_elems=64))
+    mgr.save(5, make_state(5, rank, big_elems=64))
     listed = [c.step for c in mgr.checkpoints()]
     mgr.close()
     return {"errors": errors, "listed": listed}

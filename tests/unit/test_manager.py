@@ -247,6 +247,25 @@ def test_restarted_job_continues_its_run_and_ignores_other_runs(tmp_path):
         assert again.run_id == first.run_id and again.latest().step == 1
 
 
+def test_a_run_named_by_the_first_job_is_recorded_for_restarts_that_do_not_name_it(
+    tmp_path, caplog
+):
+    # The first job names its run; a restart without run_id continues it quietly (it
+    # used to find no run file and "adopt" the checkpoints with a warning).
+    with CheckpointManager(tmp_path, run_id="named-run") as first:
+        first.save(1, state(1))
+    assert (
+        json.loads((tmp_path / ".atomic-checkpoint" / "run.json").read_text())["run_id"]
+        == "named-run"
+    )
+    with (
+        caplog.at_level(logging.WARNING, logger="atomic_checkpoint"),
+        CheckpointManager(tmp_path) as again,
+    ):
+        assert again.run_id == "named-run" and again.latest().step == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_read_only_manager_never_writes(tmp_path):
     mgr = CheckpointManager(tmp_path / "r")
     mgr.save(1, state(1))

@@ -106,6 +106,27 @@ def test_a_newest_checkpoint_with_a_torn_file_is_replaced_by_the_save_of_its_ste
     _save_replaces_30_then(mgr, caplog, 40, tmp_path)
 
 
+def test_a_saving_block_replaces_a_torn_checkpoint_of_its_step_too(tmp_path, caplog):
+    """The same rule for a job that saves with saving() (files it writes itself): its
+    save of the torn step was refused as "already committed" at every restart."""
+    with CheckpointManager(tmp_path) as first:
+        for s in (1, 2):
+            with first.saving(s) as d:
+                (d / "weights.txt").write_text(f"weights of step {s}")
+    (tmp_path / "checkpoint-2" / "weights.txt").write_text("weig")  # cut short
+    mgr = CheckpointManager(tmp_path)
+    assert mgr.latest().step == 1
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"), mgr.saving(2) as d:
+        (d / "weights.txt").write_text("weights of step 2, again")
+    assert "replaces checkpoint checkpoint-2" in caplog.text
+    assert d.info is not None and d.info.step == 2
+    mgr.close()
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [1, 2]
+        assert reader.verify(2).step == 2  # raises if it does not match its manifest
+    assert (tmp_path / "checkpoint-2" / "weights.txt").read_text() == "weights of step 2, again"
+
+
 def _save_replaces_30_then(mgr, caplog, then: int, root) -> None:
     """The resumed loop saves step 30 (replacing the skipped copy, with a warning), then
     ``then``; both are listed, and 30 restores the new copy."""
