@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import os
 import pickle
 import queue
@@ -68,6 +69,8 @@ from .errors import (
 
 _T = TypeVar("_T")
 
+log = logging.getLogger("atomic_checkpoint")
+
 __all__ = [
     "Coordinator",
     "SingleProcessCoordinator",
@@ -84,6 +87,9 @@ class Coordinator(Protocol):
     """Exchanges small objects between the ranks of one job.
 
     Every rank must call every method, in the same order (collective semantics).
+    Optional: ``leave()``, called by a manager that made the coordinator when it
+    closes, so that the ranks still making calls fail at once instead of waiting
+    (``TorchDistributedCoordinator.leave``).
     """
 
     rank: int
@@ -205,9 +211,15 @@ def _mismatch(calls: dict[int, str], rank: int) -> CollectiveMismatchError:
         f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))} in {k!r}"
         for k, rs in by_call.items()
     )
+    left = ""
+    if LEFT_CALL in calls.values():
+        left = (
+            f" A rank in {LEFT_CALL!r} has closed its manager (close(), the end of its "
+            "with block, or an exception that left it) and makes no more calls."
+        )
     return CollectiveMismatchError(
         f"rank {rank}: the ranks made different collective calls at the same point "
-        f"({listed}). Every rank must call the checkpoint methods (save, save_async, "
+        f"({listed}).{left} Every rank must call the checkpoint methods (save, save_async, "
         "restore, latest, checkpoints, rollback, apply_retention, close...) in the same "
         "order with the same step; a call made on some ranks only (under "
         "`if rank == 0:`) puts them out of step. For a rank-local look at ROOT, open "
@@ -215,6 +227,16 @@ def _mismatch(calls: dict[int, str], rank: int) -> CollectiveMismatchError:
         calls=calls,
     )
 
+
+#: The call a rank that left (its manager closed) is "in" for the rounds it skips.
+LEFT_CALL = "close()"
+
+#: How many rounds ``leave`` fills: a save takes two or three, so a rank that goes on
+#: saving after another one left fails at once in each of several saves.
+_LEAVE_ROUNDS = 16
+
+#: How long ``leave`` may take.
+_LEAVE_TIMEOUT_S = 5.0
 
 #: What ``_give_up`` expects in a round's arrival list, to read it without waiting for it:
 #: a missing key answers with the expected value; real lists are digits and commas.
@@ -894,6 +916,44 @@ class TorchDistributedCoordinator:
             timeout_s,
         )
         return pickle.loads(raw)
+
+    def leave(self, why: str = LEFT_CALL) -> None:
+        """This rank makes no more calls through this coordinator (its manager closed).
+
+        Its key in each of the next ``_LEAVE_ROUNDS`` rounds is filled with a value of
+        the call ``why``, so that a rank still making calls meets a different call
+        there at once (``CollectiveMismatchError`` on every rank of that round, naming
+        this one) instead of waiting ``timeout_s`` (600 s by default) for a rank that
+        has gone: a rank whose ``with`` block ended on an exception, or whose loop ended
+        early. The first rounds of the next ``clone`` are filled too: the other ranks
+        make it at their first async save, which this rank never reaches. This rank
+        then skips those rounds and that clone, so that the coordinator stays usable
+        after every rank left alike. One store request, bounded; best effort (a store
+        that cannot be reached only costs the others their wait, as before).
+        """
+        if self._stalled:
+            return
+        start = self._seq + 1
+        rounds = range(start, start + _LEAVE_ROUNDS)
+        keys = [f"{self._ns}/{seq}/{self.rank}" for seq in rounds]
+        self._seq += _LEAVE_ROUNDS
+        self._clones += 1
+        clone_ns = f"{self._ns}/clone{self._clones}"  # as ``clone`` names it
+        keys += [f"{clone_ns}/{seq}/{self.rank}" for seq in range(1, 1 + _LEAVE_ROUNDS)]
+        value = _tag(why, pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL))
+
+        def mark() -> None:
+            multi_set = getattr(self._store, "multi_set", None)
+            if multi_set is not None:
+                multi_set(keys, [value] * len(keys))
+            else:
+                for k in keys:
+                    self._store.set(k, value)
+
+        try:
+            self._run(why, mark, _LEAVE_TIMEOUT_S)
+        except CheckpointError as exc:
+            log.debug("rank %d could not mark its leave in the store: %s", self.rank, exc)
 
     def clone(self) -> TorchDistributedCoordinator:
         self._clones += 1

@@ -50,6 +50,7 @@ from .errors import (
     RankFailure,
     ReadOnlyError,
     ResumeError,
+    StateMismatchError,
     StepOrderError,
     StorageError,
     StoragePermissionError,
@@ -238,6 +239,9 @@ class CheckpointManager:
                 f"or a Storage, got {type(root).__name__}"
             )
         self.coordinator = coordinator or default_coordinator()
+        # Made here, so this manager marks it left at close (``_leave``); one passed in
+        # may go on serving other calls (a TieredCheckpointManager's tier 0).
+        self._owns_coordinator = coordinator is None
         self.retention = retention
         self.timeout_s = timeout_s
         self.read_only = read_only
@@ -1927,7 +1931,10 @@ class CheckpointManager:
                 another shape or dtype, or one the checkpoint does not hold (a key it
                 lacks, a list it has shorter, a value of another kind) raises
                 ``StateMismatchError`` before anything is read. After a fallback it holds
-                the older checkpoint's values.
+                the older checkpoint's values. The checksum is known only once every
+                byte is in, so a restore that raises ``CorruptCheckpointError`` (or
+                whose fallback then raises) has overwritten it with unverified data:
+                the error says so; reinitialise it before using it.
             device: move loaded tensors there (e.g. ``"cuda:0"``). Tensors bound for a
                 GPU (here or in ``into``) are read through page-locked buffers that are
                 locked once per process (64 MiB; see ``device_staging``).
@@ -1947,6 +1954,33 @@ class CheckpointManager:
         """
         if device is not None:
             device = _torch_device(device)
+        try:
+            return self._restore(step, into, device, verify, allow_pickle, rank)
+        except (CorruptCheckpointError, StateMismatchError) as exc:
+            if into is not None and (isinstance(exc, CorruptCheckpointError) or self._into_touched):
+                # Tensors are read straight into ``into`` and the checksum is known only
+                # once every byte is in: a failed load has overwritten them.
+                exc.args = (
+                    f"{exc.args[0] if exc.args else exc}. The tensors passed as into= may "
+                    "hold data of a checkpoint that failed verification now: "
+                    "reinitialise them (or restore another checkpoint into them) before "
+                    "using them",
+                    *exc.args[1:],
+                )
+            raise
+
+    _into_touched = False  # set by a restore(into=) whose load failed its verification
+
+    def _restore(
+        self,
+        step: int | None,
+        into: Any,
+        device: Any,
+        verify: bool,
+        allow_pickle: bool | None,
+        rank: int | None,
+    ) -> Any:
+        self._into_touched = False
         load = functools.partial(
             self._load_here,
             into=into,
@@ -1988,6 +2022,7 @@ class CheckpointManager:
             except UnsafeCheckpointError:
                 raise  # a refusal (pickle) that an older checkpoint would repeat
             except CorruptCheckpointError as exc:
+                self._into_touched = True
                 log.warning(
                     "restore: skipping checkpoint step %d on every rank: %s; trying the "
                     "next older checkpoint",
@@ -2215,8 +2250,21 @@ class CheckpointManager:
         finally:
             self._release_lock()
             self._closed = True
+            self._leave()
         if async_error is not None:
             raise async_error
+
+    def _leave(self) -> None:
+        """After close: tell the other ranks that this one makes no more calls, so that
+        a rank still saving fails at once, naming it, instead of waiting ``timeout_s``
+        (``TorchDistributedCoordinator.leave``; a coordinator without it is skipped)."""
+        coords = [self._async_coord]
+        if self._owns_coordinator:
+            coords.append(self.coordinator)
+        for coord in coords:
+            leave = getattr(coord, "leave", None)
+            if leave is not None:
+                leave()
 
     # ------------------------------------------------------------------ rollback
     def rollback(self, step: int, *, allow_empty: bool = False) -> list[int]:

@@ -455,14 +455,21 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
             "metadata must be a mapping (a dict of JSON values, e.g. metadata={'epoch': 3}), "
             f"got {type(metadata).__name__}"
         )
-    doc = dict(metadata)
     try:
-        size = len(json.dumps(doc, allow_nan=False))
+        # As the manifest writes it (sorted keys): a dict with keys of mixed types
+        # cannot be sorted, and is refused here rather than at the commit.
+        text = json.dumps(dict(metadata), allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata must be JSON-serialisable: {exc}") from exc
-    if size > MAX_METADATA_BYTES:
+        raise TypeError(
+            f"metadata must be JSON-serialisable, with string keys (or keys of one "
+            f"type in each dict): {exc}"
+        ) from exc
+    if len(text) > MAX_METADATA_BYTES:
         raise ValueError(
-            f"metadata is {size} bytes as JSON, more than the {MAX_METADATA_BYTES} a "
+            f"metadata is {len(text)} bytes as JSON, more than the {MAX_METADATA_BYTES} a "
             "manifest may hold: put large data in the saved state, not in metadata"
         )
+    # What the manifest records and every reader gets back (int keys become strings,
+    # tuples lists), so that the CheckpointInfo of the save says the same as latest().
+    doc: dict[str, Any] = json.loads(text)
     return doc

@@ -34,7 +34,10 @@ is a tagged node, so nothing is ambiguous::
      "attrs": [["name", node], ...]}      keeps instance attributes such as the
                                           ``_metadata`` of ``Module.state_dict()``
     {"int": "-0x1f"}                      any other int (hex: exact at any size)
-    {"float": "0x1.8p+1"}                 float via float.hex (nan, inf, -0.0 exact)
+    {"float": "0x1.8p+1"}                 float via float.hex (inf, -0.0 exact; any
+                                          NaN reads back as the canonical NaN: a
+                                          Python float NaN's sign and payload are not
+                                          kept, those of tensors and arrays are)
     {"bytes": "<base64>"}                 bytes (and "bytearray")
     {"size": [2, 3]}                      torch.Size
     {"dtype": "bfloat16"}                 torch.dtype
@@ -284,7 +287,12 @@ def _torch_problem(torch: Any, t: Any) -> str | None:
         )
     if t.is_meta:
         return "a meta tensor holds no data and cannot be saved"
-    if t.is_nested or t.layout != torch.strided:
+    if t.is_nested:
+        return (
+            "a nested tensor is not supported (save its components: "
+            "list(t.unbind()), or t.to_padded_tensor(0) with their lengths)"
+        )
+    if t.layout != torch.strided:
         return f"a tensor with layout {t.layout} is not supported (call .to_dense())"
     if t.is_quantized:
         return f"a quantized tensor ({t.dtype}) is not supported (call .dequantize())"
@@ -296,9 +304,59 @@ def _torch_problem(torch: Any, t: Any) -> str | None:
 
 
 def _overlaps_itself(t: Any) -> bool:
-    """Whether distinct elements of tensor ``t`` share memory through a zero stride
-    on a dimension of size > 1 (what ``expand()`` makes)."""
-    return any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
+    """Whether distinct elements of tensor or array ``t`` may share memory: a zero
+    stride on a dimension of size > 1 (what ``expand()`` makes), or strides that make
+    rows overlap (``as_strided``). Sorted by stride, each dimension must step past all
+    the smaller ones (a layout that interleaves without overlapping fails this too: no
+    tensor a framework makes has one)."""
+    itemsize, strides = _byte_strides(t)
+    extent = itemsize
+    for st, n in sorted((abs(st), n) for st, n in zip(strides, t.shape, strict=True) if n > 1):
+        if st < extent:
+            return True
+        extent = st * (n - 1) + extent
+    return False
+
+
+def _byte_strides(t: Any) -> tuple[int, tuple[int, ...]]:
+    """Element size and strides in bytes of tensor or array ``t``."""
+    if hasattr(t, "element_size"):  # torch
+        size = int(t.element_size())
+        return size, tuple(int(st) * size for st in t.stride())
+    return int(t.itemsize), tuple(int(st) for st in t.strides)
+
+
+def _extent(t: Any) -> tuple[str, int, int] | None:
+    """The memory ``t`` spans: (address space, first byte, one past the last byte);
+    None if it has no elements. torch CPU tensors and numpy arrays share one space."""
+    if any(n == 0 for n in t.shape):
+        return None
+    itemsize, strides = _byte_strides(t)
+    if hasattr(t, "element_size"):
+        space, ptr = ("cpu" if t.device.type == "cpu" else str(t.device)), int(t.data_ptr())
+    else:
+        space, ptr = "cpu", int(t.__array_interface__["data"][0])
+    lo = ptr + sum(st * (n - 1) for st, n in zip(strides, t.shape, strict=True) if st < 0)
+    hi = ptr + sum(st * (n - 1) for st, n in zip(strides, t.shape, strict=True) if st > 0)
+    return space, lo, hi + itemsize
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    """Whether tensors (or arrays) ``a`` and ``b`` of one dtype and shape hold the same
+    bits (NaNs included)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(a, torch.Tensor):
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        as_int = ints.get(a.element_size())
+        b = b.to(a.device)
+        if as_int is not None:
+            return bool(torch.equal(a.view(as_int), b.view(as_int)))
+        return bool(torch.equal(a, b))
+    np = sys.modules["numpy"]
+    if a.itemsize in (1, 2, 4, 8):
+        kind = np.dtype(f"u{a.itemsize}")
+        return bool(np.array_equal(a.view(kind), b.view(kind)))
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
 
 
 def _torch_bytes(torch: Any, t: Any) -> Any:
@@ -1123,6 +1181,11 @@ class _Loader:
         self.building = False
         self.kinds: dict[str, tuple[str, bool]] = {}  # name -> (leaf tag, big-endian)
         self.targets: dict[str, list[Any]] = {}  # name -> into tensors, in walk order
+        self.target_paths: list[tuple[str, _Path, Any]] = []  # (name, path, target)
+        # into= targets that share memory with another entry's: read into memory of
+        # their own, then copied in and checked (``check_aliases``, ``settle_aliases``).
+        self.aliased: list[tuple[str, _Path, Any]] = []
+        self.partners: dict[int, list[_Path]] = {}  # id(target) -> paths it overlaps
         self.leaf_targets: list[Any] = []  # per tensor leaf, in walk order
         self.leaf_index = 0
         self.values: dict[str, Any] = {}  # name -> loaded object
@@ -1139,6 +1202,63 @@ class _Loader:
     def collect(self, node: Any, into: Any) -> None:
         self.building = False
         self.walk_node(node, into, (), 0)
+        self.check_aliases()
+
+    def check_aliases(self) -> None:
+        """Find the into= targets whose memory overlaps another entry's target (one
+        tensor passed at two paths where the checkpoint holds two tensors, a view of
+        another target, columns of one matrix). Read straight in, the later entry's
+        bytes silently overwrote the earlier's; these are read into memory of their
+        own instead, and ``settle_aliases`` copies them in and checks the result."""
+        spans = []
+        for i, (_, _, target) in enumerate(self.target_paths):
+            extent = _extent(target)
+            if extent is not None:
+                spans.append((extent, i))
+        spans.sort()
+        partners: dict[int, set[int]] = {}
+        active: list[tuple[tuple[str, int, int], int]] = []
+        for extent, i in spans:
+            active = [(e, j) for e, j in active if e[0] == extent[0] and e[2] > extent[1]]
+            name, _, target = self.target_paths[i]
+            for _, j in active:
+                other_name, _, other = self.target_paths[j]
+                if other_name == name and _same_memory(other, target):
+                    continue  # one entry into one tensor twice (tied weights): fine
+                partners.setdefault(i, set()).add(j)
+                partners.setdefault(j, set()).add(i)
+            active.append((extent, i))
+        if not partners:
+            return
+        self.aliased = [self.target_paths[i] for i in sorted(partners)]
+        self.partners = {
+            id(self.target_paths[i][2]): [self.target_paths[j][1] for j in sorted(js)]
+            for i, js in partners.items()
+        }
+        for name, _, target in self.aliased:
+            kept = [t for t in self.targets[name] if t is not target]
+            if kept:
+                self.targets[name] = kept
+            else:
+                del self.targets[name]
+
+    def settle_aliases(self) -> None:
+        """Copy the entries of aliased targets in (in walk order), then check that each
+        target holds its entry's values: true only if the checkpoint's values agree
+        where the targets share memory (it was saved from the same layout)."""
+        for name, _, target in self.aliased:
+            self.assign(target, self.values[name])
+        for name, path, target in self.aliased:
+            if not _bitwise_equal(target, self.values[name]):
+                others = [_format_path(p) for p in self.partners.get(id(target), [])]
+                raise StateMismatchError(
+                    f"{_format_path(path)}: into= has a tensor there that shares memory "
+                    f"with another target ({', '.join(others[:3])}), but the checkpoint "
+                    "holds different values for them, so one would overwrite the other: "
+                    "pass tensors with memory of their own (untie them, as they were "
+                    "when saved), or load without into=. Those targets hold a mix of "
+                    "both now"
+                )
 
     def build(self, node: Any, into: Any) -> Any:
         self.building = True
@@ -1386,6 +1506,7 @@ class _Loader:
                 target = self.match(tag, entry, big, into, path)
             if target is not None:
                 self.targets.setdefault(name, []).append(target)
+                self.target_paths.append((name, path, target))
         self.leaf_targets.append(target)
         return None
 
@@ -1409,8 +1530,16 @@ class _Loader:
         is_array = np is not None and isinstance(into, np.ndarray)
         if not is_tensor and not is_array:
             return None
-        if is_array and not into.flags.writeable:
-            return None  # e.g. an array over bytes: cannot be filled, so load a new one
+        if is_array and not into.flags.writeable and tag == "ndarray":
+            # Left alone, the caller's array kept its old values while the returned
+            # state held the new ones: a caller who relies on in-place filling (the
+            # point of into=) would go on with stale data.
+            raise StateMismatchError(
+                f"{_format_path(path)}: into= has a read-only numpy array there "
+                "(flags.writeable is False, e.g. one over bytes or a memory map opened "
+                "read-only), which cannot be filled in place; pass a writable array "
+                "(np.array(a) copies it), or load without into="
+            )
         want = (
             f"{entry.code} {'tensor' if tag == 'tensor' else 'numpy array'} of shape {entry.shape}"
         )
@@ -1420,8 +1549,8 @@ class _Loader:
                 problem = "a meta tensor has no memory to load into (materialize the model first)"
             elif problem is None and _overlaps_itself(into):
                 problem = (
-                    "its elements share memory (an expand()ed view), so it cannot hold "
-                    "distinct values"
+                    "its elements share memory (an expand()ed or as_strided view), so it "
+                    "cannot hold distinct values"
                 )
             if tag == "tensor" and problem is not None:
                 raise StateMismatchError(
@@ -1436,6 +1565,12 @@ class _Loader:
             )
             have = f"a tensor of {into.dtype} and shape {tuple(into.shape)}"
         else:
+            if tag == "ndarray" and _overlaps_itself(into):
+                raise StateMismatchError(
+                    f"{_format_path(path)}: into= has a numpy array whose elements share "
+                    "memory (an as_strided view), so it cannot hold distinct values; "
+                    "pass an array with memory of its own there, or load without into="
+                )
             ok = (
                 tag == "ndarray"
                 and _numpy_code(into.dtype) == entry.code
@@ -2279,4 +2414,5 @@ def load_state(
         loader.read_data(reader, header)
         if not reader.in_order:  # pragma: no cover - read_data reads in order
             raise RuntimeError("load_state: the digest missed bytes (reads out of order)")
+    loader.settle_aliases()
     return loader.build(tree, root_into)

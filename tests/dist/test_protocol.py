@@ -95,6 +95,30 @@ def test_one_ranks_bad_metrics_or_metadata_fail_the_save_on_every_rank(tmp_path,
     assert os.listdir(root / PENDING_DIR) == []
 
 
+@pytest.mark.parametrize("how", ["raise", "close"])
+def test_a_rank_that_left_fails_the_others_next_saves_at_once_naming_it(tmp_path, how):
+    # Rank 1's with block ended (an exception in its training step, or its loop
+    # ended early) while the others went on saving: each of their saves waited
+    # timeout_s (600 s by default) for it. Its close now marks it gone.
+    root = tmp_path / "ckpt"
+    results = run_ranks(workers.w_one_rank_leaves, 3, str(root), 1, how, tmp_dir=str(tmp_path))
+    values = ok_values(results)
+    assert values[1] == {"left": True}
+    for rank in (0, 2):
+        for kind, error, message, elapsed in values[rank]["errors"]:
+            assert error == "CollectiveMismatchError", (kind, error, message)
+            assert "rank 1 in 'close()'" in message and "closed its manager" in message
+            assert elapsed < 10.0, (kind, elapsed)  # not the 30 s timeout
+    assert (
+        [e[0] for e in values[0]["errors"]]
+        == ["sync", "async"]
+        == [e[0] for e in values[2]["errors"]]
+    )
+    with CheckpointManager(root, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [1]
+    assert os.listdir(root / PENDING_DIR) == []
+
+
 def test_hung_rank_makes_the_others_time_out_naming_it(tmp_path):
     root = tmp_path / "ckpt"
     faults = "before_write@3=hang:5"

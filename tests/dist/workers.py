@@ -196,6 +196,41 @@ def w_bad_input_on(rank: int, world: int, root: str, bad_rank: int, kind: str) -
     return {"errors": errors, "listed": listed}
 
 
+def w_one_rank_leaves(rank: int, world: int, root: str, leaver: int, how: str) -> dict[str, Any]:
+    """Rank ``leaver`` leaves after step 1 (its ``with`` block ends on an exception, or
+    it calls close()); the others go on saving, synchronously then asynchronously:
+    each save must fail at once on each of them, naming the rank that left, not after
+    ``timeout_s``."""
+    import time
+
+    if rank == leaver:
+        try:
+            with CheckpointManager(root, timeout_s=30) as mgr:
+                mgr.save(1, make_state(1, rank, big_elems=64))
+                if how == "raise":
+                    raise RuntimeError("a bug in this rank's training step")
+        except RuntimeError:
+            pass
+        return {"left": True}
+    mgr = CheckpointManager(root, timeout_s=30)
+    mgr.save(1, make_state(1, rank, big_elems=64))
+    errors = []
+    for step, kind in ((2, "sync"), (3, "async")):
+        t = time.monotonic()
+        try:
+            if kind == "sync":
+                mgr.save(step, make_state(step, rank, big_elems=64))
+            else:
+                mgr.save_async(step, make_state(step, rank, big_elems=64))
+                mgr.wait()
+        except Exception as exc:
+            errors.append([kind, type(exc).__name__, str(exc), time.monotonic() - t])
+        else:
+            errors.append([kind, None, "", time.monotonic() - t])
+    mgr.close()
+    return {"left": False, "errors": errors}
+
+
 def w_hang_one(rank: int, world: int, root: str, step: int, timeout_s: float) -> dict[str, Any]:
     """Run with ATOMIC_CHECKPOINT_FAULTS=before_write@<r>=hang: the others must time out."""
     mgr = CheckpointManager(root, timeout_s=timeout_s)

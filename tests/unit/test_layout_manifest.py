@@ -209,6 +209,16 @@ def test_metadata_is_a_bounded_json_mapping():
     # A manifest larger than its readers accept would be a save that cannot be loaded.
     with pytest.raises(ValueError, match="put large data in the saved state"):
         check_metadata({"blob": "x" * (MAX_METADATA_BYTES + 1)})
+    # What the manifest records, so that a save's CheckpointInfo says what latest()
+    # reads back: int keys as strings, tuples as lists.
+    assert check_metadata({"by_rank": {0: "a"}, "t": (1, 2)}) == {
+        "by_rank": {"0": "a"},
+        "t": [1, 2],
+    }
+    # Keys of mixed types cannot be sorted as the manifest sorts them: refused here,
+    # naming metadata (it was a bare TypeError from the commit).
+    with pytest.raises(TypeError, match="metadata must be JSON-serialisable, with string keys"):
+        check_metadata({"m": {0: "a", "x": "b"}})
 
 
 def test_errors_pickle_and_keep_their_fields():

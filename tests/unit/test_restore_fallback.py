@@ -11,7 +11,12 @@ import os
 import numpy as np
 import pytest
 
-from atomic_checkpoint import CheckpointManager, CorruptCheckpointError, KeepLast
+from atomic_checkpoint import (
+    CheckpointManager,
+    CorruptCheckpointError,
+    KeepLast,
+    StateMismatchError,
+)
 
 
 def _state(step: int) -> dict:
@@ -161,3 +166,25 @@ def test_apply_retention_never_deletes_the_last_checkpoint_that_restores(tmp_pat
         mgr.save(4, _state(4))
         assert mgr.apply_retention() == []
         assert [c.step for c in mgr.checkpoints()] == [3, 4]
+
+
+def test_a_failed_restore_into_says_the_targets_hold_unverified_data(tmp_path, caplog):
+    """restore(into=) reads straight into the caller's arrays and knows the checksum
+    only once every byte is in: a failure has overwritten them, and the error says so
+    (a caller that caught it and trained on used data that failed verification)."""
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(10, {"w": np.full(64, 1.0, dtype=np.float32)})  # another layout
+        mgr.save(20, _state(20))
+    _flip_middle_byte(str(tmp_path / "checkpoint-20" / "rank-00000.safetensors"))
+    target = {"step": 0, "w": np.zeros(4096, dtype=np.float32)}
+    with CheckpointManager(tmp_path) as mgr, caplog.at_level(logging.WARNING):
+        # step 20 fails its checksum; the fallback to 10 does not fit ``target``
+        with pytest.raises(StateMismatchError, match="reinitialise them"):
+            mgr.restore(into=target)
+        with pytest.raises(CorruptCheckpointError, match="may hold data of a checkpoint"):
+            mgr.restore(20, into=target)
+        # Nothing read, nothing to say: a plain mismatch is not called a clobbering.
+        with pytest.raises(StateMismatchError) as plain:
+            mgr.restore(10, into=target)
+        assert "reinitialise" not in str(plain.value)
+        assert mgr.restore(10)["w"][0] == 1.0  # without into=: fine

@@ -765,6 +765,66 @@ def test_into_tensors_that_cannot_be_filled_are_refused_saying_why() -> None:
     assert expanded.sum() == 0
 
 
+@THROUGH
+def test_into_targets_that_share_memory_get_the_saved_values_or_are_refused(
+    through: str,
+) -> None:
+    """Read straight in, one target's bytes silently overwrote another's where they
+    share memory: a tensor tied in the new model but not in the checkpoint, a row view
+    of another target. Now such targets are checked after the load."""
+    saved = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([10.0, 20.0, 30.0])}
+    tied = torch.zeros(3)
+    with pytest.raises(StateMismatchError, match=r"state\['a'\]: .*shares memory.*state\['b'\]"):
+        roundtrip(saved, through=through, into={"a": tied, "b": tied})
+    full = torch.zeros(2, 2)
+    with pytest.raises(StateMismatchError, match="shares memory"):
+        roundtrip(
+            {"full": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "row": torch.tensor([7.0, 8.0])},
+            through=through,
+            into={"full": full, "row": full[1]},
+        )
+    # Saved from the same layout, the values agree where the targets overlap: loaded.
+    flat = torch.arange(12, dtype=torch.float32)
+    state = {"flat": flat, "w": flat[:6].view(2, 3), "b": flat[6:]}
+    into_flat = torch.zeros(12)
+    into = {"flat": into_flat, "w": into_flat[:6].view(2, 3), "b": into_flat[6:]}
+    out = roundtrip(state, through=through, into=into)
+    assert out["w"] is into["w"] and torch.equal(into_flat, flat)
+    # Columns of one matrix overlap in extent, not in elements: each gets its own values.
+    m = torch.zeros(3, 4)
+    cols = {"left": torch.full((3, 2), 1.0), "right": torch.full((3, 2), 2.0)}
+    roundtrip(cols, through=through, into={"left": m[:, :2], "right": m[:, 2:]})
+    assert m[:, :2].eq(1.0).all() and m[:, 2:].eq(2.0).all()
+    # numpy arrays too, and a NaN that agrees bitwise is agreement.
+    arr = np.zeros(4, dtype=np.float32)
+    vals = np.array([np.nan, 1.0, 2.0, 3.0], dtype=np.float32)
+    out = roundtrip({"x": vals, "y": vals[1:3].copy()}, into={"x": arr, "y": arr[1:3]})
+    assert out["x"] is arr and np.isnan(arr[0]) and arr[1:].tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(StateMismatchError, match="shares memory"):
+        roundtrip({"x": vals, "y": np.zeros(2, np.float32)}, into={"x": arr, "y": arr[1:3]})
+
+
+def test_into_targets_whose_elements_overlap_or_are_read_only_are_refused() -> None:
+    state = {"w": torch.ones(2, 2), "n": np.ones((2, 2), dtype=np.float32)}
+    rows = torch.zeros(3).as_strided((2, 2), (1, 1))  # rows overlap by one element
+    with pytest.raises(StateMismatchError, match=r"state\['w'\]: .*as_strided"):
+        roundtrip(state, into={"w": rows})
+    base = np.zeros(3, dtype=np.float32)
+    strided = np.lib.stride_tricks.as_strided(base, (2, 2), (4, 4))
+    with pytest.raises(StateMismatchError, match=r"state\['n'\]: .*share memory"):
+        roundtrip(state, into={"n": strided})
+    # A read-only array kept its old values while a new one was returned at its path.
+    frozen = np.zeros((2, 2), dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(StateMismatchError, match=r"state\['n'\]: .*read-only"):
+        roundtrip(state, into={"n": frozen})
+    # Transposes and steps do not overlap: still filled in place.
+    t = torch.zeros(2, 2).T
+    n = np.zeros((4, 2), dtype=np.float32)[::2]
+    out = roundtrip(state, into={"w": t, "n": n})
+    assert out["w"] is t and t.eq(1.0).all() and out["n"] is n and (n == 1.0).all()
+
+
 def test_into_fills_numpy_arrays_in_place() -> None:
     state = {"rng": np.random.get_state(), "be": np.arange(3, dtype=">i4")}
     target = np.zeros(624, dtype=np.uint32)
