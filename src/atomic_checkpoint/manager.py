@@ -1954,8 +1954,16 @@ class CheckpointManager:
         """
         if device is not None:
             device = _torch_device(device)
+        load = functools.partial(
+            self._load_here,
+            into=into,
+            device=device,
+            verify=verify,
+            allow_pickle=allow_pickle,
+            rank=rank,
+        )
         try:
-            return self._restore(step, into, device, verify, allow_pickle, rank)
+            return self._restore(step, load, rank)
         except (CorruptCheckpointError, StateMismatchError) as exc:
             if into is not None and (isinstance(exc, CorruptCheckpointError) or self._into_touched):
                 # Tensors are read straight into ``into`` and the checksum is known only
@@ -1971,24 +1979,9 @@ class CheckpointManager:
 
     _into_touched = False  # set by a restore(into=) whose load failed its verification
 
-    def _restore(
-        self,
-        step: int | None,
-        into: Any,
-        device: Any,
-        verify: bool,
-        allow_pickle: bool | None,
-        rank: int | None,
-    ) -> Any:
+    def _restore(self, step: int | None, load: Callable[[Manifest], Any], rank: int | None) -> Any:
+        """``restore``: ``step``, or the newest checkpoint that ``load`` verifies."""
         self._into_touched = False
-        load = functools.partial(
-            self._load_here,
-            into=into,
-            device=device,
-            verify=verify,
-            allow_pickle=allow_pickle,
-            rank=rank,
-        )
         if step is not None:
             step = validate_step(step)
             agree(self.coordinator, "restore(step)", step, timeout_s=self.timeout_s)
