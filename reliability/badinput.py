@@ -45,7 +45,7 @@ from atomic_checkpoint import (
     SingleProcessCoordinator,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, rank_state_file
-from atomic_checkpoint.manifest import Hasher
+from atomic_checkpoint.manifest import Hasher, _body_checksum
 
 from . import fresh_dir, run_module
 from .checks import describe_error, expected_state, states_equal
@@ -84,6 +84,16 @@ class Ctx:
             return json.load(f)
 
     def write_manifest(self, doc: Any, raw: bytes | None = None) -> None:
+        """Write ``doc`` as the manifest (``raw``: these bytes instead). A manifest
+        crafted with consistent fields is sealed as the library seals its own
+        (``manifest_checksum``): the damage under test is in what it says, which a
+        writer of hostile checkpoints can make self-consistent."""
+        if raw is None and isinstance(doc, dict) and "manifest_checksum" in doc:
+            doc = {k: v for k, v in doc.items() if k != "manifest_checksum"}
+            try:
+                doc["manifest_checksum"] = _body_checksum(doc, doc["checksum_algorithm"])
+            except Exception:  # a manifest too broken to seal: written as it is
+                pass
         data = raw if raw is not None else json.dumps(doc).encode()
         with open(os.path.join(self.ckpt, MANIFEST_NAME), "wb") as f:
             f.write(data)

@@ -298,7 +298,7 @@ def finish(
             failed=failed,
         )
         if steps is not None:
-            _check_same_step(steps)
+            check_same_step(steps)
         timings = pending.timings
         timings["write"], timings["fsync"] = write_s, fsync_s
         timings["gather"] = time.perf_counter() - t  # this rank wrote before finish began
@@ -455,13 +455,14 @@ def _decide(
     return (mine if ctx.is_coordinator else verdict[1]), verdict[2]
 
 
-def _check_same_step(steps: Sequence[int]) -> None:
+def check_same_step(steps: Sequence[int]) -> None:
     """Abort the save on every rank unless every rank passed the same step."""
     if len(set(steps)) > 1:
         by_rank = dict(enumerate(steps))
         raise errors.CommitError(
             f"the ranks were asked to save different steps ({by_rank}, by rank): every "
-            "rank must call save() with the same step. Nothing was committed; compute "
+            "rank must save the same step (save(), saving() and the integrations' saves "
+            "alike). Nothing was committed; compute "
             "the step once (e.g. on rank 0) and use it on every rank"
         )
 

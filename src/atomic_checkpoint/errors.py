@@ -287,6 +287,8 @@ def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
     """Map an OSError raised by ``action`` on ``path`` to the project's error tree."""
     code = exc.errno
     reason = exc.strerror or str(exc) or type(exc).__name__
+    if code is None:  # an fsspec driver's error without one (a read timeout)
+        return StorageError(f"{action} {path!r} failed: {reason}", path=path)
     if code in _FULL:
         return StorageFullError(
             f"{action} {path!r} failed: {reason} (errno {code}). Free space on the "

@@ -37,7 +37,9 @@ from .coordination import (
     agree,
     default_coordinator,
     gather_summary,
+    rank_failure,
     run_on_leaders,
+    shared_error,
 )
 from .domains import Domain
 from .domains import discover as discover_domains
@@ -597,7 +599,10 @@ class CheckpointManager:
             if torn is not None:
                 self._repair_run_file(run_id, torn)
             self._sweep()
-            return {"run_id": run_id, **self._start_view(run_id, resume)}
+            # No run file before this start (and none torn): a new root, or one whose
+            # disk was wiped or replaced (with node-local disks, see _check_resume_mode).
+            fresh = recorded is None and torn is None
+            return {"run_id": run_id, "fresh": fresh, **self._start_view(run_id, resume)}
         except BaseException:
             self._release_lock()
             raise
@@ -736,11 +741,15 @@ class CheckpointManager:
 
     def _check_resume_mode(self, resume: str, setup: Mapping[str, Any]) -> None:
         partial = setup.get("partial_steps") or []
-        if resume in ("auto", "must") and setup["n_valid"] == 0 and len(partial) > 1:
+        # A node whose root had no run file while others hold steps of the run: its
+        # disk was wiped or replaced (with KeepLast(1), one step is all there is).
+        wiped = bool(partial) and setup.get("fresh_domains", 0) > 0
+        if resume in ("auto", "must") and setup["n_valid"] == 0 and (len(partial) > 1 or wiped):
             # Several steps on some nodes only: saves are made one at a time, so a save
             # that failed half way leaves one such step; several mean checkpoints that
             # were committed on every node and that some node has lost (a replaced or
-            # wiped disk, other nodes). Never a silent start from scratch over them.
+            # wiped disk, other nodes); so does one step where a node's root is new.
+            # Never a silent start from scratch over them.
             raise ResumeError(
                 f"{self.root}: checkpoints of run {self.run_id!r} (steps {partial}) are on "
                 "some nodes only, and a step counts only once every node has it, so none "
@@ -786,8 +795,8 @@ class CheckpointManager:
                 f"{self.root} holds {setup['n_corrupt']} checkpoint(s) of run {self.run_id!r} but "
                 "none is valid (see `atomic-checkpoint verify`); refusing to start from scratch "
                 "over them. Repair or move them, or start a separate run beside them with "
-                "a new run_id='...' (pass the same run_id again on every restart: a run "
-                "named by the caller is not recorded as the root's run)"
+                "a new run_id='...' (pass the same run_id again on every restart: the "
+                "root's run file still names this run)"
             )
         if setup["n_valid"] == 0 and unmanifested and self.rank == 0:
             log.warning(
@@ -957,6 +966,7 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
+        failed: Exception | None = None,
     ) -> Iterator[SavingDir]:
         """Yield a pending directory that every rank writes files into; committed on
         exit, discarded if the block raises on any rank. Collective.
@@ -972,21 +982,46 @@ class CheckpointManager:
                 torch.save(optim.state_dict(), d / f"optim-{mgr.rank}.pt")
             print(d.info.path)  # checkpoint-<step>, committed on every rank
 
+        Before the block runs on any rank, the ranks check that they passed the same
+        step and that none has bad input (``metrics``, ``metadata``, or ``failed``: this
+        rank could not prepare its part, e.g. its state dict raised): otherwise every
+        rank raises the same error at once (``CommitError``, or
+        ``DistributedCheckpointError`` naming the rank), and no block runs. Inside the
+        block, the others would write first, and a framework's own collectives (DCP's)
+        would wait for the rank that left.
+
         Raises ``StepOrderError`` (before the block runs) like ``save``.
         """
         with self._save_slot("saving()"):
             self._check_writable()
             self._finish_async()  # at most one save in flight
             step = validate_step(step)
-            self._check_step_order(step)
-            # Bad metrics or metadata on one rank fail the save on every rank (shared by
-            # the commit's first step), as in save(): raised on this rank alone, the
-            # others were left in the save and every later one failed.
             metrics_d, metadata_d, problem = _checked_input(metrics, metadata)
-            gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite, problem)
+            self._agree_to_save(step, failed or problem)
+            self._check_step_order(step)
+            gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
             with gen as path:
                 yield path
             self.last_saved = path.info = gen.info
+
+    def _agree_to_save(self, step: int, problem: Exception | None) -> None:
+        """One round before a ``saving()`` block: the same step on every rank, and no
+        rank's bad input; else every rank raises the same error, at once."""
+        if self.world_size == 1:
+            if problem is not None:
+                raise problem
+            return
+        failure = None if problem is None else rank_failure(problem, self.rank, "prepare")
+        steps, failures = gather_summary(
+            self.coordinator,
+            f"saving() step {step}: inputs",
+            (step, failure),
+            _steps_and_failures,
+            timeout_s=self.timeout_s,
+        )
+        commit.check_same_step(steps)
+        if failures:
+            raise shared_error(failures, step)
 
     @contextlib.contextmanager
     def _save_slot(self, what: str) -> Iterator[None]:
@@ -2432,7 +2467,6 @@ class _SavingBlock:
         metrics: dict[str, float],
         metadata: dict[str, Any],
         overwrite: bool,
-        problem: Exception | None = None,
     ):
         self.mgr, self.step, self.metrics, self.metadata, self.overwrite = (
             mgr,
@@ -2441,7 +2475,6 @@ class _SavingBlock:
             metadata,
             overwrite,
         )
-        self.problem = problem
         self.info: CheckpointInfo | None = None
         self._pending: commit.Pending | None = None
 
@@ -2458,7 +2491,6 @@ class _SavingBlock:
             mgr._ctx,
             self.step,
             overwrite=mgr._replaces_failed(self.step, self.overwrite),
-            problem=self.problem,
         )
         if not pending.writes:  # this rank must not write: finish says why, everywhere
             self._finish(None)
@@ -2492,6 +2524,13 @@ class _SavingBlock:
         why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
         with contextlib.suppress(CheckpointError):
             self._finish(commit.Failed("write", why))
+
+
+def _steps_and_failures(
+    values: list[tuple[int, RankFailure | None]],
+) -> tuple[list[int], list[RankFailure]]:
+    """Each rank's step, and the failures, of ``_agree_to_save``'s round."""
+    return [s for s, _ in values], [f for _, f in values if f is not None]
 
 
 def _checked_input(
@@ -2553,6 +2592,8 @@ def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
         "unmanifested": sorted({n for v in views for n in v.get("unmanifested", ())}),
         # Steps some domains hold and others not (see _check_resume_mode).
         "partial_steps": sorted(set.union(*steps) - common) if steps else [],
+        # Domains whose root had no run file before this start (a wiped node's).
+        "fresh_domains": sum(1 for v in views if v.get("fresh", False)),
     }
     return {"decide": decide, "newest": newest, "setup": setup}
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from atomic_checkpoint import CheckpointManager, SingleProcessCoordinator
 from atomic_checkpoint.layout import MANIFEST_NAME, rank_state_file
+from atomic_checkpoint.manifest import _body_checksum
 
 VENV_BIN = Path(sys.executable).parent
 ENTRY_POINT = VENV_BIN / "atomic-checkpoint"
@@ -125,6 +126,9 @@ def rewrite_manifest(root: Path, step: int, **changes: Any) -> None:
             doc["files"][0]["path"] = value
         else:
             doc[key] = value
+    # Sealed again, as the library writes a manifest with these fields.
+    doc.pop("manifest_checksum", None)
+    doc["manifest_checksum"] = _body_checksum(doc, doc["checksum_algorithm"])
     p.write_text(json.dumps(doc))
 
 

@@ -181,6 +181,7 @@ def test_prune_without_recorded_run_needs_run_id(tmp_path):
     # ambiguous, so --run-id is asked for.
     with CheckpointManager(root, run_id="another-run") as other:
         other.save(700, {"w": np.zeros(3)})
+    os.unlink(root / ".atomic-checkpoint" / "run.json")  # recorded by the first job there
     proc = run_cli("prune", root, "--keep-last", "1")
     assert proc.returncode == 2 and "2 runs" in error_line(proc) and "--run-id" in proc.stderr
     assert _committed(root) == [*STEPS, 700]

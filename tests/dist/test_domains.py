@@ -101,21 +101,23 @@ def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_ste
         CheckpointManager(root, read_only=True).verify(3)
 
 
-def test_a_node_whose_disk_was_wiped_is_never_a_silent_fresh_start(tmp_path):
-    # Node 1's root is gone (a replaced node); node 0 holds steps 1 and 2. A step counts
-    # only once every node has it, so nothing can be resumed: the job used to start
-    # from scratch without a word, and its rotation then deleted node 0's copies.
+@pytest.mark.parametrize("saved", [[1, 2], [1]])
+def test_a_node_whose_disk_was_wiped_is_never_a_silent_fresh_start(tmp_path, saved):
+    # Node 1's root is gone (a replaced node); node 0 holds the saved steps. A step
+    # counts only once every node has it, so nothing can be resumed: the job used to
+    # start from scratch without a word, and its rotation then deleted node 0's copies.
+    # With one step (KeepLast(1) keeps one), the wiped node's missing run file tells it
+    # from a save that failed half way.
     base = str(tmp_path)
-    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], 5, tmp_dir=base))
+    ok_values(run_ranks(workers.w_node_local, 4, base, saved, 5, tmp_dir=base))
     node0 = os.path.join(base, "node0")
     shutil.rmtree(os.path.join(base, "node1"))
     results = run_ranks(workers.w_node_local, 4, base, [3], 5, tmp_dir=base, timeout_s=40)
     for r in results:
         assert not r.ok and "ResumeError" in r.error_text, r.error_text
-        assert "steps [1, 2]) are on some nodes only" in r.error_text, r.error_text
+        assert f"steps {saved}) are on some nodes only" in r.error_text, r.error_text
     assert sorted(n for n in os.listdir(node0) if n.startswith("checkpoint-")) == [
-        "checkpoint-1",
-        "checkpoint-2",
+        f"checkpoint-{s}" for s in saved
     ]
 
 

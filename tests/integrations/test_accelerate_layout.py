@@ -156,6 +156,31 @@ def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> Non
     assert _folders(project) == ["checkpoint_1", "checkpoint_2"]
 
 
+def test_load_state_skips_checkpoints_the_manager_saved_into_the_project(
+    tmp_path: Path, caplog
+) -> None:
+    """An evaluation job's CheckpointManager(project).save(100, ...) lands beside the
+    Accelerate checkpoints: load_state() picked it as the newest and failed inside
+    Accelerate (no model weights there) at every restart."""
+    project = tmp_path / "run"
+    acc, model, opt, sched = build(str(project), total_limit=None)
+    for step in range(1, 3):
+        train_step(acc, model, opt, sched, step)
+        save_state(acc, timeout_s=30)
+    close(acc)
+    expected = _weights(model)
+    with CheckpointManager(project) as mgr:
+        mgr.save(100, {"eval_loss": 0.5})
+    acc, model, opt, sched = build(str(project), total_limit=None, seed=9)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert load_state(acc, timeout_s=30).step == 1  # the newest save_state() wrote
+    assert _weights(model) == expected
+    assert "not written by the accelerate integration" in caplog.text
+    with pytest.raises(CheckpointNotFoundError):
+        load_state(acc, step=100, timeout_s=30)
+    close(acc)
+
+
 def test_make_atomic_turns_the_stock_calls_atomic(tmp_path: Path, caplog) -> None:
     """After make_atomic(accelerator), accelerator.save_state() commits (manifest,
     rotation after the commit), a folder of the root is that step, any other folder is
@@ -365,3 +390,26 @@ def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
     assert acc.save_state().endswith("checkpoint_4")
     close(acc)
     assert _folders(project) == [f"checkpoint_{i}" for i in range(5)]
+
+
+def test_a_rank_whose_write_failed_raises_the_error_every_other_rank_raises() -> None:
+    """The failing rank re-raised its own RuntimeError while the others raised
+    DistributedCheckpointError: `except CheckpointError` around save_state caught it
+    on the others only, and that rank crashed while they went on."""
+    from atomic_checkpoint.errors import DistributedCheckpointError
+    from atomic_checkpoint.integrations.accelerate import _share_outcome
+    from tests.helpers import on_store_threads
+
+    def body(coord, rank):
+        own = RuntimeError("scheduler state_dict failed") if rank == 1 else None
+        _share_outcome(coord, "accelerate step 5: files written", own, phase="write", step=5,
+                       timeout_s=20)  # fmt: skip
+
+    results = on_store_threads(3, body)
+    messages = set()
+    for rank, (kind, exc, _) in enumerate(results):
+        assert kind == "error" and isinstance(exc, DistributedCheckpointError), (rank, exc)
+        assert [f.rank for f in exc.failures] == [1]
+        messages.add(str(exc))
+    assert len(messages) == 1 and "scheduler state_dict failed" in messages.pop()
+    assert isinstance(results[1][1].__cause__, RuntimeError)  # its own error, chained

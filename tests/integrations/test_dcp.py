@@ -169,6 +169,44 @@ def w_coordinator_dies_after_dcp(rank: int, world: int, root: str) -> dict[str, 
         return {"err": _error(exc)}
 
 
+class _Optim:
+    """A Stateful whose state_dict raises on ``bad_rank`` (a bug in its state)."""
+
+    def __init__(self, rank: int, bad_rank: int) -> None:
+        self.rank, self.bad_rank = rank, bad_rank
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.rank == self.bad_rank:
+            raise RuntimeError(f"optimizer state_dict failed on rank {self.rank}")
+        return {"lr": torch.tensor(0.1)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:  # pragma: no cover - unused
+        pass
+
+
+def w_one_rank_fails_before_dcp(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Step 2: rank 1's Stateful raises; step 3: rank 1 passes step 4. Each must fail
+    on every rank at once with one error, before DCP's collective (where the others
+    waited for the process group's timeout); step 5 then commits."""
+    mgr = CheckpointManager(root, timeout_s=20)
+    save_dcp(mgr, 1, {"w": torch.ones(4) * rank})
+    out: dict[str, Any] = {}
+    for step, sd in (
+        (2, {"w": torch.ones(4), "optim": _Optim(rank, 1)}),
+        (4 if rank == 1 else 3, {"w": torch.ones(4)}),
+    ):
+        t0 = time.monotonic()
+        try:
+            save_dcp(mgr, step, sd)
+            out[f"err{step}"] = None
+        except BaseException as exc:
+            out[f"err{min(step, 3)}"] = {**_error(exc), "seconds": time.monotonic() - t0}
+    save_dcp(mgr, 5, {"w": torch.ones(4) * rank})
+    out["steps"] = [i.step for i in mgr.checkpoints()]
+    mgr.close()
+    return out
+
+
 # ---------------------------------------------------------------------- multi-process
 @pytest.mark.dist
 @pytest.mark.faults
@@ -594,3 +632,24 @@ def test_single_process_async_and_path_style(tmp_path, monkeypatch, caplog):
         save(_plain(10), checkpoint_id=tmp_path / "plain" / "step-10", step=10)
     monkeypatch.delenv(FAULTS_ENV)
     assert sorted(os.listdir(tmp_path / "plain")) == ["step-9", "stock"]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_before_dcp_fails_every_rank_at_once(tmp_path):
+    root = str(tmp_path / "ckpt")
+    values = ok_values(
+        run_ranks(w_one_rank_fails_before_dcp, 3, root, tmp_dir=str(tmp_path), timeout_s=90)
+    )
+    errs2 = [v["err2"] for v in values]
+    assert all(e is not None and e["type"] == "DistributedCheckpointError" for e in errs2), errs2
+    assert all(e["failed_ranks"] == [1] for e in errs2), errs2
+    assert len({e["message"] for e in errs2}) == 1
+    assert "optimizer state_dict failed on rank 1" in errs2[0]["message"]
+    errs3 = [v["err3"] for v in values]
+    assert all(e is not None and e["type"] == "CommitError" for e in errs3), errs3
+    assert "different steps" in errs3[0]["message"]
+    # At once: not after timeout_s (20 s), nor DCP's process-group timeout.
+    assert all(e["seconds"] < 10 for e in errs2 + errs3), [e["seconds"] for e in errs2 + errs3]
+    assert all(v["steps"] == [1, 5] for v in values)
+    assert os.listdir(os.path.join(root, PENDING_DIR)) == []

@@ -135,6 +135,27 @@ def test_manifest_round_trips():
     assert back.size_bytes == 10
 
 
+@pytest.mark.parametrize(
+    "field,value",
+    [("metrics", {"loss": 0.1}), ("metadata", {"k": [1, 3]}), ("run_id", "s"), ("step", 4)],
+)
+def test_a_manifest_whose_fields_changed_after_it_was_written_is_corrupt(field, value):
+    # No file checksum covers the manifest's own fields: a flipped byte in a metric
+    # (which KeepBest acts on) or in the metadata (which a resuming job reads) was
+    # read back as the truth.
+    doc = json.loads(_manifest().to_json_bytes())
+    doc[field] = value
+    with pytest.raises(errors.CorruptCheckpointError, match="does not match its own checksum"):
+        Manifest.from_json_bytes(json.dumps(doc).encode())
+    # Written before the field existed: read as it is.
+    del doc["manifest_checksum"]
+    assert getattr(Manifest.from_json_bytes(json.dumps(doc).encode()), field) == value
+    # Layout (indentation, key order) is not content.
+    m = _manifest()
+    same = json.loads(m.to_json_bytes())
+    assert Manifest.from_json_bytes(json.dumps(same, indent=None).encode()) == m
+
+
 def _mutate(fn):
     doc = json.loads(_manifest().to_json_bytes())
     fn(doc)
@@ -236,6 +257,9 @@ def test_errors_pickle_and_keep_their_fields():
     back_s = pickle.loads(pickle.dumps(s))
     assert back_s.errno == errno.ENOSPC and back_s.path == "/x"
     assert isinstance(errors.map_os_error(OSError(errno.EROFS, "ro"), "w", "/x"), PermissionError)
+    # A driver's error without an errno (an S3 read timeout) is not "(errno None)".
+    timeout = errors.map_os_error(OSError("Read timeout on endpoint URL"), "open", "s3://b/r")
+    assert str(timeout) == "open 's3://b/r' failed: Read timeout on endpoint URL"
     assert isinstance(errors.CheckpointNotFoundError("x"), FileNotFoundError)
 
 

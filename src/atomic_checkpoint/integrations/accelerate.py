@@ -123,15 +123,13 @@ def _share_outcome(
     timeout_s: float,
 ) -> None:
     """Collective: share this rank's outcome of ``phase`` (``own``: its error, or None);
-    then the failing rank re-raises its own error, every other rank raises one error
-    naming each failing rank."""
+    then every rank raises one error naming each failing rank (on a failing rank, its
+    own error is the cause): ``except CheckpointError`` catches it on every rank alike."""
     failure = None if own is None else rank_failure(own, coordinator.rank, phase)
     failures = shared_failures(coordinator, key, failure, timeout_s=timeout_s)
     if not failures:
         return
-    if own is not None:
-        raise own
-    raise DistributedCheckpointError(failures, step=step)
+    raise DistributedCheckpointError(failures, step=step) from own
 
 
 class FrameworkRoot:
@@ -254,15 +252,18 @@ class FrameworkRoot:
             The committed checkpoint, the same on every rank.
 
         Raises:
-            DistributedCheckpointError: a rank failed (the failing rank re-raises its
-                own error); no partial checkpoint is visible anywhere.
+            DistributedCheckpointError: a rank failed, on every rank alike (the failing
+                rank's own error is its cause); no partial checkpoint is visible
+                anywhere.
         """
         step = validate_step(step)
         mgr = self.manager
         final_base = self._local(checkpoint_name(step))
         if mgr.is_coordinator:
             set_aside_unmanifested(mgr.storage, step, self.label)
-        with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
+        # Marked as this root's (``resolve`` loads only those): ``metadata[label]``.
+        marked = {self.label: {}, **(metadata or {})}
+        with mgr.saving(step, metrics=metrics, metadata=marked, overwrite=True) as pending:
             target = pending / nested if nested else pending
             # Marker strategy: the pending directory is the committed attempt directory.
             final = str(pending) if posix.is_under(str(pending), final_base) else final_base
@@ -342,7 +343,21 @@ class FrameworkRoot:
             ResumeError: checkpoint folders exist, but none is valid everywhere.
         """
         mgr = self.manager
-        valid = [i.step for i in mgr.checkpoints()]  # agreed by every domain
+        infos = mgr.checkpoints()  # agreed by every domain
+        valid = [i.step for i in infos if self._written_here(i)]
+        others = [i.step for i in infos if not self._written_here(i)]
+        if others and mgr.rank == 0:
+            # A CheckpointManager's own save into this root (an evaluation job's): its
+            # folder holds none of the framework's files, and loading it failed inside
+            # the framework at every restart.
+            log.warning(
+                "%s: skipping steps %s under %s: not written by the %s integration "
+                "(a CheckpointManager's own saves there; load them with restore())",
+                self.label,
+                others,
+                self.root,
+                self.label,
+            )
         if step is not None:
             step = validate_step(step)
             if step not in valid:
@@ -390,6 +405,14 @@ class FrameworkRoot:
             "(torn by a crash mid-save, or written without atomic-checkpoint). Move them "
             "away to start from scratch, or resume from an explicit path"
         )
+
+    def _written_here(self, info: CheckpointInfo) -> bool:
+        """Saved through this root (its save records ``metadata[label]``) or adopted
+        from the framework's own folders."""
+        if self.label in info.metadata:
+            return True
+        adoption = info.metadata.get("adoption")
+        return isinstance(adoption, dict) and adoption.get("framework") == self.label
 
     def close(self) -> None:
         """Wait for background retention. Not collective; idempotent."""

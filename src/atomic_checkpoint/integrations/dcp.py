@@ -233,8 +233,10 @@ def _agree(
     try:
         failures = shared_failures(mgr.coordinator, key, failure, timeout_s=mgr.timeout_s)
     except CoordinationTimeoutError as exc:
-        failures = [failure] if failure is not None else []
-        failures += [
+        # The ranks named missing are the same on every rank; this rank's own failure
+        # (often DCP's "connection closed" caused by the missing rank) is not, so it
+        # stays the cause of the error rather than a part of it.
+        failures = [
             RankFailure(
                 r,
                 phase,
@@ -242,9 +244,24 @@ def _agree(
                 f"did not report within {mgr.timeout_s:g} s (it crashed or hangs)",
             )
             for r in exc.missing_ranks
-            if r != mgr.rank
         ]
     return failures
+
+
+def _resolved(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Exception | None]:
+    """``state_dict`` with each ``Stateful`` replaced by its ``state_dict()`` (what
+    ``dcp.save`` would call inside its collective), or this rank's failure to make it.
+    Made before the save's first exchange, a failure is shared at once: inside DCP's
+    collective, the other ranks waited for this one for the process group's timeout."""
+    try:
+        return _state_dicts(state_dict), None
+    except Exception as exc:
+        return {}, exc
+
+
+def _state_dicts(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each ``Stateful`` replaced by its ``state_dict()``."""
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 
 def _local_root(mgr: CheckpointManager) -> str:
@@ -313,13 +330,16 @@ def save_dcp(
         # A stock run's save torn by a crash (adoption refused it) is where this save
         # lands: the next step after the one resumed from.
         set_aside_unmanifested(mgr.storage, step, "save_dcp")
-    with mgr.saving(step, metrics=metrics, metadata=meta, overwrite=overwrite) as pending:
+    flat, unresolved = _resolved(state_dict)
+    with mgr.saving(
+        step, metrics=metrics, metadata=meta, overwrite=overwrite, failed=unresolved
+    ) as pending:
         failure: RankFailure | None = None
         cause: BaseException | None = None
         try:
             _write_shards(
                 str(pending),
-                state_dict,
+                flat,
                 rank=mgr.rank,
                 step=step,
                 planner=planner,
@@ -381,7 +401,7 @@ def _background_group(mgr: CheckpointManager, process_group: Any) -> Any:
 def _stage(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A host-memory copy of ``state_dict`` that later in-place updates do not reach:
     DCP's ``DefaultStager``, configured as ``dcp.async_save`` configures it."""
-    flat = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    flat = _state_dicts(state_dict)
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:  # older torch: the stager its dcp.async_save used

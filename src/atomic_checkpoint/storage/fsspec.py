@@ -56,6 +56,7 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     StorageError,
+    StoragePermissionError,
     map_os_error,
 )
 from .base import (
@@ -83,6 +84,10 @@ class OpenUpload:
     #: When the store says it started (unix seconds), or None if it does not say.
     initiated_unix: float | None
 
+
+#: Seconds botocore waits for a connection to an S3 endpoint, unless the storage
+#: options set ``config_kwargs["connect_timeout"]``.
+_S3_CONNECT_TIMEOUT_S = 10
 
 #: Protocols whose paths start with a bucket (or container) and that have no real
 #: directories: ``makedirs`` is a no-op there and an empty "directory" does not exist.
@@ -196,6 +201,13 @@ class FsspecStorage:
                 "(for s3:// also s3fs: pip install 'atomic-checkpoint[s3]')"
             ) from exc
         opts = dict(storage_options or {})
+        if url.split("://", 1)[0] in ("s3", "s3a"):
+            # botocore waits 60 s for a connection by default, retried: a root on an
+            # unreachable endpoint took minutes to fail. Reads keep their defaults (a
+            # large upload's completion can take long); see docs/storage/object-stores.md.
+            config = dict(opts.get("config_kwargs") or {})
+            config.setdefault("connect_timeout", _S3_CONNECT_TIMEOUT_S)
+            opts["config_kwargs"] = config
         if opts.get("use_listings_cache"):
             log.warning(
                 "FsspecStorage(%s): ignoring use_listings_cache=True; a cached listing "
@@ -231,6 +243,16 @@ class FsspecStorage:
         self.fs = fs
         self.protocol = _protocol(fs)
         self._root = str(root).rstrip("/") or ("/" if str(root).startswith("/") else "")
+        if self.protocol in OBJECT_STORES and "//" in self._root.lstrip("/"):
+            # Keys are literal: s3://bkt//exp writes keys "/exp/...", but s3fs lists
+            # "bkt//exp" as "bkt/exp", so every checkpoint saved there was committed and
+            # never found again (latest() None, the next save of its step refused).
+            raise StorageError(
+                f"checkpoint root {url!r} has an empty path segment ('//'): keys written "
+                "there cannot be listed back. Remove the extra '/' (e.g. a prefix that "
+                "starts with '/' joined after 'bucket/')",
+                path=url,
+            )
         if self.protocol in ("s3", "s3a") and "?versionId=" in self._root:
             # s3fs cuts every key at "?versionId=" (an object version): each file under
             # this root would be read from and written to one and the same key.
@@ -320,6 +342,17 @@ class FsspecStorage:
         code = _errno_of(exc)
         if isinstance(exc, OSError) or code is not None:
             text = str(exc) or type(exc).__name__
+            if code == errno.EACCES and self._is_object_store:
+                # The store refused the request (403): credentials or policy, not the
+                # file permissions map_os_error would advise on.
+                return StoragePermissionError(
+                    f"{action} {where!r} failed: the object store refused the request "
+                    f"({text}). Check the access key and secret (storage_options key/"
+                    "secret, or the environment and profile), and that the bucket "
+                    "policy allows this key to read and write this prefix",
+                    errno=code,
+                    path=where,
+                )
             err = map_os_error(OSError(code, text), action, where)
             if type(err) is StorageError and "bucket does not exist" in text.lower():
                 err = StorageError(
