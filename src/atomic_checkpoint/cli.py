@@ -175,6 +175,7 @@ from .errors import (
     StorageError,
 )
 from .layout import (
+    MANIFEST_NAME,
     META_DIR,
     RUN_FILE,
     TRASH_DIR,
@@ -768,6 +769,20 @@ def _progress_for(args: argparse.Namespace, label: str, total: int) -> _Progress
     return _Progress(sys.stderr, label, total, tty=tty)
 
 
+def _as_checkpoint_dir(storage: Storage) -> tuple[Storage, str] | None:
+    """(storage of its parent, its name) if ROOT is itself a checkpoint directory (a
+    manifest at its top, and no root of its own); else None."""
+    local = storage.local_path("")
+    if local is None or posix.lexists(os.path.join(local, META_DIR)):
+        return None
+    if not posix.is_file(os.path.join(local, MANIFEST_NAME)):
+        return None
+    parent, name = os.path.split(local.rstrip("/"))
+    if not name:
+        return None
+    return open_storage(parent), name
+
+
 def _verify_one(
     storage: Storage, name: str, manifest: Manifest, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -1002,7 +1017,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     impostors: list[dict[str, Any]] = []
     lightning = _lightning_names(storage) if args.step is None else []
-    if args.step is not None:
+    single = None if args.step is not None or args.tier else _as_checkpoint_dir(storage)
+    if single is not None:
+        # ROOT is one checkpoint directory (a path-style DCP save's checkpoint_id, or
+        # checkpoint-<step> itself): verified against its own manifest.
+        parent, name = single
+        try:
+            manifest = catalog.read_manifest(parent, name)
+        except CheckpointError as exc:
+            raise CliError(f"{storage.url()}: {exc}") from exc
+        report(_verify_one(parent, name, manifest, args), len(manifest.files))
+        targets = []
+    elif args.step is not None:
         targets = [_single_target(storage, args.step)]
     else:
         targets = []

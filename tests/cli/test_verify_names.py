@@ -94,3 +94,27 @@ def test_verify_skips_only_a_marker_save_of_the_live_lock_holder(tmp_path):
         assert "checkpoint-5" not in {s["name"] for s in doc["skipped"]}
     finally:
         holder.close()
+
+
+def test_verify_takes_one_checkpoint_directory_as_its_root(tmp_path):
+    # A path-style save (DCP's checkpoint_id="ckpts/step-100") is a directory with a
+    # manifest, not a root: verify said "nothing to verify", so `verify ... && upload`
+    # could never pass for it.
+    root = tmp_path / "root"
+    make_root(root, (1, 2))
+    single = tmp_path / "ckpts" / "step-100"
+    single.parent.mkdir()
+    shutil.copytree(root / "checkpoint-2", single)
+    for target in (single, root / "checkpoint-1"):
+        proc = run_cli("verify", target)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert ": ok (" in proc.stdout and "1 ok, 0 failed" in proc.stdout, proc.stdout
+    state = next(p for p in single.iterdir() if p.name.endswith(".safetensors"))
+    with open(state, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    proc = run_cli("verify", single)
+    assert proc.returncode == 1 and "CORRUPT" in proc.stdout, proc.stdout + proc.stderr
+    assert run_json("verify", root)["ok"]  # a root is still verified as one
