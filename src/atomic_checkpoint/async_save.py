@@ -162,6 +162,12 @@ class SaveHandle:
             self._info, self._error = info, error
         self._done.set()
 
+    def _mark_raised(self) -> None:
+        """Its failure reached the caller already (an interrupt during ``save_async``
+        itself): not raised again by the next call."""
+        with self._lock:
+            self._raised_by_manager = True
+
     def _take_error(self) -> BaseException | None:
         """The failure, if the manager has not raised it yet; marks it raised."""
         with self._lock:
@@ -232,6 +238,11 @@ class AsyncSaver:
         self._thread = threading.Thread(target=run, name="atomic-checkpoint-save", daemon=True)
         self._thread.start()
         return handle
+
+    def mark_raised(self) -> None:
+        """The latest save's failure reached its caller already (``SaveHandle``)."""
+        if self._handle is not None:
+            self._handle._mark_raised()
 
     def demote(self) -> None:
         """Called by the running save, on its own thread, once its snapshot is copied."""
@@ -474,6 +485,11 @@ class Snapshot:
     def is_complete(self) -> bool:
         """True once every byte of the image is copied."""
         return self._progress.ready_bytes >= self.total_size_bytes
+
+    def fail(self, error: BaseException) -> None:
+        """The copy will not happen (the caller was interrupted before or during it):
+        the writer fails at once instead of waiting for bytes that never come."""
+        self._progress.fail(error)
 
     def copy(self) -> None:
         """Copy every source tensor into the image; blocks until all bytes are copied

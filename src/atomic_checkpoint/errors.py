@@ -291,8 +291,8 @@ def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
         return StorageError(f"{action} {path!r} failed: {reason}", path=path)
     if code in _FULL:
         return StorageFullError(
-            f"{action} {path!r} failed: {reason} (errno {code}). Free space on the "
-            "checkpoint storage or lower retention, then save again.",
+            f"{action} {path!r} failed: {reason} (errno {code}). Free space (or inodes: "
+            "`df -i`) on the checkpoint storage or lower retention, then save again.",
             errno=code,
             path=path,
         )

@@ -55,6 +55,7 @@ from .errors import (
     StateMismatchError,
     StepOrderError,
     StorageError,
+    StorageFullError,
     StoragePermissionError,
     UnsafeCheckpointError,
 )
@@ -220,6 +221,11 @@ class CheckpointManager:
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ValueError("run_id must be a non-empty string")
         timeout_s = _positive_seconds("timeout_s", timeout_s)
+        read_only, allow_pickle, takeover = (
+            _flag("read_only", read_only),
+            _flag("allow_pickle", allow_pickle),
+            _flag("takeover", takeover),
+        )
         if storage_domains not in ("auto", "shared", "per-host"):
             # Checked here too: a single process never reaches the domains' own check.
             raise ValueError(
@@ -257,6 +263,7 @@ class CheckpointManager:
         if self.rank == 0:
             _log_strategy_once(self.storage, self.commit_strategy, forced=strategy is not None)
         self._closed = False
+        self._pid = os.getpid()  # a child made by fork cannot use it (_check_process)
         # What discovery learned about ROOT (validated manifests and the tokens that
         # prove them unchanged): after the first, the rotation after each save and
         # checkpoints() read only what changed since, not every manifest again
@@ -593,7 +600,17 @@ class CheckpointManager:
         # The lock comes before the sweep: only the owner of ROOT may delete anything,
         # or a second job would sweep the pending data of a live one (E3, F1).
         lock = RunLock(self.storage, run_id=run_id, lease_s=self._lease_s)
-        lock.acquire(takeover=self._takeover, same_run=explicit_run_id)
+        try:
+            lock.acquire(takeover=self._takeover, same_run=explicit_run_id)
+        except StorageFullError as exc:
+            # Nothing was being saved, and retention needs a manager: say what works.
+            raise StorageFullError(
+                f"cannot take the run lock of {self.root}: the storage is full (or out of "
+                f"inodes) ({exc}). Free space first: `atomic-checkpoint prune "
+                f"{self.root} --keep-last N` works on a full disk (or delete other files)",
+                errno=exc.errno,
+                path=exc.path,
+            ) from exc
         self._lock = lock
         try:
             if torn is not None:
@@ -924,6 +941,7 @@ class CheckpointManager:
         """
         from .serialization import plan_state
 
+        overwrite, replicated = _flag("overwrite", overwrite), _flag("replicated", replicated)
         self._check_writable()
         self._finish_async()  # at most one save in flight
         step = validate_step(step)
@@ -992,6 +1010,7 @@ class CheckpointManager:
 
         Raises ``StepOrderError`` (before the block runs) like ``save``.
         """
+        overwrite = _flag("overwrite", overwrite)
         with self._save_slot("saving()"):
             self._check_writable()
             self._finish_async()  # at most one save in flight
@@ -1030,6 +1049,7 @@ class CheckpointManager:
         saves of 103 and 102 would both pass the check and commit out of order). Other
         threads wait their turn; a save started inside one on the same thread (in a
         ``saving()`` block) is an error."""
+        self._check_process(what)
         me = threading.get_ident()
         if self._saver_thread == me:
             raise CheckpointError(
@@ -1122,6 +1142,7 @@ class CheckpointManager:
         from .serialization import plan_state
 
         t0 = time.perf_counter()
+        overwrite, replicated = _flag("overwrite", overwrite), _flag("replicated", replicated)
         step, metrics_d, metadata_d, input_error, ctx = self._start_async(step, metrics, metadata)
         saver, pool = self._async, self._snapshots
         if saver is None or pool is None:  # pragma: no cover - set by _start_async
@@ -1164,10 +1185,22 @@ class CheckpointManager:
         # The background save starts before the copy: waiting for the previous rotation
         # and its first phase (agreeing on the pending location) overlap the copy; its
         # writes start as the copy tells it (async_save._STREAM_STEP_BYTES).
-        handle = saver.submit(step, run)
-        if snapshot is not None:
-            with contextlib.suppress(Exception):  # the write fails with it, on every rank
-                snapshot.copy()
+        try:
+            handle = saver.submit(step, run)
+            if snapshot is not None:
+                with contextlib.suppress(Exception):  # the write fails with it, on every rank
+                    snapshot.copy()
+        except BaseException as exc:
+            # Interrupted (Ctrl-C) between the start of the background save and the end
+            # of the copy: the writer would wait up to 10 minutes for the bytes, and the
+            # next call with it. It fails now; with one process, the interrupt was this
+            # save's failure, raised here, and the next save goes ahead (with several,
+            # every rank still raises it at the same call).
+            if snapshot is not None:
+                snapshot.fail(exc)
+            if self.world_size == 1 and not isinstance(exc, Exception):
+                saver.mark_raised()  # started, even if submit() did not return it
+            raise
         handle.blocked_s = time.perf_counter() - t0
         return handle
 
@@ -1209,6 +1242,7 @@ class CheckpointManager:
                 (``rank 1 in phase 'write': ...``).
         """
         t0 = time.perf_counter()
+        overwrite = _flag("overwrite", overwrite)
         local = self.storage.local_path("")
         if local is None:
             raise CheckpointError(
@@ -1302,9 +1336,22 @@ class CheckpointManager:
             TimeoutError: still running after ``timeout_s`` (it goes on).
             CheckpointError: the async save failed (raised once, on every rank).
         """
+        self._check_process("wait()")
         info = self._finish_async(timeout_s)
         self._finish_rotation()
         return info
+
+    def _check_process(self, what: str) -> None:
+        """Refuse ``what`` in a child made by ``os.fork()``: the manager's save thread
+        and run lock belong to the parent, and a wait for the parent's save blocked for
+        ever (the thread does not exist in the child)."""
+        if os.getpid() != self._pid:
+            raise CheckpointError(
+                f"{what}: this CheckpointManager belongs to process {self._pid}, and this "
+                f"is process {os.getpid()} (a child made by fork): open a new "
+                "CheckpointManager in the child (read_only=True to read checkpoints), or "
+                "start children with multiprocessing's 'spawn' method"
+            )
 
     def _finish_async(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         return None if self._async is None else self._async.wait(timeout_s)
@@ -1473,6 +1520,13 @@ class CheckpointManager:
         with what it holds instead (the failure path: one scan of ROOT)."""
         of_run = f" of run {self.run_id!r}" if self.run_id else ""
         message = f"no valid checkpoint{of_run} in {self.root}"
+        local = self.storage.local_path("")
+        if local is not None and not posix.lexists(local):
+            # A read-only manager opens a root that does not exist yet (a watcher
+            # started before the job): a mistyped path looked like an empty root.
+            return (
+                message + ": it does not exist (check the path, and that its filesystem is mounted)"
+            )
         try:
             entries = catalog.scan(self.storage, run_id=self.run_id or None)
         except CheckpointError:
@@ -1712,8 +1766,26 @@ class CheckpointManager:
         else:
             victims = [v.step for v in plan_deletions(self.retention, infos, protect=(newest,))]
         self._warn_unrecorded_metrics(infos, victims)
+        stuck: list[tuple[int, StorageError]] = []
         for step in victims:
-            self._delete_checkpoint(step)
+            try:
+                self._delete_checkpoint(step)
+            except StorageError as exc:
+                # One checkpoint that cannot be deleted (another owner, immutable, a
+                # read-only copy) stopped every later deletion, oldest first: the disk
+                # filled. The others go; this one is named, and retried next time.
+                # (A FencedError is no StorageError: a job that lost ROOT stops here.)
+                stuck.append((step, exc))
+        if stuck:
+            left = [s for s, _ in stuck]
+            first = stuck[0][1]
+            done = sorted(set(victims) - set(left))
+            raise StorageError(
+                f"retention could not delete checkpoint step(s) {left} of {self.root} "
+                f"(deleted {done or 'nothing else'}; retried at the next rotation): {first}",
+                errno=first.errno,
+                path=first.path,
+            ) from first
         return sorted(victims)
 
     def _verifies(self, step: int, manifests: Sequence[Manifest]) -> bool:
@@ -1987,6 +2059,9 @@ class CheckpointManager:
                 checkpoint is tried for it).
             CheckpointError: ``device`` is a GPU this process does not see.
         """
+        verify = _flag("verify", verify)
+        if allow_pickle is not None:
+            allow_pickle = _flag("allow_pickle", allow_pickle)
         if device is not None:
             device = _torch_device(device)
         load = functools.partial(
@@ -2250,6 +2325,17 @@ class CheckpointManager:
         """
         if self._closed:
             return
+        if os.getpid() != self._pid:
+            # A forked child: the run lock and the save thread are the parent's. Closed
+            # here, nothing is released or waited for (the parent goes on with them).
+            log.warning(
+                "close() in process %d, a child made by fork of process %d that owns this "
+                "manager: nothing is released (the parent still holds the run lock)",
+                os.getpid(),
+                self._pid,
+            )
+            self._closed = True
+            return
         self._close("close()", stop_bound_s=None)
 
     def _close(
@@ -2331,6 +2417,7 @@ class CheckpointManager:
                 checkpoints not removed yet are still valid, and calling ``rollback``
                 again finishes the job.
         """
+        allow_empty = _flag("allow_empty", allow_empty)
         self._check_writable()
         step = validate_step(step)
         # Before anything is deleted: a rank with another step, or in another call
@@ -2746,6 +2833,21 @@ def _check_retention(policy: Any) -> None:
     hint = f" (KeepLast({policy}) keeps the {policy} newest)" if isinstance(policy, int) else ""
     raise TypeError(
         f"retention must be a policy such as KeepLast(3), got {type(policy).__name__}{hint}"
+    )
+
+
+def _flag(name: str, value: Any) -> bool:
+    """``value`` as a bool, else ``TypeError``: a string from a config file or the
+    command line ("no", "false") is truthy, and ``overwrite="no"`` replaced a committed
+    checkpoint. numpy's bool is accepted."""
+    kind = type(value)
+    if isinstance(value, bool) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    ):
+        return bool(value)
+    raise TypeError(
+        f"{name} must be True or False, got {value!r} ({type(value).__name__}); convert "
+        "a setting read as text first (e.g. value.lower() in ('1', 'true', 'yes'))"
     )
 
 

@@ -138,3 +138,37 @@ def test_example_async_save_runs(tmp_path):
     assert "restored step 9 into the model" in out, out
     assert "identical to the weights at save_async time: True" in out, out
     assert {"checkpoint-9", "checkpoint-10"} <= set(os.listdir(tmp_path / "ckpt"))
+
+
+def test_a_forked_child_is_told_the_manager_is_its_parents(tmp_path):
+    # A child forked while an async save was in flight called save(), wait() or
+    # close() and blocked for ever: the save thread exists only in the parent.
+    proc = _run_script(
+        tmp_path,
+        """
+        import os
+        mgr = CheckpointManager(root)
+        mgr.save(1, {"w": torch.ones(8)})
+        mgr.save_async(2, {"w": torch.arange(1 << 22, dtype=torch.float32)})
+        pid = os.fork()
+        if pid == 0:
+            for call in (lambda: mgr.save(3, {"w": torch.ones(8)}), lambda: mgr.wait()):
+                try:
+                    call()
+                    os._exit(3)
+                except Exception as exc:
+                    print("child:", type(exc).__name__, exc, flush=True)
+            mgr.close()  # a no-op in the child: the parent's lock is not released
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+        mgr.save(3, {"w": torch.ones(8)})
+        mgr.close()
+        """,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("child: CheckpointError") == 2, out
+    assert "belongs to process" in out and "child exit 0" in out, out
+    assert "nothing is released" in proc.stderr
+    assert listed(tmp_path / "ckpt") == [1, 2, 3]

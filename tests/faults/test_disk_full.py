@@ -17,6 +17,7 @@ import errno
 import os
 import threading
 
+import numpy as np
 import pytest
 from reliability.checks import expected_state, states_equal
 
@@ -71,19 +72,23 @@ def test_a_save_that_does_not_fit_fails_cleanly_and_keeps_every_checkpoint(small
     assert [c.step for c in CheckpointManager(root, read_only=True).checkpoints()] == [2]
 
 
-def test_starting_on_a_full_disk_says_so(small_disk):
-    disk = small_disk(8, "ext4")
-    fill_until_enospc(disk.path / "filler")
-    # Fill the remaining inodes' worth of small allocations too: directories need a
-    # block each on ext4.
+def _fill(path) -> None:
+    """Fill the disk at ``path``: a large file, then the remaining small allocations
+    (directories need a block each on ext4)."""
+    fill_until_enospc(path / "filler")
     n = 0
     while n < 10_000:
         try:
-            (disk.path / f"d{n}").mkdir()
+            (path / f"d{n}").mkdir()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC
             break
         n += 1
+
+
+def test_starting_on_a_full_disk_says_so(small_disk):
+    disk = small_disk(8, "ext4")
+    _fill(disk.path)
     with pytest.raises(StorageFullError) as err:
         CheckpointManager(disk.path / "root")
     assert err.value.errno == errno.ENOSPC and str(disk.path / "root") in str(err.value)
@@ -91,3 +96,20 @@ def test_starting_on_a_full_disk_says_so(small_disk):
     mgr = CheckpointManager(disk.path / "root")
     assert mgr.save(1, {"x": 1}).step == 1
     mgr.close()
+
+
+def test_a_restart_on_a_full_disk_says_how_to_free_it(small_disk):
+    # The job saved until the disk filled, then restarted: taking the run lock failed
+    # with "Free space ... or lower retention, then save again" (nothing was being
+    # saved, and retention needs a manager). prune works on the full disk; say so.
+    disk = small_disk(8, "ext4")
+    root = disk.path / "root"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": np.zeros(1 << 18, dtype=np.float32)})
+    _fill(disk.path)
+    with pytest.raises(StorageFullError, match="cannot take the run lock") as err:
+        CheckpointManager(root)
+    assert "atomic-checkpoint prune" in str(err.value) and err.value.errno == errno.ENOSPC
+    (disk.path / "filler").unlink()
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest().step == 1

@@ -401,6 +401,44 @@ def test_failure_is_raised_once_by_the_next_save(tmp_path, monkeypatch):
         h2.result()
 
 
+@pytest.mark.parametrize("where", ["after_start", "during_copy"])
+def test_a_save_async_interrupted_by_ctrl_c_fails_at_once_and_the_next_save_goes_on(
+    tmp_path, monkeypatch, where
+):
+    """Ctrl-C after the background save started but before (or while) the snapshot was
+    copied: its writer waited up to 10 minutes for bytes that never came, and the next
+    save or wait with it; then the next save raised the interrupted one's failure and
+    saved nothing, though the caller had the KeyboardInterrupt already."""
+    from atomic_checkpoint import async_save
+
+    if where == "after_start":
+        submit = async_save.AsyncSaver.submit
+
+        def interrupted(self, step, fn):
+            submit(self, step, fn)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(async_save.AsyncSaver, "submit", interrupted)
+    else:
+
+        def interrupted_copy(self):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(async_save.Snapshot, "_copy", interrupted_copy)
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, model_state(1))
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save_async(2, model_state(2, big=1 << 20))
+    monkeypatch.undo()
+    t0 = time.monotonic()
+    assert mgr.wait(timeout_s=30) is None  # ended, its failure already the caller's
+    assert time.monotonic() - t0 < 10
+    assert mgr.save(3, model_state(3)).step == 3
+    mgr.close()
+    assert listed(tmp_path) == [1, 3]
+    assert pending_entries(tmp_path) == []
+
+
 def test_failure_seen_through_the_handle_is_still_raised_once_by_the_manager(tmp_path, monkeypatch):
     # Whether a rank looked at its handle is local to that rank; the manager's next call
     # is collective, so it raises the failure whatever the handle showed (issue 11,

@@ -620,6 +620,29 @@ def test_arguments_a_user_gets_wrong_are_refused_at_construction(tmp_path, monke
         assert mgr.retention is None
 
 
+def test_flags_given_as_text_are_refused_before_anything_happens(tmp_path):
+    # "no" and "false" are truthy: overwrite="no" replaced a committed checkpoint, and
+    # read_only="false" opened the root read-only (settings read from a config file).
+    for name in ("read_only", "allow_pickle", "takeover"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 'false'"):
+            CheckpointManager(tmp_path / "a", **{name: "false"})
+    with CheckpointManager(tmp_path / "b") as mgr:
+        first = mgr.save(1, state(1))
+        for call in (
+            lambda: mgr.save(1, state(2), overwrite="no"),
+            lambda: mgr.save_async(1, state(2), overwrite="no"),
+            lambda: mgr.save(2, state(2), replicated="no"),
+            lambda: mgr.saving(1, overwrite="no").__enter__(),
+            lambda: mgr.restore(1, verify="no"),
+            lambda: mgr.rollback(1, allow_empty="no"),
+        ):
+            with pytest.raises(TypeError, match="must be True or False"):
+                call()
+        assert [c.step for c in mgr.checkpoints()] == [1]
+        assert mgr.latest().commit_seq == first.commit_seq  # not replaced
+        assert mgr.save(2, state(2), overwrite=np.bool_(False)).step == 2  # numpy's bool
+
+
 def test_one_save_at_a_time_per_manager_keeps_the_step_order(tmp_path):
     """A save inside a ``saving()`` block committed before the block's step, and two
     threads saving through one manager committed out of step order: both passed the
@@ -678,6 +701,9 @@ def test_a_read_only_manager_on_a_missing_root_says_it_is_missing(tmp_path, capl
         reader = CheckpointManager(tmp_path / "chekpoints", read_only=True)
     assert reader.latest() is None
     assert "does not exist (a mistyped path?)" in caplog.text
+    # restore() says it too (an evaluation job with a typo polled an "empty" root).
+    with pytest.raises(CheckpointNotFoundError, match="chekpoints: it does not exist"):
+        reader.restore()
     assert not (tmp_path / "chekpoints").exists()  # a reader creates nothing
     caplog.clear()
     (tmp_path / "ok").mkdir()
@@ -690,3 +716,28 @@ def test_storage_domains_is_checked_in_a_single_process_too(tmp_path):
     with pytest.raises(ValueError, match="storage_domains must be 'auto', 'shared' or"):
         CheckpointManager(tmp_path, storage_domains="per_host")
     assert not tmp_path.joinpath(".atomic-checkpoint").exists()
+
+
+def test_one_checkpoint_that_cannot_be_deleted_does_not_stop_retention(tmp_path, caplog):
+    # Oldest first, the first failure ended the loop: with checkpoint-2 undeletable
+    # (another owner, immutable), 3, 4 and 5 were never deleted and the disk filled.
+    from atomic_checkpoint.errors import StorageError
+
+    mgr = CheckpointManager(tmp_path)
+    for s in (1, 2, 3, 4, 5):
+        mgr.save(s, state(s))
+    real = mgr._delete_checkpoint
+
+    def delete(step: int) -> None:
+        if step == 2:
+            raise StorageError("rename checkpoint-2 failed: Operation not permitted", errno=1)
+        real(step)
+
+    mgr._delete_checkpoint = delete  # type: ignore[method-assign]
+    mgr.retention = KeepLast(1)
+    with pytest.raises(StorageError, match=r"could not delete checkpoint step\(s\) \[2\]"):
+        mgr.apply_retention()
+    assert [c.step for c in mgr.checkpoints()] == [2, 5]  # the others went
+    mgr._delete_checkpoint = real  # type: ignore[method-assign]
+    assert mgr.apply_retention() == [2]  # retried, once it can be
+    mgr.close()
