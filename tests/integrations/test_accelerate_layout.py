@@ -20,6 +20,7 @@ import pytest
 
 from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.errors import (
+    CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -175,8 +176,8 @@ def test_load_state_skips_checkpoints_the_manager_saved_into_the_project(
     with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
         assert load_state(acc, timeout_s=30).step == 1  # the newest save_state() wrote
     assert _weights(model) == expected
-    assert "not written by the accelerate integration" in caplog.text
-    with pytest.raises(CheckpointNotFoundError):
+    assert "was saved by CheckpointManager.save()" in caplog.text
+    with pytest.raises(CheckpointError, match="load it with CheckpointManager.restore"):
         load_state(acc, step=100, timeout_s=30)
     close(acc)
 

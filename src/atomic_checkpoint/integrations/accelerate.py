@@ -124,11 +124,14 @@ def _share_outcome(
 ) -> None:
     """Collective: share this rank's outcome of ``phase`` (``own``: its error, or None);
     then every rank raises one error naming each failing rank (on a failing rank, its
-    own error is the cause): ``except CheckpointError`` catches it on every rank alike."""
+    own error is the cause): ``except CheckpointError`` catches it on every rank alike.
+    A single process raises its own error."""
     failure = None if own is None else rank_failure(own, coordinator.rank, phase)
     failures = shared_failures(coordinator, key, failure, timeout_s=timeout_s)
     if not failures:
         return
+    if own is not None and coordinator.world_size == 1:
+        raise own  # one process: its own error, as a save's is
     raise DistributedCheckpointError(failures, step=step) from own
 
 
@@ -261,9 +264,7 @@ class FrameworkRoot:
         final_base = self._local(checkpoint_name(step))
         if mgr.is_coordinator:
             set_aside_unmanifested(mgr.storage, step, self.label)
-        # Marked as this root's (``resolve`` loads only those): ``metadata[label]``.
-        marked = {self.label: {}, **(metadata or {})}
-        with mgr.saving(step, metrics=metrics, metadata=marked, overwrite=True) as pending:
+        with mgr.saving(step, metrics=metrics, metadata=metadata, overwrite=True) as pending:
             target = pending / nested if nested else pending
             # Marker strategy: the pending directory is the committed attempt directory.
             final = str(pending) if posix.is_under(str(pending), final_base) else final_base
@@ -343,21 +344,7 @@ class FrameworkRoot:
             ResumeError: checkpoint folders exist, but none is valid everywhere.
         """
         mgr = self.manager
-        infos = mgr.checkpoints()  # agreed by every domain
-        valid = [i.step for i in infos if self._written_here(i)]
-        others = [i.step for i in infos if not self._written_here(i)]
-        if others and mgr.rank == 0:
-            # A CheckpointManager's own save into this root (an evaluation job's): its
-            # folder holds none of the framework's files, and loading it failed inside
-            # the framework at every restart.
-            log.warning(
-                "%s: skipping steps %s under %s: not written by the %s integration "
-                "(a CheckpointManager's own saves there; load them with restore())",
-                self.label,
-                others,
-                self.root,
-                self.label,
-            )
+        valid = [i.step for i in mgr.checkpoints()]  # agreed by every domain
         if step is not None:
             step = validate_step(step)
             if step not in valid:
@@ -369,13 +356,9 @@ class FrameworkRoot:
         else:
             candidates = sorted(valid, reverse=True)
         for candidate in candidates:
-            problem: str | None = None
-            if verify and mgr.is_coordinator:
-                try:
-                    mgr.verify(candidate)
-                except CorruptCheckpointError as exc:
-                    problem = str(exc)
-                    log.warning("%s: skipping checkpoint step %d: %s", self.label, candidate, exc)
+            problem: tuple[bool, str] | None = None
+            if mgr.is_coordinator:
+                problem = self._unusable(candidate, verify)
             bad = gather_summary(
                 mgr.coordinator,
                 f"{self.label}: verified step {candidate}",
@@ -385,9 +368,12 @@ class FrameworkRoot:
             )
             if not bad:
                 return candidate
+            corrupt, why = bad[0]
             if step is not None:
+                if not corrupt:
+                    raise CheckpointError(f"{self.label}: {why}")
                 raise CorruptCheckpointError(
-                    f"{self.label}: checkpoint step {step} failed verification: {bad[0]}"
+                    f"{self.label}: checkpoint step {step} failed verification: {why}"
                 )
         names = _checkpoint_like_names(self.folders) if mgr.is_coordinator else []
         torn = gather_summary(
@@ -406,13 +392,31 @@ class FrameworkRoot:
             "away to start from scratch, or resume from an explicit path"
         )
 
-    def _written_here(self, info: CheckpointInfo) -> bool:
-        """Saved through this root (its save records ``metadata[label]``) or adopted
-        from the framework's own folders."""
-        if self.label in info.metadata:
-            return True
-        adoption = info.metadata.get("adoption")
-        return isinstance(adoption, dict) and adoption.get("framework") == self.label
+    def _unusable(self, step: int, verify: bool) -> tuple[bool, str] | None:
+        """On the coordinator: why checkpoint ``step`` cannot be resumed by the
+        framework, as (corrupt, why); None if it can. A ``CheckpointManager.save()``
+        into this root (an evaluation job's) holds the manager's own state file, none
+        of the framework's: loading it failed inside the framework at every restart."""
+        mgr = self.manager
+        try:
+            manifest = read_manifest(mgr.storage, checkpoint_name(step))
+        except CheckpointError as exc:
+            return True, str(exc)
+        if manifest.state_kind != "files":
+            why = (
+                f"checkpoint step {step} under {self.root} was saved by "
+                "CheckpointManager.save(), not through the framework (it holds none of "
+                "its files): load it with CheckpointManager.restore()"
+            )
+            log.warning("%s: skipping %s", self.label, why)
+            return False, why
+        if verify:
+            try:
+                mgr.verify(step)
+            except CorruptCheckpointError as exc:
+                log.warning("%s: skipping checkpoint step %d: %s", self.label, step, exc)
+                return True, str(exc)
+        return None
 
     def close(self) -> None:
         """Wait for background retention. Not collective; idempotent."""
