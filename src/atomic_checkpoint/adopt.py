@@ -277,12 +277,18 @@ def _safetensors_problem(folder: CheckpointFolder, name: str, size: int) -> str 
 
 def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
     """``torch.save`` files are zip archives: a truncated one has no end-of-archive
-    record (written last), and every member must lie inside the file. Files in the
-    legacy (non-zip) format cannot be checked beyond being non-empty."""
+    record (written last), every member must lie inside the file, and every member's
+    CRC-32 must match its bytes (a crash can leave blocks of zeros inside a file of
+    the right size: never written back). Files in the legacy (non-zip) format cannot
+    be checked beyond being non-empty and not starting with zeros."""
     if size == 0:
         return f"{name} is empty (0 bytes)"
     with folder.storage.open_read(f"{folder.rel}/{name}") as f:
         magic = f.read(4)
+        if magic.strip(b"\x00") == b"":
+            # No format starts so (zip: "PK"; a pickle: its protocol): a file whose
+            # size was recorded by the crash but whose data never reached the disk.
+            return f"{name} starts with zero bytes: its data never reached the disk (torn)"
         if magic != b"PK\x03\x04":
             return None  # legacy torch format or another writer's: not checkable
         f.seek(0)
@@ -291,8 +297,11 @@ def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
                 for info in z.infolist():
                     if info.header_offset + info.compress_size > size:
                         return f"{name} is truncated (member {info.filename!r} ends past the end)"
+                bad = z.testzip()  # reads every member, checks its CRC-32 (as Lightning's rule)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
             return f"{name} is not a whole torch.save archive ({exc}): truncated or torn"
+        if bad is not None:
+            return f"{name}: member {bad!r} does not match its CRC-32: the file is torn or corrupt"
     return None
 
 
@@ -623,9 +632,10 @@ def adopt(
     storage, record_layout = _accelerate_project(storage, framework)
     say = progress or (lambda line: None)
     ours = (layout.META_DIR, layout.PENDING_DIR, layout.TRASH_DIR)
-    if dry_run or all(n in ours for n in storage.listdir("")):
-        # Nothing there to adopt: report it without a lock, run file or layout record
-        # left behind (the same answer as a dry run).
+    if dry_run or not _names_a_candidate(storage, framework, ours):
+        # Nothing there to adopt (ROOT one checkpoint folder itself, say: its entries
+        # are model files): report it without a lock, run file or layout record left
+        # behind (the same answer as a dry run).
         rid = _run_id_for(storage, run_id, create=False)
         result = _classify(storage, framework, wanted, rid)
         return dataclasses.replace(_dry_result(storage, rid, result, say), dry_run=dry_run)
@@ -652,6 +662,23 @@ def adopt(
         lock.release()
     log.debug("adopt %s: %.2f s", storage.url(""), time.monotonic() - t0)
     return out
+
+
+def _names_a_candidate(storage: Storage, framework: str, ours: tuple[str, ...]) -> bool:
+    """Whether some entry of ROOT is named as a checkpoint of ``framework`` (any, for
+    ``AUTO``) would name it: the cheap test before anything is written."""
+    rules = (
+        [f for n, f in _FRAMEWORKS.items() if n != GENERIC and f.auto]
+        if framework == AUTO
+        else [_FRAMEWORKS[framework]]
+    )
+    for name in storage.listdir(""):
+        if name in ours:
+            continue
+        disk = _on_disk_name(storage, name)
+        if any(f.step_of(disk) is not None for f in rules):
+            return True
+    return False
 
 
 def adopt_held(

@@ -1838,10 +1838,16 @@ def cmd_adopt(args: argparse.Namespace) -> int:
             f"{result.refused[first]}. Nothing was written for them; resume ignores them"
         )
     if not (result.adopted or result.already):
+        own = os.path.basename(str(result.root).rstrip("/"))
+        one = (
+            f" ({own} is named like one checkpoint folder itself: pass the directory that holds it)"
+            if parse_checkpoint_name(own) is not None or own.startswith("checkpoint_")
+            else ""
+        )
         raise CliError(
             f"nothing to adopt: {result.root} holds no checkpoint folder of a known framework "
             "(checkpoint-<N> of the Trainer, checkpoints/checkpoint_<i> of Accelerate, "
-            "Lightning's .ckpt files); "
+            f"Lightning's .ckpt files){one}; "
             "--framework generic adopts other checkpoint-<N> folders"
         )
     return EXIT_OK

@@ -189,6 +189,22 @@ def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(out: Path) -> No
     assert adopt(out, [4]).adopted == [4]
 
 
+@pytest.mark.parametrize("damage", ["zero_filled", "zeros_inside"])
+def test_a_torch_save_file_a_crash_left_as_zeros_is_refused(out: Path, damage: str) -> None:
+    # What a power cut leaves of a file never fsync'd: its size, zeros for its data
+    # (all of it, or blocks inside). Adopted as complete, it failed torch.load at resume.
+    path = out / "checkpoint-4" / "optimizer.pt"
+    data = bytearray(path.read_bytes())
+    if damage == "zero_filled":
+        data = bytearray(len(data))
+    else:
+        data[len(data) // 3 : len(data) // 3 + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+    refused = adopt(out, [4]).refused[4]
+    assert "optimizer.pt" in refused
+    assert ("starts with zero bytes" if damage == "zero_filled" else "CRC-32") in refused
+
+
 @pytest.mark.timeout(120)
 def test_adopt_refuses_while_a_manager_of_the_root_is_open(out: Path) -> None:
     mgr = CheckpointManager(out)
@@ -400,3 +416,18 @@ def test_an_unknown_framework_lists_every_rule_the_integrations_bring(tmp_path: 
     assert proc.returncode == 2
     for name in ("'accelerate'", "'dcp'", "'generic'", "'hf'", "'lightning'"):
         assert name in proc.stderr, proc.stderr
+
+
+def test_adopt_pointed_at_one_checkpoint_folder_writes_nothing_into_it(tmp_path: Path) -> None:
+    # `adopt out/checkpoint-8` (verify takes one folder; adopt takes the directory that
+    # holds them) said "nothing to adopt" after writing .atomic-checkpoint/ into the
+    # stock folder, whose files a later adoption then checksummed into its manifest.
+    folder = tmp_path / "out" / "checkpoint-8"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "optimizer.pt").write_bytes(os.urandom(1000))
+    before = sorted(os.listdir(folder))
+    proc = run_cli("adopt", folder)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "nothing to adopt" in proc.stderr and "pass the directory that holds it" in proc.stderr
+    assert sorted(os.listdir(folder)) == before
