@@ -55,6 +55,12 @@ log = logging.getLogger("atomic_checkpoint")
 PROG = "python -m atomic_checkpoint.launch"
 
 
+#: What a scheduler preempts with (SLURM: SIGTERM, or SIGUSR1 with --signal).
+_PREEMPTION_SIGNALS = tuple(
+    sig for sig in (signal.SIGTERM, getattr(signal, "SIGUSR1", None)) if sig is not None
+)
+
+
 def _with_sigusr1(signals: str) -> str:
     names = [s.strip() for s in signals.split(",") if s.strip()]
     if hasattr(signal, "SIGUSR1") and "SIGUSR1" not in names:
@@ -64,6 +70,11 @@ def _with_sigusr1(signals: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    # From the first instant: importing torch takes about a second, and a SIGTERM then
+    # killed the launcher (status 143, no requeue) before any handler of torchrun's.
+    early: list[int] = []
+    for sig in _PREEMPTION_SIGNALS:
+        signal.signal(sig, lambda signum, frame: early.append(signum))
     try:
         from torch.distributed import run as torchrun
         from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -84,6 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout = int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
         args.shutdown_timeout = max(int(timeout), math.ceil(grace))
 
+    if early:
+        _ignore_from_now_on(args.signals_to_handle)
+        _say(f"the launcher got {signal.Signals(early[0]).name} before any worker started", [])
+        return REQUEUE_EXIT_CODE
     got: list[int] = []
     stock = mp_api._terminate_process_handler
 
@@ -105,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = os.environ.get(SIGNALS_DIR_ENV)
     os.environ[SIGNALS_DIR_ENV] = signals_dir.name
     try:
+        # Until torchrun installs its handlers (as it starts the workers), a signal
+        # stops the launch the same way theirs does.
+        for sig in _PREEMPTION_SIGNALS:
+            signal.signal(sig, first_signal_only)
         torchrun.run(args)
     except mp_api.SignalException as exc:
         _ignore_from_now_on(args.signals_to_handle)

@@ -271,3 +271,35 @@ def test_a_sigterm_to_one_worker_during_a_long_start_up_ends_the_job_within_the_
     # Rank 0 stopped by the deadline of rank 1's signal, noted through the launcher.
     assert "at another worker of this node" in text, text
     assert all(job.read(f"result-rank{r}.json") is None for r in range(WORLD))  # no guard
+
+
+def test_a_sigterm_while_the_launcher_starts_is_still_a_requeue(tmp_path):
+    # Importing torch takes the launcher about a second; a SIGTERM then killed it
+    # (status 143: a scheduler's "requeue on 75" did not requeue) before any worker.
+    # The signal is sent as the launcher starts importing torch.distributed.
+    code = """
+import builtins, os, signal, sys
+from atomic_checkpoint import launch
+real = builtins.__import__
+def importing(name, *args, **kwargs):
+    if name.startswith("torch.distributed"):
+        builtins.__import__ = real
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(name, *args, **kwargs)
+builtins.__import__ = importing
+sys.exit(launch.main(["--standalone", "--nproc-per-node=1", sys.argv[1]]))
+"""
+    marker = tmp_path / "worker-ran"
+    script = tmp_path / "worker.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])},
+    )
+    assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, proc.stderr[-2000:])
+    assert "before any worker started" in proc.stderr
+    assert not marker.exists()
