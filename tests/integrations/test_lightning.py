@@ -854,6 +854,27 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_and_exits_for_re
     assert latest_checkpoint(ckpt, full=True) == str(ckpt / "preempted-step=4.ckpt")
 
 
+@pytest.mark.faults
+def test_the_deadline_counts_model_checkpoint_saves(tmp_path):
+    """ModelCheckpoint's save of step 2 takes 3 s; a SIGTERM in step 3 with a 3 s grace
+    period: a preemption save would not fit, so the job stops without one (the step-2
+    checkpoint stands) and exits 75 in time. Only the callback's own saves were timed:
+    with none yet, it started a save the scheduler's SIGKILL would have cut."""
+    from atomic_checkpoint.preemption import REQUEUE_EXIT_CODE
+
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    slow = ",".join(["after_manifest@0=delay:2"] * 3)
+    run = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic", "--every", "2",
+        "--preempt", "1", "--max-steps", "40", "--signal-self-at", "3",
+        env={"ATOMIC_CHECKPOINT_FAULTS": slow, "ATOMIC_CHECKPOINT_GRACE_S": "3"},
+    )  # fmt: skip
+    assert run.returncode == REQUEUE_EXIT_CODE, run.stderr[-3000:]
+    assert "WITHOUT saving" in run.stderr, run.stderr[-3000:]
+    assert not list(ckpt.glob("preempted-step=*.ckpt"))
+    assert latest_checkpoint(ckpt, full=True) is not None
+
+
 @pytest.mark.dist
 @pytest.mark.faults
 @pytest.mark.slow

@@ -1048,6 +1048,7 @@ class _GuardHost:
 
 class _SaveTiming(NamedTuple):
     timings_s: dict[str, float]
+    step: int  # the trainer's global_step when it saved
 
 
 class _PreemptionCallback:
@@ -1095,10 +1096,21 @@ class _PreemptionCallback:
         self.saved_path: str | None = None
         self._host: _GuardHost | None = None
         self._unprotect: Callable[[], None] | None = None
+        self._untime: Callable[[], None] = lambda: None
 
     def __getstate__(self) -> dict[str, Any]:
         # Spawn launchers pickle callbacks: the guard (handlers, locks) does not travel.
-        return {**self.__dict__, "guard": None, "_host": None, "_unprotect": None}
+        return {
+            **self.__dict__,
+            "guard": None,
+            "_host": None,
+            "_unprotect": None,
+            "_untime": None,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._untime = lambda: None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Every DataLoader the trainer builds from now on has workers that go on
@@ -1121,10 +1133,25 @@ class _PreemptionCallback:
         from ..coordination import default_coordinator
         from ..preemption import DEFAULT_SIGNALS, PreemptionGuard
 
-        self._host = _GuardHost(default_coordinator(), self.timeout_s)
+        host = self._host = _GuardHost(default_coordinator(), self.timeout_s)
         self.guard = PreemptionGuard(
             self._host, signals=self.signals or DEFAULT_SIGNALS, grace_s=self.grace_s
         )
+        # Every save's duration feeds the deadline check, ModelCheckpoint's included:
+        # timing only this callback's own save, the guard had none before the first
+        # preemption and started a save the grace period could not hold.
+        save = trainer.save_checkpoint
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.monotonic()
+            try:
+                return save(*args, **kwargs)
+            finally:
+                took = time.monotonic() - t0
+                host.last_saved = _SaveTiming({"total": took}, int(trainer.global_step))
+
+        trainer.save_checkpoint = timed
+        self._untime = lambda: setattr(trainer, "save_checkpoint", save)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -1135,10 +1162,7 @@ class _PreemptionCallback:
         step = int(trainer.global_step)
         if guard.should_save(step):
             path = os.path.join(self._directory(trainer), f"preempted-step={step}.ckpt")
-            t0 = time.monotonic()
-            trainer.save_checkpoint(path)  # every rank; rank 0 writes, atomically
-            if self._host is not None:
-                self._host.last_saved = _SaveTiming({"total": time.monotonic() - t0})
+            trainer.save_checkpoint(path)  # every rank; rank 0 writes, atomically (timed)
             self.saved_path = path
         if guard.stopping:
             trainer.should_stop = True
@@ -1151,10 +1175,12 @@ class _PreemptionCallback:
         return os.fspath(directory) if directory else os.fspath(trainer.default_root_dir)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._untime()
         if self.guard is not None:
             self.guard.close()  # Lightning's handlers are back; the decision stays
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._untime()
         if self.guard is not None:
             self.guard.close()
 
