@@ -773,6 +773,36 @@ def _stock_save(path: Path, step: int) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_stock_files_named_with_a_metric_after_the_step_are_adopted(tmp_path):
+    # filename="{epoch}-{step}-{val_loss:.3f}": "nothing to adopt", latest_checkpoint
+    # None (a fresh start), and a warning to pass the adopt=True already passed.
+    from atomic_checkpoint import adopt
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for step, loss in ((2, "0.512"), (4, "0.433")):
+        _stock_save(ckpt / f"epoch=0-step={step}-val_loss={loss}.ckpt", step)
+    assert adopt(ckpt, framework="lightning", dry_run=True).adopted == [2, 4]
+    newest = latest_checkpoint(ckpt, adopt=True)
+    assert newest == str(ckpt / "epoch=0-step=4-val_loss=0.433.ckpt")
+    assert verify_checkpoint(newest, require_manifest=True).global_step == 4
+
+
+def test_a_newer_stock_last_ckpt_is_not_passed_over_silently(tmp_path, caplog):
+    # save_top_k=1 with save_last=True: the newest state (step 8) is only in last.ckpt,
+    # whose name carries no step, so adoption leaves it out; resuming from the top-k
+    # file of step 2 went back six steps without a word.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _stock_save(ckpt / "epoch=0-step=2.ckpt", 2)
+    _stock_save(ckpt / "last.ckpt", 8)
+    older = os.path.getmtime(ckpt / "last.ckpt") - 60
+    os.utime(ckpt / "epoch=0-step=2.ckpt", (older, older))
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert latest_checkpoint(ckpt, adopt=True) == str(ckpt / "epoch=0-step=2.ckpt")
+    assert "last.ckpt written without a manifest after epoch=0-step=2.ckpt" in caplog.text
+
+
 def test_adopting_stock_files_records_complete_ones_and_refuses_torn_ones(tmp_path):
     from atomic_checkpoint import CheckpointManager, LockHeldError, adopt
 

@@ -449,6 +449,24 @@ def latest_checkpoint(
                 continue
         best = key
         break
+    if best is not None and "last.ckpt" in unmanifested:
+        # save_last=True with save_top_k=1: the newest state may be only in a stock
+        # last.ckpt, whose name carries no step, so adoption leaves it out, and resuming
+        # from the older top-k file would silently go back.
+        last_t = posix.mtime(os.path.join(directory, "last.ckpt"))
+        best_t = posix.mtime(os.path.join(directory, best[3]))
+        if last_t is not None and best_t is not None and last_t > best_t:
+            log.warning(
+                "latest_checkpoint: %s has a last.ckpt written without a manifest after %s "
+                "(the newest checkpoint found): its name records no step, so it was not "
+                "adopted, and resuming from %s may go back. If last.ckpt is complete and "
+                "newer, resume from it once with stock Lightning (ckpt_path=%r); the "
+                "plugin's saves are found from then on",
+                directory,
+                best[3],
+                best[3],
+                os.path.join(directory, "last.ckpt"),
+            )
     if best is None and unmanifested:
         log.warning(
             "latest_checkpoint: %s holds %d .ckpt file(s) without a manifest (%s%s), written "
@@ -466,9 +484,10 @@ def latest_checkpoint(
 
 # ---------------------------------------------------------------------- adoption
 # The ``.ckpt`` names adoption considers: those carrying the step (Lightning's default
-# ``{epoch}-{step}``, with its ``-v<n>`` version suffix); ``last.ckpt`` names none.
+# ``{epoch}-{step}``, with its ``-v<n>`` version suffix, or more after it, such as
+# ``{epoch}-{step}-{val_loss:.3f}``); ``last.ckpt`` names none.
 _CKPT_NAME_RE = re.compile(
-    r"^(?:.*[^A-Za-z0-9])?step=(?P<step>0|[1-9][0-9]{0,18})(?:-v[0-9]+)?\.ckpt$"
+    r"^(?:.*[^A-Za-z0-9])?step=(?P<step>0|[1-9][0-9]{0,18})(?![0-9])(?:[^A-Za-z0-9].*)?\.ckpt$"
 )
 _EPOCH_RE = re.compile(r"(?:^|[^A-Za-z0-9])epoch=(0|[1-9][0-9]{0,18})(?:[^0-9]|$)")
 
