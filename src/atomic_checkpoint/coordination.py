@@ -937,8 +937,7 @@ class TorchDistributedCoordinator:
         rounds = range(start, start + _LEAVE_ROUNDS)
         keys = [f"{self._ns}/{seq}/{self.rank}" for seq in rounds]
         self._seq += _LEAVE_ROUNDS
-        self._clones += 1
-        clone_ns = f"{self._ns}/clone{self._clones}"  # as ``clone`` names it
+        clone_ns = self._next_clone_namespace()
         keys += [f"{clone_ns}/{seq}/{self.rank}" for seq in range(1, 1 + _LEAVE_ROUNDS)]
         value = _tag(why, pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -955,14 +954,17 @@ class TorchDistributedCoordinator:
         except CheckpointError as exc:
             log.debug("rank %d could not mark its leave in the store: %s", self.rank, exc)
 
-    def clone(self) -> TorchDistributedCoordinator:
+    def _next_clone_namespace(self) -> str:
+        """The key namespace of this coordinator's next clone (every rank numbers its
+        clones alike)."""
         self._clones += 1
+        return f"{self._ns}/clone{self._clones}"
+
+    def clone(self) -> TorchDistributedCoordinator:
+        namespace = self._next_clone_namespace()
         store = self._store.clone() if hasattr(self._store, "clone") else self._store
         return TorchDistributedCoordinator(
-            store,
-            rank=self.rank,
-            world_size=self.world_size,
-            namespace=f"{self._ns}/clone{self._clones}",
+            store, rank=self.rank, world_size=self.world_size, namespace=namespace
         )
 
 

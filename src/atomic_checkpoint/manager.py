@@ -2074,24 +2074,13 @@ class CheckpointManager:
         )
         try:
             return self._restore(step, load, rank)
-        except (CorruptCheckpointError, StateMismatchError) as exc:
-            if into is not None and (isinstance(exc, CorruptCheckpointError) or self._into_touched):
-                # Tensors are read straight into ``into`` and the checksum is known only
-                # once every byte is in: a failed load has overwritten them.
-                exc.args = (
-                    f"{exc.args[0] if exc.args else exc}. The tensors passed as into= may "
-                    "hold data of a checkpoint that failed verification now: "
-                    "reinitialise them (or restore another checkpoint into them) before "
-                    "using them",
-                    *exc.args[1:],
-                )
+        except CorruptCheckpointError as exc:
+            if into is not None:
+                _say_into_is_unverified(exc)
             raise
-
-    _into_touched = False  # set by a restore(into=) whose load failed its verification
 
     def _restore(self, step: int | None, load: Callable[[Manifest], Any], rank: int | None) -> Any:
         """``restore``: ``step``, or the newest checkpoint that ``load`` verifies."""
-        self._into_touched = False
         if step is not None:
             step = validate_step(step)
             agree(self.coordinator, "restore(step)", step, timeout_s=self.timeout_s)
@@ -2113,6 +2102,10 @@ class CheckpointManager:
             tried.add(newest)
             try:
                 state = self._restore_agreed(newest, load, rank)
+            except StateMismatchError as exc:
+                if skipped:  # an older checkpoint does not fit ``into``, already overwritten
+                    _say_into_is_unverified(exc)
+                raise
             except CheckpointNotFoundError:
                 # Un-committed meanwhile (retention, rollback: list again, it is gone),
                 # or replaced by an overwrite of the same step whose old copy's files
@@ -2125,7 +2118,6 @@ class CheckpointManager:
             except UnsafeCheckpointError:
                 raise  # a refusal (pickle) that an older checkpoint would repeat
             except CorruptCheckpointError as exc:
-                self._into_touched = True
                 log.warning(
                     "restore: skipping checkpoint step %d on every rank: %s; trying the "
                     "next older checkpoint",
@@ -2611,6 +2603,18 @@ class _SavingBlock:
         why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
         with contextlib.suppress(CheckpointError):
             self._finish(commit.Failed("write", why))
+
+
+def _say_into_is_unverified(exc: CheckpointError) -> None:
+    """Add to ``exc`` (raised by a ``restore(into=)`` after a load that failed its
+    verification) that the caller's tensors hold unverified data now: they are read
+    straight into, and the checksum is known only once every byte is in."""
+    exc.args = (
+        f"{exc.args[0] if exc.args else exc}. The tensors passed as into= may hold data of a "
+        "checkpoint that failed verification now: reinitialise them (or restore another "
+        "checkpoint into them) before using them",
+        *exc.args[1:],
+    )
 
 
 def _steps_and_failures(

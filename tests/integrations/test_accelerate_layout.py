@@ -56,6 +56,17 @@ def _weights(model) -> dict[str, list[float]]:
     return {k: v.flatten().tolist() for k, v in model.state_dict().items()}
 
 
+def _two_saves(project: Path) -> dict[str, list[float]]:
+    """Two training steps of a new project, each saved by the integration; returns the
+    weights saved last."""
+    acc, model, opt, sched = build(str(project), total_limit=None)
+    for step in range(1, 3):
+        train_step(acc, model, opt, sched, step)
+        save_state(acc, timeout_s=30)
+    close(acc)
+    return _weights(model)
+
+
 def test_checkpoints_keep_accelerates_names_and_numbering(tmp_path: Path) -> None:
     """Folders are checkpoint_<i> from 0 under <project_dir>/checkpoints, which holds
     nothing else; total_limit rotates them after each commit; the numbering continues
@@ -104,14 +115,9 @@ def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> Non
     newest of our checkpoints, save_state() with total_limit rotates by number and
     writes the next one; nothing raises IndexError."""
     project = tmp_path / "run"
-    acc, model, opt, sched = build(str(project), total_limit=None)
-    for step in range(1, 3):
-        train_step(acc, model, opt, sched, step)
-        save_state(acc, timeout_s=30)
-    close(acc)
-    expected = _weights(model)
+    expected = _two_saves(project)
 
-    acc, model, opt, sched = build(str(project), total_limit=2, seed=7)
+    acc, model, *_ = build(str(project), total_limit=2, seed=7)
     acc.load_state()  # stock, automatic naming: the highest-numbered folder
     assert _weights(model) == expected
     acc.project_configuration.iteration = 2
@@ -121,7 +127,7 @@ def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> Non
 
     # Ours again: the stock checkpoint_2 is no checkpoint of ours (no manifest); ours
     # resumes from checkpoint_1, and the CLI reads the project without flags.
-    acc, model, opt, sched = build(str(project), total_limit=None, seed=8)
+    acc, model, *_ = build(str(project), total_limit=None, seed=8)
     assert load_state(acc, timeout_s=30).step == 1
     close(acc)
     for root in (project, project / "checkpoints"):
@@ -164,20 +170,15 @@ def test_load_state_skips_checkpoints_the_manager_saved_into_the_project(
     Accelerate checkpoints: load_state() picked it as the newest and failed inside
     Accelerate (no model weights there) at every restart."""
     project = tmp_path / "run"
-    acc, model, opt, sched = build(str(project), total_limit=None)
-    for step in range(1, 3):
-        train_step(acc, model, opt, sched, step)
-        save_state(acc, timeout_s=30)
-    close(acc)
-    expected = _weights(model)
+    expected = _two_saves(project)
     with CheckpointManager(project) as mgr:
         mgr.save(100, {"eval_loss": 0.5})
-    acc, model, opt, sched = build(str(project), total_limit=None, seed=9)
+    acc, model, *_ = build(str(project), total_limit=None, seed=9)
     with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
         assert load_state(acc, timeout_s=30).step == 1  # the newest save_state() wrote
     assert _weights(model) == expected
     assert "was saved by CheckpointManager.save()" in caplog.text
-    with pytest.raises(CheckpointError, match="load it with CheckpointManager.restore"):
+    with pytest.raises(CheckpointError, match=r"load it with CheckpointManager\.restore"):
         load_state(acc, step=100, timeout_s=30)
     close(acc)
 
