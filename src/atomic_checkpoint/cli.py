@@ -47,9 +47,10 @@ lock (exit 3 while a live job holds it), never moves or deletes anything, and ex
 if any folder asked for (by default every one found) is refused as incomplete.
 
 ``list`` shows the entries of ROOT that are not checkpoints and not named like one (the
-Trainer's ``save_model()`` files, logs) on one line; ``--json`` lists each. ``verify
-ROOT`` on a Lightning ``ModelCheckpoint`` directory verifies its ``.ckpt`` files through
-their sidecar manifests (a file without one fails: it cannot be verified).
+Trainer's ``save_model()`` files, logs) on one line; ``--json`` lists each. On a
+Lightning ``ModelCheckpoint`` directory, ``list`` shows its ``.ckpt`` files by recorded
+step and ``verify ROOT`` verifies them, both through their sidecar manifests (a file
+without one cannot be verified); ``prune`` refuses it (``save_top_k`` manages them).
 
 The run whose checkpoints are "ours" is the one recorded in
 ``ROOT/.atomic-checkpoint/run.json``. Checkpoints of other runs are shown as
@@ -175,6 +176,7 @@ from .errors import (
     StorageError,
 )
 from .layout import (
+    LIGHTNING_MANIFEST_SUFFIX,
     MANIFEST_NAME,
     META_DIR,
     RUN_FILE,
@@ -640,6 +642,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     run_id = None if args.all_runs else _run_id_for_reading(storage)
     docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
+    lightning = _lightning_list_docs(storage)
+    if lightning:
+        # A Lightning ModelCheckpoint directory: each .ckpt through its sidecar manifest
+        # (the sidecars are part of their files, not entries of their own).
+        docs = [d for d in docs if not d["name"].endswith((".ckpt", ".ckpt.manifest.json"))]
+        docs = sorted(docs + lightning, key=lambda d: (d["step"] is None, d["step"] or 0))
     tiers = _tier_docs(args, run_id)
     if tiers:
         _add_tiers(docs, tiers)
@@ -671,10 +679,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         status = d["status"] + (" (adopted)" if d["adopted"] else "")
         if d["problem"] is not None:
             status = f"{status}: {d['problem']}"
-            if d["problem"] == catalog.NO_MANIFEST and "/" not in d["name"]:
+            if d["problem"] == catalog.NO_MANIFEST and d["name"].endswith(".ckpt"):
+                status += (
+                    f" (written by Lightning's own plugin: `{PROG} adopt ROOT --framework "
+                    "lightning` checks it and makes it verifiable)"
+                )
+            elif d["problem"] == catalog.NO_MANIFEST and "/" not in d["name"]:
                 status += f" (`{PROG} adopt ROOT --dry-run` tells whether it is complete)"
-            elif d["name"].endswith(".ckpt") and d["step"] is None:
-                status += f" (a Lightning checkpoint file: `{PROG} verify ROOT` checks it)"
         row = [
             _on_disk(storage, d["name"]),
             "-" if d["step"] is None else str(d["step"]),
@@ -910,11 +921,11 @@ def _lightning_names(storage: Storage) -> list[str]:
     return sorted(n for n in storage.listdir("") if n.endswith(".ckpt") and "/" not in n)
 
 
-def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
+def _verify_lightning(storage: Storage, name: str, *, full: bool = True) -> dict[str, Any]:
     """Verify one ``.ckpt`` of a Lightning directory against its sidecar manifest
-    (``integrations.lightning.verify_checkpoint``: size, then the full checksum). A link
-    (``save_last="link"``) is verified through its target, which must be a file of ROOT:
-    nothing outside ROOT is read (DESIGN invariant 9)."""
+    (``integrations.lightning.verify_checkpoint``: size, then with ``full`` the whole
+    checksum). A link (``save_last="link"``) is verified through its target, which must
+    be a file of ROOT: nothing outside ROOT is read (DESIGN invariant 9)."""
     root = posix.real_path(storage.local_path("") or ".")
     path = storage.local_path(name) or name
     doc: dict[str, Any] = {
@@ -926,6 +937,9 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
         "size_bytes": None,
         "verified_bytes": 0,
         "seconds": 0.0,
+        "created_unix": None,
+        "adopted": False,
+        "link_to": None,
     }
     target = path
     if posix.is_link(path):
@@ -937,6 +951,7 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
                 "problem": f"a symbolic link to {target}, which is not a .ckpt file of this "
                 "directory: not read (links are followed only to a checkpoint of ROOT)",
             }
+        doc["link_to"] = os.path.basename(target)
     if posix.is_dir(target):
         return {
             **doc,
@@ -945,10 +960,10 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
             "files, so there is no manifest to verify it against",
         }
     try:
-        from .integrations.lightning import MANIFEST_SUFFIX, verify_checkpoint
+        from .integrations.lightning import verify_checkpoint
     except ImportError as exc:
         return {**doc, "status": "error", "problem": f"cannot verify .ckpt files: {exc}"}
-    sidecar = target + MANIFEST_SUFFIX
+    sidecar = target + LIGHTNING_MANIFEST_SUFFIX
     if posix.is_link(sidecar) or not posix.is_file(sidecar):
         what = "is a symbolic link (not read)" if posix.is_link(sidecar) else "is missing"
         return {
@@ -959,7 +974,7 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
         }
     t0 = time.monotonic()
     try:
-        info = verify_checkpoint(target, full=True, require_manifest=True)
+        info = verify_checkpoint(target, full=full, require_manifest=True)
     except CheckpointNotFoundError as exc:
         return {**doc, "status": "removed", "problem": f"removed while being verified: {exc}"}
     except CorruptCheckpointError as exc:
@@ -970,9 +985,46 @@ def _verify_lightning(storage: Storage, name: str) -> dict[str, Any]:
         **doc,
         "step": info.global_step,
         "size_bytes": info.size_bytes,
-        "verified_bytes": info.size_bytes,
+        "verified_bytes": info.size_bytes if full else 0,
         "seconds": time.monotonic() - t0,
+        "created_unix": info.written_unix,
+        "adopted": info.adopted,
     }
+
+
+def _lightning_list_docs(storage: Storage) -> list[dict[str, Any]]:
+    """``list``'s entries for the ``.ckpt`` files of a Lightning ``ModelCheckpoint``
+    directory: step, time and size from each file's sidecar manifest, the size checked
+    (``verify`` reads the checksums); a file without one (Lightning's own plugin wrote
+    it) is foreign until adopted."""
+    docs = []
+    for name in _lightning_names(storage):
+        r = _verify_lightning(storage, name, full=False)
+        status, problem = r["status"], r["problem"]
+        if status == "not_a_checkpoint" and problem is not None and "missing" in problem:
+            status, problem = "foreign", catalog.NO_MANIFEST
+        elif status == "not_a_checkpoint":
+            status = "foreign"
+        elif status == "removed":
+            continue  # deleted by ModelCheckpoint (save_top_k) since the listing
+        if r["link_to"] is not None and status == "ok":
+            problem = f"a link to {r['link_to']}"
+        docs.append(
+            {
+                "name": name,
+                "step": r["step"],
+                "status": status,
+                "problem": problem,
+                "run_id": None,
+                "created_unix": r["created_unix"],
+                "size_bytes": r["size_bytes"],
+                "metrics": {},
+                "commit_seq": None,
+                "path": storage.url(name),
+                "adopted": r["adopted"],
+            }
+        )
+    return docs
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -1633,6 +1685,17 @@ def cmd_prune(args: argparse.Namespace) -> int:
         # Every valid entry is this run's: the scan stands. None: nothing to prune.
         run_id = runs.pop() if runs else None
     manifests = [e.manifest for e in entries if e.status == "ok" and e.manifest is not None]
+    lightning = _lightning_names(storage) if not manifests else []
+    if lightning:
+        # Said, not a quiet "nothing to prune" a user would take for done.
+        raise CliError(
+            f"{storage.url()} is a Lightning ModelCheckpoint directory ({len(lightning)} .ckpt "
+            "file(s)), not a CheckpointManager root: its files are kept or removed by "
+            "ModelCheckpoint(save_top_k=...), which also tracks them for resume. Lower "
+            "save_top_k, or delete a file by hand together with its <name>.ckpt"
+            f"{LIGHTNING_MANIFEST_SUFFIX} sidecar",
+            EXIT_USAGE,
+        )
     skipped = [
         {
             "name": e.name,

@@ -57,6 +57,10 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})$")
 _PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})$")
 _REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.replaced$")
 
+#: The sidecar manifest of a Lightning ``.ckpt`` file (``integrations.lightning``):
+#: ``<name>.ckpt`` + this.
+LIGHTNING_MANIFEST_SUFFIX = ".manifest.json"
+
 #: The Accelerate layout: committed checkpoints are ``ROOT/checkpoints/checkpoint_<step>``.
 LAYOUT_FILE = f"{META_DIR}/layout.json"
 #: The run file: which run owns ROOT (``{"run_id": ..., "created_unix": ..., "host": ...}``).

@@ -392,6 +392,53 @@ def test_cli_verify_checks_a_lightning_directory_through_its_sidecars(tmp_path: 
     assert stock.returncode == 1 and "stock.ckpt: NOT A CHECKPOINT" in stock.stdout
 
 
+@pytest.mark.timeout(120)
+def test_cli_list_shows_a_lightning_directory_by_step_and_prune_says_it_is_not_its_own(
+    tmp_path: Path,
+) -> None:
+    # `list` showed every .ckpt and sidecar as "foreign: not a checkpoint name", and
+    # `prune --keep-last 1` said "nothing to prune" with exit 0, as if done.
+    from atomic_checkpoint.integrations.lightning import _AtomicFileIO
+    from tests.integrations.scripts.lightning_workers import checkpoint_dict
+
+    ckpts = tmp_path / "ckpts"
+    io = _AtomicFileIO()
+    for step in (20, 4):
+        io.save_checkpoint(checkpoint_dict(step), ckpts / f"epoch=0-step={step}.ckpt")
+    os.symlink("epoch=0-step=20.ckpt", ckpts / "last.ckpt")
+    shutil.copy(ckpts / "epoch=0-step=4.ckpt", ckpts / "stock.ckpt")  # no sidecar
+    with open(ckpts / "epoch=0-step=4.ckpt", "r+b") as f:  # torn: shorter than recorded
+        f.truncate(100)
+    doc = run_json("list", ckpts)
+    got = {e["name"]: (e["step"], e["status"]) for e in doc["entries"]}
+    assert got == {
+        "epoch=0-step=4.ckpt": (None, "corrupt"),
+        "epoch=0-step=20.ckpt": (20, "ok"),
+        "last.ckpt": (20, "ok"),
+        "stock.ckpt": (None, "foreign"),
+    }, got
+    sizes = {e["name"]: e["size_bytes"] for e in doc["entries"]}
+    assert sizes["last.ckpt"] == sizes["epoch=0-step=20.ckpt"] == os.path.getsize(
+        ckpts / "epoch=0-step=20.ckpt"
+    )
+    text = run_cli("list", ckpts)
+    assert text.returncode == 0, text.stderr
+    rows = text.stdout.splitlines()
+    (stock,) = [r for r in rows if r.startswith("stock.ckpt ")]
+    assert "no manifest" in stock and "--framework lightning" in stock, stock
+    (last,) = [r for r in rows if r.startswith("last.ckpt ")]
+    assert "a link to epoch=0-step=20.ckpt" in last, last
+    assert not any(".manifest.json" in r for r in rows), rows
+    pruned = run_cli("prune", ckpts, "--keep-last", "1")
+    assert pruned.returncode == 2, pruned.stdout
+    assert "Lightning ModelCheckpoint directory" in pruned.stderr
+    assert "save_top_k" in pruned.stderr
+    assert sorted(os.listdir(ckpts)) == sorted(
+        [*(f"epoch=0-step={s}.ckpt{x}" for s in (4, 20) for x in ("", ".manifest.json"))]
+        + ["last.ckpt", "stock.ckpt"]
+    )
+
+
 def test_generic_refuses_a_folder_no_manager_of_the_root_would_list(tmp_path: Path) -> None:
     """``generic`` matches ``checkpoint_<N>`` too (Accelerate's spelling, which a project
     directory maps). In a plain root such a folder, once adopted, would be a checkpoint

@@ -115,6 +115,7 @@ from ..errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from ..layout import LIGHTNING_MANIFEST_SUFFIX
 from ..manifest import DEFAULT_ALGORITHM, Hasher
 from ..storage import posix
 from ..storage.local import LocalStorage
@@ -138,7 +139,7 @@ __all__ = [
 log = logging.getLogger("atomic_checkpoint")
 _T = TypeVar("_T")
 
-MANIFEST_SUFFIX = ".manifest.json"
+MANIFEST_SUFFIX = LIGHTNING_MANIFEST_SUFFIX
 _FORMAT = "atomic-checkpoint/lightning-file"
 _SCHEMA = 1
 # Versions a manifest may list: the new one plus those the file may still hold. After
