@@ -707,7 +707,7 @@ def adopt_held(
     for c in _classify(storage, framework, wanted, rid, valid):
         shown = _shown(storage, c.name)
         if c.already:
-            out.already.append(c.step)
+            _once(out.already, c.step)
             say(f"already {shown}: a committed checkpoint of run {rid} (nothing written)")
             continue
         if c.problem is not None or c.framework is None:
@@ -734,14 +734,14 @@ def adopt_held(
             say(f"REFUSED {shown}: {exc}")
             continue
         if not written:
-            out.already.append(c.step)
+            _once(out.already, c.step)
             say(f"already {shown}: recorded meanwhile (nothing written)")
             continue
         took = time.monotonic() - t
-        out.adopted.append(c.step)
+        _once(out.adopted, c.step)  # several files of one step: listed once, summed
         out.frameworks[c.step] = c.framework.name
-        out.seconds[c.step] = took
-        out.size_bytes[c.step] = size
+        out.seconds[c.step] = out.seconds.get(c.step, 0.0) + took
+        out.size_bytes[c.step] = out.size_bytes.get(c.step, 0) + size
         say(
             f"adopted {shown} ({c.framework.name}): {format_size(size)} in {n_files} "
             f"file(s), checksummed and recorded in {took:.2f} s"
@@ -779,18 +779,25 @@ def _dry_result(
     for c in found:
         shown = _shown(storage, c.name)
         if c.already:
-            out.already.append(c.step)
+            _once(out.already, c.step)
             say(f"already {shown}: a committed checkpoint (nothing to do)")
         elif c.problem is not None or c.framework is None:
             out.refused[c.step] = c.problem or "no framework rule applies"
             say(f"would refuse {shown}: {out.refused[c.step]}")
         else:
-            out.adopted.append(c.step)
+            _once(out.adopted, c.step)  # several files of one step: listed once
             out.frameworks[c.step] = c.framework.name
             size = sum(_tree_sizes(storage, c.name))
-            out.size_bytes[c.step] = size
+            out.size_bytes[c.step] = out.size_bytes.get(c.step, 0) + size
             say(f"would adopt {shown} ({c.framework.name}): complete, {format_size(size)}")
     return out
+
+
+def _once(steps: list[int], step: int) -> None:
+    """Add ``step`` to a result's list unless there: a framework whose checkpoints are
+    files may hold several at one step (Lightning's ``-v1`` copies)."""
+    if step not in steps:
+        steps.append(step)
 
 
 def _tree_sizes(storage: Storage, rel: str) -> list[int]:
@@ -879,6 +886,13 @@ def _classify(
                     f"matching {names})",
                 )
             )
+            continue
+        if len(entries) > 1 and all(m and all(f.record for f in m) for _, m in entries):
+            # Checkpoints that are files, each with its own record (Lightning's
+            # epoch=0-step=10.ckpt and the -v1 copy a restarted run writes beside it):
+            # several at one step do not collide; each is judged on its own.
+            for name, matching in entries:
+                out.append(_judge(storage, name, step, matching, rid, explicit=wanted is not None))
             continue
         if len(entries) > 1:
             names = ", ".join(n for n, _ in entries)

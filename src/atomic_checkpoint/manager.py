@@ -802,7 +802,7 @@ class CheckpointManager:
                 + (
                     f"; its checkpoint folders without a manifest ({shown}) are another "
                     f"tool's: adopt them first (`atomic-checkpoint adopt {self.root} "
-                    "--dry-run`)"
+                    "--dry-run`; with `--framework dcp` for folders DCP wrote)"
                     if unmanifested
                     else ""
                 )
@@ -821,8 +821,9 @@ class CheckpointManager:
                 "another tool (a stock Trainer, Accelerate, DCP) or without their "
                 "manifest, so nothing tells a complete one from one torn by a crash: "
                 "latest() and restore() ignore them until they are adopted. To resume from "
-                "the complete ones, adopt them: `atomic-checkpoint adopt %s --dry-run`, or "
-                "adopt_existing=True in the integrations (which adopt them next)",
+                "the complete ones, adopt them: `atomic-checkpoint adopt %s --dry-run` "
+                "(with `--framework dcp` for folders DCP wrote), or adopt_existing=True in "
+                "the integrations (which adopt them next)",
                 self.root,
                 len(unmanifested),
                 shown,

@@ -788,6 +788,33 @@ def test_stock_files_named_with_a_metric_after_the_step_are_adopted(tmp_path):
     assert verify_checkpoint(newest, require_manifest=True).global_step == 4
 
 
+def test_stock_files_of_one_step_with_a_version_suffix_are_each_adopted(tmp_path, caplog):
+    # ModelCheckpoint writes epoch=0-step=4-v1.ckpt beside an existing
+    # epoch=0-step=4.ckpt (a restarted run, a second monitor). Both were refused with
+    # "several entries hold step 4: adopt with --framework naming the one that wrote
+    # it", already named, and resume went back to step 2 with that warning.
+    from atomic_checkpoint import adopt
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for name, step in (("epoch=0-step=2", 2), ("epoch=0-step=4", 4), ("epoch=0-step=4-v1", 4)):
+        _stock_save(ckpt / f"{name}.ckpt", step)
+    dry = adopt(ckpt, framework="lightning", dry_run=True)
+    assert (dry.adopted, dry.refused) == ([2, 4], {}), dry
+    assert dry.size_bytes[4] == sum(
+        os.path.getsize(ckpt / n) for n in ("epoch=0-step=4.ckpt", "epoch=0-step=4-v1.ckpt")
+    )
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        newest = latest_checkpoint(ckpt, adopt=True)
+    assert newest in (str(ckpt / "epoch=0-step=4.ckpt"), str(ckpt / "epoch=0-step=4-v1.ckpt"))
+    assert "several entries" not in caplog.text, caplog.text
+    for name in ("epoch=0-step=4.ckpt", "epoch=0-step=4-v1.ckpt"):
+        info = verify_checkpoint(ckpt / name, require_manifest=True)
+        assert (info.global_step, info.adopted) == (4, True), name
+    again = adopt(ckpt, framework="lightning")
+    assert (again.adopted, again.already, again.refused) == ([], [2, 4], {}), again
+
+
 def test_a_newer_stock_last_ckpt_is_not_passed_over_silently(tmp_path, caplog):
     # save_top_k=1 with save_last=True: the newest state (step 8) is only in last.ckpt,
     # whose name carries no step, so adoption leaves it out; resuming from the top-k
