@@ -1008,7 +1008,7 @@ def _existing_manifest(
 
 def _settled(manifest: Manifest, rid: str | None) -> tuple[str, str]:
     """A valid committed checkpoint: ours (``already``), or another run's."""
-    if rid is not None and manifest.run_id != rid:
+    if rid is not None and not manifest.belongs_to(rid):
         return (
             "foreign",
             f"already a checkpoint of run {manifest.run_id!r}, not of run {rid!r}",
@@ -1209,13 +1209,13 @@ def _run_id_for(
                 "job that resumes there. Omit run_id, or pass the recorded one"
             )
         return recorded
-    runs = sorted({m.run_id for m in catalog.committed(storage, run_id=None, warn=False)})
+    runs = sorted(catalog.runs_of(catalog.committed(storage, run_id=None, warn=False)))
     if run_id is None and len(runs) > 1:
         raise ResumeError(
             f"{storage.url('')} has no run file and holds checkpoints of {len(runs)} runs "
             f"({', '.join(map(repr, runs))}): pass run_id= with the run to adopt into"
         )
-    rid = run_id or (runs[0] if runs else None)
+    rid = run_id or (runs[0] if runs else None) or None  # "": checkpoints of no run
     if not create:
         return rid
     rid = rid or new or layout.new_run_id()

@@ -658,7 +658,7 @@ def _checkpoint_entry(
         known = cache._get(name, token)
         if known is not None:
             manifest, validated = known
-            if run_id is not None and manifest.run_id != run_id:
+            if run_id is not None and not manifest.belongs_to(run_id):
                 cache.hits += 1
                 return Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
             if validated:
@@ -710,7 +710,7 @@ def _checkpoint_entry(
     finally:
         if cache is not None:
             cache.reads += 1
-    if run_id is not None and manifest.run_id != run_id:
+    if run_id is not None and not manifest.belongs_to(run_id):
         if token is not None and cache is not None:
             cache._put(name, token, manifest, False)  # read, not validated: not ours
         return Entry(name, step, "foreign", manifest, f"belongs to run {manifest.run_id!r}")
@@ -1084,6 +1084,25 @@ def _walk_down(
     )
 
 
+def runs_of(manifests: Iterable[Manifest]) -> dict[str, list[int]]:
+    """The runs whose checkpoints ``manifests`` are, each with its steps: what a root
+    without a run file holds. A checkpoint that records no run
+    (``Manifest.belongs_to``) is every run's, and counted under "" only when no
+    checkpoint names a run."""
+    runs: dict[str, list[int]] = {}
+    anonymous: list[int] = []
+    for m in manifests:
+        if m.run_id:
+            runs.setdefault(m.run_id, []).append(m.step)
+        else:
+            anonymous.append(m.step)
+    if not runs and anonymous:
+        return {"": anonymous}
+    for steps in runs.values():
+        steps.extend(anonymous)
+    return runs
+
+
 def corrupt_steps_of(entries: Iterable[Entry], run_id: str) -> tuple[int, ...]:
     """The steps of ``entries`` that are corrupt checkpoints of ``run_id`` with a
     readable manifest (a file missing, or of another size), ascending."""
@@ -1091,7 +1110,7 @@ def corrupt_steps_of(entries: Iterable[Entry], run_id: str) -> tuple[int, ...]:
         sorted(
             e.manifest.step
             for e in entries
-            if e.status == "corrupt" and e.manifest is not None and e.manifest.run_id == run_id
+            if e.status == "corrupt" and e.manifest is not None and e.manifest.belongs_to(run_id)
         )
     )
 

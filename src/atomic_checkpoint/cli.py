@@ -1435,7 +1435,7 @@ def _tier_copies(
         try:
             m = catalog.read_manifest(st, name)
             catalog.validate(st, name, m)
-            if run_id is not None and m.run_id != run_id:
+            if run_id is not None and not m.belongs_to(run_id):
                 status, problem = "foreign", f"belongs to run {m.run_id!r}, not {run_id!r}"
         except CheckpointNotFoundError:
             status = "missing"
@@ -1474,7 +1474,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         catalog.validate(storage, name, m)
     except CheckpointError as exc:
         status, problem = "corrupt", _short_problem(storage, name, str(exc))
-    if status == "ok" and run_id is not None and m.run_id != run_id:
+    if status == "ok" and run_id is not None and not m.belongs_to(run_id):
         status, problem = "foreign", f"belongs to run {m.run_id!r}, not {run_id!r}"
     files = []
     for f in m.files:
@@ -1674,7 +1674,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     # is unambiguous when every checkpoint there belongs to one. One scan either way.
     entries = catalog.scan(storage, run_id=run_id)
     if run_id is None:
-        runs = {e.manifest.run_id for e in entries if e.status == "ok" and e.manifest}
+        runs = set(catalog.runs_of(e.manifest for e in entries if e.status == "ok" and e.manifest))
         if len(runs) > 1:
             raise CliError(
                 f"{storage.url()} records no run ({RUN_FILE} is missing) and holds "

@@ -667,10 +667,19 @@ class CheckpointManager:
         # Through the manager's cache: the start's walk that follows (``_start_view``)
         # then reads none of these manifests again, so such a root is read once.
         manifests = catalog.committed(self.storage, run_id=None, warn=False, cache=self._manifests)
-        runs: dict[str, list[int]] = {}
-        for m in manifests:
-            runs.setdefault(m.run_id, []).append(m.step)
+        runs = catalog.runs_of(manifests)
         if not runs:
+            return None
+        if list(runs) == [""]:
+            # Path-style saves (integrations.dcp.save(checkpoint_id=...)) record no run:
+            # a new run takes them on (Manifest.belongs_to) and resumes from them.
+            log.warning(
+                "%s has no run file and holds %d checkpoint(s) that record no run (steps %s, "
+                "saved path-style without a manager): this job's new run continues from them",
+                self.root,
+                len(runs[""]),
+                sorted(runs[""]),
+            )
             return None
         if len(runs) > 1:
             listed = "; ".join(

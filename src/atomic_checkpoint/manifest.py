@@ -194,6 +194,14 @@ class Manifest:
     def size_bytes(self) -> int:
         return sum(f.size_bytes for f in self.files)
 
+    def belongs_to(self, run_id: str) -> bool:
+        """Whether this is a checkpoint of run ``run_id``. One that records no run
+        (``run_id == ""``: a path-style ``integrations.dcp.save(checkpoint_id=...)``
+        made without a manager, or such a directory adopted by path) is the run's of
+        whichever root holds it: a job that saved path-style and then opens a manager
+        there resumes from those checkpoints."""
+        return not self.run_id or self.run_id == run_id
+
     def file(self, path: str) -> FileEntry:
         for f in self.files:
             if f.path == path:

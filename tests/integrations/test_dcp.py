@@ -634,6 +634,40 @@ def test_single_process_async_and_path_style(tmp_path, monkeypatch, caplog):
     assert sorted(os.listdir(tmp_path / "plain")) == ["step-9", "stock"]
 
 
+@pytest.mark.timeout(60)
+def test_path_style_checkpoints_named_as_a_roots_are_the_run_that_opens_it(tmp_path, caplog):
+    # A job that saved path-style (save(..., checkpoint_id="ckpts/checkpoint-N")) and
+    # then moved to a manager of ckpts started from scratch: the manifests recorded
+    # step 0 unless step= was passed ("corrupt: manifest says step 0") and no run
+    # ("foreign: belongs to run ''").
+    root = tmp_path / "ckpts"
+    save(_plain(5), checkpoint_id=root / "checkpoint-5")  # the step comes from the name
+    save(_plain(10), checkpoint_id=root / "checkpoint-10", step=10)
+    with pytest.raises(ValueError, match="names step 20 but step=2"):
+        save(_plain(20), checkpoint_id=root / "checkpoint-20", step=2)
+    assert not (root / "checkpoint-20").exists()
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        mgr = CheckpointManager(root, retention=KeepLast(2), timeout_s=10)
+    assert "record no run (steps [5, 10]" in caplog.text
+    try:
+        assert [c.step for c in mgr.checkpoints()] == [5, 10]
+        back = {"model": {"w": torch.zeros(ROWS, COLS), "emb": torch.zeros(5, 8).bfloat16()}}
+        back["step"] = 0
+        assert load_dcp(mgr, back).step == 10
+        assert torch.equal(back["model"]["w"], _full(10)["w"]) and back["step"] == 10
+        save_dcp(mgr, 15, _plain(15))
+        assert [c.step for c in mgr.checkpoints()] == [10, 15]  # retention took step 5
+        run = mgr.run_id
+    finally:
+        mgr.close()
+    # Saved path-style into the root of a run: a checkpoint of that run.
+    assert save(_plain(20), checkpoint_id=root / "checkpoint-20").run_id == run
+    with CheckpointManager(root, timeout_s=10) as again:
+        assert again.run_id == run
+        assert [c.step for c in again.checkpoints()] == [10, 15, 20]
+        assert again.latest().step == 20
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_a_rank_that_fails_before_dcp_fails_every_rank_at_once(tmp_path):

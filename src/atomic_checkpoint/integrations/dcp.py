@@ -121,7 +121,7 @@ from ..errors import (
     ResumeError,
     StorageError,
 )
-from ..layout import MANIFEST_NAME, checkpoint_name, validate_step
+from ..layout import MANIFEST_NAME, checkpoint_name, parse_checkpoint_name, validate_step
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata
 from ..rankfiles import report_files
@@ -737,8 +737,41 @@ def _prepare_path(parent: str, name: str) -> str:
     return pending
 
 
+def _path_step(name: str, step: int | None) -> int:
+    """The step a path-style save records: ``checkpoint-<N>`` is step N to every
+    manager of its directory (a manifest saying otherwise is corrupt there)."""
+    named = parse_checkpoint_name(name)
+    if step is None:
+        return 0 if named is None else named
+    step = validate_step(step)
+    if named is not None and named != step:
+        raise ValueError(
+            f"checkpoint_id {name!r} names step {named} but step={step} was passed: a "
+            f"CheckpointManager of its directory would list it as step {named} and refuse "
+            f"it as corrupt. Pass step={named} (or leave it out), or name it "
+            f"{checkpoint_name(step)}"
+        )
+    return step
+
+
+def _root_run(parent: str) -> str:
+    """The run recorded in ``parent`` (a manager's root), which a path-style
+    ``checkpoint-<N>`` saved there joins; "" where none is recorded or it is unreadable
+    (the checkpoint still loads by path)."""
+    try:
+        return catalog.recorded_run_id(LocalStorage(parent)) or ""
+    except CheckpointError:
+        return ""
+
+
 def _commit_path(
-    parent: str, name: str, pending: str, world: int, step: int, meta: dict[str, Any]
+    parent: str,
+    name: str,
+    pending: str,
+    world: int,
+    step: int,
+    meta: dict[str, Any],
+    run_id: str = "",
 ) -> Manifest:
     """On the first rank, after every rank wrote: checksum and fsync DCP's files, write
     the manifest last, rename the pending directory onto ``name``, fsync the parent."""
@@ -746,7 +779,7 @@ def _commit_path(
     report = report_files(storage, pending, 0)
     manifest = Manifest(
         step=step,
-        run_id="",
+        run_id=run_id if parse_checkpoint_name(name) is not None else "",
         commit_seq=0,
         world_size=world,
         files=tuple(FileEntry(f.path, f.size_bytes, f.checksum) for f in report.files),
@@ -777,7 +810,7 @@ def save(
     state_dict: dict[str, Any],
     *,
     checkpoint_id: str | os.PathLike[str],
-    step: int = 0,
+    step: int | None = None,
     metadata: Mapping[str, Any] | None = None,
     planner: Any = None,
     process_group: Any = None,
@@ -785,6 +818,10 @@ def save(
 ) -> CheckpointInfo:
     """``dcp.save(state_dict, checkpoint_id=PATH)``, atomic and verifiable. Collective
     over ``process_group`` (every rank, as for ``dcp.save``).
+
+    A PATH named ``checkpoint-<step>`` is a checkpoint of the directory it is in, as a
+    ``CheckpointManager`` of that directory lists them: its manifest records that step
+    and the run recorded there (if any), so the manager resumes from it.
 
     DCP's files go to a pending directory beside PATH; once every rank has written
     them, the first rank checksums them into a manifest and renames the directory onto
@@ -794,7 +831,8 @@ def save(
     Args:
         state_dict: what ``dcp.save`` would get.
         checkpoint_id: the checkpoint directory; it must not exist yet.
-        step: recorded in the manifest (shown by ``atomic-checkpoint inspect``).
+        step: recorded in the manifest (shown by ``atomic-checkpoint inspect``);
+            default: the step of a PATH named ``checkpoint-<step>``, else 0.
         metadata: JSON-serialisable user metadata for the manifest.
         planner: a DCP ``SavePlanner``.
         process_group: the group DCP and the agreement use (default: the default).
@@ -807,9 +845,10 @@ def save(
         CheckpointExistsError: PATH exists (every rank; nothing written).
         DistributedCheckpointError: DCP or the commit failed on some rank (every rank).
         CheckpointError: a rank died (the survivors; nothing committed).
+        ValueError: PATH is named ``checkpoint-<N>`` and ``step`` is not N.
     """
     parent, name = _checkpoint_dir(checkpoint_id)
-    step = validate_step(step)
+    step = _path_step(name, step)
     user_meta = check_metadata(metadata)
     group = process_group
     rank = _group_rank(group)
@@ -860,7 +899,7 @@ def save(
     outcome: Manifest | RankFailure | None = None
     if rank == 0:
         try:
-            outcome = _commit_path(parent, name, pending, world, step, meta)
+            outcome = _commit_path(parent, name, pending, world, step, meta, _root_run(parent))
         except Exception as exc:
             _discard_pending(parent, pending)
             outcome = RankFailure(rank, "commit", type(exc).__name__, str(exc))
