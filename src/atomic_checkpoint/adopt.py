@@ -489,6 +489,18 @@ def generic_is_complete(path: str) -> str | None:
             "a torch.distributed.checkpoint (DCP) folder: adopt it with --framework dcp "
             '(framework="dcp"), which checks that DCP finished it'
         )
+    ours = sorted(n for n in files if layout.is_state_file(posixpath.basename(n)))
+    if ours:
+        # A checkpoint of this library without its manifest: a copy that left it out
+        # (or was cut before it), or a save that never committed. Its files say nothing
+        # of whether they are complete, and adopted, it would be a "files" checkpoint
+        # that restore() cannot load and does not fall back from.
+        return (
+            f"it holds atomic-checkpoint's own state files ({', '.join(ours[:3])}) but no "
+            f"{layout.MANIFEST_NAME}: a copy that lost its manifest, or a save that never "
+            "committed, so nothing tells whether they are complete. Copy the checkpoint "
+            "again with its manifest (or delete it); it is never adopted"
+        )
     for name in files:
         folder.read_head(name, 1)
     return None

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .errors import (
@@ -1021,6 +1021,8 @@ class Newest:
         corrupt_steps: the steps among ``corrupt`` whose manifest is this run's and
             readable (a file missing, of another size: a save of that step replaces
             it, as one that failed its checksums), ascending.
+        other_runs: the other runs whose checkpoints were met on the way, each with
+            the newest step of it met (``other_runs_of``).
     """
 
     valid: tuple[Manifest, ...]
@@ -1029,6 +1031,7 @@ class Newest:
     complete: bool
     unmanifested: tuple[str, ...] = ()
     corrupt_steps: tuple[int, ...] = ()
+    other_runs: dict[str, int] = field(default_factory=dict)
 
 
 def newest_valid(
@@ -1081,7 +1084,39 @@ def _walk_down(
         complete,
         tuple(reversed(unmanifested)),
         corrupt_steps_of(seen, run_id),
+        other_runs_of(seen),
     )
+
+
+def other_runs_of(entries: Iterable[Entry]) -> dict[str, int]:
+    """The runs of the other runs' checkpoints among ``entries`` (``foreign`` with a
+    manifest), each with its newest step there: what a run that finds none of its own
+    names, instead of a silent start from scratch beside them."""
+    runs: dict[str, int] = {}
+    for e in entries:
+        m = e.manifest
+        if e.status == "foreign" and m is not None and m.run_id:
+            runs[m.run_id] = max(runs.get(m.run_id, m.step), m.step)
+    return runs
+
+
+def plain_path(path: str) -> str:
+    """A file's path in a checkpoint without the marker strategy's ``attempt-<token>/``
+    prefix: the same file of a step in every copy, whatever strategy wrote it."""
+    head, sep, rest = path.partition("/")
+    if sep and parse_attempt_dir(head) is not None:
+        return rest
+    return path
+
+
+def same_content(a: Manifest, b: Manifest) -> bool:
+    """Whether two copies of a step (on two tiers, or two roots) hold the same files:
+    the same paths, sizes and checksums."""
+
+    def files(m: Manifest) -> set[tuple[str, int, str]]:
+        return {(plain_path(f.path), f.size_bytes, f.checksum) for f in m.files}
+
+    return a.state_kind == b.state_kind and files(a) == files(b)
 
 
 def runs_of(manifests: Iterable[Manifest]) -> dict[str, list[int]]:

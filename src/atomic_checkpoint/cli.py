@@ -1062,9 +1062,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     flush=True,
                 )
         else:
-            word = {"corrupt": "CORRUPT", "not_a_checkpoint": "NOT A CHECKPOINT"}.get(
-                r["status"], "ERROR"
-            )
+            word = {
+                "corrupt": "CORRUPT",
+                "not_a_checkpoint": "NOT A CHECKPOINT",
+                "differs": "ANOTHER COPY",
+            }.get(r["status"], "ERROR")
             print(f"{name}: {word}: {r['problem']}", flush=True)
 
     impostors: list[dict[str, Any]] = []
@@ -1126,6 +1128,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     tiers = [_open_tier(t, args.tier_storage_option) for t in args.tier or ()]
     for r in results if tiers else ():
         r["tier"] = 0
+    # Each tier's copy of a step must be ROOT's copy: two valid but different copies
+    # (another job's, two copies of a root drained into one place) are not "verified".
+    on_root = {e.step: e.manifest for e in targets if e.status == "ok" and e.manifest is not None}
     for i, st in enumerate(tiers, start=1):
         for e in catalog.scan(st, run_id=run_id):
             if e.status not in ("ok", "corrupt") or e.step is None or "/" in e.name:
@@ -1137,6 +1142,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 if e.status == "ok" and e.manifest is not None
                 else _broken(st, e)
             )
+            ours = on_root.get(e.step)
+            theirs = e.manifest
+            if (
+                r["status"] == "ok"
+                and ours is not None
+                and theirs is not None
+                and not catalog.same_content(ours, theirs)
+            ):
+                r["status"] = "differs"
+                r["problem"] = (
+                    f"another copy of step {e.step} than {storage.url(e.name)} (its files' "
+                    "checksums differ): not a replica of ROOT's checkpoint"
+                )
             r["tier"] = i
             report(r, len(e.manifest.files) if e.manifest is not None else 0)
     results.sort(
@@ -2037,9 +2055,16 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         pass  # a failed step: reported below with the others
     finally:
         left = mgr.close(timeout_s=0)
-    failed = mgr.replication_failures()
+    failed: dict[int, Any] = dict(mgr.replication_failures())
     error = mgr.last_replication_error
-    _drain_outcome(args, fast, slow, mgr.run_id, missing, done, failed, left)
+    below: list[int] = []
+    if coord is None:
+        # What the replicator does not look at: a step ROOT holds torn (not a
+        # checkpoint there, so never queued), a step TO holds another copy of (two
+        # copies of one root drained into one place), and steps below TO's newest that
+        # TO lacks (never copied back: TO orders checkpoints by step).
+        below = _drain_audit(fast, slow, mgr.run_id, failed)
+    _drain_outcome(args, fast, slow, mgr.run_id, missing, done, failed, left, below)
     if failed:
         first = min(failed)
         raise CliError(
@@ -2056,6 +2081,31 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
     return EXIT_OK
 
 
+def _drain_audit(fast: Storage, slow: Storage, run_id: str, failed: dict[int, Any]) -> list[int]:
+    """After a single-process drain: add to ``failed`` each step of the run that ROOT
+    holds corrupt and TO lacks, and each that TO holds another copy of; return the
+    valid steps of ROOT below TO's newest that TO lacks (not copied, by design)."""
+    here = {e.step: e for e in catalog.scan(fast, run_id=run_id) if e.step is not None}
+    there = {m.step: m for m in catalog.committed(slow, run_id=run_id, warn=False)}
+    newest_there = max(there, default=None)
+    below = []
+    for step, e in sorted(here.items()):
+        if step in failed:
+            continue
+        if e.status == "corrupt" and step not in there:
+            failed[step] = f"ROOT's copy is corrupt, so it is not replicated: {e.problem}"
+        elif e.status == "ok" and e.manifest is not None and step in there:
+            if not catalog.same_content(e.manifest, there[step]):
+                failed[step] = (
+                    f"{slow.url(checkpoint_name(step))} is another copy of step {step} than "
+                    f"{fast.url(checkpoint_name(step))} (different checksums): not replaced; "
+                    "inspect both (two copies of one root drained into one place?)"
+                )
+        elif e.status == "ok" and newest_there is not None and step < newest_there:
+            below.append(step)
+    return below
+
+
 def _drain_outcome(
     args: argparse.Namespace,
     fast: Storage,
@@ -2063,8 +2113,9 @@ def _drain_outcome(
     run_id: str | None,
     root_missing: bool,
     done: Sequence[dict[str, Any]] = (),
-    failed: Mapping[int, BaseException] | None = None,
+    failed: Mapping[int, BaseException | str] | None = None,
     left: Sequence[int] = (),
+    below: Sequence[int] = (),
 ) -> None:
     """``drain``'s report: the JSON document, or one line per failed step and a summary
     (for a ROOT that does not exist, with ``--missing-ok``, that it had nothing)."""
@@ -2081,6 +2132,7 @@ def _drain_outcome(
                 "replicated": list(done),
                 "failed": [{"step": s, "problem": str(e)} for s, e in sorted(failed.items())],
                 "left": list(left),
+                "not_copied_below_newest": list(below),
                 "ok": not failed and not left,
             }
         )
@@ -2090,6 +2142,12 @@ def _drain_outcome(
         return
     for s, e in sorted(failed.items()):
         print(f"{checkpoint_name(s)}: NOT REPLICATED: {e}", flush=True)
+    if below:
+        print(
+            f"not copied: step(s) {list(below)} of {fast.url()} are below the newest step on "
+            f"{slow.url()} and missing there (its retention removed them, or they were "
+            "deleted): a root orders checkpoints by step, so drain never copies them back"
+        )
     print(
         f"{slow.url()}: {len(done)} replicated, {len(failed)} failed, {len(left)} left "
         f"on {fast.url()}"

@@ -184,6 +184,13 @@ def rank_state_file(rank: int) -> str:
 
 
 REPLICATED_STATE_FILE = "replicated.safetensors"
+_STATE_FILE_RE = re.compile(r"^(rank-[0-9]{5,}|replicated)\.safetensors$")
+
+
+def is_state_file(name: str) -> bool:
+    """Whether ``name`` (a file's last path component) is one of the state files this
+    library's saves write (``rank-<r>.safetensors``, ``replicated.safetensors``)."""
+    return _STATE_FILE_RE.match(name) is not None
 
 
 def validate_relative_path(path: object) -> str:

@@ -60,6 +60,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .layout import (
+    MANIFEST_NAME,
     META_DIR,
     PENDING_DIR,
     REPLICATED_STATE_FILE,
@@ -67,6 +68,7 @@ from .layout import (
     checkpoint_name,
     new_attempt_token,
     new_run_id,
+    parse_checkpoint_name,
     rank_state_file,
     run_doc,
     validate_step,
@@ -482,7 +484,24 @@ class CheckpointManager:
             "valid_steps": valid,
             "complete": True,
             "unmanifested": [e.name for e in entries if e.unmanifested],
+            "other_runs": catalog.other_runs_of(entries),
         }
+
+    def _check_not_a_checkpoint(self) -> None:
+        """Refuse a ROOT that is one checkpoint (``.../checkpoint-30``, a path-style DCP
+        save): opened as a root, it held no checkpoint, so the job started from scratch
+        and wrote a new run inside the checkpoint."""
+        if self.storage.size(MANIFEST_NAME) is None:
+            return
+        url = self.storage.url("").rstrip("/")
+        parent, _, name = url.rpartition("/")
+        step = parse_checkpoint_name(name)
+        raise CheckpointError(
+            f"{url} is one checkpoint (it holds {MANIFEST_NAME}), not a root of checkpoints: "
+            f"pass the directory that holds it ({parent or '..'}) to resume from it"
+            + (f", or restore(step={step}) there for this one" if step is not None else "")
+            + f"; `atomic-checkpoint verify {url}` checks it. Nothing was written"
+        )
 
     def _start_view(self, run_id: str, resume: str) -> dict[str, Any]:
         """What a writable start needs to know about ROOT, reading manifests newest
@@ -526,6 +545,7 @@ class CheckpointManager:
             "valid_steps": [m.step for m in found.valid],
             "complete": found.complete,
             "unmanifested": list(found.unmanifested),
+            "other_runs": dict(found.other_runs),
         }
 
     def _setup_coordinator(
@@ -537,6 +557,7 @@ class CheckpointManager:
                 f"checkpoint root {local!r} is a file, not a directory: pass a directory path",
                 path=local,
             )
+        self._check_not_a_checkpoint()
         if self.read_only:
             # A root named by the user (not a Storage a tiered manager opened on a tier
             # still to be created) that is not there: a typo, or a watcher started before
@@ -800,12 +821,22 @@ class CheckpointManager:
         real = getattr(self.storage, "real", None)
         named = [real(n) if callable(real) else n for n in unmanifested[:5]]
         shown = ", ".join(named) + (", ..." if len(unmanifested) > 5 else "")
+        others = setup.get("other_runs") or {}
+        other_text = "; ".join(
+            f"run {rid!r} (newest step {step})" for rid, step in sorted(others.items())[:5]
+        )
         if resume == "must" and setup["n_valid"] == 0:
             raise ResumeError(
                 f"resume='must' but {self.root} has no valid checkpoint of run {self.run_id!r}"
                 + (
                     f" ({setup['n_corrupt']} corrupt ones were skipped)"
                     if setup["n_corrupt"]
+                    else ""
+                )
+                + (
+                    f"; it holds checkpoints of other runs: {other_text}. To continue one, "
+                    "pass its run_id"
+                    if others
                     else ""
                 )
                 + (
@@ -836,6 +867,30 @@ class CheckpointManager:
                 self.root,
                 len(unmanifested),
                 shown,
+                self.root,
+            )
+        if setup["n_valid"] == 0 and others and self.rank == 0 and not self.read_only:
+            # A new run_id on a copied root (or one named per job, e.g. by the
+            # scheduler's job id) starts from scratch beside the checkpoints there.
+            log.warning(
+                "run %r has no checkpoint in %s, which holds checkpoints of other runs "
+                "(%s): this run starts from scratch beside them. To continue one, pass its "
+                "run_id (or omit run_id where the root's run file names it)",
+                self.run_id,
+                self.root,
+                other_text,
+            )
+        elif unmanifested and self.rank == 0 and setup.get("newest") is not None:
+            # Met on the way down to the newest valid one: newer than what a resume
+            # loads. Skipped in silence, an interrupted copy of a root looked like a
+            # resume that lost its newest steps for no reason.
+            log.warning(
+                "%s: %s, newer than step %d (the newest valid checkpoint), has no manifest "
+                "(a copy of the root that was cut short, a save of another tool, or a "
+                "manifest deleted): it is skipped. `atomic-checkpoint verify %s` says more",
+                self.root,
+                shown,
+                setup["newest"],
                 self.root,
             )
         if resume == "never" and setup["n_valid"] > 0:
@@ -2691,6 +2746,7 @@ def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
         "corrupt_steps": sorted({s for v in views for s in v.get("corrupt_steps", ())}),
         "last_seq": max((v.get("last_seq", 0) for v in views), default=0),
         "unmanifested": sorted({n for v in views for n in v.get("unmanifested", ())}),
+        "other_runs": {r: s for v in views for r, s in (v.get("other_runs") or {}).items()},
         # Steps some domains hold and others not (see _check_resume_mode).
         "partial_steps": sorted(set.union(*steps) - common) if steps else [],
         # Domains whose root had no run file before this start (a wiped node's).

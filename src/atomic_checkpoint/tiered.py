@@ -132,7 +132,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from . import catalog, layout
+from . import catalog
 from ._faults import fault_point
 from .async_save import lower_priority
 from .coordination import (
@@ -1088,7 +1088,7 @@ class TieredCheckpointManager:
             except CheckpointError:  # absent, or a torn or foreign copy the commit refuses
                 there = None
             if there is not None:
-                if _same_content(there, source):
+                if catalog.same_content(there, source):
                     pm.abandon_copy(attempt)
                     return  # committed by an attempt whose end we never saw (a crash)
                 raise CheckpointExistsError(
@@ -1469,7 +1469,7 @@ class TieredCheckpointManager:
         name = checkpoint_name(step)
         files = []
         for i, entry in enumerate(source.files):
-            rel = _plain_path(entry.path)
+            rel = catalog.plain_path(entry.path)
             catalog.check_inside(self._fast_storage, name, entry.path)
             self._copy_verified(
                 f"{name}/{entry.path}", f"{staged}/{rel}", entry, source.checksum_algorithm
@@ -1497,7 +1497,7 @@ class TieredCheckpointManager:
                 return "retry", "the persistent tier was closed"
             source = catalog.load_checkpoint(self._fast_storage, step)
             files = sorted((f for _k, fs in results for f in fs), key=lambda f: f.path)
-            expected = {_plain_path(rank_state_file(r)) for r in range(source.world_size)}
+            expected = {catalog.plain_path(rank_state_file(r)) for r in range(source.world_size)}
             have = {f.path for f in files}
             if source.state_kind != "replicated" and not expected <= have:
                 return "failed", (
@@ -2577,22 +2577,6 @@ def _newest_run_id(storage: Storage) -> str | None:
     tier: its manager is opened with tier 0's run id and records none)."""
     newest = catalog.newest(storage, run_id=None, warn=False)
     return None if newest is None else newest.run_id
-
-
-def _plain_path(path: str) -> str:
-    """A file's path without the marker strategy's ``attempt-<token>/`` prefix: the
-    destination's strategy adds its own."""
-    head, sep, rest = path.partition("/")
-    if sep and layout.parse_attempt_dir(head) is not None:
-        return rest
-    return path
-
-
-def _same_content(a: Manifest, b: Manifest) -> bool:
-    def files(m: Manifest) -> set[tuple[str, int, str]]:
-        return {(_plain_path(f.path), f.size_bytes, f.checksum) for f in m.files}
-
-    return a.state_kind == b.state_kind and files(a) == files(b)
 
 
 def _tiered(info: CheckpointInfo, tiers: tuple[int, ...]) -> TieredCheckpointInfo:

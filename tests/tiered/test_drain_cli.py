@@ -142,6 +142,58 @@ def test_drain_refuses_a_live_job_and_never_replicates_a_corrupt_fast_copy(fast_
     assert os.listdir(Path(slow) / ".pending") == []
 
 
+@pytest.mark.timeout(120)
+def test_drain_and_verify_tier_name_what_the_replicator_never_looks_at(tmp_path):
+    # Two copies of one root (same run) each saved step 3 with other weights: draining
+    # the second into where the first went said "0 replicated, 0 failed" (exit 0), and
+    # `verify --tier` called the other copy "verified on tier(s) 0,1". A step torn on
+    # ROOT was left out without a word (exit 0), and so were steps TO lacks below its
+    # newest.
+    base = tmp_path / "base"
+    with CheckpointManager(base) as mgr:
+        mgr.save(1, state(1))
+    for name, seed in (("a", 3), ("b", 30)):
+        shutil.copytree(base, tmp_path / name)
+        with CheckpointManager(tmp_path / name) as mgr:
+            mgr.save(2, state(2))
+            mgr.save(3, state(seed))
+    dest = str(tmp_path / "dest")
+    first = run_cli("drain", tmp_path / "a", "--to", dest)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = run_cli("drain", tmp_path / "b", "--to", dest)
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert "checkpoint-3: NOT REPLICATED" in second.stdout
+    assert "another copy of step 3" in second.stdout
+    assert "checkpoint-2: NOT REPLICATED" not in second.stdout  # the same bytes: fine
+    check = run_cli("verify", tmp_path / "b", "--tier", dest)
+    assert check.returncode == 1, check.stdout
+    assert "checkpoint-3 (tier 1): ANOTHER COPY" in check.stdout
+    assert "checkpoint-3: verified on tier(s) 0\n" in check.stdout
+    assert "checkpoint-2: verified on tier(s) 0,1" in check.stdout
+
+    # Step 1 removed from TO by hand: below its newest, so not copied back; said.
+    shutil.rmtree(Path(dest) / checkpoint_name(1))
+    again = run_cli("drain", tmp_path / "a", "--to", dest)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "not copied: step(s) [1]" in again.stdout
+    assert json.loads(run_cli("drain", tmp_path / "a", "--to", dest, "--json").stdout)[
+        "not_copied_below_newest"
+    ] == [1]
+
+    # A step torn on ROOT (a file truncated) and not on TO: named, exit 1.
+    torn = tmp_path / "torn"
+    with CheckpointManager(torn) as mgr:
+        for s in (1, 2):
+            mgr.save(s, state(s))
+    m = catalog.load_checkpoint(mgr.storage, 2)
+    with open(torn / checkpoint_name(2) / m.files[0].path, "r+b") as f:
+        f.truncate(100)
+    proc = run_cli("drain", torn, "--to", str(tmp_path / "torn-dest"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "checkpoint-2: NOT REPLICATED: ROOT's copy is corrupt" in proc.stdout
+    assert steps(str(tmp_path / "torn-dest")) == [1]
+
+
 @pytest.mark.netfs
 @pytest.mark.timeout(120)
 def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_bucket, fast_root):
