@@ -204,7 +204,9 @@ def register_framework(
         name: what ``adopt(..., framework=name)`` and ``--framework`` call it.
         names_regex: matches the on-disk names of the framework's checkpoints (the last
             path component) and captures the step: the group named ``step``, else the
-            first group. Example: ``r"^checkpoint-(0|[1-9][0-9]*)$"``.
+            first group. Example: ``r"^checkpoint-(0|[1-9][0-9]*)$"``. A folder is
+            adopted in place, so it must be named ``checkpoint-<N>`` (what a manager
+            lists); one of another name is refused with the rename to make.
         is_complete: ``(path) -> None`` when the checkpoint at ``path`` is complete,
             else the reason it is not (one sentence a user can act on). ``path`` is a
             :class:`CheckpointFolder`. Called without the run lock for dry runs, under
@@ -865,7 +867,7 @@ def _classify(
         step = matching[0].step_of(disk)
         if step is None or (wanted is not None and step not in wanted):
             continue
-        if matching[0].name == GENERIC and layout.parse_checkpoint_name(name) != step:
+        if matching[0].record is None and layout.parse_checkpoint_name(name) != step:
             # ``checkpoint_400`` in a plain root (``generic`` matches both spellings):
             # adopted, it would be a checkpoint no manager of this root ever lists.
             misnamed[step] = (
@@ -873,9 +875,13 @@ def _classify(
                 (
                     f"{name} is not named as the checkpoints of {storage.url('')} are "
                     f"({layout.checkpoint_name(step)}), so no CheckpointManager there would ever "
-                    f"find it: rename it to {layout.checkpoint_name(step)} first (Accelerate's "
-                    "checkpoint_<i> folders are adopted from their project directory, with "
-                    "--framework accelerate)"
+                    f"find it: rename it to {layout.checkpoint_name(step)} first"
+                    + (
+                        " (Accelerate's checkpoint_<i> folders are adopted from their project "
+                        "directory, with --framework accelerate)"
+                        if name.startswith("checkpoint_")
+                        else ""
+                    )
                 ),
             )
             continue
@@ -973,6 +979,14 @@ def _judge(
         problem = str(exc)
     except Exception as exc:  # a registered rule's failure refuses its folder only
         problem = f"the {fw.name} completeness rule failed: {type(exc).__name__}: {exc}"
+    if problem is not None and not isinstance(problem, str):
+        # A rule returning True for "complete" refused every complete folder with the
+        # reason "True" (and False: "no framework rule applies").
+        raise TypeError(
+            f"the completeness rule of framework {fw.name!r} returned {problem!r} for "
+            f"{storage.url(name)}: it must return None when the folder is complete, else "
+            "the reason it is not (a str)"
+        )
     c.framework = fw
     c.problem = problem
     return c

@@ -239,6 +239,11 @@ class AsyncSaver:
         self._thread.start()
         return handle
 
+    def on_save_thread(self) -> bool:
+        """Whether the caller is the running save's own thread (its ``on_commit``
+        callback, or ``saving_async``'s write function)."""
+        return self._thread is not None and self._thread is threading.current_thread()
+
     def mark_raised(self) -> None:
         """The latest save's failure reached its caller already (``SaveHandle``)."""
         if self._handle is not None:

@@ -248,6 +248,14 @@ class CheckpointManager:
                 "root must be a path (str or os.PathLike), a URL such as 's3://bucket/run', "
                 f"or a Storage, got {type(root).__name__}"
             )
+        if on_commit is not None and not callable(on_commit):
+            # Accepted, it failed after every save (logged), and no upload ever ran.
+            raise TypeError(
+                f"on_commit must be a callable taking a CheckpointInfo, or None; got "
+                f"{type(on_commit).__name__} {on_commit!r:.80}"
+            )
+        if coordinator is not None:
+            _check_coordinator(coordinator)
         self.coordinator = coordinator or default_coordinator()
         # Made here, so this manager marks it left at close (``_leave``); one passed in
         # may go on serving other calls (a TieredCheckpointManager's tier 0).
@@ -419,6 +427,9 @@ class CheckpointManager:
         gets its own leader's result and ``combine`` of every leader's result (in the
         order of ``domain.leaders``), or every rank raises the failure. Collective.
 
+        Refused inside ``on_commit`` with several ranks: it runs on the coordinator
+        alone, so a collective call there waits for ranks that never make it.
+
         ``pick(result, want)``: what a rank other than the leader receives of its
         leader's result, given the ``want`` it sent (e.g. the manifest with only the
         file that rank reads); default: all of it. Each rank receives its own part
@@ -426,6 +437,13 @@ class CheckpointManager:
         ranks' files costs O(N) bytes in all rather than N entries to each of N ranks,
         and with several storage domains each rank gets its own leader's result, not
         every leader's."""
+        if self._callback_thread == threading.get_ident():
+            raise CheckpointError(
+                f"{phase}: a collective call (checkpoints(), latest(), restore(), a save, "
+                "...) was made from on_commit, which runs on the coordinator (rank 0) only: "
+                "it would wait for ranks that never make it. Make it after save() returns, "
+                "on every rank"
+            )
         return run_on_leaders(
             self.coordinator,
             phase,
@@ -1130,6 +1148,8 @@ class CheckpointManager:
                 self._saver_thread = None
 
     last_saved: CheckpointInfo | None = None
+    #: The thread inside ``on_commit`` (several ranks only): see ``_on_leaders``.
+    _callback_thread: int | None = None
 
     # ------------------------------------------------------------------ async saving
     _staging: Staging | None = None  # sync saves' O_DIRECT staging, made by the first
@@ -1417,6 +1437,16 @@ class CheckpointManager:
                 "CheckpointManager in the child (read_only=True to read checkpoints), or "
                 "start children with multiprocessing's 'spawn' method"
             )
+        if self._async is not None and self._async.on_save_thread():
+            # It would wait for the save it is part of: for ever (close() from the
+            # main thread then too).
+            raise CheckpointError(
+                f"{what} was called from the background thread of an async save (an "
+                "on_commit callback, or the write function of saving_async()): it would "
+                "wait for the save it runs in, for ever. Call it from the training "
+                "thread; for work after each commit, hand it to a thread of your own "
+                "(e.g. a concurrent.futures executor)"
+            )
 
     def _finish_async(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         return None if self._async is None else self._async.wait(timeout_s)
@@ -1571,6 +1601,8 @@ class CheckpointManager:
         callback = self.on_commit
         if callback is None:  # pragma: no cover - checked by the caller
             return
+        if self.world_size > 1:
+            self._callback_thread = threading.get_ident()  # see _on_leaders
         try:
             callback(info)
         except Exception:
@@ -1579,6 +1611,8 @@ class CheckpointManager:
                 "the save succeeded): handle errors inside the callback to act on them",
                 checkpoint_name(info.step),
             )
+        finally:
+            self._callback_thread = None
 
     def _nothing_to_restore(self) -> str:
         """The message of ``restore()`` when ROOT holds no valid checkpoint of this run,
@@ -1973,9 +2007,13 @@ class CheckpointManager:
             err, self._rotation_error = self._rotation_error, None
         if err is not None:
             log.warning(
-                "retention after the previous save failed: %s (the checkpoints it "
-                "meant to delete are still there; the next rotation retries)",
+                "retention after the previous save failed: %s: %s (policy %r; the "
+                "checkpoints it meant to delete are still there; the next rotation "
+                "retries)",
+                type(err).__name__,
                 err,
+                self.retention,
+                exc_info=err,
             )
 
     # ------------------------------------------------------------------ discovery
@@ -2393,6 +2431,7 @@ class CheckpointManager:
             )
             self._closed = True
             return
+        self._check_process("close()")
         self._close("close()", stop_bound_s=None)
 
     def _close(
@@ -2887,6 +2926,30 @@ def _log_strategy_once(storage: Storage, strategy: str, *, forced: bool) -> None
     else:
         why = f"{caps.name}: atomic directory rename"
     log.info("atomic-checkpoint: using %s commits on %s (%s)", strategy, storage.url(""), why)
+
+
+def _check_coordinator(coord: Any) -> None:
+    """Raise ``TypeError`` or ``ValueError`` unless ``coord`` looks like a
+    :class:`Coordinator` (an AttributeError from deep inside the first exchange said
+    nothing of what was passed)."""
+    missing = [
+        m for m in ("all_gather", "broadcast", "clone") if not callable(getattr(coord, m, None))
+    ]
+    rank, world = getattr(coord, "rank", None), getattr(coord, "world_size", None)
+    if missing or isinstance(coord, type):
+        raise TypeError(
+            f"coordinator must be a Coordinator object (rank, world_size, all_gather, "
+            f"broadcast, clone), or None for the default; got {type(coord).__name__} "
+            f"{coord!r:.80}" + (f" (no {', '.join(missing)})" if missing else "")
+        )
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world)):
+        raise TypeError(
+            f"coordinator.rank and .world_size must be ints, got {rank!r} and {world!r}"
+        )
+    if not 0 <= rank < world:  # type: ignore[operator]
+        raise ValueError(
+            f"coordinator.rank must be in [0, world_size): got rank {rank} of world_size {world}"
+        )
 
 
 def _check_retention(policy: Any) -> None:

@@ -495,6 +495,13 @@ def _is_policy(obj: object) -> bool:
 
 
 def _check_policy(policy: object, *, where: str) -> None:
+    if isinstance(policy, type):
+        # ``KeepLast(1) | MyPolicy`` (no parentheses): as a policy it failed at every
+        # rotation, so nothing was ever deleted and the disk filled.
+        raise TypeError(
+            f"{where}: a policy object such as {policy.__name__}(...) is needed, not the "
+            f"class {policy.__name__} itself"
+        )
     if policy is not None and not _is_policy(policy):
         raise TypeError(
             f"{where}: policy must be a RetentionPolicy such as KeepLast(3) "
@@ -552,19 +559,25 @@ def _kept_steps(policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo]) 
             f"{policy!r}.keep() must return a set of int steps, got {type(result).__name__}"
         ) from None
     for step in steps:
-        if isinstance(step, bool) or not isinstance(step, int):
+        # numpy's integers too (a policy that ranks steps with np.argsort returns them).
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise TypeError(
                 f"{policy!r}.keep() must return int steps, got {type(step).__name__} {step!r}"
             )
-    return steps
+    return frozenset(int(step) for step in steps)
 
 
 def _policy_reasons(
     policy: RetentionPolicy, checkpoints: Sequence[CheckpointInfo]
 ) -> dict[int, str]:
-    """Kept steps with reasons; a policy that is not built in is named by its repr."""
-    if isinstance(policy, _Composable):
+    """Kept steps with reasons; a policy that is not built in is named by its repr.
+
+    A subclass of a built-in policy that overrides ``keep`` is asked ``keep``: its
+    ``reasons`` are the base class's, which would drop what the override adds (a
+    ``KeepLast`` that also keeps milestones lost them inside ``|``)."""
+    if isinstance(policy, _Composable) and type(policy).keep is _Composable.keep:
         return policy.reasons(checkpoints)
     present = {info.step for info in checkpoints}
     kept = _kept_steps(policy, checkpoints) & present
-    return dict.fromkeys(sorted(kept), f"kept by {policy!r}")
+    base = policy.reasons(checkpoints) if isinstance(policy, _Composable) else {}
+    return {step: base.get(step, f"kept by {policy!r}") for step in sorted(kept)}

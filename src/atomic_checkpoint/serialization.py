@@ -67,6 +67,7 @@ import base64
 import collections
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -730,6 +731,14 @@ class _Planner:
     ) -> dict[str, Any]:
         if self.allow_pickle:
             return self._pickle(x, path if name_path is None else name_path, what)
+        if callable(getattr(x, "state_dict", None)) and not isinstance(x, type):
+            # A module or optimizer: its state dict is what to save (pickled, it comes
+            # back as an object that load_state_dict does not take).
+            raise SerializationError(
+                f"cannot save {_format_path(path)}: {what}. Save its state instead: "
+                f"{type(x).__name__.lower()}.state_dict() (and on restore, "
+                "load_state_dict() with what comes back)"
+            )
         raise SerializationError(f"cannot save {_format_path(path)}: {what}. {_CONVERT_HINT}.")
 
     def _tensor(self, torch: Any, x: Any, path: _Path) -> dict[str, Any]:
@@ -1420,6 +1429,7 @@ class _Loader:
                 return
             what = f"a {type(into).__name__} of tensors or arrays"
         else:
+            _check_fillable(into, path)
             return
         kind = _node_kind(node, tag)
         holds = "None" if node is None else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
@@ -1912,6 +1922,26 @@ def _small_run(entries: Sequence[Any], i: int, limit: int = _SMALL_BATCH_BYTES) 
         total += entries[j].size_bytes
         j += 1
     return j, total
+
+
+def _check_fillable(into: Any, path: _Path) -> None:
+    """Refuse what ``into=`` cannot fill but a user means to: a module or optimizer
+    (anything with ``load_state_dict``), or ``model.state_dict`` not called. Passed
+    over, the weights stayed as they were, without a word."""
+    if inspect.ismethod(into) and getattr(into, "__name__", "") == "state_dict":
+        owner = type(into.__self__).__name__
+        raise StateMismatchError(
+            f"{_format_path(path)}: into= has the method {owner}.state_dict there, not "
+            f"called: pass {owner.lower()}.state_dict() (its tensors are filled in place)"
+        )
+    if callable(getattr(into, "load_state_dict", None)) and not isinstance(into, type):
+        name = type(into).__name__
+        raise StateMismatchError(
+            f"{_format_path(path)}: into= has a {name} there, which restore() cannot fill "
+            f"(nothing would be loaded into it): pass its state_dict() (a module's "
+            "tensors are filled in place), or restore() without into= and call "
+            f"{name}.load_state_dict() with what it returns"
+        )
 
 
 def _copy_into(view: memoryview, chunk: memoryview) -> None:

@@ -221,19 +221,41 @@ def test_adopt_refuses_while_a_manager_of_the_root_is_open(out: Path) -> None:
 def test_a_registered_rule_decides_for_its_names(tmp_path: Path) -> None:
     root = tmp_path / "root"
     for step, ok in ((1, True), (2, False)):
-        (root / f"snap.{step}").mkdir(parents=True)
-        (root / f"snap.{step}" / ("DONE" if ok else "partial")).write_text("x")
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        (root / f"checkpoint-{step}" / ("DONE" if ok else "partial")).write_text("x")
     register_framework(
-        "snapshots-test",
-        r"^snap\.(?P<step>[0-9]+)$",
+        "done-file-test",
+        r"^checkpoint-(?P<step>[0-9]+)$",
         lambda path: None if os.path.exists(os.path.join(path, "DONE")) else "no DONE file",
+        auto=False,
     )
-    assert adopt(root, dry_run=True).adopted == [1]  # auto: every registered rule
-    result = adopt(root, framework="snapshots-test")
+    assert adopt(root, framework="done-file-test", dry_run=True).adopted == [1]
+    result = adopt(root, framework="done-file-test")
     assert result.adopted == [1] and result.refused == {2: "no DONE file"}
-    assert (root / "snap.1" / MANIFEST_NAME).exists()
+    assert (root / "checkpoint-1" / MANIFEST_NAME).exists()
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert [c.step for c in mgr.checkpoints()] == [1]
     with pytest.raises(ValueError, match="unknown framework"):
         adopt(root, framework="nope")
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_rule_for_other_names_or_returning_a_bool_is_said(tmp_path: Path) -> None:
+    # snap.<N> folders were "adopted" (manifests written) but no manager of the root
+    # ever listed them; a rule returning True refused every complete folder with the
+    # reason "True".
+    root = tmp_path / "root"
+    (root / "snap.1").mkdir(parents=True)
+    (root / "snap.1" / "DONE").write_text("x")
+    register_framework("snapshots-test", r"^snap\.(?P<step>[0-9]+)$", lambda path: None)
+    result = adopt(root, framework="snapshots-test")
+    assert result.adopted == [] and "rename it to checkpoint-1 first" in result.refused[1]
+    assert not (root / "snap.1" / MANIFEST_NAME).exists()
+    (root / "snap.1").rename(root / "checkpoint-1")
+    register_framework("bool-rule-test", r"^checkpoint-([0-9]+)$", lambda path: True, auto=False)
+    with pytest.raises(TypeError, match=r"returned True.*must return None"):
+        adopt(root, framework="bool-rule-test")
+    assert not (root / "checkpoint-1" / MANIFEST_NAME).exists()
 
 
 # ---------------------------------------------------------------------- Accelerate

@@ -737,3 +737,36 @@ def test_direct_and_buffered_writes_produce_the_same_file(tmp_path, mode):
     if opened[0] is False:
         pytest.skip("this filesystem refuses O_DIRECT: only the buffered path ran")
     assert opened == [True, False]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["save", "save_async", "wait", "close"])
+def test_a_manager_call_from_an_async_saves_own_thread_is_an_error_not_a_deadlock(tmp_path, call):
+    # on_commit of an async save runs on its background thread: save(), wait() or
+    # close() there waited for the save they ran in, for ever (and close() on the
+    # training thread then too).
+    seen: dict[int, str] = {}
+
+    def on_commit(info: Any) -> None:
+        if info.step != 1:
+            return
+        try:
+            if call in ("save", "save_async"):
+                getattr(mgr, call)(2, {"w": torch.ones(2)})
+            else:
+                getattr(mgr, call)()
+            seen[info.step] = "returned"
+        except CheckpointError as exc:
+            seen[info.step] = str(exc)
+
+    mgr = CheckpointManager(tmp_path / "ckpt", on_commit=on_commit, timeout_s=10)
+    mgr.save_async(1, {"w": torch.zeros(2)})
+    assert mgr.wait(timeout_s=20).step == 1
+    assert f"{call}() was called from the background thread of an async save" in seen[1]
+    # saving_async's write function runs there too.
+    mgr.saving_async(3, lambda d: (d / "f.txt").write_text("x") and mgr.wait())
+    with pytest.raises(CheckpointError, match=r"wait\(\) was called from the background"):
+        mgr.wait(timeout_s=20)
+    mgr.close()
+    with CheckpointManager(tmp_path / "ckpt", read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [1]

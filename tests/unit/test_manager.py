@@ -22,9 +22,11 @@ from atomic_checkpoint import (
     FencedError,
     KeepBest,
     KeepLast,
+    LocalStorage,
     ReadOnlyError,
     ResumeError,
     SerializationError,
+    SingleProcessCoordinator,
     StateMismatchError,
     StepOrderError,
     StorageError,
@@ -77,6 +79,26 @@ def test_restore_into_existing_tensors_fills_them_in_place(tmp_path):
     ptr = target["w"].data_ptr()
     out = mgr.restore(1, into=target)
     assert out["w"].data_ptr() == ptr and torch.equal(out["w"], state(1)["w"])
+
+
+def test_restore_into_a_module_an_optimizer_or_an_uncalled_state_dict_is_refused(tmp_path):
+    # Passed over without a word: restore() returned the state and the model kept its
+    # values (into= fills tensors, not objects).
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"model": model.state_dict(), "optim": opt.state_dict()})
+    with torch.no_grad():
+        model.weight.zero_()
+    with pytest.raises(StateMismatchError, match=r"state\['model'\].*a Linear there.*state_dict"):
+        mgr.restore(into={"model": model, "optim": opt.state_dict()})
+    with pytest.raises(StateMismatchError, match=r"state\['optim'\].*a SGD there"):
+        mgr.restore(into={"model": model.state_dict(), "optim": opt})
+    with pytest.raises(StateMismatchError, match=r"the method Linear.state_dict there, not called"):
+        mgr.restore(into={"model": model.state_dict, "optim": opt.state_dict()})
+    assert torch.count_nonzero(model.weight) == 0  # nothing was half-loaded
+    mgr.restore(into={"model": model.state_dict(), "optim": opt.state_dict()})
+    assert torch.count_nonzero(model.weight) > 0
 
 
 def test_saving_an_existing_step_is_an_error_unless_overwrite(tmp_path):
@@ -741,3 +763,60 @@ def test_one_checkpoint_that_cannot_be_deleted_does_not_stop_retention(tmp_path,
     mgr._delete_checkpoint = real  # type: ignore[method-assign]
     assert mgr.apply_retention() == [2]  # retried, once it can be
     mgr.close()
+
+
+def test_on_commit_and_coordinator_that_cannot_work_are_refused_at_once(tmp_path):
+    # Accepted, on_commit=[cb] failed after every save (logged) and never ran; a
+    # coordinator of the wrong kind failed inside the first exchange with an
+    # AttributeError.
+    with pytest.raises(TypeError, match="on_commit must be a callable"):
+        CheckpointManager(tmp_path, on_commit=[print])
+    with pytest.raises(TypeError, match="no all_gather, broadcast, clone"):
+        CheckpointManager(tmp_path, coordinator="torch")
+    bad_rank = SingleProcessCoordinator()
+    bad_rank.rank = 1
+    with pytest.raises(ValueError, match="rank 1 of world_size 1"):
+        CheckpointManager(tmp_path, coordinator=bad_rank)
+    assert not os.path.exists(tmp_path / ".atomic-checkpoint")  # nothing was written
+
+
+class _Wrapper:
+    """A user's Storage: the documented protocol, each call passed on to a
+    LocalStorage, whose capabilities it copies (``direct_io`` among them)."""
+
+    def __init__(self, inner: LocalStorage):
+        self._inner = inner
+        self.capabilities = inner.capabilities
+
+
+for _name in [
+    "url",
+    "local_path",
+    "makedirs",
+    "open_write",
+    "open_read",
+    "read_bytes",
+    "write_bytes_atomic",
+    "create_exclusive",
+    "listdir",
+    "size",
+    "is_dir",
+    "walk_files",
+    "fsync_dir",
+    "delete_file",
+    "delete_tree",
+    "refresh",
+    "rename_dir",
+    "exchange_dirs",
+]:
+    setattr(_Wrapper, _name, lambda self, *a, _n=_name, **k: getattr(self._inner, _n)(*a, **k))
+
+
+def test_a_wrapping_storage_that_copied_direct_io_capabilities_works_without_it(tmp_path):
+    # restore() (and a large save) failed with "'_Wrapper' object has no attribute
+    # 'direct_io_enabled'".
+    wrapper = _Wrapper(LocalStorage(tmp_path))
+    assert wrapper.capabilities.direct_io
+    with CheckpointManager(wrapper) as mgr:
+        mgr.save(1, state(1))
+        assert same(mgr.restore(), state(1))

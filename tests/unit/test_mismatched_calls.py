@@ -136,3 +136,36 @@ def test_a_manager_opened_on_rank_0_only_says_to_open_it_on_every_rank(tmp_path)
     assert err.missing_ranks == (1,)
     assert "create it on every rank" in str(err) and "if rank == 0:" in str(err)
     assert results[1][0] == "ok"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_a_collective_call_inside_on_commit_is_refused_there_not_a_stall(tmp_path, how):
+    # on_commit runs on the coordinator only: checkpoints() there waited timeout_s for
+    # ranks that never called it, then every later save failed on both ranks.
+    from atomic_checkpoint import CheckpointManager
+
+    def body(coord, rank):
+        seen: list[str] = []
+
+        def on_commit(info):
+            try:
+                mgr.checkpoints()
+                seen.append("returned")
+            except Exception as exc:
+                seen.append(str(exc))
+
+        mgr = CheckpointManager(tmp_path, coordinator=coord, on_commit=on_commit, timeout_s=20)
+        for step in (1, 2):
+            getattr(mgr, how)(step, {"w": [float(rank)]})
+        mgr.wait()
+        steps = [c.step for c in mgr.checkpoints()]
+        mgr.close()
+        return seen, steps
+
+    results = _on_ranks(2, body)
+    for kind, value, seconds in results:
+        assert kind == "ok", value
+        assert value[1] == [1, 2] and seconds < 15
+    seen = results[0][1][0]
+    assert len(seen) == 2 and all("made from on_commit" in s for s in seen), seen

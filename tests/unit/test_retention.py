@@ -359,6 +359,53 @@ def test_user_policy_composes_and_is_described(policy: RetentionPolicy) -> None:
     assert "KeepOdd()" in reasons[2]
 
 
+class KeepLastAndMilestones(KeepLast):
+    """A subclass of a built-in policy that overrides ``keep`` only."""
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> frozenset[int]:
+        return super().keep(checkpoints) | {c.step for c in checkpoints if c.metrics.get("ms")}
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(KeepLastAndMilestones(2), id="alone"),
+        pytest.param(KeepLastAndMilestones(2) | KeepBest(1), id="left-of-or"),
+        pytest.param(KeepEvery(1000) | KeepLastAndMilestones(2), id="right-of-or"),
+    ],
+)
+def test_a_subclass_overriding_keep_keeps_what_it_adds_inside_or_and_in_the_plan(
+    policy: RetentionPolicy,
+) -> None:
+    # Inside `|` the base class's reasons() were asked, never the override: the
+    # milestone it keeps was deleted; describe_plan called it "not kept" even alone.
+    checkpoints = [ck(1), ck(2, ms=1.0), ck(3), ck(4), ck(5), ck(6)]
+    assert deleted_steps(policy, checkpoints) == [1, 3, 4]
+    rows = {info.step: (kept, why) for info, kept, why in describe_plan(policy, checkpoints)}
+    assert rows[2] == (True, "kept by KeepLastAndMilestones(2)")
+    assert rows[5] == (True, "last 2") and not rows[4][0]
+
+
+def test_numpy_integer_steps_from_keep_are_steps() -> None:
+    np = pytest.importorskip("numpy")
+
+    class TopTwo:
+        def keep(self, checkpoints: Sequence[CheckpointInfo]) -> frozenset[int]:
+            steps = np.array([c.step for c in checkpoints])
+            return frozenset(steps[np.argsort(steps)[-2:]])
+
+    assert deleted_steps(TopTwo(), series(1, 2, 3, 4)) == [1, 2]
+
+
+def test_a_policy_class_instead_of_an_object_is_refused_inside_or() -> None:
+    # Accepted, it failed at every rotation (keep() missing an argument): nothing was
+    # ever deleted and the disk filled.
+    with pytest.raises(TypeError, match="not the class KeepOdd itself"):
+        KeepLast(1) | KeepOdd  # type: ignore[operator]
+    with pytest.raises(TypeError, match="not the class KeepLast itself"):
+        AnyOf(KeepLast)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("policy", "text"),
     [

@@ -5,7 +5,11 @@ for ``open_storage`` (what ``CheckpointManager`` and the CLI use) and for
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from atomic_checkpoint import CheckpointManager
 from atomic_checkpoint.storage import FsspecStorage, local_root, open_storage
@@ -59,3 +63,23 @@ def test_no_pattern_expanding_fsspec_call_in_the_fsspec_storage():
         and node.func.value.attr == "fs"
     ]
     assert calls == [], f"pattern-expanding fsspec calls in storage/fsspec.py: {calls}"
+
+
+@pytest.mark.parametrize(
+    ("root", "meant"),
+    [
+        (Path("s3://bucket") / "run1", "'s3://bucket/run1'"),
+        (Path("gs://bucket/a"), "'gs://bucket/a'"),
+    ],
+)
+def test_a_url_that_went_through_pathlib_is_refused_not_made_a_local_directory(
+    tmp_path, monkeypatch, root, meant
+):
+    # Path("s3://bucket") / "run1" is s3:/bucket/run1: it became ./s3:/bucket/run1, and
+    # the checkpoints stayed on the node's disk without a word.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"looks like {meant} with one slash lost"):
+        CheckpointManager(root)
+    assert os.listdir(tmp_path) == []
+    # A local directory really named like this: with ./ in front.
+    assert open_storage("./s3:/bucket").local_path("") == str(tmp_path / "s3:" / "bucket")

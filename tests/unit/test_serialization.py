@@ -460,6 +460,17 @@ class Custom:
         return hash(self.value)
 
 
+def test_a_module_or_optimizer_in_the_state_says_to_save_its_state_dict() -> None:
+    # The hint was allow_pickle=True: the object came back, and load_state_dict()
+    # refused it.
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(2, 2)
+    for value, name in ((model, "linear"), (torch.optim.SGD(model.parameters(), lr=0.1), "sgd")):
+        with pytest.raises(SerializationError) as info:
+            plan_state({"x": value})
+        assert f"{name}.state_dict()" in str(info.value) and "allow_pickle" not in str(info.value)
+
+
 def test_unsupported_object_names_its_path_and_the_fix() -> None:
     state = {"optimizer": {"param_groups": [{"lr": 0.1, "foo": Custom(1)}]}}
     with pytest.raises(SerializationError) as info:

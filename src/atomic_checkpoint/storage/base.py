@@ -273,9 +273,17 @@ class DirectIOStorage(Storage, Protocol):
 
 
 def direct_io(storage: Storage) -> DirectIOStorage | None:
-    """``storage`` as a :class:`DirectIOStorage` where its capabilities declare one,
-    else None."""
-    return cast(DirectIOStorage, storage) if storage.capabilities.direct_io else None
+    """``storage`` as a :class:`DirectIOStorage` where its capabilities declare one
+    and it has the methods, else None: a wrapper that copied ``LocalStorage``'s
+    capabilities without them is written and read without O_DIRECT (it failed with an
+    AttributeError at its first large save or restore)."""
+    if not storage.capabilities.direct_io:
+        return None
+    if not all(
+        callable(getattr(storage, m, None)) for m in ("direct_io_enabled", "open_write_direct")
+    ):
+        return None
+    return cast(DirectIOStorage, storage)
 
 
 def too_large(where: str, size_bytes: int | None) -> CorruptCheckpointError:
