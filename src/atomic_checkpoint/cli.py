@@ -164,7 +164,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
-from . import catalog
+from . import catalog, layout
 from ._version import __version__
 from .coordination import gather_summary
 from .errors import (
@@ -640,8 +640,17 @@ def _add_tiers(docs: list[dict[str, Any]], tiers: list[tuple[Storage, dict]]) ->
 
 def cmd_list(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
-    run_id = None if args.all_runs else _run_id_for_reading(storage)
-    docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
+    single = None if args.tier else _as_checkpoint_dir(storage, args.storage_option)
+    if single is not None:
+        # ROOT is one checkpoint directory (a copy of one): listed as its parent lists
+        # it, not as a root whose manifest file is a foreign entry.
+        storage, only = single
+        run_id = None
+        found = [e for e in catalog.scan(storage, run_id=None) if e.name == only]
+        docs = [_entry_doc(storage, e) for e in found]
+    else:
+        run_id = None if args.all_runs else _run_id_for_reading(storage)
+        docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
     lightning = _lightning_list_docs(storage)
     if lightning:
         # A Lightning ModelCheckpoint directory: each .ckpt through its sidecar manifest
@@ -780,11 +789,22 @@ def _progress_for(args: argparse.Namespace, label: str, total: int) -> _Progress
     return _Progress(sys.stderr, label, total, tty=tty)
 
 
-def _as_checkpoint_dir(storage: Storage) -> tuple[Storage, str] | None:
+def _as_checkpoint_dir(
+    storage: Storage, options: Sequence[str] | None = None
+) -> tuple[Storage, str] | None:
     """(storage of its parent, its name) if ROOT is itself a checkpoint directory (a
-    manifest at its top, and no root of its own); else None."""
+    manifest at its top, and no root of its own); else None. A URL too
+    (``s3://bucket/run/checkpoint-30``: the copy an upload made), opened with
+    ``options``."""
     local = storage.local_path("")
-    if local is None or posix.lexists(os.path.join(local, META_DIR)):
+    if local is None:
+        if storage.size(MANIFEST_NAME) is None or storage.size(RUN_FILE) is not None:
+            return None
+        parent, _, name = storage.url("").rstrip("/").rpartition("/")
+        if not name or parent.endswith(":/"):
+            return None  # a bucket itself
+        return open_storage(parent, _storage_options(options) or None), name
+    if posix.lexists(os.path.join(local, META_DIR)):
         return None
     if not posix.is_file(os.path.join(local, MANIFEST_NAME)):
         return None
@@ -1071,7 +1091,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     impostors: list[dict[str, Any]] = []
     lightning = _lightning_names(storage) if args.step is None else []
-    single = None if args.step is not None or args.tier else _as_checkpoint_dir(storage)
+    single = (
+        None
+        if args.step is not None or args.tier
+        else _as_checkpoint_dir(storage, args.storage_option)
+    )
     if single is not None:
         # ROOT is one checkpoint directory (a path-style DCP save's checkpoint_id, or
         # checkpoint-<step> itself): verified against its own manifest.
@@ -1194,6 +1218,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 f"nothing was verified: every checkpoint{whose} in {storage.url()} was removed "
                 "while it was being read (the job that owns ROOT rotates them faster than "
                 "verify reads them); run verify again, or verify one step with a longer life"
+            )
+        state_files = [n for n in storage.listdir("") if layout.is_state_file(n)]
+        if state_files and storage.size(MANIFEST_NAME) is None:
+            # The files of one checkpoint, without its manifest: a copy cut short.
+            raise CliError(
+                f"{storage.url()} holds the state files of one checkpoint "
+                f"({', '.join(sorted(state_files)[:3])}) but no {MANIFEST_NAME}, which is written "
+                "last: a copy that was cut short, or a save that never committed, so it "
+                "cannot be verified. Copy the complete checkpoint again"
             )
         raise CliError(f"nothing to verify: {storage.url()} holds no checkpoint{whose}")
     if bad:
@@ -1465,6 +1498,9 @@ def _tier_copies(
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
+    single = None if args.tier else _as_checkpoint_dir(storage, args.storage_option)
+    if single is not None and parse_checkpoint_name(single[1]) == args.step:
+        storage = single[0]  # ROOT is that checkpoint's directory: read from its parent
     run_id = _run_id_for_reading(storage)
     tiers = [_open_tier(t, args.tier_storage_option) for t in args.tier or ()]
     name = checkpoint_name(args.step)
@@ -1687,7 +1723,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     try:
         run_id = args.run_id or catalog.recorded_run_id(storage)
     except CheckpointError as exc:
-        raise CliError(f"{exc}: pass --run-id RUN to say whose checkpoints to prune", EXIT_USAGE)
+        # Torn (a crash while it was first written): read as no run file, as the manager
+        # does (it replaces it): the run is then the one whose checkpoints are there.
+        print(f"{PROG}: warning: {exc}: taken as no run file", file=sys.stderr)
+        run_id = None
     # No run file (a tiered job's persistent tier, a root saved with run_id=): the run
     # is unambiguous when every checkpoint there belongs to one. One scan either way.
     entries = catalog.scan(storage, run_id=run_id)

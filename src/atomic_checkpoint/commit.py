@@ -204,7 +204,13 @@ def begin(
         # Known before it exists, so a failure from here on discards it.
         pending.owned = ctx.strategy.pending_location(step, attempt)
         _fence(ctx, step)
-        exists = _is_step_committed(ctx.storage, step, overwrite=overwrite, run_id=ctx.run_id)
+        exists = _is_step_committed(
+            ctx.storage,
+            step,
+            overwrite=overwrite,
+            run_id=ctx.run_id,
+            renames=not ctx.strategy.writes_in_place,
+        )
         if exists and not overwrite and len(ctx.leaders) == 1:
             raise _exists_error(ctx.storage, step)
         return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists
@@ -648,13 +654,21 @@ def _foreign_entries(storage: Storage, rel: str) -> list[str]:
 
 
 def _is_step_committed(
-    storage: Storage, step: int, *, overwrite: bool = False, run_id: str | None = None
+    storage: Storage,
+    step: int,
+    *,
+    overwrite: bool = False,
+    run_id: str | None = None,
+    renames: bool = False,
 ) -> bool:
     """Whether ``checkpoint-<step>`` is taken: by a manifest, or (with ``overwrite``,
     which then replaces it) by a foreign directory. Without ``overwrite`` a foreign
     directory is an error: it is never replaced silently. Another run's checkpoint
     (a manifest with another run id than ``run_id``) is an error with or without
-    ``overwrite``: other runs' checkpoints are never replaced or deleted."""
+    ``overwrite``: other runs' checkpoints are never replaced or deleted. A commit by
+    rename (``renames``) cannot land on any directory of that name, empty or holding
+    only our leftovers (an interrupted copy or delete): said before anything is
+    written, not by the rename after every rank wrote."""
     name = checkpoint_name(step)
     try:
         manifest = read_manifest(storage, name)
@@ -667,7 +681,7 @@ def _is_step_committed(
             )
     except errors.CheckpointNotFoundError:
         # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
-        if storage.is_dir(name) and _foreign_entries(storage, name):
+        if storage.is_dir(name) and (renames or _foreign_entries(storage, name)):
             if overwrite:
                 return True
             raise errors.CommitError(

@@ -614,7 +614,9 @@ class RunLock:
             "or at once by a job restarted with the same explicit run_id; to take over now, "
             "pass CheckpointManager(..., takeover=True), or run `atomic-checkpoint clean "
             f"--force {self.storage.url('')}` (or delete {self.storage.url(LOCK_FILE)}) "
-            "after making sure the other job is dead"
+            "after making sure the other job is dead. A copy of a live job's root (cp, "
+            "rsync) carries that job's lock, and that job writes to its own root, not to "
+            "the copy: take a copy's lock over with takeover=True"
         )
         err.holder = holder  # type: ignore[attr-defined]
         return err

@@ -125,7 +125,8 @@ def check_world_size(manifest: Manifest, world_size: int) -> None:
         raise CheckpointError(
             f"checkpoint step {manifest.step} holds per-rank state of "
             f"{manifest.world_size} rank(s) but this job has {world_size}; restore it with "
-            "the same world size, or save with the DCP integration for resharding"
+            "the same world size, or save with the DCP integration for resharding (one "
+            "process reads one rank's part with restore(rank=r))"
         )
 
 
@@ -591,6 +592,11 @@ class CheckpointManager:
             # A reader only needs to know whether there is a valid checkpoint (resume
             # modes): the newest one, not a read of every manifest in ROOT.
             newest = catalog.newest(self.storage, run_id=run_id or recorded, warn=False)
+            if run_id is None and recorded is None and newest is not None and newest.run_id:
+                # No run file (a copied root, a persistent tier): the reader follows the
+                # run of the newest checkpoint, never a mix of every run's checkpoints
+                # (restore() returned another run's newer step). run_id= picks another.
+                recorded = newest.run_id
             return {
                 "run_id": run_id or recorded or "",
                 "last_seq": 0,

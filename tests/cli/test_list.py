@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -157,3 +158,25 @@ def test_list_missing_or_file_root_is_exit_2_with_one_line(tmp_path):
     # scheme no installed filesystem serves is a usage error naming it.
     proc = run_cli("list", "nosuchscheme://bucket/run")
     assert proc.returncode == 2 and "nosuchscheme://bucket/run" in error_line(proc)
+
+
+@pytest.mark.timeout(60)
+def test_list_inspect_and_verify_take_one_checkpoint_directory(tmp_path):
+    # list showed the manifest as a foreign entry, inspect found "no checkpoint step
+    # 100", and verify of a copy without its manifest said "nothing to verify".
+    root = tmp_path / "root"
+    make_root(root, (100, 200))
+    one = root / "checkpoint-100"
+    listed = run_json("list", one)
+    assert [(e["name"], e["step"], e["status"]) for e in listed["entries"]] == [
+        ("checkpoint-100", 100, "ok")
+    ]
+    inspected = run_json("inspect", one, "100")
+    assert inspected["name"] == "checkpoint-100" and inspected["status"] == "ok"
+    torn = tmp_path / "torn" / "checkpoint-200"
+    shutil.copytree(root / "checkpoint-200", torn)
+    (torn / "checkpoint.manifest.json").unlink()
+    proc = run_cli("verify", torn)
+    assert proc.returncode == 1
+    assert "holds the state files of one checkpoint" in proc.stderr
+    assert "Copy the complete checkpoint again" in proc.stderr

@@ -147,3 +147,23 @@ def test_a_url_root_needs_no_mount_any_more():
     # The old refusal ("mount the bucket") is gone; an unknown scheme says what failed.
     proc = run_cli("list", "nosuchscheme://bucket/prefix")
     assert proc.returncode == 2 and "nosuchscheme://bucket/prefix" in error_line(proc)
+
+
+@pytest.mark.timeout(120)
+def test_one_checkpoint_of_an_s3_root_is_verified_by_its_own_url(s3_server, s3_bucket):
+    # "nothing to verify: ... holds no checkpoint" (exit 1) for the URL of one uploaded
+    # checkpoint, while its local copy and the parent URL verified; and a manager opened
+    # there started a run inside the checkpoint.
+    from atomic_checkpoint import CheckpointError
+
+    url = f"s3://{s3_bucket}/models"
+    opts = s3_server.storage_options()
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(30, state(30))
+    one = f"{url}/checkpoint-30"
+    doc = run_json("verify", one, env=_aws_env(s3_server))
+    assert doc["ok"] is True and [c["step"] for c in doc["checkpoints"]] == [30], doc
+    before = _keys(s3_server, s3_bucket, "models/")
+    with pytest.raises(CheckpointError, match="is one checkpoint"):
+        CheckpointManager(one, storage_options=opts)
+    assert _keys(s3_server, s3_bucket, "models/") == before

@@ -202,6 +202,17 @@ def test_prune_of_a_root_without_run_file_holding_one_run_prunes_that_run(tmp_pa
     assert doc["run_id"] == rid and _committed(root) == [600]
 
 
+def test_prune_reads_a_torn_run_file_as_none(tmp_path):
+    # Exit 2 ("run.json is not valid JSON: pass --run-id RUN"), where a manager replaces
+    # it and goes on with the one run whose checkpoints are there.
+    root, _ = _root(tmp_path)
+    (root / ".atomic-checkpoint" / "run.json").write_text('{"run_id": "ru')
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "run.json is not valid JSON" in proc.stderr and "taken as no run file" in proc.stderr
+    assert _committed(root) == [600]
+
+
 def test_prune_of_an_empty_root_has_nothing_to_prune(tmp_path):
     """Before, it exited 2: "holds checkpoints of 0 runs ... pass --run-id"."""
     root = tmp_path / "empty"

@@ -100,6 +100,7 @@ def test_live_holder_on_another_host_is_refused_with_a_message_naming_it(storage
         "takeover=True",
         "atomic-checkpoint clean --force",
         str(storage.url(LOCK_FILE)),
+        "A copy of a live job's root (cp, rsync) carries that job's lock",
     ):
         assert part in msg, part
     assert info.value.holder.run_id == "train-llama"

@@ -820,3 +820,42 @@ def test_a_wrapping_storage_that_copied_direct_io_capabilities_works_without_it(
     with CheckpointManager(wrapper) as mgr:
         mgr.save(1, state(1))
         assert same(mgr.restore(), state(1))
+
+
+def test_an_empty_step_directory_is_said_before_anything_is_written(tmp_path, caplog):
+    # An interrupted copy left checkpoint-3/ empty: the restarted job wrote every
+    # rank's data, then the rename failed with a bare "already exists".
+    with CheckpointManager(tmp_path) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+    shutil.rmtree(tmp_path / "checkpoint-3")
+    (tmp_path / "checkpoint-3").mkdir()
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        mgr = CheckpointManager(tmp_path)
+    assert "checkpoint-3, newer than step 2 (the newest valid checkpoint), has no manifest" in (
+        caplog.text
+    )
+    with mgr:
+        assert mgr.latest().step == 2
+        with pytest.raises(CommitError, match="exists but is not a committed checkpoint"):
+            mgr.save(3, state(3))
+        assert os.listdir(tmp_path / PENDING_DIR) == []
+        mgr.save(3, state(3), overwrite=True)
+        assert same(mgr.restore(3), state(3))
+
+
+def test_a_reader_of_a_root_without_a_run_file_follows_the_newest_checkpoints_run(tmp_path):
+    # It listed every run's checkpoints and restored another run's newer step.
+    for rid, steps in (("run-a", (100, 200)), ("run-b", (150, 300))):
+        with CheckpointManager(tmp_path / rid, run_id=rid) as mgr:
+            for s in steps:
+                mgr.save(s, state(s))
+        for s in steps:
+            shutil.copytree(
+                tmp_path / rid / f"checkpoint-{s}", tmp_path / "mix" / f"checkpoint-{s}"
+            )
+    with CheckpointManager(tmp_path / "mix", read_only=True) as reader:
+        assert reader.run_id == "run-b"
+        assert [c.step for c in reader.checkpoints()] == [150, 300]
+    with CheckpointManager(tmp_path / "mix", read_only=True, run_id="run-a") as reader:
+        assert [c.step for c in reader.checkpoints()] == [100, 200]

@@ -334,7 +334,8 @@ def linked(path: str) -> UnsafeCheckpointError:
     return UnsafeCheckpointError(
         f"{path} is a symbolic link (to {target}): atomic-checkpoint never follows links "
         "inside a checkpoint root, so nothing outside the root is read, written or deleted "
-        "through them; it is left alone. Replace the link by the real directory or file"
+        "through them; it is left alone. Replace the link by the real directory or file "
+        "(cp -rL or rsync -L copy what links point to)"
     )
 
 

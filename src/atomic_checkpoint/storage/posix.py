@@ -198,7 +198,9 @@ def check_inside(base: str, file_rel: str, where: str) -> None:
             raise UnsafeCheckpointError(
                 f"{where}: {what} is a symbolic link that resolves "
                 f"{'inside' if inside else 'outside'} the checkpoint ({target}); links are "
-                "never followed, so it is not read (nor deleted through)"
+                "never followed, so it is not read (nor deleted through). A copy made "
+                "with links (cp -rs, a Hugging Face hub cache snapshot) is read once "
+                "copied with the files themselves (cp -rL, rsync -L)"
             )
     target = os.path.realpath(os.path.join(base, *file_rel.split("/")))
     if os.path.commonpath([os.path.realpath(base), target]) != os.path.realpath(base):
