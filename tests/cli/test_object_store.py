@@ -36,6 +36,14 @@ def _keys(server, bucket: str, prefix: str) -> list[str]:
     return sorted(o["Key"] for o in listed.get("Contents", []))
 
 
+def _saved(server, url: str, step: int) -> dict:
+    """A root at ``url`` holding checkpoint ``step``; returns its storage options."""
+    opts = server.storage_options()
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(step, state(step))
+    return opts
+
+
 def _crashed_attempt(url: str, opts: dict, step: int, token: str) -> None:
     """What a writer SIGKILLed after writing its data leaves: a marker and an attempt."""
     s = FsspecStorage(url, opts)
@@ -107,9 +115,7 @@ def test_list_verify_inspect_prune_clean_on_s3(s3_server, s3_bucket):
 @pytest.mark.timeout(120)
 def test_storage_options_on_the_command_line(s3_server, s3_bucket):
     url = f"s3://{s3_bucket}/run2"
-    opts = s3_server.storage_options()
-    with CheckpointManager(url, storage_options=opts) as mgr:
-        mgr.save(7, state(7))
+    _saved(s3_server, url, 7)
     args = [
         f"--storage-option=key={ACCESS_KEY}",
         f"--storage-option=secret={SECRET_KEY}",
@@ -157,9 +163,7 @@ def test_one_checkpoint_of_an_s3_root_is_verified_by_its_own_url(s3_server, s3_b
     from atomic_checkpoint import CheckpointError
 
     url = f"s3://{s3_bucket}/models"
-    opts = s3_server.storage_options()
-    with CheckpointManager(url, storage_options=opts) as mgr:
-        mgr.save(30, state(30))
+    opts = _saved(s3_server, url, 30)
     one = f"{url}/checkpoint-30"
     doc = run_json("verify", one, env=_aws_env(s3_server))
     assert doc["ok"] is True and [c["step"] for c in doc["checkpoints"]] == [30], doc
