@@ -1756,8 +1756,17 @@ class CheckpointManager:
         from .retention import plan_deletions
 
         assert self.retention is not None
+        # Only what every leader has alike (RetentionPolicy.keep says so): metadata
+        # and sizes differ per domain or would cost the exchange too much.
         infos = [
-            CheckpointInfo(step=s, path=checkpoint_name(s), size_bytes=0, metrics=m, created_unix=t)
+            CheckpointInfo(
+                step=s,
+                path=self.storage.url(checkpoint_name(s)),
+                size_bytes=0,
+                metrics=m,
+                created_unix=t,
+                run_id=self.run_id,
+            )
             for s, m, t in everywhere
             if s not in self._failed_verification
         ]

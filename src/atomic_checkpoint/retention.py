@@ -66,6 +66,11 @@ class RetentionPolicy(Protocol):
         Args:
             checkpoints: this run's committed checkpoints, in any order. A policy orders
                 them by integer ``step`` itself, never by ``created_unix`` or by name.
+                With node-local disks (several storage domains) every node's leader
+                decides alike from what the commit exchanges: ``step``, ``metrics``,
+                ``created_unix``, ``run_id`` and ``path``; ``metadata`` is empty and
+                ``size_bytes`` 0 there, so decide from metrics (record a milestone as
+                a metric, e.g. ``metrics={"milestone": 1}``).
 
         Returns:
             The kept steps. Steps that are not in ``checkpoints`` are ignored. Steps

@@ -147,7 +147,9 @@ def test_newest_corrupt_and_older_valid(root: Path) -> None:
         CheckpointManager(root, resume="never")
 
 
-def test_other_runs_checkpoints_are_not_ours_to_resume(root: Path, tmp_path: Path) -> None:
+def test_other_runs_checkpoints_are_not_ours_to_resume(
+    root: Path, tmp_path: Path, caplog: Any
+) -> None:
     # Another run's checkpoints, newer than all of ours.
     other = make_local_root(tmp_path / "other", [N + 5, N + 6], run_id="run-b")
     for step in (N + 5, N + 6):
@@ -162,10 +164,17 @@ def test_other_runs_checkpoints_are_not_ours_to_resume(root: Path, tmp_path: Pat
     # A new run on the same root: the checkpoints are not its own.
     with CheckpointManager(root, run_id="run-c", resume="never") as mgr:
         assert mgr.latest() is None
-    with pytest.raises(ResumeError, match=r"no valid checkpoint of run 'run-d'$"):
+    # ... and says whose checkpoints are there, instead of a silent fresh start.
+    with pytest.raises(ResumeError, match=r"no valid checkpoint of run 'run-d'; it holds") as e:
         CheckpointManager(root, run_id="run-d", resume="must")
-    with CheckpointManager(root, run_id="run-e") as mgr:  # auto: a fresh start
+    assert f"run 'run-b' (newest step {N + 6})" in str(e.value)
+    with (
+        caplog.at_level(logging.WARNING, logger="atomic_checkpoint"),
+        CheckpointManager(root, run_id="run-e") as mgr,  # auto: a fresh start
+    ):
         assert mgr.latest() is None
+    assert "run 'run-e' has no checkpoint in" in caplog.text
+    assert "this run starts from scratch beside them" in caplog.text
 
 
 def test_directories_that_are_not_checkpoints(tmp_path: Path, caplog: Any) -> None:
