@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from atomic_checkpoint import (
     CheckpointError,
@@ -476,6 +477,24 @@ def test_generic_refuses_a_folder_no_manager_of_the_root_would_list(tmp_path: Pa
     assert not (root / "checkpoint_400" / MANIFEST_NAME).exists()
     with CheckpointManager(root) as mgr:
         assert [c.step for c in mgr.checkpoints()] == [100]
+
+
+def test_generic_never_adopts_our_own_checkpoint_without_its_manifest(tmp_path: Path) -> None:
+    """A copy cut short: checkpoint-30 holds this library's state file (truncated) but
+    no manifest. The hints led to ``--framework generic``, which adopted it; verify then
+    said ok and restore() raised at every start instead of falling back to step 20."""
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        for step in (20, 30):
+            mgr.save(step, {"w": torch.full((1024,), float(step))})
+    (root / "checkpoint-30" / MANIFEST_NAME).unlink()
+    with open(root / "checkpoint-30" / "rank-00000.safetensors", "r+b") as f:
+        f.truncate(100)
+    result = adopt(root, framework="generic")
+    assert result.adopted == [] and "own state files" in result.refused[30], result
+    assert not (root / "checkpoint-30" / MANIFEST_NAME).exists()
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore()["w"][0] == 20.0
 
 
 def test_an_unknown_framework_lists_every_rule_the_integrations_bring(tmp_path: Path) -> None:

@@ -859,3 +859,16 @@ def test_a_reader_of_a_root_without_a_run_file_follows_the_newest_checkpoints_ru
         assert [c.step for c in reader.checkpoints()] == [150, 300]
     with CheckpointManager(tmp_path / "mix", read_only=True, run_id="run-a") as reader:
         assert [c.step for c in reader.checkpoints()] == [100, 200]
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_a_checkpoint_directory_opened_as_a_root_is_refused(tmp_path, read_only):
+    # It held no checkpoint as a root: the job started from scratch and its save wrote
+    # a run (.atomic-checkpoint/, .pending/, checkpoint-1/) inside the checkpoint.
+    with CheckpointManager(tmp_path / "root") as mgr:
+        mgr.save(30, state(30))
+    one = tmp_path / "root" / "checkpoint-30"
+    before = sorted(os.listdir(one))
+    with pytest.raises(CheckpointError, match=r"is one checkpoint .*restore\(step=30\)"):
+        CheckpointManager(one, read_only=read_only)
+    assert sorted(os.listdir(one)) == before
