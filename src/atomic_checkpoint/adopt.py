@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, layout
+from ._checks import flag
 from ._version import __version__
 from .errors import (
     CheckpointError,
@@ -220,11 +221,21 @@ def register_framework(
             then applied only when asked for by name.
 
     Raises:
-        ValueError: the name is reserved, or the regex captures no step.
+        ValueError: the name is reserved, or the regex is invalid or captures no step.
+        TypeError: ``names_regex`` is not a str or pattern, or ``is_complete`` (or
+            ``record``) is not callable.
     """
     if not isinstance(name, str) or not name or name == AUTO:
         raise ValueError(f"framework name must be a non-empty string other than {AUTO!r}")
-    pattern = re.compile(names_regex) if isinstance(names_regex, str) else names_regex
+    if not isinstance(names_regex, (str, re.Pattern)):
+        raise TypeError(
+            f"names_regex of framework {name!r} must be a str or a compiled pattern, got "
+            f"{type(names_regex).__name__}"
+        )
+    try:
+        pattern = re.compile(names_regex) if isinstance(names_regex, str) else names_regex
+    except re.error as exc:
+        raise ValueError(f"names_regex {names_regex!r} of framework {name!r}: {exc}") from None
     if "step" not in pattern.groupindex and pattern.groups < 1:
         raise ValueError(
             f"names_regex {pattern.pattern!r} of framework {name!r} captures no step: add a "
@@ -232,6 +243,8 @@ def register_framework(
         )
     if not callable(is_complete):
         raise TypeError(f"is_complete of framework {name!r} must be callable")
+    if record is not None and not callable(record):
+        raise TypeError(f"record of framework {name!r} must be callable, or None")
     _FRAMEWORKS[name] = Framework(name, pattern, is_complete, record, auto)
 
 
@@ -614,14 +627,8 @@ def adopt(
         CheckpointError: ``run_id`` differs from the recorded run; storage errors.
     """
     t0 = time.monotonic()
-    if framework != AUTO and framework not in _FRAMEWORKS:
-        _load_integration_rule(framework)
-    if framework != AUTO and framework not in _FRAMEWORKS:
-        raise ValueError(
-            f"unknown framework {framework!r}: one of "
-            f"{sorted({AUTO, *frameworks(), *_ON_DEMAND})} (integrations register theirs "
-            "with atomic_checkpoint.register_framework)"
-        )
+    _check_framework(framework)
+    dry_run = flag("dry_run", dry_run)
     if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
         raise ValueError("run_id must be a non-empty string")
     wanted = _wanted_steps(steps)
@@ -678,6 +685,19 @@ def adopt(
     return out
 
 
+def _check_framework(framework: str) -> None:
+    """Raise ``ValueError`` unless ``framework`` is ``"auto"`` or a registered rule (the
+    integrations' rules are imported on demand)."""
+    if framework != AUTO and framework not in _FRAMEWORKS:
+        _load_integration_rule(framework)
+    if framework != AUTO and framework not in _FRAMEWORKS:
+        raise ValueError(
+            f"unknown framework {framework!r}: one of "
+            f"{sorted({AUTO, *frameworks(), *_ON_DEMAND})} (integrations register theirs "
+            "with atomic_checkpoint.register_framework)"
+        )
+
+
 def _names_a_candidate(storage: Storage, framework: str, ours: tuple[str, ...]) -> bool:
     """Whether some entry of ROOT is named as a checkpoint of ``framework`` (any, for
     ``AUTO``) would name it: the cheap test before anything is written."""
@@ -715,6 +735,7 @@ def adopt_held(
 
     ``valid``: the checkpoints of ROOT already read and validated under this lock
     (``_committed_in``), by name: settled without reading their manifests again."""
+    _check_framework(framework)
     say = progress or (lambda line: None)
     out = AdoptResult(storage.url(""), rid)
     strategy = strategy or choose_strategy(storage).name

@@ -1,8 +1,14 @@
 """The exception tree of atomic-checkpoint.
 
-Every error the library raises derives from :class:`CheckpointError`; low-level
-``OSError``\\ s and backend errors are mapped at the storage boundary and chained
-(``raise StorageError(...) from exc``), so callers never need to catch ``OSError``.
+Every error about checkpoints, storage and coordination derives from
+:class:`CheckpointError`; low-level ``OSError``\\ s and backend errors are mapped at the
+storage boundary and chained (``raise StorageError(...) from exc``), so callers never
+need to catch ``OSError``. A bad argument (a step of the wrong type, a negative
+timeout) is a plain ``TypeError`` or ``ValueError`` raised before anything is done;
+``wait(timeout_s=...)`` raises ``TimeoutError``; with one process, an exception of the
+caller's own (``saving()``'s block, ``saving_async``'s write function, ``failed=``) is
+raised as it is (with several, every rank raises a ``DistributedCheckpointError``
+naming it).
 Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still works::
 
     CheckpointError(Exception)

@@ -19,7 +19,6 @@ import errno
 import functools
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from . import catalog, commit
+from ._checks import flag as _flag
+from ._checks import positive_seconds as _positive_seconds
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
@@ -180,8 +181,10 @@ class CheckpointManager:
         takeover: take the run lock on ``root`` even from a job that may still be
             alive (it is fenced: it can no longer commit or delete). Without it, a
             holder is taken over only when provably gone (same host and its process
-            is dead, or its lease expired) or when ``run_id`` is passed and equals
-            the holder's (a restarted job); otherwise ``LockHeldError`` names it.
+            is dead, or its lease expired), when ``run_id`` is passed and equals
+            the holder's (a restarted job), or when it is an earlier manager of this
+            same process that was not closed (it is fenced; a warning says so);
+            otherwise ``LockHeldError`` names it.
         lease_s: the run lock's lease: renewed every ``lease_s / 3``; a holder that
             has not renewed for ``lease_s`` may be taken over from any host.
         storage_domains: which ranks see the same files under ``root``: "auto"
@@ -224,6 +227,8 @@ class CheckpointManager:
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ValueError("run_id must be a non-empty string")
         timeout_s = _positive_seconds("timeout_s", timeout_s)
+        lease_s = _positive_seconds("lease_s", lease_s)
+        visibility_timeout_s = _positive_seconds("visibility_timeout_s", visibility_timeout_s)
         read_only, allow_pickle, takeover = (
             _flag("read_only", read_only),
             _flag("allow_pickle", allow_pickle),
@@ -942,6 +947,8 @@ class CheckpointManager:
         Returns what was adopted, refused (with the reason) or already committed.
 
         Raises:
+            ValueError: an unknown ``framework`` (the integrations' ``"dcp"`` and
+                ``"lightning"`` rules are loaded on demand).
             CheckpointError: this manager is read-only or closed; storage errors.
             LockError: another job took ROOT over (fenced: nothing more is written).
         """
@@ -1093,7 +1100,8 @@ class CheckpointManager:
         step and that none has bad input (``metrics``, ``metadata``, or ``failed``: this
         rank could not prepare its part, e.g. its state dict raised): otherwise every
         rank raises the same error at once (``CommitError``, or
-        ``DistributedCheckpointError`` naming the rank), and no block runs. Inside the
+        ``DistributedCheckpointError`` naming the rank; with one process, the error
+        itself), and no block runs. Inside the
         block, the others would write first, and a framework's own collectives (DCP's)
         would wait for the rank that left.
 
@@ -1428,6 +1436,8 @@ class CheckpointManager:
             CheckpointError: the async save failed (raised once, on every rank).
         """
         self._check_process("wait()")
+        if timeout_s is not None:  # 0 polls
+            timeout_s = 0.0 if timeout_s == 0 else _positive_seconds("timeout_s", timeout_s)
         info = self._finish_async(timeout_s)
         self._finish_rotation()
         return info
@@ -2175,7 +2185,11 @@ class CheckpointManager:
                 (``step=None``), does not verify.
             StateMismatchError: ``into`` does not match the checkpoint (no older
                 checkpoint is tried for it).
-            CheckpointError: ``device`` is a GPU this process does not see.
+            CheckpointError: ``device`` is a GPU this process does not see; or the
+                checkpoint chosen holds files rather than a saved state (written by
+                ``saving()``, a DCP save, or adopted from a framework): its files are
+                read by path (``checkpoint_path(step)``), and no older checkpoint is
+                tried instead.
         """
         verify = _flag("verify", verify)
         if allow_pickle is not None:
@@ -2199,6 +2213,8 @@ class CheckpointManager:
 
     def _restore(self, step: int | None, load: Callable[[Manifest], Any], rank: int | None) -> Any:
         """``restore``: ``step``, or the newest checkpoint that ``load`` verifies."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
         if step is not None:
             step = validate_step(step)
             agree(self.coordinator, "restore(step)", step, timeout_s=self.timeout_s)
@@ -2982,32 +2998,3 @@ def _check_retention(policy: Any) -> None:
     raise TypeError(
         f"retention must be a policy such as KeepLast(3), got {type(policy).__name__}{hint}"
     )
-
-
-def _flag(name: str, value: Any) -> bool:
-    """``value`` as a bool, else ``TypeError``: a string from a config file or the
-    command line ("no", "false") is truthy, and ``overwrite="no"`` replaced a committed
-    checkpoint. numpy's bool is accepted."""
-    kind = type(value)
-    if isinstance(value, bool) or (
-        kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
-    ):
-        return bool(value)
-    raise TypeError(
-        f"{name} must be True or False, got {value!r} ({type(value).__name__}); convert "
-        "a setting read as text first (e.g. value.lower() in ('1', 'true', 'yes'))"
-    )
-
-
-def _positive_seconds(name: str, value: Any) -> float:
-    """``value`` as a positive, finite number of seconds, else ``ValueError``."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number of seconds, got {value!r}") from None
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(
-            f"{name} must be a positive, finite number of seconds, got {value!r} (for a "
-            "bound that never matters in practice, pass e.g. 86400: a day)"
-        )
-    return seconds

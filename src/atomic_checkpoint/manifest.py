@@ -136,8 +136,11 @@ class CheckpointInfo:
         created_unix: commit time (seconds since the epoch), from the manifest.
         run_id: the run that wrote it.
         commit_seq: monotonically increasing commit number within ROOT.
-        timings_s: per-phase durations of the save that produced it (only on the
-            ``CheckpointInfo`` returned by ``save``): write, fsync, gather, commit, rotation.
+        timings_s: per-phase durations of the save that produced it, in seconds (only
+            on the ``CheckpointInfo`` a save returns): ``prepare``, ``write``, ``fsync``,
+            ``gather``, ``commit``, ``publish`` and ``total``; ``snapshot`` (the copy
+            into host memory) for an async save.
+        metadata: the JSON metadata recorded with it (as JSON gives it back).
         adopted: written by a framework and recorded afterwards by ``adopt()``: its
             checksums were taken at adoption, not while the files were written.
     """

@@ -177,6 +177,52 @@ class _Armed:
 _armed: _Armed | None = None
 
 
+def _catchable(signals: Iterable[int]) -> tuple[signal.Signals, ...]:
+    """``signals`` as ``signal.Signals``, or ``ValueError`` before any handler is
+    installed: one that cannot be caught (SIGKILL) failed half way, leaving the handler
+    of the ones before it installed and nothing to remove it."""
+    try:
+        wanted = tuple(signal.Signals(s) for s in signals)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"signals must be signal numbers such as signal.SIGTERM, got {signals!r:.60}: {exc}"
+        ) from None
+    if not wanted:
+        raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
+    uncatchable = {getattr(signal, n, None) for n in ("SIGKILL", "SIGSTOP")} - {None}
+    bad = [s.name for s in wanted if s in uncatchable]
+    if bad:
+        raise ValueError(
+            f"{', '.join(bad)} cannot be caught (the kernel ends or stops the process "
+            "without running a handler): preemption signals are e.g. SIGTERM and SIGUSR1"
+        )
+    return wanted
+
+
+def _install(signals: Iterable[int], handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for every signal, or for none: the previous handlers back if
+    one cannot be installed. Returns the previous handlers."""
+    previous: dict[int, Any] = {}
+    try:
+        for s in signals:
+            previous[s] = signal.getsignal(s)
+            signal.signal(s, handler)
+    except BaseException:
+        for s, before in previous.items():
+            signal.signal(s, before if before is not None else signal.SIG_DFL)
+        raise
+    return previous
+
+
+def _seconds_or_none(name: str, value: Any) -> float | None:
+    """``value`` as a positive number of seconds (None stays None), else ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = None) -> None:
     """Record preemption signals from now on, before any guard, manager or process
     group exists; the first :class:`PreemptionGuard` of the process adopts the record.
@@ -217,20 +263,15 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
             "preemption.arm() must be called in the main thread: Python runs signal "
             "handlers there only, and only the main thread may install them"
         )
-    wanted = tuple(signal.Signals(s) for s in signals)
-    if not wanted:
-        raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
-    if grace_s is not None and not grace_s > 0:
-        raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
-    grace = grace_s if grace_s is not None else grace_from_env()
+    wanted = _catchable(signals)
+    grace = _seconds_or_none("grace_s", grace_s)
+    grace = grace if grace is not None else grace_from_env()
     if _armed is not None and _armed.record.pid == os.getpid():
         if set(wanted) <= set(_armed.signals):
             return
         disarm()
     state = _Armed(wanted)
-    for s in wanted:
-        state.previous[s] = signal.getsignal(s)
-        signal.signal(s, state.handler)
+    state.previous.update(_install(wanted, state.handler))
     _armed = state
     if grace is not None:
         threading.Thread(
@@ -648,13 +689,16 @@ class PreemptionGuard:
                 "PreemptionGuard must be created in the main thread: Python runs signal "
                 "handlers there only, and only the main thread may install them"
             )
-        self.signals: tuple[int, ...] = tuple(signal.Signals(s) for s in signals)
-        if not self.signals:
-            raise ValueError("signals must name at least one signal, e.g. signal.SIGTERM")
+        self.signals: tuple[int, ...] = _catchable(signals)
+        grace_s = _seconds_or_none("grace_s", grace_s)
+        timeout_s = _seconds_or_none("timeout_s", timeout_s)
+        if getattr(manager, "coordinator", None) is None:
+            raise TypeError(
+                f"PreemptionGuard needs the job's CheckpointManager, got "
+                f"{type(manager).__name__} {manager!r:.60}"
+            )
         # Workers given dataloader_worker_init directly are stopped at exit too.
         _register_worker_reaper()
-        if grace_s is not None and not grace_s > 0:
-            raise ValueError(f"grace_s must be a positive number of seconds, got {grace_s!r}")
         self._manager = manager
         self._coord = manager.coordinator
         self.timeout_s = float(manager.timeout_s if timeout_s is None else timeout_s)
@@ -674,9 +718,7 @@ class PreemptionGuard:
         self._closed = False
         # One bound method, kept: close() recognises its own handler by equality.
         self._handler = self._on_signal
-        for s in self.signals:
-            self._previous[s] = signal.getsignal(s)
-            signal.signal(s, self._handler)
+        self._previous.update(_install(self.signals, self._handler))
         # After the handlers are in place, so that no signal falls between the two.
         early = armed()
         if early is not None and _armed is not None:

@@ -519,3 +519,35 @@ def test_adopt_pointed_at_one_checkpoint_folder_writes_nothing_into_it(tmp_path:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "nothing to adopt" in proc.stderr and "pass the directory that holds it" in proc.stderr
     assert sorted(os.listdir(folder)) == before
+
+
+def test_adopt_existing_loads_the_integration_rules_and_refuses_unknown_ones(
+    tmp_path: Path,
+) -> None:
+    # A bare KeyError for each: 'bogus', and the documented 'dcp' and 'lightning' unless
+    # something had imported their integration before.
+    with CheckpointManager(tmp_path / "root") as mgr:
+        with pytest.raises(ValueError, match="unknown framework 'bogus'"):
+            mgr.adopt_existing("bogus")
+        assert mgr.adopt_existing("dcp").adopted == []
+
+
+def test_a_flag_given_as_text_is_refused(tmp_path: Path) -> None:
+    # adopt(dry_run="false") ran as a dry run (a non-empty string is truthy), and
+    # AtomicCheckpointIO(verify="false") kept verifying while saying "false".
+    from atomic_checkpoint.integrations.lightning import _AtomicFileIO
+
+    (tmp_path / "root").mkdir()
+    with pytest.raises(TypeError, match="dry_run must be True or False, got 'false'"):
+        adopt(tmp_path / "root", dry_run="false")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="verify must be True or False"):
+        _AtomicFileIO(verify="false")  # type: ignore[arg-type]
+
+
+def test_register_framework_says_what_is_wrong_with_its_arguments() -> None:
+    with pytest.raises(TypeError, match="must be a str or a compiled pattern"):
+        register_framework("bad-a", 5, lambda path: None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unterminated subpattern"):
+        register_framework("bad-b", "^ck-(", lambda path: None)
+    with pytest.raises(TypeError, match="record of framework 'bad-c' must be callable"):
+        register_framework("bad-c", r"^x-(\d+)$", lambda path: None, record=5)  # type: ignore[arg-type]

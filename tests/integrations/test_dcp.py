@@ -687,3 +687,17 @@ def test_a_rank_that_fails_before_dcp_fails_every_rank_at_once(tmp_path):
     assert all(e["seconds"] < 10 for e in errs2 + errs3), [e["seconds"] for e in errs2 + errs3]
     assert all(v["steps"] == [1, 5] for v in values)
     assert os.listdir(os.path.join(root, PENDING_DIR)) == []
+
+
+@pytest.mark.timeout(60)
+def test_save_dcp_says_what_is_wrong_with_a_state_dict_or_thread_count(tmp_path):
+    # A list: a bare AttributeError ('list' object has no attribute 'items');
+    # thread_count=0: a DistributedCheckpointError wrapping "min() arg is an empty sequence".
+    with CheckpointManager(tmp_path / "ckpt", timeout_s=10) as mgr:
+        with pytest.raises(TypeError, match="state_dict must be a dict"):
+            save_dcp(mgr, 1, [1, 2])  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="thread_count must be an int of at least 1"):
+            save_dcp(mgr, 1, _plain(1), thread_count=0)
+        assert mgr.checkpoints() == []
+        save_dcp(mgr, 1, _plain(1))
+        assert [c.step for c in mgr.checkpoints()] == [1]

@@ -414,6 +414,12 @@ def test_save_writes_a_plain_torch_file_with_a_manifest_and_loads_it_verified(tm
         io.load_checkpoint(tmp_path / "missing.ckpt")
     with pytest.raises(FileNotFoundError):  # what Lightning callers catch
         io.load_checkpoint(tmp_path / "missing.ckpt")
+    # A directory in the way: refused before anything is written (the new manifest was
+    # left beside it, and the directory then read as a torn checkpoint file).
+    (tmp_path / "oops").mkdir()
+    with pytest.raises(CheckpointError, match="it is a directory"):
+        io.save_checkpoint(_state(3), tmp_path / "oops")
+    assert not (tmp_path / ("oops" + MANIFEST_SUFFIX)).exists()
 
 
 @pytest.mark.timeout(60)

@@ -872,3 +872,22 @@ def test_a_checkpoint_directory_opened_as_a_root_is_refused(tmp_path, read_only)
     with pytest.raises(CheckpointError, match=r"is one checkpoint .*restore\(step=30\)"):
         CheckpointManager(one, read_only=read_only)
     assert sorted(os.listdir(one)) == before
+
+
+def test_bad_numbers_and_ranks_are_clear_errors(tmp_path):
+    # lease_s='x' and wait(timeout_s='x') failed inside a comparison, a negative
+    # visibility_timeout_s was accepted, restore(rank='0') failed formatting a name and
+    # rank=True read rank 1.
+    with pytest.raises(TypeError, match="lease_s must be a number of seconds"):
+        CheckpointManager(tmp_path, lease_s="x")
+    with pytest.raises(ValueError, match="visibility_timeout_s must be a positive"):
+        CheckpointManager(tmp_path, visibility_timeout_s=-1)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state(1))
+        for bad in ("0", True):
+            with pytest.raises(TypeError, match="rank must be an int"):
+                mgr.restore(rank=bad)
+        mgr.save_async(2, state(2))
+        with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
+            mgr.wait(timeout_s="x")
+        assert mgr.wait(timeout_s=30).step == 2

@@ -182,3 +182,22 @@ def test_a_failed_async_save_does_not_cost_the_preemption_save(tmp_path, caplog,
         assert guard.exit_code == REQUEUE_EXIT_CODE
     finally:
         mgr.close()
+
+
+def test_an_uncatchable_signal_or_a_bad_number_installs_no_handler(tmp_path: Path) -> None:
+    # signals=[SIGTERM, SIGKILL] raised a bare OSError after SIGTERM's handler was
+    # installed: nothing could remove it, and SIGTERM no longer stopped the process.
+    before = signal.getsignal(signal.SIGTERM)
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+            PreemptionGuard(mgr, signals=[signal.SIGTERM, signal.SIGKILL])
+        assert signal.getsignal(signal.SIGTERM) == before
+        for bad in ({"grace_s": "x"}, {"grace_s": float("nan")}, {"timeout_s": -1}):
+            with pytest.raises(ValueError, match="must be a positive number of seconds"):
+                PreemptionGuard(mgr, **bad)
+        assert signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        preemption.arm([signal.SIGTERM, signal.SIGKILL])
+    assert preemption.armed() is None and signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(TypeError, match="needs the job's CheckpointManager"):
+        PreemptionGuard(None)

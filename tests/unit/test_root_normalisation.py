@@ -83,3 +83,19 @@ def test_a_url_that_went_through_pathlib_is_refused_not_made_a_local_directory(
     assert os.listdir(tmp_path) == []
     # A local directory really named like this: with ./ in front.
     assert open_storage("./s3:/bucket").local_path("") == str(tmp_path / "s3:" / "bucket")
+
+
+def test_a_local_storage_path_never_climbs_out_of_the_root(tmp_path):
+    from atomic_checkpoint import LocalStorage, UnsafeCheckpointError
+
+    (tmp_path / "secret.txt").write_text("outside")
+    storage = LocalStorage(tmp_path / "root")
+    storage.makedirs("")
+    for call in (
+        lambda: storage.read_bytes("../secret.txt"),
+        lambda: storage.write_bytes_atomic("../escaped.txt", b"x"),
+        lambda: storage.size("a/../../secret.txt"),
+    ):
+        with pytest.raises(UnsafeCheckpointError, match=r"leaves .* through '\.\.'"):
+            call()
+    assert not (tmp_path / "escaped.txt").exists()

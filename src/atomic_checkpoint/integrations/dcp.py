@@ -261,7 +261,17 @@ def _resolved(state_dict: dict[str, Any]) -> tuple[dict[str, Any], Exception | N
 
 def _state_dicts(state_dict: dict[str, Any]) -> dict[str, Any]:
     """``state_dict`` with each ``Stateful`` replaced by its ``state_dict()``."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a dict of names to tensors and Statefuls (what dcp.save "
+            f"takes), got {type(state_dict).__name__}"
+        )
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+def _check_thread_count(thread_count: Any) -> None:
+    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"thread_count must be an int of at least 1, got {thread_count!r}")
 
 
 def _local_root(mgr: CheckpointManager) -> str:
@@ -325,6 +335,7 @@ def save_dcp(
         CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
     """
     _local_root(mgr)
+    _check_thread_count(thread_count)
     meta = _with_dcp_record(metadata, mgr.world_size)
     if mgr.is_coordinator:
         # A stock run's save torn by a crash (adoption refused it) is where this save
@@ -481,6 +492,7 @@ def async_save_dcp(
     ``mgr.close()``, on every rank.
     """
     _local_root(mgr)  # a mounted filesystem, checked before anything is staged
+    _check_thread_count(thread_count)
     t0 = time.perf_counter()
     mgr.wait()  # at most one save in flight; raises its failure once
     group = _background_group(mgr, process_group)
@@ -849,6 +861,7 @@ def save(
     """
     parent, name = _checkpoint_dir(checkpoint_id)
     step = _path_step(name, step)
+    _check_thread_count(thread_count)
     user_meta = check_metadata(metadata)
     group = process_group
     rank = _group_rank(group)

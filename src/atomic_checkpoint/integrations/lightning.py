@@ -87,6 +87,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import errno
 import importlib
 import json
 import logging
@@ -106,6 +107,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar, cast
 
 import torch
 
+from .._checks import flag
 from .._faults import fault_point
 from ..errors import (
     CheckpointError,
@@ -711,8 +713,8 @@ class _AtomicFileIO:
 
     def __init__(self, *, verify: bool = True, require_manifest: bool = False):
         super().__init__()
-        self.verify = verify
-        self.require_manifest = require_manifest
+        self.verify = flag("verify", verify)
+        self.require_manifest = flag("require_manifest", require_manifest)
         self._swept: set[str] = set()
         self._warned_unverified: set[str] = set()
 
@@ -738,6 +740,14 @@ class _AtomicFileIO:
                 f"(got {storage_options!r})"
             )
         final = _local_path(path)
+        if posix.is_dir(final):
+            # Found before anything is written: the rename would fail after the new
+            # manifest, which then called the directory a torn checkpoint file.
+            raise StorageError(
+                f"cannot save a checkpoint to {final!r}: it is a directory (nothing written)",
+                errno=errno.EISDIR,
+                path=final,
+            )
         directory, name = os.path.split(final)
         _ensure_dir(directory)
         self._sweep(directory)

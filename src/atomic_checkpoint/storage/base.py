@@ -310,7 +310,7 @@ def check_no_links(root: str, rel: str, *, final: bool = True) -> str:
     Raises:
         UnsafeCheckpointError: naming the link and where it points.
     """
-    parts = [p for p in rel.split("/") if p]
+    parts = [p for p in parts_inside(root, rel) if p]
     path = root
     for i, part in enumerate(parts):
         path = os.path.join(path, part)
@@ -323,6 +323,19 @@ def check_no_links(root: str, rel: str, *, final: bool = True) -> str:
         if stat.S_ISLNK(mode):
             raise linked(path)
     return os.path.join(root, *parts) if parts else root
+
+
+def parts_inside(root: str, rel: str) -> list[str]:
+    """The components of ``rel``, a path relative to ``root``; ``UnsafeCheckpointError``
+    for one that climbs out through ``..`` (``read_bytes("../../etc/hostname")`` read
+    outside the root; an object store's keys have no ``..``)."""
+    parts = rel.split("/")
+    if ".." in parts:
+        raise UnsafeCheckpointError(
+            f"storage path {rel!r} leaves {root} through '..': paths are relative to the "
+            "root and stay inside it"
+        )
+    return parts
 
 
 def linked(path: str) -> UnsafeCheckpointError:

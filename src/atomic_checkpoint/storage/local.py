@@ -546,7 +546,7 @@ class LocalStorage:
         return f"LocalStorage({self.root!r}, {self.capabilities.name})"
 
     def _join(self, rel: str) -> str:
-        return os.path.join(self.root, *rel.split("/")) if rel else self.root
+        return os.path.join(self.root, *base.parts_inside(self.root, rel)) if rel else self.root
 
     def _abs(self, rel: str) -> str:
         """The OS path of ``rel`` for an operation on it: no directory on the way below

@@ -1,0 +1,39 @@
+"""Checks of user arguments shared by the public entry points (pure, no package
+imports): a flag is a bool, a bound is a positive number of seconds. Each raises the
+error that says what was passed and what to pass instead."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["flag", "positive_seconds"]
+
+
+def flag(name: str, value: Any) -> bool:
+    """``value`` as a bool, else ``TypeError``: a string from a config file or the
+    command line ("no", "false") is truthy, and ``overwrite="no"`` replaced a committed
+    checkpoint. numpy's bool is accepted."""
+    kind = type(value)
+    if isinstance(value, bool) or (
+        kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")
+    ):
+        return bool(value)
+    raise TypeError(
+        f"{name} must be True or False, got {value!r} ({type(value).__name__}); convert "
+        "a setting read as text first (e.g. value.lower() in ('1', 'true', 'yes'))"
+    )
+
+
+def positive_seconds(name: str, value: Any) -> float:
+    """``value`` as a positive, finite number of seconds, else ``ValueError``."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"{name} must be a positive, finite number of seconds, got {value!r} (for a "
+            "bound that never matters in practice, pass e.g. 86400: a day)"
+        )
+    return seconds
