@@ -1108,6 +1108,16 @@ def _record(
     return True, manifest.size_bytes, len(files)
 
 
+def _say_replaced(storage: Storage, name: str, label: str, why: Exception) -> None:
+    log.warning(
+        "%s: this save replaces %s, which is not a valid checkpoint (%s); a resume skipped "
+        "it for an older one",
+        label,
+        storage.url(name),
+        why,
+    )
+
+
 def set_aside_unmanifested(storage: Storage, step: int, label: str) -> None:
     """On the coordinator, before a save of ``step`` by an integration: move a
     ``checkpoint-<step>`` without a manifest (torn by a crash of the framework's own
@@ -1116,15 +1126,26 @@ def set_aside_unmanifested(storage: Storage, step: int, label: str) -> None:
     commit replaces it atomically (overwrite) or refuses.
 
     Best effort: if it cannot be moved, the commit protocol refuses the save and every
-    rank gets that error.
+    rank gets that error. One of ours that is not valid (its manifest unreadable, a file
+    missing or cut short: what a resume skipped for an older step) is replaced by the
+    save, and said: the framework saves that step again, where a ``save()`` of the core
+    API would refuse to replace an unreadable one unasked.
     """
     name = layout.checkpoint_name(step)
     try:
-        catalog.read_manifest(storage, name)
-        return
+        manifest = catalog.read_manifest(storage, name)
     except CheckpointNotFoundError:
         pass
-    except CheckpointError:
+    except CheckpointError as exc:
+        _say_replaced(storage, name, label, exc)
+        return
+    else:
+        try:
+            catalog.validate(storage, name, manifest)
+        except CheckpointNotFoundError:
+            pass  # replaced or removed meanwhile: nothing to say
+        except CheckpointError as exc:
+            _say_replaced(storage, name, label, exc)
         return
     entries = storage.listdir(name)
     if not entries or any(

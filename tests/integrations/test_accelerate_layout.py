@@ -361,7 +361,7 @@ def test_sigkill_mid_stock_save_state_under_the_switch_keeps_the_previous_checkp
     assert r["stock_loaded_vs_saved"] == []
 
 
-@pytest.mark.parametrize("how", ["explicit_step", "newer_ones_corrupt"])
+@pytest.mark.parametrize("how", ["explicit_step", "newer_ones_corrupt", "newest_torn"])
 def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
     tmp_path: Path, how: str
 ) -> None:
@@ -384,7 +384,13 @@ def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
         info = acc.load_state(str(project / "checkpoints" / "checkpoint_1"))
     else:
         _corrupt(project, 2)
-        _corrupt(project, 3)
+        if how == "newest_torn":
+            # A torn manifest: the counter went on after step 2 only, and the next save
+            # replaced checkpoint_3 without a word.
+            manifest = project / "checkpoints" / "checkpoint_3" / MANIFEST
+            manifest.write_bytes(manifest.read_bytes()[:100])
+        else:
+            _corrupt(project, 3)
         info = acc.load_state()
     assert info.step == 1
     assert acc.save_iteration == 4

@@ -10,6 +10,7 @@ stock frameworks."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -551,3 +552,29 @@ def test_register_framework_says_what_is_wrong_with_its_arguments() -> None:
         register_framework("bad-b", "^ck-(", lambda path: None)
     with pytest.raises(TypeError, match="record of framework 'bad-c' must be callable"):
         register_framework("bad-c", r"^x-(\d+)$", lambda path: None, record=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("damage", ["manifest", "data"])
+def test_an_integrations_save_says_when_it_replaces_a_checkpoint_resume_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    # The Trainer resumed from step 3 past a checkpoint-6 whose manifest (or a file) was
+    # torn, and its save of step 6 replaced it without a word.
+    from atomic_checkpoint.adopt import set_aside_unmanifested
+    from atomic_checkpoint.storage import open_storage
+
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        for step in (3, 6):
+            mgr.save(step, {"w": torch.full((1024,), float(step))})
+    torn = (
+        root
+        / "checkpoint-6"
+        / (MANIFEST_NAME if damage == "manifest" else "rank-00000.safetensors")
+    )
+    torn.write_bytes(torn.read_bytes()[:100])
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        set_aside_unmanifested(open_storage(root), 6, "hf")
+        set_aside_unmanifested(open_storage(root), 3, "hf")  # a valid one: nothing said
+    assert caplog.text.count("this save replaces") == 1, caplog.text
+    assert "checkpoint-6, which is not a valid checkpoint" in caplog.text

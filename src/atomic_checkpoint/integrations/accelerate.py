@@ -728,8 +728,13 @@ def load_state(
         # checkpoints are ordered by it (a save below the newest is refused). Loading an
         # older checkpoint on purpose, or after the newer ones failed verification, so
         # goes on with the next number and keeps the newer folders, as Accelerate does.
+        # Every folder named as a checkpoint counts, a corrupt one too (a truncated file,
+        # an unreadable manifest): the next save never lands on one of them.
         committed = opened.manager.checkpoints()
-        newest = max((i.step for i in committed), default=chosen)
+        named = (parse_checkpoint_name(n) for n in opened.manager.storage.listdir(""))
+        newest = max(
+            [i.step for i in committed] + [s for s in named if s is not None], default=chosen
+        )
         accelerator.project_configuration.iteration = max(chosen, newest) + 1
         found = [i for i in committed if i.step == chosen]
         if not found:
