@@ -651,7 +651,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     else:
         run_id = None if args.all_runs else _run_id_for_reading(storage)
         docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
-    lightning = _lightning_list_docs(storage)
+    lightning = _lightning_list_docs(storage) if single is None else []
     if lightning:
         # A Lightning ModelCheckpoint directory: each .ckpt through its sidecar manifest
         # (the sidecars are part of their files, not entries of their own).

@@ -84,6 +84,7 @@ from ..errors import (
 )
 from ..layout import (
     ACCELERATE_DIR,
+    MANIFEST_NAME,
     META_DIR,
     checkpoint_name,
     parse_accelerate_name,
@@ -728,13 +729,17 @@ def load_state(
         # checkpoints are ordered by it (a save below the newest is refused). Loading an
         # older checkpoint on purpose, or after the newer ones failed verification, so
         # goes on with the next number and keeps the newer folders, as Accelerate does.
-        # Every folder named as a checkpoint counts, a corrupt one too (a truncated file,
-        # an unreadable manifest): the next save never lands on one of them.
+        # A checkpoint of ours that failed verification counts too (a truncated file, an
+        # unreadable manifest: its manifest is there): the next save never lands on it.
+        # A folder without a manifest (Accelerate's own save, torn by a crash) does not:
+        # the next save of its number replaces it, as Accelerate's would.
         committed = opened.manager.checkpoints()
-        named = (parse_checkpoint_name(n) for n in opened.manager.storage.listdir(""))
-        newest = max(
-            [i.step for i in committed] + [s for s in named if s is not None], default=chosen
-        )
+        newest = max((i.step for i in committed), default=chosen)
+        storage = opened.manager.storage
+        for name in storage.listdir(""):
+            s = parse_checkpoint_name(name)
+            if s is not None and s > newest and storage.size(f"{name}/{MANIFEST_NAME}") is not None:
+                newest = s
         accelerator.project_configuration.iteration = max(chosen, newest) + 1
         found = [i for i in committed if i.step == chosen]
         if not found:
