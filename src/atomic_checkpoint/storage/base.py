@@ -252,10 +252,11 @@ class DirectWriter(Protocol):
         ...
 
 
+@runtime_checkable
 class DirectIOStorage(Storage, Protocol):
     """A storage that offers O_DIRECT I/O of large files: one whose
-    ``capabilities.direct_io`` is True. Callers reach it through :func:`direct_io`,
-    never by probing for the methods."""
+    ``capabilities.direct_io`` is True and that implements this protocol. Callers reach
+    it through :func:`direct_io`, never by probing for the methods."""
 
     def direct_io_enabled(self) -> bool:
         """Whether large state files are written, and read where the page cache does
@@ -274,16 +275,13 @@ class DirectIOStorage(Storage, Protocol):
 
 def direct_io(storage: Storage) -> DirectIOStorage | None:
     """``storage`` as a :class:`DirectIOStorage` where its capabilities declare one
-    and it has the methods, else None: a wrapper that copied ``LocalStorage``'s
-    capabilities without them is written and read without O_DIRECT (it failed with an
-    AttributeError at its first large save or restore)."""
-    if not storage.capabilities.direct_io:
+    and it implements the protocol, else None: a user's wrapper that copied
+    ``LocalStorage``'s capabilities but not its direct-I/O methods is written and read
+    without O_DIRECT (it failed with an AttributeError at its first large save or
+    restore)."""
+    if not storage.capabilities.direct_io or not isinstance(storage, DirectIOStorage):
         return None
-    if not all(
-        callable(getattr(storage, m, None)) for m in ("direct_io_enabled", "open_write_direct")
-    ):
-        return None
-    return cast(DirectIOStorage, storage)
+    return storage
 
 
 def too_large(where: str, size_bytes: int | None) -> CorruptCheckpointError:
