@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any, NoReturn
 
+from ._checks import positive_seconds
 from .coordination import gather_summary
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
@@ -215,12 +216,9 @@ def _install(signals: Iterable[int], handler: Any) -> dict[int, Any]:
 
 
 def _seconds_or_none(name: str, value: Any) -> float | None:
-    """``value`` as a positive number of seconds (None stays None), else ValueError."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    """``value`` as a positive, finite number of seconds (``_checks.positive_seconds``);
+    None stays None."""
+    return None if value is None else positive_seconds(name, value)
 
 
 def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = None) -> None:

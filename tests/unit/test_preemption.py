@@ -192,9 +192,11 @@ def test_an_uncatchable_signal_or_a_bad_number_installs_no_handler(tmp_path: Pat
         with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
             PreemptionGuard(mgr, signals=[signal.SIGTERM, signal.SIGKILL])
         assert signal.getsignal(signal.SIGTERM) == before
-        for bad in ({"grace_s": "x"}, {"grace_s": float("nan")}, {"timeout_s": -1}):
-            with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        for bad in ({"grace_s": float("nan")}, {"grace_s": float("inf")}, {"timeout_s": -1}):
+            with pytest.raises(ValueError, match="must be a positive, finite number of seconds"):
                 PreemptionGuard(mgr, **bad)
+        with pytest.raises(TypeError, match="grace_s must be a number of seconds, got 'x'"):
+            PreemptionGuard(mgr, grace_s="x")
         assert signal.getsignal(signal.SIGTERM) == before
     with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
         preemption.arm([signal.SIGTERM, signal.SIGKILL])
