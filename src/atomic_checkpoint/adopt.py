@@ -79,7 +79,7 @@ from .errors import (
 )
 from .layout import MANIFEST_NAME, RUN_FILE
 from .manifest import FileEntry, Hasher, Manifest, format_size
-from .storage import open_storage, posix
+from .storage import open_storage, posix, storage_for
 from .storage.base import Storage, renaming
 from .strategies import choose_strategy, create_or_own
 
@@ -632,9 +632,7 @@ def adopt(
     if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
         raise ValueError("run_id must be a non-empty string")
     wanted = _wanted_steps(steps)
-    storage = (
-        root if not isinstance(root, (str, os.PathLike)) else open_storage(root, storage_options)
-    )
+    storage = storage_for(root, storage_options)
     local = storage.local_path("")
     if local is not None and not posix.is_dir(local):
         # Never created by adopting (a typo would otherwise become an empty root).

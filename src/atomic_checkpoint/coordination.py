@@ -144,6 +144,12 @@ _EXIT_DRAIN_S = 5.0
 _WAIT_SLICE_S = 0.25
 _NOT_RUNNING_S = 1.0
 
+#: How long the collecting rank waits for the others before it logs who is missing
+#: (once per round; only where ``timeout_s`` is over twice this): a collective call made
+#: on some ranks only (``if rank == 0: mgr.save(...)``) otherwise showed nothing until
+#: the timeout, 600 s by default.
+SLOW_ROUND_S = 60.0
+
 #: Written into the key of a rank that did not arrive in time, followed by
 #: ``<rank that gave up>|<ranks missing>|<its call's key>``. Values are tagged (``_tag``)
 #: and start with the 4-byte length of their key, which is never this long.
@@ -152,6 +158,13 @@ _GAVE_UP = b"\x00atomic-checkpoint-gave-up:"
 #: The outcome of a round whose ranks made different calls, followed by the pickled
 #: ``{rank: key}``.
 _MISMATCH = b"\x00atomic-checkpoint-mismatch:"
+
+
+def _ranks_text(ranks: Sequence[int], most: int = 16) -> str:
+    """``[1, 2, 3]``; past ``most`` ranks, the first ``most`` and how many in all."""
+    if len(ranks) <= most:
+        return str(list(ranks))
+    return f"[{', '.join(map(str, ranks[:most]))}, ...] ({len(ranks)} ranks)"
 
 
 def _delete_keys(store: Any, keys: list[str]) -> None:
@@ -797,7 +810,7 @@ class TorchDistributedCoordinator:
             raw = b""
             try:
                 if others:
-                    self._store.wait(others, wait)
+                    self._wait_for_others(others, key, seq, timeout_s)
             except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
                 raw = self._give_up(key, seq, dst, exc)
             if not raw:  # everyone arrived (perhaps just as this rank gave up)
@@ -839,6 +852,40 @@ class TorchDistributedCoordinator:
     def _arrivals(self, seq: int) -> str:
         return f"{self._ns}/{seq}/arrived"
 
+    def _arrived(self, seq: int) -> set[int]:
+        """The ranks on round ``seq``'s arrival list, read without waiting for it."""
+        seen = self._store.compare_set(self._arrivals(seq), _NO_LIST, _NO_LIST)
+        return set() if seen == _NO_LIST else {int(r) for r in seen.split(b",") if r}
+
+    def _wait_for_others(self, others: list[str], key: str, seq: int, timeout_s: float) -> None:
+        """Wait (on ``dst``) up to ``timeout_s`` for the other ranks' keys; raises the
+        store's timeout error. Past ``SLOW_ROUND_S`` it logs, once, which ranks have not
+        arrived: one more request, only in a slow round."""
+        first = SLOW_ROUND_S if timeout_s > 2 * SLOW_ROUND_S else timeout_s
+        try:
+            self._store.wait(others, timedelta(seconds=max(first, 0.001)))
+            return
+        except Exception:  # DistStoreError (a RuntimeError) on timeout
+            if first >= timeout_s:
+                raise
+        arrived = self._arrived(seq)
+        missing = [r for r in range(self.world_size) if r not in arrived]
+        if missing:
+            log.warning(
+                "rank %d: still waiting for rank(s) %s at %r after %g s (%d of %d arrived; "
+                "giving up at timeout_s=%g s): they are slow, hung, or not making this call. "
+                "Every rank must make the same collective calls (save, save_async, restore, "
+                "rollback, close), not only the rank under `if rank == 0:`",
+                self.rank,
+                _ranks_text(missing),
+                key,
+                first,
+                len(arrived),
+                self.world_size,
+                timeout_s,
+            )
+        self._store.wait(others, timedelta(seconds=max(timeout_s - first, 0.001)))
+
     def _give_up(self, key: str, seq: int, dst: int, exc: Exception) -> bytes:
         """After a timeout in ``_gather``: mark the round failed, naming the ranks not on
         its arrival list (``dst`` if every rank arrived: it never answered),
@@ -851,8 +898,7 @@ class TorchDistributedCoordinator:
         try:
             # Reads the list without waiting for it to exist (a missing key answers
             # with the expected value, which no arrival list can equal).
-            seen = self._store.compare_set(self._arrivals(seq), _NO_LIST, _NO_LIST)
-            arrived = set() if seen == _NO_LIST else {int(r) for r in seen.split(b",") if r}
+            arrived = self._arrived(seq)
             missing = [r for r in range(self.world_size) if r not in arrived]
             if not missing:
                 if self.rank == dst:

@@ -87,7 +87,7 @@ from .manifest import (
 )
 from .rankfiles import RankReport, Staging, write_image, write_plan
 from .retention import RetentionPolicy
-from .storage import open_storage, posix
+from .storage import posix, storage_for
 from .storage.base import Storage, direct_io
 from .storage.temps import abandoned_temps
 from .strategies import CommitStrategy, choose_strategy
@@ -240,20 +240,7 @@ class CheckpointManager:
                 f"storage_domains must be 'auto', 'shared' or 'per-host', got {storage_domains!r}"
             )
         self._named_root = isinstance(root, (str, os.PathLike))
-        if isinstance(root, (str, os.PathLike)):
-            if not os.fspath(root).strip():
-                raise ValueError(
-                    "root is an empty path: pass the checkpoint directory or URL (an unset "
-                    "environment variable? use '.' for the current directory)"
-                )
-            self.storage: Storage = open_storage(root, storage_options)
-        elif callable(getattr(root, "listdir", None)) and callable(getattr(root, "url", None)):
-            self.storage = root  # a Storage
-        else:
-            raise TypeError(
-                "root must be a path (str or os.PathLike), a URL such as 's3://bucket/run', "
-                f"or a Storage, got {type(root).__name__}"
-            )
+        self.storage: Storage = storage_for(root, storage_options)
         if on_commit is not None and not callable(on_commit):
             # Accepted, it failed after every save (logged), and no upload ever ran.
             raise TypeError(

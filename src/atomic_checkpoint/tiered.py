@@ -166,7 +166,7 @@ from .layout import (
 )
 from .manager import CheckpointManager, CopyAttempt, check_world_size, close_propagating
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
-from .storage import open_storage, posix
+from .storage import open_storage, posix, storage_for
 from .storage.base import Storage, answer_within, renaming
 
 __all__ = ["Tier", "TieredCheckpointInfo", "TieredCheckpointManager"]
@@ -2558,9 +2558,7 @@ def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:
 
 
 def _open(tier: Tier) -> Storage:
-    if isinstance(tier.root, (str, os.PathLike)):
-        return open_storage(tier.root, tier.storage_options)
-    return tier.root
+    return storage_for(tier.root, tier.storage_options)
 
 
 def _recorded_run_id(storage: Storage) -> str | None:

@@ -193,6 +193,8 @@ def test_large_streamed_write_reads_back_exactly(storage):
 
 def test_missing_things(storage):
     assert storage.size("nope") is None
+    storage.makedirs("a-dir/sub")
+    assert storage.size("a-dir") is None  # not a file (local: was the directory's 4096)
     assert storage.listdir("nope") == []
     assert storage.walk_files("nope") == []
     with pytest.raises(CheckpointNotFoundError):

@@ -891,3 +891,53 @@ def test_bad_numbers_and_ranks_are_clear_errors(tmp_path):
         with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
             mgr.wait(timeout_s="x")
         assert mgr.wait(timeout_s=30).step == 2
+
+
+def test_a_storage_object_that_lacks_part_of_the_protocol_is_refused_at_open(tmp_path):
+    # A user's wrapper that forwards only the methods its author thought of was
+    # accepted (it had listdir and url), and its first save failed at the commit with
+    # an AttributeError, after the rank's files were written.
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    class Forwarding:
+        def __init__(self, inner):
+            self.inner = inner
+            self.capabilities = inner.capabilities
+
+        def __getattr__(self, name):
+            if name in ("fsync_dir", "refresh"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    root = tmp_path / "root"
+    with pytest.raises(
+        TypeError, match=r"Forwarding is not a Storage: it lacks fsync_dir, refresh"
+    ):
+        CheckpointManager(Forwarding(LocalStorage(str(root))))
+    assert not root.exists()  # refused before anything was written
+    # adopt() and a tier of TieredCheckpointManager take a Storage too: the same check.
+    from atomic_checkpoint import Tier, TieredCheckpointManager, adopt
+
+    with pytest.raises(TypeError, match=r"Forwarding is not a Storage: it lacks fsync_dir"):
+        adopt(Forwarding(LocalStorage(str(root))))
+    with pytest.raises(TypeError, match=r"root must be a path .* got NoneType"):
+        adopt(None)
+    with pytest.raises(TypeError, match=r"Forwarding is not a Storage: it lacks fsync_dir"):
+        TieredCheckpointManager(
+            [Tier(tmp_path / "fast"), Tier(Forwarding(LocalStorage(str(root))))]
+        )
+    assert not root.exists()
+
+    bad_caps = LocalStorage(str(root))
+    bad_caps.capabilities = {"atomic_rename": True}
+    with pytest.raises(TypeError, match=r"capabilities must be a StorageCapabilities .*, got dict"):
+        CheckpointManager(bad_caps)
+
+    class Complete(Forwarding):
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    # A wrapper that forwards everything is a Storage, found through __getattr__.
+    with CheckpointManager(Complete(LocalStorage(str(root)))) as mgr:
+        mgr.save(1, {"x": torch.zeros(2)})
+        assert mgr.latest().step == 1

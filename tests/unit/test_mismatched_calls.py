@@ -121,6 +121,43 @@ def test_a_rank_that_makes_no_call_is_still_a_timeout_naming_it():
         assert err.missing_ranks == (2,)
 
 
+def test_a_save_on_rank_0_only_is_logged_long_before_its_timeout(tmp_path, monkeypatch, caplog):
+    # `if rank == 0: mgr.save(...)`: rank 0 waited in silence for timeout_s (600 s by
+    # default). Past SLOW_ROUND_S its log names the ranks missing and says why.
+    import logging
+
+    import torch
+
+    from atomic_checkpoint import CheckpointManager, coordination
+
+    monkeypatch.setattr(coordination, "SLOW_ROUND_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="atomic_checkpoint")
+
+    def body(coord, rank):
+        with CheckpointManager(tmp_path, coordinator=coord, timeout_s=4) as mgr:
+            mgr.save(1, {"x": torch.zeros(2)})  # alike on both ranks: nothing logged
+            assert not [r for r in caplog.records if "still waiting" in r.getMessage()]
+            if rank == 0:
+                mgr.save(2, {"x": torch.zeros(2)})
+
+    results = _on_ranks(2, body)
+    kind, err, seconds = results[0]
+    assert kind == "error" and isinstance(err, CoordinationTimeoutError), err
+    said = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+    assert len(said) == 1, said  # once per round, by the rank that collects it
+    assert said[0].startswith("rank 0: still waiting for rank(s) [1] at 'save step 2: ")
+    assert "1 of 2 arrived; giving up at timeout_s=4 s" in said[0]
+    assert "not only the rank under `if rank == 0:`" in said[0]
+    assert seconds < 4 + 3  # the warning does not lengthen the wait
+
+    # A timeout under twice SLOW_ROUND_S is short enough: nothing is logged before it.
+    caplog.clear()
+    monkeypatch.setattr(coordination, "SLOW_ROUND_S", 3.0)
+    results = _on_ranks(2, lambda coord, rank: rank or coord.all_gather("k", 0, timeout_s=1))
+    assert results[0][0] == "error"  # rank 0 collects; rank 1 made no call
+    assert not [r for r in caplog.records if "still waiting" in r.getMessage()]
+
+
 def test_a_manager_opened_on_rank_0_only_says_to_open_it_on_every_rank(tmp_path):
     # The single-writer habit: `if rank == 0: mgr = CheckpointManager(...)`. Its first
     # collective waits for the others, then says what to do, not only who is missing.

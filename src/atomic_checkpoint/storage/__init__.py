@@ -10,7 +10,14 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .base import RenamingStorage, Storage, StorageCapabilities, Writer
+from .base import (
+    RenamingStorage,
+    Storage,
+    StorageCapabilities,
+    Writer,
+    check_storage,
+    looks_like_storage,
+)
 from .detect import local_capabilities
 from .local import LocalStorage
 from .memory import MemoryStorage
@@ -62,6 +69,32 @@ def local_root(root: str | os.PathLike[str]) -> str:
         if os.name == "nt" and len(text) > 2 and text[0] == "/" and text[2] == ":":
             text = text[1:]  # file:///C:/x names C:/x
     return os.path.abspath(os.path.expanduser(text))
+
+
+def storage_for(
+    root: str | os.PathLike[str] | Storage, storage_options: Mapping[str, Any] | None = None
+) -> Storage:
+    """The storage a user's ``root`` names: ``open_storage`` of a path or URL, or the
+    ``Storage`` object itself, checked against the protocol (``check_storage``); anything
+    else, or an empty path, is refused before anything is created."""
+    if isinstance(root, (str, os.PathLike)):
+        if not os.fspath(root).strip():
+            raise ValueError(
+                "root is an empty path: pass the checkpoint directory or URL (an unset "
+                "environment variable? use '.' for the current directory)"
+            )
+        return open_storage(root, storage_options)
+    if looks_like_storage(root):
+        if storage_options:
+            raise ValueError(
+                "storage_options apply to URL roots; this root is a Storage object, which "
+                "was made with its own options"
+            )
+        return check_storage(root)
+    raise TypeError(
+        "root must be a path (str or os.PathLike), a URL such as 's3://bucket/run', "
+        f"or a Storage, got {type(root).__name__}"
+    )
 
 
 def open_storage(

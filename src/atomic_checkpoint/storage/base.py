@@ -187,6 +187,45 @@ class Storage(Protocol):
         ...
 
 
+#: What a Storage must have: the protocol's methods and its ``capabilities``.
+_STORAGE_MEMBERS = (
+    "capabilities",
+    *(name for name, value in vars(Storage).items() if callable(value) and name[0] != "_"),
+)
+
+
+def looks_like_storage(obj: object) -> bool:
+    """Whether ``obj`` was meant as a Storage (it has any of the protocol's members):
+    :func:`check_storage` then says what it lacks, rather than a generic type error."""
+    return any(hasattr(obj, name) for name in _STORAGE_MEMBERS)
+
+
+def check_storage(obj: object) -> Storage:
+    """``obj`` as a Storage, or ``TypeError`` naming every member of the protocol it
+    lacks (or a ``capabilities`` that is not a :class:`StorageCapabilities`). Checked
+    when a storage is handed in, not at its first save: a missing ``fsync_dir`` found
+    at the commit of that save fails it half way, after its files are written."""
+    missing = [
+        name
+        for name in _STORAGE_MEMBERS
+        if not hasattr(obj, name) or (name != "capabilities" and not callable(getattr(obj, name)))
+    ]
+    kind = type(obj).__name__
+    if missing:
+        raise TypeError(
+            f"{kind} is not a Storage: it lacks {', '.join(missing)} (the Storage protocol "
+            "of atomic_checkpoint.storage; subclassing LocalStorage or MemoryStorage gives "
+            "every method)"
+        )
+    caps = obj.capabilities  # type: ignore[attr-defined]
+    if not isinstance(caps, StorageCapabilities):
+        raise TypeError(
+            f"{kind}.capabilities must be a StorageCapabilities (what the backend can do: "
+            f"atomic rename, directory fsync, ...), got {type(caps).__name__}"
+        )
+    return cast(Storage, obj)
+
+
 @runtime_checkable
 class RenamingStorage(Storage, Protocol):
     """A storage whose directories can be renamed: mounted filesystems (local disks,

@@ -834,6 +834,10 @@ class LocalStorage:
             return None
         if stat.S_ISLNK(st.st_mode):
             raise base.linked(p)  # its target's size is outside's business
+        if not stat.S_ISREG(st.st_mode):
+            # A directory (or FIFO) is no file: None, as object stores and MemoryStorage
+            # answer. Its st_size (4096 for a directory) read as a file's size.
+            return None
         return st.st_size
 
     def stat_token(self, path: str) -> tuple[int, ...] | None:
