@@ -2123,10 +2123,19 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
 def _drain_audit(fast: Storage, slow: Storage, run_id: str, failed: dict[int, Any]) -> list[int]:
     """After a single-process drain: add to ``failed`` each step of the run that ROOT
     holds corrupt and TO lacks, and each that TO holds another copy of; return the
-    valid steps of ROOT below TO's newest that TO lacks (not copied, by design)."""
+    valid steps of ROOT below TO's newest that TO lacks (not copied, by design).
+
+    Reads on TO one listing, its newest valid manifest, and the manifests of the steps
+    ROOT holds: not every checkpoint of a persistent tier that keeps thousands."""
     here = {e.step: e for e in catalog.scan(fast, run_id=run_id) if e.step is not None}
-    there = {m.step: m for m in catalog.committed(slow, run_id=run_id, warn=False)}
-    newest_there = max(there, default=None)
+    newest = catalog.newest(slow, run_id=run_id, warn=False)
+    newest_there = None if newest is None else newest.step
+    named = [(step, name) for step, name in catalog.listed_steps(slow) if step in here]
+    there = {
+        e.step: e.manifest
+        for e in catalog.newest_first(slow, run_id=run_id, steps=named)
+        if e.step is not None and e.status == "ok" and e.manifest is not None
+    }
     below = []
     for step, e in sorted(here.items()):
         if step in failed:

@@ -194,6 +194,43 @@ def test_drain_and_verify_tier_name_what_the_replicator_never_looks_at(tmp_path)
     assert steps(str(tmp_path / "torn-dest")) == [1]
 
 
+def test_drains_audit_reads_only_what_it_compares_on_a_long_persistent_tier(tmp_path):
+    # The audit read every manifest of TO: a persistent tier keeping a run's every
+    # checkpoint (thousands) cost as many reads per drain. It needs TO's newest valid
+    # step and TO's copies of the steps ROOT holds.
+    from tests.helpers import CountingLocalStorage
+
+    from atomic_checkpoint.cli import _drain_audit
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    dest, fast = tmp_path / "dest", tmp_path / "fast"
+    with CheckpointManager(dest) as mgr:
+        run_id = mgr.run_id
+        for s in range(1, 61):
+            mgr.save(s, {"s": s})
+    shutil.copytree(
+        dest,
+        fast,
+        ignore=lambda d, names: [n for n in names if n[:11] == "checkpoint-" and int(n[11:]) < 58],
+    )
+    with CheckpointManager(fast) as mgr:
+        mgr.save(61, {"s": 61})  # not on TO yet
+    shutil.rmtree(dest / checkpoint_name(30))  # below TO's newest, and not on ROOT
+    slow = CountingLocalStorage(str(dest))
+    failed: dict[int, object] = {}
+    below = _drain_audit(LocalStorage(str(fast)), slow, run_id, failed)
+    assert failed == {} and below == []
+    assert slow.manifest_reads <= 4, slow.manifest_reads  # newest (60) and 58, 59, 60
+
+    # What it compares it still reads: another copy of step 59 on TO is named.
+    with CheckpointManager(tmp_path / "other", run_id=run_id) as mgr:
+        mgr.save(59, {"s": -59})
+    shutil.rmtree(dest / checkpoint_name(59))
+    shutil.copytree(tmp_path / "other" / checkpoint_name(59), dest / checkpoint_name(59))
+    _drain_audit(LocalStorage(str(fast)), slow, run_id, failed)
+    assert list(failed) == [59] and "another copy of step 59" in failed[59]
+
+
 @pytest.mark.netfs
 @pytest.mark.timeout(120)
 def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_bucket, fast_root):
