@@ -178,6 +178,8 @@ class Framework:
     auto: bool = True
 
     def step_of(self, on_disk_name: str) -> int | None:
+        if not on_disk_name.isprintable():
+            return None  # "checkpoint-3\n" matches a pattern ending in $: never a step
         m = self.names.match(on_disk_name)
         if m is None:
             return None
@@ -385,11 +387,11 @@ def _weights_problem(folder: CheckpointFolder, stems: tuple[str, ...], what: str
     if indexes:
         return None
     pattern = re.compile(
-        r"^(?:" + "|".join(map(re.escape, stems)) + r")(?:_[0-9]+)?\.(?:safetensors|bin)$"
+        r"^(?:" + "|".join(map(re.escape, stems)) + r")(?:_[0-9]+)?\.(?:safetensors|bin)\Z"
     )
     if any(pattern.match(n) for n in tops):
         return None
-    dcp = re.compile(r"^(?:pytorch_model_fsdp|model)_[0-9]+/\.metadata$")
+    dcp = re.compile(r"^(?:pytorch_model_fsdp|model)_[0-9]+/\.metadata\Z")
     if any(dcp.match(n) for n in files):
         return None
     if any(re.match(r"^global_step[0-9]+/", n) for n in files):
@@ -449,7 +451,7 @@ def hf_is_complete(path: str) -> str | None:
         return f"{_TRAINER_STATE} records global_step {step}, not {folder.step}: a copied folder?"
     return (
         _weights_problem(folder, ("model", "pytorch_model", "adapter_model"), "model")
-        or _contiguous(folder, r"^rng_state_([0-9]+)\.pth$", "rng_state_<i>.pth")
+        or _contiguous(folder, r"^rng_state_([0-9]+)\.pth\Z", "rng_state_<i>.pth")
         or _files_problem(folder)
     )
 
@@ -467,8 +469,8 @@ def accelerate_is_complete(path: str) -> str | None:
     if problem is not None:
         return problem
     tops = {n for n in files if "/" not in n}
-    if not any(re.match(r"^optimizer(?:_[0-9]+)?\.bin$", n) for n in tops) and not any(
-        re.match(r"^optimizer_[0-9]+/\.metadata$", n) for n in files
+    if not any(re.match(r"^optimizer(?:_[0-9]+)?\.bin\Z", n) for n in tops) and not any(
+        re.match(r"^optimizer_[0-9]+/\.metadata\Z", n) for n in files
     ):
         return "no optimizer state (optimizer.bin): the save stopped after the model"
     if "random_states_0.pkl" not in tops:
@@ -477,8 +479,8 @@ def accelerate_is_complete(path: str) -> str | None:
             "model, optimizer and scheduler, so this save did not finish"
         )
     return (
-        _contiguous(folder, r"^random_states_([0-9]+)\.pkl$", "random_states_<i>.pkl")
-        or _contiguous(folder, r"^custom_checkpoint_([0-9]+)\.pkl$", "custom_checkpoint_<i>.pkl")
+        _contiguous(folder, r"^random_states_([0-9]+)\.pkl\Z", "random_states_<i>.pkl")
+        or _contiguous(folder, r"^custom_checkpoint_([0-9]+)\.pkl\Z", "custom_checkpoint_<i>.pkl")
         or _files_problem(folder)
     )
 
@@ -527,13 +529,13 @@ def _folder(path: str) -> CheckpointFolder:
     # Called directly on a local path (tests, other tools): a root of one folder.
     parent, name = os.path.split(os.path.abspath(os.fspath(path)))
     storage = open_storage(parent)
-    m = re.search(_STEP + r"$", name)
+    m = re.search(_STEP + r"\Z", name)
     return CheckpointFolder(storage, name, int(m.group(1)) if m else 0)
 
 
-register_framework("hf", rf"^checkpoint-{_STEP}$", hf_is_complete)
-register_framework("accelerate", rf"^checkpoint_{_STEP}$", accelerate_is_complete)
-register_framework(GENERIC, rf"^checkpoint[-_]{_STEP}$", generic_is_complete)
+register_framework("hf", rf"^checkpoint-{_STEP}\Z", hf_is_complete)
+register_framework("accelerate", rf"^checkpoint_{_STEP}\Z", accelerate_is_complete)
+register_framework(GENERIC, rf"^checkpoint[-_]{_STEP}\Z", generic_is_complete)
 
 
 # ---------------------------------------------------------------------- the result

@@ -53,9 +53,9 @@ TRASH_DIR = ".trash"
 META_DIR = ".atomic-checkpoint"
 CHECKPOINT_PREFIX = "checkpoint-"
 
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})$")
-_PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})$")
-_REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.replaced$")
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\Z")
+_PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\Z")
+_REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.replaced\Z")
 
 #: The sidecar manifest of a Lightning ``.ckpt`` file (``integrations.lightning``):
 #: ``<name>.ckpt`` + this.
@@ -67,7 +67,7 @@ LAYOUT_FILE = f"{META_DIR}/layout.json"
 RUN_FILE = f"{META_DIR}/run.json"
 ACCELERATE_LAYOUT = "accelerate"
 ACCELERATE_DIR = "checkpoints"
-_ACCELERATE_RE = re.compile(r"^checkpoint_(0|[1-9][0-9]{0,18})$")
+_ACCELERATE_RE = re.compile(r"^checkpoint_(0|[1-9][0-9]{0,18})\Z")
 
 
 def validate_step(step: object) -> int:
@@ -151,8 +151,8 @@ def parse_replaced_name(name: str) -> tuple[int, str] | None:
 MARKER_PREFIX = "checkpoint.pending-"
 MARKER_SUFFIX = ".json"
 ATTEMPT_PREFIX = "attempt-"
-_MARKER_RE = re.compile(r"^checkpoint\.pending-([0-9a-f]{8,32})\.json$")
-_ATTEMPT_RE = re.compile(r"^attempt-([0-9a-f]{8,32})$")
+_MARKER_RE = re.compile(r"^checkpoint\.pending-([0-9a-f]{8,32})\.json\Z")
+_ATTEMPT_RE = re.compile(r"^attempt-([0-9a-f]{8,32})\Z")
 
 
 def marker_name(attempt: str) -> str:
@@ -184,7 +184,7 @@ def rank_state_file(rank: int) -> str:
 
 
 REPLICATED_STATE_FILE = "replicated.safetensors"
-_STATE_FILE_RE = re.compile(r"^(rank-[0-9]{5,}|replicated)\.safetensors$")
+_STATE_FILE_RE = re.compile(r"^(rank-[0-9]{5,}|replicated)\.safetensors\Z")
 
 
 def is_state_file(name: str) -> bool:

@@ -233,7 +233,22 @@ class Manifest:
         if self.adopted:
             doc["adopted"] = True
         doc[_SELF_CHECKSUM] = _body_checksum(doc, self.checksum_algorithm)
-        return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
+        data = json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+        if len(data) > MAX_MANIFEST_BYTES:
+            # Indentation grows with nesting (deep metadata: ~9x): the compact form is
+            # the same document, and readers parse either.
+            data = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            data = data.encode("utf-8")
+        if len(data) > MAX_MANIFEST_BYTES:
+            # Written, it would be a checkpoint that every reader refuses by its size:
+            # a save that returned and is never listed.
+            raise ValueError(
+                f"the manifest of step {self.step} would be {len(data)} bytes, more than "
+                f"the {MAX_MANIFEST_BYTES} bytes readers accept ({len(self.files)} files, "
+                f"{len(self.metrics)} metrics): save fewer files (e.g. one per rank) or "
+                "record less in metrics and metadata. Nothing was committed"
+            )
+        return data + b"\n"
 
     @classmethod
     def from_json_bytes(cls, data: bytes, *, where: str = "manifest") -> Manifest:
@@ -473,6 +488,13 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
             )
             continue
         out[k] = value
+    size = sum(len(k) + 24 for k in out)  # as JSON: the name, a float, punctuation
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"metrics are about {size} bytes as JSON ({len(out)} names), more than the "
+            f"{MAX_METADATA_BYTES} a manifest may hold: record a few numbers to rank "
+            "checkpoints by, and the rest in the saved state"
+        )
     return out
 
 

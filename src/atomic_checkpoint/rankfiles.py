@@ -63,7 +63,7 @@ from typing import Any
 from . import device_staging
 from ._faults import fault_point
 from .errors import CheckpointError, SaveAbandonedError
-from .layout import MANIFEST_NAME
+from .layout import MANIFEST_NAME, validate_relative_path
 from .manifest import FileEntry, Hasher
 from .storage import posix
 from .storage.base import DIRECT_IO_ALIGN, DirectWriter, Storage, Writer, direct_io
@@ -102,6 +102,16 @@ def report_files(storage: Storage, pending: str, rank: int) -> RankReport:
                 "manifest's, which the commit writes. Nothing was committed. Was an "
                 "earlier checkpoint copied in whole? Copy its data files only"
             )
+        try:
+            validate_relative_path(rel)
+        except ValueError as exc:
+            # Committed, it was a checkpoint that every reader refuses (as corrupt).
+            raise CheckpointError(
+                f"the save wrote {storage.url(pending + '/' + rel)!r}, which a manifest "
+                f"cannot list: {exc} (a backslash, or a name starting with a letter and "
+                "a colon, reads as a Windows path). Nothing was committed; give the file "
+                "another name"
+            ) from None
         h = Hasher()
         path = storage.local_path(f"{pending}/{rel}") if local else None
         with storage.open_read(f"{pending}/{rel}") as f:

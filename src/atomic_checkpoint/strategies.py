@@ -703,19 +703,28 @@ class MarkerStrategy:
             # A marker or manifest write killed between its temporary file and the
             # rename leaves the temporary file, beside a manifest or with nothing else.
             temps = tuple(rel for rel, _ in abandoned_temps(storage, name, children))
+            manifest: Manifest | None = None
+            if markers or temps:
+                try:
+                    manifest = read_manifest(storage, name)
+                except errors.CheckpointNotFoundError:
+                    pass
+                except errors.CheckpointError as exc:
+                    log.warning("not sweeping %s: %s", storage.url(name), exc)
+                    continue
+            if manifest is not None:
+                # A file the manifest lists is the checkpoint's, whatever its name: a
+                # saving() block's "x.tmp-1-2" or "checkpoint.pending-<hex>.json" was
+                # deleted here as our leftover, and the checkpoint read as corrupt.
+                listed = {f"{name}/{f.path}" for f in manifest.files}
+                temps = tuple(t for t in temps if t not in listed)
+                markers = [a for a in markers if f"{name}/{marker_name(a)}" not in listed]
             if not markers:
                 # An empty directory is what a delete leaves when the unlink of its last
                 # marker persisted and its rmdir did not (a power loss).
                 # A file of that name (not ours) lists no children either.
                 if temps or (not children and storage.is_dir(name)):
                     out.append(Leftover(name, True, (), (), (), temps))
-                continue
-            try:
-                manifest: Manifest | None = read_manifest(storage, name)
-            except errors.CheckpointNotFoundError:
-                manifest = None
-            except errors.CheckpointError as exc:
-                log.warning("not sweeping %s: %s", storage.url(name), exc)
                 continue
             marker_paths = tuple(f"{name}/{marker_name(a)}" for a in markers)
             if manifest is None:

@@ -439,7 +439,7 @@ def _masked_names(directory: Path) -> list[str]:
 
 # Names frameworks give checkpoint folders: ours and the Trainer's (checkpoint-N), and
 # Accelerate's automatic naming (checkpoint_N).
-_CHECKPOINT_LIKE = re.compile(r"^checkpoint[-_][0-9]+$")
+_CHECKPOINT_LIKE = re.compile(r"^checkpoint[-_][0-9]+\Z")
 
 
 def _checkpoint_like_names(root: str) -> list[str]:

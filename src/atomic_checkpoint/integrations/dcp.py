@@ -1024,7 +1024,7 @@ def load(
 # The folders a stock DCP run is adopted from: ``checkpoint-<step>``, the names
 # ``save_dcp`` gives (so a job that switches to a manager keeps its layout). They are
 # the Trainer's names too, so the rule applies only when named (``framework="dcp"``).
-_DCP_NAME_RE = re.compile(r"^checkpoint-(?P<step>0|[1-9][0-9]{0,18})$")
+_DCP_NAME_RE = re.compile(r"^checkpoint-(?P<step>0|[1-9][0-9]{0,18})\Z")
 _DCP_METADATA_FILE = ".metadata"
 _ADOPTED_BY = "dcp"
 
@@ -1218,7 +1218,7 @@ def _adopt_path(parent: str, name: str) -> None:
         )
     files = checksum_and_sync(storage, name)
     storage.fsync_dir("")  # DCP never fsyncs the directory's entry in its parent
-    m = re.search(r"(0|[1-9][0-9]{0,18})$", name)
+    m = re.search(r"(0|[1-9][0-9]{0,18})\Z", name)
     manifest = Manifest(
         step=int(m.group(1)) if m else 0,
         run_id="",

@@ -147,7 +147,7 @@ _SCHEMA = 1
 # Versions a manifest may list: the new one plus those the file may still hold. After
 # a completed save it lists one; each save that crashed between steps 2 and 3 adds one.
 _MAX_VERSIONS = 8
-_PENDING_RE = re.compile(r"^\..+\.[0-9a-f]{16}\.pending$")
+_PENDING_RE = re.compile(r"^\..+\.[0-9a-f]{16}\.pending\Z")
 _READ_CHUNK = 8 << 20
 
 
@@ -490,7 +490,7 @@ def latest_checkpoint(
 # ``{epoch}-{step}``, with its ``-v<n>`` version suffix, or more after it, such as
 # ``{epoch}-{step}-{val_loss:.3f}``); ``last.ckpt`` names none.
 _CKPT_NAME_RE = re.compile(
-    r"^(?:.*[^A-Za-z0-9])?step=(?P<step>0|[1-9][0-9]{0,18})(?![0-9])(?:[^A-Za-z0-9].*)?\.ckpt$"
+    r"^(?:.*[^A-Za-z0-9])?step=(?P<step>0|[1-9][0-9]{0,18})(?![0-9])(?:[^A-Za-z0-9].*)?\.ckpt\Z"
 )
 _EPOCH_RE = re.compile(r"(?:^|[^A-Za-z0-9])epoch=(0|[1-9][0-9]{0,18})(?:[^0-9]|$)")
 

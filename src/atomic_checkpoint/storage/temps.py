@@ -49,11 +49,11 @@ __all__ = [
 STALE_TEMP_S = 3600.0
 
 _TAGGED_RE = re.compile(
-    r"^(?P<final>.+)\.tmp-(?P<tag>[0-9a-f]{10})-(?P<pid>[0-9]{1,10})-[0-9]{1,24}-[0-9]{1,24}$"
+    r"^(?P<final>.+)\.tmp-(?P<tag>[0-9a-f]{10})-(?P<pid>[0-9]{1,10})-[0-9]{1,24}-[0-9]{1,24}\Z"
 )
 #: Names from before the writer tag: ``.tmp-<pid>-<ns>``, ``.tmp-<pid>-<tid>-<ns>`` and
 #: fsspec's ``.tmp-<pid>-<tid>``; only their age can tell.
-_LEGACY_RE = re.compile(r"^(?P<final>.+)\.tmp-(?P<pid>[0-9]{1,10})(?:-[0-9]{1,24}){1,2}$")
+_LEGACY_RE = re.compile(r"^(?P<final>.+)\.tmp-(?P<pid>[0-9]{1,10})(?:-[0-9]{1,24}){1,2}\Z")
 
 
 @dataclass(frozen=True)
