@@ -237,8 +237,8 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             # Indentation grows with nesting (deep metadata: ~9x): the compact form is
             # the same document, and readers parse either.
-            data = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
-            data = data.encode("utf-8")
+            compact = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            data = compact.encode("utf-8")
         if len(data) > MAX_MANIFEST_BYTES:
             # Written, it would be a checkpoint that every reader refuses by its size:
             # a save that returned and is never listed.
