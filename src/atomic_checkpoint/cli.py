@@ -1985,6 +1985,33 @@ def _open_target(text: str, options: Sequence[str] | None) -> Storage:
     return open_storage(local_root(text))
 
 
+def _check_target(fast: Storage, slow: Storage) -> None:
+    """Refuse (exit 2) a local ``--to`` that does not exist, and one that records
+    another run than ROOT, before anything is copied."""
+    path = slow.local_path("")
+    if path is not None and not posix.is_dir(path):
+        # It was created, parents and all: a mistyped or unmounted --to took the steps
+        # onto this node's disk, and drain said they were replicated. A tiered job
+        # creates its persistent tier when it starts, so it exists.
+        raise CliError(
+            f"--to {path} does not exist (check the path, and that its filesystem is "
+            f"mounted); to drain into a new directory, create it first (mkdir -p {path})",
+            EXIT_USAGE,
+        )
+    try:
+        here, there = catalog.recorded_run_id(fast), catalog.recorded_run_id(slow)
+    except CheckpointError:
+        return  # a torn run file: the tiers' own start repairs or refuses it
+    if here is not None and there is not None and here != there:
+        # Its steps landed among that run's checkpoints, with a warning worded for a
+        # training job ("this run starts from scratch beside them"), and exit 0.
+        raise CliError(
+            f"{slow.url()} is the persistent tier of run {there!r}, and {fast.url()} holds "
+            f"run {here!r}: drain copies a run into its own persistent tier. Check --to",
+            EXIT_USAGE,
+        )
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     coord, owned = _drain_group()
     try:
@@ -2026,6 +2053,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         # No checkpoint at all: nothing to copy, and nothing written on either tier.
         _drain_outcome(args, fast, slow, None, root_missing=False)
         return EXIT_OK
+    _check_target(fast, slow)
     if missing and not args.json:
         # Under torchrun it still takes part: the other nodes' steps need every node.
         print(f"{fast.url()} does not exist: this node takes part with an empty tier 0")

@@ -122,6 +122,7 @@ def test_drain_finishes_a_crashed_jobs_replication_and_list_verify_show_the_tier
 @pytest.mark.timeout(60)
 def test_drain_refuses_a_live_job_and_never_replicates_a_corrupt_fast_copy(fast_root, tmp_path):
     slow = str(tmp_path / "persistent")
+    os.mkdir(slow)
     plain = CheckpointManager(fast_root)
     for s in (1, 2):
         plain.save(s, state(s))
@@ -158,6 +159,7 @@ def test_drain_and_verify_tier_name_what_the_replicator_never_looks_at(tmp_path)
             mgr.save(2, state(2))
             mgr.save(3, state(seed))
     dest = str(tmp_path / "dest")
+    os.mkdir(dest)
     first = run_cli("drain", tmp_path / "a", "--to", dest)
     assert first.returncode == 0, first.stdout + first.stderr
     second = run_cli("drain", tmp_path / "b", "--to", dest)
@@ -188,6 +190,7 @@ def test_drain_and_verify_tier_name_what_the_replicator_never_looks_at(tmp_path)
     m = catalog.load_checkpoint(mgr.storage, 2)
     with open(torn / checkpoint_name(2) / m.files[0].path, "r+b") as f:
         f.truncate(100)
+    os.mkdir(tmp_path / "torn-dest")
     proc = run_cli("drain", torn, "--to", str(tmp_path / "torn-dest"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "checkpoint-2: NOT REPLICATED: ROOT's copy is corrupt" in proc.stdout
@@ -321,6 +324,31 @@ def test_drain_of_a_root_never_created_is_exit_2_unless_missing_ok(tmp_path):
     for bad in ("-1", "0", "nan", "inf", "soon"):
         proc = run_cli("drain", root, "--to", slow, "--missing-ok", "--timeout", bad)
         assert proc.returncode == 2 and "seconds > 0" in proc.stderr, (bad, proc.stderr)
+
+
+def test_drain_refuses_a_missing_to_and_another_runs_tier(tmp_path):
+    # A mistyped or unmounted --to was created, parents and all, on this node's disk
+    # ("2 replicated", exit 0); another run's tier got this run's steps among its own.
+    root = tmp_path / "node0"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+    unmounted = tmp_path / "mnt" / "lustre" / "run"
+    proc = run_cli("drain", root, "--to", unmounted)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "does not exist (check the path, and that its filesystem is mounted)" in proc.stderr
+    assert not (tmp_path / "mnt").exists()
+    other = tmp_path / "other"
+    with CheckpointManager(other) as mgr:
+        mgr.save(5, state(5))
+        theirs = mgr.run_id
+    proc = run_cli("drain", root, "--to", other)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"is the persistent tier of run {theirs!r}" in proc.stderr
+    assert steps(str(other)) == [5]
+    unmounted.mkdir(parents=True)  # created by hand: a new persistent tier
+    proc = run_cli("drain", root, "--to", unmounted)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert steps(str(unmounted)) == [1]
 
 
 def test_drain_and_tiers_refuse_one_location_for_both_tiers(tmp_path):
