@@ -664,6 +664,7 @@ def adopt(
     lock = _acquire(storage, rid)
     try:
         # Under the lock: the run file is created (or matched) once, by the holder.
+        had_run_file = storage.size(RUN_FILE) is not None
         rid = _run_id_for(storage, run_id, create=True, new=rid) or rid
         if record_layout is not None:
             record_layout()
@@ -679,6 +680,12 @@ def adopt(
             progress=say,
             valid=valid,
         )
+        if not out.adopted and not had_run_file and not valid:
+            # Nothing recorded: the run file made for this call goes too, or the job
+            # started later with its own run_id was refused, and the CLI (prune, list)
+            # took the root for a run that holds nothing.
+            storage.delete_file(RUN_FILE)
+            storage.fsync_dir(layout.META_DIR)
     finally:
         lock.release()
     log.debug("adopt %s: %.2f s", storage.url(""), time.monotonic() - t0)

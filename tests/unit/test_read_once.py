@@ -134,3 +134,21 @@ def _safetensors_bytes() -> bytes:
 
     header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     return struct.pack("<Q", len(header)) + header + np.zeros(2, dtype=np.float32).tobytes()
+
+
+def test_an_adopt_that_adopts_nothing_records_no_run(tmp_path: Path) -> None:
+    # Every folder refused (a Trainer save torn by a crash): adopt said "nothing was
+    # written for them" but created the run file, so the job started next with its own
+    # run_id was refused, and prune took the root for a run that holds nothing.
+    from atomic_checkpoint import adopt
+
+    torn = tmp_path / "checkpoint-500"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(_safetensors_bytes()[:-10])
+    (torn / "trainer_state.json").write_text('{"global_step": 500}')
+    result = adopt(tmp_path, framework="hf")
+    assert result.adopted == [] and list(result.refused) == [500]
+    assert catalog.recorded_run_id(LocalStorage(str(tmp_path))) is None
+    with CheckpointManager(tmp_path, run_id="exp") as mgr:
+        assert mgr.run_id == "exp"
+    assert catalog.recorded_run_id(LocalStorage(str(tmp_path))) == "exp"
