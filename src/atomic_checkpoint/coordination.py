@@ -64,6 +64,8 @@ from .errors import (
     CollectiveMismatchError,
     CoordinationTimeoutError,
     DistributedCheckpointError,
+    FencedError,
+    LockHeldError,
     RankFailure,
 )
 
@@ -1056,7 +1058,22 @@ def shared_error(failures: Sequence[RankFailure], step: int | None = None) -> Ch
     from what every rank sent, so type and message are the same everywhere."""
     if len(failures) == 1 and failures[0].error_type == "CheckpointExistsError":
         return CheckpointExistsError(failures[0].message)
+    kinds = {f.error_type for f in failures}
+    if len(kinds) == 1 and (kind := _AS_ITSELF.get(kinds.pop())) is not None:
+        # Another job holds or took over ROOT: the job's own condition, raised on every
+        # rank as the type a single process raises and the docs name (`except
+        # LockHeldError:` never fired under torchrun: it was a DistributedCheckpointError
+        # ending in "no partial checkpoint is visible", also at open).
+        first = failures[0]
+        return kind(f"rank {first.rank} in phase {first.phase!r}: {first.message}")
     return DistributedCheckpointError(list(failures), step=step)
+
+
+#: Errors every rank raises as themselves (the same type and message everywhere).
+_AS_ITSELF: dict[str, type[CheckpointError]] = {
+    "LockHeldError": LockHeldError,
+    "FencedError": FencedError,
+}
 
 
 def _run_here(

@@ -206,3 +206,28 @@ def test_a_collective_call_inside_on_commit_is_refused_there_not_a_stall(tmp_pat
         assert value[1] == [1, 2] and seconds < 15
     seen = results[0][1][0]
     assert len(seen) == 2 and all("made from on_commit" in s for s in seen), seen
+
+
+def test_another_jobs_lock_is_a_lock_held_error_on_every_rank(tmp_path):
+    # With one process it is a LockHeldError, as the docs say; with several it came as a
+    # DistributedCheckpointError ("... no partial checkpoint is visible"), so `except
+    # LockHeldError:` never fired under torchrun.
+    from atomic_checkpoint import CheckpointManager, LockError, LockHeldError
+    from atomic_checkpoint.lock import RunLock
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path))
+    storage.makedirs(".atomic-checkpoint")
+    other = RunLock(storage, run_id="other-job", host="node-b", heartbeat=False)
+    other.acquire()
+
+    def body(coord, rank):
+        CheckpointManager(tmp_path, coordinator=coord, timeout_s=TIMEOUT_S)
+
+    results = _on_ranks(2, body)
+    for kind, err, _ in results:
+        assert kind == "error" and isinstance(err, LockHeldError), err
+        assert isinstance(err, LockError)
+        assert "rank 0 in phase" in str(err) and "'other-job' on host 'node-b'" in str(err)
+        assert "no partial checkpoint" not in str(err).lower()
+    assert str(results[0][1]) == str(results[1][1])
