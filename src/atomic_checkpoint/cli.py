@@ -390,6 +390,19 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
     return open_storage(path)
 
 
+def _refuse_one_checkpoint(storage: Storage, command: str) -> None:
+    """Exit 2 for a ROOT that is one checkpoint (it holds a manifest at its top): a
+    command that changes a root found "nothing to prune" there, exit 0."""
+    if storage.size(MANIFEST_NAME) is not None:
+        parent = catalog.plain_path(storage.url("")).rstrip("/").rpartition("/")[0]
+        raise CliError(
+            f"{storage.url()} is one checkpoint (it holds {MANIFEST_NAME}), not a "
+            f"checkpoint root: `{command}` works on the directory that holds the "
+            f"checkpoint-<step> entries ({parent or '..'})",
+            EXIT_USAGE,
+        )
+
+
 def _open_url_root(url: str, options: dict[str, Any]) -> Storage:
     """An object-store root (``s3://bucket/prefix``, any fsspec URL). Credentials and
     endpoints come from the usual environment (``AWS_*``, ``AWS_ENDPOINT_URL``) or
@@ -1350,6 +1363,7 @@ def _clean_uploads(
 
 def cmd_clean(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
+    _refuse_one_checkpoint(storage, "clean")
     since = time.time()
     holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)
     # An overwrite interrupted between its two renames (no atomic exchange) left its
@@ -1718,6 +1732,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
     policy = _policy(args, args.parser)
     storage = _open_root(args.root, args.storage_option)
+    _refuse_one_checkpoint(storage, "prune")
     # A live job's lock is the first answer (exit 3), whatever else is wrong.
     holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
     try:
@@ -1852,6 +1867,14 @@ def cmd_prune(args: argparse.Namespace) -> int:
             f"could not delete {len(failed)} checkpoint(s): {failed[0]['name']}: "
             f"{failed[0]['problem']} (the others were handled; run prune again, and "
             f"`{PROG} clean` to remove what a failed deletion left in {TRASH_DIR}/)"
+        )
+    corrupt = [e for e in skipped if e["status"] == "corrupt"]
+    if corrupt:
+        # A problem found (exit 1, as verify): a nightly `prune || alert` must fire.
+        raise CliError(
+            f"{len(corrupt)} checkpoint(s) of the run are corrupt, kept and not counted "
+            f"({', '.join(e['name'] for e in corrupt)}); the policy was applied to the "
+            f"others. `{PROG} verify {storage.url()}` says more"
         )
     return EXIT_OK
 
@@ -2040,6 +2063,8 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
                 exc.code,
             ) from None
         fast, missing = exc.open(), True
+    if not missing:
+        _refuse_one_checkpoint(fast, "drain")
     slow = _open_target(args.to, args.to_storage_option)
     try:
         check_tiers_separate(fast, slow)

@@ -50,7 +50,9 @@ def test_prune_dry_run_then_real_on_a_mixed_root(tmp_path):
     truncate(state_file(root, 50))  # this run's, corrupt: not considered, not deleted
     args = ("prune", root, "--keep-last", "2", "--keep-best", "1", "--metric", "eval_loss")
 
-    doc = run_json(*args, "--dry-run")
+    # The corrupt step is a problem found: exit 1 (a nightly `prune || alert` fires),
+    # with the policy applied to the others all the same.
+    doc = run_json(*args, "--dry-run", expect_rc=1)
     assert doc["dry_run"] is True and doc["run_id"] == rid
     assert doc["policy"] == "KeepLast(2) | KeepBest(1, metric='eval_loss', mode='min')"
     plan = {c["step"]: (c["kept"], c["reason"], c["deleted"]) for c in doc["checkpoints"]}
@@ -72,13 +74,16 @@ def test_prune_dry_run_then_real_on_a_mixed_root(tmp_path):
     assert _committed(root) == [50, 100, 200, 300, 400, 500, 600, 1000]  # untouched
 
     proc = run_cli(*args, "--dry-run")
-    assert proc.returncode == 0
+    assert proc.returncode == 1
+    assert "1 checkpoint(s) of the run are corrupt, kept and not counted (checkpoint-50)" in (
+        proc.stderr
+    )
     rows = {ln.split()[0]: ln for ln in proc.stdout.splitlines() if ln.split()[0].isdigit()}
     assert "would delete" in rows["100"] and "keep" in rows["200"] and "best" in rows["200"]
     assert "would delete 3 checkpoint(s)" in proc.stdout
     assert "not considered: checkpoint-1000 (foreign: belongs to run 'other-run')" in proc.stdout
 
-    doc = run_json(*args, entry_point=True)
+    doc = run_json(*args, entry_point=True, expect_rc=1)
     assert [c["step"] for c in doc["checkpoints"] if c["deleted"]] == [100, 300, 400]
     assert doc["failed"] == []
     assert _committed(root) == [50, 200, 500, 600, 1000]
@@ -90,7 +95,7 @@ def test_prune_dry_run_then_real_on_a_mixed_root(tmp_path):
     np.testing.assert_array_equal(mgr.restore()["model"]["w"], state(600)["model"]["w"])
     mgr.close()
     # Converged: a second prune deletes nothing.
-    doc = run_json(*args)
+    doc = run_json(*args, expect_rc=1)
     assert not any(c["deleted"] for c in doc["checkpoints"]) and doc["freed_bytes"] == 0
 
 
@@ -118,7 +123,7 @@ def test_prune_never_deletes_the_last_restorable_checkpoint_for_a_corrupt_newest
     make_root(root, (10, 20, 30, 40))
     flip_byte(state_file(root, 40), 40)
     proc = run_cli("prune", root, "--keep-last", "1", "--json", "--progress")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 1, proc.stderr  # a problem found: the corrupt newest
     doc = json.loads(proc.stdout)
     # The full read says what it reads, and how fast (stderr: stdout stays pure JSON).
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("verifying ")]
@@ -288,3 +293,22 @@ def test_prune_killed_mid_deletion_leaves_nothing_torn(tmp_path, phase):
     assert _committed(root) == [500, 600]
     assert run_cli("clean", root).returncode == 0
     assert not any((root / ".trash").iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_commands_that_change_a_root_refuse_one_checkpoint_as_root(tmp_path):
+    # `prune .../checkpoint-300` said "nothing to prune", exit 0: a nightly job pointed
+    # one level too deep never pruned anything, and nobody was told.
+    root = tmp_path / "root"
+    make_root(root, (100, 200, 300))
+    one = root / "checkpoint-300"
+    for args in (
+        ("prune", one, "--keep-last", "1"),
+        ("clean", one),
+        ("drain", one, "--to", tmp_path),
+    ):
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "is one checkpoint (it holds checkpoint.manifest.json)" in proc.stderr
+        assert f"({root})" in proc.stderr, proc.stderr
+    assert _committed(root) == [100, 200, 300]
