@@ -1220,6 +1220,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for step, where in sorted(held.items()):
             print(f"{checkpoint_name(step)}: verified on tier(s) {','.join(map(str, where))}")
         extra = f", {len(skipped)} skipped (pending, foreign or removed: see `{PROG} list`)"
+        others = sum(1 for r in skipped if "belongs to run" in str(r.get("problem") or ""))
+        if others:
+            # Not this run's, so not verified: a newer run beside it is named by count
+            # at least, with the flag that verifies it.
+            extra += f"; {others} of them another run's: --all-runs verifies those too"
         print(
             f"{storage.url()}: {len(results) - len(bad)} ok, {len(bad)} failed"
             + (extra if skipped else "")
@@ -1873,7 +1878,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         # A problem found (exit 1, as verify): a nightly `prune || alert` must fire.
         raise CliError(
             f"{len(corrupt)} checkpoint(s) of the run are corrupt, kept and not counted "
-            f"({', '.join(e['name'] for e in corrupt)}); the policy was applied to the "
+            f"({', '.join(str(e['name']) for e in corrupt)}); the policy was applied to the "
             f"others. `{PROG} verify {storage.url()}` says more"
         )
     return EXIT_OK

@@ -896,7 +896,20 @@ class CheckpointManager:
                 self.root,
                 other_text,
             )
-        elif unmanifested and self.rank == 0 and setup.get("newest") is not None:
+        elif (newer := _newer_runs(others, setup.get("newest"))) and self.rank == 0:
+            # Newer than what this job resumes. A restart without run_id continues the
+            # run the run file names, and the newer steps of a job started beside it
+            # with its own run_id were ignored in silence.
+            log.warning(
+                "%s holds newer checkpoints of other runs than step %s of run %r, which "
+                "this job continues: %s. They are not this run's: ignored, never deleted. "
+                "To continue one of them, pass its run_id",
+                self.root,
+                setup.get("newest"),
+                self.run_id,
+                newer,
+            )
+        if unmanifested and self.rank == 0 and setup.get("newest") is not None:
             # Met on the way down to the newest valid one: newer than what a resume
             # loads. Skipped in silence, an interrupted copy of a root looked like a
             # resume that lost its newest steps for no reason.
@@ -2897,6 +2910,16 @@ def _restore_failure(exc: Exception, rank: int) -> tuple[RankFailure, str]:
     else:
         kind = "error"
     return RankFailure(rank, "restore", type(exc).__name__, str(exc) or repr(exc)), kind
+
+
+def _newer_runs(others: Mapping[str, int], newest: int | None) -> str:
+    """``run 'a' (newest step 20); ...`` for the runs in ``others`` (run -> its newest
+    step) newer than ``newest``; "" when there is none."""
+    return "; ".join(
+        f"run {rid!r} (newest step {step})"
+        for rid, step in sorted(others.items())[:5]
+        if newest is None or step > newest
+    )
 
 
 def _agreed_restore_error(

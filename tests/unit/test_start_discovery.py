@@ -155,9 +155,20 @@ def test_other_runs_checkpoints_are_not_ours_to_resume(
     for step in (N + 5, N + 6):
         os.rename(other / f"checkpoint-{step}", root / f"checkpoint-{step}")
     storage = CountingLocalStorage(root)
-    with CheckpointManager(storage) as mgr:
+    with (
+        caplog.at_level(logging.WARNING, logger="atomic_checkpoint"),
+        CheckpointManager(storage) as mgr,
+    ):
         assert storage.manifest_reads == 3, storage.manifest_reads  # two foreign, one ours
         assert _newest_step(mgr) == N - 1
+    # A restart without run_id continues the run the run file names: the newer steps
+    # of a run started beside it were ignored in silence.
+    assert (
+        f"holds newer checkpoints of other runs than step {N - 1} of run" in caplog.text
+        and f"run 'run-b' (newest step {N + 6})" in caplog.text
+    ), caplog.text
+    caplog.clear()
+    with CheckpointManager(storage) as mgr:
         info = mgr.save(N, _state(N))
         # Above every manifest read: the other run's too, as the full scan had it.
         assert info.commit_seq > max(_seq(root, N + 6), _seq(root, N - 1))
