@@ -371,7 +371,13 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
         )
     if not path:
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
-    path = local_root(text)  # ~, relative, trailing slashes, file:// escapes
+    path = _local_path(text)
+    if posix.is_link(path) and not posix.exists(path):
+        raise CliError(
+            f"checkpoint root {path!r} is a symbolic link to {posix.link_target(path)!r}, "
+            "which does not exist (an unmounted filesystem, or a moved directory)",
+            EXIT_USAGE,
+        )
     if not posix.lexists(path):
         raise _RootMissing(
             f"checkpoint root {path!r} does not exist (check the path, and that its "
@@ -401,6 +407,15 @@ def _refuse_one_checkpoint(storage: Storage, command: str) -> None:
             f"checkpoint-<step> entries ({parent or '..'})",
             EXIT_USAGE,
         )
+
+
+def _local_path(text: str) -> str:
+    """``local_root`` of a local ROOT (``~``, relative, trailing slashes, ``file://``
+    escapes), or a CliError (exit 2) for one that names no local path."""
+    try:
+        return local_root(text)
+    except (ValueError, CheckpointNotFoundError) as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def _open_url_root(url: str, options: dict[str, Any]) -> Storage:
@@ -2010,7 +2025,7 @@ def _open_target(text: str, options: Sequence[str] | None) -> Storage:
         return open_storage(text, _storage_options(options) or None)
     if options:
         raise CliError("--to-storage-option applies to URL targets (s3://, ...)", EXIT_USAGE)
-    return open_storage(local_root(text))
+    return open_storage(_local_path(text))
 
 
 def _check_target(fast: Storage, slow: Storage) -> None:

@@ -99,3 +99,42 @@ def test_a_local_storage_path_never_climbs_out_of_the_root(tmp_path):
         with pytest.raises(UnsafeCheckpointError, match=r"leaves .* through '\.\.'"):
             call()
     assert not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_file_url_naming_a_host_is_refused_not_made_relative(tmp_path, monkeypatch):
+    # file://tmp/x (one slash short) saved to <cwd>/tmp/x: a restart from another
+    # working directory started from scratch without a word.
+    monkeypatch.chdir(tmp_path)
+    for url in ("file://tmp/run", "file://otherhost/tmp/run"):
+        with pytest.raises(ValueError, match=r"names the host .*three slashes"):
+            CheckpointManager(url)
+    assert os.listdir(tmp_path) == []
+    assert local_root("file://LOCALHOST/tmp/run") == "/tmp/run"
+    assert local_root("file:///tmp/a%20b") == "/tmp/a b"
+
+
+def test_local_storage_normalises_its_root_as_open_storage_does(tmp_path, monkeypatch):
+    # LocalStorage(root, capabilities=...) is the override the docs give for a FUSE
+    # mount: it wrote "~/ckpt" and file:// URLs under the working directory.
+    from atomic_checkpoint.storage.local import LocalStorage
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert LocalStorage("~/ckpt").root == str(tmp_path / "home" / "ckpt")
+    url = (tmp_path / "u rl").as_uri()
+    assert LocalStorage(url).root == str(tmp_path / "u rl")
+
+
+def test_a_dangling_root_link_and_a_deleted_working_directory_are_said(tmp_path, monkeypatch):
+    from atomic_checkpoint import CheckpointNotFoundError
+
+    link = tmp_path / "ckpt"
+    os.symlink(tmp_path / "unmounted" / "run", link)
+    with pytest.raises(CheckpointNotFoundError, match=r"is a symbolic link to .*does not exist"):
+        CheckpointManager(link)
+    gone = tmp_path / "cwd"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(CheckpointNotFoundError, match="the working directory no longer exists"):
+        CheckpointManager("relative-root")

@@ -6,7 +6,6 @@ package makes on a mounted filesystem, with their OSError mapped here too."""
 
 import os
 import re
-import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +18,7 @@ from .base import (
     looks_like_storage,
 )
 from .detect import local_capabilities
-from .local import LocalStorage
+from .local import LocalStorage, local_root
 from .memory import MemoryStorage
 from .project import open_project
 
@@ -51,24 +50,6 @@ def lazy_attribute(module: str, name: str) -> Any:
 
 def __getattr__(name: str) -> Any:
     return lazy_attribute(__name__, name)
-
-
-def local_root(root: str | os.PathLike[str]) -> str:
-    """The absolute path of a local root, normalised once at the boundary: ``~``
-    expanded, relative to the working directory, ``.``/``..`` and trailing slashes
-    removed; a ``file://`` URL is decoded as RFC 8089 says (``Path.as_uri()`` writes a
-    space as ``%20`` and ``[`` as ``%5B``). Symlinks are kept in the path (messages
-    name the root as given) and resolved where it matters: the mount is detected on
-    the resolved path (``detect.mount_of``)."""
-    text = os.fspath(root)
-    if text.startswith("file://"):
-        rest = text[len("file://") :]
-        if rest.startswith("localhost/"):
-            rest = rest[len("localhost") :]
-        text = urllib.parse.unquote(rest)
-        if os.name == "nt" and len(text) > 2 and text[0] == "/" and text[2] == ":":
-            text = text[1:]  # file:///C:/x names C:/x
-    return os.path.abspath(os.path.expanduser(text))
 
 
 def storage_for(

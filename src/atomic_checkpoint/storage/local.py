@@ -76,6 +76,7 @@ import stat
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -469,6 +470,42 @@ class _NoDirectIO(Exception):
     """The filesystem refused O_DIRECT at open."""
 
 
+def local_root(root: str | os.PathLike[str]) -> str:
+    """The absolute path of a local root, normalised once at the boundary: ``~``
+    expanded, relative to the working directory, ``.``/``..`` and trailing slashes
+    removed; a ``file://`` URL is decoded as RFC 8089 says (``Path.as_uri()`` writes a
+    space as ``%20`` and ``[`` as ``%5B``). Symlinks are kept in the path (messages
+    name the root as given) and resolved where it matters: the mount is detected on
+    the resolved path (``detect.mount_of``).
+
+    Raises:
+        ValueError: a ``file://`` URL that names a host (``file://tmp/x``, one slash
+            short of ``file:///tmp/x``): it was read as the relative path ``tmp/x``.
+        CheckpointNotFoundError: a relative root while the working directory no longer
+            exists (deleted or replaced since the process started).
+    """
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        host, slash, rest = text[len("file://") :].partition("/")
+        if host and host.lower() != "localhost":
+            raise ValueError(
+                f"{text!r} names the host {host!r}: a file URL of a local path has three "
+                f"slashes (file:///{host}/{rest}), or 'localhost' as its host"
+            )
+        text = urllib.parse.unquote(slash + rest)
+        if os.name == "nt" and len(text) > 2 and text[0] == "/" and text[2] == ":":
+            text = text[1:]  # file:///C:/x names C:/x
+    text = os.path.expanduser(text)
+    try:
+        return os.path.abspath(text)
+    except FileNotFoundError:  # os.getcwd(): the working directory is gone
+        raise CheckpointNotFoundError(
+            f"the relative root {text!r} cannot be resolved: the working directory no "
+            "longer exists (deleted or replaced since this process started). Pass an "
+            "absolute root",
+        ) from None
+
+
 class LocalStorage:
     """Storage on a mounted filesystem rooted at ``root`` (an OS path).
 
@@ -488,7 +525,18 @@ class LocalStorage:
     def __init__(
         self, root: str | os.PathLike[str], *, capabilities: base.StorageCapabilities | None = None
     ):
-        self.root = os.path.abspath(os.fspath(root))
+        # As open_storage normalises it: LocalStorage(root, capabilities=...), the
+        # override the docs recommend for a FUSE mount, took "~/ckpt" and file:// URLs
+        # as relative paths under the working directory.
+        self.root = local_root(root)
+        if os.path.islink(self.root) and not os.path.exists(self.root):
+            # Said as such: creating it failed with "create directory '<root>/
+            # .atomic-checkpoint' failed: No such file or directory".
+            raise CheckpointNotFoundError(
+                f"checkpoint root {self.root!r} is a symbolic link to "
+                f"{os.readlink(self.root)!r}, which does not exist (an unmounted "
+                "filesystem, or a moved directory)"
+            )
         caps = capabilities or local_capabilities(self.root)
         self.capabilities = caps if caps.direct_io else replace(caps, direct_io=True)
         self._refresh_failed = False
