@@ -2651,8 +2651,22 @@ def _within(limit: float, func: Callable[[argparse.Namespace], int], args: Any) 
     return answer_within(limit, args.command, lambda: func(args), late=lambda: late)
 
 
+def _tolerant_output() -> None:
+    """Write what the terminal's encoding cannot show as escapes: a root named in
+    Japanese under a Latin-1 locale made `verify` and `list` fail with an "internal
+    error" (exit 1, read as "a checkpoint is corrupt" by `verify ROOT && upload`)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # a TextIOWrapper's
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # pragma: no cover - a closed or odd stream
+                pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
+    _tolerant_output()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

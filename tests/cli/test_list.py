@@ -185,3 +185,24 @@ def test_list_inspect_and_verify_take_one_checkpoint_directory(tmp_path):
     assert proc.returncode == 1
     assert "holds the state files of one checkpoint" in proc.stderr
     assert "Copy the complete checkpoint again" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_root_the_terminal_cannot_spell_and_roots_that_name_no_directory(tmp_path):
+    # Under a Latin-1 locale, a root named in Japanese made verify, list and inspect
+    # fail with "internal error" and exit 1: `verify ROOT && upload` refused a healthy
+    # root.
+    root = tmp_path / "run-日本語"
+    make_root(root, (100,))
+    latin = {"PYTHONIOENCODING": "latin-1"}
+    for args in (("list", root), ("verify", root), ("inspect", root, "100")):
+        proc = run_cli(*args, env=latin)
+        assert proc.returncode == 0, (args, proc.stdout, proc.stderr)
+        assert "run-\\u65e5\\u672c\\u8a9e" in proc.stdout + proc.stderr, proc.stdout
+    # A dangling link, and a file URL one slash short: said, exit 2.
+    link = tmp_path / "ckpt"
+    link.symlink_to(tmp_path / "unmounted" / "run")
+    proc = run_cli("list", link)
+    assert proc.returncode == 2 and "is a symbolic link to" in proc.stderr, proc.stderr
+    proc = run_cli("list", "file://tmp/run")
+    assert proc.returncode == 2 and "names the host 'tmp'" in proc.stderr, proc.stderr
