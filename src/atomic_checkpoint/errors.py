@@ -289,6 +289,38 @@ _FULL = {_errno.ENOSPC, getattr(_errno, "EDQUOT", -1)}
 _PERM = {_errno.EACCES, _errno.EPERM, _errno.EROFS}
 
 
+#: The actions of ``map_os_error`` that only read: a reader needs no write access.
+_READING = ("read", "open", "list", "stat", "walk", "seek in", "examine")
+
+
+def permission_advice(code: int, action: str, path: str) -> str:
+    """What to do about a permission error of ``action`` on ``path``: for a read, read
+    access (a reader never needs to write); for a read-only filesystem, remounting;
+    for a write, the directory this user may not write in, with its owner and mode
+    (in a group-shared root, the directory another user created)."""
+    if code == _errno.EROFS:
+        return (
+            "The filesystem holding it is mounted read-only: remount it read-write to "
+            "save, or open the root with read_only=True to restore from it."
+        )
+    if action.startswith(_READING) and action != "open for fsync":
+        return (
+            "This user may not read it: check its permissions and those of the "
+            "directories above it (files written under another user's umask 077 are "
+            "unreadable to others)."
+        )
+    from .storage.posix import owner_and_mode  # storage imports this module
+
+    parent = path.rstrip("/").rpartition("/")[0] or "/"
+    who = owner_and_mode(parent)
+    return (
+        f"This user may not write in {parent!r}{f' ({who})' if who else ''}: make it "
+        "writable by the job's user (a root shared by a group wants umask 002 and "
+        "group-writable directories), or open the root with read_only=True to restore "
+        "from it."
+    )
+
+
 def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
     """Map an OSError raised by ``action`` on ``path`` to the project's error tree."""
     code = exc.errno
@@ -304,8 +336,8 @@ def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
         )
     if code in _PERM:
         return StoragePermissionError(
-            f"{action} {path!r} failed: {reason} (errno {code}). Check that the "
-            "checkpoint root is writable by this user and not mounted read-only.",
+            f"{action} {path!r} failed: {reason} (errno {code}). "
+            + permission_advice(code, action, path),
             errno=code,
             path=path,
         )

@@ -59,6 +59,7 @@ from .errors import (
     StorageFullError,
     StoragePermissionError,
     UnsafeCheckpointError,
+    permission_advice,
 )
 from .layout import (
     MANIFEST_NAME,
@@ -609,10 +610,11 @@ class CheckpointManager:
         # Their entries in ROOT must be durable before anything is created inside them.
         self.storage.fsync_dir("")
         if local is not None and not posix.is_accessible(local, write=True):
+            code = errno.EROFS if posix.is_read_only_fs(local) else errno.EACCES
             raise StoragePermissionError(
-                f"checkpoint root {local!r} is not writable by this user: fix its "
-                "permissions, or open it with read_only=True to restore from it",
-                errno=errno.EACCES,
+                f"checkpoint root {local!r} is not writable by this user. "
+                + permission_advice(code, "create in", f"{local}/{META_DIR}"),
+                errno=code,
                 path=local,
             )
         recorded = self._recorded_run_id()

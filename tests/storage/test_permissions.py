@@ -22,7 +22,8 @@ def test_read_only_filesystem_gives_a_permission_error(tmp_path):
     ro.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
     try:
-        with pytest.raises(StoragePermissionError, match=r"writable|read-only"):
+        # EROFS, said as such: it was "not writable by this user: fix its permissions".
+        with pytest.raises(StoragePermissionError, match=r"mounted read-only: remount"):
             CheckpointManager(ro / "ckpt")
     finally:
         subprocess.run(["umount", str(ro)], check=True)
@@ -66,5 +67,22 @@ def test_unwritable_root_for_a_normal_user(holds):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         want = "Permission denied" if holds == "nothing" else "is not writable by this user"
         assert want in proc.stdout, proc.stdout
+        # Which directory it may not write in, with its owner and mode.
+        assert f"This user may not write in {str(root)!r} (owner uid " in proc.stdout
+        assert "mode 0555" in proc.stdout, proc.stdout
     finally:
         shutil.rmtree(base)
+
+
+def test_a_reader_refused_a_file_is_told_to_get_read_access_not_write_access():
+    # A read-only restore of a rank file another user wrote with umask 077 said "check
+    # that the checkpoint root is writable by this user": a reader never needs that.
+    from atomic_checkpoint.errors import map_os_error
+
+    exc = PermissionError(13, "Permission denied")
+    read = str(map_os_error(exc, "read", "/r/checkpoint-1/rank-00000.safetensors"))
+    assert "This user may not read it" in read and "writable" not in read
+    create = str(map_os_error(exc, "create", "/nonexistent-dir/x"))
+    assert "This user may not write in '/nonexistent-dir'" in create
+    ro = str(map_os_error(OSError(30, "Read-only file system"), "create", "/r/x"))
+    assert "mounted read-only: remount it read-write" in ro

@@ -142,6 +142,24 @@ def is_accessible(path: str, *, write: bool = False) -> bool:
     return os.access(path, os.W_OK if write else os.R_OK | os.X_OK)
 
 
+def owner_and_mode(path: str) -> str | None:
+    """``owner uid 1001, group 100, mode 0755`` of ``path`` for a message, or None if
+    it cannot be examined."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"owner uid {st.st_uid}, group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def is_read_only_fs(path: str) -> bool:
+    """Whether the filesystem holding ``path`` is mounted read-only (``statvfs``)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+        return False
+
+
 def list_names(path: str) -> list[str]:
     """The names in directory ``path``; empty if it is missing or cannot be listed."""
     try:
