@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedSchemaError
-from .layout import validate_relative_path, validate_step
+from .layout import rank_state_file, validate_relative_path, validate_step
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "atomic-checkpoint"
@@ -334,6 +334,17 @@ class Manifest:
             kind = _get(doc, "state_kind", str, where)
             if kind not in ("per_rank", "replicated", "files"):
                 raise CorruptCheckpointError(f"{where}: unknown state_kind {kind!r:.80}")
+            if kind == "per_rank":
+                # Every rank's file, or a checkpoint that lists rank 0's alone verified
+                # and was listed, and restore(rank=1) failed on it.
+                have = {f.path.rsplit("/", 1)[-1] for f in files}
+                ranks = domain_ranks if domain_ranks is not None else range(world)
+                lacking = [r for r in ranks if rank_state_file(r) not in have]
+                if lacking:
+                    raise CorruptCheckpointError(
+                        f"{where}: a per-rank checkpoint of {world} rank(s) that lists no "
+                        f"file of rank(s) {lacking[:8]}{' ...' if len(lacking) > 8 else ''}"
+                    )
             commit_seq = _get(doc, "commit_seq", int, where)
             if not 0 <= commit_seq < _MAX_INT:
                 raise CorruptCheckpointError(

@@ -92,3 +92,18 @@ def test_a_manifest_is_never_committed_larger_than_readers_accept(tmp_path, monk
                 (d / f"shard-{i:03d}.bin").write_bytes(b"1")
         assert [c.step for c in mgr.checkpoints()] == [1]
         assert os.listdir(tmp_path / "many" / ".pending") == []
+
+
+def test_a_per_rank_manifest_that_lacks_a_ranks_file_is_corrupt(tmp_path):
+    # A manifest of 2 ranks listing rank 0's file alone (a writer's bug, a hand edit)
+    # verified and was listed; restore(rank=1) then failed on it.
+    from tests.cli.helpers import rewrite_manifest
+
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"x": torch.zeros(2)})
+        mgr.save(2, {"x": torch.ones(2)})
+    rewrite_manifest(tmp_path, 2, world_size=2)
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [1]
+        with pytest.raises(CheckpointError, match=r"lists no file of rank\(s\) \[1\]"):
+            catalog.load_checkpoint(reader.storage, 2)
