@@ -2424,8 +2424,17 @@ class CheckpointManager:
             return exc
 
     def checkpoint_path(self, step: int) -> str:
-        """Where checkpoint ``step`` lives (whether or not it exists)."""
-        return self.storage.url(checkpoint_name(validate_step(step)))
+        """Where checkpoint ``step``'s files are (whether or not it exists): its
+        ``checkpoint-<step>`` folder, or, for files written in place by the marker
+        strategy (a ``saving()`` block on an object store or an s3fs-fuse mount), the
+        ``attempt-<token>`` folder inside it that holds them (``info.path`` too)."""
+        name = checkpoint_name(validate_step(step))
+        if self.strategy.writes_in_place:
+            try:
+                return catalog.read_manifest(self.storage, name).info(self.storage.url(name)).path
+            except CheckpointError:
+                pass  # not committed (yet): where it will be
+        return self.storage.url(name)
 
     def verify(self, step: int) -> CheckpointInfo:
         """Full checksum verification of one checkpoint (run on the calling rank)."""

@@ -390,10 +390,25 @@ class Manifest:
             # never an error that stops discovery of the rest of ROOT.
             raise CorruptCheckpointError(f"{where}: {type(exc).__name__}: {exc}") from exc
 
+    @property
+    def files_dir(self) -> str:
+        """The folder inside the checkpoint that holds every listed file: the marker
+        strategy's ``attempt-<token>`` when all of them are in one, else ``""``."""
+        heads = {f.path.partition("/")[0] for f in self.files if "/" in f.path}
+        if len(heads) != 1 or any("/" not in f.path for f in self.files):
+            return ""
+        head = heads.pop()
+        return head if head.startswith("attempt-") else ""
+
     def info(self, path: str) -> CheckpointInfo:
+        """The public view of this checkpoint at ``path`` (its ``checkpoint-<step>``).
+        A checkpoint of files (``saving()``, the integrations) written in place by the
+        marker strategy keeps them in its ``attempt-<token>/`` folder: ``info.path``
+        names that folder, where a framework loads them from."""
+        inner = self.files_dir if self.state_kind == "files" else ""
         return CheckpointInfo(
             step=self.step,
-            path=path,
+            path=f"{path.rstrip('/')}/{inner}" if inner else path,
             size_bytes=self.size_bytes,
             metrics=dict(self.metrics),
             created_unix=self.created_unix,
