@@ -457,28 +457,36 @@ def _tree_size(storage: Storage, rel: str) -> int:
 # ---------------------------------------------------------------------- the run lock
 class _UnreadableLock:
     """Stands for a lock file that exists but does not parse: a job may be creating it
-    right now, so it counts as live."""
+    right now, so it counts as live until it is older than a lease (as a manager's
+    start judges it); on an object store, where its age is not known, always."""
 
     run_id = host = pid = acquired_unix = renewed_unix = lease_s = token = None
 
-    def __init__(self, message: str):
-        self.message = message
+    def __init__(self, age_s: float | None):
+        self.age_s = age_s
 
     def is_live(self) -> bool:
-        return True
+        from .lock import DEFAULT_LEASE_S
+
+        # Live for ever, a 2-day-old torn lock made prune and clean refuse (exit 3)
+        # with "it frees itself when its lease expires", and a manager took it over.
+        return self.age_s is None or self.age_s <= DEFAULT_LEASE_S
 
     def describe(self) -> str:
-        return f"an unreadable lock file ({self.message})"
+        age = "" if self.age_s is None else f", last written {self.age_s:.0f} s ago"
+        return f"an unreadable lock file (not a lock document: torn by a crash{age})"
 
 
 def _lock_holder(storage: Storage) -> Any | None:
     """Who holds the run lock on ROOT (live or not), or None when nobody does."""
-    from .lock import read_lock_holder
+    from .lock import LOCK_FILE, read_lock_holder
 
     try:
         return read_lock_holder(storage)
-    except LockError as exc:
-        return _UnreadableLock(str(exc))
+    except LockError:
+        local = storage.local_path(LOCK_FILE)
+        modified = None if local is None else posix.mtime(local)
+        return _UnreadableLock(None if modified is None else time.time() - modified)
 
 
 def _lock_doc(holder: Any | None) -> dict[str, Any] | None:

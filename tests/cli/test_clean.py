@@ -161,3 +161,23 @@ def test_clean_unlinks_stray_files_and_symlinks_without_following_them(tmp_path)
 def test_clean_missing_root_exit_2(tmp_path):
     proc = run_cli("clean", tmp_path / "missing", "--dry-run")
     assert proc.returncode == 2 and "does not exist" in error_line(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_torn_lock_file_counts_as_live_only_within_a_lease(tmp_path):
+    # A crash while the lock was first written leaves a file that is no lock document:
+    # a job may be writing it right now, so a fresh one is refused (exit 3); one older
+    # than a lease was refused for ever ("it frees itself when its lease expires"),
+    # while a manager's start took it over.
+    root = tmp_path / "root"
+    make_root(root, (100, 200))
+    lock = root / ".atomic-checkpoint" / "lock.json"
+    lock.write_bytes(b"\x00garbage")
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "an unreadable lock file (not a lock document: torn by a crash" in proc.stderr
+    old = time.time() - 2 * 86400
+    os.utime(lock, (old, old))
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "takeover=True" not in proc.stdout + proc.stderr
