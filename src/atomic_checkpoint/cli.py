@@ -1850,7 +1850,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         for step in sorted(victims):
             try:
                 if strategy.retire(storage, step):
-                    log.info("retention: deleted %s", checkpoint_name(step))
+                    log.info("retention: deleted %s", storage.url(checkpoint_name(step)))
             except CheckpointError as exc:
                 failed.append({"name": checkpoint_name(step), "step": step, "problem": str(exc)})
                 continue

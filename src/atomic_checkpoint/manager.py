@@ -1596,7 +1596,7 @@ class CheckpointManager:
             total = timings.get("total", 0.0)
             log.info(
                 "committed %s: %d rank(s), %s in %.3f s (%s/s; write %.3f s, commit %.3f s)",
-                checkpoint_name(manifest.step),
+                info.path,
                 manifest.world_size,
                 format_size(manifest.size_bytes, digits=2),
                 total,
@@ -2018,7 +2018,7 @@ class CheckpointManager:
         finally:
             self._manifests.forget(name)  # un-committed, or unknown: read it again
         if deleted:
-            log.info("%s: deleted %s", why, name)
+            log.info("%s: deleted %s", why, self.storage.url(name))
 
     def _finish_rotation(self) -> None:
         """Wait for the rotation in flight, if any; log its failure once. Several
