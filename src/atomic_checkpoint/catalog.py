@@ -39,6 +39,7 @@ from .errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StorageError,
+    StoragePermissionError,
 )
 from .layout import (
     MANIFEST_NAME,
@@ -839,7 +840,15 @@ def scan(
             if entry is not None:
                 entries.append(entry)
             vanished = vanished or entry is None
-    for name in storage.listdir(PENDING_DIR):
+    try:
+        pending = storage.listdir(PENDING_DIR)
+    except StoragePermissionError as exc:
+        # Saves in progress are no reader's business: a reader let into every
+        # checkpoint but not into .pending/ (another user's umask 077) could not list
+        # or verify anything.
+        log.warning("not listing %s: %s", storage.url(PENDING_DIR), exc)
+        pending = []
+    for name in pending:
         parsed = parse_pending_name(name)
         entries.append(
             Entry(

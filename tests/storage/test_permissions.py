@@ -86,3 +86,36 @@ def test_a_reader_refused_a_file_is_told_to_get_read_access_not_write_access():
     assert "This user may not write in '/nonexistent-dir'" in create
     ro = str(map_os_error(OSError(30, "Read-only file system"), "create", "/r/x"))
     assert "mounted read-only: remount it read-write" in ro
+
+
+def test_a_reader_not_let_into_pending_still_lists_and_verifies():
+    # .pending/ of another user's job (umask 077), every checkpoint readable: a reader's
+    # checkpoints() raised StoragePermissionError, and `list`/`verify` exited 2.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user")
+    base = Path(tempfile.mkdtemp(prefix="ac-perm-"))
+    try:
+        os.chmod(base, 0o755)
+        root = base / "root"
+        with CheckpointManager(root) as mgr:
+            mgr.save(1, {"x": 1})
+        os.chmod(root / ".pending", 0o700)
+        code = (
+            "import os, sys\n"
+            "from atomic_checkpoint import CheckpointManager\n"
+            "import locale\n"
+            "from atomic_checkpoint.cli import build_parser, main\n"
+            "build_parser()  # argparse's gettext, imported while the interpreter is readable\n"
+            "os.setgid(65534); os.setuid(65534)\n"
+            f"with CheckpointManager({str(root)!r}, read_only=True) as r:\n"
+            "    print('steps', [c.step for c in r.checkpoints()])\n"
+            f"sys.exit(main(['verify', {str(root)!r}]))\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=base
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "steps [1]" in proc.stdout and "1 ok, 0 failed" in proc.stdout, proc.stdout
+        assert "not listing" in proc.stderr and ".pending" in proc.stderr, proc.stderr
+    finally:
+        shutil.rmtree(base)
