@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from atomic_checkpoint import CheckpointManager, StoragePermissionError
+from atomic_checkpoint import CheckpointManager, StorageError, StoragePermissionError
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
@@ -119,3 +119,21 @@ def test_a_reader_not_let_into_pending_still_lists_and_verifies():
         assert "not listing" in proc.stderr and ".pending" in proc.stderr, proc.stderr
     finally:
         shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_filesystem_mounted_over_an_open_root_is_said_as_such(tmp_path):
+    # A reader opened on a directory, then a tmpfs mounted there: refused (right), but
+    # said as "the mount it was on is gone ... mount the same filesystem there again".
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": 1})
+    reader = CheckpointManager(root, read_only=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    try:
+        with pytest.raises(StorageError, match=r"was mounted over checkpoint root") as e:
+            reader.checkpoints()
+        assert "is gone" not in str(e.value) and "Unmount it to carry on" in str(e.value)
+    finally:
+        subprocess.run(["umount", str(root)], check=True)
+        reader.close()

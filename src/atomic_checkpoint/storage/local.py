@@ -577,6 +577,19 @@ class LocalStorage:
             self._root_device = device
             return
         now = f"{mount[1]} at {mount[0]}" if mount is not None else "unknown"
+        was = self._root_mount
+        if mount is not None and was is not None and len(mount[0]) > len(was[0]):
+            # A mount point nearer ROOT than the one it was on: a filesystem appeared
+            # over it; "the mount it was on is gone" sent users to remount what was
+            # never unmounted.
+            raise StorageError(
+                f"a filesystem ({now}) was mounted over checkpoint root {self.root!r} since "
+                f"it was opened (it was on {was[1]} at {was[0]}): what this job saw there "
+                "is hidden under it. Nothing was written. Unmount it to carry on, or open "
+                "a new CheckpointManager (restart the job) to use the new filesystem",
+                errno=errno.ENODEV,
+                path=self.root,
+            )
         raise StorageError(
             f"the filesystem under checkpoint root {self.root!r} changed since it was "
             f"opened (device {_format_device(self._root_device)}, "
