@@ -121,6 +121,8 @@ class MountInfo:
     mount_point: str
     fstype: str
     source: str
+    #: ``(major, minor)`` of the mounted filesystem, as ``st_dev`` of its files says.
+    device: tuple[int, int] | None = None
 
     @property
     def fuse_name(self) -> str | None:
@@ -159,8 +161,25 @@ def parse_mountinfo(text: str) -> list[MountInfo]:
             source = _unescape(fields[sep + 2]) if len(fields) > sep + 2 else ""
         except (ValueError, IndexError):
             continue
-        out.append(MountInfo(mount_point, fstype, source))
+        major, _, minor = fields[2].partition(":")
+        device = (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+        out.append(MountInfo(mount_point, fstype, source, device))
     return out
+
+
+def _device_near(path: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of the filesystem holding ``path``, or of its nearest existing
+    parent; None if none can be examined."""
+    while True:
+        try:
+            st = os.stat(path)
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+            continue
+        return os.major(st.st_dev), os.minor(st.st_dev)
 
 
 def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> MountInfo | None:
@@ -173,6 +192,7 @@ def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> Mount
     # Absolute first: a relative root ("ckpt", "./out") is relative to the working
     # directory, and only an absolute path can be matched against mount points.
     text = os.path.abspath(os.fspath(path))
+    given = table
     if table is None:
         try:
             with open(MOUNTINFO, encoding="utf-8", errors="surrogateescape") as f:
@@ -186,12 +206,25 @@ def mount_of(path: str | os.PathLike[str], *, table: str | None = None) -> Mount
     else:
         target = text  # a given table describes paths, not this machine's files
     best: MountInfo | None = None
+    holding: list[MountInfo] = []
     for entry in parse_mountinfo(table):
         mp = entry.mount_point
         inside = target == mp or target.startswith(mp.rstrip("/") + "/") or mp == "/"
         # ">=": a later mount on the same point is stacked on top of the earlier one.
         if inside and (best is None or len(mp) >= len(best.mount_point)):
             best = entry
+        if inside:
+            holding.append(entry)
+    if given is None and best is not None:
+        # The longest mount point is not always what holds the path: a filesystem
+        # mounted later over a parent of it (a FUSE mount over /a, with a tmpfs at
+        # /a/b) hides /a/b, and the path is on the FUSE mount. The device of the path
+        # says which; where no entry has it (btrfs subvolumes report other numbers),
+        # the longest prefix stands.
+        device = _device_near(target)
+        same = [e for e in holding if e.device is not None and e.device == device]
+        if same and best not in same:
+            best = same[-1]  # the one mounted last: on top
     return best
 
 
