@@ -422,10 +422,14 @@ class RunLock:
         self.lease_s = float(lease_s)
         self._host = host
         self._clock = clock
+        # How long since the last renewal, for this job's own fencing: monotonic, so a
+        # wall clock stepped forward (NTP) cannot fence a healthy job, nor one stepped
+        # back keep a lapsed one going. An injected clock (tests) stands for both.
+        self._elapsed = time.monotonic if clock is time.time else clock
         self._heartbeat = heartbeat
         self._mutex = threading.Lock()
         self._holder: LockHolder | None = None
-        self._last_renewed = 0.0
+        self._last_renewed = 0.0  # by self._elapsed
         self._fenced: str | None = None
         self._released = False
         self._stop = threading.Event()
@@ -684,7 +688,9 @@ class RunLock:
     def _won(self, mine: LockHolder, previous: LockHolder | None, reason: str | None) -> None:
         with self._mutex:
             self._holder = mine
-            self._last_renewed = mine.renewed_unix
+            # Counted from when the document was stamped (the time acquiring took).
+            took = min(max(self._clock() - mine.renewed_unix, 0.0), self.lease_s)
+            self._last_renewed = self._elapsed() - took
         url = self.storage.url("")
         if previous is not None or reason is not None:
             log.warning(
@@ -774,10 +780,9 @@ class RunLock:
             raise LockError(f"the run lock on {self.storage.url('')} is not held by this job")
         if self._fenced is not None:
             raise FencedError(self._fenced)
-        now = self._clock()
         with self._mutex:
             last = self._last_renewed
-        silent = now - last
+        silent = self._elapsed() - last
         lease_lapsed = (
             f"this job could not renew its lease on the run lock of {self.storage.url('')} "
             f"for {silent:.0f} s (lease {self.lease_s:g} s): another job may have taken "
@@ -801,7 +806,7 @@ class RunLock:
         elif current is None:
             why = f"{self.storage.url(LOCK_FILE)} was replaced by an unreadable file"
         else:
-            why = f"it is now held by {current.describe(now)}"
+            why = f"it is now held by {current.describe(self._clock())}"
         if current is not None and _PROCESS_IDENTITY(current) == _PROCESS_IDENTITY(holder):
             # Not another job: this process opened a second writable manager on ROOT
             # (a notebook cell run again), which took the lock over from this one.
@@ -851,7 +856,7 @@ class RunLock:
         holder = self._holder
         if holder is None:
             return
-        now = self._clock()
+        now, stamped = self._clock(), self._elapsed()
         doc = json.dumps({"nonce": holder.nonce, "token": holder.token, "renewed_unix": now})
         try:
             self.storage.write_bytes_atomic(
@@ -866,7 +871,7 @@ class RunLock:
             )
             return
         with self._mutex:
-            self._last_renewed = max(self._last_renewed, now)
+            self._last_renewed = max(self._last_renewed, stamped)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.lease_s / 3):

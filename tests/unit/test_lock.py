@@ -431,3 +431,17 @@ def test_a_claim_left_by_a_contender_that_died_mid_takeover_goes_stale(storage, 
 def test_lease_s_must_be_positive(storage):
     with pytest.raises(ValueError, match="lease_s"):
         RunLock(storage, run_id="r", lease_s=0)
+
+
+def test_a_wall_clock_stepped_forward_does_not_fence_a_healthy_job(storage, monkeypatch):
+    # An NTP step of a few minutes: the lease's silence was measured by the wall clock,
+    # so the next check fenced a job whose heartbeat was fine, and every later save
+    # failed. It is measured by the monotonic clock; the documents keep wall times.
+    lock = RunLock(storage, run_id="r", heartbeat=False)  # the default: the wall clock
+    lock.acquire()
+    real = time.time
+    monkeypatch.setattr(lock, "_clock", lambda: real() + 300)  # the wall clock steps
+    lock.check()  # not fenced
+    lock.renew()
+    assert json.loads(storage.read_bytes(LOCK_FILE))["run_id"] == "r"
+    lock.release()
