@@ -135,7 +135,10 @@ class CheckpointInfo:
         metrics: user metrics recorded with it (e.g. ``{"eval_loss": 0.31}``).
         created_unix: commit time (seconds since the epoch), from the manifest.
         run_id: the run that wrote it.
-        commit_seq: monotonically increasing commit number within ROOT.
+        commit_seq: commit number within ROOT, above that of every checkpoint there when
+            it was committed. Numbers of checkpoints deleted since (a ``rollback``, then
+            a restart) may be used again: a commit is ``(step, commit_seq,
+            created_unix)``, not ``commit_seq`` alone.
         timings_s: per-phase durations of the save that produced it, in seconds (only
             on the ``CheckpointInfo`` a save returns): ``prepare``, ``write``, ``fsync``,
             ``gather``, ``commit``, ``publish`` and ``total``; ``snapshot`` (the copy
