@@ -199,6 +199,10 @@ class AsyncSaver:
         self._handle: SaveHandle | None = None
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
+        # Guards _handle/_thread: a wait() from another thread (a monitor polling
+        # mgr.wait(timeout_s=0)) cleared the handle of a save submitted meanwhile, and
+        # the next save_async reused the snapshot buffers under its running write.
+        self._state = threading.Lock()
 
     @property
     def owner_pid(self) -> int:
@@ -217,7 +221,9 @@ class AsyncSaver:
 
         The caller has waited for the previous save (``wait``) before snapshotting.
         """
-        if self._thread is not None and self._thread.is_alive():
+        with self._state:
+            running = self._handle is not None and not self._handle.done()
+        if running:
             raise CheckpointError(  # pragma: no cover - the manager waits first
                 f"an async save of step {self._handle.step if self._handle else '?'} is "
                 "still running; wait() for it first"
@@ -234,9 +240,10 @@ class AsyncSaver:
                 error = exc
             handle._finish(info, error)
 
-        self._handle = handle
-        self._thread = threading.Thread(target=run, name="atomic-checkpoint-save", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=run, name="atomic-checkpoint-save", daemon=True)
+        with self._state:  # published together, started: what a waiter joins has run
+            self._handle, self._thread = handle, thread
+            thread.start()
         return handle
 
     def on_save_thread(self) -> bool:
@@ -279,17 +286,19 @@ class AsyncSaver:
             TimeoutError: still running after ``timeout_s``.
             CheckpointError: the save failed (raised once).
         """
-        handle = self._handle
+        with self._state:
+            handle, thread = self._handle, self._thread
         if handle is None:
             return None
-        if not self.join(timeout_s):
+        if not handle._done.wait(timeout_s):
             raise TimeoutError(
                 f"async save of step {handle.step} still running after {timeout_s:g} s"
             )
-        if self._thread is not None:
-            self._thread.join()
-        self._handle = None
-        self._thread = None
+        if thread is not None:
+            thread.join()
+        with self._state:
+            if self._handle is handle:  # not a save submitted since by another thread
+                self._handle, self._thread = None, None
         error = handle._take_error()
         if error is not None:
             raise error

@@ -770,3 +770,41 @@ def test_a_manager_call_from_an_async_saves_own_thread_is_an_error_not_a_deadloc
     mgr.close()
     with CheckpointManager(tmp_path / "ckpt", read_only=True) as reader:
         assert [c.step for c in reader.checkpoints()] == [1]
+
+
+def test_a_wait_from_another_thread_never_lets_two_async_saves_overlap(tmp_path):
+    # A monitor thread polling mgr.wait(timeout_s=0) cleared the handle of a save the
+    # training thread had just submitted: the next save_async saw nothing in flight and
+    # reused the snapshot buffers under the running write. Checkpoints came out failing
+    # their checksums, or verifying with another step's data ("cannot join thread before
+    # it is started" on the way).
+    import threading
+
+    mgr = CheckpointManager(tmp_path, retention=None)
+    stop = threading.Event()
+    odd: list[BaseException] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                mgr.wait(timeout_s=0)
+            except TimeoutError:
+                pass
+            except BaseException as exc:  # any other error is the defect
+                odd.append(exc)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for step in range(1, 121):
+            mgr.save_async(step, {"w": torch.full((4096,), float(step))})
+    finally:
+        stop.set()
+        poller.join()
+        mgr.wait()
+    assert odd == [], odd[:3]
+    for info in mgr.checkpoints():
+        mgr.verify(info.step)  # every byte against its checksum
+        assert float(mgr.restore(info.step)["w"][0]) == info.step, info.step
+    assert len(mgr.checkpoints()) == 120
+    mgr.close()
