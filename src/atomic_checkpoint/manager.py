@@ -1192,6 +1192,7 @@ class CheckpointManager:
         from .serialization import plan_state
 
         self._check_writable()
+        self._check_process("prepare_async()")
         self._finish_async()
         if replicated and not self.is_coordinator:
             return 0
@@ -1823,6 +1824,9 @@ class CheckpointManager:
                 f"apply_retention() on a read-only CheckpointManager of {self.root}: "
                 "open it without read_only=True to delete checkpoints"
             )
+        # A forked child deleted the parent's checkpoints with it (or waited for ever
+        # for the parent's async save).
+        self._check_process("apply_retention()")
         self._finish_async()
         self._finish_rotation()
         if self.domain.count == 1:
@@ -2557,6 +2561,7 @@ class CheckpointManager:
         """
         allow_empty = _flag("allow_empty", allow_empty)
         self._check_writable()
+        self._check_process("rollback()")
         step = validate_step(step)
         # Before anything is deleted: a rank with another step, or in another call
         # (a rollback under `if rank == 0:`), stops it on every rank.
