@@ -2478,7 +2478,21 @@ class CheckpointManager:
             self._closed = True
             return
         self._check_process("close()")
-        self._close("close()", stop_bound_s=None)
+        me = threading.get_ident()
+        if self._saver_thread == me:  # inside a save of this thread (a signal handler)
+            self._close("close()", stop_bound_s=None)
+            return
+        # A save running on another thread ends first: close() returned while it still
+        # wrote, and it failed afterwards and removed its pending data (DESIGN
+        # invariant 12: after close returns, no thread of this manager touches ROOT).
+        with self._save_mutex:
+            if self._closed:
+                return
+            self._saver_thread = me  # a save called from inside close is refused
+            try:
+                self._close("close()", stop_bound_s=None)
+            finally:
+                self._saver_thread = None
 
     def _close(
         self,

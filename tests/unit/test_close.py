@@ -178,3 +178,37 @@ def test_close_stops_a_save_stuck_before_its_commit_and_says_it_did_not_commit(t
     # ...all of it before close() returned.
     assert r["tree_after"] == r["tree_at_close"]
     CheckpointManager(r["root"]).close()
+
+
+def test_close_waits_for_a_save_running_on_another_thread(tmp_path):
+    # close() returned at once while a saving() block still wrote on another thread;
+    # that save then failed ("the run lock ... is not held") and removed its pending
+    # data after close had returned.
+    mgr = CheckpointManager(tmp_path)
+    inside, release = threading.Event(), threading.Event()
+    outcome: list[Any] = []
+
+    def save() -> None:
+        try:
+            with mgr.saving(1) as d:
+                (d / "a.bin").write_bytes(b"1")
+                inside.set()
+                release.wait(10)
+            outcome.append(d.info.step)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=save)
+    t.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    time.sleep(0.5)
+    assert closer.is_alive()  # waiting for the save
+    release.set()
+    closer.join(10)
+    t.join(10)
+    assert outcome == [1], outcome
+    with CheckpointManager(tmp_path, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [1]
+    assert os.listdir(tmp_path / PENDING_DIR) == []
