@@ -717,19 +717,27 @@ class SnapshotPool:
 
 _exit_lock = threading.Lock()
 _exit_managers: weakref.WeakSet[Any] = weakref.WeakSet()
-_exit_registered = False
+_exit_registered: int | None = None  # the process that registered the hook
 
 
 def register_exit(manager: Any) -> None:
-    """Have ``manager._close_at_exit()`` run at interpreter exit (held weakly)."""
+    """Have ``manager._close_at_exit()`` run at interpreter exit (held weakly).
+
+    Registered after ``logging`` was imported, so it runs before logging's own exit
+    hook (atexit runs handlers last-in, first-out) and its lines appear; and after the
+    run locks' exit hook (``lock._release_at_exit``, at the process's first
+    acquisition), so every in-flight save ends before any lock is released. In a
+    ``multiprocessing`` child started by fork or forkserver (no atexit hooks run
+    there) a finalizer runs it, before the locks' (its priority is higher)."""
     global _exit_registered
+    from .lock import on_child_exit
+
     with _exit_lock:
         _exit_managers.add(manager)
-        if not _exit_registered:
-            # Registered after ``logging`` was imported, so it runs before logging's own
-            # exit hook (atexit runs handlers last-in, first-out) and its lines appear.
+        if _exit_registered != os.getpid():
             atexit.register(_at_exit)
-            _exit_registered = True
+            on_child_exit(_at_exit, priority=20)
+            _exit_registered = os.getpid()
 
 
 def _at_exit() -> None:

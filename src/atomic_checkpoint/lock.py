@@ -714,7 +714,7 @@ class RunLock:
                 target=self._beat, name="atomic-checkpoint-lease", daemon=True
             )
             self._thread.start()
-        atexit.register(_release_at_exit, weakref.ref(self), os.getpid())
+        _release_at_exit(self)
 
     def _tidy(self, mine: LockHolder) -> None:
         """Remove earlier holders' heartbeats and old claims (best effort: a stale
@@ -927,8 +927,42 @@ def _raw_generation(raw: bytes) -> str:
     return "x" + hashlib.blake2b(raw, digest_size=8).hexdigest()
 
 
-def _release_at_exit(ref: weakref.ref[RunLock], pid: int) -> None:
-    lock = ref()
+_held: weakref.WeakSet[RunLock] = weakref.WeakSet()
+_exit_hooked_pid: int | None = None
+
+
+def _release_at_exit(lock: RunLock) -> None:
+    """Have ``lock`` released at interpreter exit, by one hook per process (one per
+    acquisition grew without bound in a process that opens managers again and again).
+    Registered at the process's first acquisition, so it runs after the async saves'
+    exit hook (``async_save.register_exit``, registered at a later save_async: atexit
+    runs hooks last-in, first-out): no lock is released under a save still finishing.
+    In a ``multiprocessing`` child started by fork or forkserver, which ends with
+    ``os._exit`` after running multiprocessing's finalizers only, a finalizer does it."""
+    global _exit_hooked_pid
+    _held.add(lock)
+    pid = os.getpid()
+    if _exit_hooked_pid == pid:
+        return
+    _exit_hooked_pid = pid
+    atexit.register(_release_all, pid)
+    on_child_exit(_release_all, pid, priority=10)
+
+
+def _release_all(pid: int) -> None:
     # A forked child inherits atexit handlers; only the process that acquired releases.
-    if lock is not None and os.getpid() == pid:
+    if os.getpid() != pid:
+        return
+    for lock in list(_held):
         lock.release()
+
+
+def on_child_exit(fn: Callable[..., None], *args: Any, priority: int) -> None:
+    """Run ``fn(*args)`` when this process, a ``multiprocessing`` child, ends: its
+    atexit hooks do not run when it was started by fork or forkserver. Higher
+    ``priority`` first. Nothing in a process that is no such child."""
+    import multiprocessing
+    import multiprocessing.util
+
+    if multiprocessing.parent_process() is not None:
+        multiprocessing.util.Finalize(None, fn, args=args, exitpriority=priority)

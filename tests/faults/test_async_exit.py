@@ -79,6 +79,59 @@ def test_interpreter_exit_finishes_the_save_in_flight(tmp_path):
     assert torch.equal(mgr.restore(2)["w"], torch.arange(1 << 23, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("where", ["second manager", "fork child", "forkserver child"])
+def test_exit_finishes_the_save_in_flight_of_a_later_manager_and_of_a_child(tmp_path, where):
+    # A manager opened after the process's first save_async (a notebook cell run again,
+    # a second training stage): its lock was released at exit before its save ended
+    # ("the run lock ... is not held by this job"), and the save was lost, exit 0. In a
+    # multiprocessing child started by fork or forkserver no atexit hook runs at all:
+    # the save was lost and the lock file left.
+    body = """
+        import multiprocessing as mp
+        def train(root, first):
+            if first:
+                with CheckpointManager(root + "-first") as old:
+                    old.save_async(1, {"w": torch.ones(8)})
+            mgr = CheckpointManager(root)
+            mgr.save(1, {"w": torch.ones(8)})
+            mgr.save_async(2, {"w": torch.arange(1 << 22, dtype=torch.float32)})
+            # ends without wait() or close()
+        if __name__ == "__main__":
+            how = sys.argv[2]
+            if how == "second manager":
+                train(root, True)
+            else:
+                ctx = mp.get_context(how.split()[0])
+                p = ctx.Process(target=train, args=(root, False))
+                p.start()
+                p.join(60)
+                print("child exit", p.exitcode, flush=True)
+        """
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import logging, sys\nimport torch\nfrom atomic_checkpoint import CheckpointManager\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\nroot = sys.argv[1]\n"
+        + textwrap.dedent(body)
+    )
+    env = {k: v for k, v in os.environ.items() if k != FAULTS}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "child exit 0" in proc.stdout or where == "second manager", proc.stdout
+    assert "is not held by this job" not in proc.stderr, proc.stderr
+    root = tmp_path / "ckpt"
+    assert not (root / ".atomic-checkpoint" / "lock.json").exists()  # released
+    with CheckpointManager(root, read_only=True) as mgr:
+        assert [c.step for c in mgr.checkpoints()] == [1, 2]
+        mgr.verify(2)
+
+
 def test_interpreter_exit_abandons_a_stuck_save_and_leaves_nothing_discoverable(tmp_path):
     proc = _run_script(
         tmp_path,
