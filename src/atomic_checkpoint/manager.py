@@ -2021,6 +2021,9 @@ class CheckpointManager:
             )
         finally:
             self._manifests.forget(name)  # un-committed, or unknown: read it again
+            # What this job verified of it is gone with it (and the set stays as small
+            # as the root: it grew by one per save over a week-long run).
+            self._known_good.discard(step)
         if deleted:
             log.info("%s: deleted %s", why, self.storage.url(name))
 

@@ -941,3 +941,13 @@ def test_a_storage_object_that_lacks_part_of_the_protocol_is_refused_at_open(tmp
     with CheckpointManager(Complete(LocalStorage(str(root)))) as mgr:
         mgr.save(1, {"x": torch.zeros(2)})
         assert mgr.latest().step == 1
+
+
+def test_what_a_run_remembers_of_its_checkpoints_stays_as_small_as_the_root(tmp_path):
+    # The steps known to verify grew by one per save, never pruned when retention
+    # deleted them: unbounded over a week-long run.
+    with CheckpointManager(tmp_path, retention=KeepLast(2)) as mgr:
+        for step in range(1, 61):
+            mgr.save(step, {"x": torch.zeros(1)})
+        mgr.checkpoints()  # the last rotation has ended
+        assert len(mgr._known_good) <= 3, sorted(mgr._known_good)
