@@ -234,3 +234,71 @@ def test_rankfiles_imports_neither_the_manager_nor_os():
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
     assert not imported & {".manager", ".commit", "os", "shutil"}, imported
+
+
+def _fds_under(path: Path) -> list[str]:
+    import os
+
+    out = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{n}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("where", ["fsync", "hash helper", "io thread start"])
+def test_an_interrupt_in_a_save_leaves_no_file_open(tmp_path, monkeypatch, where):
+    # Ctrl-C (or a signal handler's SystemExit) inside a save: the descriptor of the
+    # partial file stayed open after it was deleted (its blocks in use until the
+    # process ended), with I/O threads blocked for ever.
+    import numpy as np
+
+    from atomic_checkpoint import rankfiles
+    from atomic_checkpoint.storage import local
+
+    mgr = CheckpointManager(tmp_path)
+    big = {"w": np.ones(8 << 20, dtype=np.uint8)}  # O_DIRECT-sized on a local disk
+    mgr.save(1, big)
+    armed = [True]
+
+    def interrupt_once(real):
+        def call(*args, **kwargs):
+            if armed[0]:
+                armed[0] = False
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        return call
+
+    if where == "fsync":
+        import os
+        import stat
+
+        real_fsync = os.fsync
+
+        def fsync(fd):  # the rank file's, not a directory's
+            if armed[0] and stat.S_ISREG(os.fstat(fd).st_mode):
+                armed[0] = False
+                raise KeyboardInterrupt
+            return real_fsync(fd)
+
+        monkeypatch.setattr(local.os, "fsync", fsync)
+        state = {"w": np.ones(16, dtype=np.uint8)}  # through the page cache
+    elif where == "hash helper":
+        monkeypatch.setattr(rankfiles, "_HashPipe", interrupt_once(rankfiles._HashPipe))
+        state = {"w": np.ones(16, dtype=np.uint8)}
+    else:
+        monkeypatch.setattr(local.threading.Thread, "start", interrupt_once(threading.Thread.start))
+        state = big
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, state)
+    assert _fds_under(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name == "atomic-checkpoint-io"]
+    monkeypatch.undo()
+    mgr.save(2, state)  # the next save goes ahead
+    assert [c.step for c in mgr.checkpoints()] == [1, 2]
+    mgr.close()

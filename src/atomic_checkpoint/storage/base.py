@@ -266,12 +266,20 @@ def renaming(storage: Storage) -> RenamingStorage:
 DIRECT_IO_ALIGN = 4096
 
 
+class Done(Protocol):
+    """Set once a submitted write's buffer may be reused (``threading.Event`` has it)."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def is_set(self) -> bool: ...
+
+
 class DirectWriter(Protocol):
     """One file being written with O_DIRECT from block-aligned memory, several writes in
     flight. One thread calls every method; ``close`` makes the file durable (fsync),
     ``abort`` discards it."""
 
-    def submit(self, view: memoryview, offset: int) -> threading.Event:
+    def submit(self, view: memoryview, offset: int) -> Done:
         """Queue a write of ``view`` at ``offset`` (address, length and offset multiples
         of ``DIRECT_IO_ALIGN``; the file's last block may be padded, ``close`` cuts it).
         Returns an event set once ``view`` may be reused; raises the error of an earlier

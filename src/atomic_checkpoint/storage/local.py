@@ -250,7 +250,11 @@ class _LocalWriter(base.AbortOnError):
             self._fd: int | None = os.open(self._path, flags, 0o666)
         except OSError as exc:
             raise _open_error(exc, "create", self._path) from exc
-        _reserve(self._fd, size_hint, self._path, self.abort)
+        try:
+            _reserve(self._fd, size_hint, self._path, self.abort)
+        except BaseException:  # KeyboardInterrupt in fallocate: no descriptor left open
+            self.abort()
+            raise
 
     def write(self, data: bytes | memoryview) -> None:
         fd = self._fd
@@ -278,6 +282,12 @@ class _LocalWriter(base.AbortOnError):
             with contextlib.suppress(OSError):
                 os.close(fd)
             raise map_os_error(exc, "fsync", self._path) from exc
+        except BaseException:
+            # KeyboardInterrupt during the fsync: the descriptor of a file that is
+            # about to be deleted kept its blocks in use until the process ended.
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
         try:
             os.close(fd)
         except OSError as exc:
@@ -377,15 +387,20 @@ class _DirectWriter:
         # the (not yet started) I/O threads.
         self._error: OSError | None = None
         self._aborting = False
-        self._queue: queue.Queue[Any] = queue.Queue()
+        # A SimpleQueue (C, no Python-level lock): a KeyboardInterrupt that landed in a
+        # queue.Queue's put() on the training thread left its mutex held, and the
+        # abort that followed waited on it for ever, as did the I/O threads.
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        _reserve(self._fd, size_hint, self._path, self.abort)
-        self._threads = [
-            threading.Thread(target=self._run, name="atomic-checkpoint-io", daemon=True)
-            for _ in range(depth)
-        ]
-        for t in self._threads:
-            t.start()
+        try:
+            _reserve(self._fd, size_hint, self._path, self.abort)
+            for _ in range(depth):
+                t = threading.Thread(target=self._run, name="atomic-checkpoint-io", daemon=True)
+                t.start()
+                self._threads.append(t)
+        except BaseException:  # an interrupt here left the descriptor and threads
+            self.abort()
+            raise
 
     def _run(self) -> None:
         while True:
@@ -416,10 +431,10 @@ class _DirectWriter:
         if exc is not None:
             raise map_os_error(exc, "write", self._path) from exc
 
-    def submit(self, view: memoryview, offset: int) -> threading.Event:
+    def submit(self, view: memoryview, offset: int) -> _Done:
         """Queue a write; raises the error of an earlier write, if one failed."""
         self._raise_error()
-        done = threading.Event()
+        done = _Done()
         self._queue.put((view, offset, done))
         return done
 
@@ -464,6 +479,31 @@ class _DirectWriter:
         self._stop()
         fd, self._fd = self._fd, None
         _discard(fd, self._path)
+
+
+class _Done:
+    """Set once a write's buffer may be reused: a ``threading.Event`` built on one C
+    lock. An Event's wait() holds a Python-level condition lock, which a
+    KeyboardInterrupt landing at the wrong instruction of the training thread leaves
+    held; the I/O thread's set() then blocks for ever, and the abort joining it too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if self._lock.locked():
+            with contextlib.suppress(RuntimeError):  # set twice: already released
+                self._lock.release()
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        got = self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+        if got:
+            self._lock.release()  # stays set for every later wait
+        return got
 
 
 class _NoDirectIO(Exception):
