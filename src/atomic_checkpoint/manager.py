@@ -1253,12 +1253,23 @@ class CheckpointManager:
         rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
         cancel = saver.cancel
         snapshot: Any = None
+        interrupted: BaseException | None = None
         if writes and input_error is None:
             try:
                 plan = plan_state(state, allow_pickle=self.allow_pickle)
                 snapshot = pool.prepare(plan, cancel=cancel)
             except Exception as exc:  # shared with every rank in the first phase
                 input_error = exc
+            except BaseException as exc:
+                # Ctrl-C while planning or allocating the buffers (the first call's are
+                # large): this rank still takes part in the save, as a failure, so every
+                # rank fails it at the same call. Raised from here alone, it left the
+                # ranks one call apart for the rest of the job.
+                interrupted = exc
+                input_error = CheckpointError(
+                    f"the save was interrupted on rank {self.rank} ({type(exc).__name__}) "
+                    "before its snapshot was taken"
+                )
 
         def write(pending: str) -> RankReport:
             if snapshot is None:
@@ -1303,6 +1314,10 @@ class CheckpointManager:
             if self.world_size == 1 and not isinstance(exc, Exception):
                 saver.mark_raised()  # started, even if submit() did not return it
             raise
+        if interrupted is not None:
+            if self.world_size == 1:
+                saver.mark_raised()  # the interrupt is this save's failure, raised now
+            raise interrupted
         handle.blocked_s = time.perf_counter() - t0
         return handle
 

@@ -231,3 +231,49 @@ def test_another_jobs_lock_is_a_lock_held_error_on_every_rank(tmp_path):
         assert "rank 0 in phase" in str(err) and "'other-job' on host 'node-b'" in str(err)
         assert "no partial checkpoint" not in str(err).lower()
     assert str(results[0][1]) == str(results[1][1])
+
+
+def test_ctrl_c_in_one_ranks_save_async_fails_that_save_on_every_rank_alike(
+    tmp_path, monkeypatch
+):
+    # An interrupt while one rank planned its snapshot (allocating the first call's
+    # buffers takes a while) was raised on that rank alone: it never joined the save,
+    # and from then on the ranks were one call apart for the rest of the job (every
+    # later save a CommitError, nothing committed).
+    import torch
+
+    from atomic_checkpoint import CheckpointError, CheckpointManager, serialization
+
+    class Interrupted(dict):
+        """The state whose planning Ctrl-C interrupts."""
+
+    real_plan = serialization.plan_state
+
+    def plan_state(state, **kw):
+        if isinstance(state, Interrupted):
+            raise KeyboardInterrupt
+        return real_plan(state, **kw)
+
+    monkeypatch.setattr(serialization, "plan_state", plan_state)
+
+    def body(coord, rank):
+        out = []
+        with CheckpointManager(tmp_path, coordinator=coord, timeout_s=TIMEOUT_S) as mgr:
+            for step in (1, 2, 3, 4, 5):
+                state = Interrupted() if (rank, step) == (1, 2) else {"w": torch.ones(4) * step}
+                try:
+                    mgr.save_async(step, state)
+                    out.append("ok")
+                except KeyboardInterrupt:
+                    out.append("interrupted")
+                except CheckpointError as exc:
+                    out.append(type(exc).__name__)
+            mgr.wait()
+            return out, [c.step for c in mgr.checkpoints()]
+
+    results = _on_ranks(2, body)
+    assert [r[0] for r in results] == ["ok", "ok"], results
+    (out0, steps0), (out1, steps1) = results[0][1], results[1][1]
+    assert out1[1] == "interrupted" and out0[1] == "ok"
+    assert out0[2:] == out1[2:], (out0, out1)  # in step again: the same call raises
+    assert steps0 == steps1 and 5 in steps0 and 2 not in steps0, steps0
