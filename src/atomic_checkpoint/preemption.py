@@ -226,7 +226,11 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
     group exists; the first :class:`PreemptionGuard` of the process adopts the record.
 
     Call it in the first lines of the training script, in the main thread (or set
-    ``ATOMIC_CHECKPOINT_ARM=1`` in the training processes' environment). Until a guard
+    ``ATOMIC_CHECKPOINT_ARM=1`` in the training processes' environment: it arms every
+    process that imports the library with it set, so give it to the trainers, not to a
+    job whose other subprocesses import it too). A multiprocessing child started by
+    spawn or forkserver that runs these first lines again as it imports the main module
+    is not armed by them (it is no trainer); one whose target calls ``arm()`` is. Until a guard
     exists, a signal only sets the record: the start-up goes on, and the guard's first
     ``should_save`` stops every rank (and saves, when a save fits in the grace
     period). Idempotent; :func:`disarm` undoes it.
@@ -264,6 +268,14 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
     wanted = _catchable(signals)
     grace = _seconds_or_none("grace_s", grace_s)
     grace = grace if grace is not None else grace_from_env()
+    if _importing_main_for_a_child():
+        # The first lines of train.py, run again by a multiprocessing child started by
+        # spawn or forkserver (a DataLoader or Pool worker) as it imports the main
+        # module: not a trainer. Armed, it ignored SIGTERM, and Process.terminate() and
+        # Pool.terminate() hung. A child whose target calls arm() (torch's mp.spawn
+        # trainers) is armed.
+        log.debug("arm(): not in a multiprocessing child importing the main module")
+        return
     if _armed is not None and _armed.record.pid == os.getpid():
         if set(wanted) <= set(_armed.signals):
             return
@@ -278,6 +290,20 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
             name="atomic-checkpoint-startup-deadline",
             daemon=True,
         ).start()
+
+
+def _importing_main_for_a_child() -> bool:
+    """Whether this call runs inside multiprocessing's import of the main module in a
+    child it starts by spawn or forkserver (``multiprocessing.spawn``'s fix-up)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name.startswith("_fixup_main_from") and code.co_filename.endswith(
+            os.path.join("multiprocessing", "spawn.py")
+        ):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _startup_deadline(state: _Armed, grace_s: float) -> None:

@@ -639,3 +639,52 @@ def test_e4_dataloader_workers_signalled_with_the_trainer_do_not_stop_the_save(t
         assert proc.returncode != 0
         assert "DataLoader worker" in proc.stderr and "killed by signal" in proc.stderr
         assert not list((tmp_path / "r").glob("checkpoint-*"))
+
+
+_ARMED_SCRIPT = """
+import json, multiprocessing as mp, sys, time
+sys.path.insert(0, {repo!r})
+from atomic_checkpoint import preemption
+preemption.arm()  # the first lines of train.py, as the README shows
+
+def work():
+    time.sleep(60)
+
+def trainer(q):
+    preemption.arm()  # a target that arms itself (torch's mp.spawn trainers) is armed
+    q.put(preemption.armed() is not None)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    ctx = mp.get_context(sys.argv[1])
+    p = ctx.Process(target=work)
+    p.start()
+    time.sleep(2)  # the child has imported this module again
+    t0 = time.monotonic()
+    p.terminate()
+    p.join(10)
+    q = ctx.Queue()
+    armed = ctx.Process(target=trainer, args=(q,))
+    armed.start()
+    out = {{"exitcode": p.exitcode, "seconds": round(time.monotonic() - t0, 1),
+            "target_armed": q.get(timeout=30)}}
+    armed.kill()
+    armed.join(10)
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_e4_arm_in_the_main_module_does_not_arm_spawned_children(tmp_path, method):
+    # preemption.arm() at the top of train.py ran again in every spawn or forkserver
+    # child as it imported the main module: the children ignored SIGTERM, and
+    # Process.terminate() and Pool.terminate() hung.
+    script = tmp_path / "train.py"
+    script.write_text(_ARMED_SCRIPT.format(repo=REPO))
+    proc = subprocess.run(
+        [sys.executable, str(script), method], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = last_json(proc)
+    assert out["exitcode"] == -signal.SIGTERM and out["seconds"] < 5, out
+    assert out["target_armed"] is True, out
