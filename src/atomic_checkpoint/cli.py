@@ -2036,9 +2036,11 @@ def _open_target(text: str, options: Sequence[str] | None) -> Storage:
     return open_storage(_local_path(text))
 
 
-def _check_target(fast: Storage, slow: Storage) -> None:
+def _check_target(fast: Storage, slow: Storage, timeout_s: float) -> None:
     """Refuse (exit 2) a local ``--to`` that does not exist, and one that records
-    another run than ROOT, before anything is copied."""
+    another run than ROOT, before anything is copied. The persistent tier's run file
+    is read within ``timeout_s``: one that does not answer is left to the lock check,
+    which says so (exit 2)."""
     path = slow.local_path("")
     if path is not None and not posix.is_dir(path):
         # It was created, parents and all: a mistyped or unmounted --to took the steps
@@ -2050,9 +2052,12 @@ def _check_target(fast: Storage, slow: Storage) -> None:
             EXIT_USAGE,
         )
     try:
-        here, there = catalog.recorded_run_id(fast), catalog.recorded_run_id(slow)
+        here = catalog.recorded_run_id(fast)
+        there = answer_within(
+            timeout_s, f"the run file of {slow.url()}", lambda: catalog.recorded_run_id(slow)
+        )
     except CheckpointError:
-        return  # a torn run file: the tiers' own start repairs or refuses it
+        return  # torn, or no answer: the tiers' own start and lock check say more
     if here is not None and there is not None and here != there:
         # Its steps landed among that run's checkpoints, with a warning worded for a
         # training job ("this run starts from scratch beside them"), and exit 0.
@@ -2106,7 +2111,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         # No checkpoint at all: nothing to copy, and nothing written on either tier.
         _drain_outcome(args, fast, slow, None, root_missing=False)
         return EXIT_OK
-    _check_target(fast, slow)
+    _check_target(fast, slow, args.timeout)
     if missing and not args.json:
         # Under torchrun it still takes part: the other nodes' steps need every node.
         print(f"{fast.url()} does not exist: this node takes part with an empty tier 0")

@@ -119,7 +119,10 @@ def _manifest(**kw):
         run_id="r",
         commit_seq=1,
         world_size=2,
-        files=(FileEntry("rank-00000.safetensors", 10, "ab", 0),),
+        files=(
+            FileEntry("rank-00000.safetensors", 10, "ab", 0),
+            FileEntry("rank-00001.safetensors", 10, "cd", 1),
+        ),
         state_kind="per_rank",
         metrics={"loss": 0.5},
         metadata={"k": [1, 2]},
@@ -132,7 +135,7 @@ def test_manifest_round_trips():
     m = _manifest()
     back = Manifest.from_json_bytes(m.to_json_bytes())
     assert back == m
-    assert back.size_bytes == 10
+    assert back.size_bytes == 20
 
 
 @pytest.mark.parametrize(
@@ -292,7 +295,7 @@ class _StaleSizeStorage:
 
 
 def _manifest_bytes(step: int) -> bytes:
-    m = Manifest(step=step, run_id="r", commit_seq=1, world_size=1, files=(), state_kind="per_rank")
+    m = Manifest(step=step, run_id="r", commit_seq=1, world_size=1, files=(), state_kind="files")
     return m.to_json_bytes()
 
 
