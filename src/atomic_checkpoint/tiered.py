@@ -133,6 +133,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from . import catalog
+from ._checks import flag
 from ._faults import fault_point
 from .async_save import lower_priority
 from .coordination import (
@@ -757,7 +758,7 @@ class TieredCheckpointManager:
             return None
         return found.valid[0].step if found.valid else None
 
-    def rollback(self, step: int) -> list[int]:
+    def rollback(self, step: int, *, allow_empty: bool = False) -> list[int]:
         """Discard this run's checkpoints above ``step`` on both tiers (and their peer
         copies), to continue training from an older checkpoint. Collective: call it on
         every rank.
@@ -772,18 +773,37 @@ class TieredCheckpointManager:
 
         Args:
             step: the step to continue from; it need not exist on either tier.
+            allow_empty: remove this run's checkpoints above ``step`` even if no tier
+                keeps one at or below it (``rollback(0, allow_empty=True)``: start over).
 
         Returns:
             The steps removed from either tier, newest first; the same on every rank.
 
         Raises:
-            CheckpointError: a tier could not be rolled back (unreachable, another job
-                holds it, replication stopped): every rank raises alike; the steps not
-                removed yet are still valid.
+            CheckpointError: it would remove every checkpoint of this run on both tiers
+                and ``allow_empty`` is False (nothing is removed); or a tier could not
+                be rolled back (unreachable, another job holds it, replication
+                stopped): every rank raises alike; the steps not removed yet are still
+                valid.
         """
         self._check_open()
         step = validate_step(step)
+        allow_empty = flag("allow_empty", allow_empty)
         self.fast.wait()
+        if not allow_empty:
+            # As CheckpointManager.rollback: it removed every checkpoint of both tiers,
+            # the persistent one included, with INFO lines as the only notice.
+            held = [c.step for c in self.checkpoints()]
+            victims = [s for s in held if s > step]
+            if victims and not any(s <= step for s in held):
+                raise CheckpointError(
+                    f"rollback({step}) would remove every checkpoint of run "
+                    f"{self.run_id!r} on both tiers (steps {victims}) and leave none at "
+                    f"or below step {step} to continue from: nothing was removed. Roll "
+                    f"back to one of them (e.g. rollback({victims[0]}) keeps step "
+                    f"{victims[0]}), or pass allow_empty=True to remove them all and "
+                    "start over"
+                )
         if self._queuer is not None:
             self._queuer.join()  # its step is queued before the replicator is asked
         with self._cv:

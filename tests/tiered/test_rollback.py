@@ -82,6 +82,11 @@ def test_rollback_removes_newer_steps_from_both_tiers_and_the_run_goes_on(fast_r
         for s in (1, 2, 3, 4):
             mgr.save(s, state(s))
         assert mgr.wait_replicated(timeout_s=30)
+        # Below every checkpoint of both tiers: refused, as CheckpointManager does (it
+        # removed them all, the persistent tier's included, with no error).
+        with pytest.raises(CheckpointError, match=r"would remove every checkpoint .* both"):
+            mgr.rollback(0)
+        assert [c.step for c in mgr.checkpoints()] == [1, 2, 3, 4]
         assert mgr.rollback(2) == [4, 3]
         assert max(steps_on(mgr.fast)) == 2  # step 1 too, if its replication came late
         # A new step 3, from another trajectory: replicated afresh, never mistaken for
