@@ -67,7 +67,7 @@ from .layout import (
 )
 from .manifest import Manifest
 from .storage import posix
-from .storage.base import Storage, renaming
+from .storage.base import RenamingStorage, Storage, renaming
 from .storage.temps import abandoned_temps, parse_temp_name
 
 __all__ = [
@@ -861,7 +861,11 @@ def choose_strategy(
         return requested
     caps = storage.capabilities
     if requested is None:
-        return RenameStrategy() if caps.atomic_dir_rename else MarkerStrategy()
+        # A storage with no rename_dir (the plain Storage protocol, as a user writes
+        # one) commits by marker whatever its capabilities say: they default to an
+        # atomic rename, and every save failed with "cannot rename directories".
+        renames = caps.atomic_dir_rename and isinstance(storage, RenamingStorage)
+        return RenameStrategy() if renames else MarkerStrategy()
     if requested == "marker":
         return MarkerStrategy()
     if requested == "rename":

@@ -951,3 +951,27 @@ def test_what_a_run_remembers_of_its_checkpoints_stays_as_small_as_the_root(tmp_
             mgr.save(step, {"x": torch.zeros(1)})
         mgr.checkpoints()  # the last rotation has ended
         assert len(mgr._known_good) <= 3, sorted(mgr._known_good)
+
+
+def test_a_storage_without_directory_rename_commits_by_marker(tmp_path):
+    # A user's Storage with exactly the documented protocol (no rename_dir): its
+    # capabilities default to an atomic rename, the rename strategy was chosen, and
+    # every save failed with "cannot rename directories ... committed with the marker
+    # strategy", which it was not.
+    from atomic_checkpoint.storage import StorageCapabilities
+    from atomic_checkpoint.storage.memory import MemoryStorage
+
+    class NoRename:
+        def __init__(self):
+            self.inner = MemoryStorage()
+            self.capabilities = StorageCapabilities(name="docstore")
+
+        def __getattr__(self, name):
+            if name in ("rename_dir", "exchange_dirs"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    with CheckpointManager(NoRename()) as mgr:
+        assert mgr.strategy.name == "marker"
+        mgr.save(1, {"x": torch.zeros(2)})
+        assert mgr.latest().step == 1
