@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["flag", "positive_seconds"]
+__all__ = ["flag", "positive_seconds", "retention_policy"]
 
 
 def flag(name: str, value: Any) -> bool:
@@ -37,3 +37,20 @@ def positive_seconds(name: str, value: Any) -> float:
             "bound that never matters in practice, pass e.g. 86400: a day)"
         )
     return seconds
+
+
+def retention_policy(policy: Any) -> None:
+    """Raise ``TypeError`` unless ``policy`` is None or a retention policy object (a
+    class such as ``KeepLast`` itself, or a number, is a mistake to say at once: as
+    a policy it would fail at every rotation, and the disk would fill)."""
+    if policy is None or (not isinstance(policy, type) and callable(getattr(policy, "keep", None))):
+        return
+    if isinstance(policy, type):
+        raise TypeError(
+            f"retention must be a policy object such as {policy.__name__}(3), not the class "
+            f"{policy.__name__} itself"
+        )
+    hint = f" (KeepLast({policy}) keeps the {policy} newest)" if isinstance(policy, int) else ""
+    raise TypeError(
+        f"retention must be a policy such as KeepLast(3), got {type(policy).__name__}{hint}"
+    )

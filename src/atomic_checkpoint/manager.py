@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from . import catalog, commit
 from ._checks import flag as _flag
 from ._checks import positive_seconds as _positive_seconds
+from ._checks import retention_policy
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
@@ -224,7 +225,7 @@ class CheckpointManager:
     ):
         if resume not in _RESUME_MODES:
             raise ValueError(f"resume must be one of {_RESUME_MODES}, got {resume!r}")
-        _check_retention(retention)
+        retention_policy(retention)
         if run_id is not None and (not isinstance(run_id, str) or not run_id.strip()):
             raise ValueError("run_id must be a non-empty string")
         timeout_s = _positive_seconds("timeout_s", timeout_s)
@@ -386,7 +387,7 @@ class CheckpointManager:
 
     @retention.setter
     def retention(self, policy: RetentionPolicy | None) -> None:
-        _check_retention(policy)
+        retention_policy(policy)
         self._retention = policy
 
     def __repr__(self) -> str:
@@ -3039,20 +3040,3 @@ def _check_coordinator(coord: Any) -> None:
         raise ValueError(
             f"coordinator.rank must be in [0, world_size): got rank {rank} of world_size {world}"
         )
-
-
-def _check_retention(policy: Any) -> None:
-    """Raise ``TypeError`` unless ``policy`` is None or a retention policy object (a
-    class such as ``KeepLast`` itself, or a number, is a mistake to say at once: as
-    a policy it would fail at every rotation, and the disk would fill)."""
-    if policy is None or (not isinstance(policy, type) and callable(getattr(policy, "keep", None))):
-        return
-    if isinstance(policy, type):
-        raise TypeError(
-            f"retention must be a policy object such as {policy.__name__}(3), not the class "
-            f"{policy.__name__} itself"
-        )
-    hint = f" (KeepLast({policy}) keeps the {policy} newest)" if isinstance(policy, int) else ""
-    raise TypeError(
-        f"retention must be a policy such as KeepLast(3), got {type(policy).__name__}{hint}"
-    )

@@ -133,7 +133,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from . import catalog
-from ._checks import flag
+from ._checks import flag, retention_policy
 from ._faults import fault_point
 from .async_save import lower_priority
 from .coordination import (
@@ -431,6 +431,11 @@ class TieredCheckpointManager:
         self.last_restored: TieredCheckpointInfo | None = None
 
         fast, slow = tiers
+        # Tier 0's policy is wrapped (it never deletes an unreplicated step), and the
+        # wrapper always looked valid: KeepLast (the class) kept everything, with a
+        # traceback at each save. Checked as the manager checks tier 1's.
+        retention_policy(fast.retention)
+        retention_policy(slow.retention)
         self._fast_storage = _open(fast)
         self._slow_storage = _open(slow)
         check_tiers_separate(self._fast_storage, self._slow_storage)

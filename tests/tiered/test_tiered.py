@@ -467,3 +467,18 @@ def test_verify_checks_every_copy_and_names_the_corrupt_tier(fast_root, tmp_path
         with pytest.raises(CheckpointNotFoundError, match="neither tier"):
             mgr.verify(3)
         assert same(mgr.restore(2), state(2))  # tier 0's copy
+
+
+def test_each_tiers_retention_is_checked_when_the_tiers_open(tmp_path):
+    # Tier 0's policy is wrapped (never delete an unreplicated step), and the wrapper
+    # looked valid whatever it wrapped: KeepLast, the class, kept every step, with a
+    # traceback at each save and a TypeError at close.
+    from atomic_checkpoint import KeepLast
+
+    for tiers in (
+        [Tier(tmp_path / "fast", retention=KeepLast), Tier(tmp_path / "slow")],
+        [Tier(tmp_path / "fast"), Tier(tmp_path / "slow", retention=3)],
+    ):
+        with pytest.raises(TypeError, match="retention must be a policy"):
+            TieredCheckpointManager(tiers)
+    assert not (tmp_path / "fast").exists() and not (tmp_path / "slow").exists()
