@@ -4,9 +4,12 @@ Importing this package imports no framework (no torch, no fsspec): they are impo
 only when a feature that needs them is used.
 """
 
+from typing import TYPE_CHECKING
+
 from . import storage
 from ._version import __version__
 from .adopt import AdoptResult, adopt, register_framework
+from .async_save import SaveHandle
 from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
 from .errors import (
     CheckpointError,
@@ -72,6 +75,7 @@ __all__ = [
     "ResumeError",
     "RetentionPolicy",
     "SaveAbandonedError",
+    "SaveHandle",
     "SerializationError",
     "SingleProcessCoordinator",
     "StateMismatchError",
@@ -94,6 +98,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # FsspecStorage imports fsspec: loaded when first asked for.
-    return storage.lazy_attribute(__name__, name)
+if TYPE_CHECKING:
+    from .storage.fsspec import FsspecStorage
+else:
+
+    def __getattr__(name: str) -> object:
+        # FsspecStorage imports fsspec: loaded when first asked for. Hidden from type
+        # checkers, which would take any name for an attribute of the package.
+        return storage.lazy_attribute(__name__, name)

@@ -173,8 +173,8 @@ class Framework:
 
     name: str
     names: re.Pattern[str]
-    is_complete: Callable[[str], str | None]
-    record: Callable[[str], bool] | None = None
+    is_complete: Callable[[CheckpointFolder], str | None]
+    record: Callable[[CheckpointFolder], bool] | None = None
     auto: bool = True
 
     def step_of(self, on_disk_name: str) -> int | None:
@@ -196,9 +196,9 @@ _FRAMEWORKS: dict[str, Framework] = {}
 def register_framework(
     name: str,
     names_regex: str | re.Pattern[str],
-    is_complete: Callable[[str], str | None],
+    is_complete: Callable[[CheckpointFolder], str | None],
     *,
-    record: Callable[[str], bool] | None = None,
+    record: Callable[[CheckpointFolder], bool] | None = None,
     auto: bool = True,
 ) -> None:
     """Register (or replace) the completeness rule of a framework for ``adopt``.
@@ -592,7 +592,7 @@ def adopt(
     run_id: str | None = None,
     dry_run: bool = False,
     storage_options: Mapping[str, Any] | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], object] | None = None,
 ) -> AdoptResult:
     """Record a framework's existing checkpoints under ``root`` as committed checkpoints.
 
@@ -731,7 +731,7 @@ def adopt_held(
     framework: str = AUTO,
     next_seq: Callable[[], int],
     strategy: str | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], object] | None = None,
     valid: Mapping[str, Manifest] | None = None,
 ) -> AdoptResult:
     """What :func:`adopt` does once it holds the run lock, for a caller that holds it
@@ -815,7 +815,7 @@ def _wanted_steps(steps: Iterable[int] | int | None) -> list[int] | None:
 
 
 def _dry_result(
-    storage: Storage, rid: str | None, found: list[_Candidate], say: Callable[[str], None]
+    storage: Storage, rid: str | None, found: list[_Candidate], say: Callable[[str], object]
 ) -> AdoptResult:
     out = AdoptResult(storage.url(""), rid, dry_run=True)
     for c in found:

@@ -94,8 +94,12 @@ class Coordinator(Protocol):
     (``TorchDistributedCoordinator.leave``).
     """
 
-    rank: int
-    world_size: int
+    # Read-only to the library: a property or a plain attribute satisfies them.
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     def all_gather(self, key: str, obj: Any, *, timeout_s: float) -> list[Any]:
         """Every rank contributes ``obj``; returns the list indexed by rank.

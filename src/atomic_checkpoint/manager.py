@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar, cast
 
 from . import catalog, commit
 from ._checks import flag as _flag
@@ -98,6 +98,9 @@ if TYPE_CHECKING:
     from .adopt import AdoptResult
 
 log = logging.getLogger("atomic_checkpoint")
+
+#: ``with`` gives back the same object, subclass included.
+_Self = TypeVar("_Self")
 
 _RESUME_MODES = ("auto", "must", "never")
 
@@ -214,7 +217,7 @@ class CheckpointManager:
         timeout_s: float = 600.0,
         read_only: bool = False,
         resume: str = "auto",
-        on_commit: Callable[[CheckpointInfo], None] | None = None,
+        on_commit: Callable[[CheckpointInfo], object] | None = None,
         allow_pickle: bool = False,
         visibility_timeout_s: float = 30.0,
         takeover: bool = False,
@@ -1001,7 +1004,7 @@ class CheckpointManager:
         step: int,
         state: Any,
         *,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, SupportsFloat] | None = None,
         metadata: Mapping[str, Any] | None = None,
         replicated: bool = False,
         overwrite: bool = False,
@@ -1080,7 +1083,7 @@ class CheckpointManager:
         self,
         step: int,
         *,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, SupportsFloat] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         failed: Exception | None = None,
@@ -1208,7 +1211,7 @@ class CheckpointManager:
         step: int,
         state: Any,
         *,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, SupportsFloat] | None = None,
         metadata: Mapping[str, Any] | None = None,
         replicated: bool = False,
         overwrite: bool = False,
@@ -1326,9 +1329,9 @@ class CheckpointManager:
     def saving_async(
         self,
         step: int,
-        write: Callable[[Path], None],
+        write: Callable[[Path], object],
         *,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, SupportsFloat] | None = None,
         metadata: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         failed: Exception | None = None,
@@ -1400,7 +1403,7 @@ class CheckpointManager:
     def _start_async(
         self,
         step: int,
-        metrics: Mapping[str, float] | None,
+        metrics: Mapping[str, SupportsFloat] | None,
         metadata: Mapping[str, Any] | None,
     ) -> tuple[int, dict[str, float], dict[str, Any], Exception | None, SaveContext]:
         """What every async save does first, on the calling thread: check the inputs,
@@ -2678,7 +2681,7 @@ class CheckpointManager:
             removed.append(victim)
         return removed, remaining
 
-    def __enter__(self) -> CheckpointManager:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -2809,7 +2812,7 @@ def _steps_and_failures(
 
 
 def _checked_input(
-    metrics: Mapping[str, float] | None, metadata: Mapping[str, Any] | None
+    metrics: Mapping[str, SupportsFloat] | None, metadata: Mapping[str, Any] | None
 ) -> tuple[dict[str, float], dict[str, Any], Exception | None]:
     """A save's metrics and metadata, checked, and what is wrong with them on this rank
     (None if nothing): handed to the commit's first step, which raises it on every

@@ -77,7 +77,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from ._checks import positive_seconds
 from .coordination import gather_summary
@@ -101,6 +101,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("atomic_checkpoint")
+
+#: ``with`` gives back the same object, subclass included.
+_Self = TypeVar("_Self")
 
 #: SIGTERM (SLURM, Kubernetes, most schedulers) and SIGUSR1 (SLURM ``--signal``; some
 #: clusters send no SIGUSR1 at all, so SIGTERM must be handled too: submitit#1615).
@@ -1014,7 +1017,7 @@ class PreemptionGuard:
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
         self._closed = True
 
-    def __enter__(self) -> PreemptionGuard:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -130,7 +130,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from . import catalog
 from ._checks import flag, retention_policy
@@ -173,6 +173,9 @@ from .storage.base import Storage, answer_within, renaming
 __all__ = ["Tier", "TieredCheckpointInfo", "TieredCheckpointManager"]
 
 log = logging.getLogger("atomic_checkpoint")
+
+#: ``with`` gives back the same object, subclass included.
+_Self = TypeVar("_Self")
 
 _CHUNK = 8 << 20
 # Back-off between attempts while the persistent tier fails (unreachable, throttled):
@@ -370,7 +373,7 @@ class TieredCheckpointManager:
         tiers: Sequence[Tier],
         *,
         run_id: str | None = None,
-        on_commit: Callable[[int, CheckpointInfo], None] | None = None,
+        on_commit: Callable[[int, CheckpointInfo], object] | None = None,
         timeout_s: float = 600.0,
         allow_pickle: bool = False,
         resume: str = "auto",
@@ -2535,7 +2538,7 @@ class TieredCheckpointManager:
         if self._closed:
             raise CheckpointError("this TieredCheckpointManager is closed")
 
-    def __enter__(self) -> TieredCheckpointManager:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:

@@ -17,6 +17,7 @@ PUBLIC = {
     # managers and their records
     "CheckpointManager", "CheckpointInfo", "Tier", "TieredCheckpointInfo",
     "TieredCheckpointManager", "adopt", "AdoptResult", "register_framework",
+    "SaveHandle",  # what save_async returns: a type users annotate with
     # retention
     "RetentionPolicy", "KeepAll", "KeepBest", "KeepEvery", "KeepLast", "AnyOf", "Pin",
     # storage and coordination
@@ -64,3 +65,21 @@ def test_every_error_the_package_raises_is_exported_from_the_top_level():
     missing = sorted(n for n in errors if n not in atomic_checkpoint.__all__)
     assert missing == [], f"public exceptions not exported from atomic_checkpoint: {missing}"
     assert all(issubclass(e, CheckpointError) for e in errors.values())
+
+
+def test_a_type_checker_sees_the_lazy_exports_and_no_other_name(tmp_path):
+    # The package's module __getattr__ made mypy accept any name (a typo such as
+    # KeepLastt passed, then failed at import) and typed FsspecStorage as `object`.
+    from mypy import api  # requirements/dev.txt
+    user = tmp_path / "user.py"
+    user.write_text(
+        "from atomic_checkpoint import FsspecStorage, SaveHandle, KeepLastt\n"
+        "from atomic_checkpoint.storage import LocalStorag\n"
+        "reveal_type(FsspecStorage)\n"
+        "def done(h: SaveHandle) -> None: ...\n"
+    )
+    out, _, _ = api.run([str(user), "--ignore-missing-imports", "--no-incremental"])
+    assert 'Module "atomic_checkpoint" has no attribute "KeepLastt"' in out, out
+    assert 'has no attribute "LocalStorag"' in out, out
+    assert "-> atomic_checkpoint.storage.fsspec.FsspecStorage" in out, out
+    assert "SaveHandle" not in out, out  # a valid type

@@ -67,7 +67,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt, set_aside_unmanifested
 from ..catalog import read_manifest
@@ -240,7 +240,7 @@ class FrameworkRoot:
         write: Callable[[Path, str], None],
         *,
         nested: str | None = None,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, SupportsFloat] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> CheckpointInfo:
         """Commit checkpoint ``step`` with the files ``write`` puts into a directory.
@@ -598,7 +598,7 @@ def save_state(
     step: int | None = None,
     *,
     retention: Any = None,
-    metrics: Mapping[str, float] | None = None,
+    metrics: Mapping[str, SupportsFloat] | None = None,
     timeout_s: float = 600.0,
     **save_state_kwargs: Any,
 ) -> CheckpointInfo:

@@ -96,7 +96,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -303,7 +303,7 @@ def save_dcp(
     step: int,
     state_dict: dict[str, Any],
     *,
-    metrics: Mapping[str, float] | None = None,
+    metrics: Mapping[str, SupportsFloat] | None = None,
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     planner: Any = None,
@@ -446,7 +446,7 @@ def async_save_dcp(
     step: int,
     state_dict: dict[str, Any],
     *,
-    metrics: Mapping[str, float] | None = None,
+    metrics: Mapping[str, SupportsFloat] | None = None,
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     planner: Any = None,

@@ -1348,12 +1348,24 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
-    AtomicCheckpointIO: type[_AtomicFileIO]
-    AsyncAtomicCheckpointIO: type[_AsyncAtomicFileIO]
-    PreemptionCallback: type[_PreemptionCallback]
+    # What the built classes are: Lightning's CheckpointIO and Callback, with ours on
+    # top, so that `Trainer(plugins=[AtomicCheckpointIO()])` type-checks.
+    from lightning.pytorch.callbacks import Callback as _LightningCallback
+    from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
+
+    class AtomicCheckpointIO(_AtomicFileIO, _LightningCheckpointIO): ...
+
+    class AsyncAtomicCheckpointIO(_AsyncAtomicFileIO, _LightningCheckpointIO): ...
+
+    class PreemptionCallback(_PreemptionCallback, _LightningCallback): ...
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        return _lazy_attribute(name)
 
 
-def __getattr__(name: str) -> Any:
+def _lazy_attribute(name: str) -> Any:
     # The plugin classes are built on first use, so importing this module (for
     # verify_checkpoint, latest_checkpoint) does not import Lightning (~5 s).
     if name in ("PreemptionCallback", "PLPreemptionCallback"):

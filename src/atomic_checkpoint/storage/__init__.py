@@ -48,8 +48,10 @@ def lazy_attribute(module: str, name: str) -> Any:
     raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
 
-def __getattr__(name: str) -> Any:
-    return lazy_attribute(__name__, name)
+if not TYPE_CHECKING:  # type checkers see FsspecStorage's import above, and no other name
+
+    def __getattr__(name: str) -> Any:
+        return lazy_attribute(__name__, name)
 
 
 def storage_for(

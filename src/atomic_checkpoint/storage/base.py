@@ -114,7 +114,11 @@ class AbortOnError:
 class Storage(Protocol):
     """Storage backend used by the commit protocol."""
 
-    capabilities: StorageCapabilities
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        """What the backend can do (read-only to the library: a property or a plain
+        attribute)."""
+        ...
 
     def url(self, path: str = "") -> str:
         """A human/tool-facing location for ``path`` (local path or URL)."""
