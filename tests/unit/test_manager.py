@@ -975,3 +975,12 @@ def test_a_storage_without_directory_rename_commits_by_marker(tmp_path):
         assert mgr.strategy.name == "marker"
         mgr.save(1, {"x": torch.zeros(2)})
         assert mgr.latest().step == 1
+
+
+def test_the_info_a_save_returns_equals_the_one_read_back(tmp_path):
+    # The save's timings made them differ: `info in mgr.checkpoints()` was False for
+    # the checkpoint just saved.
+    with CheckpointManager(tmp_path) as mgr:
+        info = mgr.save(1, {"x": torch.zeros(2)}, metrics={"loss": 0.5})
+        assert info.timings_s  # still reported
+        assert info == mgr.latest() and info in mgr.checkpoints()
