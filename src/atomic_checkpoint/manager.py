@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar, cast
@@ -98,6 +99,10 @@ if TYPE_CHECKING:
     from .adopt import AdoptResult
 
 log = logging.getLogger("atomic_checkpoint")
+
+#: The managers of this process (weakly): a second one on a ROOT waits for the first's
+#: fenced async save before it sweeps (``_wait_for_fenced_saves``).
+_OPEN_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 #: ``with`` gives back the same object, subclass included.
 _Self = TypeVar("_Self")
@@ -272,6 +277,7 @@ class CheckpointManager:
             _log_strategy_once(self.storage, self.commit_strategy, forced=strategy is not None)
         self._closed = False
         self._pid = os.getpid()  # a child made by fork cannot use it (_check_process)
+        _OPEN_MANAGERS.add(self)
         # What discovery learned about ROOT (validated manifests and the tokens that
         # prove them unchanged): after the first, the rotation after each save and
         # checkpoints() read only what changed since, not every manifest again
@@ -773,6 +779,7 @@ class CheckpointManager:
         """
         if self._lock is None or not self._lock.is_held:
             return
+        self._wait_for_fenced_saves()
         self._strategy.sweep(self.storage, fence=self._lock.check)
         # A process killed inside an atomic write (run record, lock, claim) left its
         # temporary file: removed once its writer is provably gone (``storage.temps``).
@@ -784,6 +791,20 @@ class CheckpointManager:
                     log.info("removed temporary file %s: %s", self.storage.url(rel), why)
                 except CheckpointError as exc:
                     log.warning("could not remove %s: %s", self.storage.url(rel), exc)
+
+    def _wait_for_fenced_saves(self) -> None:
+        """A second manager of this process on the same ROOT (a notebook cell run
+        again) took the lock from the first: wait for the first's async save, which its
+        fence check now fails and which removes its own pending data, before sweeping.
+        Swept under it, the save failed 30 s later with a CommitError ("files written by
+        the ranks are not visible") instead of FencedError."""
+        here = self.storage.url("")
+        for other in list(_OPEN_MANAGERS):
+            saver = other._async if other is not self else None
+            if saver is None or not saver.is_running or other.storage.url("") != here:
+                continue
+            log.info("waiting for the async save of an earlier manager of %s to end", here)
+            saver.join(self.timeout_s)
 
     @property
     def async_in_flight(self) -> SaveHandle | None:

@@ -212,3 +212,25 @@ def test_close_waits_for_a_save_running_on_another_thread(tmp_path):
     with CheckpointManager(tmp_path, read_only=True) as reader:
         assert [c.step for c in reader.checkpoints()] == [1]
     assert os.listdir(tmp_path / PENDING_DIR) == []
+
+
+def test_a_second_manager_on_the_root_lets_the_firsts_async_save_fail_as_fenced(tmp_path):
+    # A notebook cell run again opens a second manager on the same ROOT while the
+    # first's async save writes: the second's start swept that save's pending data,
+    # and the save failed 30 s later with "files written by the ranks are not visible"
+    # instead of FencedError.
+    from atomic_checkpoint import FencedError
+
+    first = CheckpointManager(tmp_path)
+    first.save(1, {"w": torch.ones(4)})
+    handle = first.save_async(2, {"w": torch.arange(1 << 22, dtype=torch.float32)})
+    t0 = time.monotonic()
+    second = CheckpointManager(tmp_path)
+    with pytest.raises(FencedError):
+        handle.result()
+    assert time.monotonic() - t0 < 20
+    second.save(3, {"w": torch.ones(4)})
+    assert [c.step for c in second.checkpoints()] == [1, 3]
+    second.close()
+    with pytest.raises(FencedError):
+        first.close()
