@@ -72,6 +72,7 @@ from .layout import (
     checkpoint_name,
     new_attempt_token,
     new_run_id,
+    parse_attempt_dir,
     parse_checkpoint_name,
     rank_state_file,
     run_doc,
@@ -2111,9 +2112,15 @@ class CheckpointManager:
         )
         if common is not None:
             infos = [i for i in infos if i.step in common]
-        # A leader's paths name its own view of ROOT: each rank names the copy it sees.
+        # A leader's paths name its own view of ROOT: each rank names the copy it sees,
+        # keeping the folder inside it that holds the files (the marker strategy's
+        # attempt-<token>, Manifest.info): load_dcp read checkpoint-<step>/.metadata, and
+        # a checkpoint DCP wrote on an s3fs mount could never be loaded.
         return [
-            dataclasses.replace(i, path=self.storage.url(checkpoint_name(i.step))) for i in infos
+            dataclasses.replace(
+                i, path=self.storage.url(checkpoint_name(i.step)) + _files_folder(i.path)
+            )
+            for i in infos
         ]
 
     def _list_coordinator(self) -> list[CheckpointInfo]:
@@ -2983,6 +2990,13 @@ def _restore_failure(exc: Exception, rank: int) -> tuple[RankFailure, str]:
     else:
         kind = "error"
     return RankFailure(rank, "restore", type(exc).__name__, str(exc) or repr(exc)), kind
+
+
+def _files_folder(path: str) -> str:
+    """``/attempt-<token>`` when ``path`` (a ``CheckpointInfo.path``) names the folder
+    inside a checkpoint that holds its files, else ``""``."""
+    last = path.rstrip("/").rpartition("/")[2]
+    return f"/{last}" if parse_attempt_dir(last) is not None else ""
 
 
 def _newer_runs(others: Mapping[str, int], newest: int | None) -> str:

@@ -701,3 +701,16 @@ def test_save_dcp_says_what_is_wrong_with_a_state_dict_or_thread_count(tmp_path)
         assert mgr.checkpoints() == []
         save_dcp(mgr, 1, _plain(1))
         assert [c.step for c in mgr.checkpoints()] == [1]
+
+
+def test_a_checkpoint_dcp_wrote_in_place_loads(tmp_path):
+    # On an s3fs-fuse mount (the marker strategy: files in checkpoint-<step>/attempt-
+    # <token>/) save_dcp committed a checkpoint load_dcp read from checkpoint-<step>/,
+    # where no .metadata is: it could never be loaded, and resuming stopped there.
+    with CheckpointManager(tmp_path, strategy="marker") as mgr:
+        saved = save_dcp(mgr, 5, {"w": torch.arange(4.0)})
+        assert os.path.isfile(os.path.join(saved.path, ".metadata"))
+        assert [i.path for i in mgr.checkpoints()] == [saved.path]
+        state = {"w": torch.zeros(4)}
+        assert load_dcp(mgr, state).step == 5
+        assert torch.equal(state["w"], torch.arange(4.0))
