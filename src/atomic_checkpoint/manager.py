@@ -2789,7 +2789,12 @@ class _SavingBlock:
         if not pending.writes:  # this rank must not write: finish says why, everywhere
             self._finish(None)
             raise CommitError(f"step {self.step}: this rank was told not to write")
-        return SavingDir(local, *pending.location.split("/"))
+        # The storage's own path of it: Accelerate's project view maps checkpoint-<n>/
+        # (where the marker strategy writes in place) to checkpoints/checkpoint_<n>/; a
+        # join of ROOT and the protocol's name put the files where the commit never
+        # looked, and every save_state() failed on an s3fs-mounted project.
+        where = mgr.storage.local_path(pending.location)
+        return SavingDir(where if where is not None else local)
 
     def _finish(self, written: RankReport | commit.Failed | None) -> None:
         mgr, pending = self.mgr, self._pending

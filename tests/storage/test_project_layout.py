@@ -98,3 +98,21 @@ def test_damaged_layout_record_is_an_error_not_another_layout(tmp_path: Path) ->
     (project / ".atomic-checkpoint" / "layout.json").write_text("{torn")
     with pytest.raises(CorruptCheckpointError, match=r"layout\.json"):
         open_storage(str(project))
+
+
+def test_a_saving_block_on_a_project_written_in_place_lands_where_the_commit_looks(tmp_path):
+    # Accelerate's project view on an s3fs-fuse mount (the marker strategy): the
+    # saving() directory joined ROOT and the protocol's checkpoint-<n>/attempt-<t>, not
+    # the project's checkpoints/checkpoint_<n>/: every save_state() failed ("holds no
+    # file"), and its files were left where nothing cleans.
+    project = tmp_path / "proj"
+    project.mkdir()
+    base = LocalStorage(str(project))
+    record_layout(base)
+    with CheckpointManager(ProjectStorage(base), strategy="marker") as mgr:
+        with mgr.saving(0) as d:
+            (d / "model.safetensors").write_bytes(b"weights")
+        assert str(d).startswith(str(project / "checkpoints" / "checkpoint_0" / "attempt-"))
+        assert (d / "model.safetensors").is_file() and d.info.path == str(d)
+        assert [c.step for c in mgr.checkpoints()] == [0]
+    assert sorted(os.listdir(project)) == [".atomic-checkpoint", ".pending", "checkpoints"]
