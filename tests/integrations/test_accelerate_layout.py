@@ -421,3 +421,14 @@ def test_a_rank_whose_write_failed_raises_the_error_every_other_rank_raises() ->
         messages.add(str(exc))
     assert len(messages) == 1 and "scheduler state_dict failed" in messages.pop()
     assert isinstance(results[1][1].__cause__, RuntimeError)  # its own error, chained
+
+
+def test_a_url_root_is_refused_not_made_a_local_folder(tmp_path, monkeypatch) -> None:
+    # save_state(root="s3://bkt/run") saved to ./s3:/bkt/run on the node's disk, and
+    # returned as if the bucket had it.
+    monkeypatch.chdir(tmp_path)
+    acc, model, opt, sched = build(str(tmp_path / "run"), total_limit=2)
+    train_step(acc, model, opt, sched, 1)
+    with pytest.raises(CheckpointError, match=r"is a URL; .* need a mounted filesystem"):
+        save_state(acc, root="s3://bkt/accelerate-run", timeout_s=30)
+    assert not (tmp_path / "s3:").exists()

@@ -99,7 +99,7 @@ from ..retention import KeepLast
 from ..storage import posix
 from ..storage.base import Storage
 from ..storage.detect import local_capabilities
-from ..storage.local import LocalStorage
+from ..storage.local import LocalStorage, local_root
 from ..storage.project import ProjectStorage, layout_of, record_layout
 
 __all__ = [
@@ -134,6 +134,21 @@ def _share_outcome(
     if own is not None and coordinator.world_size == 1:
         raise own  # one process: its own error, as a save's is
     raise DistributedCheckpointError(failures, step=step) from own
+
+
+def framework_path(label: str, root: str | os.PathLike[str]) -> str:
+    """The local path of a framework's checkpoint root (``local_root``), or
+    ``CheckpointError`` for a URL: the framework writes its files by OS path, and
+    os.path.abspath made "s3://bkt/run" the local folder ./s3:/bkt/run, where the saves
+    "succeeded" on the node's disk and nothing reached the bucket."""
+    text = os.fspath(root)
+    if "://" in text and not text.startswith("file://"):
+        raise CheckpointError(
+            f"{label}: {text!r} is a URL; the framework writes its files by OS path, so "
+            "its checkpoints need a mounted filesystem (a local disk, NFS, or the bucket "
+            "mounted with s3fs-fuse, then the mount's path)"
+        )
+    return local_root(text)
 
 
 class FrameworkRoot:
@@ -176,7 +191,7 @@ class FrameworkRoot:
         strategy: str | None = None,
         storage: Storage | None = None,
     ):
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = framework_path(label, root)
         self.label = label
         self.timeout_s = timeout_s
         self.manager = CheckpointManager(
@@ -517,7 +532,7 @@ def _root_for(
             "ProjectConfiguration(project_dir=...) (checkpoints then go to "
             "<project_dir>/checkpoints/checkpoint_<n>, as with automatic_checkpoint_naming)"
         )
-    key = os.path.abspath(os.fspath(root if root is not None else accelerator.project_dir))
+    key = framework_path("accelerate", root if root is not None else accelerator.project_dir)
     roots: dict[str, tuple[FrameworkRoot, Any]] = accelerator.__dict__.setdefault(_ROOTS_ATTR, {})
     if key in roots:
         opened, policy = roots[key]
