@@ -41,7 +41,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -212,6 +212,26 @@ class CommitStrategy(Protocol):
         ...
 
 
+def _heads(manifest: Manifest) -> set[str]:
+    """The top-level entries of a checkpoint that its manifest's files are under."""
+    return {f.path.split("/", 1)[0] for f in manifest.files}
+
+
+def _orphan_attempts(
+    name: str, children: Sequence[str], keep: set[str], markers: Sequence[str]
+) -> tuple[str, ...]:
+    """The attempt folders of committed checkpoint ``name`` that neither its manifest
+    (``keep``) nor a marker names: what an overwrite cut after its new manifest landed
+    left of the attempt it replaced (its marker went at its own commit long before).
+    They were never found: billed on an object store for as long as the step is kept."""
+    named = {attempt_dir_name(a) for a in markers}
+    return tuple(
+        f"{name}/{c}"
+        for c in children
+        if parse_attempt_dir(c) is not None and c not in keep and c not in named
+    )
+
+
 def _marked_checkpoints(storage: Storage) -> set[str] | None:
     """The ``checkpoint-<step>`` names holding an in-progress marker or a temporary
     file directly, from one recursive listing of ROOT; None if that listing fails (the
@@ -221,13 +241,21 @@ def _marked_checkpoints(storage: Storage) -> set[str] | None:
     except errors.CheckpointError:
         return None
     out = set()
+    attempts: dict[str, set[str]] = {}
     for rel, _size in listed:
         top, _, child = rel.partition("/")
-        if not child or "/" in child or parse_checkpoint_name(top) is None:
+        if not child or parse_checkpoint_name(top) is None:
+            continue
+        head, sub, _ = child.partition("/")
+        if sub:
+            if parse_attempt_dir(head) is not None:
+                attempts.setdefault(top, set()).add(head)
             continue
         if parse_marker_name(child) is not None or parse_temp_name(child) is not None:
             out.add(top)
-    return out
+    # Two attempt folders in one checkpoint: an overwrite cut after its manifest left
+    # the replaced one, with no marker to name it.
+    return out | {top for top, heads in attempts.items() if len(heads) > 1}
 
 
 @dataclass(frozen=True)
@@ -704,7 +732,8 @@ class MarkerStrategy:
             # rename leaves the temporary file, beside a manifest or with nothing else.
             temps = tuple(rel for rel, _ in abandoned_temps(storage, name, children))
             manifest: Manifest | None = None
-            if markers or temps:
+            attempts = [c for c in children if parse_attempt_dir(c) is not None]
+            if markers or temps or len(attempts) > 1:
                 try:
                     manifest = read_manifest(storage, name)
                 except errors.CheckpointNotFoundError:
@@ -723,8 +752,13 @@ class MarkerStrategy:
                 # An empty directory is what a delete leaves when the unlink of its last
                 # marker persisted and its rmdir did not (a power loss).
                 # A file of that name (not ours) lists no children either.
-                if temps or (not children and storage.is_dir(name)):
-                    out.append(Leftover(name, True, (), (), (), temps))
+                orphans = (
+                    _orphan_attempts(name, children, _heads(manifest), [])
+                    if manifest is not None
+                    else ()
+                )
+                if temps or orphans or (not children and storage.is_dir(name)):
+                    out.append(Leftover(name, True, orphans, (), (), temps))
                 continue
             marker_paths = tuple(f"{name}/{marker_name(a)}" for a in markers)
             if manifest is None:
@@ -747,10 +781,10 @@ class MarkerStrategy:
                         trees.append(rel)
                 out.append(Leftover(name, False, tuple(trees), tuple(files), marker_paths, temps))
                 continue
-            keep = {f.path.split("/", 1)[0] for f in manifest.files}
+            keep = _heads(manifest)
             stale = tuple(
                 f"{name}/{attempt_dir_name(a)}" for a in markers if attempt_dir_name(a) not in keep
-            )
+            ) + _orphan_attempts(name, children, keep, markers)
             out.append(Leftover(name, True, stale, (), marker_paths, temps))
         return out
 

@@ -121,3 +121,38 @@ def test_a_marker_checkpoints_files_are_where_its_path_says(tmp_path):
         assert mgr.checkpoint_path(2) == str(tmp_path / "checkpoint-2")  # not saved yet
         mgr.save(2, {"x": torch.zeros(2)})  # restored by step, not read by path
         assert mgr.latest().path == str(tmp_path / "checkpoint-2")
+
+
+def test_the_attempt_an_overwrite_replaced_is_swept_though_no_marker_names_it(tmp_path):
+    # An overwrite (marker strategy: an object store) cut after its new manifest landed
+    # left the replaced attempt's files: no marker names them, so neither a start nor
+    # `clean` ever found them, billed for as long as the step is kept.
+    import shutil
+
+    with CheckpointManager(tmp_path, strategy="marker") as mgr:
+        mgr.save(2, {"x": torch.ones(1 << 10)})
+        live = catalog.load_checkpoint(mgr.storage, 2).files_dir
+    ck = tmp_path / "checkpoint-2"
+    orphan = "attempt-0123456789abcdef"
+    shutil.copytree(ck / live, ck / orphan)  # the state the cut overwrite leaves
+    assert [(c.name, c.trees) for c in MarkerStrategy().leftovers(mgr.storage)] == [
+        ("checkpoint-2", (f"checkpoint-2/{orphan}",))
+    ]
+    with CheckpointManager(tmp_path, strategy="marker") as mgr:  # a start sweeps
+        assert sorted(os.listdir(ck)) == sorted(["checkpoint.manifest.json", live])
+        assert float(mgr.restore(2)["x"][0]) == 1.0
+
+
+def test_an_orphan_attempt_is_found_on_an_object_store_too():
+    # Object stores are swept from one recursive listing, which looked for markers and
+    # temporary files only: an orphan attempt there was never even looked at.
+    from atomic_checkpoint.storage.memory import MemoryStorage
+
+    storage = MemoryStorage()
+    assert storage.local_path("") is None  # the object-store path of the sweep
+    with CheckpointManager(storage, strategy="marker") as mgr:
+        mgr.save(2, {"x": torch.ones(4)})
+    orphan = "checkpoint-2/attempt-0123456789abcdef"
+    storage.makedirs(orphan)
+    storage.write_bytes_atomic(f"{orphan}/rank-00000.safetensors", b"old copy")
+    assert [c.trees for c in MarkerStrategy().leftovers(storage)] == [(orphan,)]
