@@ -72,7 +72,6 @@ from .layout import (
     checkpoint_name,
     new_attempt_token,
     new_run_id,
-    parse_attempt_dir,
     parse_checkpoint_name,
     rank_state_file,
     run_doc,
@@ -2112,15 +2111,9 @@ class CheckpointManager:
         )
         if common is not None:
             infos = [i for i in infos if i.step in common]
-        # A leader's paths name its own view of ROOT: each rank names the copy it sees,
-        # keeping the folder inside it that holds the files (the marker strategy's
-        # attempt-<token>, Manifest.info): load_dcp read checkpoint-<step>/.metadata, and
-        # a checkpoint DCP wrote on an s3fs mount could never be loaded.
+        # A leader's paths name its own view of ROOT: each rank names the copy it sees.
         return [
-            dataclasses.replace(
-                i, path=self.storage.url(checkpoint_name(i.step)) + _files_folder(i.path)
-            )
-            for i in infos
+            dataclasses.replace(i, path=self.storage.url(checkpoint_name(i.step))) for i in infos
         ]
 
     def _list_coordinator(self) -> list[CheckpointInfo]:
@@ -2478,17 +2471,11 @@ class CheckpointManager:
             return exc
 
     def checkpoint_path(self, step: int) -> str:
-        """Where checkpoint ``step``'s files are (whether or not it exists): its
-        ``checkpoint-<step>`` folder, or, for files written in place by the marker
-        strategy (a ``saving()`` block on an object store or an s3fs-fuse mount), the
-        ``attempt-<token>`` folder inside it that holds them (``info.path`` too)."""
-        name = checkpoint_name(validate_step(step))
-        if self.strategy.writes_in_place:
-            try:
-                return catalog.read_manifest(self.storage, name).info(self.storage.url(name)).path
-            except CheckpointError:
-                pass  # not committed (yet): where it will be
-        return self.storage.url(name)
+        """Where checkpoint ``step`` lives (whether or not it exists): the folder that
+        holds its manifest. Files a ``saving()`` block wrote in place under the marker
+        strategy (object stores, s3fs-fuse mounts) are in a folder inside it: load them
+        from ``CheckpointInfo.files_path``."""
+        return self.storage.url(checkpoint_name(validate_step(step)))
 
     def verify(self, step: int) -> CheckpointInfo:
         """Full checksum verification of one checkpoint (run on the calling rank)."""
@@ -2995,13 +2982,6 @@ def _restore_failure(exc: Exception, rank: int) -> tuple[RankFailure, str]:
     else:
         kind = "error"
     return RankFailure(rank, "restore", type(exc).__name__, str(exc) or repr(exc)), kind
-
-
-def _files_folder(path: str) -> str:
-    """``/attempt-<token>`` when ``path`` (a ``CheckpointInfo.path``) names the folder
-    inside a checkpoint that holds its files, else ``""``."""
-    last = path.rstrip("/").rpartition("/")[2]
-    return f"/{last}" if parse_attempt_dir(last) is not None else ""
 
 
 def _newer_runs(others: Mapping[str, int], newest: int | None) -> str:

@@ -146,6 +146,10 @@ class CheckpointInfo:
         metadata: the JSON metadata recorded with it (as JSON gives it back).
         adopted: written by a framework and recorded afterwards by ``adopt()``: its
             checksums were taken at adoption, not while the files were written.
+        files_dir: for a checkpoint of files (``saving()``, the integrations) written in
+            place by the marker strategy (object stores, s3fs-fuse mounts), the folder
+            inside ``path`` that holds them (``attempt-<token>``); else ``""``. See
+            ``files_path``.
     """
 
     step: int
@@ -161,6 +165,15 @@ class CheckpointInfo:
     # False for the checkpoint just saved).
     timings_s: Mapping[str, float] = field(default_factory=dict, compare=False)
     adopted: bool = False
+    files_dir: str = ""
+
+    @property
+    def files_path(self) -> str:
+        """Where the checkpoint's files are, for a framework that loads them by path
+        (``from_pretrained``, DCP's reader): ``path`` itself, or, for files written in
+        place by the marker strategy, its ``attempt-<token>`` folder (``files_dir``).
+        The manifest is in ``path`` either way."""
+        return f"{self.path.rstrip('/')}/{self.files_dir}" if self.files_dir else self.path
 
 
 #: The manifest's checksum of its own other fields (see the module docstring).
@@ -409,12 +422,12 @@ class Manifest:
     def info(self, path: str) -> CheckpointInfo:
         """The public view of this checkpoint at ``path`` (its ``checkpoint-<step>``).
         A checkpoint of files (``saving()``, the integrations) written in place by the
-        marker strategy keeps them in its ``attempt-<token>/`` folder: ``info.path``
-        names that folder, where a framework loads them from."""
-        inner = self.files_dir if self.state_kind == "files" else ""
+        marker strategy keeps them in its ``attempt-<token>/`` folder: ``files_dir``
+        (and ``CheckpointInfo.files_path``) names it."""
         return CheckpointInfo(
+            files_dir=self.files_dir if self.state_kind == "files" else "",
             step=self.step,
-            path=f"{path.rstrip('/')}/{inner}" if inner else path,
+            path=path,
             size_bytes=self.size_bytes,
             metrics=dict(self.metrics),
             created_unix=self.created_unix,

@@ -709,8 +709,8 @@ def test_a_checkpoint_dcp_wrote_in_place_loads(tmp_path):
     # where no .metadata is: it could never be loaded, and resuming stopped there.
     with CheckpointManager(tmp_path, strategy="marker") as mgr:
         saved = save_dcp(mgr, 5, {"w": torch.arange(4.0)})
-        assert os.path.isfile(os.path.join(saved.path, ".metadata"))
-        assert [i.path for i in mgr.checkpoints()] == [saved.path]
+        assert os.path.isfile(os.path.join(saved.files_path, ".metadata"))
+        assert [i.files_path for i in mgr.checkpoints()] == [saved.files_path]
         state = {"w": torch.zeros(4)}
         assert load_dcp(mgr, state).step == 5
         assert torch.equal(state["w"], torch.arange(4.0))

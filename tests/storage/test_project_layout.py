@@ -113,6 +113,6 @@ def test_a_saving_block_on_a_project_written_in_place_lands_where_the_commit_loo
         with mgr.saving(0) as d:
             (d / "model.safetensors").write_bytes(b"weights")
         assert str(d).startswith(str(project / "checkpoints" / "checkpoint_0" / "attempt-"))
-        assert (d / "model.safetensors").is_file() and d.info.path == str(d)
+        assert (d / "model.safetensors").is_file() and d.info.files_path == str(d)
         assert [c.step for c in mgr.checkpoints()] == [0]
     assert sorted(os.listdir(project)) == [".atomic-checkpoint", ".pending", "checkpoints"]

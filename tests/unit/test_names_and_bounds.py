@@ -109,18 +109,20 @@ def test_a_per_rank_manifest_that_lacks_a_ranks_file_is_corrupt(tmp_path):
             catalog.load_checkpoint(reader.storage, 2)
 
 
-def test_a_marker_checkpoints_files_are_where_its_path_says(tmp_path):
+def test_a_marker_checkpoints_files_are_where_its_files_path_says(tmp_path):
     # Written in place (an object store, an s3fs-fuse mount), a saving() block's files
-    # live in checkpoint-<step>/attempt-<token>/: checkpoint_path(step) and info.path
-    # named checkpoint-<step>, where a framework found no config.json to load.
+    # live in checkpoint-<step>/attempt-<token>/: nothing named that folder, and a
+    # framework loading from the checkpoint's path found no config.json.
     with CheckpointManager(tmp_path, strategy="marker") as mgr:
         with mgr.saving(1) as d:
             (d / "config.json").write_text("{}")
-        for where in (d.info.path, mgr.checkpoint_path(1), mgr.latest().path):
-            assert os.path.isfile(os.path.join(where, "config.json")), where
-        assert mgr.checkpoint_path(2) == str(tmp_path / "checkpoint-2")  # not saved yet
+        infos = (d.info, mgr.latest(), mgr.checkpoints()[0])
+        for info in infos:
+            assert os.path.isfile(os.path.join(info.files_path, "config.json")), info
+            assert info.path == mgr.checkpoint_path(1) == str(tmp_path / "checkpoint-1")
+            assert os.path.isfile(os.path.join(info.path, "checkpoint.manifest.json"))
         mgr.save(2, {"x": torch.zeros(2)})  # restored by step, not read by path
-        assert mgr.latest().path == str(tmp_path / "checkpoint-2")
+        assert mgr.latest().files_path == mgr.latest().path == str(tmp_path / "checkpoint-2")
 
 
 def test_the_attempt_an_overwrite_replaced_is_swept_though_no_marker_names_it(tmp_path):

@@ -874,7 +874,7 @@ def make_atomic(
         info = save_state(
             accelerator, root, step, retention=retention, timeout_s=timeout_s, **kwargs
         )
-        return info.path
+        return info.files_path  # as the stock call: the folder that holds the files
 
     def atomic_load_state(
         input_dir: str | os.PathLike[str] | None = None, *args: Any, **kwargs: Any

@@ -672,7 +672,7 @@ def load_dcp(
         with _single_process_quiet():
             dcp.load(
                 state_dict,
-                storage_reader=dcp.FileSystemReader(chosen.path),
+                storage_reader=dcp.FileSystemReader(chosen.files_path),
                 planner=planner,
                 process_group=process_group,
                 no_dist=not _is_distributed(),
