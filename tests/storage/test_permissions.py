@@ -4,16 +4,33 @@ root). Both are refused at open with ``StoragePermissionError``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from atomic_checkpoint import CheckpointManager, StorageError, StoragePermissionError
+
+
+@contextlib.contextmanager
+def _reachable_base() -> Iterator[Path]:
+    """A fresh directory an unprivileged user can reach (pytest's tmp_path sits under
+    one only root may enter), removed afterwards; skips unless this is root, which
+    switching to an unprivileged user needs."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user")
+    base = Path(tempfile.mkdtemp(prefix="ac-perm-"))
+    try:
+        os.chmod(base, 0o755)
+        yield base
+    finally:
+        shutil.rmtree(base)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
@@ -37,11 +54,7 @@ def test_unwritable_root_for_a_normal_user(holds):
     # Empty, ROOT's first mkdir fails; holding the user's own run (ROOT alone made
     # read-only afterwards), the lock is taken in its .atomic-checkpoint/ and the
     # writability check refuses ROOT: the same error type either way.
-    if os.geteuid() != 0:
-        pytest.skip("needs root to switch to an unprivileged user")
-    base = Path(tempfile.mkdtemp(prefix="ac-perm-"))
-    try:
-        os.chmod(base, 0o755)
+    with _reachable_base() as base:
         root = base / "locked"
         if holds == "checkpoints":
             with CheckpointManager(root) as mgr:
@@ -70,8 +83,6 @@ def test_unwritable_root_for_a_normal_user(holds):
         # Which directory it may not write in, with its owner and mode.
         assert f"This user may not write in {str(root)!r} (owner uid " in proc.stdout
         assert "mode 0555" in proc.stdout, proc.stdout
-    finally:
-        shutil.rmtree(base)
 
 
 def test_a_reader_refused_a_file_is_told_to_get_read_access_not_write_access():
@@ -91,11 +102,7 @@ def test_a_reader_refused_a_file_is_told_to_get_read_access_not_write_access():
 def test_a_reader_not_let_into_pending_still_lists_and_verifies():
     # .pending/ of another user's job (umask 077), every checkpoint readable: a reader's
     # checkpoints() raised StoragePermissionError, and `list`/`verify` exited 2.
-    if os.geteuid() != 0:
-        pytest.skip("needs root to switch to an unprivileged user")
-    base = Path(tempfile.mkdtemp(prefix="ac-perm-"))
-    try:
-        os.chmod(base, 0o755)
+    with _reachable_base() as base:
         root = base / "root"
         with CheckpointManager(root) as mgr:
             mgr.save(1, {"x": 1})
@@ -117,8 +124,6 @@ def test_a_reader_not_let_into_pending_still_lists_and_verifies():
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "steps [1]" in proc.stdout and "1 ok, 0 failed" in proc.stdout, proc.stdout
         assert "not listing" in proc.stderr and ".pending" in proc.stderr, proc.stderr
-    finally:
-        shutil.rmtree(base)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
