@@ -274,25 +274,7 @@ class _LocalWriter(base.AbortOnError):
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        try:
-            # fsync through the writable descriptor: on Windows a read-only handle
-            # cannot be flushed, and on NFS close() alone does not make data durable.
-            os.fsync(fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise map_os_error(exc, "fsync", self._path) from exc
-        except BaseException:
-            # KeyboardInterrupt during the fsync: the descriptor of a file that is
-            # about to be deleted kept its blocks in use until the process ended.
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
-        try:
-            os.close(fd)
-        except OSError as exc:
-            # NFS and FUSE can report deferred write errors (ENOSPC, EIO) only at close.
-            raise map_os_error(exc, "close", self._path) from exc
+        _sync_and_close(fd, self._path)
 
     def abort(self) -> None:
         fd, self._fd = self._fd, None
@@ -300,6 +282,32 @@ class _LocalWriter(base.AbortOnError):
 
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _sync_and_close(fd: int, path: str, before: Callable[[int], None] | None = None) -> None:
+    """``before(fd)`` (if given), fsync and close a file written through ``fd``; the
+    descriptor is closed whatever is raised. fsync goes through the writable descriptor:
+    on Windows a read-only handle cannot be flushed, and on NFS close() alone does not
+    make data durable."""
+    try:
+        if before is not None:
+            before(fd)
+        os.fsync(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise map_os_error(exc, "fsync", path) from exc
+    except BaseException:
+        # KeyboardInterrupt during the fsync: the descriptor of a file that is about to
+        # be deleted kept its blocks in use until the process ended.
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    try:
+        os.close(fd)
+    except OSError as exc:
+        # NFS and FUSE can report deferred write errors (ENOSPC, EIO) only at close.
+        raise map_os_error(exc, "close", path) from exc
 
 
 def _discard(fd: int | None, path: str) -> None:
@@ -456,23 +464,13 @@ class _DirectWriter:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        try:
+
+        def cut(fd: int) -> None:
             self._raise_error()
             if os.fstat(fd).st_size != size_bytes:
                 os.ftruncate(fd, size_bytes)  # the padded last block
-            os.fsync(fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise map_os_error(exc, "fsync", self._path) from exc
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
-        try:
-            os.close(fd)
-        except OSError as exc:
-            raise map_os_error(exc, "close", self._path) from exc
+
+        _sync_and_close(fd, self._path, before=cut)
 
     def abort(self) -> None:
         self._aborting = True  # queued writes are skipped
