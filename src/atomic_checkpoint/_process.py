@@ -5,7 +5,9 @@ whether a recorded pid is provably gone.
 A pid means something only on the same host, in the same boot and the same pid
 namespace (containers reuse small pids; a reboot reuses all of them). Both the run lock
 (``lock.py``) and the temporary files the storages write (``storage/temps.py``) decide
-"its writer is gone" with these rules, and never guess when they do not apply.
+"its writer is gone" with these rules, and never guess when they do not apply. And how
+this process's end is hooked when it is a multiprocessing child (``on_child_exit``),
+for the run locks and the async saves alike.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["HOST_ENV", "boot_id", "current_host", "pid_gone", "pid_namespace", "writer_tag"]
 
@@ -85,3 +89,14 @@ def pid_gone(pid: int) -> bool:
         return False  # EPERM: exists, owned by another user
     stat = proc_stat(pid)
     return stat is not None and stat[0] in ("Z", "X")
+
+
+def on_child_exit(fn: Callable[..., None], *args: Any, priority: int) -> None:
+    """Run ``fn(*args)`` when this process, a ``multiprocessing`` child, ends: its
+    atexit hooks do not run when it was started by fork or forkserver. Higher
+    ``priority`` first. Nothing in a process that is no such child."""
+    import multiprocessing
+    import multiprocessing.util
+
+    if multiprocessing.parent_process() is not None:
+        multiprocessing.util.Finalize(None, fn, args=args, exitpriority=priority)

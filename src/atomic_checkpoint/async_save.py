@@ -730,7 +730,7 @@ def register_exit(manager: Any) -> None:
     ``multiprocessing`` child started by fork or forkserver (no atexit hooks run
     there) a finalizer runs it, before the locks' (its priority is higher)."""
     global _exit_registered
-    from .lock import on_child_exit
+    from ._process import on_child_exit
 
     with _exit_lock:
         _exit_managers.add(manager)

@@ -2214,9 +2214,16 @@ def _drain_audit(fast: Storage, slow: Storage, run_id: str, failed: dict[int, An
     Reads on TO one listing, its newest valid manifest, and the manifests of the steps
     ROOT holds: not every checkpoint of a persistent tier that keeps thousands."""
     here = {e.step: e for e in catalog.scan(fast, run_id=run_id) if e.step is not None}
-    newest = catalog.newest(slow, run_id=run_id, warn=False)
-    newest_there = None if newest is None else newest.step
-    named = [(step, name) for step, name in catalog.listed_steps(slow) if step in here]
+    listed = catalog.listed_steps(slow)  # one listing of TO serves both reads below
+    newest_there = next(
+        (
+            e.step
+            for e in catalog.newest_first(slow, run_id=run_id, steps=listed)
+            if e.status == "ok" and e.manifest is not None
+        ),
+        None,
+    )
+    named = [(step, name) for step, name in listed if step in here]
     there = {
         e.step: e.manifest
         for e in catalog.newest_first(slow, run_id=run_id, steps=named)

@@ -69,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NoReturn
 
-from ._process import HOST_ENV, current_host
+from ._process import HOST_ENV, current_host, on_child_exit
 from ._process import pid_namespace as _pid_namespace
 from ._process import proc_stat as _proc_stat
 from ._process import read_text as _read_text
@@ -955,14 +955,3 @@ def _release_all(pid: int) -> None:
         return
     for lock in list(_held):
         lock.release()
-
-
-def on_child_exit(fn: Callable[..., None], *args: Any, priority: int) -> None:
-    """Run ``fn(*args)`` when this process, a ``multiprocessing`` child, ends: its
-    atexit hooks do not run when it was started by fork or forkserver. Higher
-    ``priority`` first. Nothing in a process that is no such child."""
-    import multiprocessing
-    import multiprocessing.util
-
-    if multiprocessing.parent_process() is not None:
-        multiprocessing.util.Finalize(None, fn, args=args, exitpriority=priority)

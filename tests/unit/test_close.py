@@ -214,15 +214,21 @@ def test_close_waits_for_a_save_running_on_another_thread(tmp_path):
     assert os.listdir(tmp_path / PENDING_DIR) == []
 
 
-def test_a_second_manager_on_the_root_lets_the_firsts_async_save_fail_as_fenced(tmp_path):
+def test_a_second_manager_on_the_root_lets_the_firsts_async_save_fail_as_fenced(
+    tmp_path, monkeypatch
+):
     # A notebook cell run again opens a second manager on the same ROOT while the
     # first's async save writes: the second's start swept that save's pending data,
     # and the save failed 30 s later with "files written by the ranks are not visible"
     # instead of FencedError.
     from atomic_checkpoint import FencedError
+    from atomic_checkpoint._faults import ENV as FAULTS_ENV
 
     first = CheckpointManager(tmp_path)
     first.save(1, {"w": torch.ones(4)})
+    # Held for a second after its write: still in flight when the second one opens
+    # (a fast machine committed it before, and nothing was left to fence).
+    monkeypatch.setenv(FAULTS_ENV, "after_write@0=delay:2")
     handle = first.save_async(2, {"w": torch.arange(1 << 22, dtype=torch.float32)})
     t0 = time.monotonic()
     second = CheckpointManager(tmp_path)
