@@ -186,7 +186,7 @@ from .layout import (
     validate_step,
 )
 from .manifest import CheckpointInfo, Manifest, format_size
-from .storage import local_root, open_storage, posix
+from .storage import is_url, local_root, open_storage, posix
 from .storage.base import Storage, answer_within
 from .storage.temps import abandoned_temps
 from .strategies import (
@@ -360,8 +360,7 @@ def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
 
 def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
     """The storage of ROOT, or a CliError (exit 2) saying why it cannot be read."""
-    path = text[len("file://") :] if text.startswith("file://") else text
-    if "://" in path:
+    if is_url(text):
         return _open_url_root(text, _storage_options(options))
     if options:
         raise CliError(
@@ -369,7 +368,7 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
             "(for a URL --tier, pass --tier-storage-option)",
             EXIT_USAGE,
         )
-    if not path:
+    if not text.removeprefix("file://"):
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
     path = _local_path(text)
     if posix.is_link(path) and not posix.exists(path):
@@ -635,7 +634,7 @@ def _open_tier(text: str, options: Sequence[str] | None = None) -> Storage:
     """Another tier of ROOT's run (``--tier``): a directory that must exist, or a URL
     (credentials from the environment or ``--tier-storage-option``) that may still be
     empty: a persistent tier nothing reached yet."""
-    if "://" in (text[len("file://") :] if text.startswith("file://") else text):
+    if is_url(text):
         return _open_target(text, options)
     return _open_root(text)
 
@@ -2029,7 +2028,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 def _open_target(text: str, options: Sequence[str] | None) -> Storage:
     """The persistent tier of ``drain``: like ROOT, but it may be empty or new (a
     directory is created, an empty object-store prefix is a fresh tier)."""
-    if "://" in (text[len("file://") :] if text.startswith("file://") else text):
+    if is_url(text):
         return open_storage(text, _storage_options(options) or None)
     if options:
         raise CliError("--to-storage-option applies to URL targets (s3://, ...)", EXIT_USAGE)

@@ -2207,7 +2207,8 @@ class TieredCheckpointManager:
         if not known and not self._is_on_slow(step):  # type: ignore[arg-type]
             raise CheckpointNotFoundError(
                 f"step {step} was never committed on {self.fast.root}, so it is not being "
-                "replicated"
+                "replicated (the first argument is a step; to wait for every step at most "
+                f"{step} s, call wait_replicated(timeout_s={step}))"
             )
         return True
 

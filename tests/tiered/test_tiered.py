@@ -288,6 +288,17 @@ def test_a_pending_save_is_never_replicated(fast_root, tmp_path):
     assert not (slow_root / checkpoint_name(2)).exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_timeout_passed_as_the_step_is_named_in_the_error(fast_root, tmp_path):
+    # wait_replicated(30) waits for step 30, not for 30 s: the error says which call
+    # was meant.
+    with TieredCheckpointManager([Tier(fast_root), Tier(tmp_path / "persistent")]) as mgr:
+        mgr.save(1, state(1))
+        with pytest.raises(CheckpointNotFoundError, match=r"wait_replicated\(timeout_s=30\)"):
+            mgr.wait_replicated(30)
+        assert mgr.wait_replicated(timeout_s=30)
+
+
 # ------------------------------------------------------------ the link to S3 is cut
 
 

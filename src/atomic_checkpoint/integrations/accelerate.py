@@ -96,7 +96,7 @@ from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protect_dataloaders, protecting_loaders_of
 from ..retention import KeepLast
-from ..storage import posix
+from ..storage import is_url, posix
 from ..storage.base import Storage
 from ..storage.detect import local_capabilities
 from ..storage.local import LocalStorage, local_root
@@ -142,7 +142,7 @@ def framework_path(label: str, root: str | os.PathLike[str]) -> str:
     os.path.abspath made "s3://bkt/run" the local folder ./s3:/bkt/run, where the saves
     "succeeded" on the node's disk and nothing reached the bucket."""
     text = os.fspath(root)
-    if "://" in text and not text.startswith("file://"):
+    if is_url(text):
         raise CheckpointError(
             f"{label}: {text!r} is a URL; the framework writes its files by OS path, so "
             "its checkpoints need a mounted filesystem (a local disk, NFS, or the bucket "

@@ -125,7 +125,7 @@ from ..layout import MANIFEST_NAME, checkpoint_name, parse_checkpoint_name, vali
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata
 from ..rankfiles import report_files
-from ..storage import posix
+from ..storage import is_url, posix
 from ..storage.local import LocalStorage
 
 __all__ = [
@@ -689,7 +689,7 @@ def load_dcp(
 def _checkpoint_dir(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str]:
     """(parent directory, name) of a path-style checkpoint."""
     text = os.fspath(checkpoint_id)
-    if "://" in text and not text.startswith("file://"):
+    if is_url(text):
         raise CheckpointError(
             f"path-style DCP checkpoints live on mounted filesystems (DCP's FileSystemWriter "
             f"writes by OS path), not at {text!r}: use a CheckpointManager on an "
@@ -1047,7 +1047,7 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     ``.metadata`` over data files of the new save with the same layout.
     """
     text = os.fspath(path)
-    if "://" in text and not text.startswith("file://"):
+    if is_url(text):
         return (
             "not on a mounted filesystem: DCP's FileSystemReader reads by OS path, so its "
             "checkpoints are adopted from a mounted path"

@@ -119,7 +119,7 @@ from ..errors import (
 )
 from ..layout import LIGHTNING_MANIFEST_SUFFIX
 from ..manifest import DEFAULT_ALGORITHM, Hasher
-from ..storage import posix
+from ..storage import is_url, posix
 from ..storage.local import LocalStorage
 from ..storage.temps import parse_temp_name
 
@@ -602,15 +602,13 @@ def _register_adoption() -> None:
 # ---------------------------------------------------------------------- file writes
 def _local_path(path: str | os.PathLike[str]) -> str:
     text = os.fspath(path)
-    if text.startswith("file://"):
-        text = text[len("file://") :]
-    elif "://" in text:
+    if is_url(text):
         raise CheckpointError(
             f"AtomicCheckpointIO writes to mounted filesystems (local disk, NFS, Lustre, "
             f"sshfs, FUSE), not to {text!r}: point ModelCheckpoint(dirpath=...) at a "
             "mounted path, or save with CheckpointManager on an object-store root"
         )
-    return os.path.abspath(text)
+    return os.path.abspath(text.removeprefix("file://"))
 
 
 def _ensure_dir(directory: str) -> None:

@@ -38,6 +38,15 @@ __all__ = [
 ]
 
 
+def is_url(root: str | os.PathLike[str]) -> bool:
+    """Whether ``root`` names an object store (``s3://bucket/run``, any fsspec URL) rather
+    than a path on a mounted filesystem; ``file://`` URLs are paths. The one test every
+    caller that must tell the two apart uses (frameworks that write by OS path refuse
+    URLs with it)."""
+    text = os.fspath(root)
+    return "://" in text and not text.startswith("file://")
+
+
 def lazy_attribute(module: str, name: str) -> Any:
     """The attributes exported lazily (``FsspecStorage``, which imports fsspec), for
     the ``__getattr__`` of ``module``: this package, and the top-level one."""
@@ -92,7 +101,7 @@ def open_storage(
     normalised by ``local_root``; one that records the Accelerate layout (or its
     ``checkpoints/`` folder) opens as a ``project.ProjectStorage``."""
     text = os.fspath(root)
-    if "://" in text and not text.startswith("file://"):
+    if is_url(text):
         from .fsspec import FsspecStorage  # imports fsspec: only for URL roots
 
         return FsspecStorage(text, storage_options)
