@@ -188,6 +188,7 @@ from .layout import (
 from .manifest import CheckpointInfo, Manifest, format_size
 from .storage import is_url, local_root, open_storage, posix
 from .storage.base import Storage, answer_within
+from .storage.local import refuse_dangling_root
 from .storage.temps import abandoned_temps
 from .strategies import (
     CommitStrategy,
@@ -371,12 +372,10 @@ def _open_root(text: str, options: Sequence[str] | None = None) -> Storage:
     if not text.removeprefix("file://"):
         raise CliError("ROOT is empty: pass the checkpoint root directory", EXIT_USAGE)
     path = _local_path(text)
-    if posix.is_link(path) and not posix.exists(path):
-        raise CliError(
-            f"checkpoint root {path!r} is a symbolic link to {posix.link_target(path)!r}, "
-            "which does not exist (an unmounted filesystem, or a moved directory)",
-            EXIT_USAGE,
-        )
+    try:
+        refuse_dangling_root(path)
+    except CheckpointNotFoundError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
     if not posix.lexists(path):
         raise _RootMissing(
             f"checkpoint root {path!r} does not exist (check the path, and that its "

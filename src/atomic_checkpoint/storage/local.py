@@ -544,6 +544,17 @@ def local_root(root: str | os.PathLike[str]) -> str:
         ) from None
 
 
+def refuse_dangling_root(root: str) -> None:
+    """Raise ``CheckpointNotFoundError`` for a root that is a symbolic link to nothing
+    (said as such: creating it failed with "create directory '<root>/.atomic-checkpoint'
+    failed: No such file or directory")."""
+    if os.path.islink(root) and not os.path.exists(root):
+        raise CheckpointNotFoundError(
+            f"checkpoint root {root!r} is a symbolic link to {os.readlink(root)!r}, which "
+            "does not exist (an unmounted filesystem, or a moved directory)"
+        )
+
+
 class LocalStorage:
     """Storage on a mounted filesystem rooted at ``root`` (an OS path).
 
@@ -567,14 +578,7 @@ class LocalStorage:
         # override the docs recommend for a FUSE mount, took "~/ckpt" and file:// URLs
         # as relative paths under the working directory.
         self.root = local_root(root)
-        if os.path.islink(self.root) and not os.path.exists(self.root):
-            # Said as such: creating it failed with "create directory '<root>/
-            # .atomic-checkpoint' failed: No such file or directory".
-            raise CheckpointNotFoundError(
-                f"checkpoint root {self.root!r} is a symbolic link to "
-                f"{os.readlink(self.root)!r}, which does not exist (an unmounted "
-                "filesystem, or a moved directory)"
-            )
+        refuse_dangling_root(self.root)
         caps = capabilities or local_capabilities(self.root)
         self.capabilities = caps if caps.direct_io else replace(caps, direct_io=True)
         self._refresh_failed = False
