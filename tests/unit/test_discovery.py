@@ -194,3 +194,42 @@ def test_a_skipped_checkpoint_is_warned_once_not_at_every_call(tmp_path, caplog)
     path = str(tmp_path / "r" / "checkpoint-2")
     assert warned[0].count(path) == 1 and "is 10 bytes" in warned[0], warned[0]
     mgr.close()
+
+
+def _stat_calls_of_latest(monkeypatch: pytest.MonkeyPatch, root: Path, files: int) -> int:
+    """stat/lstat calls of one latest() on a read-only manager of ``root``, whose one
+    checkpoint holds ``files`` files."""
+    with CheckpointManager(root) as mgr, mgr.saving(1) as d:
+        for i in range(files):
+            (d / f"part-{i:03d}.bin").write_bytes(b"x")
+    reader = CheckpointManager(root, read_only=True)
+    calls = [0]
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def counted(real: object) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            calls[0] += 1
+            return real(*args, **kwargs)  # type: ignore[operator]
+
+        return call
+
+    monkeypatch.setattr(os, "stat", counted(real_stat))
+    monkeypatch.setattr(os, "lstat", counted(real_lstat))
+    assert reader.latest() is not None
+    monkeypatch.undo()
+    reader.close()
+    return calls[0]
+
+
+def test_latest_checks_each_file_with_a_few_stats_however_deep_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # README: latest() checks "every file present with its size (a stat per file)".
+    # Resolving each file's path (os.path.realpath, three times per file) made it 24 to
+    # 48 calls per file, growing with the depth of ROOT: 146 ms per latest() of a
+    # 513-file checkpoint 13 directories deep.
+    files = 60
+    shallow = _stat_calls_of_latest(monkeypatch, tmp_path / "a", files)
+    deep = _stat_calls_of_latest(monkeypatch, tmp_path.joinpath(*"bcdefghijklm"), files)
+    assert shallow <= 5 * files, shallow
+    assert deep <= shallow + 20, (shallow, deep)
