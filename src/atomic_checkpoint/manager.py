@@ -141,23 +141,34 @@ def check_world_size(manifest: Manifest, world_size: int) -> None:
         )
 
 
-def check_placement(manifest: Manifest, rank: int) -> None:
+def check_placement(manifest: Manifest, rank: int, *, asked: bool = False) -> None:
     """Refuse, with the cause, a rank's load of per-rank state from a node that does
     not hold it: with node-local disks each node's copy has the files of the ranks
-    that ran there when it was saved (``Manifest.domain_ranks``).
+    that ran there when it was saved (``Manifest.domain_ranks``). ``asked``: the part
+    was asked for by ``restore(rank=...)``, not by the rank itself.
 
     Raises:
         CheckpointError: ``rank`` is not among them.
     """
     ranks = manifest.domain_ranks
-    if manifest.state_kind != "replicated" and ranks is not None and rank not in ranks:
+    if manifest.state_kind == "replicated" or ranks is None or rank in ranks:
+        return
+    if asked:
+        # Not a corrupt checkpoint: without this, the missing file made restore fall
+        # back to an older step that held every rank, and a loop over the ranks mixed
+        # steps.
         raise CheckpointError(
-            f"checkpoint step {manifest.step} on this node holds the state of ranks "
-            f"{list(ranks)} (the ranks that ran on this node when it was saved), not rank "
-            f"{rank}'s: with node-local disks each node keeps its own ranks' files, so "
-            "start the job with the same ranks on the same nodes as when it saved (e.g. "
-            "torchrun's --node-rank as before), or save to storage every node shares"
+            f"checkpoint step {manifest.step} here is one node's copy: it holds the state "
+            f"of ranks {list(ranks)}, not rank {rank}'s. Read rank {rank}'s part from the "
+            "root of the node it ran on"
         )
+    raise CheckpointError(
+        f"checkpoint step {manifest.step} on this node holds the state of ranks "
+        f"{list(ranks)} (the ranks that ran on this node when it was saved), not rank "
+        f"{rank}'s: with node-local disks each node keeps its own ranks' files, so "
+        "start the job with the same ranks on the same nodes as when it saved (e.g. "
+        "torchrun's --node-rank as before), or save to storage every node shares"
+    )
 
 
 class CheckpointManager:
@@ -2417,6 +2428,7 @@ class CheckpointManager:
                     f"rank {rank} is out of range: checkpoint step {manifest.step} was saved "
                     f"by {manifest.world_size} rank(s)"
                 )
+            check_placement(manifest, rank, asked=True)
             file_rel = rank_state_file(rank)
         else:
             check_world_size(manifest, self.world_size)

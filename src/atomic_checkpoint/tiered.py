@@ -2384,9 +2384,20 @@ class TieredCheckpointManager:
         Multi-rank (collective): the newest step every rank can load; each rank reads
         its own file from its node's tier 0 copy, else from the persistent tier (a node
         whose local tier was wiped), and every rank returns that step or raises alike.
-        ``last_restored.tiers`` lists the tiers the ranks read from.
+        ``last_restored.tiers`` lists the tiers the ranks read from; ``rank=`` (another
+        rank's part) is for a single process and raises ``ValueError`` here.
         """
         if self._multi:
+            if kwargs.get("rank") is not None:
+                # Each rank's load is placed by the tiers (its node's tier 0 holds its
+                # own file): rank= was ignored, and every rank got its own part.
+                raise ValueError(
+                    f"restore(rank={kwargs['rank']!r}) reads one rank's part in a single "
+                    f"process; in this job of {self.world_size} ranks each rank restores "
+                    "its own. To read another rank's part, open the persistent tier: "
+                    f"CheckpointManager({self._slow_storage.url('')!r}, read_only=True)"
+                    ".restore(step, rank=r)"
+                )
             return self._restore_multi(step, kwargs)
         candidates: list[tuple[int, tuple[int, ...]]]
         if step is not None:

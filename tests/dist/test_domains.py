@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from atomic_checkpoint import CheckpointManager
+from atomic_checkpoint import CheckpointError, CheckpointManager, CorruptCheckpointError
 from atomic_checkpoint.layout import PENDING_DIR
 from tests.dist import workers
 from tests.dist.launcher import ok_values, run_ranks
@@ -157,3 +157,21 @@ def test_ranks_placed_on_other_nodes_than_at_the_save_are_told_so(tmp_path):
         assert v["error"] is not None and "Corrupt" not in v["error"][0], v
         assert "start the job with the same ranks on the same nodes" in v["error"][1], v
     assert [v["latest"] for v in values] == [2, 2, 2, 2]  # nothing was set aside as corrupt
+
+
+def test_restore_of_another_nodes_rank_from_one_nodes_copy_says_so(tmp_path):
+    # One process reads each rank's part (docs/faq.md: restore(rank=r)) from node 0's
+    # copy, which holds ranks 0 and 1 only. Ranks 2 and 3's files are missing there by
+    # design: restore called the step corrupt and fell back to an older step (a loop
+    # over the ranks mixed steps), or raised "no checkpoint verifies".
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    with CheckpointManager(os.path.join(base, "node0"), read_only=True) as mgr:
+        for r in (0, 1):
+            assert mgr.restore(rank=r)["rank"] == r
+            assert mgr.last_restored is not None and mgr.last_restored.step == 2
+        for r in (2, 3):
+            with pytest.raises(CheckpointError, match="one node's copy") as err:
+                mgr.restore(rank=r)
+            assert not isinstance(err.value, CorruptCheckpointError)
+        assert [c.step for c in mgr.checkpoints()] == [1, 2]  # nothing set aside

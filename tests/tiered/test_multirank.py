@@ -151,6 +151,14 @@ def test_a_smaller_job_refuses_per_rank_state_of_a_larger_one_on_every_rank(tmp_
         run_ranks(workers.w_tiered_restore_outcome, WORLD, base, slow, None, tmp_dir=str(tmp_path))
     )
     assert again == [("ok", "2")] * WORLD
+    # rank= (another rank's part, for one process) was ignored: each rank got its own.
+    other = ok_values(
+        run_ranks(
+            workers.w_tiered_restore_outcome, WORLD, base, slow, None, 0, tmp_dir=str(tmp_path)
+        )
+    )
+    assert {kind for kind, _m in other} == {"ValueError"}, other
+    assert all("each rank restores its own" in m and slow in m for _k, m in other), other
 
 
 def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicates(tmp_path):

@@ -579,13 +579,18 @@ def w_rollback(
 
 
 def w_tiered_restore_outcome(
-    rank: int, world: int, base: str, slow: str, opts: dict[str, Any] | None
+    rank: int,
+    world: int,
+    base: str,
+    slow: str,
+    opts: dict[str, Any] | None,
+    part: int | None = None,
 ) -> tuple[str, str]:
-    """``restore()`` on this rank's node: ("ok", the restored step) or (the error's
-    type, its message)."""
+    """``restore()`` on this rank's node (``restore(rank=part)`` when ``part`` is
+    given): ("ok", the restored step) or (the error's type, its message)."""
     _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=30.0, retry_max_s=0.5)
     try:
-        mgr.restore()
+        mgr.restore() if part is None else mgr.restore(rank=part)
         got = ("ok", str(mgr.last_restored.step))
     except Exception as exc:
         got = (type(exc).__name__, str(exc))
