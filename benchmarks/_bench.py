@@ -134,7 +134,32 @@ def train_state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
     return {"model": model, "optimizer": opt.state_dict()}
 
 
-STATE_SHAPES: dict[str, Callable[..., Any]] = {"flat": model_state, "train": train_state}
+def many_state(size_bytes: int, seed: int = 0) -> dict[str, Any]:
+    """An optimizer state of many small parameters (a model of many experts or
+    adapters): 6,667 float32 parameters of equal size, each with Adam's ``exp_avg``,
+    ``exp_avg_sq`` and ``step``, as ``{"model": ..., "optimizer": opt.state_dict()}``:
+    26,668 tensors, about ``size_bytes`` in all. What it measures is the cost per
+    tensor, which the two other shapes hardly show."""
+    n = 6667
+    numel = max(1, size_bytes // (3 * 4 * n))
+    gen = torch.Generator().manual_seed(seed)
+    model = {f"experts.{i}.weight": torch.empty(numel).normal_(generator=gen) for i in range(n)}
+    masters = [torch.nn.Parameter(torch.empty(0)) for _ in range(n)]
+    opt = torch.optim.Adam(masters, lr=1e-4)
+    for i in range(n):
+        opt.state[masters[i]] = {
+            "step": torch.tensor(float(i + 1)),
+            "exp_avg": torch.empty(numel).normal_(generator=gen),
+            "exp_avg_sq": torch.empty(numel).normal_(generator=gen).abs_(),
+        }
+    return {"model": model, "optimizer": opt.state_dict()}
+
+
+STATE_SHAPES: dict[str, Callable[..., Any]] = {
+    "flat": model_state,
+    "train": train_state,
+    "many": many_state,
+}
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:

