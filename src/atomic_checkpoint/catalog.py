@@ -479,6 +479,19 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
     ``restore``/``verify`` and the CLI alike; called only once a read found nothing."""
     rel = checkpoint_name(step)
     if storage.is_dir(rel):
+        purposes = _marker_purposes(storage, rel)
+        if "delete" in purposes:
+            # Marker roots un-commit in place (the manifest goes first, then the data):
+            # a reader of a step that rotation took was told "never committed".
+            return CheckpointNotFoundError(
+                f"{storage.url(rel)} was un-committed (rotation or rollback) and is being "
+                "deleted; list the checkpoints again"
+            )
+        if purposes:
+            return CheckpointNotFoundError(
+                f"{storage.url(rel)} is a save that has not committed (in progress, or "
+                "crashed); resume ignores it"
+            )
         return CheckpointNotFoundError(
             f"{storage.url(rel)} has no manifest: it was never committed (a crashed save or "
             "another tool wrote it) or its manifest was deleted; resume ignores it, and "
@@ -490,6 +503,26 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
         f"no checkpoint step {step} in {storage.url('')} (checkpoint steps there: {have}; "
         "see `atomic-checkpoint list`)"
     )
+
+
+def _marker_purposes(storage: Storage, rel: str) -> set[str]:
+    """What the markers in directory ``rel`` say it is being used for (marker strategy:
+    ``save``, ``delete``); empty where there is none or none can be read."""
+    purposes = set()
+    try:
+        names = storage.listdir(rel)
+        for name in names:
+            if parse_marker_name(name) is None:
+                continue
+            try:
+                doc = json.loads(storage.read_bytes(f"{rel}/{name}"))
+            except (CheckpointError, ValueError, RecursionError):
+                continue  # gone since the listing, or torn
+            if isinstance(doc, dict) and isinstance(doc.get("purpose"), str):
+                purposes.add(doc["purpose"])
+    except CheckpointError:
+        pass
+    return purposes
 
 
 class ManifestCache:

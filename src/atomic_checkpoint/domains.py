@@ -11,7 +11,9 @@ it wrong in both directions (FAILURE_MODES A4, A5, B8): several nodes renaming t
 shared directory, or nodes whose disks never rotate. So we probe:
 
 1. Rank 0 collects the host names; the first rank on each host is a candidate leader.
-   With one host (or ``per-host``), rank 0 sends each rank its domain and we are done.
+   With one host, rank 0 sends each rank its domain and we are done. With ``per-host``
+   it sends each rank its host's domain, and the probes of 2-3 below only check that no
+   host's first rank sees another host's probe (then the hosts share ROOT: an error).
 2. Each candidate writes a probe file with a random token under ROOT.
 3. Every rank opens (never ``stat``: network filesystems cache attributes) each
    candidate's probe and reports which ones it sees.
@@ -106,7 +108,10 @@ def discover(
         return [first[h] for h in hosts]
 
     def probe_list(hosts: list[str]) -> list[int] | None:
-        return None if by_host(hosts) is not None else candidates_of(hosts)
+        candidates = candidates_of(hosts)
+        if mode == "per-host" and len(candidates) > 1:
+            return candidates  # probed only to check that the hosts do not share ROOT
+        return None if by_host(hosts) is not None else candidates
 
     try:
         _, candidates, routed = gather_routed(
@@ -131,6 +136,7 @@ def discover(
         ) from None
     if candidates is None:
         return _unpack(routed)
+    per_host = routed if mode == "per-host" else None
     token = coord.broadcast("domains: token", uuid.uuid4().hex, timeout_s=timeout_s)
     probe = f"{META_DIR}/probe-{token}-{me}"
 
@@ -157,18 +163,29 @@ def discover(
     )
     if errors:
         raise CheckpointError(errors)
-    seen = [
-        c
-        for c in candidates
-        if _sees(
-            storage,
-            f"{META_DIR}/probe-{token}-{c}",
-            token,
-            wait_s=visibility_timeout_s if c == me else 2.0,
-        )
-    ]
+    if per_host is not None:
+        # One domain per host, as told: only the hosts' first ranks look, once each
+        # (another host's probe is expected not to be there: no waiting for it).
+        seen = [
+            c
+            for c in (candidates if me in candidates else ())
+            if _sees(storage, f"{META_DIR}/probe-{token}-{c}", token, wait_s=0.0)
+        ]
+    else:
+        seen = [
+            c
+            for c in candidates
+            if _sees(
+                storage,
+                f"{META_DIR}/probe-{token}-{c}",
+                token,
+                wait_s=visibility_timeout_s if c == me else 2.0,
+            )
+        ]
 
     def check(reports: list[list[int]]) -> str | None:
+        if per_host is not None:
+            return _shared_across_hosts(storage, candidates, reports)
         try:
             _leaders_seen(storage, reports)
         except CheckpointError as exc:
@@ -181,7 +198,11 @@ def discover(
         "storage domains",
         lambda: seen,
         check,
-        lambda reports: None if check(reports) else _routes(_leaders_seen(storage, reports)),
+        lambda reports: (
+            None
+            if per_host is not None or check(reports)
+            else _routes(_leaders_seen(storage, reports))
+        ),
         dst=0,
         routed=True,
         timeout_s=timeout_s,
@@ -193,7 +214,26 @@ def discover(
             pass  # a stale probe is harmless: the token is never reused
     if problem is not None:
         raise CheckpointError(problem)
-    return _unpack(routed)
+    return _unpack(per_host if per_host is not None else routed)
+
+
+def _shared_across_hosts(
+    storage: Storage, candidates: list[int], reports: list[list[int]]
+) -> str | None:
+    """With ``storage_domains="per-host"``: the error when the first rank of one host
+    sees another host's probe under ROOT (the hosts share it), else None. Each host's
+    leader then took the run lock of the same ROOT: the second was told another job
+    held it (its own job), or, with a run_id, the two took it from each other."""
+    for c in candidates:
+        others = [o for o in reports[c] if o != c]
+        if others:
+            return (
+                f"storage_domains='per-host' says each host has its own {storage.url('')}, "
+                f"but rank {c} sees the storage probe that rank {others[0]} (another host) "
+                "wrote there: the hosts share ROOT. Pass storage_domains='auto' (or "
+                "'shared')"
+            )
+    return None
 
 
 def _leaders_seen(storage: Storage, reports: list[list[int]]) -> list[int]:

@@ -14,6 +14,7 @@ follow its broadcast decision (DESIGN invariant 3).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import errno
 import functools
@@ -124,6 +125,13 @@ def _one_at_a_time(method: _F) -> _F:
     return cast(_F, wrapper)
 
 
+#: Set while a ``TieredCheckpointManager`` opens its tier 0 manager (what that tier lacks
+#: is not what the job lacks).
+OPENING_TIER_0: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "atomic_checkpoint_opening_tier_0", default=False
+)
+
+
 def check_world_size(manifest: Manifest, world_size: int) -> None:
     """Refuse per-rank state saved by another number of ranks: each rank reads its own
     file by rank number, so a smaller job would load the first ranks' states and drop
@@ -211,7 +219,9 @@ class CheckpointManager:
         storage_domains: which ranks see the same files under ``root``: "auto"
             (probed at start: one file written per host, read by the others), "shared"
             (one storage domain, no probe: trust it), or "per-host" (each host's own
-            disk, no probe). Each storage domain commits its own copy through its own
+            disk; each host's first rank writes one probe file and looks only for the
+            others', without waiting, so that hosts that share ``root`` are refused
+            with that cause). Each storage domain commits its own copy through its own
             leader, and a step counts once every domain has it.
         storage_options: for URL roots (``s3://bucket/prefix``, ``gs://...``): fsspec's
             options (``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``, ...).
@@ -861,14 +871,26 @@ class CheckpointManager:
                 partial_steps=tuple(partial),
             )
         if partial and setup["n_valid"] == 0 and self.rank == 0:
-            log.warning(
-                "%s: step %s of run %r is on some nodes only (a save that failed half way, "
-                "or a node whose disk was replaced): nothing to resume, the job starts from "
-                "scratch and a save of that step replaces it",
-                self.root,
-                partial[0],
-                self.run_id,
-            )
+            if OPENING_TIER_0.get():
+                # The tiered manager restores from the persistent tier or the peers: "the
+                # job starts from scratch" alarmed operators of restarts that resumed.
+                log.info(
+                    "%s: step %s of run %r is on some nodes' tier 0 only: this tier has "
+                    "nothing to resume; the tiered restore reads the persistent tier or "
+                    "the peers' copies",
+                    self.root,
+                    partial[0],
+                    self.run_id,
+                )
+            else:
+                log.warning(
+                    "%s: step %s of run %r is on some nodes only (a save that failed half "
+                    "way, or a node whose disk was replaced): nothing to resume, the job "
+                    "starts from scratch and a save of that step replaces it",
+                    self.root,
+                    partial[0],
+                    self.run_id,
+                )
         unmanifested = setup.get("unmanifested") or ()
         # As they are on disk (Accelerate's project view names checkpoints/checkpoint_<i>
         # checkpoint-<i>): what ls and adopt find.
@@ -2241,7 +2263,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: no checkpoint of this run (``step=None``), or no
-                checkpoint ``step``.
+                checkpoint ``step`` (a reader of a live root: also one that the job's
+                retention deleted while it was read; list again).
             CorruptCheckpointError: the checkpoint (``step``), or every checkpoint
                 (``step=None``), does not verify.
             StateMismatchError: ``into`` does not match the checkpoint (no older

@@ -165,7 +165,13 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import CheckpointManager, CopyAttempt, check_world_size, close_propagating
+from .manager import (
+    OPENING_TIER_0,
+    CheckpointManager,
+    CopyAttempt,
+    check_world_size,
+    close_propagating,
+)
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage, posix, storage_for
 from .storage.base import Storage, answer_within, renaming
@@ -494,6 +500,13 @@ class TieredCheckpointManager:
                 )
 
         def open_fast(mode: str) -> CheckpointManager:
+            opening = OPENING_TIER_0.set(True)
+            try:
+                return _open_fast(mode)
+            finally:
+                OPENING_TIER_0.reset(opening)
+
+        def _open_fast(mode: str) -> CheckpointManager:
             return CheckpointManager(
                 self._fast_storage,
                 retention=(

@@ -315,3 +315,18 @@ def test_a_checkpoint_rotated_away_while_verified_is_skipped_not_failed(
     assert removed == [20, 10]
     assert "checkpoint-10: removed while being verified" in captured.out
     assert "nothing was verified" in captured.err
+
+    # Every listed checkpoint rotated away by a job that saved meanwhile: the one it
+    # committed since is verified (it said "nothing was verified", exit 1: a false
+    # alarm for `verify ROOT --quiet || alert` on a job that saves often).
+    def save_and_rotate(mgr):
+        mgr.save(30, {"w": np.arange(4.0)})
+        return rotate(mgr)
+
+    root = tmp_path / "root4"
+    make_root(root, (10, 20))
+    removed = _job_acts_while_verified(monkeypatch, root, 10, save_and_rotate)
+    assert main(["verify", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(removed) == [10, 20]
+    assert [(c["name"], c["status"]) for c in doc["checkpoints"]] == [("checkpoint-30", "ok")]

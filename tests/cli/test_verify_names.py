@@ -96,6 +96,27 @@ def test_verify_skips_only_a_marker_save_of_the_live_lock_holder(tmp_path):
         holder.close()
 
 
+def test_a_marker_save_of_the_live_job_that_has_only_made_its_directory_is_in_progress(tmp_path):
+    # A marker save creates checkpoint-<step>/, then its marker in it; on a mounted
+    # object store the gap is a round trip. verify landing there said "NOT A CHECKPOINT
+    # ... remove it" about the live job's save and exited 1.
+    root = tmp_path / "root"
+    make_root(root, (1,))
+    holder = Holder(root)
+    try:
+        (root / "checkpoint-5").mkdir()  # the instant before the marker is written
+        doc = run_json("verify", root)
+        assert doc["ok"] is True, doc
+        skipped = {s["name"]: s for s in doc["skipped"]}
+        assert skipped["checkpoint-5"]["in_progress"] is True
+        holder.kill()  # no live job: an empty checkpoint-<step>/ is not a checkpoint
+        doc = run_json("verify", root, expect_rc=1)
+        bad = {c["name"]: c["status"] for c in doc["checkpoints"] if c["status"] != "ok"}
+        assert bad == {"checkpoint-5": "not_a_checkpoint"}
+    finally:
+        holder.close()
+
+
 def test_verify_takes_one_checkpoint_directory_as_its_root(tmp_path):
     # A path-style save (DCP's checkpoint_id="ckpts/step-100") is a directory with a
     # manifest, not a root: verify said "nothing to verify", so `verify ... && upload`

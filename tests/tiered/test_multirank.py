@@ -108,6 +108,9 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
     )
     assert all(v["latest"] == (3, (1,)) for v in second)
     assert all(v["restored_ok"] and v["restored"] == (3, (0, 1)) for v in second)
+    # Tier 0 lacks step 3 on node 1, the job does not: no "the job starts from scratch"
+    # (which alarmed operators of restarts that resumed).
+    assert not [w for v in second for w in v["warned"] if "from scratch" in w], second
     assert len({v["run_id"] for v in second} | {first[0]["run_id"]}) == 1
     # Step 4 replicated; tier 0's next rotation dropped the replicated steps (tier
     # 1's own rotation may still run: close() waits for it, checked below).

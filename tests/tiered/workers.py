@@ -4,6 +4,7 @@ directory as tier 0, as separate machines with local NVMe disks would have."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -57,12 +58,15 @@ def w_tiered(
     timeout_s: float = 30.0,
 ) -> dict[str, Any]:
     """Restore the newest step every rank can load (if any), save ``steps``, wait until
-    the persistent tier has them, and report what each rank saw."""
+    the persistent tier has them, and report what each rank saw (and was warned of)."""
+    warned: list[str] = []
+    logging.getLogger("atomic_checkpoint").addHandler(ListHandler(warned))
     _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=timeout_s, retry_max_s=0.5)
     latest = mgr.latest()
     out: dict[str, Any] = {
         "latest": None if latest is None else (latest.step, latest.tiers),
         "run_id": mgr.run_id,
+        "warned": warned,
     }
     if latest is not None:
         state = mgr.restore()

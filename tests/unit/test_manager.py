@@ -558,6 +558,23 @@ def test_restoring_a_step_that_is_not_there_says_which_steps_are(tmp_path: Path)
             mgr.restore(15)
 
 
+def test_a_marker_roots_step_taken_by_rotation_or_being_saved_is_named_so(tmp_path: Path) -> None:
+    # Marker roots (object stores, s3fs mounts) un-commit in place: a reader whose
+    # step rotation took mid-read was told it was "never committed (a crashed save or
+    # another tool wrote it)".
+    from atomic_checkpoint.strategies import MarkerStrategy
+
+    with CheckpointManager(tmp_path / "ck", strategy="marker") as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": np.zeros(2)})
+        assert MarkerStrategy().uncommit(mgr.storage, 10) is not None  # its data stays
+        with pytest.raises(CheckpointNotFoundError, match=r"un-committed \(rotation or rollback"):
+            mgr.restore(10)
+        MarkerStrategy().prepare(mgr.storage, 30, "0123456789abcdef")
+        with pytest.raises(CheckpointNotFoundError, match="a save that has not committed"):
+            mgr.restore(30)
+
+
 def test_restoring_into_a_state_of_another_shape_never_falls_back(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
