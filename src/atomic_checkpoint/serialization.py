@@ -1033,11 +1033,13 @@ class _Header:
 
 def _strict_json(text: str, what: str) -> Any:
     def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise ValueError(f"duplicate key {key!r:.80}")
-            out[key] = value
+        out = dict(pairs)
+        if len(out) != len(pairs):  # the rare case, looked into only then
+            seen: set[str] = set()
+            for key, _value in pairs:
+                if key in seen:
+                    raise ValueError(f"duplicate key {key!r:.80}")
+                seen.add(key)
         return out
 
     def no_constants(name: str) -> Any:
@@ -2459,23 +2461,24 @@ def load_state(
         UnsupportedSchemaError: the file was written by a newer format version.
         ImportError: the file holds torch tensors and torch is not installed.
     """
-    header = _parse_header(fileobj, size_bytes)
-    tree = header.tree if header.tree is not _MISSING else _flat_tree(header)
-    loader = _Loader(header, allow_pickle=allow_pickle, device=device, for_load=True)
-    root_into = _MISSING if into is None else into
-    loader.collect(tree, root_into)
-    fd = _positional_fd(fileobj)
-    if fd is not None and loader.can_read_positionally():
-        loader.read_positional(fd, header, digest, threads, direct)
-    elif digest is None:
-        loader.read_data(fileobj, header)
-    else:
-        digest.update(header.raw)
-        loader.every_byte = True
-        reader = _DigestReader(fileobj, digest, header.data_start)
-        fileobj.seek(header.data_start)
-        loader.read_data(reader, header)
-        if not reader.in_order:  # pragma: no cover - read_data reads in order
-            raise RuntimeError("load_state: the digest missed bytes (reads out of order)")
-    loader.settle_aliases()
-    return loader.build(tree, root_into)
+    with without_gc():  # a tree of many tensors: see without_gc (a third of the time)
+        header = _parse_header(fileobj, size_bytes)
+        tree = header.tree if header.tree is not _MISSING else _flat_tree(header)
+        loader = _Loader(header, allow_pickle=allow_pickle, device=device, for_load=True)
+        root_into = _MISSING if into is None else into
+        loader.collect(tree, root_into)
+        fd = _positional_fd(fileobj)
+        if fd is not None and loader.can_read_positionally():
+            loader.read_positional(fd, header, digest, threads, direct)
+        elif digest is None:
+            loader.read_data(fileobj, header)
+        else:
+            digest.update(header.raw)
+            loader.every_byte = True
+            reader = _DigestReader(fileobj, digest, header.data_start)
+            fileobj.seek(header.data_start)
+            loader.read_data(reader, header)
+            if not reader.in_order:  # pragma: no cover - read_data reads in order
+                raise RuntimeError("load_state: the digest missed bytes (reads out of order)")
+        loader.settle_aliases()
+        return loader.build(tree, root_into)
