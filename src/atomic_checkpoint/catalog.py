@@ -282,6 +282,9 @@ _UNMANIFESTED_PAUSE_S = 0.05
 #: crashed between them leaves the step absent until the next start puts the new copy
 #: back, and readers then report what they see after this wait, with a warning.
 REPLACE_WAIT_S = 2.0
+#: (root, step, attempts) of the overwrites ``_back`` waited for in vain (see there).
+_STUCK: set[tuple[str, int, frozenset[str]]] = set()
+_STUCK_LOCK = threading.Lock()
 
 
 def _being_replaced(storage: Storage, names: Collection[str] | None = None) -> dict[int, set[str]]:
@@ -316,6 +319,7 @@ def _back(
     waiting = set(steps)
     deadline = time.monotonic() + REPLACE_WAIT_S
     delay = 0.001
+    url = storage.url("")
     while waiting:
         # Listings, not ``is_dir``: a network filesystem's client answers a ``stat`` from
         # its cache, where a name deleted on another node lives on for seconds (sshfs);
@@ -327,9 +331,17 @@ def _back(
         present = set(storage.listdir(""))
         back |= {s for s in waiting if checkpoint_name(s) in present}
         waiting = live - back
+        # An overwrite already waited for in vain (its writer died between the two
+        # renames) is not waited for again by this process: every later read (each
+        # latest() asked twice) took another 2 s until the job restarted.
+        waiting = {s for s in waiting if (url, s, frozenset(replacing.get(s, ()))) not in _STUCK}
         if not waiting:
             break
         if time.monotonic() >= deadline:
+            with _STUCK_LOCK:
+                if len(_STUCK) > 1000:
+                    _STUCK.clear()
+                _STUCK.update((url, s, frozenset(replacing.get(s, ()))) for s in waiting)
             log.warning(
                 "checkpoint step(s) %s in %s stayed absent for %.0f s: an overwrite without "
                 "an atomic exchange stopped between its two renames (its writer crashed?); "

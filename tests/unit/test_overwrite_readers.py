@@ -150,6 +150,12 @@ def test_a_writer_dead_between_the_renames_costs_readers_a_bounded_wait_and_a_wa
         assert [c.step for c in reader.checkpoints()] == [0]
     said = [r.getMessage() for r in caplog.records if "stayed absent" in r.getMessage()]
     assert said and "step(s) 1 " in said[0] and "atomic-checkpoint clean" in said[0], said
+    # Waited for once: the same stuck overwrite costs later reads nothing (each read
+    # waited again, latest() twice, until the job restarted).
+    monkeypatch.setattr(catalog, "REPLACE_WAIT_S", 3600.0)  # a wait would hit the timeout
+    latest = reader.latest()
+    assert latest is not None and latest.step == 0
+    assert [c.step for c in reader.checkpoints()] == [0]
     reader.close()
     # The next start puts the new copy back, as the warning says.
     with _manager(root, run_id=run_id) as mgr:
