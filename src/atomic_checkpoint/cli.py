@@ -157,6 +157,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -253,13 +254,44 @@ class _RootMissing(CliError):
 def _error_line(message: str) -> None:
     # One line, whatever the message holds: scripts grep stderr line by line.
     text = " ".join(str(message).split())
-    sys.stderr.write(f"{PROG}: error: {text}\n")
+    sys.stderr.write(_visible(f"{PROG}: error: {text}\n"))
     sys.stderr.flush()
 
 
 def _warn(message: str) -> None:
-    sys.stderr.write(f"{PROG}: warning: {' '.join(message.split())}\n")
+    sys.stderr.write(_visible(f"{PROG}: warning: {' '.join(message.split())}\n"))
     sys.stderr.flush()
+
+
+#: Control characters but newline and tab (C0, DEL, C1): never written as they are.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """``text`` with each control character written as ``\\uXXXX``: names, run ids,
+    metric names and tensor names come from files anyone may have written, and ESC
+    sequences in them reached the terminal (retitled it, cleared it). The escape is
+    also valid inside a JSON string, so ``--json`` output stays JSON."""
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+class _VisibleStream:
+    """A text stream that writes what it is given through ``_visible`` (stdout, for
+    the duration of a command)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(_visible(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class _VisibleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return _visible(super().format(record))
 
 
 # ---------------------------------------------------------------------- formatting
@@ -2678,7 +2710,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(verbose: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+    handler.setFormatter(_VisibleFormatter(f"{PROG}: %(levelname)s: %(message)s"))
     log.handlers[:] = [handler]
     log.propagate = False
     log.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose else logging.WARNING)
@@ -2715,6 +2747,16 @@ def _tolerant_output() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     _tolerant_output()
+    stdout = sys.stdout
+    sys.stdout = _VisibleStream(stdout)
+    try:
+        return _main(argv)
+    finally:
+        if isinstance(sys.stdout, _VisibleStream):
+            sys.stdout = stdout
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

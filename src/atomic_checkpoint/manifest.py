@@ -39,6 +39,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 # Integers in a manifest (commit sequence, world size, ranks, counts) are below this;
 # a 400-digit number is corrupt, not a counter.
 _MAX_INT = 1 << 63
+#: The most ranks a manifest may record (over ten times the largest jobs run today).
+MAX_WORLD_SIZE = 1 << 20
 # created_unix is within this many seconds of the epoch (year ~33,000): a float like
 # 1e300 would crash whatever formats it as a date.
 _MAX_UNIX_S = 1e12
@@ -275,7 +277,8 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{where}: manifest is {len(data)} bytes, too large")
         try:
-            doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+            text = data.decode("utf-8")
+            doc = json.loads(text, parse_constant=_no_constant, object_pairs_hook=no_duplicate_keys)
         except RecursionError as exc:
             # Deeply nested arrays or objects: json recurses once per level.
             raise CorruptCheckpointError(
@@ -334,8 +337,11 @@ class Manifest:
             if algorithm not in ("xxh3_64", "crc32"):
                 raise UnsupportedSchemaError(f"{where}: unknown checksum algorithm {algorithm!r}")
             world = _get(doc, "world_size", int, where)
-            if not 1 <= world < _MAX_INT:
-                raise CorruptCheckpointError(f"{where}: world_size must be >= 1 (and < 2**63)")
+            if not 1 <= world <= MAX_WORLD_SIZE:
+                # Bounded: readers build per-rank lists (a hostile 2**62 hung them all).
+                raise CorruptCheckpointError(
+                    f"{where}: world_size {_short(world)} is not in 1..{MAX_WORLD_SIZE}"
+                )
             domain_ranks: tuple[int, ...] | None = None
             domain_count = 1
             if "domain" in doc:
@@ -358,7 +364,14 @@ class Manifest:
                 # and was listed, and restore(rank=1) failed on it.
                 have = {f.path.rsplit("/", 1)[-1] for f in files}
                 ranks = domain_ranks if domain_ranks is not None else range(world)
-                lacking = [r for r in ranks if rank_state_file(r) not in have]
+                # The first 9 lacking ranks, found within len(have) + 9 ranks whatever
+                # world_size claims (a list over range(2**62) hung every reader).
+                lacking = []
+                for r in ranks:
+                    if rank_state_file(r) not in have:
+                        lacking.append(r)
+                        if len(lacking) > 8:
+                            break
                 if lacking:
                     raise CorruptCheckpointError(
                         f"{where}: a per-rank checkpoint of {world} rank(s) that lists no "
@@ -474,6 +487,21 @@ def format_size(size_bytes: float, *, digits: int = 1) -> str:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook`` for untrusted documents: a key given twice
+    raises ``ValueError``. Python keeps the last, other readers the first (a manifest
+    with "files" twice verified here while another tool read another file list); the
+    library never writes one."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _value in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r:.80}")
+            seen.add(key)
+    return out
 
 
 def _short(value: Any) -> str:

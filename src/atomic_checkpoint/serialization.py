@@ -90,6 +90,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
+from .manifest import no_duplicate_keys
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -185,9 +186,32 @@ _PathPart = tuple[bool, Any]
 _Path = tuple[_PathPart, ...]
 
 
+@functools.lru_cache(maxsize=1)
+def _torch_dtypes(torch: Any) -> dict[str, Any]:
+    """torch's dtypes by the attribute names they have in ``torch`` (what a ``dtype``
+    node records: ``str(dtype)`` without ``torch.``)."""
+    return {
+        name: value
+        for name, value in vars(torch).items()
+        if isinstance(value, torch.dtype) and not name.startswith("_")
+    }
+
+
 def _format_path(path: _Path) -> str:
     """Render a path the way a user would index the state: ``state['opt'][0]``."""
-    return "state" + "".join(f"[{v}]" if is_index else f"[{v!r}]" for is_index, v in path)
+    return "state" + "".join(f"[{_shown(v, not is_index)}]" for is_index, v in path)
+
+
+def _shown(value: Any, as_repr: bool = True) -> str:
+    """``value`` for an error message: repr (or str) cut at 80 characters. An int
+    of more than 4,300 digits cannot be rendered at all (Python's limit): a dict key of
+    one in a hostile file turned the CorruptCheckpointError being built into a
+    ValueError, which no fallback to an older checkpoint caught."""
+    try:
+        text = repr(value) if as_repr else str(value)
+    except ValueError:
+        text = f"<{type(value).__name__} too large to show>"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_array(x: Any) -> bool:
@@ -892,7 +916,7 @@ class _Planner:
                     f"{MAX_DEPTH} levels"
                 )
             return {"tuple": [self._key(e, path, depth + 1) for e in k]}
-        what = f"a dict key of type {t.__module__}.{t.__qualname__} ({k!r:.60}) is not supported"
+        what = f"a dict key of type {t.__module__}.{t.__qualname__} ({_shown(k)}) is not supported"
         return self._unsupported(k, path, what, (*path, (True, "key")))
 
     @staticmethod
@@ -1032,21 +1056,11 @@ class _Header:
 
 
 def _strict_json(text: str, what: str) -> Any:
-    def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):  # the rare case, looked into only then
-            seen: set[str] = set()
-            for key, _value in pairs:
-                if key in seen:
-                    raise ValueError(f"duplicate key {key!r:.80}")
-                seen.add(key)
-        return out
-
     def no_constants(name: str) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(text, object_pairs_hook=pairs_hook, parse_constant=no_constants)
+        return json.loads(text, object_pairs_hook=no_duplicate_keys, parse_constant=no_constants)
     except (ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{what} is not valid JSON: {exc}") from exc
 
@@ -1369,9 +1383,11 @@ class _Loader:
             name = self.expect(value, str, path, tag)
 
             def to_dtype(torch: Any) -> Any:
-                dtype = getattr(torch, name, None)
-                if not isinstance(dtype, torch.dtype):
-                    raise self.corrupt(path, f"{name!r} is not a torch dtype")
+                # Looked up among torch's dtypes only: getattr(torch, name) with a name
+                # from the file imported the submodules it named (torch._dynamo, ...).
+                dtype = _torch_dtypes(torch).get(name)
+                if dtype is None:
+                    raise self.corrupt(path, f"{_shown(name)} is not a torch dtype")
                 return dtype
 
             return self.torch_value(to_dtype)
@@ -1423,9 +1439,9 @@ class _Loader:
                 sub = into.get(key, _MISSING) if has_into else _MISSING
                 duplicate = key in out
             except TypeError as exc:
-                raise self.corrupt(path, f"dict key {key!r:.60} is not hashable") from exc
+                raise self.corrupt(path, f"dict key {_shown(key)} is not hashable") from exc
             if duplicate:
-                raise self.corrupt(path, f"dict key {key!r:.60} appears twice")
+                raise self.corrupt(path, f"dict key {_shown(key)} appears twice")
             out[key] = self.walk_node(raw_value, sub, (*path, (False, key)), depth + 1)
         if has_into and not self.building:
             try:

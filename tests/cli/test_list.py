@@ -6,8 +6,10 @@ import json
 import shutil
 import time
 
+import numpy as np
 import pytest
 
+from atomic_checkpoint import CheckpointManager
 from tests.cli.helpers import error_line, make_root, mixed_root, run_cli, run_json, state_file
 
 
@@ -206,3 +208,21 @@ def test_a_root_the_terminal_cannot_spell_and_roots_that_name_no_directory(tmp_p
     assert proc.returncode == 2 and "is a symbolic link to" in proc.stderr, proc.stderr
     proc = run_cli("list", "file://tmp/run")
     assert proc.returncode == 2 and "names the host 'tmp'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_control_characters_from_the_root_never_reach_the_terminal(tmp_path):
+    # Names, run ids, metric and tensor names come from files anyone may have written:
+    # an ESC sequence among them retitled or cleared the terminal of `list`/`inspect`.
+    root = tmp_path / "root"
+    evil = "\x1b]0;PWNED\x07\x1b[2Jloss\x9b"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {evil: np.zeros(2)}, metrics={evil: 0.5})
+    for args in (("list", root), ("inspect", root, 1), ("verify", root)):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        shown = proc.stdout + proc.stderr
+        assert not any(c in shown for c in "\x1b\x07\x9b"), shown
+        assert "\\u001b]0;PWNED\\u0007" in proc.stdout or args[0] == "verify", proc.stdout
+    doc = run_json("inspect", root, 1)  # JSON stays JSON, with the name as it is
+    assert evil in doc["manifest"]["metrics"]

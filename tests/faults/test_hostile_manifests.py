@@ -78,6 +78,11 @@ CASES = {
         lambda r: _with(r, 300).replace(b'"metrics": {', b'"metrics": {"nan": NaN, '),
         "NaN",
     ),
+    "world_size-2**62": (lambda r: _with(r, 300, world_size=2**62), "world_size"),
+    "files-twice": (
+        lambda r: _with(r, 300).replace(b'"files": [', b'"files": [], "files": [', 1),
+        "duplicate key 'files'",
+    ),
     "5000-digit-step": (
         lambda r: _with(r, 300).replace(b'"step": 300', b'"step": ' + b"9" * 5000),
         "JSON",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import time
 import warnings
 from pathlib import Path
@@ -714,3 +715,43 @@ def test_a_checkpoint_dcp_wrote_in_place_loads(tmp_path):
         state = {"w": torch.zeros(4)}
         assert load_dcp(mgr, state).step == 5
         assert torch.equal(state["w"], torch.arange(4.0))
+
+
+class _Planted:
+    """A value whose unpickling creates the file named: what a hostile checkpoint
+    would make run instead."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (Path(self.path),))
+
+
+def test_loads_refuse_pickles_that_name_other_code_unless_allow_pickle(tmp_path):
+    # The manifest's checksums prove the bytes are the ones saved, not that they are
+    # safe: DCP unpickles .metadata whole and loads non-tensor values with
+    # weights_only=False. A checkpoint from elsewhere ran code on load_dcp.
+    ran = tmp_path / "code-ran"
+    with CheckpointManager(tmp_path / "ckpt", timeout_s=10) as mgr:
+        save_dcp(mgr, 1, {"w": torch.arange(4.0), "obj": _Planted(str(ran)), "n": 7})
+        ran.unlink(missing_ok=True)  # (were the save to run it); the load is what is checked
+        target: dict[str, Any] = {"w": torch.zeros(4), "obj": None, "n": 0}
+        with pytest.raises(DistributedCheckpointError, match="allow_pickle=True"):
+            load_dcp(mgr, target)
+        assert not ran.exists()
+        assert load_dcp(mgr, target, allow_pickle=True).step == 1  # trusted: as dcp.load
+        assert ran.exists() and target["n"] == 7
+
+    # A .metadata that names other code is refused by the reader every load uses (and
+    # by adoption's completeness check), before anything runs.
+    from atomic_checkpoint.integrations.dcp import _SafeReader, stock_checkpoint_problem
+
+    ran.unlink()
+    stock = tmp_path / "stock"
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(stock), no_dist=True)
+    (stock / ".metadata").write_bytes(pickle.dumps(_Planted(str(ran))))
+    with pytest.raises(pickle.UnpicklingError, match="not part of DCP's metadata"):
+        _SafeReader(str(stock)).read_metadata()
+    assert "not part of DCP's metadata" in (stock_checkpoint_problem(stock) or "")
+    assert not ran.exists()

@@ -509,6 +509,36 @@ def test_latest_checkpoint_skips_a_newest_file_whose_bytes_changed(tmp_path, cap
     assert io.load_checkpoint(got)["global_step"] == 5
 
 
+@pytest.mark.timeout(60)
+def test_fifos_and_links_planted_among_the_files_are_refused_without_waiting(tmp_path):
+    # A FIFO where a sidecar manifest or a .ckpt is expected blocked every open of it
+    # for ever (latest_checkpoint, adopt, verify); a sidecar that is a link made a file
+    # outside the directory this one's manifest.
+    io = AtomicCheckpointIO()
+    for step, name in ((5, "epoch=0-step=5.ckpt"), (9, "b.ckpt"), (8, "c.ckpt"), (7, "d.ckpt")):
+        io.save_checkpoint(_state(step), tmp_path / name)
+    sidecar = tmp_path / ("b.ckpt" + MANIFEST_SUFFIX)
+    sidecar.unlink()
+    os.mkfifo(sidecar)
+    (tmp_path / "c.ckpt").unlink()
+    os.mkfifo(tmp_path / "c.ckpt")  # and its sidecar says 0 bytes, as a FIFO's size is
+    doc = json.loads((tmp_path / ("c.ckpt" + MANIFEST_SUFFIX)).read_text())
+    for version in doc["versions"]:
+        version["size"] = 0
+    (tmp_path / ("c.ckpt" + MANIFEST_SUFFIX)).write_text(json.dumps(doc))
+    outside = tmp_path.parent / "elsewhere.manifest.json"
+    outside.write_bytes((tmp_path / ("d.ckpt" + MANIFEST_SUFFIX)).read_bytes())
+    (tmp_path / ("d.ckpt" + MANIFEST_SUFFIX)).unlink()
+    (tmp_path / ("d.ckpt" + MANIFEST_SUFFIX)).symlink_to(outside)
+    assert latest_checkpoint(tmp_path, full=True) == str(tmp_path / "epoch=0-step=5.ckpt")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        verify_checkpoint(tmp_path / "b.ckpt")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        verify_checkpoint(tmp_path / "c.ckpt", full=True)
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        verify_checkpoint(tmp_path / "d.ckpt")
+
+
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_kill_during_an_overwrite_leaves_a_complete_verified_file(tmp_path):

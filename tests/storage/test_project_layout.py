@@ -100,6 +100,18 @@ def test_damaged_layout_record_is_an_error_not_another_layout(tmp_path: Path) ->
         open_storage(str(project))
 
 
+@pytest.mark.timeout(30)
+def test_a_fifo_as_the_layout_record_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    # Opening it for reading waited for a writer for ever: every manager, reader and
+    # CLI command on the project hung.
+    project = _project(tmp_path)
+    record = project / ".atomic-checkpoint" / "layout.json"
+    record.unlink()
+    os.mkfifo(record)
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        open_storage(str(project))
+
+
 def test_a_saving_block_on_a_project_written_in_place_lands_where_the_commit_looks(tmp_path):
     # Accelerate's project view on an s3fs-fuse mount (the marker strategy): the
     # saving() directory joined ROOT and the protocol's checkpoint-<n>/attempt-<t>, not

@@ -87,7 +87,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import re
+import sys
 import time
 import uuid
 import warnings
@@ -568,6 +570,92 @@ def _verify(mgr: CheckpointManager, info: CheckpointInfo) -> list[RankFailure]:
     return _agree(mgr, f"load step {info.step}: verify", "verify", failure)
 
 
+# ---------------------------------------------------------------------- unpickling
+#: What DCP's ``.metadata`` pickle may name: its metadata classes, ``torch.Size``, dtypes
+#: and layouts, paths. Anything else (a ``__reduce__`` that calls ``exec``) is refused
+#: unless the loader is told ``allow_pickle=True``.
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    *(("builtins", n) for n in ("set", "frozenset", "slice", "complex", "range")),
+    *(("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath")),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+def _metadata_class(module: str, name: str) -> bool:
+    if (module, name) in _METADATA_NAMES:
+        return True
+    if module in _METADATA_MODULES:
+        return isinstance(getattr(sys.modules.get(module), name, None), type)
+    if module == "torch":
+        value = getattr(torch, name, None) if name in vars(torch) else None
+        return isinstance(value, (torch.dtype, torch.layout, torch.memory_format))
+    return False
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if _metadata_class(module, name):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"the checkpoint's {_DCP_METADATA_FILE} names {module}.{name}, which is not part "
+            "of DCP's metadata: refused (a pickle that names other code runs it on load). "
+            "If you trust the checkpoint, load it with allow_pickle=True"
+        )
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's reader, with ``.metadata`` unpickled through the allow-list above (torch
+    unpickles it whole: the checksums of a manifest prove the bytes are the ones
+    listed, not that they are safe to run)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:  # as DCP's own read_metadata
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _reader(path: str, allow_pickle: bool) -> Any:
+    return dcp.FileSystemReader(path) if allow_pickle else _SafeReader(path)
+
+
+def _planner(planner: Any, allow_pickle: bool) -> Any:
+    """The planner of a load: the user's, or DCP's default with its values that are not
+    tensors (saved with ``torch.save``) loaded ``weights_only`` unless ``allow_pickle``."""
+    if planner is not None or allow_pickle:
+        return planner
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _WeightsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise pickle.UnpicklingError(
+                    f"{read_item.dest_index.fqn}: {exc}. Values other than plain data are "
+                    "loaded only with allow_pickle=True (a pickle runs the code it names: "
+                    "trusted checkpoints only)"
+                ) from exc
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return _WeightsOnlyPlanner()
+
+
 def load_dcp(
     mgr: CheckpointManager,
     state_dict: dict[str, Any],
@@ -578,6 +666,7 @@ def load_dcp(
     adopt_existing: bool = False,
     planner: Any = None,
     process_group: Any = None,
+    allow_pickle: bool = False,
 ) -> CheckpointInfo | None:
     """Load checkpoint ``step`` (default: the newest that verifies) into ``state_dict``
     in place, with DCP's resharding. Collective.
@@ -603,6 +692,12 @@ def load_dcp(
             says why). Then the newest is loaded as usual.
         planner: a DCP ``LoadPlanner`` (default: DCP's, which reshards).
         process_group: the group DCP's collectives use.
+        allow_pickle: unpickle the checkpoint without limits, as ``dcp.load`` does.
+            By default DCP's ``.metadata`` may name only DCP's metadata classes, and
+            values that are not tensors are loaded ``weights_only`` (plain data); a
+            pickle that names other code is refused, as it would run that code. Pass
+            True only for checkpoints you trust (a custom ``planner`` loads those
+            values itself).
 
     Returns:
         The loaded checkpoint (identical on every rank), or None (``missing_ok``).
@@ -672,8 +767,8 @@ def load_dcp(
         with _single_process_quiet():
             dcp.load(
                 state_dict,
-                storage_reader=dcp.FileSystemReader(chosen.files_path),
-                planner=planner,
+                storage_reader=_reader(chosen.files_path, allow_pickle),
+                planner=_planner(planner, allow_pickle),
                 process_group=process_group,
                 no_dist=not _is_distributed(),
             )
@@ -932,6 +1027,7 @@ def load(
     adopt: bool = False,
     planner: Any = None,
     process_group: Any = None,
+    allow_pickle: bool = False,
 ) -> CheckpointInfo:
     """``dcp.load(state_dict, checkpoint_id=PATH)`` after checking PATH against its
     manifest (written by :func:`save`). Collective over ``process_group``.
@@ -948,6 +1044,8 @@ def load(
             nothing is written.
         planner: a DCP ``LoadPlanner``.
         process_group: the group DCP and the agreement use.
+        allow_pickle: unpickle without limits, as ``dcp.load`` does (see
+            :func:`load_dcp`; by default only DCP's metadata classes and plain data).
 
     Returns:
         What the manifest records (``step``, ``metadata``, ``size_bytes``).
@@ -1007,8 +1105,8 @@ def load(
         with _single_process_quiet():
             dcp.load(
                 state_dict,
-                storage_reader=dcp.FileSystemReader(final),
-                planner=planner,
+                storage_reader=_reader(final, allow_pickle),
+                planner=_planner(planner, allow_pickle),
                 process_group=group,
                 no_dist=not _is_distributed(),
             )
@@ -1064,7 +1162,7 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
             "finish (or the directory is not a DCP checkpoint)"
         )
     try:
-        metadata = dcp.FileSystemReader(local).read_metadata()
+        metadata = _SafeReader(local).read_metadata()
     except Exception as exc:  # unpickling a torn file raises anything
         return (
             f"{_DCP_METADATA_FILE} cannot be read by DCP ({type(exc).__name__}: {exc}): torn, "

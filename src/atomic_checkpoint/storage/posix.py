@@ -30,6 +30,9 @@ from ..errors import (
 )
 from ..manifest import Hasher
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
 
 def fsync_directory(path: str) -> None:
     """fsync the directory at OS path ``path``, so the entries in it are durable; the
@@ -333,31 +336,78 @@ def file_size(path: str) -> int | None:
         raise map_os_error(exc, "stat", path) from exc
 
 
-def read_head(path: str, limit_bytes: int) -> bytes | None:
-    """At most ``limit_bytes`` from the start of file ``path``; None if it is missing.
+def open_regular(path: str) -> int:
+    """A descriptor of regular file ``path``, opened for reading without following a
+    link and without blocking: a FIFO planted where a file is expected blocked the
+    open for ever (until a writer came), and a link made its target's content this
+    file's.
 
     Raises:
+        FileNotFoundError: it does not exist.
+        UnsafeCheckpointError: it is a symbolic link.
+        CorruptCheckpointError: it is not a regular file (a FIFO, socket, device or
+            directory).
+        StorageError: it cannot be opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise UnsafeCheckpointError(
+                f"{path!r} is a symbolic link; links are never followed"
+            ) from exc
+        raise map_os_error(exc, "open", path) from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+            raise CorruptCheckpointError(f"{path!r} is not a regular file ({kind})")
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_head(path: str, limit_bytes: int) -> bytes | None:
+    """At most ``limit_bytes`` from the start of regular file ``path`` (see
+    ``open_regular``); None if it is missing.
+
+    Raises:
+        UnsafeCheckpointError: it is a symbolic link.
+        CorruptCheckpointError: it is not a regular file.
         StorageError: it cannot be read.
     """
     try:
-        with open(path, "rb") as f:
-            return f.read(limit_bytes)
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return f.read(limit_bytes)
     except OSError as exc:
         raise map_os_error(exc, "read", path) from exc
 
 
 def hash_file(path: str, hasher: Hasher, chunk_bytes: int) -> int:
-    """Feed file ``path`` into ``hasher`` in chunks of ``chunk_bytes`` (unbuffered, into
-    one reused buffer); returns its size.
+    """Feed regular file ``path`` (see ``open_regular``) into ``hasher`` in chunks of
+    ``chunk_bytes`` (unbuffered, into one reused buffer); returns its size.
 
     Raises:
         CheckpointNotFoundError: it does not exist.
+        UnsafeCheckpointError: it is a symbolic link.
+        CorruptCheckpointError: it is not a regular file.
         StorageError: it cannot be read.
     """
     try:
-        with open(path, "rb", buffering=0) as f:
+        fd = open_regular(path)
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"checkpoint file {path!r} does not exist") from exc
+    try:
+        with os.fdopen(fd, "rb", buffering=0) as f:
             return hasher.consume(f, memoryview(bytearray(chunk_bytes)))
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"checkpoint file {path!r} does not exist") from exc

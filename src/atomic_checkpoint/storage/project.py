@@ -29,7 +29,7 @@ import os
 import stat
 from typing import Any
 
-from ..errors import CorruptCheckpointError, StorageError
+from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from ..layout import (
     ACCELERATE_DIR,
     ACCELERATE_LAYOUT,
@@ -42,6 +42,7 @@ from ..layout import (
     parse_accelerate_name,
     parse_checkpoint_name,
 )
+from . import posix
 from .base import DirectWriter, Reader, Storage, Writer, direct_io, renaming
 
 __all__ = ["ProjectStorage", "layout_of", "open_project", "record_layout"]
@@ -229,16 +230,18 @@ def layout_of(project: str) -> str | None:
     """
     where = os.path.join(project, *LAYOUT_FILE.split("/"))
     try:
-        # No link followed (DESIGN invariant 9), and a bounded read of untrusted bytes.
-        fd = os.open(where, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+        # No link followed (DESIGN invariant 9), no wait on a FIFO planted there (it
+        # hung every opener of the root), and a bounded read of untrusted bytes.
+        data = posix.read_head(where, _MAX_LAYOUT_BYTES + 1)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"{exc}: it should be the layout record of the project directory; delete it "
+            "if this directory holds no checkpoints of that layout"
+        ) from None
+    except (UnsafeCheckpointError, StorageError):
         return None
-    try:
-        data = os.read(fd, _MAX_LAYOUT_BYTES + 1)
-    except OSError:
+    if data is None:
         return None
-    finally:
-        os.close(fd)
     try:
         doc = json.loads(data) if len(data) <= _MAX_LAYOUT_BYTES else None
     except (ValueError, RecursionError):
