@@ -97,6 +97,14 @@ CASES: dict[str, tuple[bytes, str]] = {
         tree_only('{"dict": [[' + '{"tuple":[' * 300 + "1" + "]}" * 300 + ", 1]]}"),
         "nests deeper",
     ),
+    # A dict key of 20,000 bits (a hex int has no digit limit) could not be shown in
+    # the error (repr: "Exceeds the limit (4300 digits)"): a ValueError, no fallback.
+    "dict key of 20,000 bits": (
+        tree_only(json.dumps({"dict": [[{"int": "f" * 5000}, {"bogus": 1}]]})),
+        "too large to show",
+    ),
+    # Looked up with getattr(torch, name), which imported the submodule it named.
+    "dtype _dynamo": (tree_only(json.dumps({"dtype": "_dynamo"})), "is not a torch dtype"),
     # Already refused before the fix; kept as guards of the table.
     "negative dim": (one_tensor({"tensor": "t"}, "F32", [-4], b"\0" * 16), "non-negative"),
     "float dim": (one_tensor({"tensor": "t"}, "F32", [1.0], b"\0" * 4), "non-negative"),
@@ -128,11 +136,22 @@ CASES: dict[str, tuple[bytes, str]] = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_hostile_header_is_a_corrupt_checkpoint(case: str) -> None:
+def test_hostile_header_is_a_corrupt_checkpoint(case: str, monkeypatch) -> None:
     data, fragment = CASES[case]
+    looked_up: list[str] = []
+    real = type(torch).__getattribute__
+
+    class Watched(type(torch)):  # type: ignore[misc]
+        def __getattribute__(self, name: str) -> Any:
+            looked_up.append(name)
+            return real(self, name)
+
+    monkeypatch.setattr(torch, "__class__", Watched)
     with pytest.raises(CorruptCheckpointError, match=re.escape(fragment)):
         load_state(io.BytesIO(data))
-    if case.startswith(("torch.Size", "float")):
+    monkeypatch.undo()
+    assert "_dynamo" not in looked_up  # a name from the file is never looked up in torch
+    if case.startswith(("torch.Size", "float", "dtype")):
         return  # torch/float objects are built only by a load, not by read_header
     with pytest.raises(CorruptCheckpointError):
         read_header(io.BytesIO(data))
