@@ -292,6 +292,38 @@ def _safetensors_problem(folder: CheckpointFolder, name: str, size: int) -> str 
     return None
 
 
+#: How many times its size a torch.save archive may inflate to (it stores its members
+#: uncompressed: 1).
+_MAX_INFLATE = 64
+
+
+def zip_members_problem(z: zipfile.ZipFile, size: int, name: str) -> str | None:
+    """What makes the archive ``name`` of ``size`` bytes unfit to read, found from its
+    directory alone (before ``testzip`` inflates every member): a member past the end,
+    members that overlap (a 1 MB archive that lists one deflated GiB 2,000 times kept
+    adoption inflating for hours), or members that inflate to more than
+    ``_MAX_INFLATE`` times the file. None when there is none."""
+    infos = z.infolist()
+    end = 0
+    for info in sorted(infos, key=lambda i: i.header_offset):
+        stop = info.header_offset + info.compress_size
+        if stop > size:
+            return f"{name} is truncated (member {info.filename!r} ends past the end)"
+        if info.header_offset < end:
+            return (
+                f"{name}: member {info.filename!r} overlaps another member: not an archive "
+                "torch.save writes (refused before inflating it)"
+            )
+        end = stop
+    inflated = sum(i.file_size for i in infos)
+    if inflated > _MAX_INFLATE * size + (1 << 20):
+        return (
+            f"{name}: its members inflate to {inflated} bytes, over {_MAX_INFLATE} times its "
+            f"{size}: not an archive torch.save writes (refused before inflating it)"
+        )
+    return None
+
+
 def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
     """``torch.save`` files are zip archives: a truncated one has no end-of-archive
     record (written last), every member must lie inside the file, and every member's
@@ -311,9 +343,9 @@ def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
         f.seek(0)
         try:
             with zipfile.ZipFile(f) as z:
-                for info in z.infolist():
-                    if info.header_offset + info.compress_size > size:
-                        return f"{name} is truncated (member {info.filename!r} ends past the end)"
+                problem = zip_members_problem(z, size, name)
+                if problem is not None:
+                    return problem
                 bad = z.testzip()  # reads every member, checks its CRC-32 (as Lightning's rule)
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
             return f"{name} is not a whole torch.save archive ({exc}): truncated or torn"

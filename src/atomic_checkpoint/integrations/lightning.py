@@ -109,6 +109,7 @@ import torch
 
 from .._checks import flag
 from .._faults import fault_point
+from ..adopt import zip_members_problem
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -523,6 +524,9 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
             names = archive.namelist()
             if not any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
                 return "it is a zip archive without data.pkl: not a torch.save file"
+            problem = zip_members_problem(archive, size, "the archive")
+            if problem is not None:
+                return problem
             bad = archive.testzip()  # reads every member, checks its CRC-32
     except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
         return (
