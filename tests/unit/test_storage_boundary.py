@@ -82,7 +82,7 @@ _ALLOWED = {
     ("_process.py", "read_text", "open"),
     ("_process.py", "pid_namespace", "os.readlink"),
     # Silences stdout after a BrokenPipeError (`atomic-checkpoint list | head`).
-    ("cli.py", "main", "os.open"),
+    ("cli.py", "_main", "os.open"),
     # A message to stderr (fd 2) just before ``os._exit`` from the start-up deadline's
     # thread: logging could block on a lock the main thread holds.
     ("preemption.py", "_startup_deadline", "os.write"),
