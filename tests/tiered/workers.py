@@ -583,12 +583,7 @@ def w_rollback(
 
 
 def w_tiered_restore_outcome(
-    rank: int,
-    world: int,
-    base: str,
-    slow: str,
-    opts: dict[str, Any] | None,
-    part: int | None = None,
+    rank: int, world: int, base: str, slow: str, opts: Any, part: int | None = None
 ) -> tuple[str, str]:
     """``restore()`` on this rank's node (``restore(rank=part)`` when ``part`` is
     given): ("ok", the restored step) or (the error's type, its message)."""
