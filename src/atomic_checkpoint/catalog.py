@@ -320,6 +320,10 @@ def _back(
     deadline = time.monotonic() + REPLACE_WAIT_S
     delay = 0.001
     url = storage.url("")
+
+    def stuck(s: int) -> tuple[str, int, frozenset[str]]:
+        return url, s, frozenset(replacing.get(s, ()) if replacing else ())
+
     while waiting:
         # Listings, not ``is_dir``: a network filesystem's client answers a ``stat`` from
         # its cache, where a name deleted on another node lives on for seconds (sshfs);
@@ -334,14 +338,14 @@ def _back(
         # An overwrite already waited for in vain (its writer died between the two
         # renames) is not waited for again by this process: every later read (each
         # latest() asked twice) took another 2 s until the job restarted.
-        waiting = {s for s in waiting if (url, s, frozenset(replacing.get(s, ()))) not in _STUCK}
+        waiting = {s for s in waiting if stuck(s) not in _STUCK}
         if not waiting:
             break
         if time.monotonic() >= deadline:
             with _STUCK_LOCK:
                 if len(_STUCK) > 1000:
                     _STUCK.clear()
-                _STUCK.update((url, s, frozenset(replacing.get(s, ()))) for s in waiting)
+                _STUCK.update(map(stuck, waiting))
             log.warning(
                 "checkpoint step(s) %s in %s stayed absent for %.0f s: an overwrite without "
                 "an atomic exchange stopped between its two renames (its writer crashed?); "

@@ -946,6 +946,14 @@ def _looks_like_checkpoint(e: catalog.Entry) -> bool:
     return e.step is not None and "/" not in e.name and e.manifest is None
 
 
+def _held_live(storage: Storage, holder: list[Any]) -> bool:
+    """Whether a live job holds ROOT's run lock; ``holder`` caches the holder, read
+    once per command and only if asked."""
+    if not holder:
+        holder.append(_lock_holder(storage))
+    return holder[0] is not None and holder[0].is_live()
+
+
 def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) -> str | None:
     """Why ``e`` (see ``_looks_like_checkpoint``) fails ``verify``; ``"in_progress"`` for
     the one case that does not fail, a marker save or delete of the live job that holds
@@ -959,10 +967,7 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
     (object stores, s3fs-style mounts) stage in place, behind a marker.
     """
     if e.status == "pending":
-        if not holder:
-            holder.append(_lock_holder(storage))
-        live = holder[0] is not None and holder[0].is_live()
-        if live:
+        if _held_live(storage, holder):
             return "in_progress"
         return (
             f"{e.problem} and no live job holds the run lock: the "
@@ -976,14 +981,11 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
             empty = not storage.listdir(e.name)
         except CheckpointError:
             empty = False
-        if empty:
+        if empty and _held_live(storage, holder):
             # A marker save creates checkpoint-<step>/, then its marker in it (on a
-            # mounted object store the gap is a round trip): an empty one is a save
-            # of the live job starting, or nothing worth failing verify for.
-            if not holder:
-                holder.append(_lock_holder(storage))
-            if holder[0] is not None and holder[0].is_live():
-                return "in_progress"
+            # mounted object store the gap is a round trip): an empty one while a job
+            # holds the lock is that job's save starting.
+            return "in_progress"
         return (
             "no manifest: never committed by this library (a torn copy, another tool's "
             "save, or a manifest deleted); restore ignores it. If it is another tool's "
@@ -1212,11 +1214,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     "in_progress": in_progress,
                 }
             )
-    for e in targets:
+
+    def verify_entry(e: catalog.Entry) -> None:
         if e.status == "ok" and e.manifest is not None:
             report(_verify_one(storage, e.name, e.manifest, args), len(e.manifest.files))
         else:
             report(_broken(storage, e), 0)
+
+    for e in targets:
+        verify_entry(e)
     seen = {e.name for e in targets}
     for _ in range(3 if args.step is None else 0):
         if results or not any(r["status"] == "removed" for r in skipped):
@@ -1232,10 +1238,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for e in reversed(newer):  # the newest first: the longest to live
             seen.add(e.name)
             targets.append(e)
-            if e.status == "ok" and e.manifest is not None:
-                report(_verify_one(storage, e.name, e.manifest, args), len(e.manifest.files))
-            else:
-                report(_broken(storage, e), 0)
+            verify_entry(e)
             if results:
                 break
     for r in impostors:

@@ -163,25 +163,19 @@ def discover(
     )
     if errors:
         raise CheckpointError(errors)
-    if per_host is not None:
-        # One domain per host, as told: only the hosts' first ranks look, once each
-        # (another host's probe is expected not to be there: no waiting for it).
-        seen = [
-            c
-            for c in (candidates if me in candidates else ())
-            if _sees(storage, f"{META_DIR}/probe-{token}-{c}", token, wait_s=0.0)
-        ]
-    else:
-        seen = [
-            c
-            for c in candidates
-            if _sees(
-                storage,
-                f"{META_DIR}/probe-{token}-{c}",
-                token,
-                wait_s=visibility_timeout_s if c == me else 2.0,
-            )
-        ]
+    # With per-host, one domain per host as told: only the hosts' first ranks look,
+    # once each (another host's probe is expected not to be there: no waiting for it).
+    look = candidates if per_host is None or me in candidates else []
+    seen = [
+        c
+        for c in look
+        if _sees(
+            storage,
+            f"{META_DIR}/probe-{token}-{c}",
+            token,
+            wait_s=0.0 if per_host is not None else visibility_timeout_s if c == me else 2.0,
+        )
+    ]
 
     def check(reports: list[list[int]]) -> str | None:
         if per_host is not None:

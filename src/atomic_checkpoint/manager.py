@@ -14,7 +14,6 @@ follow its broadcast decision (DESIGN invariant 3).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import errno
 import functools
@@ -123,13 +122,6 @@ def _one_at_a_time(method: _F) -> _F:
             return method(self, *args, **kwargs)
 
     return cast(_F, wrapper)
-
-
-#: Set while a ``TieredCheckpointManager`` opens its tier 0 manager (what that tier lacks
-#: is not what the job lacks).
-OPENING_TIER_0: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "atomic_checkpoint_opening_tier_0", default=False
-)
 
 
 def check_world_size(manifest: Manifest, world_size: int) -> None:
@@ -871,7 +863,7 @@ class CheckpointManager:
                 partial_steps=tuple(partial),
             )
         if partial and setup["n_valid"] == 0 and self.rank == 0:
-            if OPENING_TIER_0.get():
+            if self._one_tier_of_several:
                 # The tiered manager restores from the persistent tier or the peers: "the
                 # job starts from scratch" alarmed operators of restarts that resumed.
                 log.info(
@@ -1222,6 +1214,9 @@ class CheckpointManager:
                 self._saver_thread = None
 
     last_saved: CheckpointInfo | None = None
+    #: A tier of a ``TieredCheckpointManager`` (its tier 0 subclass says so): what this
+    #: root lacks is not what the job lacks.
+    _one_tier_of_several = False
     #: The thread inside ``on_commit`` (several ranks only): see ``_on_leaders``.
     _callback_thread: int | None = None
 

@@ -165,13 +165,7 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import (
-    OPENING_TIER_0,
-    CheckpointManager,
-    CopyAttempt,
-    check_world_size,
-    close_propagating,
-)
+from .manager import CheckpointManager, CopyAttempt, check_world_size, close_propagating
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage, posix, storage_for
 from .storage.base import Storage, answer_within, renaming
@@ -339,6 +333,13 @@ def check_tiers_separate(fast: Storage, slow: Storage) -> None:
         )
 
 
+class _Tier0Manager(CheckpointManager):
+    """The manager of a tiered job's tier 0: a step its root lacks may be on the
+    persistent tier or a peer, so its start does not call that "starting from scratch"."""
+
+    _one_tier_of_several = True
+
+
 class TieredCheckpointManager:
     """Save to the first (fast) tier, replicate each committed step to the second
     (persistent) tier in the background, restore from the fastest tier with a valid copy.
@@ -500,14 +501,7 @@ class TieredCheckpointManager:
                 )
 
         def open_fast(mode: str) -> CheckpointManager:
-            opening = OPENING_TIER_0.set(True)
-            try:
-                return _open_fast(mode)
-            finally:
-                OPENING_TIER_0.reset(opening)
-
-        def _open_fast(mode: str) -> CheckpointManager:
-            return CheckpointManager(
+            return _Tier0Manager(
                 self._fast_storage,
                 retention=(
                     _HoldUnreplicated(fast.retention, self) if fast.retention is not None else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -215,6 +216,27 @@ def test_files_inside_a_checkpoint_are_never_read_through_links(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match="symbolic link that resolves inside") as err:
         reader.restore(step=2)
     assert "cp -rL" in str(err.value)  # what makes such a copy readable
+    reader.close()
+
+
+def test_a_directory_inside_a_checkpoint_replaced_by_a_link_is_never_read_through(tmp_path):
+    # The walk from the checkpoint down (one lstat per component) must refuse a linked
+    # directory on the way, not only a linked file: here it leads out of ROOT to a copy
+    # with the same bytes, which every size and checksum would accept.
+    root = tmp_path / "root"
+    mgr = _manager(root, strategy=None)
+    for step in (1, 2):
+        with mgr.saving(step) as d:
+            (d / "model").mkdir()
+            (d / "model" / "weights.bin").write_bytes(bytes([step]) * 64)
+    mgr.close()
+    outside = tmp_path / "outside"
+    shutil.move(str(root / "checkpoint-2" / "model"), outside)
+    os.symlink(outside, root / "checkpoint-2" / "model")
+    reader = _manager(root, strategy=None, read_only=True)
+    assert reader.latest().step == 1
+    with pytest.raises(UnsafeCheckpointError, match="symbolic link that resolves outside"):
+        reader.verify(2)
     reader.close()
 
 

@@ -239,9 +239,8 @@ def check_inside(base: str, file_rel: str, where: str) -> None:
                 "copied with the files themselves (cp -rL, rsync -L)"
             )
     if not stat.S_ISREG(mode):
-        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
         raise CorruptCheckpointError(
-            f"{where}: file {file_rel!r} is not a regular file ({kind}); refusing to read it"
+            f"{where}: file {file_rel!r} is {_not_regular(mode)}; refusing to read it"
         )
 
 
@@ -336,6 +335,11 @@ def file_size(path: str) -> int | None:
         raise map_os_error(exc, "stat", path) from exc
 
 
+def _not_regular(mode: int) -> str:
+    kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+    return f"not a regular file ({kind})"
+
+
 def open_regular(path: str) -> int:
     """A descriptor of regular file ``path``, opened for reading without following a
     link and without blocking: a FIFO planted where a file is expected blocked the
@@ -362,8 +366,7 @@ def open_regular(path: str) -> int:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
-            raise CorruptCheckpointError(f"{path!r} is not a regular file ({kind})")
+            raise CorruptCheckpointError(f"{path!r} is {_not_regular(mode)}")
         if _NONBLOCK:
             os.set_blocking(fd, True)
     except BaseException:
