@@ -6,36 +6,12 @@ only when a feature that needs them is used.
 
 from typing import TYPE_CHECKING
 
-from . import storage
+from . import errors, storage
 from ._version import __version__
 from .adopt import AdoptResult, adopt, register_framework
 from .async_save import SaveHandle
 from .coordination import Coordinator, SingleProcessCoordinator, TorchDistributedCoordinator
-from .errors import (
-    CheckpointError,
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CollectiveMismatchError,
-    CommitError,
-    CoordinationTimeoutError,
-    CorruptCheckpointError,
-    DistributedCheckpointError,
-    FencedError,
-    LockError,
-    LockHeldError,
-    RankFailure,
-    ReadOnlyError,
-    ResumeError,
-    SaveAbandonedError,
-    SerializationError,
-    StateMismatchError,
-    StepOrderError,
-    StorageError,
-    StorageFullError,
-    StoragePermissionError,
-    UnsafeCheckpointError,
-    UnsupportedSchemaError,
-)
+from .errors import *  # noqa: F403  (every public error: errors.__all__)
 from .manager import CheckpointManager
 from .manifest import CheckpointInfo
 from .preemption import REQUEUE_EXIT_CODE, PreemptionGuard
@@ -47,55 +23,33 @@ __all__ = [
     "REQUEUE_EXIT_CODE",
     "AdoptResult",
     "AnyOf",
-    "CheckpointError",
-    "CheckpointExistsError",
     "CheckpointInfo",
     "CheckpointManager",
-    "CheckpointNotFoundError",
-    "CollectiveMismatchError",
-    "CommitError",
-    "CoordinationTimeoutError",
     "Coordinator",
-    "CorruptCheckpointError",
-    "DistributedCheckpointError",
-    "FencedError",
     "FsspecStorage",
     "KeepAll",
     "KeepBest",
     "KeepEvery",
     "KeepLast",
     "LocalStorage",
-    "LockError",
-    "LockHeldError",
     "MemoryStorage",
     "Pin",
     "PreemptionGuard",
-    "RankFailure",
-    "ReadOnlyError",
-    "ResumeError",
     "RetentionPolicy",
-    "SaveAbandonedError",
     "SaveHandle",
-    "SerializationError",
     "SingleProcessCoordinator",
-    "StateMismatchError",
-    "StepOrderError",
     "Storage",
     "StorageCapabilities",
-    "StorageError",
-    "StorageFullError",
-    "StoragePermissionError",
     "Tier",
     "TieredCheckpointInfo",
     "TieredCheckpointManager",
     "TorchDistributedCoordinator",
-    "UnsafeCheckpointError",
-    "UnsupportedSchemaError",
     "__version__",
     "adopt",
     "open_storage",
     "register_framework",
 ]
+__all__ += errors.__all__
 
 
 if TYPE_CHECKING:

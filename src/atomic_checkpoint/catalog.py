@@ -34,26 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from . import layout
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     StorageError,
     StoragePermissionError,
-)
-from .layout import (
-    MANIFEST_NAME,
-    META_DIR,
-    PENDING_DIR,
-    RUN_FILE,
-    TRASH_DIR,
-    checkpoint_name,
-    parse_attempt_dir,
-    parse_checkpoint_name,
-    parse_marker_name,
-    parse_pending_name,
-    parse_replaced_name,
-    pending_name,
 )
 from .manifest import FileEntry, Hasher, Manifest, SharedManifest
 from .storage import posix
@@ -84,7 +71,7 @@ def state_file(manifest: Manifest, name: str) -> FileEntry:
         or (
             f.path.count("/") == 1
             and f.path.endswith(f"/{name}")
-            and parse_attempt_dir(f.path.split("/", 1)[0])
+            and layout.parse_attempt_dir(f.path.split("/", 1)[0])
         )
     ]
     if len(found) == 1:
@@ -137,8 +124,8 @@ def read_manifest(storage: Storage, rel: str) -> Manifest:
     # A checkpoint or manifest that is a symlink would make a checkpoint of whatever it
     # points to (another root's, which retention would then delete): refuse it before
     # reading a byte.
-    check_inside(storage, rel, MANIFEST_NAME)
-    path = f"{rel}/{MANIFEST_NAME}"
+    check_inside(storage, rel, layout.MANIFEST_NAME)
+    path = f"{rel}/{layout.MANIFEST_NAME}"
     # Bounded by the storage (``MAX_READ_BYTES``, refused by size before reading) and by
     # the parser (MAX_MANIFEST_BYTES); every parse failure is a CorruptCheckpointError.
     data = storage.read_bytes(path)
@@ -148,7 +135,7 @@ def read_manifest(storage: Storage, rel: str) -> Manifest:
         if storage.capabilities.coherent:
             raise
         manifest = _reread_stale_manifest(storage, path, where)
-    expected = parse_checkpoint_name(rel.rsplit("/", 1)[-1])
+    expected = layout.parse_checkpoint_name(rel.rsplit("/", 1)[-1])
     if expected is not None and expected != manifest.step:
         raise CorruptCheckpointError(
             f"{where}: manifest says step {manifest.step} but the directory is step {expected}"
@@ -291,11 +278,11 @@ def _being_replaced(storage: Storage, names: Collection[str] | None = None) -> d
     """The steps whose old copy an overwrite without atomic exchange has moved into
     ``.trash/`` and not yet deleted, with the attempts that did it: one listing of
     ``.trash/``, none where ``names`` (a listing of ROOT) shows there is no ``.trash/``."""
-    if names is not None and TRASH_DIR not in names:
+    if names is not None and layout.TRASH_DIR not in names:
         return {}
     found: dict[int, set[str]] = {}
-    for name in storage.listdir(TRASH_DIR):
-        parsed = parse_replaced_name(name)
+    for name in storage.listdir(layout.TRASH_DIR):
+        parsed = layout.parse_replaced_name(name)
         if parsed is not None:
             found.setdefault(parsed[0], set()).add(parsed[1])
     return found
@@ -330,10 +317,14 @@ def _back(
         # ``listdir`` asks the server.
         if replacing is None:
             replacing = _being_replaced(storage)
-        pending = set(storage.listdir(PENDING_DIR)) if replacing.keys() & waiting else set()
-        live = {s for s in waiting if pending & {pending_name(s, a) for a in replacing.get(s, ())}}
+        pending = set(storage.listdir(layout.PENDING_DIR)) if replacing.keys() & waiting else set()
+        live = {
+            s
+            for s in waiting
+            if pending & {layout.pending_name(s, a) for a in replacing.get(s, ())}
+        }
         present = set(storage.listdir(""))
-        back |= {s for s in waiting if checkpoint_name(s) in present}
+        back |= {s for s in waiting if layout.checkpoint_name(s) in present}
         waiting = live - back
         # An overwrite already waited for in vain (its writer died between the two
         # renames) is not waited for again by this process: every later read (each
@@ -369,14 +360,14 @@ def _root_names(storage: Storage, known: Iterable[str] = ()) -> list[str]:
     names = storage.listdir("")
     present = set(names)
     replacing = _being_replaced(storage, names)
-    absent = {s for s in replacing if checkpoint_name(s) not in present}
+    absent = {s for s in replacing if layout.checkpoint_name(s) not in present}
     for name in known:
-        step = parse_checkpoint_name(name)
+        step = layout.parse_checkpoint_name(name)
         if step is not None and name not in present:
             absent.add(step)
     if not absent:
         return names
-    return names + [checkpoint_name(s) for s in sorted(_back(storage, absent, replacing))]
+    return names + [layout.checkpoint_name(s) for s in sorted(_back(storage, absent, replacing))]
 
 
 #: The fields that tell one commit of a step from another.
@@ -458,7 +449,7 @@ def validate_consistent(
 def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manifest:
     """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint.
     Returns the manifest of the copy that was checked (see ``validate_consistent``)."""
-    rel = checkpoint_name(step)
+    rel = layout.checkpoint_name(step)
     for attempt in range(READ_ATTEMPTS):
         last = attempt + 1 == READ_ATTEMPTS
         # Absent, or un-committed while being read: unless an overwrite without atomic
@@ -493,7 +484,7 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
     """Why there is no checkpoint ``step`` to load, in the user's terms: no such entry
     (and which steps there are), or a directory that was never committed. For
     ``restore``/``verify`` and the CLI alike; called only once a read found nothing."""
-    rel = checkpoint_name(step)
+    rel = layout.checkpoint_name(step)
     if storage.is_dir(rel):
         purposes = _marker_purposes(storage, rel)
         if "delete" in purposes:
@@ -528,7 +519,7 @@ def _marker_purposes(storage: Storage, rel: str) -> set[str]:
     try:
         names = storage.listdir(rel)
         for name in names:
-            if parse_marker_name(name) is None:
+            if layout.parse_marker_name(name) is None:
                 continue
             try:
                 doc = json.loads(storage.read_bytes(f"{rel}/{name}"))
@@ -635,7 +626,7 @@ def manifest_token(storage: Storage, rel: str) -> Hashable | None:
     if fn is None:
         return None
     try:
-        token = fn(f"{rel}/{MANIFEST_NAME}")
+        token = fn(f"{rel}/{layout.MANIFEST_NAME}")
     except CheckpointError:
         return None
     return token if isinstance(token, Hashable) else None
@@ -671,7 +662,7 @@ def _manifest_tokens(
                 top, _, rest = path.partition("/")
                 if rest:
                     sizes.setdefault(top, {})[rest] = size
-            tokens = [found.get(f"{name}/{MANIFEST_NAME}") for name in names]
+            tokens = [found.get(f"{name}/{layout.MANIFEST_NAME}") for name in names]
             return [None if t is None else t[0] for t in tokens], sizes
     with ThreadPoolExecutor(min(_TOKEN_THREADS, len(names))) as pool:
         return list(pool.map(functools.partial(manifest_token, storage), names)), None
@@ -735,9 +726,9 @@ def _checkpoint_entry(
             # a killed delete leaves; a vanished name has no size).
             if not children and not storage.is_dir(name) and storage.size(name) is not None:
                 return Entry(name, step, "foreign", problem=NOT_A_DIRECTORY)
-        if MANIFEST_NAME in children:
+        if layout.MANIFEST_NAME in children:
             return None
-        if any(parse_marker_name(c) is not None for c in children):
+        if any(layout.parse_marker_name(c) is not None for c in children):
             return Entry(name, step, "pending", problem="not committed (marker, no manifest)")
         if children and all(parse_temp_name(c) is not None for c in children):
             # A marker or manifest write killed between its temporary file and the rename
@@ -824,9 +815,9 @@ def _checkpoint_names(names: list[str]) -> tuple[list[tuple[int, str]], list[str
     steps: list[tuple[int, str]] = []
     others: list[str] = []
     for name in names:
-        if name in (PENDING_DIR, TRASH_DIR, META_DIR):
+        if name in (layout.PENDING_DIR, layout.TRASH_DIR, layout.META_DIR):
             continue
-        step = parse_checkpoint_name(name)
+        step = layout.parse_checkpoint_name(name)
         if step is None:
             others.append(name)
         else:
@@ -890,18 +881,18 @@ def scan(
                 entries.append(entry)
             vanished = vanished or entry is None
     try:
-        pending = storage.listdir(PENDING_DIR)
+        pending = storage.listdir(layout.PENDING_DIR)
     except StoragePermissionError as exc:
         # Saves in progress are no reader's business: a reader let into every
         # checkpoint but not into .pending/ (another user's umask 077) could not list
         # or verify anything.
-        log.warning("not listing %s: %s", storage.url(PENDING_DIR), exc)
+        log.warning("not listing %s: %s", storage.url(layout.PENDING_DIR), exc)
         pending = []
     for name in pending:
-        parsed = parse_pending_name(name)
+        parsed = layout.parse_pending_name(name)
         entries.append(
             Entry(
-                f"{PENDING_DIR}/{name}",
+                f"{layout.PENDING_DIR}/{name}",
                 parsed[0] if parsed else None,
                 "pending",
                 problem="not committed",
@@ -1162,7 +1153,7 @@ def plain_path(path: str) -> str:
     """A file's path in a checkpoint without the marker strategy's ``attempt-<token>/``
     prefix: the same file of a step in every copy, whatever strategy wrote it."""
     head, sep, rest = path.partition("/")
-    if sep and parse_attempt_dir(head) is not None:
+    if sep and layout.parse_attempt_dir(head) is not None:
         return rest
     return path
 
@@ -1251,7 +1242,7 @@ def above(
 
 
 def recorded_run_id(storage: Storage) -> str | None:
-    """The run recorded in ROOT's run file (``RUN_FILE``), or None when there is none.
+    """The run recorded in ROOT's run file (``layout.RUN_FILE``), or None when there is none.
 
     Read by the CLI and by ``adopt`` (the manager reads it too, but repairs a damaged
     one instead of refusing).
@@ -1261,14 +1252,16 @@ def recorded_run_id(storage: Storage) -> str | None:
         StorageError: it cannot be read.
     """
     try:
-        data = storage.read_bytes(RUN_FILE)
+        data = storage.read_bytes(layout.RUN_FILE)
     except CheckpointNotFoundError:
         return None
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} is not valid JSON ({exc})") from exc
+        raise CorruptCheckpointError(
+            f"{storage.url(layout.RUN_FILE)} is not valid JSON ({exc})"
+        ) from exc
     rid = doc.get("run_id") if isinstance(doc, dict) else None
     if not isinstance(rid, str) or not rid:
-        raise CorruptCheckpointError(f"{storage.url(RUN_FILE)} holds no run_id")
+        raise CorruptCheckpointError(f"{storage.url(layout.RUN_FILE)} holds no run_id")
     return rid
