@@ -273,7 +273,8 @@ class ResumeError(CheckpointError, ValueError):
 
     Attributes:
         partial_steps: with node-local disks, the run's steps that some nodes hold and
-            others lack (a node's disk replaced or wiped); empty otherwise.
+            others lack (a node's disk replaced or wiped, or steps saved by the job
+            when it ran on fewer nodes); empty otherwise.
     """
 
     def __init__(self, message: str, *, partial_steps: tuple[int, ...] = ()):

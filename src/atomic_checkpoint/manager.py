@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, SupportsFloat, TypeVar, cast
 
@@ -520,6 +520,20 @@ class CheckpointManager:
             "complete": True,
             "unmanifested": [e.name for e in entries if e.unmanifested],
             "other_runs": catalog.other_runs_of(entries),
+            "shapes": self._other_shapes(e.manifest for e in entries if e.status == "ok"),
+        }
+
+    def _other_shapes(self, manifests: Iterable[Manifest | None]) -> dict[int, list[int]]:
+        """The valid steps of this view saved by a job of another shape than this one:
+        step -> [world size, storage domains] of that job. With node-local disks, a job
+        that shrank to fewer nodes saves steps that only those nodes hold; a start of
+        the whole job again says so (``_check_resume_mode``) instead of "a disk was
+        wiped"."""
+        me = [self.world_size, self.domain.count]
+        return {
+            m.step: shape
+            for m in manifests
+            if m is not None and (shape := [m.world_size, m.domain_count]) != me
         }
 
     def _check_not_a_checkpoint(self) -> None:
@@ -581,6 +595,7 @@ class CheckpointManager:
             "complete": found.complete,
             "unmanifested": list(found.unmanifested),
             "other_runs": dict(found.other_runs),
+            "shapes": self._other_shapes(found.valid),
         }
 
     def _setup_coordinator(
@@ -837,6 +852,23 @@ class CheckpointManager:
         if self._lock is not None:
             self._lock.check()
 
+    def _shapes_text(self, shapes: Mapping[int, list[int]]) -> str:
+        """``shapes`` (the views' steps saved by a job of another shape) in words, or ""."""
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for step, (world, domains) in sorted(shapes.items()):
+            by_shape.setdefault((world, domains), []).append(step)
+        said = [
+            f"steps {steps} were saved by a job of {_count(world, 'rank')} on "
+            f"{_count(domains, 'node')}"
+            for (world, domains), steps in by_shape.items()
+        ]
+        if not said:
+            return ""
+        return (
+            "; ".join(said) + f" (this job: {_count(self.world_size, 'rank')} on "
+            f"{_count(self.domain.count, 'node')}), and only some of this job's nodes hold them"
+        )
+
     def _release_lock(self) -> None:
         lock, self._lock = self._lock, None
         if lock is not None:
@@ -844,6 +876,7 @@ class CheckpointManager:
 
     def _check_resume_mode(self, resume: str, setup: Mapping[str, Any]) -> None:
         partial = setup.get("partial_steps") or []
+        other_shapes = self._shapes_text(setup.get("shapes") or {})
         # A node whose root had no run file while others hold steps of the run: its
         # disk was wiped or replaced (with KeepLast(1), one step is all there is).
         wiped = bool(partial) and setup.get("fresh_domains", 0) > 0
@@ -853,14 +886,34 @@ class CheckpointManager:
             # were committed on every node and that some node has lost (a replaced or
             # wiped disk, other nodes); so does one step where a node's root is new.
             # Never a silent start from scratch over them.
+            why = (
+                "a node's disk was replaced or wiped, or the job runs on other nodes than "
+                "the ones that saved them"
+            )
+            back = "give the job those nodes' disks back"
+            if other_shapes:
+                # A job that shrank to fewer nodes saved them: nothing was lost.
+                why, back = other_shapes, "resume with the job's shape that saved them"
             raise ResumeError(
                 f"{self.root}: checkpoints of run {self.run_id!r} (steps {partial}) are on "
                 "some nodes only, and a step counts only once every node has it, so none "
-                "can be resumed: a node's disk was replaced or wiped, or the job runs on "
-                "other nodes than the ones that saved them. Refusing to start from scratch "
-                "over them: give the job those nodes' disks back, or start a separate run "
-                "with a new run_id='...' (the old steps stay, never deleted)",
+                f"can be resumed: {why}. Refusing to start from scratch over them: {back}, "
+                "or start a separate run with a new run_id='...' (the old steps stay, "
+                "never deleted)",
                 partial_steps=tuple(partial),
+            )
+        newest = setup.get("newest")
+        above = [s for s in partial if newest is not None and s > newest]
+        if other_shapes and above and self.rank == 0:
+            log.warning(
+                "%s: %s; this job resumes from step %s, the newest step every node holds, "
+                "and its saves of steps %s replace them (to go on from step %s, resume "
+                "with the job's shape that saved it)",
+                self.root,
+                other_shapes,
+                newest,
+                above,
+                above[-1],
             )
         if partial and setup["n_valid"] == 0 and self.rank == 0:
             if self._one_tier_of_several:
@@ -2924,6 +2977,13 @@ def _views_summary(views: list[dict[str, Any]]) -> dict[str, Any]:
         "partial_steps": sorted(set.union(*steps) - common) if steps else [],
         # Domains whose root had no run file before this start (a wiped node's).
         "fresh_domains": sum(1 for v in views if v.get("fresh", False)),
+        # Of those, the ones saved by a job of another shape (``_other_shapes``).
+        "shapes": {
+            s: shape
+            for v in views
+            for s, shape in (v.get("shapes") or {}).items()
+            if s not in common
+        },
     }
     return {"decide": decide, "newest": newest, "setup": setup}
 
@@ -2971,10 +3031,14 @@ def _torch_device(device: Any) -> Any:
     return dev
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _without_steps(setup: dict[str, Any], _want: Any) -> dict[str, Any]:
     """A leader's view at open as the other ranks of its domain receive it: without its
     list of steps (the summary says what they need of it)."""
-    return {k: v for k, v in setup.items() if k != "valid_steps"}
+    return {k: v for k, v in setup.items() if k not in ("valid_steps", "shapes")}
 
 
 def _nothing(_result: Any, _want: Any) -> None:

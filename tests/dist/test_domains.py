@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from atomic_checkpoint import CheckpointError, CheckpointManager, CorruptCheckpointError
+from atomic_checkpoint import CheckpointError, CheckpointManager, CorruptCheckpointError, KeepLast
 from atomic_checkpoint.layout import PENDING_DIR
 from tests.dist import workers
 from tests.dist.launcher import ok_values, run_ranks
@@ -119,6 +119,78 @@ def test_a_node_whose_disk_was_wiped_is_never_a_silent_fresh_start(tmp_path, sav
     assert sorted(n for n in os.listdir(node0) if n.startswith("checkpoint-")) == [
         f"checkpoint-{s}" for s in saved
     ]
+
+
+def w_node_local_logged(rank: int, world: int, base: str, *args: Any) -> dict[str, Any]:
+    """``workers.w_node_local``, with the warnings the manager logged on this rank."""
+    import logging
+
+    seen: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = _Keep(logging.WARNING)
+    logging.getLogger("atomic_checkpoint").addHandler(handler)
+    try:
+        return {**workers.w_node_local(rank, world, base, *args), "warnings": seen}
+    finally:
+        logging.getLogger("atomic_checkpoint").removeHandler(handler)
+
+
+def w_shrunk_to_node_0(
+    rank: int, world: int, base: str, steps: list[int], keep_last: int | None
+) -> list[int]:
+    """The job on node 0 alone (its ranks' state is of this world size: it saves
+    without restoring the steps of the larger job, as after a reshard)."""
+    from atomic_checkpoint.domains import HOST_ENV
+
+    os.environ[HOST_ENV] = "node0"
+    retention = KeepLast(keep_last) if keep_last else None
+    with CheckpointManager(os.path.join(base, "node0"), timeout_s=10, retention=retention) as mgr:
+        for s in steps:
+            mgr.save(s, workers.make_state(s, rank, big_elems=256))
+        return [c.step for c in mgr.checkpoints()]
+
+
+def test_steps_a_shrunk_job_saved_on_one_node_are_named_so_when_the_job_grows_back(tmp_path):
+    # Two nodes save steps 1-2; the job shrinks to node 0 alone (2 ranks), which saves
+    # 3-4 and rotates 1-2 away there; then both nodes start again. No step is on every
+    # node, so none can be resumed: the error said "a node's disk was replaced or
+    # wiped" of disks that lost nothing. It names the job that saved each step.
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], 2, tmp_dir=base))
+    shrunk = ok_values(run_ranks(w_shrunk_to_node_0, 2, base, [3, 4], 2, tmp_dir=base))
+    assert shrunk == [[3, 4], [3, 4]]
+    results = run_ranks(workers.w_node_local, 4, base, [5], 2, tmp_dir=base, timeout_s=40)
+    for r in results:
+        assert not r.ok and "ResumeError" in r.error_text, r.error_text
+        assert "steps [3, 4] were saved by a job of 2 ranks on 1 node" in r.error_text
+        assert "(this job: 4 ranks on 2 nodes)" in r.error_text, r.error_text
+        assert "wiped" not in r.error_text, r.error_text
+    # Nothing was touched: each node still holds what it held.
+    for node, kept in ((0, [3, 4]), (1, [1, 2])):
+        names = os.listdir(os.path.join(base, f"node{node}"))
+        assert sorted(n for n in names if n.startswith("checkpoint-")) == [
+            f"checkpoint-{s}" for s in kept
+        ]
+
+
+def test_a_job_grown_back_over_a_shrunk_jobs_newer_steps_warns_before_replacing_them(tmp_path):
+    # As above without retention: both nodes hold step 2, so the job of two nodes resumes
+    # from it; the newer steps node 0 alone saved (3 and 4) are replaced by its next
+    # saves. That happened without a word.
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    ok_values(run_ranks(w_shrunk_to_node_0, 2, base, [3, 4], None, tmp_dir=base))
+    values = ok_values(run_ranks(w_node_local_logged, 4, base, [], None, tmp_dir=base))
+    assert [v["latest"] for v in values] == [2, 2, 2, 2]
+    said = [w for w in values[0]["warnings"] if "were saved by a job of" in w]
+    assert len(said) == 1, values[0]["warnings"]
+    assert "steps [3, 4] were saved by a job of 2 ranks on 1 node" in said[0]
+    assert "resumes from step 2" in said[0] and "saves of steps [3, 4] replace them" in said[0]
+    assert not any("were saved by a job of" in w for v in values[1:] for w in v["warnings"])
 
 
 def test_a_first_save_that_failed_half_way_is_replaced_by_the_restart(tmp_path):
