@@ -49,8 +49,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run by its path: make the repository importable
+    import _repo_on_path  # noqa: F401  (reliability/_repo_on_path.py)
 
 from reliability import run_module
 from reliability.crashsim import (

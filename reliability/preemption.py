@@ -85,18 +85,25 @@ FW_SCRIPT = REPO / "tests" / "dist" / "scripts" / "preempt_frameworks.py"
 FW_HELPERS = REPO / "tests" / "integrations" / "scripts"
 WORLD = 2
 REQUEUE = 75
-MOMENTS = (
-    "startup",
-    "training",
-    "eval",
-    "data-loading",
-    "loader-workers",
-    "periodic-save",
-    "async-save",
-    "mid-commit",
-    "rotation",
-)
-FW_MOMENTS = ("startup", "training", "checkpoint")
+#: Moments, each with the range the occurrence a trial holds at is drawn from (None: the
+#: first occurrence, no draw).
+Occurrences = dict[str, tuple[int, int] | None]
+#: Where our loop's trials hold.
+MOMENTS_AT: Occurrences = {
+    "startup": None,
+    "training": None,
+    "eval": (1, 2),  # evaluations at steps 4 and 8
+    "data-loading": (2, 9),
+    "loader-workers": (2, 9),
+    "periodic-save": (1, 3),
+    "async-save": (1, 3),
+    "mid-commit": (1, 3),
+    "rotation": (1, 2),  # deletions of steps 3 and 6
+}
+#: Where the frameworks' trials hold.
+FW_MOMENTS_AT: Occurrences = {"startup": None, "training": None, "checkpoint": (1, 3)}
+MOMENTS = tuple(MOMENTS_AT)
+FW_MOMENTS = tuple(FW_MOMENTS_AT)
 #: Moments every rank holds at; the others only rank 0 does.
 EVERY_RANK = ("startup", "eval", "data-loading", "loader-workers")
 PATTERNS = ("agent", "every-worker", "one-worker", "agent-and-workers", "second")
@@ -111,17 +118,12 @@ KEEP = 3  # preempt_train.py's retention: KeepLast(3)
 
 
 def _nth(moment: str, rng: random.Random) -> int:
-    """Which occurrence of ``moment`` to hold at."""
-    return {
-        "eval": rng.randint(1, 2),  # evaluations at steps 4 and 8
-        "data-loading": rng.randint(2, 9),
-        "loader-workers": rng.randint(2, 9),
-        "periodic-save": rng.randint(1, 3),
-        "async-save": rng.randint(1, 3),
-        "mid-commit": rng.randint(1, 3),
-        "rotation": rng.randint(1, 2),  # deletions of steps 3 and 6
-        "checkpoint": rng.randint(1, 3),
-    }.get(moment, 1)
+    """Which occurrence of ``moment`` to hold at. Every moment with a range draws one,
+    whichever is asked (ours, then the frameworks'): a seed deals the trials it always
+    dealt."""
+    ranges = {**MOMENTS_AT, **FW_MOMENTS_AT}
+    drawn = {m: rng.randint(*r) for m, r in ranges.items() if r is not None}
+    return drawn.get(moment, 1)
 
 
 class _Trial:

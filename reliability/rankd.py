@@ -29,8 +29,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run by its path: make the repository importable
+    import _repo_on_path  # noqa: F401  (reliability/_repo_on_path.py)
 
 import torch.distributed as dist
 

@@ -13,15 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run by its path: make the repository importable
+    import _repo_on_path  # noqa: F401  (reliability/_repo_on_path.py)
 
 from reliability.tally import (
     PRINTED_DETAILS,
