@@ -21,8 +21,7 @@ from tests.cli.helpers import (
 
 
 @pytest.mark.timeout(90)
-def test_clean_removes_crash_leftovers_and_keeps_checkpoints(tmp_path):
-    root = tmp_path / "root"
+def test_clean_removes_crash_leftovers_and_keeps_checkpoints(root):
     make_root(root, (100, 200, 300))
     pending = crash_during_save(root, 400)  # a save killed after writing its files
     # A prune killed between un-commit and delete leaves its data in .trash/.
@@ -62,8 +61,7 @@ def test_clean_removes_crash_leftovers_and_keeps_checkpoints(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_clean_refuses_while_a_live_save_is_in_progress(tmp_path):
-    root = tmp_path / "root"
+def test_clean_refuses_while_a_live_save_is_in_progress(root):
     make_root(root, (1,))
     holder = Holder(root, step=5, faults="after_write@0=hang:5")
     try:
@@ -98,8 +96,7 @@ def test_clean_refuses_while_a_live_save_is_in_progress(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_clean_force_removes_the_lock_and_fences_the_holder(tmp_path):
-    root = tmp_path / "root"
+def test_clean_force_removes_the_lock_and_fences_the_holder(root):
     make_root(root, (1,))
     holder = Holder(root, step=7)
     try:
@@ -121,9 +118,8 @@ def test_clean_force_removes_the_lock_and_fences_the_holder(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_clean_holder_on_another_host_waits_for_its_lease(tmp_path):
+def test_clean_holder_on_another_host_waits_for_its_lease(root):
     """A holder on another host cannot be probed by pid: only its lease tells."""
-    root = tmp_path / "root"
     make_root(root, (1,))
     holder = Holder(root, lease_s=4.0, host="node-b")
     holder.close()  # dead, but this host cannot know that
@@ -139,8 +135,7 @@ def test_clean_holder_on_another_host_waits_for_its_lease(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_clean_unlinks_stray_files_and_symlinks_without_following_them(tmp_path):
-    root = tmp_path / "root"
+def test_clean_unlinks_stray_files_and_symlinks_without_following_them(tmp_path, root):
     make_root(root, (1,))
     precious = tmp_path / "precious"
     precious.mkdir()
@@ -164,12 +159,11 @@ def test_clean_missing_root_exit_2(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_torn_lock_file_counts_as_live_only_within_a_lease(tmp_path):
+def test_a_torn_lock_file_counts_as_live_only_within_a_lease(root):
     # A crash while the lock was first written leaves a file that is no lock document:
     # a job may be writing it right now, so a fresh one is refused (exit 3); one older
     # than a lease was refused for ever ("it frees itself when its lease expires"),
     # while a manager's start took it over.
-    root = tmp_path / "root"
     make_root(root, (100, 200))
     lock = root / ".atomic-checkpoint" / "lock.json"
     lock.write_bytes(b"\x00garbage")

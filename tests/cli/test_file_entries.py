@@ -53,8 +53,7 @@ def _save_two(url: str, opts: dict | None) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_file_named_like_a_checkpoint_in_a_local_root(tmp_path):
-    root = tmp_path / "root"
+def test_a_file_named_like_a_checkpoint_in_a_local_root(root):
     _save_two(str(root), None)
     (root / "checkpoint-700").write_bytes(STRAY)
     _check(str(root), None, None)

@@ -54,8 +54,7 @@ def test_usage_errors_are_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_verbose_logs_what_the_library_does(tmp_path):
-    root = tmp_path / "root"
+def test_verbose_logs_what_the_library_does(root):
     make_root(root, (1, 2, 3))
     quiet = run_cli("prune", root, "--keep-last", "2")
     assert quiet.returncode == 0 and quiet.stderr == ""
@@ -65,8 +64,7 @@ def test_verbose_logs_what_the_library_does(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_closed_stdout_stops_quietly(tmp_path):
-    root = tmp_path / "root"
+def test_closed_stdout_stops_quietly(root):
     make_root(root, (1,))
     # 3000 foreign entries: the table sums them up in one row, the JSON lists each, far
     # more than a pipe's buffer holds, so the command is still writing when the reader
@@ -89,9 +87,8 @@ def test_closed_stdout_stops_quietly(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_read_commands_import_no_framework(tmp_path):
+def test_read_commands_import_no_framework(root):
     """list, verify and inspect start fast and work where torch is not installed."""
-    root = tmp_path / "root"
     make_root(root, (7,))
     code = (
         "import sys\n"

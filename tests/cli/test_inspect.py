@@ -28,8 +28,7 @@ EXPECTED_TENSORS = [
 
 
 @pytest.mark.timeout(60)
-def test_inspect_healthy_checkpoint(tmp_path):
-    root = tmp_path / "root"
+def test_inspect_healthy_checkpoint(root):
     rid = make_root(root, (100, 200))
     on_disk = json.loads((root / "checkpoint-200" / MANIFEST_NAME).read_text())
 
@@ -79,11 +78,10 @@ def test_inspect_healthy_checkpoint(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_inspect_torch_state_and_files_checkpoint(tmp_path):
+def test_inspect_torch_state_and_files_checkpoint(root):
     import torch
     from safetensors.numpy import save_file
 
-    root = tmp_path / "root"
     model = torch.nn.Linear(3, 2).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
@@ -153,10 +151,9 @@ def test_inspect_corrupt_foreign_and_missing(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_inspect_header_problem_with_right_size(tmp_path):
+def test_inspect_header_problem_with_right_size(root):
     """A state file whose size matches but whose header is garbage: the header read
     fails cleanly (no traceback) and names the problem."""
-    root = tmp_path / "root"
     make_root(root, (1,))
     path = state_file(root, 1)
     size = path.stat().st_size
@@ -169,8 +166,7 @@ def test_inspect_header_problem_with_right_size(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_inspect_shows_the_storage_domain_of_a_node_local_copy(tmp_path):
-    root = tmp_path / "root"
+def test_inspect_shows_the_storage_domain_of_a_node_local_copy(root):
     make_root(root, (1,))
     assert run_json("inspect", root, 1)["manifest"]["domain_count"] == 1
     # What a node-local copy of a 2-domain checkpoint records (see domains.py).

@@ -14,8 +14,7 @@ from tests.cli.helpers import error_line, make_root, mixed_root, run_cli, run_js
 
 
 @pytest.mark.timeout(60)
-def test_list_healthy_root_json_and_table(tmp_path):
-    root = tmp_path / "root"
+def test_list_healthy_root_json_and_table(root):
     t0 = time.time()
     # 1000 after 300: ordering is by integer step, not by name (checkpoint-1000 < -300).
     rid = make_root(root, (100, 300, 1000), losses={100: 0.5, 300: 0.25, 1000: 0.125})
@@ -110,8 +109,7 @@ def test_list_mixed_root_names_every_problem_and_exits_0(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_list_all_runs_validates_other_runs_and_shows_run_column(tmp_path):
-    root = tmp_path / "root"
+def test_list_all_runs_validates_other_runs_and_shows_run_column(tmp_path, root):
     rid = make_root(root, (100,))
     from tests.cli.helpers import foreign_run
 
@@ -135,8 +133,7 @@ def test_list_all_runs_validates_other_runs_and_shows_run_column(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_list_root_without_run_file_and_empty_root(tmp_path):
-    root = tmp_path / "root"
+def test_list_root_without_run_file_and_empty_root(tmp_path, root):
     make_root(root, (5,))
     (root / ".atomic-checkpoint" / "run.json").write_text("{not json")
     proc = run_cli("list", root, "--json")
@@ -168,10 +165,9 @@ def test_list_missing_or_file_root_is_exit_2_with_one_line(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_list_inspect_and_verify_take_one_checkpoint_directory(tmp_path):
+def test_list_inspect_and_verify_take_one_checkpoint_directory(tmp_path, root):
     # list showed the manifest as a foreign entry, inspect found "no checkpoint step
     # 100", and verify of a copy without its manifest said "nothing to verify".
-    root = tmp_path / "root"
     make_root(root, (100, 200))
     one = root / "checkpoint-100"
     listed = run_json("list", one)
@@ -211,10 +207,9 @@ def test_a_root_the_terminal_cannot_spell_and_roots_that_name_no_directory(tmp_p
 
 
 @pytest.mark.timeout(60)
-def test_control_characters_from_the_root_never_reach_the_terminal(tmp_path):
+def test_control_characters_from_the_root_never_reach_the_terminal(root):
     # Names, run ids, metric and tensor names come from files anyone may have written:
     # an ESC sequence among them retitled or cleared the terminal of `list`/`inspect`.
-    root = tmp_path / "root"
     evil = "\x1b]0;PWNED\x07\x1b[2Jloss\x9b"
     with CheckpointManager(root) as mgr:
         mgr.save(1, {evil: np.zeros(2)}, metrics={evil: 0.5})

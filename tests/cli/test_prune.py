@@ -100,8 +100,7 @@ def test_prune_dry_run_then_real_on_a_mixed_root(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_prune_never_deletes_the_newest(tmp_path):
-    root = tmp_path / "root"
+def test_prune_never_deletes_the_newest(root):
     make_root(root, (1, 2, 3), losses={1: 0.1, 2: 0.5, 3: 0.9})
     doc = run_json("prune", root, "--keep-best", "1")
     assert {c["step"]: c["reason"] for c in doc["checkpoints"] if c["kept"]} == {
@@ -114,12 +113,11 @@ def test_prune_never_deletes_the_newest(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_prune_never_deletes_the_last_restorable_checkpoint_for_a_corrupt_newest(tmp_path):
+def test_prune_never_deletes_the_last_restorable_checkpoint_for_a_corrupt_newest(root):
     """The newest checkpoint fails its checksums (sizes intact: ``list`` says ok).
     ``--keep-last 1`` used to keep it and delete every other one, leaving nothing that
     restores. The newest kept is verified first: a corrupt one is set aside (never
     deleted, not counted) and the next newest is kept in its place."""
-    root = tmp_path / "root"
     make_root(root, (10, 20, 30, 40))
     flip_byte(state_file(root, 40), 40)
     proc = run_cli("prune", root, "--keep-last", "1", "--json", "--progress")
@@ -296,10 +294,9 @@ def test_prune_killed_mid_deletion_leaves_nothing_torn(tmp_path, phase):
 
 
 @pytest.mark.timeout(60)
-def test_commands_that_change_a_root_refuse_one_checkpoint_as_root(tmp_path):
+def test_commands_that_change_a_root_refuse_one_checkpoint_as_root(tmp_path, root):
     # `prune .../checkpoint-300` said "nothing to prune", exit 0: a nightly job pointed
     # one level too deep never pruned anything, and nobody was told.
-    root = tmp_path / "root"
     make_root(root, (100, 200, 300))
     one = root / "checkpoint-300"
     for args in (

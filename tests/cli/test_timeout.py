@@ -61,8 +61,7 @@ def test_a_command_on_a_silent_endpoint_gives_up_at_its_timeout(silent_endpoint,
 
 
 @pytest.mark.timeout(120)
-def test_a_timeout_that_is_not_reached_changes_nothing(tmp_path):
-    root = tmp_path / "root"
+def test_a_timeout_that_is_not_reached_changes_nothing(root):
     make_root(root, steps=(100, 200, 300))
     listed = run_json("list", root, "--timeout", "60")
     assert [e["step"] for e in listed["entries"]] == [100, 200, 300]
@@ -71,8 +70,7 @@ def test_a_timeout_that_is_not_reached_changes_nothing(tmp_path):
     assert [e["step"] for e in run_json("list", root)["entries"]] == [300]
 
 
-def test_the_timeout_must_be_a_positive_number_of_seconds(tmp_path):
-    root = tmp_path / "root"
+def test_the_timeout_must_be_a_positive_number_of_seconds(root):
     make_root(root, steps=(100,))
     proc = run_cli("list", root, "--timeout", "-1")
     assert proc.returncode == 2

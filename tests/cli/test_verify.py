@@ -26,8 +26,7 @@ from tests.cli.helpers import (
 
 
 @pytest.mark.timeout(60)
-def test_verify_healthy_root_exit_0_line_per_checkpoint(tmp_path):
-    root = tmp_path / "root"
+def test_verify_healthy_root_exit_0_line_per_checkpoint(root):
     rid = make_root(root, (100, 200, 1000))
     proc = run_cli("verify", root)
     assert proc.returncode == 0, proc.stderr
@@ -135,8 +134,7 @@ def test_verify_one_step(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_verify_usage_and_environment_errors_exit_2(tmp_path):
-    root = tmp_path / "root"
+def test_verify_usage_and_environment_errors_exit_2(tmp_path, root):
     make_root(root, (1,))
     for bad in ("abc", "-5", "1.5"):
         proc = run_cli("verify", root, bad)
@@ -152,11 +150,10 @@ def test_verify_usage_and_environment_errors_exit_2(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_verify_never_runs_pickled_code_from_a_checkpoint(tmp_path):
+def test_verify_never_runs_pickled_code_from_a_checkpoint(tmp_path, root):
     """A checkpoint saved with allow_pickle holds a pickle that would create a
     directory when unpickled; verify and inspect must read it as bytes only."""
     marker = tmp_path / "pwned"
-    root = tmp_path / "root"
 
     class Evil:
         def __reduce__(self):
@@ -203,8 +200,7 @@ def _run_with_tty_stderr(args, timeout_s=60.0):
 
 
 @pytest.mark.timeout(90)
-def test_verify_progress_bar_on_a_terminal_and_lines_with_progress(tmp_path):
-    root = tmp_path / "root"
+def test_verify_progress_bar_on_a_terminal_and_lines_with_progress(root):
     mgr = CheckpointManager(root, coordinator=SingleProcessCoordinator())
     mgr.save(1, {"w": np.ones(5 << 20, dtype=np.float64)})  # 40 MiB: large enough
     mgr.save(2, {"w": np.ones(10)})  # small: no bar unless asked
@@ -236,9 +232,8 @@ def test_verify_progress_bar_on_a_terminal_and_lines_with_progress(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_verify_corruption_found_after_list_said_ok(tmp_path):
+def test_verify_corruption_found_after_list_said_ok(root):
     """The user-facing difference between list (sizes) and verify (every byte)."""
-    root = tmp_path / "root"
     make_root(root, (10, 20))
     flip_byte(state_file(root, 20), 40)
     assert [e["status"] for e in run_json("list", root)["entries"]] == ["ok", "ok"]
@@ -273,7 +268,7 @@ def _job_acts_while_verified(monkeypatch, root, step, act):
 
 @pytest.mark.timeout(60)
 def test_a_checkpoint_rotated_away_while_verified_is_skipped_not_failed(
-    tmp_path, monkeypatch, capsys
+    tmp_path, root, monkeypatch, capsys
 ):
     """``verify ROOT`` of a live job's root: the job's retention un-commits the oldest
     checkpoint while verify reads it. That checkpoint is gone, not corrupt: listed as
@@ -286,7 +281,6 @@ def test_a_checkpoint_rotated_away_while_verified_is_skipped_not_failed(
         mgr.retention = KeepLast(1)
         return mgr.apply_retention()
 
-    root = tmp_path / "root"
     make_root(root, (10, 20, 30))
     removed = _job_acts_while_verified(monkeypatch, root, 10, rotate)
     assert main(["verify", str(root), "--json"]) == 0

@@ -23,8 +23,7 @@ from tests.cli.helpers import Holder, error_line, make_root, run_cli, run_json
 pytestmark = pytest.mark.timeout(90)
 
 
-def test_verify_fails_on_checkpoint_names_that_are_not_checkpoints(tmp_path):
-    root = tmp_path / "root"
+def test_verify_fails_on_checkpoint_names_that_are_not_checkpoints(tmp_path, root):
     make_root(root, (1, 2))
     # A torn copy: the data of step 2 copied to checkpoint-3, no manifest.
     shutil.copytree(root / "checkpoint-2", root / "checkpoint-3")
@@ -68,8 +67,7 @@ def test_verify_fails_on_checkpoint_names_that_are_not_checkpoints(tmp_path):
     assert {e["name"]: e["status"] for e in listed["entries"]}["checkpoint-3"] == "foreign"
 
 
-def test_verify_skips_only_a_marker_save_of_the_live_lock_holder(tmp_path):
-    root = tmp_path / "root"
+def test_verify_skips_only_a_marker_save_of_the_live_lock_holder(root):
     make_root(root, (1,))
     holder = Holder(root)  # a real job, holding the run lock
     try:
@@ -96,11 +94,10 @@ def test_verify_skips_only_a_marker_save_of_the_live_lock_holder(tmp_path):
         holder.close()
 
 
-def test_a_marker_save_of_the_live_job_that_has_only_made_its_directory_is_in_progress(tmp_path):
+def test_a_marker_save_of_the_live_job_that_has_only_made_its_directory_is_in_progress(root):
     # A marker save creates checkpoint-<step>/, then its marker in it; on a mounted
     # object store the gap is a round trip. verify landing there said "NOT A CHECKPOINT
     # ... remove it" about the live job's save and exited 1.
-    root = tmp_path / "root"
     make_root(root, (1,))
     holder = Holder(root)
     try:
@@ -117,11 +114,10 @@ def test_a_marker_save_of_the_live_job_that_has_only_made_its_directory_is_in_pr
         holder.close()
 
 
-def test_verify_takes_one_checkpoint_directory_as_its_root(tmp_path):
+def test_verify_takes_one_checkpoint_directory_as_its_root(tmp_path, root):
     # A path-style save (DCP's checkpoint_id="ckpts/step-100") is a directory with a
     # manifest, not a root: verify said "nothing to verify", so `verify ... && upload`
     # could never pass for it.
-    root = tmp_path / "root"
     make_root(root, (1, 2))
     single = tmp_path / "ckpts" / "step-100"
     single.parent.mkdir()

@@ -10,11 +10,11 @@ finished job as failed.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers import run_python
 
 _CHILD = textwrap.dedent(
     """
@@ -41,12 +41,6 @@ _CHILD = textwrap.dedent(
 @pytest.mark.timeout(120)
 def test_store_requests_deferred_at_exit_run_before_the_process_ends(tmp_path):
     marker = tmp_path / "ran"
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(marker)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
+    proc = run_python(_CHILD, marker, timeout_s=90)
     assert proc.returncode == 0, proc.stderr
     assert marker.read_text() == "ran"

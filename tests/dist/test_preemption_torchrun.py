@@ -24,6 +24,7 @@ import pytest
 
 from atomic_checkpoint import REQUEUE_EXIT_CODE, CheckpointManager
 from atomic_checkpoint.layout import PENDING_DIR
+from tests.helpers import run_python
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
@@ -292,13 +293,12 @@ sys.exit(launch.main(["--standalone", "--nproc-per-node=1", sys.argv[1]]))
     marker = tmp_path / "worker-ran"
     script = tmp_path / "worker.py"
     script.write_text(f"open({str(marker)!r}, 'w').close()\n")
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = run_python(
+        code,
+        script,
+        timeout_s=60,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])},
+        env={"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "src"), REPO])},
     )
     assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, proc.stderr[-2000:])
     assert "before any worker started" in proc.stderr

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,10 +18,16 @@ from tests.dist.launcher import ok_values, run_ranks
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 
-def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
+def _job(tmp_path: Path, fn: Callable[..., Any], world: int, *args: Any) -> tuple[Path, list[Any]]:
+    """Run ``fn(rank, world, ROOT, *args)`` on ``world`` ranks, ROOT being
+    ``tmp_path/ckpt``: ROOT and every rank's value (the test fails at a rank that
+    returned none)."""
     root = tmp_path / "ckpt"
-    results = run_ranks(workers.w_roundtrip, 4, str(root), [10, 20, 30], tmp_dir=str(tmp_path))
-    values = ok_values(results)
+    return root, ok_values(run_ranks(fn, world, str(root), *args, tmp_dir=str(tmp_path)))
+
+
+def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
+    root, values = _job(tmp_path, workers.w_roundtrip, 4, [10, 20, 30])
     # Every rank returns the same CheckpointInfo for every step.
     assert all(v["infos"] == values[0]["infos"] for v in values)
     assert [i[0] for i in values[0]["infos"]] == [10, 20, 30]
@@ -45,9 +54,7 @@ def test_four_ranks_round_trip_per_rank_and_replicated(tmp_path):
 
 
 def test_files_mode_collects_files_of_every_rank(tmp_path):
-    root = tmp_path / "ckpt"
-    results = run_ranks(workers.w_files_mode, 3, str(root), 5, tmp_dir=str(tmp_path))
-    values = ok_values(results)
+    root, values = _job(tmp_path, workers.w_files_mode, 3, 5)
     assert {v["path"] for v in values} == {str(root / "checkpoint-5")}
     # The block ran in the pending directory, never in the final one.
     assert all(PENDING_DIR in v["pending"] for v in values)
@@ -64,9 +71,7 @@ def test_files_mode_collects_files_of_every_rank(tmp_path):
 
 @pytest.mark.parametrize("bad_rank", [0, 2])
 def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
-    root = tmp_path / "ckpt"
-    results = run_ranks(workers.w_bad_state_on, 4, str(root), bad_rank, 8, tmp_dir=str(tmp_path))
-    values = ok_values(results)
+    root, values = _job(tmp_path, workers.w_bad_state_on, 4, bad_rank, 8)
     assert {v["error_type"] for v in values} == {"DistributedCheckpointError"}
     assert all(v["failed_ranks"] == (bad_rank,) for v in values)
     assert len({v["message"] for v in values}) == 1
@@ -82,9 +87,7 @@ def test_one_ranks_bad_metrics_or_metadata_fail_the_save_on_every_rank(tmp_path,
     # Checked on that rank alone, its error left the other ranks in the save while it
     # went on to the next one: every later save failed ("asked to save different
     # steps"), then timed out. Now the commit's first step shares it.
-    root = tmp_path / "ckpt"
-    results = run_ranks(workers.w_bad_input_on, 3, str(root), 1, kind, tmp_dir=str(tmp_path))
-    values = ok_values(results)
+    root, values = _job(tmp_path, workers.w_bad_input_on, 3, 1, kind)
     for how in ("sync", "async", "saving"):
         seen = [v["errors"].get(how) for v in values]
         assert all(e is not None and e[0] == "DistributedCheckpointError" for e in seen), seen
@@ -100,9 +103,7 @@ def test_a_rank_that_left_fails_the_others_next_saves_at_once_naming_it(tmp_path
     # Rank 1's with block ended (an exception in its training step, or its loop
     # ended early) while the others went on saving: each of their saves waited
     # timeout_s (600 s by default) for it. Its close now marks it gone.
-    root = tmp_path / "ckpt"
-    results = run_ranks(workers.w_one_rank_leaves, 3, str(root), 1, how, tmp_dir=str(tmp_path))
-    values = ok_values(results)
+    root, values = _job(tmp_path, workers.w_one_rank_leaves, 3, 1, how)
     assert values[1] == {"left": True}
     for rank in (0, 2):
         for kind, error, message, elapsed in values[rank]["errors"]:
@@ -197,8 +198,7 @@ def test_sigkill_at_every_phase_leaves_only_complete_checkpoints(tmp_path, phase
 def test_an_on_commit_callback_that_raises_on_the_coordinator_fails_no_rank(tmp_path):
     # on_commit runs on the coordinator only: if its exception escaped there, rank 0
     # would raise while the others returned, and the next collective would hang them.
-    root = tmp_path / "ckpt"
-    values = ok_values(run_ranks(workers.w_failing_on_commit, 2, str(root), tmp_dir=str(tmp_path)))
+    root, values = _job(tmp_path, workers.w_failing_on_commit, 2)
     assert [v["saved"] for v in values] == [[1, 2, 3], [1, 2, 3]]
     reader = CheckpointManager(root, read_only=True)
     assert [c.step for c in reader.checkpoints()] == [1, 2, 3]

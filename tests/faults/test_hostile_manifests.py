@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from atomic_checkpoint import (
 )
 from atomic_checkpoint.layout import META_DIR
 from tests.cli.helpers import make_root, manifest_path, run_cli, run_json, state
+from tests.helpers import run_python
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(120)]
 
@@ -201,13 +201,7 @@ def test_a_huge_sparse_manifest_is_refused_by_its_size_without_reading_it(
         os.truncate(path, size_bytes)  # sparse: no blocks, the size is all that is huge
     except OSError as exc:
         pytest.skip(f"{tmp_path} cannot hold a sparse {size_bytes}-byte file: {exc}")
-    proc = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(root)],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=str(tmp_path),
-    )
+    proc = run_python(_RSS_SCRIPT, root, timeout_s=100, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["latest"] == 200 and got["steps"] == [100, 200] and got["restored"] == 200

@@ -9,6 +9,7 @@ import os
 import pickle
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -209,18 +210,28 @@ def w_one_rank_fails_before_dcp(rank: int, world: int, root: str) -> dict[str, A
 
 
 # ---------------------------------------------------------------------- multi-process
+def _job_with_a_killed_rank(
+    tmp_path: Path, fn: Callable[..., Any], world: int, killed: int, *args: Any, **options: Any
+) -> tuple[str, list[Any]]:
+    """Run ``fn(rank, world, ROOT, *args)`` on ``world`` ranks (``options``: those of
+    ``run_ranks``, faults among them), ROOT being ``tmp_path/ckpt``: rank ``killed`` must
+    die by SIGKILL, every other rank return. ROOT and the others' values, in rank
+    order."""
+    root = str(tmp_path / "ckpt")
+    results = run_ranks(fn, world, root, *args, tmp_dir=str(tmp_path), **options)
+    assert results[killed].killed, results[killed].error_text
+    return root, ok_values([r for r in results if r.rank != killed])
+
+
 @pytest.mark.dist
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_four_rank_sharded_save_reshards_into_two_and_failures_commit_nothing(tmp_path):
-    root = str(tmp_path / "ckpt")
+    # Rank 2 is killed by SIGKILL in step 40; the others return.
     faults = "mid_write@1=raise:30,mid_write@2=kill:40"
-    saved = run_ranks(
-        w_save_four, 4, root, tmp_dir=str(tmp_path), faults=faults, pg_timeout_s=3, timeout_s=90
+    root, values = _job_with_a_killed_rank(
+        tmp_path, w_save_four, 4, 2, faults=faults, pg_timeout_s=3, timeout_s=90
     )
-    # Rank 2 was killed by SIGKILL in step 40; the others returned.
-    assert saved[2].killed, saved[2].error_text
-    values = ok_values([saved[r] for r in (0, 1, 3)])
     # Every rank got the same CheckpointInfo for every committed step.
     assert all(v["infos"] == values[0]["infos"] for v in values)
     assert [i[0] for i in values[0]["infos"]] == [5, 10, 20]
@@ -279,15 +290,12 @@ def test_four_rank_sharded_save_reshards_into_two_and_failures_commit_nothing(tm
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_coordinator_killed_after_dcp_finished_leaves_nothing_discoverable(tmp_path):
-    root = str(tmp_path / "ckpt")
     # After DCP wrote every shard and its .metadata, before our manifest.
     faults = "after_write@0=kill:20"
-    results = run_ranks(
-        w_coordinator_dies_after_dcp, 2, root, tmp_dir=str(tmp_path), faults=faults, timeout_s=60
+    root, (survivor,) = _job_with_a_killed_rank(
+        tmp_path, w_coordinator_dies_after_dcp, 2, 0, faults=faults, timeout_s=60
     )
-    assert results[0].killed, results[0].error_text
-    assert results[1].ok, results[1].error_text
-    err = results[1].value["err"]
+    err = survivor["err"]
     assert err is not None and err["type"] == "CoordinationTimeoutError", err
     assert err["missing_ranks"] == [0], err  # the coordinator that died is named
     reader = CheckpointManager(root, read_only=True)
@@ -479,20 +487,11 @@ def w_async_and_path(rank: int, world: int, root: str, paths: str) -> dict[str, 
 @pytest.mark.faults
 @pytest.mark.timeout(240)
 def test_async_and_path_style_saves_commit_atomically_and_fail_on_every_rank(tmp_path):
-    root, paths = str(tmp_path / "ckpt"), str(tmp_path / "paths")
+    paths = str(tmp_path / "paths")
     faults = "mid_write@1=raise:7,mid_write@1=raise:30,mid_write@2=kill:40"
-    saved = run_ranks(
-        w_async_and_path,
-        3,
-        root,
-        paths,
-        tmp_dir=str(tmp_path),
-        faults=faults,
-        pg_timeout_s=3,
-        timeout_s=150,
+    root, values = _job_with_a_killed_rank(
+        tmp_path, w_async_and_path, 3, 2, paths, faults=faults, pg_timeout_s=3, timeout_s=150
     )
-    assert saved[2].killed, saved[2].error_text
-    values = ok_values(saved[:2])
 
     # Path-style: a DCP failure on rank 1 reached every rank, same error, nothing at
     # PATH; the next save committed; a second save onto it is refused on every rank.

@@ -22,7 +22,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -32,6 +34,7 @@ except ModuleNotFoundError:  # Run without the repository root on sys.path.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.netfs.naive import SCHEMES
+from tests.netfs.nodes import dir_made_on_node_a
 from tests.testbed import SshfsExport, SshfsMount, wait_until
 from tests.testbed.pytest_fixtures import (  # noqa: F401 - fixtures used by name
     sshfs_export,
@@ -43,6 +46,8 @@ from atomic_checkpoint.errors import CheckpointExistsError, StorageError
 from atomic_checkpoint.storage.detect import local_capabilities
 
 pytestmark = pytest.mark.netfs
+
+Test = TypeVar("Test", bound=Callable[..., None])
 
 #: Ranks 0 and 1 are node A (mount A), ranks 2 and 3 node B (mount B).
 NODES = [0, 0, 1, 1]
@@ -72,6 +77,18 @@ def failure_table(results: list, saves: int) -> dict[str, dict[str, object]]:
     return table
 
 
+def four_rank_job(timeout_s: float) -> Callable[[Test], Test]:
+    """Marks a test that runs a 4-rank job across the two nodes (:func:`launch`): real
+    processes (``dist``), ``slow``, and bounded at ``timeout_s``."""
+
+    def mark(test: Test) -> Test:
+        for marker in (pytest.mark.timeout(timeout_s), pytest.mark.slow, pytest.mark.dist):
+            test = marker(test)
+        return test
+
+    return mark
+
+
 def launch(fn: object, *args: object, tmp_path: Path, timeout_s: float) -> list:
     from tests.dist.launcher import run_ranks
 
@@ -91,9 +108,7 @@ NAIVE_SAVES = 12
 NAIVE_KEEP = 2
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.timeout(180)
+@four_rank_job(timeout_s=180)
 def test_naive_schemes_fail_on_two_sshfs_nodes_but_not_on_one_disk(
     sshfs_nodes: tuple[SshfsMount, SshfsMount], tmp_path: Path
 ) -> None:
@@ -145,9 +160,7 @@ ATOMIC_SAVES = 100
 ATOMIC_KEEP = 3
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.timeout(240)
+@four_rank_job(timeout_s=240)
 def test_atomic_checkpoint_passes_100_saves_with_rotation_on_two_sshfs_nodes(
     sshfs_export: SshfsExport, sshfs_nodes: tuple[SshfsMount, SshfsMount], tmp_path: Path
 ) -> None:
@@ -313,9 +326,8 @@ def test_reader_on_other_node_reads_a_step_saved_again_not_its_cached_size(
 def test_storage_decides_existence_from_the_server_not_a_stale_stat(
     sshfs_nodes: tuple[SshfsMount, SshfsMount],
 ) -> None:
-    a, b = sshfs_nodes
-    (a.path / "r").mkdir()
-    on_a, on_b = LocalStorage(a.path / "r"), LocalStorage(b.path / "r")
+    dir_a, dir_b = dir_made_on_node_a(sshfs_nodes, "r")
+    on_a, on_b = LocalStorage(dir_a), LocalStorage(dir_b)
     assert not on_b.capabilities.coherent
     on_a.makedirs("checkpoint-5")
     on_a.write_bytes_atomic("checkpoint-5/f", b"old")

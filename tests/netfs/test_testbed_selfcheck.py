@@ -30,6 +30,7 @@ try:
 except ModuleNotFoundError:  # Run without the repository root on sys.path.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.netfs.nodes import dir_made_on_node_a
 from tests.testbed import (
     FAST_FAIL_OPTS,
     NetnsPair,
@@ -154,27 +155,26 @@ def test_mount_against_dead_sshd_fails_fast_with_clear_error(
 def test_sshfs_new_file_visible_but_old_listing_stays_stale(
     sshfs_nodes: tuple[SshfsMount, SshfsMount],
 ) -> None:
-    a, b = sshfs_nodes
-    (a.path / "dir").mkdir()
-    (a.path / "dir" / "one").write_text("1")
-    assert os.listdir(b.path / "dir") == ["one"]  # B now caches this listing.
+    on_a, on_b = dir_made_on_node_a(sshfs_nodes, "dir")
+    (on_a / "one").write_text("1")
+    assert os.listdir(on_b) == ["one"]  # B now caches this listing.
 
-    (a.path / "dir" / "two").write_text("2")
+    (on_a / "two").write_text("2")
     start = time.monotonic()
-    wait_until(lambda: (b.path / "dir" / "two").exists(), OBSERVE_S, "new file on B")
+    wait_until(lambda: (on_b / "two").exists(), OBSERVE_S, "new file on B")
     visible_after = time.monotonic() - start
-    assert (b.path / "dir" / "two").read_text() == "2"
+    assert (on_b / "two").read_text() == "2"
 
     # sshfs's directory cache keeps serving the old listing (~20 s).
     stale = []
     for _ in range(5):
         time.sleep(0.2)
-        stale.append(os.listdir(b.path / "dir"))
+        stale.append(os.listdir(on_b))
     assert all(listing == ["one"] for listing in stale), stale
 
     # A metadata write through B on the directory drops B's cached listing.
-    os.utime(b.path / "dir")
-    assert sorted(os.listdir(b.path / "dir")) == ["one", "two"]
+    os.utime(on_b)
+    assert sorted(os.listdir(on_b)) == ["one", "two"]
     observed(exists_after_s=round(visible_after, 4), stale_listing_for_s=1.0)
 
 

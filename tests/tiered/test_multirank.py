@@ -15,7 +15,10 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.cli.helpers import run_cli
@@ -58,6 +61,74 @@ def persistent(request, tmp_path):
     server = request.getfixturevalue("s3_server")
     bucket = request.getfixturevalue("s3_bucket")
     return f"s3://{bucket}/run", server.storage_options()
+
+
+@dataclass
+class S3Tiers:
+    """The tiers of a job whose persistent tier is a prefix of the real S3 server: node
+    N's tier 0 at ``base/nodeN``, the persistent tier at ``url`` (``opts`` reach the
+    server directly)."""
+
+    server: Any
+    base: str
+    url: str
+    opts: dict[str, Any]
+    tmp_dir: str
+
+    def run_ranks_while_down(
+        self,
+        fn: Callable[..., Any],
+        world: int,
+        *args: Any,
+        until: Path | None = None,
+        once: Path | None = None,
+        timeout_s: float,
+    ) -> list[Any]:
+        """Run ``fn(rank, world, base, url, PROXIED, *args, FLAG)`` on ``world`` ranks,
+        PROXIED being the options of a proxy of the server that answers 503 to every
+        request (one attempt each) until the file FLAG exists (``until=FLAG``), or once
+        it does (``once=FLAG``). Every rank's value (the test fails at a rank that
+        returned none); the proxy must have failed requests (the replicators tried)."""
+        assert (until is None) != (once is None), "until or once, not both"
+        flag = until or once
+        assert flag is not None
+        down_while_there = once is not None
+        with S3Proxy(self.server, lifetime_s=120) as proxy:
+            down = proxy.add(
+                Rule(
+                    "error",
+                    status=503,
+                    times=None,
+                    when=lambda _r: flag.exists() == down_while_there,
+                )
+            )
+            values = ok_values(
+                run_ranks(
+                    fn,
+                    world,
+                    self.base,
+                    self.url,
+                    proxy.storage_options(max_attempts=1),
+                    *args,
+                    str(flag),
+                    tmp_dir=self.tmp_dir,
+                    timeout_s=timeout_s,
+                )
+            )
+        assert down.fired > 0  # the replicators did try, and failed
+        return values
+
+
+@pytest.fixture
+def s3_tiers(tmp_path, s3_server, s3_bucket) -> S3Tiers:
+    """A job's tiers with the persistent tier on the real S3 server (a fresh bucket)."""
+    return S3Tiers(
+        s3_server,
+        str(tmp_path / "nodes"),
+        f"s3://{s3_bucket}/run",
+        s3_server.storage_options(),
+        str(tmp_path),
+    )
 
 
 def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persistent_tier(
@@ -210,30 +281,12 @@ def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicate
 
 
 @pytest.mark.netfs
-def test_saves_go_on_while_s3_is_unreachable_and_every_rank_catches_up(
-    tmp_path, s3_server, s3_bucket
-):
-    url = f"s3://{s3_bucket}/run"
-    base = str(tmp_path / "nodes")
-    opts = s3_server.storage_options()
+def test_saves_go_on_while_s3_is_unreachable_and_every_rank_catches_up(tmp_path, s3_tiers):
+    base, url, opts = s3_tiers.base, s3_tiers.url, s3_tiers.opts
     ok_values(run_ranks(workers.w_tiered, WORLD, base, url, opts, [1], tmp_dir=str(tmp_path)))
-    flag = tmp_path / "link-is-back"
-    with S3Proxy(s3_server, lifetime_s=120) as proxy:
-        # Every request fails with 503 until rank 0 says every rank saw its steps held.
-        cut = proxy.add(Rule("error", status=503, times=None, when=lambda _r: not flag.exists()))
-        values = ok_values(
-            run_ranks(
-                workers.w_tiered_cut,
-                WORLD,
-                base,
-                url,
-                proxy.storage_options(max_attempts=1),
-                str(flag),
-                tmp_dir=str(tmp_path),
-                timeout_s=120,
-            )
-        )
-    assert cut.fired > 0  # the replicators did try, and failed
+    # Every request fails with 503 until rank 0 says every rank saw its steps held.
+    until = tmp_path / "link-is-back"
+    values = s3_tiers.run_ranks_while_down(workers.w_tiered_cut, WORLD, until=until, timeout_s=120)
     assert all(v["tried"] and v["waiting"] is False for v in values)
     assert all(v["held"] == [1, 2, 3] and 3 in v["backlog"] for v in values)
     assert all(v["replicated"] and v["left"] == [] for v in values)
@@ -286,33 +339,16 @@ def test_a_full_local_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_pa
 
 
 @pytest.mark.netfs
-def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
-    tmp_path, s3_server, s3_bucket
-):
+def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(tmp_path, s3_tiers):
     # A job of 4 ranks on 2 nodes ends while S3 is unreachable: steps 1-3 exist only as
     # the two nodes' tier 0 copies, each holding its own 2 ranks' files. Neither copy
     # alone can be published; `atomic-checkpoint drain` run on both nodes at once under
     # torchrun (--nnodes 2 --nproc-per-node 1: one process per node) can.
-    url = f"s3://{s3_bucket}/run"
-    base = str(tmp_path / "nodes")
-    opts = s3_server.storage_options()
-    opened = tmp_path / "tiers-opened"
-    with S3Proxy(s3_server, lifetime_s=120) as proxy:
-        # Every request fails with 503 once every rank has opened the tiers.
-        cut = proxy.add(Rule("error", status=503, times=None, when=lambda _r: opened.exists()))
-        job = ok_values(
-            run_ranks(
-                workers.w_two_per_node_cut,
-                4,
-                base,
-                url,
-                proxy.storage_options(max_attempts=1),
-                str(opened),
-                tmp_dir=str(tmp_path),
-                timeout_s=120,
-            )
-        )
-    assert cut.fired > 0
+    base, url, opts = s3_tiers.base, s3_tiers.url, s3_tiers.opts
+    # Every request fails with 503 once every rank has opened the tiers.
+    job = s3_tiers.run_ranks_while_down(
+        workers.w_two_per_node_cut, 4, once=tmp_path / "tiers-opened", timeout_s=120
+    )
     assert [v["domain"] for v in job] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert all(v["left"] == [1, 2, 3] for v in job)
     # One node alone is refused: its copy lacks the other node's ranks.
@@ -363,31 +399,16 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
 
 
 @pytest.mark.netfs
-def test_ranks_that_close_one_by_one_while_s3_fails_stop_replicating_together(
-    tmp_path, s3_server, s3_bucket
-):
+def test_ranks_that_close_one_by_one_while_s3_fails_stop_replicating_together(tmp_path, s3_tiers):
     # Once the tiers are open, the persistent tier answers 503 to everything, so the 3
     # ranks' replicators retry their rounds in lockstep. Rank 0 closes at once, the
     # others 3 s later: every replicator stops at the start of its next round, agreed,
     # instead of ranks 1 and 2 waiting in a round that rank 0 left until the exchange
     # times out (30 s here).
-    flag = tmp_path / "s3-is-down"
-    with S3Proxy(s3_server, lifetime_s=120) as proxy:
-        down = proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
-        job = ok_values(
-            run_ranks(
-                workers.w_close_one_by_one,
-                WORLD,
-                str(tmp_path / "nodes"),
-                f"s3://{s3_bucket}/run",
-                proxy.storage_options(max_attempts=1),
-                3.0,
-                str(flag),
-                tmp_dir=str(tmp_path),
-                timeout_s=150,
-            )
-        )
-    assert down.fired > 0
+    down = tmp_path / "s3-is-down"
+    job = s3_tiers.run_ranks_while_down(
+        workers.w_close_one_by_one, WORLD, 3.0, once=down, timeout_s=150
+    )
     assert all(v["left"] == [1] for v in job), job
     assert all(v["fatal"] == "None" for v in job), job  # no exchange timed out
     # Rank 0's replicator stopped the others' at their next round: by the time they
