@@ -502,7 +502,7 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
         return CheckpointNotFoundError(
             f"{storage.url(rel)} has no manifest: it was never committed (a crashed save or "
             "another tool wrote it) or its manifest was deleted; resume ignores it, and "
-            "`atomic-checkpoint verify` says what it is"
+            f"`atomic-checkpoint verify {storage.url('')}` (without a step) says what it is"
         )
     steps = [s for s, _ in _checkpoint_names(storage.listdir(""))[0]]
     have = ", ".join(map(str, steps[-10:])) if steps else "none"

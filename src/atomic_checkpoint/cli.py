@@ -990,8 +990,8 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
             "no manifest: never committed by this library (a torn copy, another tool's "
             "save, or a manifest deleted); restore ignores it. If it is another tool's "
             f"(a stock Trainer, Accelerate, DCP), `{PROG} adopt ROOT --dry-run` tells "
-            "whether it is complete and adopts it; otherwise copy the complete checkpoint "
-            "again, or remove it"
+            f"whether it is complete and `{PROG} adopt ROOT` adopts it; otherwise copy the "
+            "complete checkpoint again, or remove it"
         )
     return _short_problem(storage, e.name, e.problem) or "not a checkpoint"
 

@@ -331,7 +331,9 @@ def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
     if code in _FULL:
         return StorageFullError(
             f"{action} {path!r} failed: {reason} (errno {code}). Free space (or inodes: "
-            "`df -i`) on the checkpoint storage or lower retention, then save again.",
+            "`df -i`) on the checkpoint storage, e.g. delete old checkpoints with "
+            "`atomic-checkpoint prune ROOT --keep-last N` (it works on a full disk) or "
+            "apply_retention() of a manager with a lower retention, then save again.",
             errno=code,
             path=path,
         )

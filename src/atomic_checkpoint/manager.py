@@ -650,7 +650,12 @@ class CheckpointManager:
         if local is not None and not posix.is_accessible(local, write=True):
             code = errno.EROFS if posix.is_read_only_fs(local) else errno.EACCES
             raise StoragePermissionError(
-                f"checkpoint root {local!r} is not writable by this user. "
+                f"checkpoint root {local!r} is "
+                + (
+                    "on a read-only filesystem. "
+                    if code == errno.EROFS
+                    else "not writable by this user. "
+                )
                 + permission_advice(code, "create in", f"{local}/{META_DIR}"),
                 errno=code,
                 path=local,
@@ -898,8 +903,8 @@ class CheckpointManager:
                 f"{self.root}: checkpoints of run {self.run_id!r} (steps {partial}) are on "
                 "some nodes only, and a step counts only once every node has it, so none "
                 f"can be resumed: {why}. Refusing to start from scratch over them: {back}, "
-                "or start a separate run with a new run_id='...' (the old steps stay, "
-                "never deleted)",
+                "or start a separate run in another root (these steps stay, never "
+                "deleted)",
                 partial_steps=tuple(partial),
             )
         newest = setup.get("newest")
@@ -962,8 +967,9 @@ class CheckpointManager:
                 )
                 + (
                     f"; its checkpoint folders without a manifest ({shown}) are another "
-                    f"tool's: adopt them first (`atomic-checkpoint adopt {self.root} "
-                    "--dry-run`; with `--framework dcp` for folders DCP wrote)"
+                    f"tool's: adopt them first (`atomic-checkpoint adopt {self.root}`, with "
+                    "`--framework dcp` for folders DCP wrote; `--dry-run` first shows what "
+                    "it would adopt)"
                     if unmanifested
                     else ""
                 )
@@ -971,10 +977,10 @@ class CheckpointManager:
         if resume == "auto" and setup["n_valid"] == 0 and setup["n_corrupt"] > 0:
             raise ResumeError(
                 f"{self.root} holds {setup['n_corrupt']} checkpoint(s) of run {self.run_id!r} but "
-                "none is valid (see `atomic-checkpoint verify`); refusing to start from scratch "
-                "over them. Repair or move them, or start a separate run beside them with "
-                "a new run_id='...' (pass the same run_id again on every restart: the "
-                "root's run file still names this run)"
+                f"none is valid (`atomic-checkpoint verify {self.root}` says what is wrong "
+                "with each); refusing to start from scratch over them. Repair them, move "
+                "them out of the root, or start the new run in another root (a new run "
+                "here could not save the steps they hold)"
             )
         if setup["n_valid"] == 0 and unmanifested and self.rank == 0:
             log.warning(
@@ -982,9 +988,9 @@ class CheckpointManager:
                 "another tool (a stock Trainer, Accelerate, DCP) or without their "
                 "manifest, so nothing tells a complete one from one torn by a crash: "
                 "latest() and restore() ignore them until they are adopted. To resume from "
-                "the complete ones, adopt them: `atomic-checkpoint adopt %s --dry-run` "
-                "(with `--framework dcp` for folders DCP wrote), or adopt_existing=True in "
-                "the integrations (which adopt them next)",
+                "the complete ones, adopt them: `atomic-checkpoint adopt %s` (with "
+                "`--framework dcp` for folders DCP wrote; `--dry-run` first shows what it "
+                "would adopt), or adopt_existing=True in the integrations",
                 self.root,
                 len(unmanifested),
                 shown,
@@ -1035,7 +1041,9 @@ class CheckpointManager:
             )
             raise ResumeError(
                 f"resume='never' but {self.root} already has {found} of "
-                f"run {self.run_id!r}; pass a new run_id to start a separate run there"
+                f"run {self.run_id!r}. To train from scratch, use another root (or move "
+                "these checkpoints out of it): a new run here could not save the steps they "
+                "hold; to continue them, pass resume='auto'"
             )
 
     def _next_seq(self) -> int:
@@ -1779,7 +1787,8 @@ class CheckpointManager:
                 f"; it holds {len(unmanifested)} checkpoint folder(s) without a manifest "
                 f"({', '.join(unmanifested[:5])}{', ...' if len(unmanifested) > 5 else ''}), "
                 "written by another tool or without their manifest: to load the complete "
-                f"ones, adopt them first (`atomic-checkpoint adopt {self.root} --dry-run`)"
+                f"ones, adopt them first (`atomic-checkpoint adopt {self.root}`; `--dry-run` "
+                "first shows what it would adopt)"
             )
         if others:
             message += f"; {others} checkpoint(s) of other runs are there (pass run_id=...)"

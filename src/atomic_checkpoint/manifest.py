@@ -27,6 +27,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# A declared dependency, imported up front: without it the package does not import (a
+# checksum it could not compute read as a corrupt checkpoint, and verify called healthy
+# ones CORRUPT). Checkpoints of the crc32 algorithm read with zlib.
+import xxhash as _xxhash
+
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedSchemaError
 from .layout import rank_state_file, validate_relative_path, validate_step
 
@@ -45,13 +50,7 @@ MAX_WORLD_SIZE = 1 << 20
 # 1e300 would crash whatever formats it as a date.
 _MAX_UNIX_S = 1e12
 
-_xxhash: Any
-try:
-    import xxhash as _xxhash
-except ImportError:  # pragma: no cover - xxhash is a hard dependency; crc32 is the fallback
-    _xxhash = None
-
-DEFAULT_ALGORITHM = "xxh3_64" if _xxhash is not None else "crc32"
+DEFAULT_ALGORITHM = "xxh3_64"
 
 
 class Hasher:
@@ -63,10 +62,6 @@ class Hasher:
         self.algorithm = algorithm
         self._crc = 0
         if algorithm == "xxh3_64":
-            if _xxhash is None:
-                raise CorruptCheckpointError(
-                    "checksums use xxh3_64 but the xxhash package is missing: pip install xxhash"
-                )
             self._h: Any = _xxhash.xxh3_64()
         elif algorithm == "crc32":
             self._h = None

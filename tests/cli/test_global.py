@@ -105,3 +105,22 @@ def test_read_commands_import_no_framework(root):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "IMPORTED []"
+
+
+@pytest.mark.timeout(60)
+def test_without_its_checksum_dependency_the_package_says_so_at_import(root):
+    # xxhash is a declared dependency; its import was optional, so without it every
+    # xxh3_64 checkpoint read as corrupt: verify printed CORRUPT and exited 1 for
+    # healthy checkpoints, and a start refused to resume from "corrupt" ones.
+    make_root(root, (7,))
+    code = (
+        "import sys\n"
+        "sys.modules['xxhash'] = None  # an environment without it\n"
+        "from atomic_checkpoint.cli import main\n"
+        f"sys.exit(main(['verify', {str(root)!r}]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+    )
+    assert proc.returncode != 0 and "CORRUPT" not in proc.stdout, proc.stdout
+    assert "ModuleNotFoundError" in proc.stderr and "xxhash" in proc.stderr, proc.stderr

@@ -23,6 +23,29 @@ from tests.cli.helpers import Holder, error_line, make_root, run_cli, run_json
 pytestmark = pytest.mark.timeout(90)
 
 
+def test_the_verify_advice_for_a_folder_without_a_manifest_works_when_followed(root):
+    # It said "`atomic-checkpoint verify` says what it is": verify ROOT 3 (the step the
+    # user asked for) prints the same message again; verify ROOT, of the whole root, is
+    # the command that says what the folder is.
+    from atomic_checkpoint import CheckpointManager, CheckpointNotFoundError
+
+    make_root(root, (1, 2))
+    shutil.copytree(root / "checkpoint-2", root / "checkpoint-3")
+    os.unlink(root / "checkpoint-3" / "checkpoint.manifest.json")
+    mgr = CheckpointManager(root, read_only=True)
+    with pytest.raises(CheckpointNotFoundError, match="has no manifest") as err:
+        mgr.restore(3)
+    mgr.close()
+    said = str(err.value)
+    command = f"`atomic-checkpoint verify {root}` (without a step)"
+    assert command in said, said
+    proc = run_cli("verify", root)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("checkpoint-3:"))
+    assert "NOT A CHECKPOINT: no manifest: never committed by this library" in line, line
+    assert "adopt ROOT --dry-run` tells whether it is complete and" in line, line
+    assert "`atomic-checkpoint adopt ROOT` adopts it" in line, line
+
+
 def test_verify_fails_on_checkpoint_names_that_are_not_checkpoints(tmp_path, root):
     make_root(root, (1, 2))
     # A torn copy: the data of step 2 copied to checkpoint-3, no manifest.

@@ -116,6 +116,8 @@ def test_a_node_whose_disk_was_wiped_is_never_a_silent_fresh_start(tmp_path, sav
     for r in results:
         assert not r.ok and "ResumeError" in r.error_text, r.error_text
         assert f"steps {saved}) are on some nodes only" in r.error_text, r.error_text
+        # Not "with a new run_id": a new run in this root could not save these steps.
+        assert "or start a separate run in another root" in r.error_text, r.error_text
     assert sorted(n for n in os.listdir(node0) if n.startswith("checkpoint-")) == [
         f"checkpoint-{s}" for s in saved
     ]

@@ -163,6 +163,24 @@ def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> Non
     assert _folders(project) == ["checkpoint_1", "checkpoint_2"]
 
 
+def test_the_iteration_advice_of_a_refused_save_works_when_followed(tmp_path: Path) -> None:
+    # A new job on a project of three stock checkpoints (0, 1, 2) starts numbering at
+    # 0: the refusal said "set iteration = 1", which failed again at 1, then at 2. It
+    # names the step above the newest one in the project.
+    project = tmp_path / "run"
+    acc, *_ = build(str(project), total_limit=None)
+    for _ in range(3):
+        acc.save_state()  # stock
+    acc, *_ = build(str(project), total_limit=None, seed=3)
+    with pytest.raises(CheckpointExistsError, match="Accelerate's own save_state") as err:
+        save_state(acc, timeout_s=30)
+    said = str(err.value)
+    assert said.endswith("accelerator.project_configuration.iteration = 3"), said
+    acc.project_configuration.iteration = int(said.rsplit("= ", 1)[1])  # as it says
+    assert save_state(acc, timeout_s=30).step == 3
+    close(acc)
+
+
 def test_load_state_skips_checkpoints_the_manager_saved_into_the_project(
     tmp_path: Path, caplog
 ) -> None:

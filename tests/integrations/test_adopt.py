@@ -25,6 +25,7 @@ from atomic_checkpoint import (
     CheckpointError,
     CheckpointManager,
     LockHeldError,
+    ResumeError,
     adopt,
     register_framework,
 )
@@ -175,6 +176,20 @@ def test_adopt_is_idempotent_and_a_dry_run_writes_nothing(out: Path) -> None:
     # The recorded run is matched, never replaced.
     with pytest.raises(CheckpointError, match="records run"):
         adopt(out, run_id="another-run")
+
+
+def test_the_adopt_advice_of_a_refused_resume_works_when_followed(out: Path) -> None:
+    # The advice was "adopt them first (`atomic-checkpoint adopt ROOT --dry-run`)": a
+    # dry run writes nothing, and the resume failed again.
+    with pytest.raises(ResumeError, match="without a manifest") as err:
+        CheckpointManager(out, resume="must")
+    said = str(err.value)
+    command = f"`atomic-checkpoint adopt {out}`"
+    assert command in said, said
+    proc = run_cli(*command.strip("`").split()[1:])  # as the message says it
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with CheckpointManager(out, resume="must") as mgr:
+        assert mgr.latest().step == 10
 
 
 @pytest.mark.timeout(120)

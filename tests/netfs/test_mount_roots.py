@@ -148,8 +148,17 @@ def test_an_unknown_fuse_mount_is_treated_as_unknown_with_one_warning(
         warnings = [r.getMessage() for r in caplog.records if "unknown kind" in r.getMessage()]
         assert len(warnings) == 1, warnings
         assert "fuse.mysteryfs" in warnings[0] and "capabilities=StorageCapabilities" in warnings[0]
+        # It named strategy='rename' too, which warns that the rename is not atomic and
+        # leaves the mount incoherent: the capabilities are what says what it does.
+        assert "strategy=" not in warnings[0], warnings[0]
+        assert "atomic_dir_rename=True, coherent=True" in warnings[0], warnings[0]
         # The override the warning names: this mount's rename is sshfs', atomic.
-        told = LocalStorage(root, capabilities=StorageCapabilities(name="fuse.mysteryfs"))
+        told = LocalStorage(
+            root,
+            capabilities=StorageCapabilities(
+                name="fuse.mysteryfs", atomic_dir_rename=True, coherent=True
+            ),
+        )
         with CheckpointManager(told) as mgr:
             assert mgr.commit_strategy == "rename"
             assert mgr.latest().step == 1

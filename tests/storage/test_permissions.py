@@ -46,6 +46,26 @@ def test_read_only_filesystem_gives_a_permission_error(tmp_path):
         subprocess.run(["umount", str(ro)], check=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="remounting a tmpfs read-only needs root")
+def test_a_root_with_checkpoints_on_a_filesystem_remounted_read_only(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    try:
+        with CheckpointManager(mnt / "ckpt") as mgr:
+            mgr.save(1, {"w": [1.0, 2.0]})
+        subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+        # It began "is not writable by this user", though no permission could help.
+        with pytest.raises(StoragePermissionError, match=r"is on a read-only filesystem") as err:
+            CheckpointManager(mnt / "ckpt")
+        said = str(err.value)
+        assert "not writable by this user" not in said and "mounted read-only" in said, said
+        with CheckpointManager(mnt / "ckpt", read_only=True) as reader:  # as it says
+            assert reader.restore(1) == {"w": [1.0, 2.0]}
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 @pytest.mark.parametrize("holds", ["nothing", "checkpoints"])
 def test_unwritable_root_for_a_normal_user(holds):
     # Root ignores permission bits, so this runs the check as an unprivileged user, in a

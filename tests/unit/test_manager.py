@@ -249,6 +249,33 @@ def test_resume_modes(tmp_path):
         CheckpointManager(tmp_path / "b")
 
 
+def test_the_advice_of_a_refused_fresh_start_works_when_followed(tmp_path):
+    # Both messages said "start a separate run there with a new run_id": every run in a
+    # root shares the checkpoint-<step> names and another run's checkpoint is never
+    # replaced, so that run's first save of a step these hold failed (and with
+    # unreadable manifests, the new run_id was refused at once the same way).
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1000, state(1))
+    with pytest.raises(ResumeError, match="already has 1 checkpoint") as never:
+        CheckpointManager(root, resume="never")
+    said = str(never.value)
+    assert "run_id" not in said and "use another root" in said, said
+    with CheckpointManager(tmp_path / "another", resume="never") as fresh:
+        assert fresh.save(1000, state(2)).step == 1000  # the same step, beside nothing
+    assert "resume='auto'" in said  # and its other advice: continue them
+    with CheckpointManager(root, resume="auto") as resumed:
+        assert resumed.latest().step == 1000
+    (root / "checkpoint-1000" / "checkpoint.manifest.json").write_text("{garbage")
+    with pytest.raises(ResumeError, match="none is valid") as corrupt:
+        CheckpointManager(root)
+    said = str(corrupt.value)
+    assert "run_id" not in said and "in another root" in said, said
+    assert f"`atomic-checkpoint verify {root}`" in said, said  # names the root to check
+    with pytest.raises(ResumeError, match="none is valid"):  # what it no longer advises
+        CheckpointManager(root, run_id="fresh")
+
+
 def test_restarted_job_continues_its_run_and_ignores_other_runs(tmp_path):
     a = CheckpointManager(tmp_path, run_id="run-a")
     a.save(1000, state(1))

@@ -405,7 +405,9 @@ class FrameworkRoot:
             f"{self.label}: asked to resume, but no checkpoint under {self.folders} is complete "
             f"and valid in every storage domain; found {torn} without a valid manifest "
             "(torn by a crash mid-save, or written without atomic-checkpoint). Move them "
-            "away to start from scratch, or resume from an explicit path"
+            "away to start from scratch"
+            # The Trainer takes a folder to resume from; Accelerate's integration a step.
+            + (", or resume from an explicit path" if self.label == "Trainer" else "")
         )
 
     def _unusable(self, step: int, verify: bool) -> tuple[bool, str] | None:
@@ -585,7 +587,10 @@ def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
                 folder = CheckpointFolder(mgr.storage, name, step)
                 try:
                     if accelerate_is_complete(folder) is None:
-                        problem = mgr.storage.url(name)
+                        # With the newest step there: an iteration above it is free.
+                        steps = map(parse_checkpoint_name, mgr.storage.listdir(""))
+                        newest = max((s for s in steps if s is not None), default=step)
+                        problem = (mgr.storage.url(name), newest)
                 except CheckpointError:
                     pass  # unreadable: torn, replaced like one
             except CheckpointError:
@@ -597,13 +602,14 @@ def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
         _given,
         timeout_s=opened.timeout_s,
     )
-    where = given[0] if given else None
-    if where is not None:
+    if given:
+        where, newest = given[0]
         raise CheckpointExistsError(
             f"save_state: {where} is a complete checkpoint that Accelerate's own save_state() "
             f"wrote (it has no manifest); not replacing it with step {step}. Resume from it "
             "with load_state(accelerator, adopt_existing=True) (the next save then follows "
-            f"it), or set accelerator.project_configuration.iteration = {step + 1}"
+            "it), or save above the newest step in the project: set "
+            f"accelerator.project_configuration.iteration = {newest + 1}"
         )
 
 

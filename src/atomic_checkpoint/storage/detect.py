@@ -290,8 +290,11 @@ def _warn_unknown_fuse(mount: MountInfo) -> None:
         "treating it as not coherent between clients and without atomic directory "
         "rename (marker commits, bounded waits for visibility). If its directory rename "
         "is atomic and every client sees changes at once, pass "
-        "LocalStorage(root, capabilities=StorageCapabilities(name=%r)) as the root, or "
-        "strategy='rename'",
+        "LocalStorage(root, capabilities=StorageCapabilities(name=%r, "
+        "atomic_dir_rename=True, coherent=True, exclusive_create=..., dir_fsync=...)) as "
+        "the root, each field saying what the filesystem does (see StorageCapabilities: "
+        "exclusive_create, that creating a file fails if it exists, across clients; "
+        "dir_fsync, that fsync of a directory makes its entries durable)",
         mount.mount_point,
         mount.fstype,
         mount.source,
