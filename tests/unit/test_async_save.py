@@ -584,8 +584,10 @@ def test_memory_stays_bounded_over_100_async_saves(tmp_path):
             rss.append(proc.memory_info().rss)
     mgr.close()
     growth = rss[1] - rss[0]
-    # A leaked snapshot would grow RSS by 4 MiB per save (360 MiB over 90 saves).
-    assert growth < size // 4, f"RSS grew by {growth / 2**20:.1f} MiB over 90 async saves"
+    # A leaked snapshot would grow RSS by 4 MiB per save (360 MiB over 90 saves); the
+    # allocator's own noise reached 2 MiB with the cores busy (a bound of a quarter of
+    # the state failed a run that leaked nothing).
+    assert growth < size, f"RSS grew by {growth / 2**20:.1f} MiB over 90 async saves"
     assert mgr._snapshots is not None and mgr._snapshots.allocations == 1
     assert listed(tmp_path) == [99, 100]
 
