@@ -10,6 +10,7 @@ import pytest
 
 import atomic_checkpoint
 from tests.cli.helpers import cli_env, error_line, make_root, run_cli
+from tests.helpers import run_python
 
 
 @pytest.mark.timeout(60)
@@ -86,22 +87,24 @@ def test_closed_stdout_stops_quietly(root):
     assert proc.returncode == 1 and err == ""
 
 
+def _cli_in_a_child(root, code: str, *, before: str = "") -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a child process on a root with step 7, after ``before``: ``sys``,
+    the CLI's ``main`` and ``root`` are defined for it."""
+    make_root(root, (7,))
+    prelude = f"import sys\n{before}from atomic_checkpoint.cli import main\nroot = {str(root)!r}\n"
+    return run_python(prelude + code, env={"PYTHONWARNINGS": "error"})
+
+
 @pytest.mark.timeout(60)
 def test_read_commands_import_no_framework(root):
     """list, verify and inspect start fast and work where torch is not installed."""
-    make_root(root, (7,))
-    code = (
-        "import sys\n"
-        "from atomic_checkpoint.cli import main\n"
-        f"root = {str(root)!r}\n"
+    proc = _cli_in_a_child(
+        root,
         "for args in (['list', root], ['verify', root], ['inspect', root, '7'],\n"
         "             ['clean', root, '--dry-run']):\n"
         "    assert main([*args, '--json']) == 0, args\n"
         "bad = sorted(m for m in ('torch', 'numpy', 'safetensors', 'fsspec') if m in sys.modules)\n"
-        "print('IMPORTED', bad)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+        "print('IMPORTED', bad)\n",
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "IMPORTED []"
@@ -112,15 +115,10 @@ def test_without_its_checksum_dependency_the_package_says_so_at_import(root):
     # xxhash is a declared dependency; its import was optional, so without it every
     # xxh3_64 checkpoint read as corrupt: verify printed CORRUPT and exited 1 for
     # healthy checkpoints, and a start refused to resume from "corrupt" ones.
-    make_root(root, (7,))
-    code = (
-        "import sys\n"
-        "sys.modules['xxhash'] = None  # an environment without it\n"
-        "from atomic_checkpoint.cli import main\n"
-        f"sys.exit(main(['verify', {str(root)!r}]))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=60
+    proc = _cli_in_a_child(
+        root,
+        "sys.exit(main(['verify', root]))\n",
+        before="sys.modules['xxhash'] = None  # an environment without it\n",
     )
     assert proc.returncode != 0 and "CORRUPT" not in proc.stdout, proc.stdout
     assert "ModuleNotFoundError" in proc.stderr and "xxhash" in proc.stderr, proc.stderr

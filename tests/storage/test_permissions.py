@@ -33,25 +33,30 @@ def _reachable_base() -> Iterator[Path]:
         shutil.rmtree(base)
 
 
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted at ``where`` (made) with ``options``, unmounted after."""
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a read-only tmpfs needs root")
 def test_read_only_filesystem_gives_a_permission_error(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], check=True)
-    try:
-        # EROFS, said as such: it was "not writable by this user: fix its permissions".
-        with pytest.raises(StoragePermissionError, match=r"mounted read-only: remount"):
-            CheckpointManager(ro / "ckpt")
-    finally:
-        subprocess.run(["umount", str(ro)], check=True)
+    # EROFS, said as such: it was "not writable by this user: fix its permissions".
+    with (
+        _tmpfs(tmp_path / "ro", "size=1m,ro") as ro,
+        pytest.raises(StoragePermissionError, match=r"mounted read-only: remount"),
+    ):
+        CheckpointManager(ro / "ckpt")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="remounting a tmpfs read-only needs root")
 def test_a_root_with_checkpoints_on_a_filesystem_remounted_read_only(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
+    with _tmpfs(tmp_path / "mnt", "size=4m") as mnt:
         with CheckpointManager(mnt / "ckpt") as mgr:
             mgr.save(1, {"w": [1.0, 2.0]})
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
@@ -62,8 +67,6 @@ def test_a_root_with_checkpoints_on_a_filesystem_remounted_read_only(tmp_path):
         assert "not writable by this user" not in said and "mounted read-only" in said, said
         with CheckpointManager(mnt / "ckpt", read_only=True) as reader:  # as it says
             assert reader.restore(1) == {"w": [1.0, 2.0]}
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 @pytest.mark.parametrize("holds", ["nothing", "checkpoints"])
