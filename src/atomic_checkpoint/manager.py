@@ -1271,10 +1271,32 @@ class CheckpointManager:
             self._saver_thread = me
             try:
                 yield
+            except BaseException:
+                self._close_when_saved(raising=False)
+                raise
+            else:
+                self._close_when_saved(raising=True)
             finally:
                 self._saver_thread = None
 
+    def _close_when_saved(self, *, raising: bool) -> None:
+        """The ``close()`` asked for inside the save that just ended on this thread (a
+        signal handler's, or ``on_commit``'s of a synchronous save), run now that it
+        has ended. Its error is raised after a save that succeeded, and logged after one
+        that failed (whose own error is the one raised)."""
+        closing, self._close_after_save = self._close_after_save, None
+        if closing is None:
+            return
+        try:
+            closing()
+        except Exception as exc:
+            if raising:
+                raise
+            log.warning("close() after the failed save: %s: %s", type(exc).__name__, exc)
+
     last_saved: CheckpointInfo | None = None
+    #: A ``close()`` called inside a save on the save's own thread, run when it ends.
+    _close_after_save: Callable[[], object] | None = None
     #: A tier of a ``TieredCheckpointManager`` (its tier 0 subclass says so): what this
     #: root lacks is not what the job lacks.
     _one_tier_of_several = False
@@ -2593,6 +2615,10 @@ class CheckpointManager:
         Only then does ``close`` wait for that save's retention and release the run
         lock: after ``close`` returns or raises, no thread of this manager touches
         ROOT (DESIGN invariant 12). Both outcomes are logged.
+
+        Called inside a save on the save's own thread (a signal handler that interrupted
+        it, or ``on_commit`` of a synchronous save), it returns at once and the manager
+        closes as soon as that save has ended (successful or not).
         """
         if self._closed:
             return
@@ -2609,8 +2635,17 @@ class CheckpointManager:
             return
         self._check_process("close()")
         me = threading.get_ident()
-        if self._saver_thread == me:  # inside a save of this thread (a signal handler)
-            self._close("close()", stop_bound_s=None)
+        if self._saver_thread == me:
+            # Inside a save of this thread: a signal handler that interrupted it, or a
+            # synchronous save's on_commit. Closed here, the run lock was released under
+            # the save, which went on when the handler returned and could commit without
+            # it (and inside save_async's copy, close waited timeout_s for bytes only
+            # this thread copies). The save ends first, then the manager closes.
+            self._close_after_save = functools.partial(self._close, "close()", stop_bound_s=None)
+            log.warning(
+                "close() was called inside a save on the same thread (a signal handler, or "
+                "on_commit): the manager closes as soon as that save has ended"
+            )
             return
         # A save running on another thread ends first: close() returned while it still
         # wrote, and it failed afterwards and removed its pending data (DESIGN

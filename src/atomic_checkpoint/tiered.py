@@ -361,8 +361,10 @@ class TieredCheckpointManager:
             tier 0 continues the persistent tier's run), else a new one.
         on_commit: called as ``on_commit(tier_index, info)`` after each commit is
             durable on a tier: tier 0 on the saving thread, tier 1 on the replicator
-            thread (an exception there is logged, never stops replication); multi-rank:
-            on rank 0 only.
+            thread (an exception there is logged, never stops replication; the step
+            is persistent then, and ``wait_replicated``, ``rollback`` and ``close``,
+            which would wait for that thread, are refused there); multi-rank: on rank 0
+            only.
         timeout_s, allow_pickle, resume, takeover: as for ``CheckpointManager``
             (``resume`` and ``takeover`` apply to tier 0).
         retry_max_s: the longest wait between attempts while tier 1 fails.
@@ -431,6 +433,7 @@ class TieredCheckpointManager:
         self._reader: CheckpointManager | None = None
         self._reader_storage: Storage | None = None
         self._closed = False
+        self._left_at_close: list[int] = []  # what close() returned, for a second close()
         self._start_wait_s = min(self.timeout_s, _START_WAIT_S)
         # The thread opening tier 1 at start, while it has not answered (single process).
         self._opener: threading.Thread | None = None
@@ -802,6 +805,7 @@ class TieredCheckpointManager:
                 valid.
         """
         self._check_open()
+        self._not_on_the_replicator("rollback()")
         step = validate_step(step)
         allow_empty = flag("allow_empty", allow_empty)
         self.fast.wait()
@@ -2170,6 +2174,7 @@ class TieredCheckpointManager:
             CheckpointError: replication stopped (e.g. another job holds the
                 persistent tier's run lock).
         """
+        self._not_on_the_replicator("wait_replicated()")
         if step is not None:
             step = validate_step(step)
         with self._cv:
@@ -2472,27 +2477,55 @@ class TieredCheckpointManager:
         ``close()`` comes first waits for the others' (at most ``timeout_s``).
         """
         if self._closed:
-            return []
-        self._closed = True
+            return list(self._left_at_close)
+        self._not_on_the_replicator("close()")
+        fast, me = self.fast, threading.get_ident()
+        if fast._saver_thread == me:
+            # Inside a save of tier 0 on this thread (a signal handler that interrupted
+            # it, or on_commit): as CheckpointManager.close, the save ends first.
+            fast._close_after_save = functools.partial(self._close, timeout_s)
+            log.warning(
+                "close() was called inside a save on the same thread (a signal handler, or "
+                "on_commit): the manager closes as soon as that save has ended"
+            )
+            return self.replication_backlog()
+        # A save on another thread ends first, as CheckpointManager.close waits for it:
+        # closed under it, tier 0's run lock was released while the save went on (it
+        # failed "not held by this job", or committed a step no one replicated). A
+        # second close() waits for the first and returns what it returned.
+        with fast._save_mutex:
+            if self._closed:
+                return list(self._left_at_close)
+            fast._saver_thread = me  # a save called from inside close is refused
+            try:
+                return self._close(timeout_s)
+            finally:
+                fast._saver_thread = None
+
+    def _close(self, timeout_s: float | None) -> list[int]:
+        """``close``, with tier 0's save slot held by this thread."""
         error: BaseException | None = None
         stopped = False
 
-        def stop_replication(saved: bool) -> None:
+        def stop_replication(saved: bool, *, drain: bool = True) -> None:
             # Tier 0's saves are done and its run lock still held.
             nonlocal stopped
             bound = self.timeout_s if timeout_s is None else timeout_s
-            deadline = time.monotonic() + bound
-            self._drain(bound)
-            with self._cv:
-                self._stop.set()
-                self._cv.notify_all()
+            deadline = time.monotonic() + (bound if drain else 0.0)
+            try:
+                if drain:
+                    self._drain(bound)
+            finally:  # an interrupt (Ctrl-C) in the drain still stops the replicator
+                with self._cv:
+                    self._stop.set()
+                    self._cv.notify_all()
             # A copy in flight stops between chunks; a replicator inside one storage call
             # that does not answer (an unreachable tier 1 and its client's retries) is
             # left behind once the bound is spent: it can no longer commit anything half
             # way, and close() keeps its word on timeout_s.
             # (Multi-rank: the replicators stop together, at their next agreed exchange,
             # which waits up to timeout_s for the other ranks' close().)
-            grace = self.timeout_s if self._multi else _STOP_GRACE_S
+            grace = self.timeout_s if self._multi and drain else _STOP_GRACE_S
             self._thread.join(max(deadline - time.monotonic(), grace))
             stopped = True
             if self._thread.is_alive() or (self._opener is not None and self._opener.is_alive()):
@@ -2523,7 +2556,9 @@ class TieredCheckpointManager:
         except BaseException as exc:  # raised below, after the replicator has stopped
             error = exc
         if not stopped:
-            stop_replication(False)
+            # Interrupted (Ctrl-C): stop without draining, which waited for the whole
+            # drain (up to timeout_s) before the interrupt was raised.
+            stop_replication(False, drain=error is None or isinstance(error, Exception))
         if self._peer_group is not None and self.fast.is_coordinator:
             self._prune_peer_copies()  # tier 0's last rotation is done (closed above)
         for reader in (self._reader, self._local_reader_mgr, *self._peer_readers.values()):
@@ -2539,9 +2574,21 @@ class TieredCheckpointManager:
                 self._last_error or self._fatal or "time ran out",
                 self.fast.root,
             )
+        self._left_at_close, self._closed = left, True
         if error is not None:
             raise error
         return left
+
+    def _not_on_the_replicator(self, what: str) -> None:
+        """Refuse a call that waits for replication from the replicator's own thread
+        (``on_commit(1, info)`` runs there): it waited for itself, and replication
+        stopped for good."""
+        if threading.current_thread() is getattr(self, "_thread", None):
+            raise CheckpointError(
+                f"{what} was called from on_commit(1, ...), on the replicator's thread: it "
+                "would wait for itself. on_commit(1, info) is called once step info.step "
+                "is committed on the persistent tier: there is nothing to wait for"
+            )
 
     def _drain(self, timeout_s: float | None) -> None:
         with self._cv:
