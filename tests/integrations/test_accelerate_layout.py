@@ -181,6 +181,27 @@ def test_the_iteration_advice_of_a_refused_save_works_when_followed(tmp_path: Pa
     close(acc)
 
 
+def test_load_state_given_one_checkpoint_folder_as_root_says_so(tmp_path: Path) -> None:
+    # It answered "no checkpoint under .../checkpoint_1; pass missing_ok=True to start
+    # from scratch": that skipped the very checkpoint the user pointed at.
+    # (One of ours holds a manifest: the manager itself refuses it as a root.)
+    project = tmp_path / "run"
+    acc, model, *_ = build(str(project), total_limit=None)
+    acc.save_state()  # stock: checkpoint_0
+    acc.save_state()  # stock: checkpoint_1
+    expected = _weights(model)
+    one = project / "checkpoints" / "checkpoint_1"
+    acc, model, *_ = build(str(project), total_limit=None, seed=5)
+    for missing_ok in (False, True):
+        with pytest.raises(CheckpointNotFoundError, match="is one checkpoint folder") as err:
+            load_state(acc, root=one, missing_ok=missing_ok, timeout_s=30)
+        assert "step=1" in str(err.value) and "missing_ok" not in str(err.value)
+    # As it says (a stock folder is adopted first, as load_state's own error says).
+    assert load_state(acc, step=1, adopt_existing=True, timeout_s=30).step == 1
+    assert _weights(model) == expected
+    close(acc)
+
+
 def test_load_state_skips_checkpoints_the_manager_saved_into_the_project(
     tmp_path: Path, caplog
 ) -> None:

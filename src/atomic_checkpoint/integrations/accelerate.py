@@ -738,6 +738,16 @@ def load_state(
                 "load_state(accelerator, adopt_existing=True) when they are complete"
             ) from None
         if chosen is None:
+            name = os.path.basename(os.fspath(opened.folders).rstrip("/"))
+            one = parse_accelerate_name(name)
+            one = parse_checkpoint_name(name) if one is None else one
+            if one is not None:
+                # root= one checkpoint folder: missing_ok would skip the checkpoint asked for.
+                raise CheckpointNotFoundError(
+                    f"load_state: {opened.folders} is one checkpoint folder, not a folder of "
+                    f"checkpoints: pass the folder that holds it as root= (or none, for the "
+                    f"project's), with step={one}"
+                )
             if missing_ok:
                 return None
             raise CheckpointNotFoundError(
