@@ -633,7 +633,9 @@ def manifest_figures(world: int, per_rank: int, work: str, repeat: int = 3) -> d
         commit_seq=1,
         world_size=world,
         files=tuple(files),
-        state_kind="per_rank",
+        # Each rank's files in its own folder, as a saving() block or DCP writes them:
+        # a per-rank checkpoint lists rank-<r>.safetensors for every rank.
+        state_kind="files",
         strategy="rename",
     )
     write_s, read_s, validate_s = [], [], []

@@ -30,10 +30,15 @@ replicated (ROOT's copy is corrupt), 2 when PERSISTENT did not answer within
 only: under torchrun (``WORLD_SIZE`` > 1), one ``drain`` process per node drains every
 node's copy together, as the job's replicators would. ``--json``: ``{"schema_version", "command":
 "drain", "root", "to", "run_id", "root_missing", "replicated": [{"step", "size_bytes", "seconds"}],
-"failed": [{"step", "problem"}], "left": [step, ...], "ok": bool}``. ``list --tier
-ROOT2`` and ``verify --tier ROOT2`` (repeatable) also read the run's other tiers: each
+"failed": [{"step", "problem"}], "left": [step, ...], "not_copied_below_newest": [step,
+...], "ok": bool}``; ``not_copied_below_newest``: ROOT's steps that PERSISTENT lacks below
+its newest step (its retention removed them), which drain never copies back. ``list --tier
+ROOT2`` and ``verify --tier ROOT2`` (repeatable) also read the run's other tiers: their
+document gets ``tiers`` (the URLs, ROOT first: the index of each is a tier number), each
 ``list`` entry gets ``tiers`` (indexes, 0 = ROOT) and a step held only elsewhere gets a
-row of its own; ``verify`` checks every copy on every tier, each result with ``tier``;
+row of its own; ``verify`` checks every copy on every tier, each result with ``tier``
+(status ``differs``: a copy on another tier whose files' checksums are not ROOT's copy's,
+so not a replica of it; shown as ANOTHER COPY);
 ``inspect`` says each tier's copy of STEP (``tiers``: ``[{"tier", "url", "status",
 "problem"}]``, status ok, missing, corrupt or foreign) and shows another tier's copy
 when ROOT has none.
@@ -106,7 +111,8 @@ strings or null. ``list --json``::
 
 - ``verify``: ``{"schema_version", "command": "verify", "root", "run_id", "ok": bool,
   "checkpoints": [{"name", "step", "status": "ok" | "corrupt" | "error" |
-  "not_a_checkpoint", "problem", "run_id", "size_bytes", "verified_bytes", "seconds"}],
+  "not_a_checkpoint" | "differs", "problem", "run_id", "size_bytes", "verified_bytes",
+  "seconds"}],
   "skipped": [{"name", "step", "status", "problem", "in_progress": bool}]}``; ``error``
   means the files could not be read (permissions, I/O), not that they differ;
   ``not_a_checkpoint`` is a ``checkpoint-<step>`` entry with no readable manifest
@@ -116,10 +122,14 @@ strings or null. ``list --json``::
   rollback) is listed in ``skipped`` with status ``removed`` and does not fail
   ``verify ROOT`` (``verify ROOT STEP`` of that step fails with ``error``).
 - ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
-  "lock": <lock> | null, "lock_removed": bool, "removed": [{"name", "kind": "pending" |
-  "trash" | "stale", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
-  "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed. With
-  marker commits (object stores) an uncommitted ``checkpoint-<step>`` is ``pending``,
+  "lock": <lock> | null, "lock_removed": bool, "restored": [{"name", "copy", "from"}],
+  "removed": [{"name", "kind": "pending" | "trash" | "stale" | "upload" | "temporary",
+  "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
+  "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed.
+  ``restored``: steps an overwrite interrupted between its two renames had left absent,
+  put back first (``copy``: "new" or "old", ``from``: the folder it was put back from).
+  ``temporary``: a temporary file of an atomic write whose writer is gone. With marker
+  commits (object stores) an uncommitted ``checkpoint-<step>`` is ``pending``,
   and the attempts and markers a crash left beside a committed one are ``stale``. On
   S3, an unfinished multipart upload under ROOT/ that ``clean`` aborted is ``upload``
   (``size_bytes`` 0: unknown); none is aborted while a live job holds the lock.

@@ -504,3 +504,13 @@ def test_the_deprecated_gather_warns_and_answers_as_gather_and_route():
     assert got == ([7], 7)
     assert only.gather_and_route("g", 8, dst=0, timeout_s=10, reduce=sum) == ([8], 8, None)
     del server
+
+
+def test_the_manifest_figures_of_the_scale_benchmark_run(tmp_path):
+    # docs/scale.md's manifest table (`benchmarks/scale.py --manifests 8,64,...`, and the
+    # default run that writes scale.json and the plot): the manifest it built listed
+    # each rank's files in a folder of its own as per-rank state, which the manifest
+    # check refuses (no rank-<r>.safetensors), so the run died before writing anything.
+    row = scale.manifest_figures(8, 4, str(tmp_path), repeat=1)
+    assert row["world"] == 8 and row["files"] >= 8 * 4 and row["size_bytes"] > 0
+    assert row["write_s"] >= 0 and row["read_s"] >= 0 and row["validate_s"] >= 0
