@@ -214,6 +214,24 @@ def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
     return prepare
 
 
+def _op_failed_overwrite(step: int, version: int):
+    """``save(overwrite=True)`` that fails between the two renames of an overwrite
+    without RENAME_EXCHANGE (fault point ``mid_replace`` raises), then ``close()``."""
+
+    def act(mgr: Any, rec: Any) -> None:
+        os.environ["ATOMIC_CHECKPOINT_FAULTS"] = "mid_replace@*=raise"
+        try:
+            mgr.save(step, state_of(step, version), overwrite=True)
+        except Exception:
+            pass
+        finally:
+            os.environ.pop("ATOMIC_CHECKPOINT_FAULTS", None)
+        rec.mark("failed")
+        mgr.wait()
+
+    return _operation(act)
+
+
 def _op_rollback(to: int):
     def act(mgr: Any, rec: Any) -> None:
         mgr.rollback(to)
@@ -257,6 +275,28 @@ def _prepare_crashed(root: str) -> None:
         pending = MarkerStrategy().prepare(storage, 3, "0a1b2c3d4e5f6a7b")
         with storage.open_write(f"{pending}/rank-00000.safetensors") as w:
             w.write(b"\0" * 5000)
+    os.sync()
+    # No close: the lock stays with this process, which exits now.
+
+
+def _prepare_interrupted_overwrite(root: str) -> None:
+    """Checkpoints 1 and 2 (version 0), then what an overwrite of step 2 (version 1)
+    without RENAME_EXCHANGE leaves when it crashes between its two renames: the old
+    copy in ``.trash/checkpoint-2.<a>.replaced``, the new one, whole, in
+    ``.pending/checkpoint-2.<a>``, step 2 absent; the job dies holding the run lock.
+    The next start's ``recover_replaced`` must put a complete copy back durably
+    before its sweep deletes the other one."""
+    mgr = _opened(root)
+    mgr.save(1, state_of(1))
+    mgr.save(2, state_of(2))
+    mgr.wait()
+    attempt = "0a1b2c3d4e5f6a7b"
+    old = os.path.join(root, ".trash", f"checkpoint-2.{attempt}.replaced")
+    os.makedirs(os.path.dirname(old), exist_ok=True)
+    shutil.copytree(os.path.join(root, "checkpoint-2"), old)
+    mgr.save(2, state_of(2, 1), overwrite=True)
+    mgr.wait()
+    os.rename(os.path.join(root, "checkpoint-2"), f"{root}/.pending/checkpoint-2.{attempt}")
     os.sync()
     # No close: the lock stays with this process, which exits now.
 
@@ -341,6 +381,28 @@ def _scenarios() -> list[Scenario]:
         async_save,
     ]
     out = [s for storage, settings in _STORAGES.items() for s in _on(storage, basic, **settings)]
+    # A start after an overwrite without RENAME_EXCHANGE crashed between its two
+    # renames: recover_replaced's rename back and its fsyncs are recorded too.
+    out += _on(
+        "no-exchange",
+        [
+            Scenario(
+                "recover-replaced",
+                _prepare_interrupted_overwrite,
+                _op_start(),
+                {1: 0, 2: 0},
+                {2: 1},
+            ),
+            Scenario(
+                "failed-overwrite",
+                _saved({1: 0, 2: 0}),
+                _op_failed_overwrite(2, 1),
+                {1: 0, 2: 0},
+                {2: 1},
+            ),
+        ],
+        **_STORAGES["no-exchange"],
+    )
     with_files = [
         Scenario("saving", _prepare_saving([1]), _op_saving(2), {1: 0}, {2: 0}, files=True)
     ]
@@ -1019,6 +1081,8 @@ CI_SCENARIOS = (
     "async-save/local-odirect",
     "saving/local",
     "saving/marker",
+    "recover-replaced/no-exchange",
+    "failed-overwrite/no-exchange",
 )
 
 #: --quick / --full sizes: (states sampled per crash point, cap per scenario). --quick

@@ -1115,6 +1115,10 @@ def _undo(fn: Callable[[], object], storage: Storage, final: str) -> None:
     A failure here is logged: the copies stay where ``recover_replaced`` finds them."""
     try:
         fn()
+        # The copy put back must be durable before the caller's discard deletes the
+        # other one: a crash could keep the delete and lose this rename, and the next
+        # start's sweep took the replaced copy, orphaned in .trash/, for garbage.
+        storage.fsync_dir("")
     except Exception as exc:
         log.warning(
             "could not put the replaced copy of %s back after a failed overwrite: %s "
