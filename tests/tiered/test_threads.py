@@ -99,6 +99,16 @@ def test_ctrl_c_during_the_drain_of_close_stops_at_once(tmp_path, monkeypatch):
         real(where, rank, step)
 
     monkeypatch.setattr(tiered_module, "fault_point", stuck)
+    # Other tests' managers may still run threads in this process: only this one's count.
+    before = set(threading.enumerate())
+
+    def ours() -> list[str]:
+        return [
+            t.name
+            for t in threading.enumerate()
+            if t not in before and t.name.startswith("atomic-checkpoint")
+        ]
+
     mgr = tiers(tmp_path)
     mgr.save(1, state(1))
     assert mgr.wait_replicated(1, timeout_s=10)
@@ -113,11 +123,10 @@ def test_ctrl_c_during_the_drain_of_close_stops_at_once(tmp_path, monkeypatch):
     assert mgr.close() == [2]  # what did not reach tier 1, again
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (
-        any(t.name.startswith("atomic-checkpoint") for t in threading.enumerate())
-        or (tmp_path / "slow" / ".atomic-checkpoint" / "lock.json").exists()
+        ours() or (tmp_path / "slow" / ".atomic-checkpoint" / "lock.json").exists()
     ):
         time.sleep(0.05)
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("atomic-checkpoint")]
+    assert not ours()
     assert not (tmp_path / "slow" / ".atomic-checkpoint" / "lock.json").exists()
     assert on_tier_1(tmp_path) == [1]  # the copy in flight was discarded, never half done
 
