@@ -2634,30 +2634,38 @@ class CheckpointManager:
             self._closed = True
             return
         self._check_process("close()")
+        self._close_in_save_slot(
+            functools.partial(self._close, "close()", stop_bound_s=None), lambda: self._closed
+        )
+
+    def _close_in_save_slot(self, body: Callable[[], object], closed: Callable[[], bool]) -> bool:
+        """Run ``body``, a close of this manager (or of the tiered manager over it), as
+        ``close()`` must: a save running on another thread ends first (closed under it,
+        the run lock was released while it still wrote, and it failed afterwards or
+        committed without the lock: DESIGN invariant 12); a save inside ``body`` is
+        refused; a second close waits for the first and finds it ``closed()``. Inside a
+        save of this very thread (a signal handler that interrupted it, or a synchronous
+        save's ``on_commit``), ``body`` runs as soon as that save has ended, and this
+        returns False at once (closed there, the lock went under the save, and inside
+        ``save_async``'s copy close waited ``timeout_s`` for bytes only this thread
+        copies)."""
         me = threading.get_ident()
         if self._saver_thread == me:
-            # Inside a save of this thread: a signal handler that interrupted it, or a
-            # synchronous save's on_commit. Closed here, the run lock was released under
-            # the save, which went on when the handler returned and could commit without
-            # it (and inside save_async's copy, close waited timeout_s for bytes only
-            # this thread copies). The save ends first, then the manager closes.
-            self._close_after_save = functools.partial(self._close, "close()", stop_bound_s=None)
+            self._close_after_save = body
             log.warning(
                 "close() was called inside a save on the same thread (a signal handler, or "
                 "on_commit): the manager closes as soon as that save has ended"
             )
-            return
-        # A save running on another thread ends first: close() returned while it still
-        # wrote, and it failed afterwards and removed its pending data (DESIGN
-        # invariant 12: after close returns, no thread of this manager touches ROOT).
+            return False
         with self._save_mutex:
-            if self._closed:
-                return
+            if closed():
+                return True
             self._saver_thread = me  # a save called from inside close is refused
             try:
-                self._close("close()", stop_bound_s=None)
+                body()
             finally:
                 self._saver_thread = None
+        return True
 
     def _close(
         self,

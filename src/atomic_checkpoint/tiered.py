@@ -2479,28 +2479,15 @@ class TieredCheckpointManager:
         if self._closed:
             return list(self._left_at_close)
         self._not_on_the_replicator("close()")
-        fast, me = self.fast, threading.get_ident()
-        if fast._saver_thread == me:
-            # Inside a save of tier 0 on this thread (a signal handler that interrupted
-            # it, or on_commit): as CheckpointManager.close, the save ends first.
-            fast._close_after_save = functools.partial(self._close, timeout_s)
-            log.warning(
-                "close() was called inside a save on the same thread (a signal handler, or "
-                "on_commit): the manager closes as soon as that save has ended"
-            )
+        # Under tier 0's save slot, as CheckpointManager.close: a save on another thread
+        # ends first (closed under it, tier 0's lock went while it still wrote), a second
+        # close() waits for the first and returns what it returned, and a close inside a
+        # save on this thread runs once that save has ended.
+        if not self.fast._close_in_save_slot(
+            functools.partial(self._close, timeout_s), lambda: self._closed
+        ):
             return self.replication_backlog()
-        # A save on another thread ends first, as CheckpointManager.close waits for it:
-        # closed under it, tier 0's run lock was released while the save went on (it
-        # failed "not held by this job", or committed a step no one replicated). A
-        # second close() waits for the first and returns what it returned.
-        with fast._save_mutex:
-            if self._closed:
-                return list(self._left_at_close)
-            fast._saver_thread = me  # a save called from inside close is refused
-            try:
-                return self._close(timeout_s)
-            finally:
-                fast._saver_thread = None
+        return list(self._left_at_close)
 
     def _close(self, timeout_s: float | None) -> list[int]:
         """``close``, with tier 0's save slot held by this thread."""

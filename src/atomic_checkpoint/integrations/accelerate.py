@@ -69,6 +69,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, SupportsFloat
 
+from .. import catalog
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt, set_aside_unmanifested
 from ..catalog import read_manifest
 from ..coordination import Coordinator, gather_summary, rank_failure, shared_failures
@@ -588,8 +589,8 @@ def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
                 try:
                     if accelerate_is_complete(folder) is None:
                         # With the newest step there: an iteration above it is free.
-                        steps = map(parse_checkpoint_name, mgr.storage.listdir(""))
-                        newest = max((s for s in steps if s is not None), default=step)
+                        listed = catalog.listed_steps(mgr.storage)
+                        newest = max((s for s, _ in listed), default=step)
                         problem = (mgr.storage.url(name), newest)
                 except CheckpointError:
                     pass  # unreadable: torn, replaced like one
