@@ -214,14 +214,15 @@ def _prepare_saving(steps: list[int]) -> Callable[[str], None]:
     return prepare
 
 
-def _op_failed_overwrite(step: int, version: int):
-    """``save(overwrite=True)`` that fails between the two renames of an overwrite
-    without RENAME_EXCHANGE (fault point ``mid_replace`` raises), then ``close()``."""
+def _op_failing(step: int, version: int, point: str, *, overwrite: bool = False):
+    """A ``save`` that fails where fault point ``point`` raises, then ``wait()``: the
+    save's own clean-up (the strategy's ``discard``, an overwrite's put-back) is what
+    the crash cuts."""
 
     def act(mgr: Any, rec: Any) -> None:
-        os.environ["ATOMIC_CHECKPOINT_FAULTS"] = "mid_replace@*=raise"
+        os.environ["ATOMIC_CHECKPOINT_FAULTS"] = f"{point}@*=raise"
         try:
-            mgr.save(step, state_of(step, version), overwrite=True)
+            mgr.save(step, state_of(step, version), overwrite=overwrite)
         except Exception:
             pass
         finally:
@@ -396,13 +397,26 @@ def _scenarios() -> list[Scenario]:
             Scenario(
                 "failed-overwrite",
                 _saved({1: 0, 2: 0}),
-                _op_failed_overwrite(2, 1),
+                # fails between the two renames of an overwrite without RENAME_EXCHANGE
+                _op_failing(2, 1, "mid_replace", overwrite=True),
                 {1: 0, 2: 0},
                 {2: 1},
             ),
         ],
         **_STORAGES["no-exchange"],
     )
+    # A save that fails after every rank reported its files (the commit began): the
+    # attempt is discarded (with the marker strategy, its data before its marker), and
+    # no crash during that may leave step 2 listed or leftovers a start cannot remove.
+    out += [
+        s
+        for storage in ("local", "marker")
+        for s in _on(
+            storage,
+            [Scenario("failed-save", _saved({1: 0}), _op_failing(2, 0, "after_manifest"), {1: 0})],
+            **_STORAGES[storage],
+        )
+    ]
     with_files = [
         Scenario("saving", _prepare_saving([1]), _op_saving(2), {1: 0}, {2: 0}, files=True)
     ]
@@ -1083,6 +1097,8 @@ CI_SCENARIOS = (
     "saving/marker",
     "recover-replaced/no-exchange",
     "failed-overwrite/no-exchange",
+    "failed-save/local",
+    "failed-save/marker",
 )
 
 #: --quick / --full sizes: (states sampled per crash point, cap per scenario). --quick

