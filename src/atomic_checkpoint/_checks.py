@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["flag", "positive_seconds", "retention_policy"]
+__all__ = ["flag", "positive_seconds", "retention_policy", "wait_seconds"]
 
 
 def flag(name: str, value: Any) -> bool:
@@ -26,7 +26,14 @@ def flag(name: str, value: Any) -> bool:
 
 
 def positive_seconds(name: str, value: Any) -> float:
-    """``value`` as a positive, finite number of seconds, else ``ValueError``."""
+    """``value`` as a positive, finite number of seconds, else ``ValueError`` (a number
+    out of range) or ``TypeError`` (not a number: text from a config file, and a bool,
+    which ``float()`` takes as 1 second)."""
+    if isinstance(value, (str, bytes, bytearray, bool)):
+        raise TypeError(
+            f"{name} must be a number of seconds, got {value!r} ({type(value).__name__}); "
+            "convert a setting read as text first (float(value))"
+        )
     try:
         seconds = float(value)
     except (TypeError, ValueError):
@@ -37,6 +44,16 @@ def positive_seconds(name: str, value: Any) -> float:
             "bound that never matters in practice, pass e.g. 86400: a day)"
         )
     return seconds
+
+
+def wait_seconds(name: str, value: Any) -> float | None:
+    """A bound on a wait: None (no bound), 0 (do not wait: poll) or a positive number
+    of seconds, checked as :func:`positive_seconds` does."""
+    if value is None:
+        return None
+    if not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0:
+        return 0.0
+    return positive_seconds(name, value)
 
 
 def retention_policy(policy: Any) -> None:

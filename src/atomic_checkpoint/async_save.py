@@ -63,6 +63,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._checks import wait_seconds
 from .errors import CheckpointError, SaveAbandonedError
 from .manifest import CheckpointInfo
 from .serialization import is_big_endian
@@ -144,6 +145,7 @@ class SaveHandle:
             CheckpointError: the save failed (the same error on every rank); the
                 previous checkpoints are intact.
         """
+        timeout = wait_seconds("timeout", timeout)
         if not self._done.wait(timeout):
             raise TimeoutError(
                 f"async save of step {self.step} still running after {timeout:g} s"

@@ -695,9 +695,9 @@ def _is_step_committed(
             # Not "already committed": nothing valid is there, but it is never replaced
             # silently (it may be a checkpoint whose manifest a disk fault damaged).
             raise errors.CheckpointExistsError(
-                f"{storage.url(name)} holds a manifest that cannot be read ({exc}): it is not "
-                "a valid checkpoint, and it is never replaced silently. Pass overwrite=True "
-                "to replace it, or move it away"
+                f"{storage.url(name)} is not a valid checkpoint ({exc}), and it is never "
+                "replaced silently (it may be a checkpoint a disk fault damaged, or one "
+                "copied from elsewhere). Pass overwrite=True to replace it, or move it away"
             ) from None
     return True
 

@@ -32,6 +32,7 @@ from . import catalog, commit
 from ._checks import flag as _flag
 from ._checks import positive_seconds as _positive_seconds
 from ._checks import retention_policy
+from ._checks import wait_seconds as _wait_seconds
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
@@ -52,6 +53,7 @@ from .errors import (
     CommitError,
     CorruptCheckpointError,
     DistributedCheckpointError,
+    FencedError,
     RankFailure,
     ReadOnlyError,
     ResumeError,
@@ -276,7 +278,8 @@ class CheckpointManager:
         # Made here, so this manager marks it left at close (``_leave``); one passed in
         # may go on serving other calls (a TieredCheckpointManager's tier 0).
         self._owns_coordinator = coordinator is None
-        self.retention = retention
+        retention_policy(retention)
+        self._retention = retention
         self.timeout_s = timeout_s
         self.read_only = read_only
         self.on_commit = on_commit
@@ -404,12 +407,18 @@ class CheckpointManager:
     @property
     def retention(self) -> RetentionPolicy | None:
         """The retention policy (None: keep everything). May be set to another
-        policy; ``apply_retention()`` applies it at once, else the next save does."""
+        policy; ``apply_retention()`` applies it at once, else the next save does. The
+        clean-up of a save already committed runs under the policy it committed with:
+        setting a new one first waits for it."""
         return self._retention
 
     @retention.setter
     def retention(self, policy: RetentionPolicy | None) -> None:
         retention_policy(policy)
+        # The rotation of the last save reads the policy when it runs, off this thread:
+        # set at once, a new policy changed (or cancelled) the clean-up of a save that
+        # had returned, depending on timing.
+        self._finish_rotation()
         self._retention = policy
 
     def __repr__(self) -> str:
@@ -444,8 +453,9 @@ class CheckpointManager:
         gets its own leader's result and ``combine`` of every leader's result (in the
         order of ``domain.leaders``), or every rank raises the failure. Collective.
 
-        Refused inside ``on_commit`` with several ranks: it runs on the coordinator
-        alone, so a collective call there waits for ranks that never make it.
+        Refused inside ``on_commit``: it runs on the coordinator alone, so with several
+        ranks a collective call there waits for ranks that never make it (refused with
+        one process too, so that code is not written that fails once there are more).
 
         ``pick(result, want)``: what a rank other than the leader receives of its
         leader's result, given the ``want`` it sent (e.g. the manifest with only the
@@ -1300,7 +1310,7 @@ class CheckpointManager:
     #: A tier of a ``TieredCheckpointManager`` (its tier 0 subclass says so): what this
     #: root lacks is not what the job lacks.
     _one_tier_of_several = False
-    #: The thread inside ``on_commit`` (several ranks only): see ``_on_leaders``.
+    #: The thread inside ``on_commit``: see ``_on_leaders``.
     _callback_thread: int | None = None
 
     # ------------------------------------------------------------------ async saving
@@ -1591,8 +1601,7 @@ class CheckpointManager:
             CheckpointError: the async save failed (raised once, on every rank).
         """
         self._check_process("wait()")
-        if timeout_s is not None:  # 0 polls
-            timeout_s = 0.0 if timeout_s == 0 else _positive_seconds("timeout_s", timeout_s)
+        timeout_s = _wait_seconds("timeout_s", timeout_s)  # 0 polls
         info = self._finish_async(timeout_s)
         self._finish_rotation()
         return info
@@ -1720,7 +1729,7 @@ class CheckpointManager:
         if step in self._failed_verification and not overwrite:
             log.warning(
                 "saving step %d replaces checkpoint %s of %s, which failed verification "
-                "(restore() skips it)",
+                "(a resume skips it)",
                 step,
                 checkpoint_name(step),
                 self.root,
@@ -1772,8 +1781,10 @@ class CheckpointManager:
         callback = self.on_commit
         if callback is None:  # pragma: no cover - checked by the caller
             return
-        if self.world_size > 1:
-            self._callback_thread = threading.get_ident()  # see _on_leaders
+        # With one process too (see _on_leaders): code that works there fails once the
+        # job has several ranks, and a rollback() there deleted the checkpoint the save
+        # then returned.
+        self._callback_thread = threading.get_ident()
         try:
             callback(info)
         except Exception:
@@ -2186,6 +2197,8 @@ class CheckpointManager:
         ``checkpoints()``): each returns only once the rotation ended."""
         with self._rotation_lock:
             t = self._rotation
+        if t is threading.current_thread():
+            return  # called from the rotation itself (a policy's code): it is running
         if t is not None:
             t.join()
         with self._rotation_lock:
@@ -2435,6 +2448,52 @@ class CheckpointManager:
     #: The checkpoint the last successful ``restore`` loaded (after a fallback, the older
     #: one), the same on every rank.
     last_restored: CheckpointInfo | None = None
+
+    def resumed_from(self, info: CheckpointInfo, *, corrupt: Iterable[int] = ()) -> None:
+        """Record a resume that your own loader did, so that the manager goes on as
+        after a ``restore()`` that made the same choice: for checkpoints whose files
+        are read by other code (a ``saving()`` block's, a framework's; the DCP and
+        Accelerate integrations call it).
+
+        ``corrupt`` are the newer checkpoints the loader tried first, newest first, and
+        found corrupt (every checkpoint above ``info.step`` that it skipped). From then
+        on, as after ``restore()`` skipped them: retention neither counts nor deletes
+        them (a corrupt newest never makes it delete the checkpoint just loaded), a save
+        of one of their steps replaces it with a warning instead of raising
+        ``CheckpointExistsError``, and saves above ``info.step`` are not refused as going
+        back (``StepOrderError``). Their files stay for inspection (``atomic-checkpoint
+        verify``); ``rollback(info.step)`` removes them.
+
+        Call it on every rank alike (a verdict the ranks agreed on). Not collective: it
+        only records. ``last_restored`` becomes ``info``.
+
+        Example (files written with ``saving()``, read back by your own code)::
+
+            corrupt = []
+            for info in reversed(mgr.checkpoints()):
+                if my_loader_accepts(info.path):
+                    mgr.resumed_from(info, corrupt=corrupt)
+                    break
+                corrupt.append(info.step)
+
+        Raises:
+            ValueError: a ``corrupt`` step is not above ``info.step``.
+        """
+        if not isinstance(info, CheckpointInfo):
+            raise TypeError(f"info must be a CheckpointInfo, got {type(info).__name__}")
+        bad = {validate_step(s) for s in corrupt}
+        below = sorted(s for s in bad if s <= info.step)
+        if below:
+            raise ValueError(
+                f"corrupt steps {below} are not above the step resumed from ({info.step}): "
+                "pass the newer checkpoints your loader skipped"
+            )
+        self._failed_verification.update(bad)
+        if self._newest_step is not None and self._newest_step in bad:
+            # Every checkpoint above info.step failed verification (the contract): the
+            # next save, above info.step, is not a rollback (as in _restore).
+            self._newest_step = info.step
+        self.last_restored = info
 
     def _restore_agreed(
         self, step: int, load: Callable[[Manifest], Any], rank: int | None = None
@@ -2817,16 +2876,23 @@ class CheckpointManager:
         for victim in reversed(victims):
             try:
                 self._delete_checkpoint(victim, why="rollback")
-            except BaseException:
+            except BaseException as exc:
+                # A job that lost ROOT (FencedError) cannot roll back at all: the advice
+                # to call again would fail the same way.
+                again = (
+                    "this job lost the run lock: the job that holds ROOT now decides"
+                    if isinstance(exc, FencedError)
+                    else f"call rollback({step}) again"
+                )
                 log.error(
                     "rollback to step %d in %s: removed step(s) %s, then removing step %d "
-                    "failed; step(s) %s were not touched. Call rollback(%d) again",
+                    "failed; step(s) %s were not touched (%s)",
                     step,
                     self.root,
                     removed,
                     victim,
                     [v for v in victims if v < victim],
-                    step,
+                    again,
                 )
                 raise
             removed.append(victim)
@@ -3080,6 +3146,18 @@ def _torch_device(device: Any) -> Any:
                 "(torch.cuda.device_count(); CUDA_VISIBLE_DEVICES may hide some): load "
                 "with device=None or 'cpu', or where that GPU is visible"
             )
+    elif dev.type not in ("cpu", "meta"):
+        # Another backend (mps, xpu, hpu...): one empty tensor asks torch whether this
+        # process can use it, before the file is read; it answered with a
+        # NotImplementedError or RuntimeError from the first tensor otherwise.
+        try:
+            torch.empty(0, device=dev)
+        except Exception as exc:
+            raise CheckpointError(
+                f"restore(device={device!r}): this process cannot allocate on {dev} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+                "load with device=None or 'cpu', or where that device is available"
+            ) from None
     return dev
 
 

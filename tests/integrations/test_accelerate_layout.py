@@ -400,7 +400,9 @@ def test_sigkill_mid_stock_save_state_under_the_switch_keeps_the_previous_checkp
     assert r["stock_loaded_vs_saved"] == []
 
 
-@pytest.mark.parametrize("how", ["explicit_step", "newer_ones_corrupt", "newest_torn"])
+@pytest.mark.parametrize(
+    "how", ["explicit_step", "newer_ones_corrupt", "newest_torn", "newest_manifest_lost"]
+)
 def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
     tmp_path: Path, how: str
 ) -> None:
@@ -428,6 +430,11 @@ def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
             # replaced checkpoint_3 without a word.
             manifest = project / "checkpoints" / "checkpoint_3" / MANIFEST
             manifest.write_bytes(manifest.read_bytes()[:100])
+        elif how == "newest_manifest_lost":
+            # A complete folder without a manifest, which a save refuses to replace: the
+            # counter went on after step 2, and the first save raised
+            # CheckpointExistsError, at every restart.
+            (project / "checkpoints" / "checkpoint_3" / MANIFEST).unlink()
         else:
             _corrupt(project, 3)
         info = acc.load_state()
@@ -437,6 +444,29 @@ def test_loading_an_older_checkpoint_continues_the_numbering_after_the_newest(
     assert acc.save_state().endswith("checkpoint_4")
     close(acc)
     assert _folders(project) == [f"checkpoint_{i}" for i in range(5)]
+
+
+def test_total_limit_neither_counts_nor_deletes_a_corrupt_newest_skipped_by_load_state(
+    tmp_path: Path,
+) -> None:
+    """total_limit=2, checkpoints 0-2, a flipped byte in 2: load_state() loads 1, and the
+    next save (3) kept the corrupt 2 and deleted 1, the checkpoint just loaded. Now 2 is
+    neither counted nor deleted (left for inspection), as after restore() skipped it."""
+    project = tmp_path / "run"
+    acc, model, opt, sched = build(str(project), total_limit=2)
+    make_atomic(acc, timeout_s=30)
+    for step in range(1, 4):
+        train_step(acc, model, opt, sched, step)
+        acc.save_state()
+    close(acc)
+    _corrupt(project, 2)
+    acc, model, opt, sched = build(str(project), total_limit=2, seed=3)
+    make_atomic(acc, timeout_s=30)
+    assert acc.load_state().step == 1
+    train_step(acc, model, opt, sched, 4)
+    assert acc.save_state().endswith("checkpoint_3")
+    close(acc)  # waits for the rotation
+    assert _folders(project) == ["checkpoint_1", "checkpoint_2", "checkpoint_3"]
 
 
 def test_a_rank_whose_write_failed_raises_the_error_every_other_rank_raises() -> None:

@@ -390,6 +390,49 @@ def test_truncated_shard_is_never_loaded(tmp_path):
     mgr.close()
 
 
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only a checksum can tell
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(60)
+def test_a_newest_checkpoint_load_dcp_skipped_for_its_checksums_is_replaced_and_never_counted(
+    tmp_path,
+):
+    """As after restore(): load_dcp() skipped step 2 (a flipped byte) and loaded step 1;
+    the job saves step 2 again (it replaced the corrupt copy, not CheckpointExistsError at
+    every restart), and KeepLast(2) neither counts nor deletes the corrupt one (it
+    deleted step 1, the checkpoint just loaded, and kept the corrupt one)."""
+    target = lambda: {"model": {"w": torch.zeros(ROWS, COLS)}, "step": 0}  # noqa: E731
+    for root in (tmp_path / "again", tmp_path / "kept"):
+        mgr = CheckpointManager(root, retention=KeepLast(2))
+        save_dcp(mgr, 1, _plain(1))
+        save_dcp(mgr, 2, _plain(2))
+        mgr.close()
+        _flip_a_byte(root / "checkpoint-2" / "__0_0.distcp")
+        mgr = CheckpointManager(root, retention=KeepLast(2))
+        loaded = target()
+        assert load_dcp(mgr, loaded).step == 1
+        assert torch.equal(loaded["model"]["w"], _full(1)["w"])
+        assert mgr.last_restored is not None and mgr.last_restored.step == 1
+        if root.name == "again":
+            save_dcp(mgr, 2, _plain(3))  # replaces the corrupt copy, with a warning
+            mgr.wait()
+            again = target()
+            assert load_dcp(mgr, again).step == 2
+            assert torch.equal(again["model"]["w"], _full(3)["w"])
+        else:
+            save_dcp(mgr, 3, _plain(3))
+            mgr.wait()
+            assert sorted(p.name for p in root.glob("checkpoint-*")) == [
+                "checkpoint-1",
+                "checkpoint-2",
+                "checkpoint-3",
+            ]
+        mgr.close()
+
+
 @pytest.mark.timeout(120)
 def test_example_dcp_sharded_runs(tmp_path):
     out = run_example(tmp_path, "dcp_sharded.py", tmp_path / "ckpt", timeout_s=100)

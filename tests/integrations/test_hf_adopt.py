@@ -136,6 +136,21 @@ def test_unsupported_private_method_signature_names_the_supported_releases(
     assert SUPPORTED_TRANSFORMERS in str(err.value)
     assert "_save_checkpoint(model, checkpoint_dir)" in str(err.value)
 
+    # One parameter more, without a default: accepted, and train() failed at the first
+    # save with "missing 1 required positional argument".
+    class OneMore(Trainer):
+        def _save_checkpoint(self, model: Any, trial: Any, metrics: Any) -> None:  # type: ignore[override]
+            raise AssertionError("never called")
+
+    class WithDefault(Trainer):
+        def _save_checkpoint(self, model: Any, trial: Any, metrics: Any = None) -> None:  # type: ignore[override]
+            super()._save_checkpoint(model, trial)
+
+    args = tiny_args(str(tmp_path / "out"), max_steps=2)
+    with pytest.raises(TypeError, match=r"_save_checkpoint\(model, trial, metrics\)"):
+        make_atomic(OneMore(model=tiny_model(), args=args))
+    make_atomic(WithDefault(model=tiny_model(), args=args))  # the Trainer's call works
+
 
 # ---------------------------------------------------------------------- adoption
 @pytest.mark.timeout(120)
@@ -199,6 +214,58 @@ def test_explicit_path_to_a_complete_stock_checkpoint_resumes_without_writing(
 
 
 # ---------------------------------------------------------------------- lock on errors
+@pytest.mark.timeout(180)
+def test_a_complete_stock_checkpoint_newer_than_ours_is_refused_at_resume_not_replaced(
+    tmp_path: Path,
+) -> None:
+    """Our run saved checkpoint-2 and -4; the stock Trainer went on to a complete
+    checkpoint-6. resume_from_checkpoint=True resumed from 4 with a warning, and the save
+    of step 6 replaced the stock folder: two steps of training lost without an error.
+    Now it is refused, saying how to opt in; opted in, the run resumes from 6."""
+    out = tmp_path / "out"
+    _trainer(out, 4, callbacks=[AtomicCheckpointCallback()]).train()
+    _trainer(out, 6).train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    stock = out / "checkpoint-6" / "trainer_state.json"
+    before = stock.read_bytes()
+    with pytest.raises(ResumeError) as err:
+        make_atomic(_trainer(out, 8)).train(resume_from_checkpoint=True)
+    message = str(err.value)
+    assert "['checkpoint-6']" in message and "newer than checkpoint-4" in message
+    assert "AtomicCheckpointCallback(adopt_existing=True)" in message
+    assert stock.read_bytes() == before and "checkpoint-6" not in _manifests(out)
+    assert _lock_free(out)
+
+    snap = SnapshotAt(0)
+    _trainer(out, 8, callbacks=[AtomicCheckpointCallback(adopt_existing=True), snap]).train(
+        resume_from_checkpoint=True
+    )
+    assert snap.first_step_seen == 6
+    assert _manifests(out) == {
+        "checkpoint-2": False,
+        "checkpoint-4": False,
+        "checkpoint-6": True,
+        "checkpoint-8": False,
+    }
+
+
+@pytest.mark.timeout(60)
+def test_a_url_output_dir_is_refused_before_training(tmp_path: Path, monkeypatch) -> None:
+    """output_dir="s3://bucket/run" trained and committed to the local folder
+    ./s3:/bucket/run, with the user believing the checkpoints were in the bucket."""
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(
+        model=tiny_model(),
+        args=tiny_args("s3://bucket/run", max_steps=2),
+        train_dataset=RandomTokens(32),
+        callbacks=[AtomicCheckpointCallback()],
+    )
+    with pytest.raises(CheckpointError, match="is a URL"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    # (The Trainer itself may create the empty folder when it is built.)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
 @pytest.mark.timeout(120)
 def test_lock_released_when_resume_finds_only_a_torn_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "out"

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -937,6 +938,43 @@ def test_bad_numbers_and_ranks_are_clear_errors(tmp_path):
         assert mgr.wait(timeout_s=30).step == 2
 
 
+def test_bounds_given_as_text_or_bool_are_refused_and_a_negative_result_timeout_too(tmp_path):
+    # timeout_s="10", b"10" and True (a 1 s bound) were accepted, since float() takes
+    # them; wait(timeout_s=True) polled for 1 s; handle.result(timeout=-1) of a running
+    # save raised TimeoutError "still running after -1 s".
+    for name in ("timeout_s", "lease_s", "visibility_timeout_s"):
+        for bad in ("10", b"10", True):
+            with pytest.raises(TypeError, match=f"{name} must be a number of seconds"):
+                CheckpointManager(tmp_path / "never", **{name: bad})
+    assert not (tmp_path / "never").exists()
+    with CheckpointManager(tmp_path / "root") as mgr:
+        handle = mgr.save_async(1, state(1))
+        for bad in ("5", True):
+            with pytest.raises(TypeError, match="must be a number of seconds"):
+                mgr.wait(timeout_s=bad)
+            with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+                handle.result(timeout=bad)
+        with pytest.raises(ValueError, match="timeout must be a positive"):
+            handle.result(timeout=-1)
+        assert handle.result(timeout=30).step == 1
+        assert handle.result(timeout=0).step == 1  # 0 polls
+
+
+def test_restore_to_a_device_this_process_cannot_use_is_a_checkpoint_error(tmp_path):
+    # device="mps" (or "xpu") on a machine without it raised torch's NotImplementedError
+    # or AssertionError from the first tensor, after the file was read.
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"t": torch.ones(2)})
+        for device in ("mps", "xpu"):
+            if (
+                getattr(torch, device, None) is not None and getattr(torch, device).is_available()
+            ):  # pragma: no cover - a machine that has one
+                continue
+            with pytest.raises(CheckpointError, match=f"cannot allocate on {device}"):
+                mgr.restore(device=device)
+        assert mgr.restore(device="meta")["t"].device.type == "meta"
+
+
 def test_a_storage_object_that_lacks_part_of_the_protocol_is_refused_at_open(tmp_path):
     # A user's wrapper that forwards only the methods its author thought of was
     # accepted (it had listdir and url), and its first save failed at the commit with
@@ -1028,3 +1066,47 @@ def test_the_info_a_save_returns_equals_the_one_read_back(tmp_path):
         info = mgr.save(1, {"x": torch.zeros(2)}, metrics={"loss": 0.5})
         assert info.timings_s  # still reported
         assert info == mgr.latest() and info in mgr.checkpoints()
+
+
+def test_collective_calls_inside_on_commit_are_refused_with_one_process_too(tmp_path):
+    """A rollback() inside on_commit of a synchronous save deleted the checkpoint the
+    save then returned; latest() and checkpoints() there worked with one process and
+    hung or failed once the job had several ranks. Refused, as the FAQ says."""
+    seen: dict[str, str] = {}
+
+    def on_commit(info):
+        calls = {
+            "latest": mgr.latest,
+            "checkpoints": mgr.checkpoints,
+            "restore": mgr.restore,
+            "apply_retention": mgr.apply_retention,
+            "rollback": lambda: mgr.rollback(0, allow_empty=True),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                seen[name] = "ran"
+            except CheckpointError as exc:
+                seen[name] = str(exc)
+
+    mgr = CheckpointManager(tmp_path, on_commit=on_commit)
+    info = mgr.save(1, {"w": 1})
+    assert set(seen) == {"latest", "checkpoints", "restore", "apply_retention", "rollback"}
+    assert all("made from on_commit" in why for why in seen.values()), seen
+    assert os.path.isdir(info.path) and mgr.latest() == info
+    mgr.close()
+
+
+def test_a_new_retention_policy_never_changes_the_clean_up_of_a_save_that_returned(tmp_path):
+    """Saved under KeepLast(1), step 1 was kept or deleted depending on whether the
+    background rotation had run before `mgr.retention = None`; the setter now waits for it."""
+    for pause in (0.0, 0.3):
+        root = tmp_path / f"pause-{pause}"
+        mgr = CheckpointManager(root, retention=KeepLast(1))
+        mgr.save(1, {"w": 1})
+        mgr.save(2, {"w": 2})
+        time.sleep(pause)
+        mgr.retention = None
+        mgr.save(3, {"w": 3})
+        assert [c.step for c in mgr.checkpoints()] == [2, 3]
+        mgr.close()

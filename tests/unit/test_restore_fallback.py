@@ -188,3 +188,37 @@ def test_a_failed_restore_into_says_the_targets_hold_unverified_data(tmp_path, c
             mgr.restore(10, into=target)
         assert "reinitialise" not in str(plain.value)
         assert mgr.restore(10)["w"][0] == 1.0  # without into=: fine
+
+
+def test_resumed_from_records_a_fallback_that_the_users_own_loader_made(tmp_path):
+    """Files written with saving() and read back by the user's code: the loader skipped
+    the corrupt steps 3 and 2 and loaded 1. resumed_from() makes the manager go on as
+    after restore() made that choice: saves above 1 are not a rollback, a save of 2
+    replaces the corrupt copy, and retention neither counts nor deletes 3."""
+    mgr = CheckpointManager(tmp_path)
+    for step in (1, 2, 3):
+        with mgr.saving(step) as d:
+            (d / "weights.bin").write_bytes(bytes([step]) * 64)
+    mgr.close()
+    mgr = CheckpointManager(tmp_path, retention=KeepLast(2))
+    infos = {c.step: c for c in mgr.checkpoints()}
+    with pytest.raises(ValueError, match=r"corrupt steps \[1\] are not above"):
+        mgr.resumed_from(infos[2], corrupt=[3, 1])
+    mgr.resumed_from(infos[1], corrupt=[3, 2])
+    assert mgr.last_restored == infos[1]
+    with mgr.saving(2) as d:  # replaces the corrupt copy; before: CheckpointExistsError
+        (d / "weights.bin").write_bytes(b"\x22" * 64)
+    mgr.wait()
+    # KeepLast(2) over 1 and the new 2: nothing deleted, and 3 neither counted nor deleted.
+    assert sorted(os.listdir(tmp_path / "checkpoint-2")) == sorted(
+        ["weights.bin", "checkpoint.manifest.json"]
+    )
+    assert (tmp_path / "checkpoint-2" / "weights.bin").read_bytes() == b"\x22" * 64
+    assert {p for p in os.listdir(tmp_path) if p.startswith("checkpoint-")} == {
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+    }
+    with pytest.raises(TypeError, match="CheckpointInfo"):
+        mgr.resumed_from(1)  # type: ignore[arg-type]
+    mgr.close()

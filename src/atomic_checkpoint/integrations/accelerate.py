@@ -361,7 +361,8 @@ class FrameworkRoot:
             ResumeError: checkpoint folders exist, but none is valid everywhere.
         """
         mgr = self.manager
-        valid = [i.step for i in mgr.checkpoints()]  # agreed by every domain
+        infos = {i.step: i for i in mgr.checkpoints()}  # agreed by every domain
+        valid = list(infos)
         if step is not None:
             step = validate_step(step)
             if step not in valid:
@@ -372,6 +373,7 @@ class FrameworkRoot:
             candidates = [step]
         else:
             candidates = sorted(valid, reverse=True)
+        skipped: list[int] = []  # newer ones that failed verification
         for candidate in candidates:
             problem: tuple[bool, str] | None = None
             if mgr.is_coordinator:
@@ -384,8 +386,14 @@ class FrameworkRoot:
                 timeout_s=self.timeout_s,
             )
             if not bad:
+                # As after restore(): retention neither counts nor deletes the corrupt
+                # newer ones (it deleted the checkpoint just resumed from and kept them),
+                # and a save of one of their steps replaces it.
+                mgr.resumed_from(infos[candidate], corrupt=skipped)
                 return candidate
             corrupt, why = bad[0]
+            if corrupt:
+                skipped.append(candidate)
             if step is not None:
                 if not corrupt:
                     raise CheckpointError(f"{self.label}: {why}")
@@ -572,6 +580,23 @@ def _forget(accelerator: Any, key: str) -> None:
             log.warning("accelerate: closing %s after an error failed too: %s", key, exc)
 
 
+def _complete_stock(storage: Storage, step: int) -> bool:
+    """Whether the folder of ``step`` is a complete checkpoint that Accelerate's own
+    ``save_state`` wrote: no manifest, and Accelerate's completeness rule accepts it. A
+    torn or unreadable one is not (a save replaces it, as the commit protocol does)."""
+    name = checkpoint_name(step)
+    try:
+        read_manifest(storage, name)
+        return False
+    except CheckpointNotFoundError:
+        try:
+            return accelerate_is_complete(CheckpointFolder(storage, name, step)) is None
+        except CheckpointError:
+            return False
+    except CheckpointError:
+        return False
+
+
 def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
     """Collective: refuse to save over a *complete* folder of the same step that
     Accelerate's own ``save_state`` wrote (no manifest). A torn one is replaced, as the
@@ -581,21 +606,11 @@ def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
     problem = None
     if mgr.is_coordinator:
         name = checkpoint_name(step)
-        if mgr.storage.is_dir(name):
-            try:
-                read_manifest(mgr.storage, name)
-            except CheckpointNotFoundError:
-                folder = CheckpointFolder(mgr.storage, name, step)
-                try:
-                    if accelerate_is_complete(folder) is None:
-                        # With the newest step there: an iteration above it is free.
-                        listed = catalog.listed_steps(mgr.storage)
-                        newest = max((s for s, _ in listed), default=step)
-                        problem = (mgr.storage.url(name), newest)
-                except CheckpointError:
-                    pass  # unreadable: torn, replaced like one
-            except CheckpointError:
-                pass
+        if mgr.storage.is_dir(name) and _complete_stock(mgr.storage, step):
+            # With the newest step there: an iteration above it is free.
+            listed = catalog.listed_steps(mgr.storage)
+            newest = max((s for s, _ in listed), default=step)
+            problem = (mgr.storage.url(name), newest)
     given = gather_summary(
         mgr.coordinator,
         f"accelerate step {step}: stock checkpoint in the way",
@@ -720,6 +735,7 @@ def load_state(
     Raises:
         CheckpointNotFoundError: nothing to load (without ``missing_ok``), or ``step``
             is not a valid checkpoint.
+        CorruptCheckpointError: ``step`` (or the folder given) fails verification.
         ResumeError: checkpoint folders exist but none is complete and valid (folders
             written by Accelerate's own ``save_state``: pass ``adopt_existing=True``).
 
@@ -763,14 +779,18 @@ def load_state(
         # goes on with the next number and keeps the newer folders, as Accelerate does.
         # A checkpoint of ours that failed verification counts too (a truncated file, an
         # unreadable manifest: its manifest is there): the next save never lands on it.
-        # A folder without a manifest (Accelerate's own save, torn by a crash) does not:
-        # the next save of its number replaces it, as Accelerate's would.
+        # So does a complete folder without a manifest (Accelerate's own save_state
+        # wrote it, or its manifest was lost), which a save refuses to replace: a resume
+        # that skipped it failed at its first save, at every restart. A torn one does
+        # not: the next save of its number replaces it, as Accelerate's would.
         committed = opened.manager.checkpoints()
         newest = max((i.step for i in committed), default=chosen)
         storage = opened.manager.storage
         for name in storage.listdir(""):
             s = parse_checkpoint_name(name)
-            if s is not None and s > newest and storage.size(f"{name}/{MANIFEST_NAME}") is not None:
+            if s is None or s <= newest:
+                continue
+            if storage.size(f"{name}/{MANIFEST_NAME}") is not None or _complete_stock(storage, s):
                 newest = s
         accelerator.project_configuration.iteration = max(chosen, newest) + 1
         found = [i for i in committed if i.step == chosen]

@@ -678,7 +678,9 @@ def load_dcp(
         mgr: the manager of ROOT.
         state_dict: filled in place.
         step: a committed step; None picks the newest checkpoint written by
-            ``save_dcp`` that verifies (an invalid one is skipped with a warning).
+            ``save_dcp`` that verifies (an invalid one is skipped with a warning; as
+            after ``restore()``, retention then neither counts nor deletes one skipped
+            for its checksums, and a save of its step replaces it).
         verify: checksum every file first, each rank a share (one extra read of
             the checkpoint, spread over the ranks); False checks sizes only.
         missing_ok: return None instead of raising when there is no checkpoint (a
@@ -733,6 +735,7 @@ def load_dcp(
             )
     chosen: CheckpointInfo | None = None
     problems: list[str] = []
+    corrupt: list[int] = []  # newer ones that failed verification, skipped on every rank
     for info in candidates:
         if not _written_for_dcp(info):
             problem = f"checkpoint step {info.step} was not written by save_dcp"
@@ -753,6 +756,8 @@ def load_dcp(
                     )
                 log.warning("load_dcp: skipping %s: %s", info.path, detail)
                 problems.append(f"step {info.step}: {detail}")
+                if all(f.error_type == "CorruptCheckpointError" for f in failures):
+                    corrupt.append(info.step)  # not an I/O error: its files are bad
                 continue
         chosen = info
         break
@@ -777,6 +782,9 @@ def load_dcp(
     failures = _agree(mgr, f"load step {chosen.step}: dcp_read", "dcp_read", failure)
     if failures:
         raise DistributedCheckpointError(failures, step=chosen.step, operation="load") from cause
+    # As after restore(): retention leaves the corrupt newer ones alone, and a save of
+    # one of their steps replaces it.
+    mgr.resumed_from(chosen, corrupt=corrupt)
     return chosen
 
 

@@ -92,7 +92,7 @@ from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protecting_loaders_of
 from ..retention import AnyOf, KeepLast
 from ..storage import posix
-from .accelerate import FrameworkRoot
+from .accelerate import FrameworkRoot, framework_path
 
 try:  # the callback must be a TrainerCallback; everything else works without transformers
     from transformers import TrainerCallback as _TrainerCallback
@@ -353,6 +353,10 @@ class _AtomicTrainer:
         with them the run lock) are closed on every way out, errors included."""
         trainer = self.trainer
         output_dir = trainer.args.output_dir
+        # Refuse "s3://bkt/run" before any training: os.path.abspath would make it the
+        # local folder ./s3:/bkt/run, where every save "succeeds" and nothing reaches
+        # the bucket.
+        framework_path("Trainer", output_dir)
         # Rotation is ours for the whole run: with save_total_limit unset the Trainer's
         # rotate_checkpoints() and its end-of-training deletion do nothing.
         limit = trainer.args.save_total_limit
@@ -406,6 +410,8 @@ class _AtomicTrainer:
                     f"resume_from_checkpoint=True but {opened.root} holds no checkpoint; "
                     "pass resume_from_checkpoint=None to start from scratch"
                 )
+            if not self.settings.adopt_existing:
+                self._refuse_newer_stock(opened, step)
             path = opened.path(step)
             log.info("Trainer: resuming from %s", path)
             return path, step
@@ -584,6 +590,26 @@ class _AtomicTrainer:
             )
         return ". ".join(parts) + "." if parts else ""
 
+    def _refuse_newer_stock(self, opened: FrameworkRoot, step: int) -> None:
+        """Collective: ``resume_from_checkpoint=True`` found ``step``, the newest
+        committed checkpoint; refuse if the stock Trainer wrote a complete checkpoint
+        above it (the run went on without this library). Resuming from ``step`` would
+        drop that training, and the save of its step would replace the folder."""
+        found = self._dry_adopt(opened, None)
+        newer = sorted(s for s, why in found.items() if why is None and s > step)
+        if newer:
+            names = [checkpoint_name(s) for s in newer]
+            raise ResumeError(
+                f"Trainer: {names} under {opened.root} are complete checkpoints the Trainer "
+                f"wrote without atomic-checkpoint (no manifest), newer than "
+                f"{checkpoint_name(step)}, the newest committed one: resuming from it would "
+                f"drop their training, and the save of step {newer[0]} would replace "
+                f"{names[0]}. To resume from the newest, opt in: {_OPT_IN}, or run "
+                f"`atomic-checkpoint adopt {opened.root}` once; to resume from "
+                f"{checkpoint_name(step)}, pass its path as resume_from_checkpoint "
+                "(the newer folders are then replaced as training reaches their steps)"
+            )
+
     def _check_stock(
         self, opened: FrameworkRoot, step: int, path: str, exc: CheckpointNotFoundError
     ) -> None:
@@ -738,8 +764,20 @@ def _unsupported(trainer: Any) -> list[str]:
             in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         ]
         head = positional[: len(expected)]
-        if len(head) < len(expected) or (
-            name != "_push_from_checkpoint" and head != list(expected)
+        # A parameter the Trainer does not pass, without a default (an override that
+        # takes one more): accepted, train() failed at the first save with a bare
+        # "missing 1 required positional argument".
+        required_extra = [
+            p
+            for p in params
+            if p.name not in head
+            and p.default is inspect.Parameter.empty
+            and p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        if (
+            len(head) < len(expected)
+            or (name != "_push_from_checkpoint" and head != list(expected))
+            or required_extra
         ):
             problems.append(f"{name}({', '.join(p.name for p in params)})")
     return problems
