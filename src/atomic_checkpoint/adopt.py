@@ -526,7 +526,8 @@ def _looks_like_dcp(files: Iterable[str]) -> bool:
 
 def generic_is_complete(path: str) -> str | None:
     """No framework rule: any folder whose files can all be read (checked by reading
-    the first bytes of each; the checksum pass reads the rest). A DCP folder is refused:
+    the first bytes of each; the checksum pass reads the rest) and are not all empty
+    (0-byte files only: a copy cut short before any data arrived). A DCP folder is refused:
     readable files say nothing of whether DCP finished it (``.metadata``, written last),
     and only the ``dcp`` rule records it so that ``load_dcp`` loads it."""
     folder = _folder(path)
@@ -549,6 +550,14 @@ def generic_is_complete(path: str) -> str | None:
             f"{layout.MANIFEST_NAME}: a copy that lost its manifest, or a save that never "
             "committed, so nothing tells whether they are complete. Copy the checkpoint "
             "again with its manifest (or delete it); it is never adopted"
+        )
+    if not any(files.values()):
+        # The typical torn state of a copy or a save cut short (docs/faq.md): the files
+        # were created, none of their bytes arrived.
+        return (
+            f"every file in it is empty ({len(files)} file(s) of 0 bytes: "
+            f"{', '.join(sorted(files)[:3])}): a copy or save cut short before any data "
+            "arrived, not a checkpoint. Copy it again (or delete it); it is not adopted"
         )
     for name in files:
         folder.read_head(name, 1)

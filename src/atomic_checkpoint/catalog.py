@@ -272,6 +272,17 @@ REPLACE_WAIT_S = 2.0
 #: (root, step, attempts) of the overwrites ``_back`` waited for in vain (see there).
 _STUCK: set[tuple[str, int, frozenset[str]]] = set()
 _STUCK_LOCK = threading.Lock()
+#: (root URL, step) of each interrupted overwrite a ``_back`` of this process is waiting
+#: for right now (``overwrites_waited_for``).
+_WAITING: dict[tuple[str, int], int] = {}
+
+
+def overwrites_waited_for() -> list[tuple[str, int]]:
+    """(root URL, step) of each overwrite without atomic exchange that a read of this
+    process is waiting for at this moment (its step absent between the two renames):
+    what a bounded command (``--timeout``) was waiting for, if not the storage."""
+    with _STUCK_LOCK:
+        return sorted(_WAITING)
 
 
 def _being_replaced(storage: Storage, names: Collection[str] | None = None) -> dict[int, set[str]]:
@@ -347,7 +358,18 @@ def _back(
                 REPLACE_WAIT_S,
             )
             break
-        time.sleep(delay)
+        keys = [(url, s) for s in waiting]
+        with _STUCK_LOCK:
+            for key in keys:
+                _WAITING[key] = _WAITING.get(key, 0) + 1
+        try:
+            time.sleep(delay)
+        finally:
+            with _STUCK_LOCK:
+                for key in keys:
+                    _WAITING[key] -= 1
+                    if not _WAITING[key]:
+                        del _WAITING[key]
         delay = min(delay * 2, 0.05)
         replacing = None
     return back
@@ -446,9 +468,35 @@ def validate_consistent(
     )
 
 
+def check_state_headers(storage: Storage, rel: str, manifest: Manifest) -> None:
+    """Parse and validate the header of each state file (``rank-<r>.safetensors``,
+    ``replicated.safetensors``) of checkpoint ``rel`` with the validation ``restore``'s
+    loader applies (``serialization.read_header``): shapes, dtypes, offsets, the tree.
+    Reads the headers only. A file whose checksum matches its manifest can still hold a
+    header no load accepts (written so, or manifest and file changed together), and
+    ``verify``/``inspect`` must not call ``ok`` what ``restore`` rejects as corrupt.
+
+    Raises:
+        CorruptCheckpointError: naming the file and what is wrong with its header.
+    """
+    from .serialization import read_header
+
+    for entry in manifest.files:
+        if not layout.is_state_file(entry.path.rpartition("/")[2]):
+            continue
+        check_inside(storage, rel, entry.path)
+        path = f"{rel}/{entry.path}"
+        try:
+            with storage.open_read(path) as f:
+                read_header(f, size_bytes=entry.size_bytes)
+        except CorruptCheckpointError as exc:
+            raise CorruptCheckpointError(f"{storage.url(path)}: {exc}") from exc
+
+
 def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manifest:
     """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint.
-    Returns the manifest of the copy that was checked (see ``validate_consistent``)."""
+    Returns the manifest of the copy that was checked (see ``validate_consistent``).
+    ``full``: checksums, and each state file's header as ``restore`` checks it."""
     rel = layout.checkpoint_name(step)
     for attempt in range(READ_ATTEMPTS):
         last = attempt + 1 == READ_ATTEMPTS
@@ -472,11 +520,14 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
                 continue
             raise missing_step_error(storage, step) from exc
         try:
-            return validate_consistent(storage, rel, manifest, full=full)
+            checked = validate_consistent(storage, rel, manifest, full=full)
         except CheckpointNotFoundError:
             if not last and _back(storage, (step,)):
                 continue
             raise
+        if full:  # as `atomic-checkpoint verify`: what restore's loader would reject
+            check_state_headers(storage, rel, checked)
+        return checked
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
 
@@ -503,6 +554,14 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
             f"{storage.url(rel)} has no manifest: it was never committed (a crashed save or "
             "another tool wrote it) or its manifest was deleted; resume ignores it, and "
             f"`atomic-checkpoint verify {storage.url('')}` (without a step) says what it is"
+        )
+    if storage.size(rel) is not None:
+        # A regular file (or a link to one) by that name: "no checkpoint step 5 ...
+        # (checkpoint steps there: ..., 5)" named it as a step that exists.
+        return CheckpointNotFoundError(
+            f"{storage.url(rel)} is not a directory (a file by a checkpoint's name: a "
+            "checkpoint is a directory holding a manifest); resume ignores it. Move it "
+            "aside, or copy the complete checkpoint directory in its place"
         )
     steps = [s for s, _ in _checkpoint_names(storage.listdir(""))[0]]
     have = ", ".join(map(str, steps[-10:])) if steps else "none"

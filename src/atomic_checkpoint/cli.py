@@ -13,7 +13,8 @@ root directory (local, NFS, sshfs, Lustre or any other mounted filesystem; a
     atomic-checkpoint inspect ROOT STEP [--json] [--tier ROOT2 ...]
     atomic-checkpoint prune ROOT [--keep-last N] [--keep-best K [--metric NAME]
                             [--mode min|max]] [--keep-every K] [--pin STEP ...]
-                            [--run-id RUN] [--dry-run] [--force] [--json]
+                            [--run-id RUN] [--progress | --no-progress]
+                            [--dry-run] [--force] [--json]
     atomic-checkpoint adopt ROOT [STEP ...] [--framework NAME] [--run-id RUN]
                             [--dry-run] [--json]
     atomic-checkpoint drain ROOT --to PERSISTENT [--to-storage-option KEY=VALUE]
@@ -41,7 +42,8 @@ row of its own; ``verify`` checks every copy on every tier, each result with ``t
 so not a replica of it; shown as ANOTHER COPY);
 ``inspect`` says each tier's copy of STEP (``tiers``: ``[{"tier", "url", "status",
 "problem"}]``, status ok, missing, corrupt or foreign) and shows another tier's copy
-when ROOT has none.
+when ROOT has none (``root`` stays ROOT, ``path`` is the copy shown, and ROOT's copy is
+``missing`` in ``tiers``).
 
 ``list``, ``verify`` and ``inspect`` only read: they take no lock and are safe while a
 job trains and saves into ROOT. ``clean`` and ``prune`` delete, and refuse while a live
@@ -61,7 +63,8 @@ The run whose checkpoints are "ours" is the one recorded in
 ``ROOT/.atomic-checkpoint/run.json``. Checkpoints of other runs are shown as
 ``foreign``, verified only on request (``verify --all-runs``, or ``verify ROOT STEP``)
 and never deleted. A root without a recorded run (written by hand, or its run file
-was removed) is read as if every run were ours; ``prune`` then needs ``--run-id``.
+was removed) is read as if every run were ours; ``prune`` then prunes the one run whose
+checkpoints are there, and needs ``--run-id`` only when they are of several runs.
 ``clean --force`` also removes the run lock: the way to free a root whose job is
 known to be dead before its lease runs out (a job that is alive after all is fenced:
 it can no longer commit or delete).
@@ -69,7 +72,9 @@ it can no longer commit or delete).
 Exit status:
     0  success. ``list`` exits 0 even when some entries are corrupt: it is
        informational; use ``verify`` in scripts.
-    1  a problem was found: a checkpoint failed verification, the requested step is
+    1  a problem was found: a checkpoint failed verification (its files differ from
+       its manifest, or a state file's header is one ``restore`` rejects: a malformed
+       safetensors header, absurd shapes), the requested step is
        not a valid checkpoint, nothing was there to verify, or a delete failed (also
        internal errors, which are bugs: ``-vv`` shows their traceback). For
        ``verify ROOT`` every ``checkpoint-<step>`` entry of ROOT counts: one with no
@@ -84,7 +89,8 @@ Exit status:
        stop answering), a prune with no recorded run, no
        ``--run-id`` and checkpoints of several runs, or ``--keep-best`` on a metric that
        no checkpoint records (a ROOT with no checkpoint has nothing to prune: 0).
-    3  refused: a live job holds the run lock on ROOT (``clean``/``prune``).
+    3  refused: a live job holds the run lock on ROOT (``clean``, ``prune``, ``adopt``,
+       ``drain``; ``drain`` also when one holds PERSISTENT's).
     130 interrupted (Ctrl-C).
 
 Errors print one line on stderr, ``atomic-checkpoint: error: <what, where, why, what
@@ -93,7 +99,14 @@ to do>``, never a traceback (``-vv`` adds one for internal errors).
 JSON output (``--json``) goes to stdout as one document and is stable: keys are only
 ever added, never renamed or removed, and ``schema_version`` is bumped if a meaning
 changes. Sizes are integers in bytes, times are unix seconds (floats), problems are
-strings or null. ``list --json``::
+strings or null. A size or time that is not known is null: ``size_bytes`` of a
+``list``/``verify`` entry whose manifest cannot be read (a Lightning file without its
+manifest, a ``checkpoint-<step>`` that is not a checkpoint), and ``adopt --dry-run``'s
+per-checkpoint ``seconds`` (nothing was recorded). ``problem`` is null for ``ok``
+entries, except a Lightning ``last.ckpt`` link (``save_last="link"``), status ``ok`` and
+``problem`` "a link to <its target>". Every ``--json`` command that got as far as
+reading ROOT prints its document, also when it then exits 1 (a step that is not there:
+``verify ROOT STEP`` and ``inspect ROOT STEP`` say so in it). ``list --json``::
 
     {"schema_version": 1, "command": "list", "root": "/ckpt/run1",
      "run_id": "run-20240501-120000-1a2b3c4d",
@@ -107,16 +120,18 @@ strings or null. ``list --json``::
        "created_unix": null, "size_bytes": 524288, "metrics": {}, "commit_seq": null,
        "path": "/ckpt/run1/.pending/checkpoint-300.5f0c9e2a1b3d4c6e", "adopted": false}]}
 
-``status`` is ``ok``, ``corrupt``, ``pending`` or ``foreign``. The other documents:
+``status`` is ``ok``, ``corrupt``, ``pending`` or ``foreign``; ``list`` checks presence and
+sizes only (``verify`` reads the data and the state files' headers). The other documents:
 
 - ``verify``: ``{"schema_version", "command": "verify", "root", "run_id", "ok": bool,
   "checkpoints": [{"name", "step", "status": "ok" | "corrupt" | "error" |
-  "not_a_checkpoint" | "differs", "problem", "run_id", "size_bytes", "verified_bytes",
-  "seconds"}],
+  "not_a_checkpoint" | "differs" | "missing", "problem", "run_id", "size_bytes",
+  "verified_bytes", "seconds"}],
   "skipped": [{"name", "step", "status", "problem", "in_progress": bool}]}``; ``error``
   means the files could not be read (permissions, I/O), not that they differ;
   ``not_a_checkpoint`` is a ``checkpoint-<step>`` entry with no readable manifest
-  (``problem`` says which case). ``in_progress`` is true for a save of the live lock
+  (``problem`` says which case; also a file by that name); ``missing``: ``verify ROOT
+  STEP`` of a step ROOT has no entry for. ``in_progress`` is true for a save of the live lock
   holder, the one manifest-less ``checkpoint-<step>`` that does not fail ``verify``. A
   checkpoint that the job owning ROOT un-commits while it is verified (retention,
   rollback) is listed in ``skipped`` with status ``removed`` and does not fail
@@ -128,20 +143,27 @@ strings or null. ``list --json``::
   "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed.
   ``restored``: steps an overwrite interrupted between its two renames had left absent,
   put back first (``copy``: "new" or "old", ``from``: the folder it was put back from).
+  ``name`` is what is removed: an entry of ``.pending/`` or ``.trash/``, an uncommitted
+  ``checkpoint-<step>``, or, beside a committed manifest (``stale``, ``temporary``), the
+  attempt, marker or temporary file itself (``checkpoint-<step>/<file>``), one item each.
   ``temporary``: a temporary file of an atomic write whose writer is gone. With marker
   commits (object stores) an uncommitted ``checkpoint-<step>`` is ``pending``,
   and the attempts and markers a crash left beside a committed one are ``stale``. On
   S3, an unfinished multipart upload under ROOT/ that ``clean`` aborted is ``upload``
   (``size_bytes`` 0: unknown); none is aborted while a live job holds the lock.
 - ``inspect``: ``{"schema_version", "command": "inspect", "root", "name", "path",
-  "status": "ok" | "corrupt" | "foreign", "problem", "manifest": {"step", "run_id",
+  "status": "ok" | "corrupt" | "foreign" | "not_a_checkpoint" | "missing", "problem",
+  "manifest": {"step", "run_id",
   "commit_seq", "created_unix", "world_size", "state_kind", "strategy",
   "checksum_algorithm", "schema_version", "library_version", "size_bytes", "metrics",
   "metadata", "domain_count", "domain_ranks", "adopted"} | null, "files": [{"path",
   "size_bytes", "checksum", "rank", "tensors": [{"name", "dtype", "shape"}] | null,
   "problem"}]}``. ``tensors`` is null for files that are not ``.safetensors`` or whose
   header cannot be read (``problem`` says why); ``manifest`` is null (and ``files``
-  empty) when the manifest itself is unreadable. ``domain_count`` > 1 (node-local
+  empty) when the manifest itself is unreadable, and for ``not_a_checkpoint`` (an entry
+  by that name without a manifest: a directory never committed, a file) and ``missing``
+  (no such entry). ``corrupt`` also covers a state file whose header ``restore``
+  rejects (its ``problem`` says which file). ``domain_count`` > 1 (node-local
   storage): this copy holds the files of the ranks in ``domain_ranks`` only;
   otherwise ``domain_ranks`` is null.
 - ``prune``: ``{"schema_version", "command": "prune", "root", "run_id" (null: no run
@@ -149,7 +171,9 @@ strings or null. ``list --json``::
   "dry_run", "forced", "lock": <lock> | null, "checkpoints": [{"name", "step",
   "size_bytes", "created_unix", "metrics", "kept": bool, "reason", "deleted": bool}],
   "failed": [{"name", "step", "problem"}], "skipped": [{"name", "step", "status",
-  "problem"}], "freed_bytes"}``.
+  "problem"}], "freed_bytes", "warnings": [str, ...]}``. ``warnings``: what was also
+  printed on stderr as a warning, e.g. a ``--pin`` STEP that names no committed
+  checkpoint of the run (it pins nothing).
 - ``adopt``: ``{"schema_version", "command": "adopt", "root", "run_id", "dry_run",
   "adopted": [{"step", "framework", "size_bytes", "seconds"}], "already": [step, ...],
   "refused": [{"step", "problem"}], "seconds"}``; ``inspect`` and ``list`` entries say
@@ -909,6 +933,9 @@ def _verify_one(
         manifest = catalog.validate_consistent(
             storage, name, manifest, full=True, progress=on_progress
         )
+        # Checksums that match prove the bytes are the ones written, not that a load
+        # accepts them: the headers are checked as restore's loader checks them.
+        catalog.check_state_headers(storage, name, manifest)
     except CheckpointNotFoundError as exc:  # un-committed meanwhile: gone, not corrupt
         status, problem = "removed", f"removed while being verified: {exc}"
     except CorruptCheckpointError as exc:
@@ -1007,16 +1034,42 @@ def _no_manifest_verdict(storage: Storage, e: catalog.Entry, holder: list[Any]) 
 
 
 def _single_target(storage: Storage, step: int) -> catalog.Entry:
-    """The catalog entry of ``checkpoint-<step>``, or a CliError (exit 1) saying why
-    there is no such checkpoint."""
+    """The catalog entry of ``checkpoint-<step>``: status "ok" (its manifest read),
+    "corrupt" (a manifest that cannot be read), "not_a_checkpoint" (an entry by that
+    name without one: a directory never committed, a file) or "missing" (no such
+    entry); ``problem`` says why in the last three cases."""
     name = checkpoint_name(step)
     try:
         manifest = catalog.read_manifest(storage, name)
     except CheckpointNotFoundError:
-        raise CliError(str(catalog.missing_step_error(storage, step))) from None
+        problem = str(catalog.missing_step_error(storage, step))
+        there = storage.is_dir(name) or storage.size(name) is not None
+        return catalog.Entry(name, step, "not_a_checkpoint" if there else "missing", None, problem)
     except CheckpointError as exc:
         return catalog.Entry(name, step, "corrupt", problem=str(exc))
     return catalog.Entry(name, step, "ok", manifest)
+
+
+def _one_checkpoint_step(storage: Storage, single: tuple[Storage, str], step: int) -> Storage:
+    """The parent of ROOT, which is one checkpoint directory (``single``: see
+    ``_as_checkpoint_dir``), when STEP is that checkpoint's step; else a CliError (exit
+    2) saying that ROOT is one checkpoint of another step."""
+    parent, name = single
+    own = parse_checkpoint_name(name)
+    if own == step:
+        return parent
+    if own is None:
+        try:
+            own = catalog.read_manifest(parent, name).step
+        except CheckpointError:
+            own = None
+    which = f"of step {own}" if own is not None else "whose step cannot be read"
+    raise CliError(
+        f"{storage.url()} is one checkpoint ({name}, {which}), not a checkpoint root, so "
+        f"it holds no step {step}: pass it without STEP, or pass the directory that holds "
+        f"checkpoint-{step} ({catalog.plain_path(parent.url(''))})",
+        EXIT_USAGE,
+    )
 
 
 def _lightning_names(storage: Storage) -> list[str]:
@@ -1178,11 +1231,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     impostors: list[dict[str, Any]] = []
     lightning = _lightning_names(storage) if args.step is None else []
-    single = (
-        None
-        if args.step is not None or args.tier
-        else _as_checkpoint_dir(storage, args.storage_option)
-    )
+    single = None if args.tier else _as_checkpoint_dir(storage, args.storage_option)
+    if single is not None and args.step is not None:
+        # ROOT/checkpoint-N N: that checkpoint, as `verify ROOT/checkpoint-N` reads it.
+        _one_checkpoint_step(storage, single, args.step)
     if single is not None:
         # ROOT is one checkpoint directory (a path-style DCP save's checkpoint_id, or
         # checkpoint-<step> itself): verified against its own manifest.
@@ -1190,11 +1242,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             manifest = catalog.read_manifest(parent, name)
         except CheckpointError as exc:
-            raise CliError(f"{storage.url()}: {exc}") from exc
+            problem = f"{storage.url()}: {exc}"
+            if args.json:
+                gone = catalog.Entry(name, parse_checkpoint_name(name), "corrupt", None, problem)
+                _emit_verify_json(storage, run_id, [_broken(parent, gone)], [])
+            raise CliError(problem) from exc
         report(_verify_one(parent, name, manifest, args), len(manifest.files))
         targets = []
     elif args.step is not None:
-        targets = [_single_target(storage, args.step)]
+        target = _single_target(storage, args.step)
+        if target.status in ("missing", "not_a_checkpoint"):
+            # No checkpoint there: the document says so (status "missing" or
+            # "not_a_checkpoint"), and the error line as ever.
+            if args.json:
+                r = {**_broken(storage, target), "status": target.status}
+                _emit_verify_json(storage, run_id, [r], [])
+            raise CliError(str(target.problem))
+        targets = [target]
     else:
         targets = []
         holder: list[Any] = []  # the run lock's holder, read once and only if needed
@@ -1296,18 +1360,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = [r for r in results if r["status"] != "ok"]
     ok = bool(results) and not bad
     if args.json:
-        _emit_json(
-            {
-                "schema_version": JSON_SCHEMA_VERSION,
-                "command": "verify",
-                "root": storage.url(),
-                "run_id": run_id,
-                "ok": ok,
-                "checkpoints": results,
-                "skipped": skipped,
-                **({"tiers": [storage.url()] + [st.url() for st in tiers]} if tiers else {}),
-            }
-        )
+        _emit_verify_json(storage, run_id, results, skipped, tiers, ok=ok)
     elif not args.quiet:
         held: dict[int, list[int]] = {}
         for r in results:
@@ -1353,6 +1406,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _emit_verify_json(
+    storage: Storage,
+    run_id: str | None,
+    results: list[dict[str, Any]],
+    skipped: list[dict[str, Any]],
+    tiers: Sequence[Storage] = (),
+    *,
+    ok: bool = False,
+) -> None:
+    _emit_json(
+        {
+            "schema_version": JSON_SCHEMA_VERSION,
+            "command": "verify",
+            "root": storage.url(),
+            "run_id": run_id,
+            "ok": ok,
+            "checkpoints": results,
+            "skipped": skipped,
+            **({"tiers": [storage.url()] + [st.url() for st in tiers]} if tiers else {}),
+        }
+    )
+
+
 # ---------------------------------------------------------------------- clean
 def _clean_leftovers(
     storage: Storage,
@@ -1367,9 +1443,17 @@ def _clean_leftovers(
     removed: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
     for left in leftovers:
-        item: dict[str, Any] = {"name": left.name, "kind": left.kind, "size_bytes": 0}
+        # Beside a committed manifest only the stale attempts, markers and temporary
+        # files go: each is named, never the checkpoint that stays.
+        each = left.committed and bool(left.paths)
+        items: list[dict[str, Any]] = [
+            {"name": name, "kind": left.kind, "size_bytes": 0}
+            for name in (left.paths if each else [left.name])
+        ]
         try:
-            item["size_bytes"] = sum(_tree_size(storage, p) for p in left.paths)
+            for item in items:
+                paths = [item["name"]] if each else left.paths
+                item["size_bytes"] = sum(_tree_size(storage, p) for p in paths)
             if not dry_run:
                 if before_each is not None:
                     before_each(left.name)
@@ -1378,9 +1462,9 @@ def _clean_leftovers(
         except CliError:
             raise
         except CheckpointError as exc:
-            failed.append({**item, "problem": str(exc)})
+            failed.extend({**item, "problem": str(exc)} for item in items)
             continue
-        removed.append(item)
+        removed.extend(items)
     return removed, failed
 
 
@@ -1614,33 +1698,50 @@ def _tier_copies(
 def cmd_inspect(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
     single = None if args.tier else _as_checkpoint_dir(storage, args.storage_option)
-    if single is not None and parse_checkpoint_name(single[1]) == args.step:
-        storage = single[0]  # ROOT is that checkpoint's directory: read from its parent
+    if single is not None:
+        # ROOT is that checkpoint's directory: read from its parent.
+        storage = _one_checkpoint_step(storage, single, args.step)
+    root = storage
     run_id = _run_id_for_reading(storage)
     tiers = [_open_tier(t, args.tier_storage_option) for t in args.tier or ()]
     name = checkpoint_name(args.step)
+    shown = 0  # the tier whose copy is shown (0: ROOT)
     if tiers and not storage.is_dir(name):
         # Held only by another tier (ROOT's copy rotated away, or a fresh node): that
-        # copy is the one shown.
+        # copy is the one shown; ROOT stays the document's root, its copy "missing".
         held = [t for t in _tier_copies(tiers, name, run_id, {})[1:] if t["status"] == "ok"]
         if held:
-            root_url = storage.url(name)
-            storage = tiers[held[0]["tier"] - 1]
-            tiers = [t for t in tiers if t is not storage]
+            shown = held[0]["tier"]
+            storage = tiers[shown - 1]
             print(
-                f"{root_url} does not exist; showing the copy at {storage.url(name)}",
+                f"{root.url(name)} does not exist; showing the copy at {storage.url(name)}",
                 file=sys.stderr,
             )
+
+    def tier_copies(own: dict[str, Any], owner: str | None) -> list[dict[str, Any]] | None:
+        """Each tier's copy (None without --tier): ROOT's first, the one shown ``own``."""
+        if not tiers:
+            return None
+        absent = {"url": root.url(name), "status": "missing", "problem": None}
+        copies = _tier_copies(tiers, name, run_id or owner, own if shown == 0 else absent)
+        copies[shown] = {"tier": shown, **own}
+        return copies
+
     target = _single_target(storage, args.step)
     if target.manifest is None:
         problem = _short_problem(storage, name, target.problem)
         if args.json:
-            _emit_inspect_json(storage, name, "corrupt", problem, None, [])
+            own = {"url": storage.url(name), "status": target.status, "problem": problem}
+            copies = tier_copies(own, None)
+            _emit_inspect_json(storage, name, target.status, problem, None, [], copies, root=root)
+        if target.status in ("missing", "not_a_checkpoint"):
+            raise CliError(str(target.problem))
         raise CliError(f"{storage.url(name)} is corrupt: {problem}")
     m = target.manifest
     status, problem = "ok", None
     try:
         catalog.validate(storage, name, m)
+        catalog.check_state_headers(storage, name, m)  # what restore's loader rejects
     except CheckpointError as exc:
         status, problem = "corrupt", _short_problem(storage, name, str(exc))
     if status == "ok" and run_id is not None and not m.belongs_to(run_id):
@@ -1676,12 +1777,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "domain_ranks": None if m.domain_ranks is None else list(m.domain_ranks),
         "adopted": m.adopted,
     }
-    copies = None
-    if tiers:
-        own = {"url": storage.url(name), "status": status, "problem": problem}
-        copies = _tier_copies(tiers, name, run_id or m.run_id, own)
+    own = {"url": storage.url(name), "status": status, "problem": problem}
+    copies = tier_copies(own, m.run_id)
     if args.json:
-        _emit_inspect_json(storage, name, status, problem, manifest_doc, files, copies)
+        _emit_inspect_json(storage, name, status, problem, manifest_doc, files, copies, root=root)
     else:
         _print_inspect(storage, name, status, problem, m, files, copies)
     if status == "corrupt":
@@ -1697,12 +1796,16 @@ def _emit_inspect_json(
     manifest_doc: dict[str, Any] | None,
     files: list[dict[str, Any]],
     copies: list[dict[str, Any]] | None = None,
+    *,
+    root: Storage,
 ) -> None:
+    """``inspect``'s document: ``storage`` holds the copy shown (another tier's where
+    ROOT lacks the step), ``root`` is ROOT."""
     _emit_json(
         {
             "schema_version": JSON_SCHEMA_VERSION,
             "command": "inspect",
-            "root": storage.url(),
+            "root": root.url(),
             "name": name,
             "path": storage.url(name),
             "status": status,
@@ -1880,6 +1983,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
         if e.status != "ok"
     ]
     infos: list[CheckpointInfo] = [m.info(storage.url(checkpoint_name(m.step))) for m in manifests]
+    warnings: list[str] = []
+    have = {i.step for i in infos}
+    for step in sorted(set(args.pin) - have):
+        # A typo'd --pin would silently pin nothing while the plan deletes the rest.
+        warnings.append(
+            f"--pin {step}: {storage.url()} holds no committed checkpoint of step {step} of "
+            f"this run, so it pins nothing; check the step (`{PROG} list`)"
+        )
+        _warn(warnings[-1])
     for metric, recorded in unrecorded_metrics(policy, infos).items():
         raise CliError(
             f"no checkpoint of run {run_id!r} records metric {metric!r} (recorded: "
@@ -1895,7 +2007,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
         manifest = next(m for m in manifests if m.step == step)
         progress = _progress_for(args, f"verifying {name}", manifest.size_bytes)
         try:
-            catalog.validate_consistent(storage, name, manifest, full=True, progress=progress)
+            checked = catalog.validate_consistent(
+                storage, name, manifest, full=True, progress=progress
+            )
+            catalog.check_state_headers(storage, name, checked)
             return True
         except CorruptCheckpointError as exc:
             problem = f"failed verification, so not counted as kept: {exc}"
@@ -1959,15 +2074,22 @@ def cmd_prune(args: argparse.Namespace) -> int:
                 "failed": failed,
                 "skipped": skipped,
                 "freed_bytes": freed,
+                "warnings": warnings,
             }
         )
     else:
         _print_prune(storage, run_id, policy, rows, failed, skipped, freed, args.dry_run)
     if failed:
+        # Said as it is: "the others were handled" read wrong when every deletion failed.
+        others = (
+            "none of the checkpoints to delete was deleted"
+            if not deleted
+            else f"{len(deleted)} of the {len(victims)} to delete were deleted"
+        )
         raise CliError(
             f"could not delete {len(failed)} checkpoint(s): {failed[0]['name']}: "
-            f"{failed[0]['problem']} (the others were handled; run prune again, and "
-            f"`{PROG} clean` to remove what a failed deletion left in {TRASH_DIR}/)"
+            f"{str(failed[0]['problem']).rstrip('.')} ({others}; fix that and run prune "
+            f"again, and `{PROG} clean` to remove what a failed deletion left in {TRASH_DIR}/)"
         )
     corrupt = [e for e in skipped if e["status"] == "corrupt"]
     if corrupt:
@@ -2414,8 +2536,36 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+class _CommandParser(_Parser):
+    """A command's parser: its positionals may come after its options (``verify ROOT
+    --quiet 2``, ``adopt ROOT --framework generic 100 200``). Plain argparse matches
+    optional positionals (STEP) greedily with ROOT, so a STEP after an option was an
+    "unrecognized argument"; ``parse_intermixed_args`` does this right but refuses a
+    parser with subcommands, so the subcommand parsers (which have none) use it when the
+    main parser hands them their arguments."""
+
+    _intermixing = False
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if self._intermixing:  # parse_known_intermixed_args's own passes (up to 3.12)
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+def _ascii_digits(text: str) -> bool:
+    """Only ASCII digits: ``str.isdigit`` also takes ``"٣"`` (Arabic-Indic three) and
+    ``"³"``, which a STEP must not be read as."""
+    return text.isascii() and text.isdigit()
+
+
 def _step_arg(text: str) -> int:
-    if not text.isdigit():
+    if not _ascii_digits(text):
         raise argparse.ArgumentTypeError(f"invalid step {text!r}: a non-negative integer")
     try:
         return validate_step(int(text))
@@ -2424,7 +2574,7 @@ def _step_arg(text: str) -> int:
 
 
 def _count_arg(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not _ascii_digits(text) or int(text) < 1:
         raise argparse.ArgumentTypeError(f"invalid count {text!r}: an integer >= 1")
     return int(text)
 
@@ -2461,7 +2611,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     # -v before or after COMMAND: the subcommands' copy must not reset the count given
     # before COMMAND, so its default is SUPPRESS.
-    verbosity = _Parser(add_help=False)
+    verbosity = _CommandParser(add_help=False)
     for target, default in ((parser, 0), (verbosity, argparse.SUPPRESS)):
         target.add_argument(
             "-v",
@@ -2470,7 +2620,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=default,
             help="log what the library does (-vv: debug, and tracebacks for internal errors)",
         )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
 
     def command(name: str, help_text: str, prose: str, *examples: str) -> argparse.ArgumentParser:
@@ -2555,8 +2705,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "verify",
         "recompute every checksum; exit 1 on any problem",
-        "Read every byte of every checkpoint of the run (or only STEP) and compare "
-        "sizes and checksums with the manifest. Prints a line per checkpoint, ok or "
+        "Read every byte of every checkpoint of the run (or only STEP), compare "
+        "sizes and checksums with the manifest, and check each state file's header as "
+        "restore does (a header it rejects is CORRUPT). Prints a line per checkpoint, ok or "
         "CORRUPT: <problem>; exits 1 if any checkpoint fails (or there is none), 2 if "
         "ROOT does not exist. Every checkpoint-<step> entry of ROOT counts: one with no "
         "readable manifest (torn copy, another tool's directory, symlink, crashed "
@@ -2599,7 +2750,8 @@ def build_parser() -> argparse.ArgumentParser:
         "size, state kind, metrics, metadata), its files (size, checksum, rank), and "
         "the tensor names, dtypes and shapes of its .safetensors files, read from their "
         "headers (no tensor data is read, no code from the checkpoint runs). Exits 1 if "
-        "the checkpoint is corrupt.",
+        "the checkpoint is corrupt (a file missing or of another size, or a state file "
+        "header that restore rejects), or if STEP is not a checkpoint.",
         "/ckpt/run1 4000",
         "/ckpt/run1 4000 --json",
     )
@@ -2734,14 +2886,30 @@ def _within(limit: float, func: Callable[[argparse.Namespace], int], args: Any) 
     (``--timeout``). The command goes on in a daemon thread until the process exits,
     as if the process had been killed there: what it changed is as safe as after a
     crash (a delete un-commits before it deletes; ``clean`` removes what is left)."""
-    late = CliError(
-        f"{args.command} {args.root} did not finish within {limit:g} s (--timeout): the "
-        "storage answered too slowly or not at all (an endpoint that is down or hung?). "
-        "Nothing is left half-done that the next command cannot handle: run it again, "
-        "with a longer --timeout, once the storage answers",
-        EXIT_USAGE,
-    )
-    return answer_within(limit, args.command, lambda: func(args), late=lambda: late)
+
+    def late() -> CliError:
+        waits = catalog.overwrites_waited_for()
+        if waits:
+            # Not the storage: the command was waiting (up to REPLACE_WAIT_S) for an
+            # overwrite stopped between its two renames to put its step back.
+            steps = ", ".join(str(step) for _, step in waits)
+            return CliError(
+                f"{args.command} {args.root} did not finish within {limit:g} s (--timeout): "
+                f"it was waiting for an overwrite of step(s) {steps} (stopped between its "
+                f"two renames) to put the step back, up to {catalog.REPLACE_WAIT_S:g} s. "
+                f"Run it again with a --timeout above that; `{PROG} clean` settles an "
+                "overwrite whose writer is gone",
+                EXIT_USAGE,
+            )
+        return CliError(
+            f"{args.command} {args.root} did not finish within {limit:g} s (--timeout): the "
+            "storage answered too slowly or not at all (an endpoint that is down or hung?). "
+            "Nothing is left half-done that the next command cannot handle: run it again, "
+            "with a longer --timeout, once the storage answers",
+            EXIT_USAGE,
+        )
+
+    return answer_within(limit, args.command, lambda: func(args), late=late)
 
 
 def _tolerant_output() -> None:
@@ -2759,11 +2927,15 @@ def _tolerant_output() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
-    _tolerant_output()
     stdout = sys.stdout
-    sys.stdout = _VisibleStream(stdout)
     try:
+        _tolerant_output()
+        sys.stdout = _VisibleStream(stdout)
         return _main(argv)
+    except KeyboardInterrupt:
+        # Before the command ran (its parser being built, a lazy import): 130 too.
+        _error_line("interrupted")
+        return EXIT_INTERRUPTED
     finally:
         if isinstance(sys.stdout, _VisibleStream):
             sys.stdout = stdout

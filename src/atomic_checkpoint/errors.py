@@ -312,13 +312,23 @@ def permission_advice(code: int, action: str, path: str) -> str:
         )
     from .storage.posix import owner_and_mode  # storage imports this module
 
-    parent = path.rstrip("/").rpartition("/")[0] or "/"
-    who = owner_and_mode(parent)
+    # A rename or link names both sides ("SRC -> DST"): either directory may be the
+    # one this user may not write in (it was read as one directory "SRC -> DST/..").
+    parents = []
+    for side in path.split(" -> "):
+        parent = side.rstrip("/").rpartition("/")[0] or "/"
+        if parent not in parents:
+            parents.append(parent)
+    places = []
+    for parent in parents:
+        who = owner_and_mode(parent)
+        places.append(f"{parent!r}{f' ({who})' if who else ''}")
+    where = " or ".join(places)
+    them = "it" if len(places) == 1 else "them"
     return (
-        f"This user may not write in {parent!r}{f' ({who})' if who else ''}: make it "
-        "writable by the job's user (a root shared by a group wants umask 002 and "
-        "group-writable directories), or open the root with read_only=True to restore "
-        "from it."
+        f"This user may not write in {where}: make {them} writable by the job's user (a "
+        "root shared by a group wants umask 002 and group-writable directories), or open "
+        "the root with read_only=True to restore from it."
     )
 
 

@@ -153,12 +153,14 @@ def test_inspect_corrupt_foreign_and_missing(tmp_path):
 @pytest.mark.timeout(60)
 def test_inspect_header_problem_with_right_size(root):
     """A state file whose size matches but whose header is garbage: the header read
-    fails cleanly (no traceback) and names the problem."""
+    fails cleanly (no traceback), names the problem, and the checkpoint is corrupt
+    (restore rejects it), although the sizes match."""
     make_root(root, (1,))
     path = state_file(root, 1)
     size = path.stat().st_size
     path.write_bytes(b"\xff" * size)
-    doc = run_json("inspect", root, 1)  # sizes match: quick validation passes
+    doc = run_json("inspect", root, 1, expect_rc=1)
+    assert doc["status"] == "corrupt" and "header length" in doc["problem"]
     assert doc["files"][0]["tensors"] is None
     assert "header length" in doc["files"][0]["problem"]
     truncate(path, 0)

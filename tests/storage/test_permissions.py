@@ -5,6 +5,7 @@ root). Both are refused at open with ``StoragePermissionError``."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import subprocess
@@ -165,3 +166,13 @@ def test_a_filesystem_mounted_over_an_open_root_is_said_as_such(tmp_path):
     finally:
         subprocess.run(["umount", str(root)], check=True)
         reader.close()
+
+
+def test_the_advice_for_a_rename_names_the_directory_of_each_side():
+    # "may not write in '/r/checkpoint-100 -> /r/.trash'": the pair read as one path.
+    from atomic_checkpoint.errors import permission_advice
+
+    advice = permission_advice(errno.EACCES, "rename", "/r/checkpoint-100 -> /r/.trash/x.1")
+    assert "may not write in '/r' or '/r/.trash': make them writable" in advice
+    one = permission_advice(errno.EACCES, "rename", "/r/.pending/a -> /r/.pending/b")
+    assert "may not write in '/r/.pending': make it writable" in one

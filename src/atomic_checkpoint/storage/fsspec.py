@@ -180,9 +180,10 @@ class FsspecStorage:
         block_size_bytes: multipart part size for writes (S3: at least 5 MiB).
 
     Raises:
-        ImportError: fsspec, or the driver for the URL's protocol (s3fs, gcsfs, ...),
-            is not installed; the message names the ``pip install`` command.
-        StorageError: the URL cannot be opened with these options.
+        StorageError: fsspec, or the driver for the URL's protocol (s3fs, gcsfs, ...),
+            is not installed (the message names the ``pip install`` command; the
+            ``ImportError`` is its ``__cause__``), or the URL cannot be opened with these
+            options.
     """
 
     def __init__(
@@ -196,9 +197,12 @@ class FsspecStorage:
         try:
             from fsspec.core import url_to_fs
         except ImportError as exc:
-            raise ImportError(
+            # An environment to fix, not a bug: the library's error for a storage that
+            # cannot be opened (the CLI's exit 2), with what to install.
+            raise StorageError(
                 f"FsspecStorage({url!r}) needs fsspec: pip install 'atomic-checkpoint[fsspec]' "
-                "(for s3:// also s3fs: pip install 'atomic-checkpoint[s3]')"
+                "(for s3:// also s3fs: pip install 'atomic-checkpoint[s3]')",
+                path=url,
             ) from exc
         opts = dict(storage_options or {})
         if url.split("://", 1)[0] in ("s3", "s3a"):
@@ -230,10 +234,11 @@ class FsspecStorage:
             fs, root = url_to_fs(url, **opts)
         except ImportError as exc:
             scheme = url.split("://", 1)[0]
-            raise ImportError(
+            raise StorageError(
                 f"no fsspec driver for {scheme}:// is installed ({exc}); for s3:// run "
                 "pip install 'atomic-checkpoint[s3]', for gs:// pip install gcsfs, for "
-                "az:// pip install adlfs"
+                "az:// pip install adlfs",
+                path=url,
             ) from exc
         except (ValueError, TypeError, OSError) as exc:
             raise StorageError(
