@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import threading
 import time
@@ -242,13 +243,46 @@ def begin(
     return pending
 
 
-def attempt(phase: str, write: Callable[[], RankReport]) -> RankReport | Failed:
+def attempt(
+    phase: str,
+    write: Callable[[], RankReport],
+    *,
+    ctx: SaveContext | None = None,
+    pending: Pending | None = None,
+) -> RankReport | Failed:
     """Step 2 on one rank: ``write()`` this rank's files into ``Pending.location``
-    (fsync'd, with their checksums), or what failed, for ``finish`` to share."""
+    (fsync'd, with their checksums), or what failed, for ``finish`` to share. With
+    ``ctx`` and ``pending``, a write that found no pending location says why that is."""
     try:
         return write()
     except Exception as exc:  # every failure is shared, never swallowed
+        if ctx is not None and pending is not None:
+            exc = _unseen_location(ctx, pending, exc)
         return Failed(phase, exc)
+
+
+def _unseen_location(ctx: SaveContext, pending: Pending, exc: Exception) -> Exception:
+    """``exc``, or, when this rank (not its domain's leader) does not see the pending
+    location its leader created, an error that says so: the ranks' roots are not one
+    storage (each rank passed its own directory, or node-local disks on one host name
+    were taken for a shared one). It read "create ... failed: No such file or
+    directory", which said nothing of why."""
+    if getattr(exc, "errno", None) != errno.ENOENT or ctx.coord.rank == ctx.leader:
+        return exc
+    try:
+        if ctx.storage.is_dir(pending.location):
+            return exc
+    except errors.CheckpointError:
+        return exc
+    return errors.StorageError(
+        f"{exc}. Rank {ctx.coord.rank} does not see {ctx.storage.url(pending.location)}, "
+        f"which its storage domain's leader (rank {ctx.leader}) created: the ranks do not "
+        "share one ROOT. Pass the same ROOT on every rank; for node-local disks, give "
+        "each node its own host name (ATOMIC_CHECKPOINT_HOST) or pass "
+        "storage_domains='per-host' (the README's storage table)",
+        errno=errno.ENOENT,
+        path=ctx.storage.url(pending.location),
+    )
 
 
 def finish(

@@ -220,6 +220,24 @@ def _mismatch_in_mark(raw: bytes, key: str, rank: int) -> CollectiveMismatchErro
     return _mismatch({int(by): their_key, rank: key}, rank)
 
 
+def _store_failed(rank: int, key: str, exc: BaseException) -> CheckpointError:
+    """A store call that failed (not a timeout). A connection the store closed is its
+    host gone: rank 0 hosts the TCPStore unless an agent (torchrun) does, so a rank 0
+    that died showed the survivors only "Failed to recv, got 0 bytes"."""
+    text = str(exc)
+    gone = any(
+        w in text.lower() for w in ("recv", "connection", "broken pipe", "reset by peer", "closed")
+    )
+    why = (
+        ": the store's host went away (rank 0, which hosts the store unless torchrun's "
+        "agent does, died or cannot be reached): restart the job, which resumes from "
+        "its newest complete checkpoint"
+        if gone
+        else ""
+    )
+    return CheckpointError(f"rank {rank}: coordination store failed at {key!r}: {text}{why}")
+
+
 def _mismatch(calls: dict[int, str], rank: int) -> CollectiveMismatchError:
     """The error of a round in which the ranks made different calls (``calls``: what
     each rank known to differ was doing)."""
@@ -660,9 +678,7 @@ class TorchDistributedCoordinator:
             return result
         if isinstance(result, CheckpointError) or not isinstance(result, Exception):
             raise result
-        raise CheckpointError(
-            f"rank {self.rank}: coordination store failed at {key!r}: {result}"
-        ) from result
+        raise _store_failed(self.rank, key, result) from result
 
     def _claim(self, slot: str, obj: Any, key: str, timeout_s: float, seq: int) -> bytes:
         """Write ``obj`` into this rank's ``slot`` unless a rank that gave up waiting
@@ -742,7 +758,7 @@ class TorchDistributedCoordinator:
             try:
                 raw = self._give_up_on(key, {src: slot})[src]
             except Exception as exc2:  # pragma: no cover - the store itself failed
-                raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
+                raise _store_failed(self.rank, key, exc2) from exc
             if raw.startswith(_GAVE_UP) and _gave_up_by(raw)[0] == str(self.rank):
                 raise CoordinationTimeoutError(
                     f"rank {self.rank}: rank {src} did not answer at {key!r} within "
@@ -919,7 +935,7 @@ class TorchDistributedCoordinator:
                         self._store.compare_set(keys[r], "", mark)
             return stored
         except Exception as exc2:  # pragma: no cover - the store itself failed
-            raise CheckpointError(f"coordination store failed at {key!r}: {exc2}") from exc
+            raise _store_failed(self.rank, key, exc2) from exc
 
     def _missing_error(
         self, key: str, raw: bytes, dst: int, timeout_s: float

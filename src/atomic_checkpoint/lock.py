@@ -802,7 +802,10 @@ class RunLock:
                 self._fence(lease_lapsed)
             return
         if raw is None:
-            why = f"{self.storage.url(LOCK_FILE)} was removed"
+            why = (
+                f"{self.storage.url(LOCK_FILE)} was removed (by `clean --force`, by hand, "
+                "or its root was unmounted, moved or replaced)"
+            )
         elif current is None:
             why = f"{self.storage.url(LOCK_FILE)} was replaced by an unreadable file"
         else:
@@ -820,7 +823,8 @@ class RunLock:
         self._fence(
             f"this job (run {self.run_id!r}, fencing token {holder.token}) lost the run lock "
             f"on {self.storage.url('')}: {why}. A job that lost the lock can neither commit "
-            "nor delete; stop this job (it was superseded)"
+            "nor delete; stop this job"
+            + (" (it was superseded)" if current is not None else ", and restart it")
         )
 
     def _fence(self, message: str) -> NoReturn:

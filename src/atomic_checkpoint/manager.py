@@ -439,6 +439,21 @@ class CheckpointManager:
         every rank raises the failure (``_on_leaders``, without a summary)."""
         return self._on_leaders(phase, fn, pick=pick, want=want, **kwargs)[0]
 
+    def _refuse_in_callback(self, phase: str) -> None:
+        """Refuse a collective call made inside ``on_commit`` (see ``_on_leaders``)."""
+        if self._callback_thread == threading.get_ident():
+            raise CheckpointError(
+                f"{phase}: a collective call (checkpoints(), latest(), restore(), a save, "
+                "...) was made from on_commit, which runs on the coordinator (rank 0) only: "
+                "it would wait for ranks that never make it. Make it after save() returns, "
+                "on every rank"
+            )
+
+    def _agree(self, call: str, value: Any) -> None:
+        """``coordination.agree`` on ``call``'s arguments, refused inside ``on_commit``."""
+        self._refuse_in_callback(call)
+        agree(self.coordinator, call, value, timeout_s=self.timeout_s)
+
     def _on_leaders(
         self,
         phase: str,
@@ -464,13 +479,7 @@ class CheckpointManager:
         ranks' files costs O(N) bytes in all rather than N entries to each of N ranks,
         and with several storage domains each rank gets its own leader's result, not
         every leader's."""
-        if self._callback_thread == threading.get_ident():
-            raise CheckpointError(
-                f"{phase}: a collective call (checkpoints(), latest(), restore(), a save, "
-                "...) was made from on_commit, which runs on the coordinator (rank 0) only: "
-                "it would wait for ranks that never make it. Make it after save() returns, "
-                "on every rank"
-            )
+        self._refuse_in_callback(phase)
         return run_on_leaders(
             self.coordinator,
             phase,
@@ -1700,7 +1709,9 @@ class CheckpointManager:
         pending = commit.begin(ctx, step, overwrite=overwrite, problem=problem)
         try:
             written = (
-                commit.attempt(phase, lambda: write(pending.location)) if pending.writes else None
+                commit.attempt(phase, lambda: write(pending.location), ctx=ctx, pending=pending)
+                if pending.writes
+                else None
             )
         except BaseException:
             # KeyboardInterrupt/SystemExit during the write: leave no half-written
@@ -1993,6 +2004,11 @@ class CheckpointManager:
         self._check_process("apply_retention()")
         self._finish_async()
         self._finish_rotation()
+        # Every rank is in this call before the leader deletes anything: the leaders'
+        # round below has the leader act first and tell the others after, so a rank 0
+        # that called it alone (inside `if rank == 0:`) deleted checkpoints while the
+        # other ranks were saving or restoring, and failed only afterwards.
+        self._agree("apply_retention()", None)
         if self.domain.count == 1:
             _, deleted = self._on_leaders(
                 "apply retention",
@@ -2393,7 +2409,7 @@ class CheckpointManager:
             raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
         if step is not None:
             step = validate_step(step)
-            agree(self.coordinator, "restore(step)", step, timeout_s=self.timeout_s)
+            self._agree("restore(step)", step)
             return self._restore_agreed(step, load, rank)
         skipped: list[str] = []
         tried: set[int] = set()
@@ -2811,7 +2827,7 @@ class CheckpointManager:
         step = validate_step(step)
         # Before anything is deleted: a rank with another step, or in another call
         # (a rollback under `if rank == 0:`), stops it on every rank.
-        agree(self.coordinator, "rollback()", step, timeout_s=self.timeout_s)
+        self._agree("rollback()", step)
         self._finish_async()
         self._finish_rotation()
         _, (removed, summary) = self._on_leaders(
@@ -2855,6 +2871,16 @@ class CheckpointManager:
         (``catalog.above``), not every manifest in ROOT. A corrupt checkpoint with a
         readable manifest of this run is ours and goes; without a manifest nobody can
         tell whose it is, so it is left alone."""
+        if self.storage.local_path("") is not None and not self.storage.is_dir(""):
+            # A listing of a root that vanished (unmounted, replaced by a file) is empty:
+            # "nothing above the step" returned success, and a tiered rollback then
+            # rolled tier 0 back while the unreachable persistent tier kept the steps.
+            raise StorageError(
+                f"rollback({step}): {self.root} is not a directory any more (unmounted, "
+                "moved or replaced?): nothing was removed. Call rollback again once it is "
+                "back",
+                path=self.root,
+            )
         count = 1 if self.domain.count == 1 else _DOMAIN_VIEW_STEPS
         found = catalog.above(
             self.storage, step, run_id=self.run_id, count=count, cache=self._manifests
@@ -3007,11 +3033,16 @@ class _SavingBlock:
         if exc is None:
             self._finish(RankReport((), 0.0, 0.0))
             return
-        # The block failed on this rank: every rank's save fails alike, and the
-        # user's exception propagates here.
+        # The block failed on this rank: every rank's save fails alike. With one
+        # process the user's exception propagates; with several, this rank raises the
+        # error every other rank raises (naming this rank), its own exception the cause,
+        # so that code handling the save's failure runs alike on every rank.
         why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
-        with contextlib.suppress(CheckpointError):
+        try:
             self._finish(commit.Failed("write", why))
+        except CheckpointError as shared:
+            if self.mgr.world_size > 1 and isinstance(exc, Exception):
+                raise shared from exc
 
 
 def _say_into_is_unverified(exc: CheckpointError) -> None:

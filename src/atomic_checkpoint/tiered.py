@@ -1782,7 +1782,10 @@ class TieredCheckpointManager:
     def wait_peers(self, step: int | None = None, timeout_s: float | None = None) -> bool:
         """Wait until the peer round of ``step`` (default: every step saved so far)
         ran. Returns True when it made the step(s) recoverable without the persistent
-        tier, False on a timeout or when a copy failed (``peer_recoverable``)."""
+        tier, False on a timeout or when a copy failed (``peer_recoverable``), and at
+        once when this job makes no peer copies (``peers=0``, or a job on one node)."""
+        if self._peer_group is None:
+            return False  # it returned True: nothing makes a step recoverable here
         with self._cv:
             self._cv.wait_for(
                 lambda: (
@@ -2179,13 +2182,12 @@ class TieredCheckpointManager:
             step = validate_step(step)
         with self._cv:
             reconciled = self._reconciled
-            failed_before = set(self._failed)
             if step is not None:
                 limit, only = step, True
             else:
                 # Every step committed so far. Before tier 1 was first reached, which of
                 # tier 0's steps it lacks is unknown: tier 0's newest bounds them.
-                limit, only = max(self._todo, default=-1), False
+                limit, only = max(self._todo | self._failed.keys(), default=-1), False
         if not reconciled and step is None:
             on_fast = catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
             limit = max([limit] + [m.step for m in on_fast])
@@ -2200,15 +2202,17 @@ class TieredCheckpointManager:
                 lambda: self._fatal is not None or (self._reconciled and not waiting()),
                 timeout=timeout_s,
             )
-            failed = sorted(
-                s
-                for s in self._failed.keys() - failed_before
-                if s == limit or (not only and s <= limit)
-            )
-            if step is not None and step in self._failed:
-                failed = [step]
-            if failed:
-                raise self._failed[failed[0]]
+            failures = dict(self._failed)
+            given_up = sorted(s for s in failures if s == limit or (not only and s <= limit))
+        # A step replication gave up on (its tier 0 copy fails its checksums) is not on
+        # the persistent tier: "every step committed so far" is not there while tier 0
+        # still holds it. Only the failures new to this call were raised, so a failure
+        # recorded just before it (or a second call) returned True.
+        if given_up and not only:
+            given_up = sorted(set(given_up) & self._still_on_fast())
+        if given_up:
+            raise failures[given_up[0]]
+        with self._cv:
             if not self._reconciled or waiting():
                 if self._fatal is not None:
                     raise CheckpointError(
@@ -2217,12 +2221,32 @@ class TieredCheckpointManager:
                 return False
             known = step is None or step in self._replicated
         if not known and not self._is_on_slow(step):  # type: ignore[arg-type]
+            # The hint only where the step may have been meant as a timeout
+            # (wait_replicated(30)); a rolled-back step was read as one too.
+            hint = (
+                f" (the first argument is a step; to wait for every step at most {step} s, "
+                f"call wait_replicated(timeout_s={step}))"
+                if timeout_s is None
+                else ""
+            )
             raise CheckpointNotFoundError(
-                f"step {step} was never committed on {self.fast.root}, so it is not being "
-                "replicated (the first argument is a step; to wait for every step at most "
-                f"{step} s, call wait_replicated(timeout_s={step}))"
+                f"step {step} is not a checkpoint of {self.fast.root} (never committed, or "
+                f"removed since: rollback, retention), so it is not being replicated{hint}"
             )
         return True
+
+    def _still_on_fast(self) -> set[int]:
+        """This run's steps committed on tier 0 now (one listing)."""
+        return {
+            m.step for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
+        }
+
+    def _never_replicated(self) -> list[int]:
+        """The steps replication gave up on (``replication_failures``) that tier 0 still
+        holds: on tier 0 only, for good."""
+        with self._cv:
+            failed = set(self._failed)
+        return sorted(failed & self._still_on_fast()) if failed else []
 
     def _is_on_slow(self, step: int) -> bool:
         try:
@@ -2470,7 +2494,9 @@ class TieredCheckpointManager:
 
         Returns:
             The steps that did not reach the persistent tier (empty when drained). They
-            stay on tier 0 and are replicated at the next start on the same tier 0.
+            stay on tier 0 and are replicated at the next start on the same tier 0, but
+            for those replication gave up on (``replication_failures()``: a tier 0 copy
+            that fails its checksums), which never will be.
 
         Multi-rank: collective. The replicators stop together, at the start of their
         next round (a copy in flight is discarded, never half committed): a rank whose
@@ -2561,6 +2587,16 @@ class TieredCheckpointManager:
                 self._last_error or self._fatal or "time ran out",
                 self.fast.root,
             )
+        never = self._never_replicated()
+        if never:
+            log.warning(
+                "closed with steps %s on %s only, for good: replication gave up on them "
+                "(replication_failures() says why: %s)",
+                never,
+                self.fast.root,
+                "; ".join(f"step {s}: {self._failed[s]}" for s in never),
+            )
+        left = sorted(set(left) | set(never))
         self._left_at_close, self._closed = left, True
         if error is not None:
             raise error

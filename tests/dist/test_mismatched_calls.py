@@ -26,7 +26,7 @@ PAIRS = [
     ("save", "restore", ("save step 10: prepare", "restore: next candidate")),
     ("save", "latest", ("save step 20: prepare", "'latest'")),
     ("restore", "checkpoints", ("restore: next candidate", "'list'")),
-    ("latest", "apply_retention", ("'latest'", "apply retention")),
+    ("latest", "apply_retention", ("'latest'", "'apply_retention(): arguments'")),
     ("save", "rollback", ("save step 50: prepare", "'rollback(): arguments'")),
 ]
 
@@ -138,3 +138,81 @@ def test_ranks_passing_different_steps_to_restore_or_rollback_do_nothing(tmp_pat
     assert {kind for kind, _ in alone} <= {"CollectiveMismatchError", "CoordinationTimeoutError"}
     assert any(k == "CollectiveMismatchError" and "rollback()" in m for k, m in alone), alone
     assert all(x["on_disk"] == ["checkpoint-5", "checkpoint-6"] for x in v)
+
+
+def w_saving_fails_on_one_rank_then_retention_alone(
+    rank: int, world: int, root: str
+) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    mgr = CheckpointManager(root, timeout_s=3.0, retention=KeepLast(3))
+    for s in (1, 2, 3):
+        mgr.save(s, {"w": torch.full((4,), float(s))})
+    out: dict[str, Any] = {}
+    try:
+        with mgr.saving(4) as d:
+            (d / f"w-{rank}.bin").write_bytes(b"x")
+            if rank == 1:
+                raise RuntimeError("rank 1 could not serialise its shard")
+        out["saving"] = ("ok", "", None)
+    except Exception as exc:
+        cause = exc.__cause__
+        out["saving"] = (type(exc).__name__, str(exc), None if cause is None else str(cause))
+    # apply_retention() under `if rank == 0:` while the other rank saves: rank 0 deleted
+    # steps 1 and 2 before the round that found the mismatch.
+    try:
+        if rank == 0:
+            mgr.retention = KeepLast(1)
+            mgr.apply_retention()
+        else:
+            mgr.save(5, {"w": torch.zeros(4)})
+        out["alone"] = "ok"
+    except Exception as exc:
+        out["alone"] = type(exc).__name__
+    out["on_disk"] = sorted(n for n in os.listdir(root) if n.startswith("checkpoint-"))
+    return out
+
+
+def test_a_saving_block_failing_on_one_rank_and_retention_on_rank_0_alone(tmp_path):
+    root = tmp_path / "ckpt"
+    v = ok_values(
+        run_ranks(
+            w_saving_fails_on_one_rank_then_retention_alone,
+            2,
+            str(root),
+            tmp_dir=str(tmp_path),
+            timeout_s=90,
+        )
+    )
+    # Every rank raises the same error; on rank 1 its own exception is the cause (it
+    # raised the bare RuntimeError while rank 0 raised DistributedCheckpointError).
+    kinds = {x["saving"][0] for x in v}
+    assert kinds == {"DistributedCheckpointError"}, v
+    assert all("rank 1" in x["saving"][1] and "could not serialise" in x["saving"][1] for x in v)
+    assert v[1]["saving"][2] == "rank 1 could not serialise its shard"
+    assert all(x["alone"] != "ok" for x in v), v
+    assert all(x["on_disk"] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"] for x in v), v
+
+
+def w_own_root_per_rank(rank: int, world: int, base: str) -> str:
+    import os
+
+    root = os.path.join(base, f"node{rank}")  # one host: taken for one shared ROOT
+    mgr = CheckpointManager(root, timeout_s=10.0)
+    try:
+        mgr.save(1, {"r": rank})
+        return "ok"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        mgr.close()
+
+
+def test_ranks_of_one_host_that_pass_different_roots_are_told_so(tmp_path):
+    # Each rank wrote into a pending directory its leader had made in another ROOT, and
+    # every rank read "create ... failed: No such file or directory".
+    v = ok_values(run_ranks(w_own_root_per_rank, 2, str(tmp_path / "nodes"), tmp_dir=str(tmp_path)))
+    assert all(x.startswith("DistributedCheckpointError") for x in v), v
+    assert all("the ranks do not share one ROOT" in x and "ATOMIC_CHECKPOINT_HOST" in x for x in v)

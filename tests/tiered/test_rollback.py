@@ -129,6 +129,30 @@ def test_rollback_while_the_persistent_tier_is_unreachable_touches_neither_tier(
         assert steps_on(reader) == [1, 2]
 
 
+@pytest.mark.timeout(60)
+def test_rollback_while_a_mounted_persistent_tier_is_gone_touches_neither_tier(fast_root, tmp_path):
+    """All replicated, the replicator idle; then tier 1's directory is replaced by a
+    file (an unmount). Its listing read as empty, "nothing above the step" counted as
+    rolled back, tier 0 lost steps 2 and 3 while tier 1 kept them, and a node
+    replaced later resumed from the rolled-back step 3."""
+    slow = tmp_path / "slow"
+    mgr = TieredCheckpointManager([Tier(str(fast_root)), Tier(str(slow))], retry_max_s=0.3)
+    for step in (1, 2, 3):
+        mgr.save(step, state(step))
+    assert mgr.wait_replicated(timeout_s=30)
+    slow.rename(tmp_path / "away")
+    slow.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="is not a directory any more"):
+        mgr.rollback(1)
+    assert steps_on(mgr.fast) == [1, 2, 3]
+    slow.unlink()
+    (tmp_path / "away").rename(slow)
+    assert mgr.rollback(1) == [3, 2]
+    assert mgr.close() == []
+    with CheckpointManager(slow, read_only=True) as reader:
+        assert steps_on(reader) == [1]
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_rollback_in_a_multi_node_job_removes_tier_1_tier_0_and_peer_copies_alike(tmp_path):

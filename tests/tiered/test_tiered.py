@@ -406,13 +406,19 @@ def test_a_corrupt_fast_copy_is_never_replicated(fast_root, tmp_path):
     assert mgr.wait_replicated(1, timeout_s=30)
     with pytest.raises(CorruptCheckpointError, match="not replicated"):
         mgr.wait_replicated(2, timeout_s=30)
+    # "Every step committed so far" is not on the persistent tier while tier 0 holds
+    # step 2: raised at every call (only failures new to the call were, and a second
+    # call, or one made after the failure was recorded, returned True).
+    for _ in range(2):
+        with pytest.raises(CorruptCheckpointError, match="not replicated"):
+            mgr.wait_replicated(timeout_s=30)
     reader = CheckpointManager(slow_root, read_only=True)
     assert steps_on(reader) == [1]
     assert os.listdir(slow_root / ".pending") == []  # the attempt was discarded
     # Restore skips the corrupt copy and loads the newest that verifies.
     assert same(mgr.restore(), state(1))
     assert mgr.last_restored.step == 1
-    mgr.close()
+    assert mgr.close() == [2]  # it returned []: "drained"
 
 
 @pytest.mark.netfs
@@ -493,3 +499,17 @@ def test_each_tiers_retention_is_checked_when_the_tiers_open(tmp_path):
         with pytest.raises(TypeError, match="retention must be a policy"):
             TieredCheckpointManager(tiers)
     assert not (tmp_path / "fast").exists() and not (tmp_path / "slow").exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("peers", [0, 1])
+def test_wait_peers_says_false_when_the_job_makes_no_peer_copies(fast_root, tmp_path, peers):
+    # peers=0, or peers=1 in a job on one node: no step is ever recoverable without the
+    # persistent tier, and wait_peers() returned True ("recoverable").
+    with TieredCheckpointManager(
+        [Tier(fast_root), Tier(tmp_path / "persistent")], peers=peers
+    ) as mgr:
+        mgr.save(1, state(1))
+        assert mgr.wait_peers(timeout_s=5) is False
+        assert mgr.wait_peers(1, timeout_s=5) is False
+        assert mgr.peer_recoverable() == []

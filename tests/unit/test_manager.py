@@ -649,7 +649,7 @@ def test_a_step_whose_manifest_cannot_be_read_is_not_called_committed(tmp_path):
     manifest.write_bytes(manifest.read_bytes()[:40])
     with CheckpointManager(tmp_path) as mgr:
         assert same(mgr.restore(), state(10))
-        with pytest.raises(CheckpointExistsError, match="cannot be read") as caught:
+        with pytest.raises(CheckpointExistsError, match="is not a valid checkpoint") as caught:
             mgr.save(20, state(21))
         assert "already committed" not in str(caught.value)
         assert "overwrite=True" in str(caught.value)

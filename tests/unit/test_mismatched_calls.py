@@ -233,9 +233,7 @@ def test_another_jobs_lock_is_a_lock_held_error_on_every_rank(tmp_path):
     assert str(results[0][1]) == str(results[1][1])
 
 
-def test_ctrl_c_in_one_ranks_save_async_fails_that_save_on_every_rank_alike(
-    tmp_path, monkeypatch
-):
+def test_ctrl_c_in_one_ranks_save_async_fails_that_save_on_every_rank_alike(tmp_path, monkeypatch):
     # An interrupt while one rank planned its snapshot (allocating the first call's
     # buffers takes a while) was raised on that rank alone: it never joined the save,
     # and from then on the ranks were one call apart for the rest of the job (every
@@ -277,3 +275,16 @@ def test_ctrl_c_in_one_ranks_save_async_fails_that_save_on_every_rank_alike(
     assert out1[1] == "interrupted" and out0[1] == "ok"
     assert out0[2:] == out1[2:], (out0, out1)  # in step again: the same call raises
     assert steps0 == steps1 and 5 in steps0 and 2 not in steps0, steps0
+
+
+def test_a_store_whose_host_died_is_named_as_such():
+    # A rank 0 that hosts the TCPStore (a job launched without torchrun's agent) and is
+    # SIGKILLed left the survivors "coordination store failed at ...: Failed to recv,
+    # got 0 bytes", naming nobody.
+    from atomic_checkpoint.coordination import _store_failed
+
+    gone = _store_failed(1, "save step 2: prepare", RuntimeError("Failed to recv, got 0 bytes"))
+    assert "rank 1: coordination store failed at 'save step 2: prepare'" in str(gone)
+    assert "the store's host went away (rank 0" in str(gone)
+    other = _store_failed(1, "k", ValueError("bad value"))
+    assert "host went away" not in str(other)
