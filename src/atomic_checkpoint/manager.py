@@ -3041,7 +3041,13 @@ class _SavingBlock:
         try:
             self._finish(commit.Failed("write", why))
         except CheckpointError as shared:
-            if self.mgr.world_size > 1 and isinstance(exc, Exception):
+            # A DistributedCheckpointError from the block is already every rank's error
+            # (the integrations agree on their own failures, e.g. save_dcp's): kept.
+            if (
+                self.mgr.world_size > 1
+                and isinstance(exc, Exception)
+                and not isinstance(exc, DistributedCheckpointError)
+            ):
                 raise shared from exc
 
 
