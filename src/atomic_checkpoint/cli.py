@@ -214,6 +214,7 @@ from .layout import (
     LIGHTNING_MANIFEST_SUFFIX,
     MANIFEST_NAME,
     META_DIR,
+    PENDING_DIR,
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
@@ -1478,6 +1479,14 @@ def _open_uploads(storage: Storage) -> list[Any]:
         return []
 
 
+def _of_this_root(path: str) -> bool:
+    """Whether ``path`` (relative to ROOT) is where this root's own writes go: a
+    ``checkpoint-<step>/`` entry or one of its directories (``.pending``, ``.trash``,
+    ``.atomic-checkpoint``)."""
+    head = path.split("/", 1)[0]
+    return parse_checkpoint_name(head) is not None or head in (PENDING_DIR, TRASH_DIR, META_DIR)
+
+
 def _clean_uploads(
     storage: Storage,
     holder: Any | None,
@@ -1512,11 +1521,24 @@ def _clean_uploads(
         return [], [
             {"name": "(unfinished uploads)", "kind": "upload", "size_bytes": 0, "problem": str(exc)}
         ]
+    # Only uploads of this root's own layout: under ROOT/sub/ may be another root, whose
+    # live job's upload an abort failed ("Internal Server Error" in its save), and this
+    # root's run lock says nothing of that job.
+    others = [u for u in uploads if not _of_this_root(u.path)]
+    if others:
+        _warn(
+            f"left {len(others)} unfinished upload(s) under {storage.url()} that are not of "
+            f"its checkpoints (e.g. {others[0].path}: another root inside it?): run clean "
+            "on that root"
+        )
+        uploads = [u for u in uploads if _of_this_root(u.path)]
     open_now = {u.path for u in uploads}
     with_attempts = [
         {"name": u.path, "kind": "upload", "size_bytes": 0}
         for u in before
-        if u.path not in open_now and (u.initiated_unix is None or u.initiated_unix < since)
+        if u.path not in open_now
+        and _of_this_root(u.path)
+        and (u.initiated_unix is None or u.initiated_unix < since)
     ]
     if not uploads:
         return with_attempts, []
@@ -1547,7 +1569,15 @@ def _clean_uploads(
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    storage = _open_root(args.root, args.storage_option)
+    try:
+        storage = _open_root(args.root, args.storage_option)
+    except _RootMissing as exc:
+        # An object-store prefix whose only content is unfinished uploads (its objects
+        # deleted by hand, `aws s3 rm --recursive`): in no listing, billed, and clean
+        # is the command that aborts them. It refused the "empty" root.
+        storage = exc.open()
+        if not is_url(args.root) or not _open_uploads(storage):
+            raise
     _refuse_one_checkpoint(storage, "clean")
     since = time.time()
     holder = _check_lock(storage, "clean", force=args.force, dry_run=args.dry_run)

@@ -158,3 +158,37 @@ def test_clean_reports_the_upload_of_a_crashed_attempt_it_removes(s3_server, s3_
     assert sorted((i["name"], i["kind"]) for i in doc["removed"]) == planned
     assert (key[len("crashed/") :], "upload") in planned and ("checkpoint-3", "pending") in planned
     assert open_uploads(s3_server, s3_bucket) == []
+
+
+@pytest.mark.timeout(120)
+def test_clean_leaves_uploads_of_a_root_nested_in_it_and_cleans_a_prefix_of_uploads_only(
+    s3_server, s3_bucket, capsys
+):
+    """A live job of s3://b/run/sub (its own run lock) had its upload aborted by `clean
+    s3://b/run`, and its save failed with "Internal Server Error". And a prefix whose
+    only content is unfinished uploads (its objects removed by hand) was refused as
+    "holds nothing", the uploads left billed."""
+    opts = s3_server.storage_options()
+    url = f"s3://{s3_bucket}/run"
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(1, state(1))
+    nested = f"run/sub/{ATTEMPT}/rank-00000.safetensors"
+    ours = f"run/{ATTEMPT}/rank-00000.safetensors"
+    leave_uploads(s3_server, s3_bucket, [nested, ours])
+    rc, doc, err = clean(opts, url, capsys)
+    assert rc == 0, err
+    assert [r["name"] for r in doc["removed"] if r["kind"] == "upload"] == [
+        ATTEMPT + "/rank-00000.safetensors"
+    ]
+    assert "not of its checkpoints (e.g. sub/" in err
+    assert open_uploads(s3_server, s3_bucket) == [nested]
+
+    only = f"only/{ATTEMPT}/rank-00000.safetensors"
+    leave_uploads(s3_server, s3_bucket, [only])
+    rc, doc, err = clean(opts, f"s3://{s3_bucket}/only", capsys)
+    assert rc == 0, err
+    assert [r["name"] for r in doc["removed"]] == [ATTEMPT + "/rank-00000.safetensors"]
+    assert open_uploads(s3_server, s3_bucket) == [nested]
+    # An empty prefix without uploads is still "holds nothing" (a typo), exit 2.
+    rc, _, err = clean(opts, f"s3://{s3_bucket}/typo", capsys)
+    assert rc == 2 and "holds nothing" in err
