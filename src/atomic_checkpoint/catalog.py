@@ -208,7 +208,8 @@ def validate(
     sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Check every listed file: inside the checkpoint, present, right size; with
-    ``full``, recompute checksums. ``progress`` is called with bytes verified so far.
+    ``full``, recompute checksums and check each state file's header as ``restore``'s
+    loader does (``_check_header``). ``progress`` is called with bytes verified so far.
     ``sizes``: file sizes from a listing of the checkpoint just taken (object stores:
     one listing instead of a request per file); a file it does not show at its listed
     size is asked for again.
@@ -251,6 +252,7 @@ def validate(
                 f"{where}: file {entry.path!r} checksum {h.hexdigest()} does not match the "
                 f"manifest ({entry.checksum}): the file is corrupt"
             )
+        _check_header(storage, rel, entry)
 
 
 #: How many times a reader re-reads a checkpoint that is replaced while it reads it
@@ -470,33 +472,39 @@ def validate_consistent(
 
 def check_state_headers(storage: Storage, rel: str, manifest: Manifest) -> None:
     """Parse and validate the header of each state file (``rank-<r>.safetensors``,
-    ``replicated.safetensors``) of checkpoint ``rel`` with the validation ``restore``'s
-    loader applies (``serialization.read_header``): shapes, dtypes, offsets, the tree.
-    Reads the headers only. A file whose checksum matches its manifest can still hold a
-    header no load accepts (written so, or manifest and file changed together), and
-    ``verify``/``inspect`` must not call ``ok`` what ``restore`` rejects as corrupt.
+    ``replicated.safetensors``) of checkpoint ``rel`` as ``restore``'s loader does,
+    reading the headers only: ``inspect``'s check, which reads no data (``validate``
+    with ``full`` checks them after the checksums).
 
     Raises:
         CorruptCheckpointError: naming the file and what is wrong with its header.
     """
+    for entry in manifest.files:
+        check_inside(storage, rel, entry.path)
+        _check_header(storage, rel, entry)
+
+
+def _check_header(storage: Storage, rel: str, entry: FileEntry) -> None:
+    """A state file's header, validated as ``restore``'s loader validates it
+    (``serialization.read_header``: shapes, dtypes, offsets, the tree). A file whose
+    checksum matches its manifest can still hold a header no load accepts (written so,
+    or manifest and file changed together): a verification must not call ``ok`` what
+    ``restore`` rejects as corrupt. Other files are not read."""
+    if not layout.is_state_file(entry.path.rpartition("/")[2]):
+        return
     from .serialization import read_header
 
-    for entry in manifest.files:
-        if not layout.is_state_file(entry.path.rpartition("/")[2]):
-            continue
-        check_inside(storage, rel, entry.path)
-        path = f"{rel}/{entry.path}"
-        try:
-            with storage.open_read(path) as f:
-                read_header(f, size_bytes=entry.size_bytes)
-        except CorruptCheckpointError as exc:
-            raise CorruptCheckpointError(f"{storage.url(path)}: {exc}") from exc
+    path = f"{rel}/{entry.path}"
+    try:
+        with storage.open_read(path) as f:
+            read_header(f, size_bytes=entry.size_bytes)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(f"{storage.url(path)}: {exc}") from exc
 
 
 def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manifest:
     """Read and validate checkpoint ``step``; raises if it is not a valid checkpoint.
-    Returns the manifest of the copy that was checked (see ``validate_consistent``).
-    ``full``: checksums, and each state file's header as ``restore`` checks it."""
+    Returns the manifest of the copy that was checked (see ``validate_consistent``)."""
     rel = layout.checkpoint_name(step)
     for attempt in range(READ_ATTEMPTS):
         last = attempt + 1 == READ_ATTEMPTS
@@ -520,14 +528,11 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
                 continue
             raise missing_step_error(storage, step) from exc
         try:
-            checked = validate_consistent(storage, rel, manifest, full=full)
+            return validate_consistent(storage, rel, manifest, full=full)
         except CheckpointNotFoundError:
             if not last and _back(storage, (step,)):
                 continue
             raise
-        if full:  # as `atomic-checkpoint verify`: what restore's loader would reject
-            check_state_headers(storage, rel, checked)
-        return checked
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
 

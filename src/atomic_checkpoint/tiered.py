@@ -934,11 +934,7 @@ class TieredCheckpointManager:
         saves through it). During a rollback, only those at or below its step: the
         ones above are being removed, never to be replicated again."""
         ceiling = self._ceiling
-        return {
-            m.step
-            for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
-            if ceiling is None or m.step <= ceiling
-        }
+        return {s for s in self._still_on_fast() if ceiling is None or s <= ceiling}
 
     def _replicate_loop(self) -> None:
         # Replication is never urgent next to training: the lowest CPU priority, as an
@@ -1738,10 +1734,7 @@ class TieredCheckpointManager:
         copies go once this node's own tier 0 dropped the step (its policy, holding
         every step not yet on the persistent tier, decides for both)."""
         try:
-            local = [
-                m.step
-                for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
-            ]
+            local = sorted(self._still_on_fast())
             if not local:
                 return
             for node in self._fast_storage.listdir(_PEERS):
@@ -2189,8 +2182,7 @@ class TieredCheckpointManager:
                 # tier 0's steps it lacks is unknown: tier 0's newest bounds them.
                 limit, only = max(self._todo | self._failed.keys(), default=-1), False
         if not reconciled and step is None:
-            on_fast = catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
-            limit = max([limit] + [m.step for m in on_fast])
+            limit = max({limit} | self._still_on_fast())
 
         def waiting() -> set[int]:
             if only:
@@ -2274,10 +2266,7 @@ class TieredCheckpointManager:
         with self._cv:
             todo, reconciled = set(self._todo), self._reconciled
         if not reconciled:
-            todo |= {
-                m.step
-                for m in catalog.committed(self._fast_storage, run_id=self.run_id, warn=False)
-            }
+            todo |= self._still_on_fast()
         return sorted(todo)
 
     # ------------------------------------------------------------------ discovery

@@ -80,6 +80,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import catalog
 from ..coordination import gather_summary
 from ..errors import (
     CheckpointError,
@@ -595,7 +596,13 @@ class _AtomicTrainer:
         committed checkpoint; refuse if the stock Trainer wrote a complete checkpoint
         above it (the run went on without this library). Resuming from ``step`` would
         drop that training, and the save of its step would replace the folder."""
-        found = self._dry_adopt(opened, None)
+        # Only the folders named above the step are judged (one listing, then their
+        # files): a dry adoption of the whole root read every checkpoint's manifest at
+        # every resume. The list matters on the coordinator only (_dry_adopt).
+        above: list[int] = []
+        if opened.manager.is_coordinator:
+            above = [s for s, _ in catalog.listed_steps(opened.manager.storage) if s > step]
+        found = self._dry_adopt(opened, above)
         newer = sorted(s for s, why in found.items() if why is None and s > step)
         if newer:
             names = [checkpoint_name(s) for s in newer]
