@@ -150,10 +150,17 @@ _EXIT_DRAIN_S = 5.0
 _WAIT_SLICE_S = 0.25
 _NOT_RUNNING_S = 1.0
 
-#: How long the collecting rank waits for the others before it logs who is missing
-#: (once per round; only where ``timeout_s`` is over twice this): a collective call made
-#: on some ranks only (``if rank == 0: mgr.save(...)``) otherwise showed nothing until
-#: the timeout, 600 s by default.
+#: How long a rank waits in a round before it looks for a cause (once per round; only
+#: where ``timeout_s`` is over twice this, else the timeout itself comes soon enough).
+#: The collecting rank logs who is missing: a collective call made on some ranks only
+#: (``if rank == 0: mgr.save(...)``) otherwise showed nothing until the timeout, 600 s
+#: by default. The collecting rank and the ranks waiting for a published value also
+#: announce their call in the round (``_announce``): ranks in different calls that each
+#: wait for a message the other never sends (rank 0 collecting the arguments of a
+#: ``rollback()`` under ``if rank == 0:``, the others waiting for their leader's answer
+#: in ``save()``) read nothing of each other's, and found the mismatch only at the
+#: timeout. The ranks that wait for a collected outcome (most ranks, in a save's slow
+#: write round) do neither: each would cost a request and a line in the job's log.
 SLOW_ROUND_S = 60.0
 
 #: Written into the key of a rank that did not arrive in time, followed by
@@ -752,7 +759,7 @@ class TorchDistributedCoordinator:
             self._read_by_all.append(slot)
             return obj
         try:
-            self._store.wait([slot], timedelta(seconds=max(timeout_s, 0.001)))
+            self._await([slot], key, seq, timeout_s, look="announce")
             raw = self._store.get(slot)
         except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
             try:
@@ -813,7 +820,6 @@ class TorchDistributedCoordinator:
         """
         keys = self._keys(seq)
         out_key = keys[dst]
-        wait = timedelta(seconds=max(timeout_s, 0.001))
         values: list[bytes] | None = None
         self._routed_keys = []
         mine = _tag(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
@@ -822,7 +828,7 @@ class TorchDistributedCoordinator:
             self._store.set(keys[self.rank], mine)
             self._store.append(self._arrivals(seq), f"{self.rank},".encode())
             try:
-                self._store.wait([out_key], wait)
+                self._await([out_key], key, seq, timeout_s)
                 raw = self._store.get(out_key)
             except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
                 raw = self._give_up(key, seq, dst, exc)
@@ -832,7 +838,7 @@ class TorchDistributedCoordinator:
             raw = b""
             try:
                 if others:
-                    self._wait_for_others(others, key, seq, timeout_s)
+                    self._await(others, key, seq, timeout_s, look="collecting")
             except Exception as exc:  # DistStoreError (a RuntimeError) on timeout
                 raw = self._give_up(key, seq, dst, exc)
             if not raw:  # everyone arrived (perhaps just as this rank gave up)
@@ -879,17 +885,56 @@ class TorchDistributedCoordinator:
         seen = self._store.compare_set(self._arrivals(seq), _NO_LIST, _NO_LIST)
         return set() if seen == _NO_LIST else {int(r) for r in seen.split(b",") if r}
 
-    def _wait_for_others(self, others: list[str], key: str, seq: int, timeout_s: float) -> None:
-        """Wait (on ``dst``) up to ``timeout_s`` for the other ranks' keys; raises the
-        store's timeout error. Past ``SLOW_ROUND_S`` it logs, once, which ranks have not
-        arrived: one more request, only in a slow round."""
-        first = SLOW_ROUND_S if timeout_s > 2 * SLOW_ROUND_S else timeout_s
-        try:
-            self._store.wait(others, timedelta(seconds=max(first, 0.001)))
-            return
-        except Exception:  # DistStoreError (a RuntimeError) on timeout
-            if first >= timeout_s:
-                raise
+    def _await(
+        self, keys: list[str], key: str, seq: int, timeout_s: float, *, look: str = ""
+    ) -> None:
+        """Wait up to ``timeout_s`` for every key in ``keys`` (round ``seq``, this rank in
+        call ``key``); raises the store's timeout error.
+
+        ``look``: what this rank does once the round has taken ``SLOW_ROUND_S``
+        (where ``timeout_s`` is over twice that), before it waits on: ``"collecting"``
+        (it collects the round) announces its call and logs which ranks have not
+        arrived (two requests); ``"announce"`` announces its call (one request)."""
+        start = time.monotonic()
+        if look and timeout_s > 2 * SLOW_ROUND_S:
+            try:
+                self._wait_until(keys, start + SLOW_ROUND_S)
+                return
+            except Exception:  # DistStoreError (a RuntimeError) on timeout
+                pass
+            if not self._announce(key, seq) and look == "collecting":
+                self._log_missing(key, seq, timeout_s)
+        self._wait_until(keys, start + timeout_s)
+
+    def _wait_until(self, keys: list[str], deadline: float) -> None:
+        left = deadline - time.monotonic()
+        self._store.wait(keys, timedelta(seconds=max(left, 0.001)))
+
+    def _announce(self, key: str, seq: int) -> bool:
+        """Say, in round ``seq``'s call key, that this rank waits there in call ``key``.
+        The first rank to announce writes the key (and deletes it once its round is
+        over); a later one reads it. A rank that reads another call fills every key of
+        the round still empty with the mismatch (and the next round's, as
+        ``_check_call`` does), which wakes every rank waiting in it: each then reads the
+        mismatch where it reads its round's answer, and raises. Returns whether this
+        rank found a mismatch."""
+        slot = f"{self._ns}/{seq}/call"
+        mine = f"{self.rank}|{key}".encode()
+        stored = self._store.compare_set(slot, "", mine)
+        if stored == mine:
+            self._read_by_all.append(slot)  # deleted once a round of every rank is over
+            return False
+        by, _, their_key = stored.decode(errors="replace").partition("|")
+        if _same_call(their_key, key):
+            return False
+        calls = {int(by): their_key, self.rank: key}
+        mark = _MISMATCH + pickle.dumps((seq, calls), protocol=pickle.HIGHEST_PROTOCOL)
+        for k in self._keys(seq):
+            self._store.compare_set(k, "", mark)
+        self._mismatch_mark(seq, calls)
+        return True
+
+    def _log_missing(self, key: str, seq: int, timeout_s: float) -> None:
         arrived = self._arrived(seq)
         missing = [r for r in range(self.world_size) if r not in arrived]
         if missing:
@@ -901,12 +946,11 @@ class TorchDistributedCoordinator:
                 self.rank,
                 _ranks_text(missing),
                 key,
-                first,
+                SLOW_ROUND_S,
                 len(arrived),
                 self.world_size,
                 timeout_s,
             )
-        self._store.wait(others, timedelta(seconds=max(timeout_s - first, 0.001)))
 
     def _give_up(self, key: str, seq: int, dst: int, exc: Exception) -> bytes:
         """After a timeout in ``_gather``: mark the round failed, naming the ranks not on

@@ -163,6 +163,43 @@ def _raises(fn) -> CoordinationTimeoutError:
     return err.value
 
 
+@pytest.mark.timeout(60)
+def test_a_slow_round_costs_only_the_collecting_rank_more_requests(monkeypatch):
+    # Past SLOW_ROUND_S the collecting rank announces its call (to find ranks in other
+    # calls before timeout_s) and logs who is missing: a compare-set each, the rest of
+    # its wait, and the delete of the call key. The many ranks waiting for its outcome
+    # (a save's slow write round) make no more requests. Counted against the same
+    # round made fast.
+    import time
+
+    from atomic_checkpoint import coordination
+
+    monkeypatch.setattr(coordination, "SLOW_ROUND_S", 0.2)
+    server, stores, coords = _counted_clients(4, "announce")
+
+    def requests_of(late_s: float) -> tuple[list[int], dict[int, Any]]:
+        before = [s.counts.snapshot()["requests"] for s in stores]
+
+        def call(c: TorchDistributedCoordinator) -> Any:
+            if c.rank == 3:
+                time.sleep(late_s)
+            got = c.all_gather("save step 1: write", c.rank * 10, timeout_s=20)
+            c._worker.run(lambda: None, 10)  # the round's deferred deletes
+            return got
+
+        got = _at_once(coords, call)
+        after = [s.counts.snapshot()["requests"] for s in stores]
+        return [a - b for a, b in zip(after, before, strict=True)], got
+
+    requests_of(0.0)  # from now on each round deletes the keys of the one before
+    fast, got_fast = requests_of(0.0)
+    slow, got_slow = requests_of(1.5)
+    assert got_fast == got_slow == {r: [0, 10, 20, 30] for r in range(4)}
+    # Rank 0: the announcement, the arrival list, the rest of its wait, the delete.
+    assert [s - f for s, f in zip(slow, fast, strict=True)] == [4, 0, 0, 0], (fast, slow)
+    assert not server.check(["announce/3/call"])  # the call key is gone
+
+
 @pytest.mark.timeout(30)
 def test_a_missing_rank_is_named_by_the_first_to_give_up_and_a_late_leader_learns_it():
     server, (lead, r1, r2, r3) = _clients(4, "missing")

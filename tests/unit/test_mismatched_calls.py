@@ -109,6 +109,67 @@ def test_the_same_call_with_other_numbers_is_no_mismatch():
     assert [r[:2] for r in results] == [("ok", [0, 1, 2])] * 3
 
 
+def test_calls_that_each_wait_for_a_message_the_other_never_sends_meet_at_once(monkeypatch):
+    # Rank 0 collects the arguments of a rollback (it waits for rank 1's key); rank 1
+    # waits for its leader's answer in a save (rank 0's key). Neither reads anything
+    # of the other's, so before both waited out timeout_s (600 s by default). Both still
+    # waiting after SLOW_ROUND_S (60 s by default) announce their call; the later
+    # announcer finds the other call and wakes both.
+    from atomic_checkpoint import coordination
+
+    monkeypatch.setattr(coordination, "SLOW_ROUND_S", 1.0)
+
+    def first(coord, rank):
+        if rank == 0:
+            coord.all_gather("'rollback(): arguments'", 1, timeout_s=TIMEOUT_S)
+        else:
+            coord.publish("save step 7: prepare", None, src=0, timeout_s=TIMEOUT_S)
+
+    results = _on_ranks(2, _then_agree(first))
+    _check_all_raised_the_mismatch(results, 2, "'rollback(): arguments'", "save step 7: prepare")
+    assert min(r[2] for r in results) >= 1.0  # at SLOW_ROUND_S, not before
+
+
+def test_rollback_on_rank_0_alone_while_the_others_save_is_a_mismatch_long_before_timeout(
+    tmp_path, monkeypatch
+):
+    import os
+
+    import torch
+
+    from atomic_checkpoint import CheckpointManager, coordination
+
+    monkeypatch.setattr(coordination, "SLOW_ROUND_S", 2.0)
+
+    def body(coord, rank):
+        with CheckpointManager(tmp_path, coordinator=coord, timeout_s=60) as mgr:
+            for s in (1, 2):
+                mgr.save(s, {"x": torch.full((2,), float(s))})
+            t0 = __import__("time").monotonic()
+            try:
+                if rank == 0:
+                    mgr.rollback(1)
+                else:
+                    mgr.save(3, {"x": torch.zeros(2)})
+                got: Any = "no error"
+            except Exception as exc:
+                got = exc
+            took = __import__("time").monotonic() - t0
+            on_disk = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
+            mgr.save(4, {"x": torch.full((2,), 4.0)})  # made alike: works again
+            return got, took, on_disk, [c.step for c in mgr.checkpoints()]
+
+    results = _on_ranks(2, body)
+    for rank, (kind, value, _) in enumerate(results):
+        assert kind == "ok", value
+        err, took, on_disk, after = value
+        assert isinstance(err, CollectiveMismatchError), (rank, err)
+        assert "rollback()" in str(err) and "save step 3" in str(err), str(err)
+        assert took < 20, took  # at SLOW_ROUND_S (2 s here), not at timeout_s (60 s)
+        assert on_disk == ["checkpoint-1", "checkpoint-2"]  # nothing deleted or committed
+        assert after == [1, 2, 4]
+
+
 def test_a_rank_that_makes_no_call_is_still_a_timeout_naming_it():
     def body(coord, rank):
         if rank == 2:
