@@ -216,3 +216,54 @@ def test_ranks_of_one_host_that_pass_different_roots_are_told_so(tmp_path):
     v = ok_values(run_ranks(w_own_root_per_rank, 2, str(tmp_path / "nodes"), tmp_dir=str(tmp_path)))
     assert all(x.startswith("DistributedCheckpointError") for x in v), v
     assert all("the ranks do not share one ROOT" in x and "ATOMIC_CHECKPOINT_HOST" in x for x in v)
+
+
+def w_rank_0_alone(rank: int, world: int, root: str) -> list[Any]:
+    import os
+    import time
+
+    import torch
+
+    from atomic_checkpoint import coordination
+
+    coordination.SLOW_ROUND_S = 2.0  # the default is 60 s; timeout_s is over twice this
+    mgr = CheckpointManager(root, timeout_s=60.0)
+    mgr.save(1, {"w": torch.zeros(4)})
+    out = []
+    alone = [lambda: mgr.restore(), mgr.checkpoints, lambda: mgr.rollback(1)]
+    for i, call in enumerate(alone):
+        step = 10 * (i + 1)
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                call()
+            else:
+                mgr.save(step, {"w": torch.ones(4)})
+            got = ("ok", "")
+        except Exception as exc:
+            got = (type(exc).__name__, str(exc))
+        took = time.monotonic() - t0
+        mgr.save(step + 1, {"w": torch.full((4,), float(step))})  # alike: works again
+        on_disk = sorted(n for n in os.listdir(root) if n.startswith("checkpoint-"))
+        out.append((got, took, on_disk))
+    mgr.close()
+    return out
+
+
+def test_calls_on_rank_0_alone_that_never_meet_the_saves_are_found_after_slow_round_s(tmp_path):
+    # Rank 0 restores, lists or rolls back while the others save: rank 0 collects its
+    # call's values while the others wait for its answer as their leader, so neither
+    # reads the other's call. Before, every rank waited out timeout_s (60 s here, 600 s
+    # by default); now the waiting ranks announce their call after SLOW_ROUND_S.
+    root = tmp_path / "ckpt"
+    v = ok_values(run_ranks(w_rank_0_alone, 3, str(root), tmp_dir=str(tmp_path), timeout_s=170))
+    for i, call in enumerate(("restore: next candidate", "'list'", "'rollback(): arguments'")):
+        step = 10 * (i + 1)
+        for rank in range(3):
+            (kind, msg), took, on_disk = v[rank][i]
+            assert kind == CollectiveMismatchError.__name__, (call, rank, kind, msg)
+            assert call.strip("'") in msg and f"save step {step}: prepare" in msg, msg
+            assert took < 30, (call, rank, took)  # not the 60 s timeout
+            # Nothing committed by the mismatched save, nothing rolled back.
+            kept = [f"checkpoint-{s + 1}" for s in (10, 20, 30)[: i + 1]]
+            assert on_disk == ["checkpoint-1", *kept]
