@@ -208,8 +208,8 @@ def validate(
     sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Check every listed file: inside the checkpoint, present, right size; with
-    ``full``, recompute checksums and check each state file's header as ``restore``'s
-    loader does (``_check_header``). ``progress`` is called with bytes verified so far.
+    ``full``, check each state file's header as ``restore``'s loader does
+    (``_check_header``) and recompute checksums. ``progress`` is called with bytes verified so far.
     ``sizes``: file sizes from a listing of the checkpoint just taken (object stores:
     one listing instead of a request per file); a file it does not show at its listed
     size is asked for again.
@@ -243,6 +243,9 @@ def validate(
             )
         if buf is None:
             continue
+        # The header first: it is read alone, and a header no load accepts (a state
+        # file that claims a sparse 10 TiB of data) is refused before hours of hashing.
+        _check_header(storage, rel, entry)
         h = Hasher(manifest.checksum_algorithm)
         view = memoryview(buf)
         with storage.open_read(f"{rel}/{entry.path}") as f:
@@ -252,7 +255,6 @@ def validate(
                 f"{where}: file {entry.path!r} checksum {h.hexdigest()} does not match the "
                 f"manifest ({entry.checksum}): the file is corrupt"
             )
-        _check_header(storage, rel, entry)
 
 
 #: How many times a reader re-reads a checkpoint that is replaced while it reads it
@@ -474,7 +476,7 @@ def check_state_headers(storage: Storage, rel: str, manifest: Manifest) -> None:
     """Parse and validate the header of each state file (``rank-<r>.safetensors``,
     ``replicated.safetensors``) of checkpoint ``rel`` as ``restore``'s loader does,
     reading the headers only: ``inspect``'s check, which reads no data (``validate``
-    with ``full`` checks them after the checksums).
+    with ``full`` checks each before its checksum).
 
     Raises:
         CorruptCheckpointError: naming the file and what is wrong with its header.

@@ -400,3 +400,30 @@ def test_docstring_says_every_command_that_exits_3():
     for command in ("clean", "prune", "adopt", "drain"):
         assert f"``{command}``" in line, line
     assert "[--run-id RUN] [--progress | --no-progress]" in doc
+
+
+def test_verify_refuses_a_sparse_huge_state_file_by_its_header_without_hashing_it(root):
+    # A resealed manifest records a state file made sparse 10 TiB: restore and inspect
+    # refused its header at once, verify (and mgr.verify) hashed 10 TiB of holes (hours).
+    from tests.cli.helpers import rewrite_manifest
+
+    make_root(root, (1, 2, 3))
+    path = state_file(root, 3)
+    size = 10 * 2**40
+    try:
+        os.truncate(path, size)
+    except OSError as exc:
+        pytest.skip(f"{path.parent} cannot hold a sparse {size}-byte file: {exc}")
+    doc = json.loads(manifest_path(root, 3).read_text())
+    files = [dict(f, size=size) if f["path"] == path.name else f for f in doc["files"]]
+    rewrite_manifest(root, 3, files=files)
+    t0 = time.monotonic()
+    proc = run_cli("verify", str(root), "--json", timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    bad = [c for c in doc["checkpoints"] if c["step"] == 3]
+    assert bad and bad[0]["status"] == "corrupt" and "unexpected bytes" in bad[0]["problem"], bad
+    mgr = CheckpointManager(root, read_only=True, coordinator=SingleProcessCoordinator())
+    with pytest.raises(CorruptCheckpointError, match="unexpected bytes"):
+        mgr.verify(3)
