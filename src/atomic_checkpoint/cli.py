@@ -61,9 +61,9 @@ without one cannot be verified); ``prune`` refuses it (``save_top_k`` manages th
 
 The run whose checkpoints are "ours" is the one recorded in
 ``ROOT/.atomic-checkpoint/run.json``. Checkpoints of other runs are shown as
-``foreign``, verified only on request (``verify --all-runs``, or ``verify ROOT STEP``)
-and never deleted. A root without a recorded run (written by hand, or its run file
-was removed) is read as if every run were ours; ``prune`` then prunes the one run whose
+``foreign``; ``verify ROOT`` verifies them too (each named with its run), and they are
+never deleted. A root without a recorded run (written by hand, or its run file was
+removed) is read as if every run were ours; ``prune`` then prunes the one run whose
 checkpoints are there, and needs ``--run-id`` only when they are of several runs.
 ``clean --force`` also removes the run lock: the way to free a root whose job is
 known to be dead before its lease runs out (a job that is alive after all is fenced:
@@ -81,8 +81,8 @@ Exit status:
        readable manifest (a torn copy, another tool's directory, a symbolic link, a
        crashed object-store save) fails it too, unless it is a save in progress of the
        live job holding the run lock. So ``verify ROOT --quiet && upload ROOT`` never
-       uploads a ``checkpoint-<step>`` that is not a complete, verified checkpoint;
-       another run's checkpoints (``foreign``) are skipped, not verified.
+       uploads a ``checkpoint-<step>`` that is not a complete, verified checkpoint,
+       another run's (``foreign``) included.
     2  usage or environment error: bad arguments, ROOT missing or not a directory,
        ROOT unreadable, a storage error, no answer within ``--timeout S`` (every
        command but ``drain`` takes it: give up after S seconds, for a store that may
@@ -120,6 +120,8 @@ reading ROOT prints its document, also when it then exits 1 (a step that is not 
        "created_unix": null, "size_bytes": 524288, "metrics": {}, "commit_seq": null,
        "path": "/ckpt/run1/.pending/checkpoint-300.5f0c9e2a1b3d4c6e", "adopted": false}]}
 
+The top-level ``run_id`` is the run ROOT's run file records (null if none), also with
+``--all-runs``, which only widens what is listed or verified.
 ``status`` is ``ok``, ``corrupt``, ``pending`` or ``foreign``; ``list`` checks presence and
 sizes only (``verify`` reads the data and the state files' headers). The other documents:
 
@@ -746,11 +748,14 @@ def cmd_list(args: argparse.Namespace) -> int:
         # ROOT is one checkpoint directory (a copy of one): listed as its parent lists
         # it, not as a root whose manifest file is a foreign entry.
         storage, only = single
-        run_id = None
+        run_id = recorded = None
         found = [e for e in catalog.scan(storage, run_id=None) if e.name == only]
         docs = [_entry_doc(storage, e) for e in found]
     else:
-        run_id = None if args.all_runs else _run_id_for_reading(storage)
+        # The document names the recorded run also with --all-runs, which only widens
+        # what is listed.
+        recorded = _run_id_for_reading(storage)
+        run_id = None if args.all_runs else recorded
         docs = [_entry_doc(storage, e) for e in catalog.scan(storage, run_id=run_id)]
     lightning = _lightning_list_docs(storage) if single is None else []
     if lightning:
@@ -767,7 +772,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "schema_version": JSON_SCHEMA_VERSION,
                 "command": "list",
                 "root": storage.url(),
-                "run_id": run_id,
+                "run_id": recorded,
                 "entries": docs,
                 **({"tiers": [storage.url()] + [st.url() for st, _ in tiers]} if tiers else {}),
             }
@@ -1187,7 +1192,8 @@ def _lightning_list_docs(storage: Storage) -> list[dict[str, Any]]:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _open_root(args.root, args.storage_option)
-    run_id = None if args.all_runs else _run_id_for_reading(storage)
+    recorded = _run_id_for_reading(storage)
+    run_id = None if args.all_runs else recorded
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
 
@@ -1211,6 +1217,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return
         shown = _on_disk(storage, r["name"])
         name = shown if not r.get("tier") else f"{shown} (tier {r['tier']})"
+        if run_id and r.get("run_id") not in (None, run_id):
+            name = f"{name} (run {r['run_id']})"
         if r["status"] == "ok":
             if not args.quiet:
                 rate = r["size_bytes"] / r["seconds"] if r["seconds"] > 0 else 0.0
@@ -1243,7 +1251,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problem = f"{storage.url()}: {exc}"
             if args.json:
                 gone = catalog.Entry(name, parse_checkpoint_name(name), "corrupt", None, problem)
-                _emit_verify_json(storage, run_id, [_broken(parent, gone)], [])
+                _emit_verify_json(storage, recorded, [_broken(parent, gone)], [])
             raise CliError(problem) from exc
         report(_verify_one(parent, name, manifest, args), len(manifest.files))
         targets = []
@@ -1254,7 +1262,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             # "not_a_checkpoint"), and the error line as ever.
             if args.json:
                 r = {**_broken(storage, target), "status": target.status}
-                _emit_verify_json(storage, run_id, [r], [])
+                _emit_verify_json(storage, recorded, [r], [])
             raise CliError(str(target.problem))
         targets = [target]
     else:
@@ -1266,6 +1274,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 continue
             if lightning and e.name.endswith((".ckpt", ".ckpt.manifest.json")):
                 continue  # verified below, through the sidecar manifests
+            named = parse_checkpoint_name(e.name) is not None
+            if e.status == "foreign" and e.manifest is not None and named:
+                # Another run's checkpoint in ROOT: verified too, since every
+                # `checkpoint-<step>` of ROOT counts (`verify ROOT && upload ROOT`
+                # must not upload a corrupt one because another run wrote it).
+                targets.append(e)
+                continue
             in_progress = False
             if _looks_like_checkpoint(e):
                 verdict = _no_manifest_verdict(storage, e, holder)
@@ -1288,7 +1303,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
 
     def verify_entry(e: catalog.Entry) -> None:
-        if e.status == "ok" and e.manifest is not None:
+        if e.status in ("ok", "foreign") and e.manifest is not None:
             report(_verify_one(storage, e.name, e.manifest, args), len(e.manifest.files))
         else:
             report(_broken(storage, e), 0)
@@ -1358,7 +1373,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = [r for r in results if r["status"] != "ok"]
     ok = bool(results) and not bad
     if args.json:
-        _emit_verify_json(storage, run_id, results, skipped, tiers, ok=ok)
+        _emit_verify_json(storage, recorded, results, skipped, tiers, ok=ok)
     elif not args.quiet:
         held: dict[int, list[int]] = {}
         for r in results:
@@ -1367,11 +1382,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for step, where in sorted(held.items()):
             print(f"{checkpoint_name(step)}: verified on tier(s) {','.join(map(str, where))}")
         extra = f", {len(skipped)} skipped (pending, foreign or removed: see `{PROG} list`)"
-        others = sum(1 for r in skipped if "belongs to run" in str(r.get("problem") or ""))
-        if others:
-            # Not this run's, so not verified: a newer run beside it is named by count
-            # at least, with the flag that verifies it.
-            extra += f"; {others} of them another run's: --all-runs verifies those too"
         print(
             f"{storage.url()}: {len(results) - len(bad)} ok, {len(bad)} failed"
             + (extra if skipped else "")
@@ -2188,8 +2198,15 @@ def cmd_adopt(args: argparse.Namespace) -> int:
             progress=say,
         )
     except ValueError as exc:  # an unknown --framework
-        raise CliError(str(exc), EXIT_USAGE) from None
+        raise CliError(_adopt_cli_words(str(exc)), EXIT_USAGE) from None
+    except CheckpointError as exc:
+        # The library's messages advise its Python parameters (run_id=, takeover=True):
+        # a shell user is told the flags instead. Same error type: same exit status.
+        if not isinstance(exc, OSError):
+            exc.args = (_adopt_cli_words(str(exc)),)
+        raise
     seconds = time.monotonic() - t0
+    problem = _adopt_problem(args, result)
     if args.json:
         _emit_json(
             {
@@ -2210,6 +2227,8 @@ def cmd_adopt(args: argparse.Namespace) -> int:
                 "already": result.already,
                 "refused": [{"step": s, "problem": p} for s, p in sorted(result.refused.items())],
                 "seconds": seconds,
+                # Why the command exits 1 (null when it exits 0): the error line on stderr.
+                "problem": problem,
             }
         )
     elif result.adopted or result.already or result.refused:
@@ -2220,27 +2239,61 @@ def cmd_adopt(args: argparse.Namespace) -> int:
             f"{len(result.already)} already committed, {len(result.refused)} refused, in "
             f"{seconds:.2f} s" + (f" (run {result.run_id})" if result.run_id else "")
         )
+    if problem is not None:
+        raise CliError(problem)
+    return EXIT_OK
+
+
+#: The library's advice in Python terms -> the ``adopt`` command's flags.
+_ADOPT_CLI_WORDS = (
+    ("pass run_id= with the run to adopt into", "pass --run-id RUN with the run to adopt into"),
+    ("Omit run_id, or pass the recorded one", "Omit --run-id, or pass the recorded one"),
+    (' (framework="dcp")', ""),
+    ("pass CheckpointManager(..., takeover=True), or run", "run"),
+    (
+        "take a copy's lock over with takeover=True",
+        "take a copy's lock over with `atomic-checkpoint clean --force` on the copy",
+    ),
+    ("; or pass takeover=True", ""),
+)
+
+
+def _adopt_cli_words(text: str) -> str:
+    """``text`` (an error of ``adopt``) with the Python parameters it advises replaced
+    by the command line's flags."""
+    for python, flags in _ADOPT_CLI_WORDS:
+        text = text.replace(python, flags)
+    return text
+
+
+def _adopt_problem(args: argparse.Namespace, result: Any) -> str | None:
+    """Why ``adopt`` exits 1 (a checkpoint refused, or nothing to adopt), or None."""
     if result.refused:
         first = min(result.refused)
-        raise CliError(
+        return _adopt_cli_words(
             f"{len(result.refused)} checkpoint(s) not adopted (step(s) "
             f"{', '.join(map(str, sorted(result.refused)))}); step {first}: "
             f"{result.refused[first]}. Nothing was written for them; resume ignores them"
         )
-    if not (result.adopted or result.already):
-        own = os.path.basename(str(result.root).rstrip("/"))
-        one = (
-            f" ({own} is named like one checkpoint folder itself: pass the directory that holds it)"
-            if parse_checkpoint_name(own) is not None or own.startswith("checkpoint_")
-            else ""
+    if result.adopted or result.already:
+        return None
+    own = os.path.basename(str(result.root).rstrip("/"))
+    one = (
+        f" ({own} is named like one checkpoint folder itself: pass the directory that holds it)"
+        if parse_checkpoint_name(own) is not None or own.startswith("checkpoint_")
+        else ""
+    )
+    if args.framework == "generic":
+        return (
+            f"nothing to adopt: {result.root} holds no folder named checkpoint-<N>{one}; "
+            "the generic rule takes only folders named so: rename each checkpoint folder "
+            "to checkpoint-<its step> first"
         )
-        raise CliError(
-            f"nothing to adopt: {result.root} holds no checkpoint folder of a known framework "
-            "(checkpoint-<N> of the Trainer, checkpoints/checkpoint_<i> of Accelerate, "
-            f"Lightning's .ckpt files){one}; "
-            "--framework generic adopts other checkpoint-<N> folders"
-        )
-    return EXIT_OK
+    return (
+        f"nothing to adopt: {result.root} holds no checkpoint folder of a known framework "
+        "(checkpoint-<N> of the Trainer, checkpoints/checkpoint_<i> of Accelerate, "
+        f"Lightning's .ckpt files){one}; --framework generic adopts other checkpoint-<N> folders"
+    )
 
 
 # ---------------------------------------------------------------------- arguments
@@ -2746,7 +2799,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("step", metavar="STEP", nargs="?", type=_step_arg, help="only this step")
     p.add_argument("-q", "--quiet", action="store_true", help="print only problems")
     _progress_option(p)
-    finish(p, cmd_verify, all_runs="verify the checkpoints of every run in ROOT", tier=True)
+    finish(
+        p,
+        cmd_verify,
+        all_runs="no longer needed: the checkpoints of every run in ROOT are verified",
+        tier=True,
+    )
 
     p = command(
         "clean",

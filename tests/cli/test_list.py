@@ -115,7 +115,7 @@ def test_list_all_runs_validates_other_runs_and_shows_run_column(tmp_path, root)
 
     foreign_run(root, 1000, tmp_path / "other")
     doc = run_json("list", root, "--all-runs")
-    assert doc["run_id"] is None
+    assert doc["run_id"] == rid  # the run ROOT records, also when every run is listed
     assert [(e["step"], e["status"], e["run_id"]) for e in doc["entries"]] == [
         (100, "ok", rid),
         (1000, "ok", "other-run"),
@@ -125,11 +125,11 @@ def test_list_all_runs_validates_other_runs_and_shows_run_column(tmp_path, root)
         "NAME", "STEP", "COMMITTED", "SIZE", "METRICS", "RUN", "STATUS"
     ]  # fmt: skip
     assert "other-run" in proc.stdout
-    # verify skips them (they are not the run's) and says so, with the flag.
+    # verify verifies them too (every checkpoint-<step> of ROOT counts), naming the run.
     verified = run_cli("verify", root)
-    said = "1 skipped (" in verified.stdout and "1 of them another run's" in verified.stdout
+    said = "checkpoint-1000 (run other-run): ok" in verified.stdout
     assert verified.returncode == 0 and said, verified.stdout + verified.stderr
-    assert "--all-runs verifies those too" in verified.stdout
+    assert "2 ok, 0 failed" in verified.stdout
 
 
 @pytest.mark.timeout(60)

@@ -73,10 +73,11 @@ def test_verify_mixed_root_names_each_problem_and_exits_1(tmp_path):
         "`atomic-checkpoint adopt ROOT --dry-run` tells whether it is complete"
         in (line["checkpoint-600"])
     )
-    for skipped in ("checkpoint-1000", "notes.txt", "checkpoint-007"):
+    for skipped in ("notes.txt", "checkpoint-007"):
         assert skipped not in line
+    assert ": ok (" in line["checkpoint-1000 (run other-run)"]
     err = error_line(proc)
-    assert "7 of 9 checkpoint(s) failed verification" in err
+    assert "7 of 10 checkpoint(s) failed verification" in err
     assert "checkpoint-200, checkpoint-300" in err
 
     doc = run_json("verify", root, expect_rc=1)
@@ -92,14 +93,12 @@ def test_verify_mixed_root_names_each_problem_and_exits_1(tmp_path):
         "checkpoint-700": "corrupt",
         "checkpoint-800": "corrupt",
         "checkpoint-900": "ok",
+        "checkpoint-1000": "ok",  # another run's: verified too, every checkpoint-<step> counts
     }
+    assert {c["name"]: c["run_id"] for c in doc["checkpoints"]}["checkpoint-1000"] == "other-run"
     skipped = {s["name"]: s["status"] for s in doc["skipped"]}
     assert skipped.pop(next(n for n in skipped if n.startswith(".pending/"))) == "pending"
-    assert skipped == {
-        "checkpoint-007": "foreign",
-        "notes.txt": "foreign",
-        "checkpoint-1000": "foreign",
-    }
+    assert skipped == {"checkpoint-007": "foreign", "notes.txt": "foreign"}
 
     quiet = run_cli("verify", root, "-q")
     assert quiet.returncode == 1
@@ -235,11 +234,16 @@ def test_verify_progress_bar_on_a_terminal_and_lines_with_progress(root):
 def test_verify_corruption_found_after_list_said_ok(root):
     """The user-facing difference between list (sizes) and verify (every byte)."""
     make_root(root, (10, 20))
-    flip_byte(state_file(root, 20), 40)
+    flip_byte(state_file(root, 20), -3)  # in the data: only the checksum can tell
     assert [e["status"] for e in run_json("list", root)["entries"]] == ["ok", "ok"]
     doc = run_json("verify", root, expect_rc=1)
     assert [c["status"] for c in doc["checkpoints"]] == ["ok", "corrupt"]
     assert "does not match the manifest" in doc["checkpoints"][1]["problem"]
+    # In the header: its check, made before the checksum, tells.
+    flip_byte(state_file(root, 20), -3)
+    flip_byte(state_file(root, 20), 40)
+    doc = run_json("verify", root, expect_rc=1)
+    assert "header" in doc["checkpoints"][1]["problem"], doc
 
 
 def _job_acts_while_verified(monkeypatch, root, step, act):
@@ -324,3 +328,20 @@ def test_a_checkpoint_rotated_away_while_verified_is_skipped_not_failed(
     doc = json.loads(capsys.readouterr().out)
     assert sorted(removed) == [10, 20]
     assert [(c["name"], c["status"]) for c in doc["checkpoints"]] == [("checkpoint-30", "ok")]
+
+
+@pytest.mark.timeout(90)
+def test_verify_root_fails_on_another_runs_corrupt_checkpoint(tmp_path):
+    # `verify ROOT --quiet && upload ROOT`: another run's checkpoint copied into ROOT,
+    # corrupt, was skipped and verify exited 0.
+    from tests.cli.helpers import flip_byte, foreign_run, make_root, state_file
+
+    root = tmp_path / "root"
+    make_root(root, (1,))
+    foreign_run(root, 5, tmp_path / "other")
+    assert run_cli("verify", root, "--quiet").returncode == 0
+    flip_byte(state_file(root, 5), -5)
+    proc = run_cli("verify", root)
+    assert proc.returncode == 1
+    assert "checkpoint-5 (run other-run): CORRUPT:" in proc.stdout, proc.stdout
+    assert "checkpoint-1: ok" in proc.stdout
