@@ -300,3 +300,34 @@ def test_restore_of_a_dcp_checkpoint_names_load_dcp(tmp_path):
         save_dcp(mgr, 1, _plain(1))
         with pytest.raises(CheckpointError, match=r"load it with .*load_dcp\(mgr"):
             mgr.restore()
+
+
+@pytest.mark.parametrize("how", ["save_dcp", "async_save_dcp"])
+def test_a_save_of_the_step_of_a_complete_stock_dcp_checkpoint_refuses_to_replace_it(tmp_path, how):
+    # save_dcp moved any checkpoint-<step> without a manifest aside as "torn", so a
+    # complete dcp.save checkpoint of that step (never adopted) was replaced.
+    from atomic_checkpoint import CheckpointExistsError
+    from atomic_checkpoint.integrations.dcp import async_save_dcp, save_dcp
+
+    root = tmp_path / "ckpt"
+    dcp.save({"w": torch.full((4,), 10.0)}, checkpoint_id=str(root / "checkpoint-10"))
+    before = sorted(p.name for p in (root / "checkpoint-10").iterdir())
+    mgr = CheckpointManager(root)
+    with pytest.raises(CheckpointExistsError, match=r"complete checkpoint that dcp\.save"):
+        if how == "save_dcp":
+            save_dcp(mgr, 10, {"w": torch.full((4,), 99.0)})
+        else:
+            async_save_dcp(mgr, 10, {"w": torch.full((4,), 99.0)}).result()
+    assert sorted(p.name for p in (root / "checkpoint-10").iterdir()) == before
+    if how != "save_dcp":
+        # The async save's failure is reported once more by the next call.
+        with pytest.raises(CheckpointExistsError):
+            mgr.close()
+        return
+    with mgr:
+        got = {"w": torch.zeros(4)}
+        dcp.load(got, checkpoint_id=str(root / "checkpoint-10"))
+        assert got["w"].tolist() == [10.0] * 4
+        # Asked for, it is replaced.
+        save_dcp(mgr, 10, {"w": torch.full((4,), 99.0)}, overwrite=True)
+        assert (root / "checkpoint-10" / MANIFEST_NAME).exists()

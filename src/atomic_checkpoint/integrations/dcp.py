@@ -339,13 +339,16 @@ def save_dcp(
     _local_root(mgr)
     _check_thread_count(thread_count)
     meta = _with_dcp_record(metadata, mgr.world_size)
-    if mgr.is_coordinator:
-        # A stock run's save torn by a crash (adoption refused it) is where this save
-        # lands: the next step after the one resumed from.
-        set_aside_unmanifested(mgr.storage, step, "save_dcp")
+    # A stock run's save torn by a crash (adoption refused it) is where this save
+    # lands: the next step after the one resumed from. A complete one is refused.
+    in_the_way = _clear_the_way(mgr, step, overwrite, "save_dcp")
     flat, unresolved = _resolved(state_dict)
     with mgr.saving(
-        step, metrics=metrics, metadata=meta, overwrite=overwrite, failed=unresolved
+        step,
+        metrics=metrics,
+        metadata=meta,
+        overwrite=overwrite,
+        failed=unresolved or in_the_way,
     ) as pending:
         failure: RankFailure | None = None
         cause: BaseException | None = None
@@ -530,15 +533,14 @@ def async_save_dcp(
                 raise DistributedCheckpointError([failure], step=step) from exc
             raise _dcp_failure(exc) from exc
 
-    if mgr.is_coordinator:
-        set_aside_unmanifested(mgr.storage, step, "async_save_dcp")  # see save_dcp
+    in_the_way = _clear_the_way(mgr, step, overwrite, "async_save_dcp")  # see save_dcp
     handle = mgr.saving_async(
         step,
         write,
         metrics=metrics,
         metadata=_with_dcp_record(metadata, mgr.world_size),
         overwrite=overwrite,
-        failed=problem,
+        failed=problem or in_the_way,
         phase="dcp_write",
     )
     handle.blocked_s = time.perf_counter() - t0  # the staging included
@@ -1133,6 +1135,36 @@ def load(
 _DCP_NAME_RE = re.compile(r"^checkpoint-(?P<step>0|[1-9][0-9]{0,18})\Z")
 _DCP_METADATA_FILE = ".metadata"
 _ADOPTED_BY = "dcp"
+
+
+def _clear_the_way(
+    mgr: CheckpointManager, step: int, overwrite: bool, label: str
+) -> CheckpointExistsError | None:
+    """On the coordinator, before a save of ``step``: a ``checkpoint-<step>`` without a
+    manifest that ``dcp.save`` wrote *complete* is the user's checkpoint: the error
+    that refuses the save (on every rank, through ``saving``'s ``failed``), unless
+    ``overwrite``. A torn one is moved aside (``set_aside_unmanifested``)."""
+    if not mgr.is_coordinator:
+        return None
+    name = checkpoint_name(step)
+    local = mgr.storage.local_path(name)
+    if not overwrite and local is not None and mgr.storage.is_dir(name):
+        try:
+            catalog.read_manifest(mgr.storage, name)
+        except CheckpointNotFoundError:
+            if stock_checkpoint_problem(local) is None:
+                return CheckpointExistsError(
+                    f"{label}: {mgr.storage.url(name)} is a complete checkpoint that "
+                    f"dcp.save wrote (it has no manifest); not replacing it with step "
+                    f"{step}. Resume from it with load_dcp(mgr, state, "
+                    "adopt_existing=True) (the next save then follows it), record it with "
+                    "`atomic-checkpoint adopt ROOT --framework dcp`, or pass "
+                    "overwrite=True to replace it"
+                )
+        except CheckpointError:
+            pass  # ours, unreadable: set_aside_unmanifested says it is replaced
+    set_aside_unmanifested(mgr.storage, step, label)
+    return None
 
 
 def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
