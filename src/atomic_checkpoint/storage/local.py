@@ -214,13 +214,21 @@ class _LocalReader:
             raise map_os_error(exc, "seek in", self._path) from exc
 
     def tell(self) -> int:
-        return self._f.tell()
+        try:
+            return self._f.tell()
+        except OSError as exc:
+            raise map_os_error(exc, "seek in", self._path) from exc
 
     def fileno(self) -> int:
         return self._f.fileno()
 
     def close(self) -> None:
-        self._f.close()
+        # A FUSE mount whose server went away fails the close too (sshfs: ENOTCONN),
+        # after the read that failed first.
+        try:
+            self._f.close()
+        except OSError as exc:
+            raise map_os_error(exc, "close", self._path) from exc
 
     @property
     def closed(self) -> bool:
@@ -234,7 +242,16 @@ class _LocalReader:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        # Leaving on an error (a read that failed): that error is the one to raise, not
+        # the close's that followed from the same cause (it replaced a StorageError
+        # naming the file with a bare OSError).
+        try:
+            self._f.close()
+        except OSError as close_exc:
+            log.debug("closing %s after an error also failed: %s", self._path, close_exc)
 
 
 class _LocalWriter(base.AbortOnError):

@@ -1,0 +1,49 @@
+"""A reader of a local (or FUSE-mounted) file whose mount went away: the read fails
+(EIO), and so does the close that follows (sshfs: ENOTCONN). The close's bare OSError
+replaced the read's StorageError, so ``restore()`` on a node whose ssh transport was
+killed raised an ``OSError`` outside the error tree, with no path."""
+
+from __future__ import annotations
+
+import errno
+import io
+
+import pytest
+
+from atomic_checkpoint.errors import CheckpointError, StorageError
+from atomic_checkpoint.storage.local import LocalStorage
+
+
+class _GoneFile(io.FileIO):
+    """A real file whose reads and close fail as on a FUSE mount whose server died."""
+
+    def read(self, size: int = -1, /) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")
+
+    def close(self) -> None:
+        super().close()
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+
+@pytest.fixture
+def gone_reader(tmp_path):
+    (tmp_path / "f.bin").write_bytes(b"x" * 64)
+    storage = LocalStorage(str(tmp_path))
+    reader = storage.open_read("f.bin")
+    real = reader._f
+    reader._f = _GoneFile(real.fileno(), "rb", closefd=False)
+    yield reader
+    real.close()
+
+
+def test_a_failing_read_is_the_error_raised_not_the_close_after_it(gone_reader):
+    with pytest.raises(StorageError) as err, gone_reader as f:
+        f.read(8)
+    assert err.value.errno == errno.EIO and "f.bin" in str(err.value)
+
+
+def test_a_failing_close_is_a_storage_error_naming_the_file(gone_reader):
+    with pytest.raises(CheckpointError) as err:
+        gone_reader.close()
+    assert isinstance(err.value, StorageError) and err.value.errno == errno.ENOTCONN
+    assert "f.bin" in str(err.value)
