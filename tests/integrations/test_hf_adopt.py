@@ -32,6 +32,7 @@ from atomic_checkpoint import (
     ResumeError,
 )
 from atomic_checkpoint.catalog import read_manifest
+from atomic_checkpoint.errors import CheckpointExistsError
 from atomic_checkpoint.integrations.hf import (
     SUPPORTED_TRANSFORMERS,
     AtomicCheckpointCallback,
@@ -170,6 +171,31 @@ def test_stock_checkpoints_without_opt_in_error_says_how_to_opt_in(tmp_path: Pat
     assert f"atomic-checkpoint adopt {out}" in message
     assert _manifests(out) == {}  # nothing written without the opt-in
     assert _lock_free(out)
+
+
+@pytest.mark.timeout(120)
+def test_training_from_scratch_over_complete_stock_checkpoints_is_refused_not_replacing_them(
+    tmp_path: Path,
+) -> None:
+    """train() without resume_from_checkpoint into a stock run's output_dir: its saves
+    replaced the complete stock checkpoint-2 and -4 as training reached their steps
+    (with a warning calling them torn). Refused before any step; a torn one alone is
+    still replaced."""
+    out = tmp_path / "out"
+    _stock_run(out)
+    before = (out / "checkpoint-2" / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointExistsError) as err:
+        make_atomic(_trainer(out, 4)).train()
+    message = str(err.value)
+    assert "['checkpoint-2', 'checkpoint-4']" in message and "Nothing was trained" in message
+    assert "resume_from_checkpoint=True" in message and "another output_dir" in message
+    assert (out / "checkpoint-2" / "model.safetensors").read_bytes() == before
+    assert _manifests(out) == {} and _lock_free(out)
+    # Torn ones are not the user's checkpoints: replaced by the saves, as before.
+    _tear(out / "checkpoint-2")
+    _tear(out / "checkpoint-4")
+    make_atomic(_trainer(out, 4)).train()
+    assert _manifests(out) == {"checkpoint-2": False, "checkpoint-4": False}
 
 
 @pytest.mark.timeout(120)

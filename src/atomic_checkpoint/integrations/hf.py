@@ -84,11 +84,12 @@ from .. import catalog
 from ..coordination import gather_summary
 from ..errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
     ResumeError,
     StepOrderError,
 )
-from ..layout import checkpoint_name, parse_attempt_dir, parse_checkpoint_name
+from ..layout import MANIFEST_NAME, checkpoint_name, parse_attempt_dir, parse_checkpoint_name
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protecting_loaders_of
 from ..retention import AnyOf, KeepLast
@@ -450,6 +451,8 @@ class _AtomicTrainer:
         if _save_strategy(args) == "no" or (resume not in (None, False) and start is None):
             return  # nothing is saved, or resumed from elsewhere: nothing to reconcile
         opened = self.root(output_dir)
+        if resume in (None, False) and not self.settings.adopt_existing:
+            self._refuse_stock_in_the_way(opened)
         steps = sorted(i.step for i in opened.manager.checkpoints())
         newer = [s for s in steps if start is None or s > start]
         if not newer:
@@ -556,7 +559,9 @@ class _AtomicTrainer:
 
         mgr = opened.manager
         view: dict[int, str | None] | None = None
-        if mgr.is_coordinator:
+        if mgr.is_coordinator and steps == []:
+            view = {}  # nothing to judge (None would judge every folder)
+        elif mgr.is_coordinator:
             try:
                 result = adopt(opened.root, steps, framework="hf", dry_run=True)
                 view = {s: None for s in result.adopted}
@@ -590,6 +595,32 @@ class _AtomicTrainer:
                 f"opt in: {_OPT_IN}, or run `atomic-checkpoint adopt {opened.root}` once"
             )
         return ". ".join(parts) + "." if parts else ""
+
+    def _refuse_stock_in_the_way(self, opened: FrameworkRoot) -> None:
+        """Collective: ``train()`` from scratch into an ``output_dir`` that holds complete
+        checkpoints the stock Trainer wrote (no manifest): its saves would replace them
+        as training reaches their steps (the user's only copy of that training), so this
+        refuses before any step. Torn ones are replaced as before."""
+        named: list[int] = []
+        if opened.manager.is_coordinator:
+            storage = opened.manager.storage
+            named = [
+                s
+                for s, name in catalog.listed_steps(storage)
+                if storage.size(f"{name}/{MANIFEST_NAME}") is None
+            ]
+        found = self._dry_adopt(opened, named)
+        complete = sorted(s for s, why in found.items() if why is None)
+        if complete:
+            names = [checkpoint_name(s) for s in complete]
+            raise CheckpointExistsError(
+                f"Trainer: train() starts from scratch, but {names} under {opened.root} are "
+                "complete checkpoints the Trainer wrote without atomic-checkpoint (no "
+                "manifest): this training's saves would replace them as it reaches their "
+                f"steps. Nothing was trained yet. To continue from the newest, pass "
+                f"resume_from_checkpoint=True and opt in: {_OPT_IN}; to start over, train "
+                "into another output_dir (or move them away)"
+            )
 
     def _refuse_newer_stock(self, opened: FrameworkRoot, step: int) -> None:
         """Collective: ``resume_from_checkpoint=True`` found ``step``, the newest
