@@ -81,6 +81,7 @@ from .layout import MANIFEST_NAME, RUN_FILE
 from .manifest import FileEntry, Hasher, Manifest, format_size
 from .storage import open_storage, posix, storage_for
 from .storage.base import Storage, renaming
+from .storage.temps import parse_temp_name
 from .strategies import choose_strategy, create_or_own
 
 if TYPE_CHECKING:
@@ -133,16 +134,32 @@ class CheckpointFolder(str):
         obj = super().__new__(cls, storage.local_path(rel) or storage.url(rel))
         obj.storage, obj.rel, obj.step = storage, rel, step
         obj._files = None
+        obj._listings = {}
         return obj
 
     _files: dict[str, int] | None
+    # Directory listings of the folder's siblings (see ``_missing_beside_siblings``),
+    # shared by the folders of one adoption so that each sibling is listed once.
+    _listings: dict[str, list[str]]
 
     def files(self) -> dict[str, int]:
         """Every file under the folder (relative path -> size). A symbolic link raises
-        ``UnsafeCheckpointError``: a checkpoint holds regular files only."""
+        ``UnsafeCheckpointError``: a checkpoint holds regular files only. The temporary
+        files of this library's own atomic writes (a manifest write killed before its
+        rename: ``checkpoint.manifest.json.tmp-...``) are not the framework's and are
+        left out."""
         if self._files is None:
-            self._files = dict(self.storage.walk_files(self.rel))
+            self._files = {
+                n: size for n, size in self.storage.walk_files(self.rel) if not is_own_temporary(n)
+            }
         return self._files
+
+    def listing(self, rel: str) -> list[str]:
+        """The names in directory ``rel`` of the root (read once per adoption)."""
+        names = self._listings.get(rel)
+        if names is None:
+            names = self._listings[rel] = self.storage.listdir(rel)
+        return names
 
     def read_head(self, name: str, n: int) -> bytes:
         """At most ``n`` bytes from the start of file ``name``."""
@@ -164,6 +181,19 @@ class CheckpointFolder(str):
                 f"{name} is not valid JSON ({type(exc).__name__}: {exc}): torn by a crash "
                 "mid-write, or not written whole"
             ) from None
+
+
+def is_own_temporary(name: str) -> bool:
+    """Whether ``name`` (a path relative to a checkpoint folder) is the temporary file
+    of one of this library's own atomic writes in that folder (its manifest, a marker)
+    that a killed process left: never a file of the checkpoint, so never recorded by
+    adopting it (``atomic-checkpoint clean`` removes it once its writer is gone)."""
+    if "/" in name:
+        return False
+    parsed = parse_temp_name(name)
+    return parsed is not None and (
+        parsed.final == MANIFEST_NAME or layout.parse_marker_name(parsed.final) is not None
+    )
 
 
 # ---------------------------------------------------------------------- the registry
@@ -324,6 +354,10 @@ def zip_members_problem(z: zipfile.ZipFile, size: int, name: str) -> str | None:
     return None
 
 
+#: The first bytes of a zip archive (``torch.save``'s format).
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
 def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
     """``torch.save`` files are zip archives: a truncated one has no end-of-archive
     record (written last), every member must lie inside the file, and every member's
@@ -338,7 +372,7 @@ def _zip_problem(folder: CheckpointFolder, name: str, size: int) -> str | None:
             # No format starts so (zip: "PK"; a pickle: its protocol): a file whose
             # size was recorded by the crash but whose data never reached the disk.
             return f"{name} starts with zero bytes: its data never reached the disk (torn)"
-        if magic != b"PK\x03\x04":
+        if magic != _ZIP_MAGIC:
             return None  # legacy torch format or another writer's: not checkable
         f.seek(0)
         try:
@@ -444,6 +478,55 @@ def _contiguous(folder: CheckpointFolder, pattern: str, what: str) -> str | None
     return None
 
 
+#: A sibling checkpoint folder of the same root (either spelling: a rule may be called
+#: on a plain root, an Accelerate project view, or the ``checkpoints/`` folder itself).
+_SIBLING_RE = re.compile(rf"^checkpoint[-_]{_STEP}\Z")
+
+
+def _missing_beside_siblings(
+    folder: CheckpointFolder, per_process: re.Pattern[str], finished: str, why: str
+) -> str | None:
+    """The per-process (or per-object) files that every other adoptable sibling has and
+    this folder lacks, as the reason it is torn; None when it lacks none.
+
+    The rule: the siblings are the other checkpoint folders beside this one (the same
+    run's or project's), and an adoptable one holds ``finished`` (the file the framework
+    writes once the rest is there). A file matching ``per_process`` that *every* one of
+    them holds and this folder lacks was not written here: a process killed mid-save
+    (``random_states_1.pkl`` of rank 1), or a save stopped before its last files
+    (``custom_checkpoint_<i>.pkl``, which Accelerate writes after the RNG states). A
+    file only some siblings hold proves nothing (a run restarted with fewer processes
+    or objects), and a folder with no adoptable sibling is judged on its own."""
+    parent = posixpath.dirname(folder.rel)
+    own = posixpath.basename(folder.rel)
+    common: set[str] | None = None
+    others = 0
+    for name in folder.listing(parent):
+        if name == own or not _SIBLING_RE.match(name):
+            continue
+        rel = posixpath.join(parent, name) if parent else name
+        if catalog.is_link(folder.storage, rel):
+            continue
+        try:
+            names = folder.listing(rel)  # [] for a file
+        except CheckpointError:
+            continue  # unreadable: not a sibling that tells anything
+        if finished not in names:
+            continue  # torn itself, or not the framework's
+        held = {n for n in names if per_process.match(n)}
+        common = held if common is None else common & held
+        others += 1
+    if not common:
+        return None
+    missing = sorted(common - set(folder.files()))
+    if not missing:
+        return None
+    return (
+        f"{', '.join(missing[:5])} {'is' if len(missing) == 1 else 'are'} missing, which "
+        f"every other complete checkpoint beside it has ({others} folder(s)): {why}"
+    )
+
+
 # ---------------------------------------------------------------------- built-in rules
 _TRAINER_STATE = "trainer_state.json"
 #: Files only the Trainer's own saves hold beside its model weights: a folder with one of
@@ -454,7 +537,11 @@ _TRAINER_FILES = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_stat
 def hf_is_complete(path: str) -> str | None:
     """The Hugging Face ``Trainer``'s ``checkpoint-<N>``: ``trainer_state.json`` (the
     Trainer writes it after the model, optimizer, scheduler and RNG states) for step
-    N, the model weights (every shard of a sharded index), and every file whole."""
+    N, the model weights (every shard of a sharded index), and every file whole. A
+    folder is torn, too, if it lacks an ``rng_state.pth`` / ``rng_state_<p>.pth`` that
+    every other adoptable sibling ``checkpoint-<M>`` (one holding
+    ``trainer_state.json``) has: a process of a multi-process save killed before it
+    wrote its RNG state."""
     folder = _folder(path)
     files = folder.files()
     if not files:
@@ -484,6 +571,12 @@ def hf_is_complete(path: str) -> str | None:
     return (
         _weights_problem(folder, ("model", "pytorch_model", "adapter_model"), "model")
         or _contiguous(folder, r"^rng_state_([0-9]+)\.pth\Z", "rng_state_<i>.pth")
+        or _missing_beside_siblings(
+            folder,
+            re.compile(r"^rng_state(?:_[0-9]+)?\.pth\Z"),
+            _TRAINER_STATE,
+            "a process of this save was killed before it wrote its RNG state",
+        )
         or _files_problem(folder)
     )
 
@@ -492,7 +585,11 @@ def accelerate_is_complete(path: str) -> str | None:
     """Accelerate's ``checkpoint_<i>`` (``save_state``): the model weights, the
     optimizer state and the RNG states of process 0 (``random_states_0.pkl``, written
     after the models, optimizers, schedulers and samplers), with one RNG file per
-    process and every file whole."""
+    process and every file whole. A folder is torn, too, if it lacks a
+    ``random_states_<p>.pkl`` or ``custom_checkpoint_<i>.pkl`` (the objects registered
+    with ``register_for_checkpointing``, written last) that every other adoptable
+    sibling folder of the project has (one holding ``random_states_0.pkl``): the files
+    every other adoptable sibling has, that this one lacks, were never written here."""
     folder = _folder(path)
     files = folder.files()
     if not files:
@@ -513,6 +610,14 @@ def accelerate_is_complete(path: str) -> str | None:
     return (
         _contiguous(folder, r"^random_states_([0-9]+)\.pkl\Z", "random_states_<i>.pkl")
         or _contiguous(folder, r"^custom_checkpoint_([0-9]+)\.pkl\Z", "custom_checkpoint_<i>.pkl")
+        or _missing_beside_siblings(
+            folder,
+            re.compile(r"^(?:random_states|custom_checkpoint)_[0-9]+\.pkl\Z"),
+            "random_states_0.pkl",
+            "this save did not finish (a process killed before it wrote its RNG state, or "
+            "the save stopped before the objects registered with register_for_checkpointing, "
+            "which Accelerate writes last)",
+        )
         or _files_problem(folder)
     )
 
@@ -527,7 +632,10 @@ def _looks_like_dcp(files: Iterable[str]) -> bool:
 def generic_is_complete(path: str) -> str | None:
     """No framework rule: any folder whose files can all be read (checked by reading
     the first bytes of each; the checksum pass reads the rest) and are not all empty
-    (0-byte files only: a copy cut short before any data arrived). A DCP folder is refused:
+    (0-byte files only: a copy cut short before any data arrived). A file that starts
+    as a zip archive does (``torch.save``'s format, whatever its name) must be a whole
+    one: its end-of-archive record there, every member inside the file and matching
+    its CRC-32 (the check of the framework rules), else the folder is torn. A DCP folder is refused:
     readable files say nothing of whether DCP finished it (``.metadata``, written last),
     and only the ``dcp`` rule records it so that ``load_dcp`` loads it."""
     folder = _folder(path)
@@ -559,8 +667,14 @@ def generic_is_complete(path: str) -> str | None:
             f"{', '.join(sorted(files)[:3])}): a copy or save cut short before any data "
             "arrived, not a checkpoint. Copy it again (or delete it); it is not adopted"
         )
-    for name in files:
-        folder.read_head(name, 1)
+    for name, size in sorted(files.items()):
+        if folder.read_head(name, 4) == _ZIP_MAGIC:
+            # A zip archive (what torch.save writes, whatever the file is called): whole
+            # by the check the framework rules apply (a truncated one lacks its
+            # end-of-archive record, a torn one fails a member's CRC-32).
+            problem = _zip_problem(folder, name, size)
+            if problem is not None:
+                return problem
     return None
 
 
@@ -886,7 +1000,7 @@ def _once(steps: list[int], step: int) -> None:
 def _tree_sizes(storage: Storage, rel: str) -> list[int]:
     """Sizes of the files under ``rel`` (a file: its own size)."""
     if storage.is_dir(rel):
-        return [s for _, s in storage.walk_files(rel)]
+        return [s for n, s in storage.walk_files(rel) if not is_own_temporary(n)]
     return [storage.size(rel) or 0]
 
 
@@ -956,6 +1070,7 @@ def _classify(
             continue
         by_step.setdefault(step, []).append((name, matching))
     out: list[_Candidate | None] = []
+    listings: dict[str, list[str]] = {}  # shared by the rules: each sibling listed once
     for step, (name, why) in sorted(misnamed.items()):
         if step not in by_step:
             out.append(_Candidate(step, name, problem=why))
@@ -979,7 +1094,17 @@ def _classify(
             # epoch=0-step=10.ckpt and the -v1 copy a restarted run writes beside it):
             # several at one step do not collide; each is judged on its own.
             for name, matching in entries:
-                out.append(_judge(storage, name, step, matching, rid, explicit=wanted is not None))
+                out.append(
+                    _judge(
+                        storage,
+                        name,
+                        step,
+                        matching,
+                        rid,
+                        explicit=wanted is not None,
+                        listings=listings,
+                    )
+                )
             continue
         if len(entries) > 1:
             names = ", ".join(n for n, _ in entries)
@@ -1002,6 +1127,7 @@ def _classify(
                 rid,
                 explicit=wanted is not None,
                 valid=(valid or {}).get(name),
+                listings=listings,
             )
         )
     return sorted((c for c in out if c is not None), key=lambda c: c.step)
@@ -1016,6 +1142,7 @@ def _judge(
     *,
     explicit: bool,
     valid: Manifest | None = None,
+    listings: dict[str, list[str]] | None = None,
 ) -> _Candidate | None:
     c = _Candidate(step, name)
     if catalog.is_link(storage, name):
@@ -1042,8 +1169,11 @@ def _judge(
             else:
                 c.problem = text
             return c
+    folder = CheckpointFolder(storage, name, step)
+    if listings is not None:
+        folder._listings = listings
     try:
-        problem = fw.is_complete(CheckpointFolder(storage, name, step))
+        problem = fw.is_complete(folder)
     except CheckpointError as exc:
         problem = str(exc)
     except Exception as exc:  # a registered rule's failure refuses its folder only
@@ -1223,8 +1353,9 @@ def set_aside_unmanifested(storage: Storage, step: int, label: str) -> None:
 def checksum_and_sync(storage: Storage, rel: str) -> tuple[FileEntry, ...]:
     """Read every file once for its checksum and fsync it; then fsync every directory,
     deepest first. A file whose size changes meanwhile (a writer still at work) makes
-    the folder refused: adopting it would record a torn state."""
-    listed = storage.walk_files(rel)
+    the folder refused: adopting it would record a torn state. The temporary files of
+    this library's own writes there (``is_own_temporary``) are neither read nor listed."""
+    listed = [(n, s) for n, s in storage.walk_files(rel) if not is_own_temporary(n)]
     local = storage.local_path(rel)
     entries = []
     buf = bytearray(_CHUNK)

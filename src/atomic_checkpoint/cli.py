@@ -2184,6 +2184,7 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         # One line per checkpoint as soon as it is settled: a large root takes minutes
         # (every byte is read for its checksum).
+        line = _adopt_cli_words(line)
         lines.append(line)
         if not args.json:
             print(line, flush=True)
@@ -2225,7 +2226,10 @@ def cmd_adopt(args: argparse.Namespace) -> int:
                     for s in result.adopted
                 ],
                 "already": result.already,
-                "refused": [{"step": s, "problem": p} for s, p in sorted(result.refused.items())],
+                "refused": [
+                    {"step": s, "problem": _adopt_cli_words(p)}
+                    for s, p in sorted(result.refused.items())
+                ],
                 "seconds": seconds,
                 # Why the command exits 1 (null when it exits 0): the error line on stderr.
                 "problem": problem,

@@ -593,3 +593,119 @@ def test_an_integrations_save_says_when_it_replaces_a_checkpoint_resume_skipped(
         set_aside_unmanifested(open_storage(root), 3, "hf")  # a valid one: nothing said
     assert caplog.text.count("this save replaces") == 1, caplog.text
     assert "checkpoint-6, which is not a valid checkpoint" in caplog.text
+
+
+# ---------------------------------------------------------------------- torn by siblings
+def _save_custom_state(folder: Path, n: int) -> None:
+    """What ``save_state`` writes for an object registered with
+    ``register_for_checkpointing`` (``accelerate.checkpointing.save_custom_state``:
+    ``torch.save`` of its ``state_dict()``, on the main process), without the
+    process-wide ``PartialState`` its logging needs."""
+    torch.save({"n": n}, folder / "custom_checkpoint_0.pkl")
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_folder_lacking_the_custom_state_its_siblings_have_is_refused(
+    project: Path,
+) -> None:
+    """Accelerate writes ``custom_checkpoint_<i>.pkl`` (the registered objects) last,
+    after the RNG states: a save killed between them left a folder that passed every
+    other check, and ``load_state`` then failed on it. Refused, as every other
+    adoptable sibling has that file."""
+    ckpts = project / "checkpoints"
+    for i in (0, 1):  # the stock save_state of checkpoint_2 died before its custom state
+        _save_custom_state(ckpts / f"checkpoint_{i}", i)
+    dry = adopt(project, dry_run=True)
+    assert dry.adopted == [0, 1] and list(dry.refused) == [2], dry
+    assert "custom_checkpoint_0.pkl is missing" in dry.refused[2]
+    assert "every other complete checkpoint" in dry.refused[2]
+    result = adopt(project)
+    assert result.adopted == [0, 1] and list(result.refused) == [2], result
+    assert not (ckpts / "checkpoint_2" / MANIFEST_NAME).exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_file_only_some_siblings_have_does_not_refuse(project: Path) -> None:
+    """Only a file *every* other adoptable sibling holds tells: a run restarted with
+    fewer registered objects (or processes) left older folders with more files."""
+    _save_custom_state(project / "checkpoints" / "checkpoint_0", 0)
+    result = adopt(project, dry_run=True)
+    assert result.adopted == [0, 1, 2] and not result.refused, result
+
+
+@pytest.mark.timeout(120)
+def test_accelerate_folder_lacking_a_process_rng_its_siblings_have_is_refused(
+    project: Path,
+) -> None:
+    """Two processes: rank 1 killed before it wrote ``random_states_1.pkl`` left
+    checkpoint_1 with rank 0's RNG file only, which the numbering check (0..n-1, none
+    missing in between) cannot see. Its siblings have both: refused, also by the CLI."""
+    ckpts = project / "checkpoints"
+    for i in (0, 2):
+        shutil.copyfile(
+            ckpts / f"checkpoint_{i}" / "random_states_0.pkl",
+            ckpts / f"checkpoint_{i}" / "random_states_1.pkl",
+        )
+    result = adopt(project, dry_run=True)
+    assert result.adopted == [0, 2] and list(result.refused) == [1], result
+    assert "random_states_1.pkl is missing" in result.refused[1]
+    doc = run_json("adopt", project, "--dry-run", expect_rc=1)
+    assert [a["step"] for a in doc["adopted"]] == [0, 2]
+    assert [r["step"] for r in doc["refused"]] == [1]
+
+
+@pytest.mark.timeout(120)
+def test_trainer_folder_lacking_the_rng_state_its_siblings_have_is_refused(out: Path) -> None:
+    (out / "checkpoint-4" / "rng_state.pth").unlink()
+    result = adopt(out, dry_run=True)
+    assert result.adopted == [2, 6, 8, 10] and list(result.refused) == [4], result
+    assert "rng_state.pth is missing" in result.refused[4]
+
+
+# ---------------------------------------------------------------------- generic, temporaries
+def test_generic_refuses_a_truncated_torch_save_file(tmp_path: Path) -> None:
+    """``generic`` checks a file that starts as a zip archive (``torch.save``'s format,
+    whatever its name) as the framework rules do: a truncated one is refused."""
+    root = tmp_path / "root"
+    for step in (100, 200):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        torch.save(
+            {"model": torch.nn.Linear(64, 64).state_dict(), "step": step},
+            root / f"checkpoint-{step}" / "model.data",
+        )
+    os.truncate(root / "checkpoint-200" / "model.data", 5000)  # the save was killed
+    result = adopt(root, framework="generic")
+    assert result.adopted == [100] and list(result.refused) == [200], result
+    assert "not a whole torch.save archive" in result.refused[200]
+    assert not (root / "checkpoint-200" / MANIFEST_NAME).exists()
+
+
+def test_a_killed_adopts_temporary_manifest_is_never_recorded(tmp_path: Path) -> None:
+    """An adopt killed between writing its manifest's temporary file and linking it
+    into place left ``checkpoint.manifest.json.tmp-...`` in the folder. Adopting again
+    records only the framework's files, and ``clean`` still removes the leftover."""
+    from safetensors.torch import save_file
+
+    from atomic_checkpoint.cli import main
+    from atomic_checkpoint.storage.temps import STALE_TEMP_S
+
+    folder = tmp_path / "out" / "checkpoint-2"
+    folder.mkdir(parents=True)
+    save_file({"w": torch.zeros(4)}, str(folder / "model.safetensors"))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    left = folder / f"{MANIFEST_NAME}.tmp-4000000-1-2"  # its writer is long gone
+    left.write_bytes(b'{"step": 2')
+    old = left.stat().st_mtime - 2 * STALE_TEMP_S
+    os.utime(left, (old, old))
+    assert adopt(folder.parent, dry_run=True).size_bytes[2] == sum(
+        (folder / n).stat().st_size for n in ("model.safetensors", "trainer_state.json")
+    )
+    result = adopt(folder.parent)
+    assert result.adopted == [2], result
+    doc = json.loads((folder / MANIFEST_NAME).read_text())
+    recorded = sorted(f["path"] if isinstance(f, dict) else f for f in doc["files"])
+    assert recorded == ["model.safetensors", "trainer_state.json"]
+    assert main(["clean", str(folder.parent)]) == 0
+    assert not left.exists()
+    with CheckpointManager(folder.parent, read_only=True) as mgr:
+        assert mgr.verify(2).adopted
