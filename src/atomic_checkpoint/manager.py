@@ -2300,6 +2300,31 @@ class CheckpointManager:
     def _latest_coordinator(self, skip: frozenset[int] = frozenset()) -> Manifest | None:
         return catalog.newest(self.storage, run_id=self.run_id or None, skip=skip)
 
+    def _record_passed_over(self, loaded: int, top: int) -> None:
+        """After ``restore()`` fell back to ``loaded``: the run's checkpoints between it
+        and ``top`` that the search passed over without reading them, because their
+        sizes already showed them corrupt (a file cut short or missing), are recorded
+        as skipped like those whose checksums failed: a save of their step replaces
+        them (it raised ``CheckpointExistsError`` at every restart), retention neither
+        counts nor deletes them. Listed by the coordinator, the same on every rank; one
+        round, only after a fallback."""
+        found: list[int] = []
+        if self.is_coordinator:
+            found = [
+                e.step
+                for e in catalog.scan(self.storage, run_id=self.run_id)
+                if e.status == "corrupt" and e.step is not None and loaded < e.step < top
+            ]
+        if self.world_size > 1:
+            found = gather_summary(
+                self.coordinator,
+                "restore: passed over",
+                found if self.is_coordinator else None,
+                _coordinators_value,
+                timeout_s=self.timeout_s,
+            )
+        self._failed_verification.update(found)
+
     def _newest_untried(self, tried: set[int]) -> int | None:
         """``restore()``'s next candidate: the newest valid checkpoint not in ``tried``
         (the same set on every rank), found as ``latest()`` finds its answer, newest
@@ -2453,6 +2478,8 @@ class CheckpointManager:
                 skipped.append(f"step {newest}: {exc}")
                 self._failed_verification.add(newest)
                 continue
+            if skipped:
+                self._record_passed_over(newest, max(tried))
             if skipped and self._newest_step is not None and self._newest_step > newest:
                 # Every checkpoint above this one failed verification, on every rank
                 # alike: training goes on from here, so the next save (above this step,
@@ -2593,10 +2620,10 @@ class CheckpointManager:
                     "checkpoint: load it with atomic_checkpoint.integrations.dcp.load_dcp(mgr, "
                     "state_dict, step), which reshards it into your state dict"
                 )
+            where = manifest.info(self.storage.url(rel)).files_path
             raise CheckpointError(
                 f"checkpoint step {manifest.step} was {how}: read its files "
-                f"from {self.storage.url(rel)} (checkpoint_path(step); verify(step) checks "
-                "them first)"
+                f"from {where} (CheckpointInfo.files_path; verify(step) checks them first)"
             )
         if manifest.state_kind == "replicated":
             file_rel = REPLICATED_STATE_FILE
@@ -3325,3 +3352,8 @@ def _check_coordinator(coord: Any) -> None:
         raise ValueError(
             f"coordinator.rank must be in [0, world_size): got rank {rank} of world_size {world}"
         )
+
+
+def _coordinators_value(values: list[Any]) -> Any:
+    """A round's summary: rank 0's value (the coordinator of one storage domain)."""
+    return values[0]

@@ -222,3 +222,44 @@ def test_resumed_from_records_a_fallback_that_the_users_own_loader_made(tmp_path
     with pytest.raises(TypeError, match="CheckpointInfo"):
         mgr.resumed_from(1)  # type: ignore[arg-type]
     mgr.close()
+
+
+def test_a_torn_checkpoint_below_a_corrupt_newest_is_replaced_by_the_save_of_its_step(
+    tmp_path, caplog
+):
+    """The newest checkpoint fails its checksums and the one below it has a file cut
+    short: restore() reads the newest, skips it, passes the torn one over by its sizes
+    alone and loads the third. The save of the torn one's step raised
+    CheckpointExistsError at every restart; it replaces it, as it does the newest."""
+    with CheckpointManager(tmp_path) as first:
+        for s in (10, 20, 30):
+            first.save(s, _state(s))
+    _flip_middle_byte(str(tmp_path / "checkpoint-30" / "rank-00000.safetensors"))
+    torn = str(tmp_path / "checkpoint-20" / "rank-00000.safetensors")
+    os.truncate(torn, os.path.getsize(torn) - 100)
+
+    with CheckpointManager(tmp_path, retention=KeepLast(2)) as mgr:
+        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+            assert mgr.restore()["step"] == 10
+            for s in (20, 30):
+                mgr.save(s, _state(s))
+        assert "saving step 20 replaces checkpoint checkpoint-20" in caplog.text
+        assert [c.step for c in mgr.checkpoints()] == [20, 30]
+        assert mgr.restore(20)["step"] == 20
+
+
+def test_restore_of_files_written_in_place_names_the_folder_that_holds_them(tmp_path):
+    # The marker strategy (object stores, s3fs-fuse mounts) writes a saving() block's
+    # files into checkpoint-N/attempt-<token>/: restore()'s error named checkpoint-N,
+    # which holds only the manifest.
+    from atomic_checkpoint import CheckpointError
+
+    with CheckpointManager(tmp_path, strategy="marker") as mgr:
+        with mgr.saving(1) as d:
+            (d / "model.bin").write_bytes(b"weights")
+        info = d.info
+        assert info.files_path != info.path and "attempt-" in info.files_path
+        with pytest.raises(CheckpointError) as err:
+            mgr.restore(1)
+        assert f"read its files from {info.files_path} " in str(err.value)
+        assert os.path.exists(os.path.join(info.files_path, "model.bin"))
