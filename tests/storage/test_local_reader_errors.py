@@ -47,3 +47,24 @@ def test_a_failing_close_is_a_storage_error_naming_the_file(gone_reader):
         gone_reader.close()
     assert isinstance(err.value, StorageError) and err.value.errno == errno.ENOTCONN
     assert "f.bin" in str(err.value)
+
+
+def test_a_file_removed_between_open_and_read_is_not_found(tmp_path):
+    # s3fs-fuse fetches an object at the first read: one another node's retention
+    # deleted after the open failed the read with ENOENT, raised as a StorageError
+    # that a reader's `except CheckpointNotFoundError` (list again) did not catch.
+    from atomic_checkpoint.errors import CheckpointNotFoundError
+
+    class _Removed(io.FileIO):
+        def read(self, size: int = -1, /) -> bytes:
+            raise OSError(errno.ENOENT, "No such file or directory")
+
+    (tmp_path / "f.bin").write_bytes(b"x" * 64)
+    reader = LocalStorage(str(tmp_path)).open_read("f.bin")
+    real = reader._f
+    reader._f = _Removed(real.fileno(), "rb", closefd=False)
+    try:
+        with pytest.raises(CheckpointNotFoundError, match="removed while being read"):
+            reader.read(8)
+    finally:
+        real.close()

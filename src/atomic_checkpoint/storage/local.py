@@ -199,13 +199,20 @@ class _LocalReader:
         try:
             return self._f.readall() if size is None or size < 0 else self._f.read(size) or b""
         except OSError as exc:
-            raise map_os_error(exc, "read", self._path) from exc
+            raise self._read_error(exc) from exc
 
     def readinto(self, buffer: Any, /) -> int | None:
         try:
             return self._f.readinto(buffer)
         except OSError as exc:
-            raise map_os_error(exc, "read", self._path) from exc
+            raise self._read_error(exc) from exc
+
+    def _read_error(self, exc: OSError) -> CheckpointError:
+        if exc.errno == errno.ENOENT:
+            # s3fs-fuse reads an object at the first read, not at open: one deleted in
+            # between (another node's retention) is gone, as if the open had missed it.
+            return CheckpointNotFoundError(f"{self._path!r} was removed while being read")
+        return map_os_error(exc, "read", self._path)
 
     def seek(self, offset: int, whence: int = 0, /) -> int:
         try:
