@@ -11,8 +11,6 @@ every process calls the same code.
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +53,9 @@ def listing(project_dir: str) -> list[str]:
 
 
 def main() -> None:
-    project_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="accel-atomic-")
+    from _dir import example_dir  # beside this file
+
+    project_dir = example_dir(__doc__, "accel-atomic-")
 
     accelerator, model, optimizer = setup(project_dir)
     loss = train(accelerator, model, optimizer, range(1, 41))

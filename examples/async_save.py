@@ -13,8 +13,6 @@ long training was blocked by each kind of save.
 
 from __future__ import annotations
 
-import sys
-import tempfile
 import time
 
 import torch
@@ -76,4 +74,6 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="async-save-"))
+    from _dir import example_dir  # beside this file
+
+    main(example_dir(__doc__, "async-save-"))

@@ -11,8 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-import sys
-import tempfile
 from datetime import timedelta
 
 import torch
@@ -104,7 +102,9 @@ def launch(fn, world: int, root: str) -> None:
 
 
 def main() -> None:
-    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.mkdtemp(), "ckpt")
+    from _dir import example_dir  # beside this file
+
+    root = example_dir(__doc__, "dcp-sharded-")
     launch(save_job, 4, root)
     launch(load_job, 2, root)
 

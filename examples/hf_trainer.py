@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
-import tempfile
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,12 +84,18 @@ def trainer(output_dir: str, max_steps: int) -> Trainer:
 
 
 def checkpoints(output_dir: str) -> list[str]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # The rotation runs on rank 0, after the commit: the other ranks' train() can
+        # return first, so they look once rank 0 is done.
+        torch.distributed.barrier()
     found = [n for n in os.listdir(output_dir) if n.startswith("checkpoint-")]
     return sorted(found, key=lambda n: int(n.split("-")[1]))
 
 
 def main() -> None:
-    output_dir = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="hf-atomic-")
+    from _dir import example_dir  # beside this file
+
+    output_dir = example_dir(__doc__, "hf-atomic-")
 
     trainer(output_dir, max_steps=6).train()
     print(f"trained 6 steps, saving every 2 with save_total_limit=2: {checkpoints(output_dir)}")

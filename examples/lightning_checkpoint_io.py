@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
-import tempfile
 import warnings
 
 import lightning.pytorch as pl
@@ -75,7 +73,9 @@ def trainer(dirpath: str, max_steps: int) -> pl.Trainer:
 
 
 def main() -> None:
-    dirpath = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.mkdtemp(), "ckpts")
+    from _dir import example_dir  # beside this file
+
+    dirpath = example_dir(__doc__, "lightning-ckpts-")
     trainer(dirpath, max_steps=6).fit(Regressor())
     print(f"trained 6 steps; {dirpath} holds:")
     for name in sorted(os.listdir(dirpath)):
