@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import importlib
 import itertools
 import json
@@ -1071,6 +1072,7 @@ def _classify(
         by_step.setdefault(step, []).append((name, matching))
     out: list[_Candidate | None] = []
     listings: dict[str, list[str]] = {}  # shared by the rules: each sibling listed once
+    judge = functools.partial(_judge, storage, explicit=wanted is not None, listings=listings)
     for step, (name, why) in sorted(misnamed.items()):
         if step not in by_step:
             out.append(_Candidate(step, name, problem=why))
@@ -1093,18 +1095,7 @@ def _classify(
             # Checkpoints that are files, each with its own record (Lightning's
             # epoch=0-step=10.ckpt and the -v1 copy a restarted run writes beside it):
             # several at one step do not collide; each is judged on its own.
-            for name, matching in entries:
-                out.append(
-                    _judge(
-                        storage,
-                        name,
-                        step,
-                        matching,
-                        rid,
-                        explicit=wanted is not None,
-                        listings=listings,
-                    )
-                )
+            out.extend(judge(name, step, matching, rid) for name, matching in entries)
             continue
         if len(entries) > 1:
             names = ", ".join(n for n, _ in entries)
@@ -1118,18 +1109,7 @@ def _classify(
             )
             continue
         ((name, matching),) = entries
-        out.append(
-            _judge(
-                storage,
-                name,
-                step,
-                matching,
-                rid,
-                explicit=wanted is not None,
-                valid=(valid or {}).get(name),
-                listings=listings,
-            )
-        )
+        out.append(judge(name, step, matching, rid, valid=(valid or {}).get(name)))
     return sorted((c for c in out if c is not None), key=lambda c: c.step)
 
 
