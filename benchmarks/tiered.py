@@ -45,6 +45,7 @@ Exit status 0, or 1 when a restored state differs from the saved one.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -276,16 +277,19 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
         with S3Server(scratch / "moto") as s3:
             bucket = s3.create_bucket("bench-tiered")
             url, direct_url = f"s3://{bucket}/run", f"s3://{bucket}/direct"
+            # The peer rows' job: a run of its own (its nodes are wiped and it saves step
+            # 1 again, which the first run's persistent tier, holding step 1, refuses).
+            peers_url = f"s3://{bucket}/peers"
             opts = s3.storage_options()
             nodes = str(scratch / "nodes")
 
-            def job(mode: str, peers: int = 0) -> list[dict[str, Any]]:
+            def job(mode: str, peers: int = 0, root: str | None = None) -> list[dict[str, Any]]:
                 nonlocal ok
                 res = run_ranks(
                     workers.w_bench,
                     args.ranks,
                     nodes,
-                    direct_url if mode.startswith("direct-") else url,
+                    root or (direct_url if mode.startswith("direct-") else url),
                     opts,
                     size,
                     mode,
@@ -340,7 +344,7 @@ def multi_rank(args: argparse.Namespace, size: int) -> int:
                 Row("ratio_direct_over_lost", "  ratio direct / (c)", direct_restore / c),
             ]
             if args.peers:
-                more, peer_ok = peer_rows(args, nodes, job)
+                more, peer_ok = peer_rows(args, nodes, functools.partial(job, root=peers_url))
                 rows += more
                 ok &= peer_ok
     finally:
