@@ -173,6 +173,15 @@ class CheckpointInfo:
         return f"{self.path.rstrip('/')}/{self.files_dir}" if self.files_dir else self.path
 
 
+#: How many lowercase hexadecimal digits a checksum of each algorithm has.
+_HEX_DIGITS = {"xxh3_64": 16, "crc32": 8}
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_hex(text: str, digits: int) -> bool:
+    return len(text) == digits and set(text) <= _HEX
+
+
 #: The manifest's checksum of its own other fields (see the module docstring).
 _SELF_CHECKSUM = "manifest_checksum"
 
@@ -329,8 +338,21 @@ class Manifest:
                         f"{where}: metric {k!r} is {_short(v)}, not a finite number"
                     )
             algorithm = _get(doc, "checksum_algorithm", str, where)
-            if algorithm not in ("xxh3_64", "crc32"):
+            if algorithm not in _HEX_DIGITS:
                 raise UnsupportedSchemaError(f"{where}: unknown checksum algorithm {algorithm!r}")
+            for f in files:
+                # As the format says: lowercase hex of the algorithm's length. Anything
+                # else can never match a file, and full verification then blamed the
+                # (intact) file for the manifest's error.
+                if not _is_hex(f.checksum, _HEX_DIGITS[algorithm]):
+                    raise CorruptCheckpointError(
+                        f"{where}: file {f.path!r} has checksum {f.checksum!r:.40}, not "
+                        f"{_HEX_DIGITS[algorithm]} lowercase hex digits ({algorithm})"
+                    )
+            # ``rename``, ``marker`` or the name of a strategy object the user passed.
+            strategy = _get(doc, "strategy", str, where)
+            if not strategy:
+                raise CorruptCheckpointError(f"{where}: the manifest names no strategy")
             world = _get(doc, "world_size", int, where)
             if not 1 <= world <= MAX_WORLD_SIZE:
                 # Bounded: readers build per-rank lists (a hostile 2**62 hung them all).
@@ -405,7 +427,7 @@ class Manifest:
                 metrics={str(k): float(v) for k, v in metrics.items()},
                 metadata=_get(doc, "metadata", dict, where),
                 checksum_algorithm=algorithm,
-                strategy=_get(doc, "strategy", str, where),
+                strategy=strategy,
                 schema_version=version,
                 library_version=str(doc.get("library_version", "")),
                 domain_ranks=domain_ranks,

@@ -120,8 +120,8 @@ def _manifest(**kw):
         commit_seq=1,
         world_size=2,
         files=(
-            FileEntry("rank-00000.safetensors", 10, "ab", 0),
-            FileEntry("rank-00001.safetensors", 10, "cd", 1),
+            FileEntry("rank-00000.safetensors", 10, "00000000000000ab", 0),
+            FileEntry("rank-00001.safetensors", 10, "00000000000000cd", 1),
         ),
         state_kind="per_rank",
         metrics={"loss": 0.5},
@@ -184,6 +184,24 @@ def _mutate(fn):
         (lambda d: d.update(checksum_algorithm="md5"), errors.UnsupportedSchemaError, "md5"),
         (lambda d: d["metrics"].update(loss="low"), errors.CorruptCheckpointError, "metric"),
         (lambda d: d.update(world_size=0), errors.CorruptCheckpointError, "world_size"),
+        # The format's rules for checksums and strategies (all were accepted, and full
+        # verification then called the intact file corrupt).
+        (
+            lambda d: d["files"][0].update(checksum=d["files"][0]["checksum"].upper() + "A"),
+            errors.CorruptCheckpointError,
+            "lowercase hex",
+        ),
+        (
+            lambda d: d["files"][0].update(checksum=d["files"][0]["checksum"][1:]),
+            errors.CorruptCheckpointError,
+            "not 16 lowercase hex digits",
+        ),
+        (
+            lambda d: d["files"][0].update(checksum="AbCdEf0123456789"),
+            errors.CorruptCheckpointError,
+            "lowercase hex",
+        ),
+        (lambda d: d.update(strategy=""), errors.CorruptCheckpointError, "no strategy"),
     ],
 )
 def test_invalid_manifests_raise_precise_errors(mutation, exc, match):
