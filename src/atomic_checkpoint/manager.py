@@ -81,6 +81,7 @@ from .layout import (
 )
 from .lock import DEFAULT_LEASE_S, RunLock
 from .manifest import (
+    SCHEMA_VERSION,
     CheckpointInfo,
     FileEntry,
     Hasher,
@@ -994,12 +995,17 @@ class CheckpointManager:
                 )
             )
         if resume == "auto" and setup["n_valid"] == 0 and setup["n_corrupt"] > 0:
+            newer = self._newer_version_text()
             raise ResumeError(
                 f"{self.root} holds {setup['n_corrupt']} checkpoint(s) of run {self.run_id!r} but "
-                f"none is valid (`atomic-checkpoint verify {self.root}` says what is wrong "
-                "with each); refusing to start from scratch over them. Repair them, move "
-                "them out of the root, or start the new run in another root (a new run "
-                "here could not save the steps they hold)"
+                f"none is valid{newer} (`atomic-checkpoint verify {self.root}` says what is "
+                "wrong with each); refusing to start from scratch over them. "
+                + (
+                    "Upgrade atomic-checkpoint to resume from them"
+                    if newer
+                    else "Repair them, move them out of the root, or start the new run in "
+                    "another root (a new run here could not save the steps they hold)"
+                )
             )
         if setup["n_valid"] == 0 and unmanifested and self.rank == 0:
             log.warning(
@@ -1807,6 +1813,28 @@ class CheckpointManager:
         finally:
             self._callback_thread = None
 
+    def _newer_version_text(self, entries: list[catalog.Entry] | None = None) -> str:
+        """``": N of them were written by a newer atomic-checkpoint ..."`` when ROOT's
+        corrupt checkpoints include ones of a newer format (the failure path: one scan of
+        ROOT unless ``entries`` are given), else ``""``."""
+        if entries is None:
+            try:
+                entries = catalog.scan(self.storage, run_id=self.run_id or None)
+            except CheckpointError:
+                return ""
+        newer = [
+            e.name
+            for e in entries
+            if e.status == "corrupt" and "written by a newer atomic-checkpoint" in str(e.problem)
+        ]
+        if not newer:
+            return ""
+        return (
+            f": {len(newer)} of them ({', '.join(newer[:3])}{', ...' if len(newer) > 3 else ''}) "
+            f"were written by a newer version of atomic-checkpoint (format version above "
+            f"{SCHEMA_VERSION}, which this one, {__version__}, reads up to)"
+        )
+
     def _nothing_to_restore(self) -> str:
         """The message of ``restore()`` when ROOT holds no valid checkpoint of this run,
         with what it holds instead (the failure path: one scan of ROOT)."""
@@ -1836,6 +1864,9 @@ class CheckpointManager:
             )
         if others:
             message += f"; {others} checkpoint(s) of other runs are there (pass run_id=...)"
+        newer = self._newer_version_text(entries)
+        if newer:
+            message += f"; it holds checkpoints that do not load here{newer}: upgrade to load them"
         return message
 
     # ------------------------------------------------------------------ copies

@@ -263,3 +263,34 @@ def test_restore_of_files_written_in_place_names_the_folder_that_holds_them(tmp_
             mgr.restore(1)
         assert f"read its files from {info.files_path} " in str(err.value)
         assert os.path.exists(os.path.join(info.files_path, "model.bin"))
+
+
+def test_a_root_of_newer_format_checkpoints_says_to_upgrade(tmp_path):
+    # Every checkpoint written by a newer version: the start said "none is valid ...
+    # Repair them", a read-only restore() "no valid checkpoint", neither naming the
+    # cause that only an upgrade fixes.
+    import json
+
+    from atomic_checkpoint import CheckpointNotFoundError, ResumeError
+    from atomic_checkpoint.manifest import _body_checksum
+
+    with CheckpointManager(tmp_path) as first:
+        for s in (1, 2):
+            first.save(s, _state(s))
+    for s in (1, 2):
+        path = tmp_path / f"checkpoint-{s}" / "checkpoint.manifest.json"
+        doc = json.loads(path.read_text())
+        doc["schema_version"] = 2
+        doc.pop("manifest_checksum")
+        doc["manifest_checksum"] = _body_checksum(doc, doc["checksum_algorithm"])
+        path.write_text(json.dumps(doc))
+    with pytest.raises(ResumeError) as err:
+        CheckpointManager(tmp_path)
+    assert "2 of them (checkpoint-1, checkpoint-2) were written by a newer version" in str(
+        err.value
+    )
+    assert "Upgrade atomic-checkpoint" in str(err.value)
+    with pytest.raises(CheckpointNotFoundError, match="newer version of atomic-checkpoint"):
+        CheckpointManager(tmp_path, read_only=True).restore()
+    # Nothing was touched.
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
