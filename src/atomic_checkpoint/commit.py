@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import threading
 import time
@@ -523,8 +524,9 @@ def _commit_on_leader(
     tc = time.perf_counter()
     scanned = [report_files(storage, staged, ctx.coord.rank)] if scan else []
     files = _merge(list(reports) + scanned)
-    _await_files(storage, staged, files, ctx.visibility_timeout_s)
-    _fence(ctx, step)  # first: a job that lost the lock may have lost its files with it
+    fence = functools.partial(_fence, ctx, step)
+    _await_files(storage, staged, files, ctx.visibility_timeout_s, fence)
+    fence()  # first: a job that lost the lock may have lost its files with it
     if not files and state_kind == "files" and len(ctx.leaders) == 1:
         # Committed, it would be the newest checkpoint, and retention would delete the
         # real ones for it (a save_pretrained() into another directory is enough).
@@ -762,7 +764,11 @@ def _merge(reports: Sequence[RankReport]) -> tuple[FileEntry, ...]:
 
 
 def _await_files(
-    storage: Storage, pending: str, files: Sequence[FileEntry], timeout_s: float
+    storage: Storage,
+    pending: str,
+    files: Sequence[FileEntry],
+    timeout_s: float,
+    fence: Callable[[], None] | None = None,
 ) -> None:
     """Wait until every reported file is visible here with its reported size.
 
@@ -773,9 +779,15 @@ def _await_files(
     files each), where a listing costs one request per 1,000 files. Files the listing
     does not show with their size (a listing may lag behind a lookup on NFS) are asked
     one by one.
+
+    ``fence``, while files are missing (at once, then every second): a job whose run
+    lock was taken over lost its pending files to the new job's start-up sweep, so it
+    raises the fence's error (``FencedError``) rather than waiting ``timeout_s`` for
+    files that will never come.
     """
     deadline = time.monotonic() + timeout_s
     delay = 0.005
+    fenced_at = 0.0
     listed: dict[str, int] = {}
     if len(files) > 1:
         with contextlib.suppress(errors.CheckpointError):  # the per-file queries decide
@@ -791,6 +803,9 @@ def _await_files(
         if not wrong:
             return
         files, listed = [f for f, _ in wrong], {}
+        if fence is not None and time.monotonic() - fenced_at >= 1.0:
+            fence()
+            fenced_at = time.monotonic()
         if time.monotonic() >= deadline:
             f, size = wrong[0]
             raise errors.CommitError(

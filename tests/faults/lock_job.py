@@ -15,6 +15,9 @@ Commands (``op``):
     wait_gate wait until a rotation or a gated save is blocked at its gate.
     save_gated ``step``: a ``saving()`` block in a thread that writes a file, then blocks
               before leaving the block (before the commit) until ``open_gate``.
+    save_state_gated ``step``: a ``save()`` in a thread whose leader blocks after the
+              rank wrote its state file, before it checks that the file is there, until
+              ``open_gate``.
     open_gate let the blocked rotation or save go on.
     join      wait for the gated save; answers its outcome as ``save``.
     rotation_error  the failure of the last rotation, as the manager recorded it.
@@ -114,6 +117,29 @@ class Job:
                 with mgr.saving(step) as d:
                     (d / "weights.bin").write_bytes(b"w" * 1000)
                     self.gate.block()
+                self.saved = {"ok": True}
+            except Exception as exc:
+                self.saved = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+
+        self.saver = threading.Thread(target=body)
+        self.saver.start()
+        return {}
+
+    def op_save_state_gated(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from atomic_checkpoint import commit
+
+        step, mgr, real = cmd["step"], self.m, commit._await_files
+
+        def gated(*args: Any, **kwargs: Any) -> None:
+            commit._await_files = real
+            self.gate.block()
+            real(*args, **kwargs)
+
+        commit._await_files = gated
+
+        def body() -> None:
+            try:
+                mgr.save(step, {"step": step})
                 self.saved = {"ok": True}
             except Exception as exc:
                 self.saved = {"ok": False, "error": type(exc).__name__, "message": str(exc)}

@@ -276,6 +276,28 @@ def test_a_zombie_caught_between_prepare_and_publish_does_not_commit(jobs, tmp_p
     assert steps(root) == [] and not (root / "checkpoint-5").exists()
 
 
+@pytest.mark.timeout(90)
+def test_a_zombie_whose_taker_already_left_is_fenced_at_once(jobs, tmp_path):
+    # The job that took over swept the zombie's pending files at its start and closed
+    # before the zombie went on: the zombie waited visibility_timeout_s (30 s) for files
+    # that would never come and raised CommitError, not FencedError.
+    root = tmp_path / "ckpt"
+    a = jobs("a")
+    ok(a.call("open", root=str(root)))
+    ok(a.call("save_state_gated", step=5))  # its file written, not yet looked for
+    assert ok(a.call("wait_gate"))["entered"]
+    b = jobs("b")
+    ok(b.call("open", root=str(root), kwargs={"takeover": True}))
+    ok(b.call("close"))
+    t0 = time.monotonic()
+    ok(a.call("open_gate"))
+    saved = ok(a.call("join", timeout_s=60))["save"]
+    took = time.monotonic() - t0
+    assert saved["error"] in ("FencedError", "LockError"), saved
+    assert took < 10, (took, saved)
+    assert steps(root) == [] and not (root / "checkpoint-5").exists()
+
+
 # ------------------------------------------------------------------ across two sshfs mounts
 
 
