@@ -70,9 +70,11 @@ A run saved with Lightning's own plugin has ``.ckpt`` files without manifests, a
 crash may have torn one (the in-place copy above). ``atomic_checkpoint.adopt(DIR,
 framework="lightning")`` (or ``latest_checkpoint(DIR, adopt=True)``, or
 ``atomic-checkpoint adopt DIR --framework lightning``) checks each
-``...step=<N>...ckpt`` with Lightning's completeness rule (a whole ``torch.save``
-archive: its central directory, then every member's CRC-32) and writes a manifest
-marked ``"adopted"`` beside each complete one; a torn one is refused and gets none.
+``...step=<N>...ckpt`` (``<N>`` zero-padded or not) with Lightning's completeness rule
+(a whole ``torch.save`` archive: its central directory, then every member's CRC-32;
+then the ``global_step`` it records, read with ``weights_only=True``, must be ``<N>``)
+and writes a manifest marked ``"adopted"`` beside each complete one, with the step the
+file records; a torn, renamed or copied one is refused and gets none.
 From then on those files verify like the plugin's own, and :func:`latest_checkpoint`
 resumes from the newest complete one.
 
@@ -489,11 +491,13 @@ def latest_checkpoint(
 # ---------------------------------------------------------------------- adoption
 # The ``.ckpt`` names adoption considers: those carrying the step (Lightning's default
 # ``{epoch}-{step}``, with its ``-v<n>`` version suffix, or more after it, such as
-# ``{epoch}-{step}-{val_loss:.3f}``); ``last.ckpt`` names none.
+# ``{epoch}-{step}-{val_loss:.3f}``; zero-padded by ``{step:05d}``: the leading zeros
+# are left out of the group); ``last.ckpt`` names none.
 _CKPT_NAME_RE = re.compile(
-    r"^(?:.*[^A-Za-z0-9])?step=(?P<step>0|[1-9][0-9]{0,18})(?![0-9])(?:[^A-Za-z0-9].*)?\.ckpt\Z"
+    r"^(?:.*[^A-Za-z0-9])?step=0*(?P<step>0|[1-9][0-9]{0,18})(?![0-9])"
+    r"(?:[^A-Za-z0-9].*)?\.ckpt\Z"
 )
-_EPOCH_RE = re.compile(r"(?:^|[^A-Za-z0-9])epoch=(0|[1-9][0-9]{0,18})(?:[^0-9]|$)")
+_EPOCH_RE = re.compile(r"(?:^|[^A-Za-z0-9])epoch=0*(0|[1-9][0-9]{0,18})(?:[^0-9]|$)")
 
 
 def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
@@ -502,8 +506,11 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
 
     Whole means: the zip central directory (written last) is there, every member lies
     inside the file, and every member's CRC-32 (recorded by ``torch.save``) matches its
-    bytes; the archive holds ``data.pkl``. A file this plugin wrote is judged by its
-    manifest instead. Reads the whole file; never writes.
+    bytes; the archive holds ``data.pkl``. Then the ``global_step`` it records (read
+    with ``weights_only=True``: no code from the file runs) must be the step its name
+    gives (a copied or renamed file is refused); one that needs more than
+    ``weights_only=True`` to read keeps the step of its name. A file this plugin wrote
+    is judged by its manifest instead. Reads the whole file; never writes.
     """
     final = _local_path(path)
     try:
@@ -537,17 +544,48 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
         return f"cannot be read: {exc}"
     if bad is not None:
         return f"member {bad!r} does not match its CRC-32: the file is torn or corrupt"
+    recorded = _recorded_step(final)
+    if isinstance(recorded, str):
+        return recorded
+    named = _CKPT_NAME_RE.match(os.path.basename(final))
+    if named is not None and recorded[0] is not None and recorded[0] != int(named["step"]):
+        return (
+            f"it records global_step {recorded[0]}, not {int(named['step'])}: a copied or "
+            "renamed file?"
+        )
     return None
+
+
+def _recorded_step(path: str) -> tuple[int | None, int | None] | str:
+    """(``global_step``, ``epoch``) that the whole ``torch.save`` file at ``path``
+    records (None for one it lacks), read with ``weights_only=True`` (no code from the
+    file runs; tensors are mapped, not read); else why they cannot be read."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        # Its hyper-parameters hold classes weights_only refuses (a dataclass, a
+        # Namespace): whole by its archive, its step is then the one its name gives,
+        # as before this check (no code from the file is ever run to read it).
+        return None, None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        return f"torch.load cannot read it: {exc}"
+    if not isinstance(state, Mapping):
+        return None, None
+    return _int_or_none(state.get("global_step")), _int_or_none(state.get("epoch"))
 
 
 def _record_adopted(path: str) -> bool:
     """Write the manifest of a complete stock ``.ckpt`` (adoption's ``record``): its
-    checksum taken now, the step from its name (Lightning formats ``step=`` from
-    ``global_step``), marked adopted. False when it has a manifest already."""
+    checksum taken now, the ``global_step`` and ``epoch`` the file records (for a file
+    that records none, those its name gives), marked adopted. False when it has a
+    manifest already."""
     final = _local_path(path)
     directory, name = os.path.split(final)
     if posix.exists(final + MANIFEST_SUFFIX):
         return False
+    recorded = _recorded_step(final)
+    if isinstance(recorded, str):
+        raise CorruptCheckpointError(f"{final!r}: {recorded}")
     match = _CKPT_NAME_RE.match(name)
     epoch = _EPOCH_RE.search(name)
     digest, size = _hash_file(final, DEFAULT_ALGORITHM)
@@ -556,8 +594,8 @@ def _record_adopted(path: str) -> bool:
         size,
         digest,
         DEFAULT_ALGORITHM,
-        int(match.group("step")) if match else None,
-        int(epoch.group(1)) if epoch else None,
+        recorded[0] if recorded[0] is not None else int(match["step"]) if match else None,
+        recorded[1] if recorded[1] is not None else int(epoch[1]) if epoch else None,
         time.time(),
     )
     store = LocalStorage(directory)
