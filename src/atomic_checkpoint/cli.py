@@ -178,7 +178,8 @@ sizes only (``verify`` reads the data and the state files' headers). The other d
   checkpoint of the run (it pins nothing).
 - ``adopt``: ``{"schema_version", "command": "adopt", "root", "run_id", "dry_run",
   "adopted": [{"step", "framework", "size_bytes", "seconds"}], "already": [step, ...],
-  "refused": [{"step", "problem"}], "seconds"}``; ``inspect`` and ``list`` entries say
+  "refused": [{"step", "problem"}], "seconds", "problem"}`` (the top-level ``problem``:
+  why it exits 1, the error line; null when it exits 0); ``inspect`` and ``list`` entries say
   ``"adopted": true`` for checkpoints recorded this way.
 - ``<lock>`` is the holder of ``ROOT/.atomic-checkpoint/lock.json``: ``{"run_id",
   "host", "pid", "token", "acquired_unix", "renewed_unix", "expires_unix", "is_live"}``
