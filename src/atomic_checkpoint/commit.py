@@ -689,6 +689,32 @@ def _foreign_entries(storage: Storage, rel: str) -> list[str]:
     ]
 
 
+#: Network filesystems: how long a directory another client deleted may still show in
+#: this client's cached listing before it counts as there (sshfs: about 20 s by default,
+#: cut short by a refresh).
+_STALE_DIR_WAIT_S = 3.0
+
+
+def _dir_still_there(storage: Storage, name: str) -> bool:
+    """``storage.is_dir(name)``, on a network filesystem once this client's cached view
+    of it is refreshed: another node's rollback deleted ``checkpoint-<step>``, and the
+    save of that step here was refused for a directory only the cache still showed."""
+    if not storage.is_dir(name):
+        return False
+    if storage.capabilities.coherent:
+        return True
+    # The stat is answered from the cache; a listing of the root, once its cached
+    # listing is dropped, comes from the server.
+    deadline = time.monotonic() + _STALE_DIR_WAIT_S
+    while True:
+        storage.refresh("")
+        if name not in storage.listdir(""):
+            return False
+        if time.monotonic() >= deadline:
+            return storage.is_dir(name)
+        time.sleep(0.05)
+
+
 def _is_step_committed(
     storage: Storage,
     step: int,
@@ -717,7 +743,7 @@ def _is_step_committed(
             )
     except errors.CheckpointNotFoundError:
         # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
-        if storage.is_dir(name) and (renames or _foreign_entries(storage, name)):
+        if _dir_still_there(storage, name) and (renames or _foreign_entries(storage, name)):
             if overwrite:
                 return True
             raise errors.CommitError(

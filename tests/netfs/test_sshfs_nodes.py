@@ -302,6 +302,33 @@ def test_rotation_and_resume_on_the_other_node_right_after_a_commit(
     observed(job2_resumed_from=5, rotation_on_b="deleted checkpoint-4 only", warnings=0)
 
 
+@pytest.mark.timeout(90)
+def test_a_step_rolled_back_on_the_other_node_is_saved_again_here(
+    sshfs_export: SshfsExport,
+    sshfs_nodes: tuple[SshfsMount, SshfsMount],
+) -> None:
+    # Node B rolls the run back to step 2; the job restarts on node A, whose cached
+    # listing still shows checkpoint-3: its save of step 3 was refused ("exists but is
+    # not a committed checkpoint ... Move it away") for a directory only its cache held.
+    a, b = sshfs_nodes
+    with CheckpointManager(a.path / "run") as job1:
+        for step in range(1, 6):
+            job1.save(step, _state(step))
+        assert [c.step for c in job1.checkpoints()] == [1, 2, 3, 4, 5]  # A has looked
+    with CheckpointManager(b.path / "run") as back:
+        assert back.rollback(2) == [5, 4, 3]
+    assert _server_names(sshfs_export.export, "run") == ["checkpoint-1", "checkpoint-2"]
+    with CheckpointManager(a.path / "run", resume="must") as job2:
+        assert job2.restore()["step"] == 2
+        job2.save(3, _state(3))
+    assert _server_names(sshfs_export.export, "run") == [
+        "checkpoint-1",
+        "checkpoint-2",
+        "checkpoint-3",
+    ]
+    observed(saved_again_on_a=3)
+
+
 @pytest.mark.timeout(60)
 def test_reader_on_other_node_reads_a_step_saved_again_not_its_cached_size(
     sshfs_nodes: tuple[SshfsMount, SshfsMount],
