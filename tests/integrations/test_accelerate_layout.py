@@ -110,7 +110,9 @@ def test_checkpoints_keep_accelerates_names_and_numbering(tmp_path: Path) -> Non
     assert not (old / ".atomic-checkpoint").exists()
 
 
-def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> None:
+def test_stock_save_state_and_load_state_work_beside_ours(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Accelerate's own calls on a project the integration uses: load_state() loads the
     newest of our checkpoints, save_state() with total_limit rotates by number and
     writes the next one; nothing raises IndexError."""
@@ -128,8 +130,12 @@ def test_stock_save_state_and_load_state_work_beside_ours(tmp_path: Path) -> Non
     # Ours again: the stock checkpoint_2 is no checkpoint of ours (no manifest); ours
     # resumes from checkpoint_1, and the CLI reads the project without flags.
     acc, model, *_ = build(str(project), total_limit=None, seed=8)
-    assert load_state(acc, timeout_s=30).step == 1
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert load_state(acc, timeout_s=30).step == 1
     close(acc)
+    # ... saying that the newer stock one is not loaded, and how to resume from it.
+    said = [r.getMessage() for r in caplog.records if "their training is dropped" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint_2" in said[0] and "adopt_existing=True" in said[0]
     for root in (project, project / "checkpoints"):
         out = subprocess.run(
             [sys.executable, "-m", "atomic_checkpoint", "list", "--json", str(root)],

@@ -597,6 +597,31 @@ def _complete_stock(storage: Storage, step: int) -> bool:
         return False
 
 
+def _say_newer_stock(opened: FrameworkRoot, chosen: int) -> None:
+    """``load_state()`` of the newest found ``chosen``: say so, on the main process, if
+    Accelerate's own ``save_state`` wrote complete checkpoints above it (the run went
+    on without this library): they are not loaded until adopted, and loading
+    ``chosen`` drops their training (the numbering goes on after them). It said only
+    that folders without a manifest were skipped."""
+    if not opened.manager.is_coordinator:
+        return
+    storage = opened.manager.storage
+    newer = sorted(
+        s
+        for s in (parse_checkpoint_name(n) for n in storage.listdir(""))
+        if s is not None and s > chosen and _complete_stock(storage, s)
+    )
+    if newer:
+        log.warning(
+            "load_state: loading step %d, the newest checkpoint of ours; %s are newer, "
+            "complete checkpoints that Accelerate's own save_state() wrote (no manifest), "
+            "not loaded: their training is dropped. To resume from the newest, call "
+            "load_state(accelerator, adopt_existing=True) instead",
+            chosen,
+            [storage.url(checkpoint_name(s)) for s in newer],
+        )
+
+
 def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
     """Collective: refuse to save over a *complete* folder of the same step that
     Accelerate's own ``save_state`` wrote (no manifest). A torn one is replaced, as the
@@ -771,6 +796,8 @@ def load_state(
                 f"load_state: no checkpoint under {opened.folders}; pass missing_ok=True to "
                 "start from scratch when there is none"
             )
+        if step is None and not adopt_existing:
+            _say_newer_stock(opened, chosen)
         _stock(accelerator, "load_state")(opened.path(chosen), **load_state_kwargs)
         # Continue the automatic-naming counter after the newest checkpoint, not after
         # the loaded one: Accelerate's number counts saves, not training steps, and
