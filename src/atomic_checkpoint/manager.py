@@ -190,7 +190,9 @@ class CheckpointManager:
         coordinator: how ranks agree; default: torch.distributed when a process group
             is initialised, else single process.
         timeout_s: bound on every wait for other ranks.
-        read_only: never write, lock or delete (safe while a job runs).
+        read_only: never write, lock or delete (safe while a job runs); on a network
+            filesystem, a stale cached listing is dropped by touching a directory's
+            times (a metadata write, no data).
         resume: "auto" (resume if there is a valid checkpoint; error if there are
             checkpoints but none is valid, or, with node-local disks, several of the
             run's steps are on some nodes only), "must" (error if nothing valid), "never"
