@@ -109,14 +109,12 @@ class Job:
         self.gate.opened.set()
         return {}
 
-    def op_save_gated(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        step, mgr = cmd["step"], self.m
+    def _save_in_thread(self, save: Any) -> dict[str, Any]:
+        """Run ``save()`` in a thread; ``join`` answers its outcome."""
 
         def body() -> None:
             try:
-                with mgr.saving(step) as d:
-                    (d / "weights.bin").write_bytes(b"w" * 1000)
-                    self.gate.block()
+                save()
                 self.saved = {"ok": True}
             except Exception as exc:
                 self.saved = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
@@ -124,6 +122,16 @@ class Job:
         self.saver = threading.Thread(target=body)
         self.saver.start()
         return {}
+
+    def op_save_gated(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        step, mgr = cmd["step"], self.m
+
+        def save() -> None:
+            with mgr.saving(step) as d:
+                (d / "weights.bin").write_bytes(b"w" * 1000)
+                self.gate.block()
+
+        return self._save_in_thread(save)
 
     def op_save_state_gated(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from atomic_checkpoint import commit
@@ -136,17 +144,7 @@ class Job:
             real(*args, **kwargs)
 
         commit._await_files = gated
-
-        def body() -> None:
-            try:
-                mgr.save(step, {"step": step})
-                self.saved = {"ok": True}
-            except Exception as exc:
-                self.saved = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-
-        self.saver = threading.Thread(target=body)
-        self.saver.start()
-        return {}
+        return self._save_in_thread(lambda: mgr.save(step, {"step": step}))
 
     def op_join(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if self.saver is not None:
