@@ -3,7 +3,7 @@
     python benchmarks/run.py [--sizes 100M,1G,4G] [--shapes flat,train] [--rounds N]
                              [--json PATH] [--plot PATH] [--quick] [--dir DIR]
 
-One process tree runs everything (BENCHMARKS.md): for every size, every round runs
+One process tree runs everything (docs/benchmarks.md): for every size, every round runs
 every method once, in a freshly shuffled order, with ``os.sync()`` between trials and
 the page cache dropped before each cold load (root only; otherwise cold loads are
 skipped and marked so). Every save is loaded back and compared byte for byte, untimed.
@@ -455,7 +455,7 @@ def print_report(results: dict[str, Any]) -> None:
                 f"{w:<8}{med['total_s'] * 1000:>10.2f}{med['overhead_s'] * 1000:>13.2f}"
                 f"{med['data_fsync_s'] * 1000:>15.2f}   phases ms: {phases}"
             )
-    print("\n== targets (BENCHMARKS.md) ==")
+    print("\n== targets (docs/benchmarks.md) ==")
     print(f"{'figure':<48}{'size':>10}{'value':>9}  {'target':<16}result")
     for t in results["targets"]:
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
