@@ -34,6 +34,11 @@ Rules this backend follows, each a property of the stores:
   ``rm``/``glob``/``expand_path``, which read ``[``, ``*`` and ``?`` as wildcards (a
   root ``s3://b/exp[12]`` would reach runs ``exp1`` and ``exp2``). URL roots are keys
   taken literally (no ``%`` decoding), except ``file://`` URLs, which RFC 8089 encodes.
+- A zero-byte key ending in ``/`` is a directory marker (s3fs-fuse writes one per
+  directory it makes), never content: a prefix holding nothing but markers is listed
+  as nothing, and a delete that leaves a prefix so removes its markers (by their exact
+  keys), so a checkpoint saved through a mount and deleted through ``s3://`` leaves no
+  empty entry behind.
 
 fsspec (and the store's driver, e.g. s3fs) is imported only when an ``FsspecStorage``
 is created: ``import atomic_checkpoint`` never imports it.
@@ -122,6 +127,12 @@ _LOCAL = frozenset({"file", "local"})
 _DEFAULT_BLOCK = 32 << 20  # multipart part size: S3 needs >= 5 MiB, at most 10,000 parts
 _READAHEAD = 1 << 20  # small reads (headers) are served from one ranged GET of this size
 _RANGE = 16 << 20  # a large readinto is split into ranged GETs of this size, fetched together
+
+
+def _is_dir_marker(key: str, size: Any) -> bool:
+    """Whether an object is a directory marker: a zero-byte key ending in ``/``, as
+    s3fs-fuse (and the S3 console) create one per directory. Never content."""
+    return key.endswith("/") and size is not None and int(size) == 0
 
 
 def _protocol(fs: Any) -> str:
@@ -284,6 +295,12 @@ class FsspecStorage:
             direct_io=False,  # bytes go through fsspec's file objects
         )
         self._bucket_checked = False
+        #: Prefixes (full paths, no trailing "/") seen holding a directory-marker object
+        #: (``_is_dir_marker``): a delete under one of them then removes the markers of a
+        #: prefix it leaves without content (``_drop_dir_markers``).
+        self._dir_marked: set[str] = set()
+        #: Of those, the ones seen holding nothing else (``_marker_only``).
+        self._dir_empty: set[str] = set()
         #: What ``check_conditional_create`` found (None until it ran).
         self.conditional_create_found: tuple[bool, str] | None = None
 
@@ -626,12 +643,35 @@ class FsspecStorage:
         except CheckpointError:
             return []
         try:
-            names = self.fs.ls(p, detail=False)
+            # Object stores: detail costs nothing more (the same one listing request)
+            # and gives each entry's type.
+            infos = self.fs.ls(p, detail=self._is_object_store)
         except (FileNotFoundError, NotADirectoryError):
             return []
         except Exception as exc:
             raise self._error(exc, "list", path) from exc
-        return self._rel_children(p, [str(n) for n in names])
+        listed = [str(i["name"]) if isinstance(i, Mapping) else str(i) for i in infos]
+        children = self._rel_children(p, listed)
+        if not self._is_object_store:
+            return children
+        self._note_dir_markers(listed)
+        here = p.rstrip("/")
+        if here + "/" in listed and here != self._root.rstrip("/"):
+            # Its own directory marker (s3fs-fuse) and no file beside it: if nothing but
+            # markers lies below either (one more listing), it is empty.
+            files = [
+                i
+                for i in infos
+                if not isinstance(i, Mapping)
+                or (i.get("type") != "directory" and str(i["name"]) != here + "/")
+            ]
+            if not files:
+                self._dir_empty.add(here)
+                if self._marker_only(here):
+                    return []
+        # A prefix holding nothing but directory markers is no entry (checked again
+        # here, with one listing, so a prefix written to since is listed).
+        return [c for c in children if not self._marker_only(f"{here}/{c}")]
 
     def _info(self, path: str) -> dict[str, Any] | None:
         """fsspec's ``info`` of ``path`` (one HEAD on an object store), None if missing."""
@@ -673,6 +713,8 @@ class FsspecStorage:
             return {}
         except Exception as exc:
             raise self._error(exc, "walk", path) from exc
+        self._note_dir_markers(found)
+        self._note_empty_prefixes(found)
         prefix = p.rstrip("/") + "/"
         out = {}
         for name, info in found.items():
@@ -696,7 +738,8 @@ class FsspecStorage:
         except CheckpointError:
             return False  # a link to a directory is not a directory of ours
         with self._mapped("stat", path):
-            return bool(self.fs.isdir(self._abs(path)))
+            found = bool(self.fs.isdir(self._abs(path)))
+        return found and not self._marker_only(self._abs(path).rstrip("/"))
 
     def walk_files(self, path: str) -> list[tuple[str, int]]:
         p = self._abs(path)
@@ -707,6 +750,8 @@ class FsspecStorage:
             return []
         except Exception as exc:
             raise self._error(exc, "walk", path) from exc
+        self._note_dir_markers(found)
+        self._note_empty_prefixes(found)
         prefix = p.rstrip("/") + "/"
         out = []
         for name, info in found.items():
@@ -731,6 +776,7 @@ class FsspecStorage:
             pass  # deletes tolerate ENOENT: a concurrent cleaner got there first
         except Exception as exc:
             raise self._error(exc, "delete", path) from exc
+        self._drop_dir_markers(path)
 
     def delete_tree(self, path: str) -> None:
         """Delete every object under ``path/`` (and ``path`` itself if it is a file).
@@ -758,6 +804,122 @@ class FsspecStorage:
         if not self._is_object_store:
             self._remove_empty_dirs(p)
         self._abort_uploads(path)
+        self._drop_dir_markers(path)
+
+    def _note_dir_markers(self, names: Any) -> None:
+        """Remember the prefixes of the directory-marker keys among ``names`` (full
+        paths, as ``ls``/``find`` return them): a later delete under one of them checks
+        whether it left the prefix holding nothing but markers."""
+        if not self._is_object_store:
+            return
+        for name in names:
+            name = str(name)
+            if name.endswith("/") and name.rstrip("/"):
+                self._dir_marked.add(name.rstrip("/"))
+
+    def _note_empty_prefixes(self, found: Mapping[str, Any]) -> None:
+        """From a recursive listing (``find(detail=True)``): remember the prefixes that
+        hold directory markers and nothing else (see ``_marker_only``)."""
+        if not self._is_object_store:
+            return
+        markers = {
+            str(n).rstrip("/") for n, i in found.items() if _is_dir_marker(str(n), i.get("size"))
+        }
+        markers.discard("")
+        if not markers:
+            return  # the usual case: a store written through the API only
+        holding: set[str] = set()
+        for name, info in found.items():
+            name = str(name)
+            if _is_dir_marker(name, info.get("size")):
+                continue
+            parent = name.rsplit("/", 1)[0] if "/" in name else ""
+            while parent and parent not in holding:
+                if parent in markers:
+                    holding.add(parent)
+                parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
+        self._dir_empty.update(markers - holding)
+
+    def _marker_only(self, prefix: str) -> bool:
+        """Whether ``prefix`` (a full path), seen holding nothing but directory markers,
+        still does: asked of the store again (one listing), as something may have been
+        written there since. False, without a request, for any other prefix."""
+        if prefix not in self._dir_empty or prefix == self._root.rstrip("/"):
+            return False
+        if self._only_dir_markers(prefix) is None:
+            self._dir_empty.discard(prefix)
+            return False
+        return True
+
+    def _only_dir_markers(self, prefix: str) -> list[str] | None:
+        """The keys at and below ``prefix/`` (full paths) if every one of them is a
+        directory marker (``_is_dir_marker``), else None (it holds content, or cannot be
+        listed: then nothing is deleted). Stops at the first key that is not a marker."""
+        bucket, _, key = prefix.partition("/")
+        call_s3 = getattr(self.fs, "call_s3", None)
+        if self.protocol in ("s3", "s3a") and call_s3 is not None:
+            found: list[str] = []
+            token: dict[str, str] = {}
+            for _page in range(10_000):
+                try:
+                    out = call_s3(
+                        "list_objects_v2", Bucket=bucket, Prefix=key + "/", MaxKeys=100, **token
+                    )
+                except Exception as exc:
+                    log.debug("not checking %s for directory markers: %s", prefix, exc)
+                    return None
+                for obj in out.get("Contents", []) or []:
+                    name = str(obj.get("Key", ""))
+                    if not _is_dir_marker(name, obj.get("Size")):
+                        return None
+                    found.append(f"{bucket}/{name}")
+                if not out.get("IsTruncated") or not out.get("NextContinuationToken"):
+                    return found
+                token = {"ContinuationToken": str(out["NextContinuationToken"])}
+            return None
+        try:
+            listed = self.fs.find(prefix, detail=True)
+        except Exception as exc:
+            log.debug("not checking %s for directory markers: %s", prefix, exc)
+            return None
+        mine = {str(n): i for n, i in listed.items() if str(n).startswith(prefix + "/")}
+        if not all(_is_dir_marker(n, i.get("size")) for n, i in mine.items()):
+            return None
+        return sorted(mine)
+
+    def _drop_dir_markers(self, path: str) -> None:
+        """After a delete on an object store: remove the directory-marker objects of
+        ``path`` and of each parent below the root that now hold nothing else (deepest
+        first; it stops at the first that holds content).
+
+        s3fs-fuse (and the S3 console) create a zero-byte ``prefix/`` object per
+        directory. The strategies never delete a checkpoint's prefix as such on an
+        object store (only the keys they list), so such a marker outlived its
+        checkpoint and was listed, through the mount and through ``s3://``, as an entry
+        without a manifest, which ``clean`` did not remove. Only zero-byte keys ending
+        in ``/`` go, each by its exact key: never a file, so never a checkpoint. Only
+        prefixes a listing of this storage showed holding a marker are checked, so a
+        store without markers costs no extra request. Best effort: a failure is logged
+        (a marker left is an empty entry, never data)."""
+        if not self._is_object_store or not self._dir_marked:
+            return
+        root = self._root.rstrip("/")
+        current = self._abs(path).rstrip("/")
+        while current.startswith(root + "/"):
+            if current in self._dir_marked:
+                markers = self._only_dir_markers(current)
+                if markers is None:
+                    return  # content is left here (and so in every parent)
+                try:
+                    self._delete_keys(sorted(markers, reverse=True), current[len(root) + 1 :])
+                except CheckpointError as exc:
+                    log.warning("could not delete the directory markers of %s: %s", current, exc)
+                    return
+                self._dir_marked.discard(current)
+                self._dir_empty.discard(current)
+                with contextlib.suppress(Exception):
+                    self.fs.invalidate_cache(current)
+            current = current.rsplit("/", 1)[0]
 
     def _keys_under(self, p: str) -> list[str]:
         """The objects at or below ``p``, from a literal prefix listing (``find``: one
