@@ -603,7 +603,7 @@ def _realistic_files(world: int, per_rank: int) -> list[Any]:
                 FileEntry(
                     f"rank-{r:05d}/" + name.format(r=r, w=world),
                     size,
-                    f"xxh3_64:{rng.getrandbits(64):016x}",
+                    f"{rng.getrandbits(64):016x}",
                     r,
                 )
             )

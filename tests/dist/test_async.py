@@ -295,4 +295,4 @@ def test_benchmark_quick_run_produces_every_figure_and_verifies_its_saves(tmp_pa
     rounds = data["sizes"]["100M"]["rounds"]
     assert len(rounds) == 2 and all("ours_sync" in r and "dcp_async" in r for r in rounds)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "targets (BENCHMARKS.md)" in proc.stdout
+    assert "targets (docs/benchmarks.md)" in proc.stdout
