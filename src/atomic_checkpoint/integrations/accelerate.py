@@ -597,29 +597,11 @@ def _complete_stock(storage: Storage, step: int) -> bool:
         return False
 
 
-def _say_newer_stock(opened: FrameworkRoot, chosen: int) -> None:
-    """``load_state()`` of the newest found ``chosen``: say so, on the main process, if
-    Accelerate's own ``save_state`` wrote complete checkpoints above it (the run went
-    on without this library): they are not loaded until adopted, and loading
-    ``chosen`` drops their training (the numbering goes on after them). It said only
-    that folders without a manifest were skipped."""
-    if not opened.manager.is_coordinator:
-        return
-    storage = opened.manager.storage
-    newer = sorted(
-        s
-        for s in (parse_checkpoint_name(n) for n in storage.listdir(""))
-        if s is not None and s > chosen and _complete_stock(storage, s)
-    )
-    if newer:
-        log.warning(
-            "load_state: loading step %d, the newest checkpoint of ours; %s are newer, "
-            "complete checkpoints that Accelerate's own save_state() wrote (no manifest), "
-            "not loaded: their training is dropped. To resume from the newest, call "
-            "load_state(accelerator, adopt_existing=True) instead",
-            chosen,
-            [storage.url(checkpoint_name(s)) for s in newer],
-        )
+def _complete_stock_above(storage: Storage, step: int) -> list[int]:
+    """The steps above ``step`` whose folders are complete checkpoints that Accelerate's
+    own ``save_state`` wrote (``_complete_stock``: no manifest, every file read)."""
+    found = (parse_checkpoint_name(n) for n in storage.listdir(""))
+    return sorted(s for s in found if s is not None and s > step and _complete_stock(storage, s))
 
 
 def _refuse_stock_checkpoint(opened: FrameworkRoot, step: int) -> None:
@@ -796,8 +778,17 @@ def load_state(
                 f"load_state: no checkpoint under {opened.folders}; pass missing_ok=True to "
                 "start from scratch when there is none"
             )
-        if step is None and not adopt_existing:
-            _say_newer_stock(opened, chosen)
+        storage = opened.manager.storage
+        stock = _complete_stock_above(storage, chosen)  # read once: the warning, the numbering
+        if stock and step is None and not adopt_existing and opened.manager.is_coordinator:
+            log.warning(
+                "load_state: loading step %d, the newest checkpoint of ours; %s are newer, "
+                "complete checkpoints that Accelerate's own save_state() wrote (no manifest), "
+                "not loaded: their training is dropped. To resume from the newest, call "
+                "load_state(accelerator, adopt_existing=True) instead",
+                chosen,
+                [storage.url(checkpoint_name(s)) for s in stock],
+            )
         _stock(accelerator, "load_state")(opened.path(chosen), **load_state_kwargs)
         # Continue the automatic-naming counter after the newest checkpoint, not after
         # the loaded one: Accelerate's number counts saves, not training steps, and
@@ -811,13 +802,10 @@ def load_state(
         # that skipped it failed at its first save, at every restart. A torn one does
         # not: the next save of its number replaces it, as Accelerate's would.
         committed = opened.manager.checkpoints()
-        newest = max((i.step for i in committed), default=chosen)
-        storage = opened.manager.storage
+        newest = max([chosen, *stock, *(i.step for i in committed)])
         for name in storage.listdir(""):
             s = parse_checkpoint_name(name)
-            if s is None or s <= newest:
-                continue
-            if storage.size(f"{name}/{MANIFEST_NAME}") is not None or _complete_stock(storage, s):
+            if s is not None and s > newest and storage.size(f"{name}/{MANIFEST_NAME}") is not None:
                 newest = s
         accelerator.project_configuration.iteration = max(chosen, newest) + 1
         found = [i for i in committed if i.step == chosen]
