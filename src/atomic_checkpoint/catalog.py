@@ -37,13 +37,15 @@ from typing import Any, TypeVar
 from . import layout
 from .errors import (
     CheckpointError,
+    CheckpointExistsError,
     CheckpointNotFoundError,
+    CommitError,
     CorruptCheckpointError,
     StorageError,
     StoragePermissionError,
 )
 from .manifest import FileEntry, Hasher, Manifest, SharedManifest
-from .storage import posix
+from .storage import posix, visibility
 from .storage.base import Storage
 from .storage.temps import parse_temp_name
 
@@ -167,13 +169,8 @@ def _until_fresh(
     """Network filesystems: drop this client's cached metadata of ``path`` and probe
     again until ``fresh(probe())``, for at most ``_STALE_SIZE_WAIT_S`` (one refresh is
     not always enough under load); returns the last probe."""
-    deadline = time.monotonic() + _STALE_SIZE_WAIT_S
-    while True:
-        storage.refresh(path)
-        value = probe()
-        if fresh(value) or time.monotonic() >= deadline:
-            return value
-        time.sleep(0.05)
+    storage.refresh(path)
+    return visibility.until(storage, path, probe, fresh, _STALE_SIZE_WAIT_S)
 
 
 _UNSAFE = "unsafe"
@@ -576,6 +573,65 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
         f"no checkpoint step {step} in {storage.url('')} (checkpoint steps there: {have}; "
         "see `atomic-checkpoint list`)"
     )
+
+
+def _foreign_entries(storage: Storage, rel: str) -> list[str]:
+    return [
+        n
+        for n in storage.listdir(rel)
+        if layout.parse_marker_name(n) is None and layout.parse_attempt_dir(n) is None
+    ]
+
+
+def step_taken(
+    storage: Storage,
+    step: int,
+    *,
+    overwrite: bool = False,
+    run_id: str | None = None,
+    renames: bool = False,
+) -> bool:
+    """Step 1 of a save, on the domain leader: whether ``checkpoint-<step>`` is taken,
+    by a manifest, or (with ``overwrite``, which then replaces it) by a foreign
+    directory. Without ``overwrite`` a foreign directory is an error: it is never
+    replaced silently. Another run's checkpoint (a manifest with another run id than
+    ``run_id``) is an error with or without ``overwrite``: other runs' checkpoints are
+    never replaced or deleted. A commit by rename (``renames``) cannot land on any
+    directory of that name, empty or holding only our leftovers (an interrupted copy or
+    delete): said before anything is written, not by the rename after every rank wrote.
+    Raises ``CheckpointExistsError`` or ``CommitError`` for what is never replaced."""
+    name = layout.checkpoint_name(step)
+    try:
+        manifest = read_manifest(storage, name)
+        if run_id and manifest.run_id and manifest.run_id != run_id:
+            raise CheckpointExistsError(
+                f"{storage.url(name)} is a checkpoint of another run ({manifest.run_id!r}; "
+                f"this job continues run {run_id!r}): checkpoints of other runs are never "
+                "replaced or deleted, overwrite=True included. Save under another step or "
+                f"into another root, or continue that run (run_id={manifest.run_id!r})"
+            )
+    except CheckpointNotFoundError:
+        # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
+        there = visibility.dir_still_there(storage, name)
+        if there and (renames or _foreign_entries(storage, name)):
+            if overwrite:
+                return True
+            raise CommitError(
+                f"{storage.url(name)} exists but is not a committed checkpoint (no manifest): "
+                "it was not written by atomic-checkpoint, or by an incomplete in-place save. "
+                "Move it away, or pass overwrite=True to replace it"
+            ) from None
+        return False
+    except CorruptCheckpointError as exc:
+        if not overwrite:
+            # Not "already committed": nothing valid is there, but it is never replaced
+            # silently (it may be a checkpoint whose manifest a disk fault damaged).
+            raise CheckpointExistsError(
+                f"{storage.url(name)} is not a valid checkpoint ({exc}), and it is never "
+                "replaced silently (it may be a checkpoint a disk fault damaged, or one "
+                "copied from elsewhere). Pass overwrite=True to replace it, or move it away"
+            ) from None
+    return True
 
 
 def _marker_purposes(storage: Storage, rel: str) -> set[str]:

@@ -56,6 +56,11 @@ The storage work of steps 1 and 4-5, and of a failure's clean-up, is the commit 
 stores, FUSE mounts whose rename is copy+delete), which writes in place under
 ``checkpoint-<step>/`` and commits by creating the manifest once. Overwrites and what
 each strategy leaves after a crash are described there.
+
+What the steps call below this module: ``catalog.step_taken`` (step 1: is the step
+taken, and by what), ``rankfiles`` (step 2, and ``merge_reports`` for the manifest),
+``storage.visibility`` (network filesystems: the bounded waits for another client's
+change), ``coordination`` (the rounds) and the strategy.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from . import errors
 from ._faults import fault_point
 from ._version import __version__
 from .catalog import committed as committed_manifests
-from .catalog import read_manifest
+from .catalog import read_manifest, step_taken
 from .coordination import (
     Coordinator,
     gather_routed,
@@ -84,9 +89,10 @@ from .coordination import (
     shared_error,
 )
 from .domains import Domain
-from .layout import checkpoint_name, new_attempt_token, parse_attempt_dir, parse_marker_name
+from .layout import checkpoint_name, new_attempt_token
 from .manifest import FileEntry, Manifest, SharedManifest
-from .rankfiles import RankReport, report_files
+from .rankfiles import RankReport, merge_reports, report_files
+from .storage import visibility
 from .storage.base import Storage
 from .strategies import CommitStrategy
 
@@ -206,7 +212,7 @@ def begin(
         # Known before it exists, so a failure from here on discards it.
         pending.owned = ctx.strategy.pending_location(step, attempt)
         _fence(ctx, step)
-        exists = _is_step_committed(
+        exists = step_taken(
             ctx.storage,
             step,
             overwrite=overwrite,
@@ -523,7 +529,7 @@ def _commit_on_leader(
     storage, staged, step = ctx.storage, pending.location, pending.step
     tc = time.perf_counter()
     scanned = [report_files(storage, staged, ctx.coord.rank)] if scan else []
-    files = _merge(list(reports) + scanned)
+    files = merge_reports(list(reports) + scanned)
     fence = functools.partial(_fence, ctx, step)
     _await_files(storage, staged, files, ctx.visibility_timeout_s, fence)
     fence()  # first: a job that lost the lock may have lost its files with it
@@ -681,112 +687,12 @@ def _own_commit(
     return manifest if ours and ours <= listed else None
 
 
-def _foreign_entries(storage: Storage, rel: str) -> list[str]:
-    return [
-        n
-        for n in storage.listdir(rel)
-        if parse_marker_name(n) is None and parse_attempt_dir(n) is None
-    ]
-
-
-#: Network filesystems: how long a directory another client deleted may still show in
-#: this client's cached listing before it counts as there (sshfs: about 20 s by default,
-#: cut short by a refresh).
-_STALE_DIR_WAIT_S = 3.0
-
-
-def _dir_still_there(storage: Storage, name: str) -> bool:
-    """``storage.is_dir(name)``, on a network filesystem once this client's cached view
-    of it is refreshed: another node's rollback deleted ``checkpoint-<step>``, and the
-    save of that step here was refused for a directory only the cache still showed."""
-    if not storage.is_dir(name):
-        return False
-    if storage.capabilities.coherent:
-        return True
-    # The stat is answered from the cache; a listing of the root, once its cached
-    # listing is dropped, comes from the server.
-    deadline = time.monotonic() + _STALE_DIR_WAIT_S
-    while True:
-        storage.refresh("")
-        if name not in storage.listdir(""):
-            return False
-        if time.monotonic() >= deadline:
-            return storage.is_dir(name)
-        time.sleep(0.05)
-
-
-def _is_step_committed(
-    storage: Storage,
-    step: int,
-    *,
-    overwrite: bool = False,
-    run_id: str | None = None,
-    renames: bool = False,
-) -> bool:
-    """Whether ``checkpoint-<step>`` is taken: by a manifest, or (with ``overwrite``,
-    which then replaces it) by a foreign directory. Without ``overwrite`` a foreign
-    directory is an error: it is never replaced silently. Another run's checkpoint
-    (a manifest with another run id than ``run_id``) is an error with or without
-    ``overwrite``: other runs' checkpoints are never replaced or deleted. A commit by
-    rename (``renames``) cannot land on any directory of that name, empty or holding
-    only our leftovers (an interrupted copy or delete): said before anything is
-    written, not by the rename after every rank wrote."""
-    name = checkpoint_name(step)
-    try:
-        manifest = read_manifest(storage, name)
-        if run_id and manifest.run_id and manifest.run_id != run_id:
-            raise errors.CheckpointExistsError(
-                f"{storage.url(name)} is a checkpoint of another run ({manifest.run_id!r}; "
-                f"this job continues run {run_id!r}): checkpoints of other runs are never "
-                "replaced or deleted, overwrite=True included. Save under another step or "
-                f"into another root, or continue that run (run_id={manifest.run_id!r})"
-            )
-    except errors.CheckpointNotFoundError:
-        # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
-        if _dir_still_there(storage, name) and (renames or _foreign_entries(storage, name)):
-            if overwrite:
-                return True
-            raise errors.CommitError(
-                f"{storage.url(name)} exists but is not a committed checkpoint (no manifest): "
-                "it was not written by atomic-checkpoint, or by an incomplete in-place save. "
-                "Move it away, or pass overwrite=True to replace it"
-            ) from None
-        return False
-    except errors.CorruptCheckpointError as exc:
-        if not overwrite:
-            # Not "already committed": nothing valid is there, but it is never replaced
-            # silently (it may be a checkpoint whose manifest a disk fault damaged).
-            raise errors.CheckpointExistsError(
-                f"{storage.url(name)} is not a valid checkpoint ({exc}), and it is never "
-                "replaced silently (it may be a checkpoint a disk fault damaged, or one "
-                "copied from elsewhere). Pass overwrite=True to replace it, or move it away"
-            ) from None
-    return True
-
-
 def _exists_error(storage: Storage, step: int) -> errors.CheckpointExistsError:
     return errors.CheckpointExistsError(
         f"checkpoint step {step} is already committed at "
         f"{storage.url(checkpoint_name(step))}; pass overwrite=True to replace it atomically, "
         "or save under a new step"
     )
-
-
-def _merge(reports: Sequence[RankReport]) -> tuple[FileEntry, ...]:
-    seen: dict[str, FileEntry] = {}
-    for r in reports:
-        for f in r.files:
-            other = seen.get(f.path)
-            if other is not None and (other.size_bytes, other.checksum) != (
-                f.size_bytes,
-                f.checksum,
-            ):
-                raise errors.CommitError(
-                    f"ranks {other.rank} and {f.rank} both wrote {f.path!r} with different "
-                    "content; each rank must write only its own files"
-                )
-            seen.setdefault(f.path, f)
-    return tuple(sorted(seen.values(), key=lambda f: f.path))
 
 
 def _await_files(
@@ -796,71 +702,33 @@ def _await_files(
     timeout_s: float,
     fence: Callable[[], None] | None = None,
 ) -> None:
-    """Wait until every reported file is visible here with its reported size.
-
-    Network filesystems can show another client's new file late, or with a stale size
-    (even 0 on sshfs), so we poll with a bound instead of failing at the first stat.
-    One listing of ``pending`` comes first: on an object store a size query is a HEAD
-    request per file, one after another from the leader (16,384 at 4096 ranks of four
-    files each), where a listing costs one request per 1,000 files. Files the listing
-    does not show with their size (a listing may lag behind a lookup on NFS) are asked
-    one by one.
-
-    ``fence``, while files are missing (at once, then every second): a job whose run
-    lock was taken over lost its pending files to the new job's start-up sweep, so it
-    raises the fence's error (``FencedError``) rather than waiting ``timeout_s`` for
-    files that will never come.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    fenced_at = 0.0
-    listed: dict[str, int] = {}
-    if len(files) > 1:
-        with contextlib.suppress(errors.CheckpointError):  # the per-file queries decide
-            listed = dict(storage.walk_files(pending))
-    while True:
-        wrong = []
-        for f in files:
-            if listed.get(f.path) == f.size_bytes:
-                continue
-            size = storage.size(f"{pending}/{f.path}")
-            if size != f.size_bytes:
-                wrong.append((f, size))
-        if not wrong:
-            return
-        files, listed = [f for f, _ in wrong], {}
-        if fence is not None and time.monotonic() - fenced_at >= 1.0:
-            fence()
-            fenced_at = time.monotonic()
-        if time.monotonic() >= deadline:
-            f, size = wrong[0]
-            raise errors.CommitError(
-                f"{len(wrong)} file(s) written by the ranks are not visible to the "
-                f"coordinator after {timeout_s:g} s, e.g. {f.path!r} from rank {f.rank}: "
-                f"expected {f.size_bytes} bytes, seen {size}"
-            )
-        storage.refresh(pending)
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+    """Wait until every reported file is visible here with its reported size (network
+    filesystems show another client's new file late, or with a stale size). ``fence``,
+    while files are missing: a job whose run lock was taken over lost its pending files
+    to the new job's start-up sweep, and raises ``FencedError`` rather than waiting
+    ``timeout_s`` for files that will never come."""
+    sizes = {f.path: f.size_bytes for f in files}
+    wrong = visibility.await_sizes(storage, pending, sizes, timeout_s, fence)
+    if wrong:
+        f = next(f for f in files if f.path in wrong)
+        raise errors.CommitError(
+            f"{len(wrong)} file(s) written by the ranks are not visible to the "
+            f"coordinator after {timeout_s:g} s, e.g. {f.path!r} from rank {f.rank}: "
+            f"expected {f.size_bytes} bytes, seen {wrong[f.path]}"
+        )
 
 
 def _await_dir(storage: Storage, path: str, timeout_s: float) -> None:
     """Ranks other than the coordinator, on a network filesystem: wait until the pending
     directory the coordinator just created is visible here (NFS clients cache negative
     lookups; a refresh of the parent drops them)."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
     parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    while not storage.is_dir(path):
-        if time.monotonic() >= deadline:
-            raise errors.CommitError(
-                f"the pending directory {storage.url(path)} that the coordinator created is "
-                f"not visible from this rank after {timeout_s:g} s: does this rank see the "
-                "same storage under the checkpoint root?"
-            )
-        storage.refresh(parent)
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+    if not visibility.until(storage, parent, lambda: storage.is_dir(path), bool, timeout_s):
+        raise errors.CommitError(
+            f"the pending directory {storage.url(path)} that the coordinator created is "
+            f"not visible from this rank after {timeout_s:g} s: does this rank see the "
+            "same storage under the checkpoint root?"
+        )
 
 
 def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
@@ -871,35 +739,34 @@ def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
     committed step (found by the libfiu campaign on s3fs-fuse: an EIO reading the
     manifest back through one rank's mount). A manifest that stays invisible or cannot
     be read from this rank is a warning; the checkpoint is committed either way."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
     where = storage.url(checkpoint_name(step))
-    while True:
+
+    def read() -> errors.CheckpointError | None:
         try:
             read_manifest(storage, checkpoint_name(step))
-            return
-        except errors.CheckpointNotFoundError:
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "checkpoint step %d is committed but not visible from this rank after "
-                    "%g s: %s (this mount's cache is stale; it shows the step later)",
-                    step,
-                    timeout_s,
-                    where,
-                )
-                return
+            return None
         except errors.CheckpointError as exc:
-            log.warning(
-                "checkpoint step %d is committed, but this rank cannot read its manifest "
-                "back at %s: %s",
-                step,
-                where,
-                exc,
-            )
-            return
-        storage.refresh("")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+            return exc
+
+    exc = visibility.until(
+        storage, "", read, lambda e: not isinstance(e, errors.CheckpointNotFoundError), timeout_s
+    )
+    if isinstance(exc, errors.CheckpointNotFoundError):
+        log.warning(
+            "checkpoint step %d is committed but not visible from this rank after %g s: "
+            "%s (this mount's cache is stale; it shows the step later)",
+            step,
+            timeout_s,
+            where,
+        )
+    elif exc is not None:
+        log.warning(
+            "checkpoint step %d is committed, but this rank cannot read its manifest back "
+            "at %s: %s",
+            step,
+            where,
+            exc,
+        )
 
 
 def _discard(ctx: SaveContext, pending: str, step: int) -> None:

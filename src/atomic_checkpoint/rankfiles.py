@@ -56,19 +56,19 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import device_staging
 from ._faults import fault_point
-from .errors import CheckpointError, SaveAbandonedError
+from .errors import CheckpointError, CommitError, SaveAbandonedError
 from .layout import MANIFEST_NAME, validate_relative_path
 from .manifest import FileEntry, Hasher
 from .storage import posix
 from .storage.base import DIRECT_IO_ALIGN, DirectWriter, Done, Storage, Writer, direct_io
 
-__all__ = ["RankReport", "Staging", "report_files", "write_image", "write_plan"]
+__all__ = ["RankReport", "Staging", "merge_reports", "report_files", "write_image", "write_plan"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,27 @@ class RankReport:
     files: tuple[FileEntry, ...]
     write_s: float
     fsync_s: float
+
+
+def merge_reports(reports: Sequence[RankReport]) -> tuple[FileEntry, ...]:
+    """Every rank's files, for the manifest, sorted by path. A file two ranks report
+    alike (a file every rank of a ``saving()`` block rewrote) is listed once; two ranks
+    that wrote one path with different content fail the save: each rank writes only
+    its own files."""
+    seen: dict[str, FileEntry] = {}
+    for r in reports:
+        for f in r.files:
+            other = seen.get(f.path)
+            if other is not None and (other.size_bytes, other.checksum) != (
+                f.size_bytes,
+                f.checksum,
+            ):
+                raise CommitError(
+                    f"ranks {other.rank} and {f.rank} both wrote {f.path!r} with different "
+                    "content; each rank must write only its own files"
+                )
+            seen.setdefault(f.path, f)
+    return tuple(sorted(seen.values(), key=lambda f: f.path))
 
 
 def report_files(storage: Storage, pending: str, rank: int) -> RankReport:
