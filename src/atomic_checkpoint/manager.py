@@ -921,6 +921,18 @@ class CheckpointManager:
             if other_shapes:
                 # A job that shrank to fewer nodes saved them: nothing was lost.
                 why, back = other_shapes, "resume with the job's shape that saved them"
+                if wiped:
+                    # Or the job has the shape, but some node's ROOT is not the storage
+                    # the others see: its mount is missing, and ROOT there is an empty
+                    # local directory (a domain of its own, with no record of the run).
+                    fresh = setup.get("fresh_domains", 0)
+                    why += (
+                        f"; or {_count(fresh, 'node')} of this job see(s) ROOT without any "
+                        "record of the run: if every node should see one shared storage "
+                        "there, its mount is missing (ROOT is then an empty local "
+                        "directory on that node)"
+                    )
+                    back += ", or mount the shared storage at ROOT on every node"
             raise ResumeError(
                 f"{self.root}: checkpoints of run {self.run_id!r} (steps {partial}) are on "
                 "some nodes only, and a step counts only once every node has it, so none "
@@ -2579,7 +2591,7 @@ class CheckpointManager:
         manifest with only the files it may read (its rank's state file, or ``rank``'s,
         and the replicated one)."""
         wanted = (rank_state_file(self.rank if rank is None else rank), REPLICATED_STATE_FILE)
-        for _ in range(catalog.READ_ATTEMPTS):
+        for attempt in range(catalog.READ_ATTEMPTS):
             resolved, refused = self._on_leaders(
                 "resolve",
                 self._resolve_coordinator if self.is_coordinator else None,
@@ -2608,6 +2620,10 @@ class CheckpointManager:
                 changed = now is None or not catalog.same_copy(now, manifest)
             except CheckpointError as exc:  # shared like a failed load, never raised alone
                 changed, error = False, error or exc
+            if now is None and attempt == catalog.READ_ATTEMPTS - 1:
+                # Absent here at every try while the coordinator found it: not a step
+                # being replaced, but a rank that does not see the coordinator's ROOT.
+                changed, error = False, self._unseen_step(step)
             mine = (changed, None if error is None else _restore_failure(error, self.rank))
             # Rank 0 collects the outcomes; every rank gets one answer (O(N) bytes).
             changed, failures = gather_summary(
@@ -2629,6 +2645,16 @@ class CheckpointManager:
             f"checkpoint step {step} in {self.root} was replaced {catalog.READ_ATTEMPTS} times "
             "while being read (it is being saved again and again with overwrite=True): "
             "restore it once the writer stops"
+        )
+
+    def _unseen_step(self, step: int) -> StorageError:
+        """This rank's error for a step its coordinator read and this rank never saw."""
+        where = self.storage.url(checkpoint_name(step))
+        return StorageError(
+            f"rank {self.rank} does not see {where}, which rank {self.domain.leader} (its "
+            "coordinator) read: the ranks do not share one ROOT (a node whose mount is "
+            "missing sees an empty local directory there), or the step was deleted while "
+            "being read. Check that every rank's ROOT is the same storage"
         )
 
     def _load_here(

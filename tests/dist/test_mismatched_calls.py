@@ -267,3 +267,58 @@ def test_calls_on_rank_0_alone_that_never_meet_the_saves_are_found_after_slow_ro
             # Nothing committed by the mismatched save, nothing rolled back.
             kept = [f"checkpoint-{s + 1}" for s in (10, 20, 30)[: i + 1]]
             assert on_disk == ["checkpoint-1", *kept]
+
+
+def w_resume_with_one_roots_mount_missing(rank: int, world: int, shared: str, empty: str) -> Any:
+    """Both ranks (two "nodes") save to one ROOT; then rank 1 restarts on a node whose
+    mount is missing: its ROOT is an empty local directory."""
+    import os
+
+    os.environ["ATOMIC_CHECKPOINT_HOST"] = f"node{rank}"
+    mgr = CheckpointManager(shared, timeout_s=15.0)
+    mgr.save(1, {"r": rank})
+    mgr.close()
+    out = {}
+    root = shared if rank == 0 else empty
+    for domains in ("auto", "shared"):
+        t = time.monotonic()
+        try:
+            m = CheckpointManager(root, timeout_s=15.0, storage_domains=domains)
+            try:
+                m.restore()
+                out[domains] = ("restored", "", 0.0)
+            finally:
+                m.close()
+        except Exception as exc:
+            out[domains] = (type(exc).__name__, str(exc), time.monotonic() - t)
+    return out
+
+
+def test_a_rank_whose_roots_mount_is_missing_is_named_on_resume_and_on_restore(tmp_path):
+    # Before: with the domains detected, "steps [1] were saved by a job of 2 ranks on 1
+    # node (this job: 2 ranks on 2 nodes) ... resume with the job's shape that saved
+    # them", though the shape was the same; with storage_domains="shared", "was replaced
+    # 8 times while being read (it is being saved again and again with overwrite=True)".
+    empty = tmp_path / "node1-mountpoint"
+    empty.mkdir()
+    v = ok_values(
+        run_ranks(
+            w_resume_with_one_roots_mount_missing,
+            2,
+            str(tmp_path / "root"),
+            str(empty),
+            tmp_dir=str(tmp_path),
+            timeout_s=120,
+        )
+    )
+    for out in v:
+        kind, text, _ = out["auto"]
+        assert kind == "ResumeError", out
+        assert "its mount is missing" in text and "mount the shared storage at ROOT" in text
+        kind, text, _ = out["shared"]
+        assert kind == "DistributedCheckpointError", out
+        assert "overwrite=True" not in text
+        assert "rank 1 does not see" in text and "do not share one ROOT" in text, text
+    # Nothing was written into the empty mount point, and the step is intact.
+    assert [p.name for p in empty.iterdir() if p.name.startswith("checkpoint-")] == []
+    assert (tmp_path / "root" / "checkpoint-1" / "checkpoint.manifest.json").exists()
