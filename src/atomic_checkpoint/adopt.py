@@ -207,16 +207,27 @@ class Framework:
     is_complete: Callable[[CheckpointFolder], str | None]
     record: Callable[[CheckpointFolder], bool] | None = None
     auto: bool = True
+    step_inside: Callable[[CheckpointFolder], int | None] | None = None
 
-    def step_of(self, on_disk_name: str) -> int | None:
+    def step_of(
+        self, on_disk_name: str, folder: Callable[[], CheckpointFolder] | None = None
+    ) -> int | None:
+        """The step of the checkpoint named ``on_disk_name``: the one its name gives;
+        for a name that matches without one (the step group takes no part), the one
+        ``step_inside(folder())`` reads from it; None for no checkpoint of ours."""
         if not on_disk_name.isprintable():
             return None  # "checkpoint-3\n" matches a pattern ending in $: never a step
         m = self.names.match(on_disk_name)
         if m is None:
             return None
         text = m.group("step") if "step" in self.names.groupindex else m.group(1)
+        if text is None:
+            if self.step_inside is None or folder is None:
+                return None
+            got = self.step_inside(folder())
+            text = None if got is None else str(got)
         try:
-            return layout.validate_step(int(text))
+            return layout.validate_step(int(text))  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return None
 
@@ -231,6 +242,7 @@ def register_framework(
     *,
     record: Callable[[CheckpointFolder], bool] | None = None,
     auto: bool = True,
+    step_inside: Callable[[CheckpointFolder], int | None] | None = None,
 ) -> None:
     """Register (or replace) the completeness rule of a framework for ``adopt``.
 
@@ -252,6 +264,11 @@ def register_framework(
         auto: whether ``framework="auto"`` considers it. False for a framework whose
             names are another's too (DCP's ``checkpoint-<N>`` are the Trainer's): it is
             then applied only when asked for by name.
+        step_inside: for checkpoints whose name may carry no step (``names_regex``
+            matches with its step group taking no part, as Lightning's ``last.ckpt``):
+            ``(path) -> step`` reads the step the checkpoint records (``path.step`` is
+            0 then), or None to leave it out. Files only (with ``record``); it must
+            not write.
 
     Raises:
         ValueError: the name is reserved, or the regex is invalid or captures no step.
@@ -278,7 +295,12 @@ def register_framework(
         raise TypeError(f"is_complete of framework {name!r} must be callable")
     if record is not None and not callable(record):
         raise TypeError(f"record of framework {name!r} must be callable, or None")
-    _FRAMEWORKS[name] = Framework(name, pattern, is_complete, record, auto)
+    if step_inside is not None and (not callable(step_inside) or record is None):
+        raise TypeError(
+            f"step_inside of framework {name!r} must be callable, for checkpoints that are "
+            "files (with record), or None"
+        )
+    _FRAMEWORKS[name] = Framework(name, pattern, is_complete, record, auto, step_inside)
 
 
 def frameworks() -> list[str]:
@@ -873,7 +895,8 @@ def _names_a_candidate(storage: Storage, framework: str, ours: tuple[str, ...]) 
         if name in ours:
             continue
         disk = _on_disk_name(storage, name)
-        if any(f.step_of(disk) is not None for f in rules):
+        folder = functools.partial(CheckpointFolder, storage, name, 0)
+        if any(f.step_of(disk, folder) is not None for f in rules):
             return True
     return False
 
@@ -1045,11 +1068,12 @@ def _classify(
         if name in (layout.PENDING_DIR, layout.TRASH_DIR, layout.META_DIR):
             continue
         disk = _on_disk_name(storage, name)
-        matching = [f for f in rules if f.step_of(disk) is not None]
-        if not matching:
+        folder = functools.partial(CheckpointFolder, storage, name, 0)
+        found = [(f, s) for f in rules if (s := f.step_of(disk, folder)) is not None]
+        if not found:
             continue
-        step = matching[0].step_of(disk)
-        if step is None or (wanted is not None and step not in wanted):
+        matching, step = [f for f, _ in found], found[0][1]
+        if wanted is not None and step not in wanted:
             continue
         if matching[0].record is None and layout.parse_checkpoint_name(name) != step:
             # ``checkpoint_400`` in a plain root (``generic`` matches both spellings):

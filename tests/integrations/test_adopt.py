@@ -567,6 +567,35 @@ def test_register_framework_says_what_is_wrong_with_its_arguments() -> None:
         register_framework("bad-b", "^ck-(", lambda path: None)
     with pytest.raises(TypeError, match="record of framework 'bad-c' must be callable"):
         register_framework("bad-c", r"^x-(\d+)$", lambda path: None, record=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step_inside of framework 'bad-d'.*with record"):
+        register_framework("bad-d", r"^x-(\d+)?$", lambda path: None, step_inside=len)
+
+
+def test_a_file_framework_adopts_a_name_without_a_step_by_the_step_inside(tmp_path: Path) -> None:
+    # "latest.bin" names no step: its step_inside reads the one the file records.
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "model-3.bin").write_text("3")
+    (root / "latest.bin").write_text("7")
+    (root / "latest-empty.bin").write_text("")
+    recorded: list[str] = []
+
+    def record(path: str) -> bool:
+        recorded.append(os.path.basename(path))
+        Path(path + ".ok").write_text("adopted")
+        return True
+
+    register_framework(
+        "file-step-inside-test",
+        r"^(?:latest(?:-empty)?|model-(?P<step>[0-9]+))\.bin$",
+        lambda path: None,
+        record=record,
+        step_inside=lambda path: int(Path(path).read_text()) if Path(path).read_text() else None,
+        auto=False,
+    )
+    result = adopt(root, framework="file-step-inside-test")
+    assert result.adopted == [3, 7] and result.refused == {}, result
+    assert sorted(recorded) == ["latest.bin", "model-3.bin"]  # no step: no candidate
 
 
 @pytest.mark.parametrize("damage", ["manifest", "data"])

@@ -851,19 +851,47 @@ def test_stock_files_of_one_step_with_a_version_suffix_are_each_adopted(tmp_path
     assert (again.adopted, again.already, again.refused) == ([], [2, 4], {}), again
 
 
-def test_a_newer_stock_last_ckpt_is_not_passed_over_silently(tmp_path, caplog):
+def test_a_newer_stock_last_ckpt_is_adopted_by_the_step_it_records(tmp_path, caplog):
     # save_top_k=1 with save_last=True: the newest state (step 8) is only in last.ckpt,
-    # whose name carries no step, so adoption leaves it out; resuming from the top-k
-    # file of step 2 went back six steps without a word.
+    # whose name carries no step. Adoption left it out, and resuming from the top-k file
+    # of step 2 went back six steps (a warning said so; the run lost them all the same).
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     _stock_save(ckpt / "epoch=0-step=2.ckpt", 2)
     _stock_save(ckpt / "last.ckpt", 8)
     older = os.path.getmtime(ckpt / "last.ckpt") - 60
     os.utime(ckpt / "epoch=0-step=2.ckpt", (older, older))
+    # Without adoption, the newer stock last.ckpt is named in a warning.
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert latest_checkpoint(ckpt) is None
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert latest_checkpoint(ckpt, adopt=True) == str(ckpt / "last.ckpt")
+    info = verify_checkpoint(ckpt / "last.ckpt", require_manifest=True)
+    assert (info.global_step, info.adopted) == (8, True)
+    assert AtomicCheckpointIO().load_checkpoint(ckpt / "last.ckpt")["global_step"] == 8
+
+
+def test_a_torn_or_stepless_stock_last_ckpt_is_not_adopted_and_is_named(tmp_path, caplog):
+    from atomic_checkpoint import adopt
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    _stock_save(ckpt / "epoch=0-step=2.ckpt", 2)
+    _stock_save(ckpt / "last.ckpt", 8)
+    torn = (ckpt / "last.ckpt").read_bytes()[:-100]  # a kill during the stock copy
+    (ckpt / "last.ckpt").write_bytes(torn)
+    older = os.path.getmtime(ckpt / "last.ckpt") - 60
+    os.utime(ckpt / "epoch=0-step=2.ckpt", (older, older))
     with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
         assert latest_checkpoint(ckpt, adopt=True) == str(ckpt / "epoch=0-step=2.ckpt")
     assert "last.ckpt written without a manifest after epoch=0-step=2.ckpt" in caplog.text
+    assert not (ckpt / ("last.ckpt" + MANIFEST_SUFFIX)).exists()
+    # A whole last-v1.ckpt that records no global_step (fabric.save of a plain dict):
+    # its name gives none either, so it is no candidate.
+    torch.save({"model": {"w": torch.zeros(2)}}, ckpt / "last-v1.ckpt")
+    result = adopt(ckpt, framework="lightning")
+    assert result.adopted == [] and result.already == [2], result
+    assert not (ckpt / ("last-v1.ckpt" + MANIFEST_SUFFIX)).exists()
 
 
 def test_adopting_stock_files_records_complete_ones_and_refuses_torn_ones(tmp_path):
@@ -885,7 +913,8 @@ def test_adopting_stock_files_records_complete_ones_and_refuses_torn_ones(tmp_pa
     assert latest_checkpoint(ckpt) is None  # nothing verifiable yet
 
     dry = adopt(ckpt, framework="lightning", dry_run=True)
-    assert dry.adopted == [2, 4] and sorted(dry.refused) == [6, 8]
+    # last.ckpt is whole: adopted by the step it records, beside the torn step-8 file.
+    assert dry.adopted == [2, 4, 8] and sorted(dry.refused) == [6, 8]
     assert sorted(os.listdir(ckpt)) == sorted(before)  # a dry run writes nothing
 
     # A live job holds the run lock of the directory: adoption does not take it over,
@@ -896,14 +925,14 @@ def test_adopting_stock_files_records_complete_ones_and_refuses_torn_ones(tmp_pa
     assert not any(n.endswith(MANIFEST_SUFFIX) for n in os.listdir(ckpt))
     holder.close()
 
-    assert latest_checkpoint(ckpt, adopt=True) == str(ckpt / "epoch=0-step=4.ckpt")
+    assert latest_checkpoint(ckpt, adopt=True) == str(ckpt / "last.ckpt")
     result = adopt(ckpt, framework="lightning")  # idempotent
-    assert result.adopted == [] and result.already == [2, 4], result
+    assert result.adopted == [] and result.already == [2, 4, 8], result
     assert "CRC" in result.refused[6] and "torn" in result.refused[8], result.refused
-    for step in (2, 4):
-        info = verify_checkpoint(ckpt / f"epoch=0-step={step}.ckpt", require_manifest=True)
+    for name, step in (("epoch=0-step=2.ckpt", 2), ("epoch=0-step=4.ckpt", 4), ("last.ckpt", 8)):
+        info = verify_checkpoint(ckpt / name, require_manifest=True)
         assert (info.global_step, info.epoch, info.adopted) == (step, 0, True)
-    for name in ("epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"):
+    for name in ("epoch=0-step=6.ckpt", "epoch=0-step=8.ckpt"):
         assert not (ckpt / (name + MANIFEST_SUFFIX)).exists(), name
     # Nothing a stock run wrote was changed or moved.
     assert all((ckpt / n).read_bytes() == b for n, b in before.items())

@@ -457,21 +457,19 @@ def latest_checkpoint(
         break
     if best is not None and "last.ckpt" in unmanifested:
         # save_last=True with save_top_k=1: the newest state may be only in a stock
-        # last.ckpt, whose name carries no step, so adoption leaves it out, and resuming
-        # from the older top-k file would silently go back.
+        # last.ckpt that was not adopted, and resuming from the older top-k file would
+        # silently go back.
         last_t = posix.mtime(os.path.join(directory, "last.ckpt"))
         best_t = posix.mtime(os.path.join(directory, best[3]))
         if last_t is not None and best_t is not None and last_t > best_t:
             log.warning(
                 "latest_checkpoint: %s has a last.ckpt written without a manifest after %s "
-                "(the newest checkpoint found): its name records no step, so it was not "
-                "adopted, and resuming from %s may go back. If last.ckpt is complete and "
-                "newer, resume from it once with stock Lightning (ckpt_path=%r); the "
-                "plugin's saves are found from then on",
+                "(the newest checkpoint found), not adopted (adopt=False, or it is torn or "
+                "records no global_step), so resuming from %s may go back. Pass "
+                "adopt=True to adopt it by the global_step it records, if it is complete",
                 directory,
                 best[3],
                 best[3],
-                os.path.join(directory, "last.ckpt"),
             )
     if best is None and unmanifested:
         log.warning(
@@ -497,6 +495,9 @@ _CKPT_NAME_RE = re.compile(
     r"^(?:.*[^A-Za-z0-9])?step=0*(?P<step>0|[1-9][0-9]{0,18})(?![0-9])"
     r"(?:[^A-Za-z0-9].*)?\.ckpt\Z"
 )
+# What adoption considers: those, and ``last.ckpt`` (``save_last=True``; ``last-v<n>.ckpt``
+# when a restarted run found the name taken), often the newest, by the step it records.
+_ADOPT_NAME_RE = re.compile(r"^last(?:-v[1-9][0-9]{0,8})?\.ckpt\Z|" + _CKPT_NAME_RE.pattern[1:])
 _EPOCH_RE = re.compile(r"(?:^|[^A-Za-z0-9])epoch=0*(0|[1-9][0-9]{0,18})(?:[^0-9]|$)")
 
 
@@ -638,7 +639,20 @@ def _register_adoption() -> None:
         from ..adopt import register_framework
     except ImportError:  # pragma: no cover - the adopt module is part of the package
         return
-    register_framework("lightning", _CKPT_NAME_RE, stock_checkpoint_problem, record=_record_adopted)
+    register_framework(
+        "lightning",
+        _ADOPT_NAME_RE,
+        stock_checkpoint_problem,
+        record=_record_adopted,
+        step_inside=_step_inside,
+    )
+
+
+def _step_inside(path: str) -> int | None:
+    """The ``global_step`` a ``last.ckpt`` records (adoption's ``step_inside``); None
+    when it records none or cannot be read (not adopted: the name gives no step)."""
+    recorded = _recorded_step(_local_path(path))
+    return None if isinstance(recorded, str) else recorded[0]
 
 
 # ---------------------------------------------------------------------- file writes
