@@ -46,9 +46,9 @@ check is committing and cannot be interrupted. Either way ``close()`` waits unti
 save has ended and reports what happened (DESIGN invariant 12): after it returns or
 raises, no thread of the manager touches ROOT. Only interpreter exit bounds that last
 wait (a storage call can hang forever): a save still running then dies with the process,
-which releases the run lock as it exits (a save past its last fence check may still
-commit in that moment; nothing else of it is a checkpoint, and the next start removes
-what it left).
+which keeps the run lock (it is taken over once the process is gone: a release would
+touch the stuck storage); a save past its last fence check may still commit in that
+moment; nothing else of it is a checkpoint, and the next start removes what it left.
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ class SaveHandle:
                 on; call again).
             CheckpointError: the save failed (the same error on every rank); the
                 previous checkpoints are intact.
+            TypeError, ValueError: the save's metrics or metadata could not be recorded
+                (as ``save`` raises them); nothing was written.
         """
         timeout = wait_seconds("timeout", timeout)
         if not self._done.wait(timeout):
@@ -357,8 +359,10 @@ class AsyncSaver:
                 log.error(
                     "%s: abandoned the in-flight async save of step %d after %.1f s, but it "
                     "is still running (inside a storage call): it is not a checkpoint unless "
-                    "it was already committing. It ends with this process, which releases "
-                    "the run lock as it exits; the next start removes whatever it left.",
+                    "it was already committing. It ends with this process; the run lock "
+                    "stays with it (releasing it would touch the stuck storage, and another "
+                    "job could take ROOT under the save) and is taken over once the process "
+                    "is gone; the next start removes whatever it left.",
                     why,
                     handle.step,
                     time.monotonic() - t,

@@ -882,6 +882,12 @@ class RunLock:
             self.renew()
 
     # ---------------------------------------------------------------- release
+    def keep_at_exit(self) -> None:
+        """Leave the lock to this process's end: not released by the exit hook (a
+        save stuck in a storage call still runs under it, and the delete would hang
+        on that storage too). The next job takes it over once the process is gone."""
+        _held.discard(self)
+
     def release(self) -> bool:
         """Stop the heartbeat and delete the lock if it still holds our generation.
 

@@ -1414,6 +1414,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: the previous async save failed (raised once, every rank).
+            TypeError, ValueError: the previous async save's metrics or metadata could
+                not be recorded (as ``save`` raises them; reported like its failures).
             StepOrderError: as for ``save`` (checked after the previous save ended).
         """
         from .serialization import plan_state, without_gc
@@ -1628,6 +1630,8 @@ class CheckpointManager:
         Raises:
             TimeoutError: still running after ``timeout_s`` (it goes on).
             CheckpointError: the async save failed (raised once, on every rank).
+            TypeError, ValueError: its metrics or metadata could not be recorded (as
+                ``save`` raises them; every rank raises it, nothing was written).
         """
         self._check_process("wait()")
         timeout_s = _wait_seconds("timeout_s", timeout_s)  # 0 polls
@@ -2135,7 +2139,7 @@ class CheckpointManager:
             left = [s for s, _ in stuck]
             first = stuck[0][1]
             done = sorted(set(victims) - set(left))
-            raise StorageError(
+            raise type(first)(  # StorageFullError stays one: the user's except names it
                 f"retention could not delete checkpoint step(s) {left} of {self.root} "
                 f"(deleted {done or 'nothing else'}; retried at the next rotation): {first}",
                 errno=first.errno,
@@ -2844,7 +2848,10 @@ class CheckpointManager:
             # Interpreter exit only (close() waits without a bound): the save is stuck in
             # a storage call. Keep the run lock: released, another job could take ROOT
             # while this save may still rename into it; held by a process about to end,
-            # it is taken over once the process is gone (logged by the saver).
+            # it is taken over once the process is gone (logged by the saver). Not even
+            # at the locks' own exit hook: its delete would hang on the stuck storage.
+            if self._lock is not None:
+                self._lock.keep_at_exit()
             self._closed = True
             return
         self._finish_rotation()

@@ -439,8 +439,7 @@ class RenameStrategy:
         ``delete`` removes, or None when the checkpoint is already gone.
         """
         name = checkpoint_name(step)
-        storage.makedirs(TRASH_DIR)
-        trash = f"{TRASH_DIR}/{name}.{new_attempt_token()}"
+        trash = f"{_trash_dir(storage)}/{name}.{new_attempt_token()}"
         try:
             renaming(storage).rename_dir(name, trash)
         except errors.CheckpointNotFoundError:
@@ -505,6 +504,26 @@ class RenameStrategy:
             log.info("removed abandoned %s", where)
             cleaned.append(where)
         return cleaned
+
+
+def _trash_dir(storage: Storage) -> str:
+    """Where ``uncommit`` renames a checkpoint to: ``.trash/``, created if need be. On a
+    full disk, where even that directory cannot be created (the deletion is what would
+    free the space), ``.pending/`` when it exists: whatever is there is a leftover the
+    next start's sweep and ``clean`` remove, and a rename into an existing directory
+    allocates nothing."""
+    try:
+        storage.makedirs(TRASH_DIR)
+    except errors.StorageFullError:
+        if not storage.is_dir(PENDING_DIR):
+            raise
+        log.warning(
+            "cannot create %s (the storage is full): un-committing into %s instead",
+            storage.url(TRASH_DIR),
+            storage.url(PENDING_DIR),
+        )
+        return PENDING_DIR
+    return TRASH_DIR
 
 
 class MarkerStrategy:

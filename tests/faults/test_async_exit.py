@@ -145,6 +145,12 @@ def test_interpreter_exit_abandons_a_stuck_save_and_leaves_nothing_discoverable(
     assert proc.returncode == 0, proc.stderr
     assert "interpreter exit: abandoned the in-flight async save of step 2" in proc.stderr
     root = tmp_path / "ckpt"
+    # The run lock stays with the exiting process. The locks' own exit hook deleted it:
+    # on a hung filesystem (fsfreeze, a dead NFS server) the process then hung in that
+    # unlink, and on a live one another job could take ROOT under the save.
+    assert "the run lock stays with it" in proc.stderr.replace("\n", " "), proc.stderr
+    assert "released the run lock" not in proc.stderr
+    assert (root / ".atomic-checkpoint" / "lock.json").exists()
     assert listed(root) == [1]
     for entry in catalog.scan(LocalStorage(root)):
         assert entry.status in ("ok", "pending"), entry

@@ -113,3 +113,49 @@ def test_a_restart_on_a_full_disk_says_how_to_free_it(small_disk):
     (disk.path / "filler").unlink()
     with CheckpointManager(root) as mgr:
         assert mgr.latest().step == 1
+
+
+def _three_checkpoints(root) -> None:
+    with CheckpointManager(root) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"x": np.full(1 << 18, step, dtype=np.float32)})
+
+
+def test_prune_frees_a_full_disk_as_the_full_disk_errors_advise(small_disk):
+    # "atomic-checkpoint prune ROOT --keep-last N (it works on a full disk)" failed with
+    # "create directory 'ROOT/.trash' failed: No space left on device": the un-commit
+    # renamed into .trash/, which needs a block of its own on ext4.
+    from tests.cli.helpers import run_cli
+
+    disk = small_disk(8, "ext4")
+    root = disk.path / "root"
+    _three_checkpoints(root)
+    assert not (root / ".trash").exists()
+    _fill(disk.path)
+    proc = run_cli("prune", root, "--keep-last", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-3"
+    ]
+    assert free_bytes(disk.path) > 2 * 4 * (1 << 18)  # the two checkpoints' space is back
+    with CheckpointManager(root) as mgr:  # the start sweeps what the prune left
+        assert os.listdir(root / ".pending") == []
+        assert (mgr.restore()["x"] == 3).all()
+        assert mgr.save(4, {"x": np.zeros(1 << 18, dtype=np.float32)}).step == 4
+
+
+def test_apply_retention_frees_a_full_disk_inside_the_job(small_disk):
+    # The job's save failed on the full disk; "apply_retention() of a manager with a
+    # lower retention, then save again" failed on .trash/ as prune did, with a plain
+    # StorageError where the full disk is a StorageFullError.
+    disk = small_disk(8, "ext4")
+    root = disk.path / "root"
+    _three_checkpoints(root)
+    with CheckpointManager(root) as mgr:
+        _fill(disk.path)
+        with pytest.raises(StorageFullError):
+            mgr.save(4, {"x": np.zeros(1 << 18, dtype=np.float32)})
+        mgr.retention = KeepLast(1)
+        assert mgr.apply_retention() == [1, 2]
+        assert mgr.save(4, {"x": np.zeros(1 << 18, dtype=np.float32)}).step == 4
+        assert [c.step for c in mgr.checkpoints()] == [4]  # KeepLast(1) after the save
