@@ -190,6 +190,7 @@ sizes only (``verify`` reads the data and the state files' headers). The other d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -212,6 +213,7 @@ from .errors import (
     LockError,
     LockHeldError,
     StorageError,
+    StorageFullError,
 )
 from .layout import (
     LIGHTNING_MANIFEST_SUFFIX,
@@ -1970,13 +1972,68 @@ def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .retention import describe_plan, plan_keeping_a_verified_newest, unrecorded_metrics
-
     policy = _policy(args, args.parser)
     storage = _open_root(args.root, args.storage_option)
     _refuse_one_checkpoint(storage, "prune")
     # A live job's lock is the first answer (exit 3), whatever else is wrong.
     holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
+    if args.dry_run or not storage.listdir(""):
+        return _prune(args, storage, policy, holder, None)  # (an empty root: nothing made)
+    # Held for the whole prune: a job starting meanwhile would save (or roll back and
+    # save again) the steps this prune is about to delete by name (exit 3 for it).
+    lock = _take_lock(storage, "prune", args.run_id, force=args.force)
+    try:
+        return _prune(args, storage, policy, holder, lock)
+    finally:
+        lock.release()
+
+
+def _take_lock(storage: Storage, what: str, run_id: str | None, *, force: bool) -> Any:
+    """The run lock, for a command that deletes (``--force``: taken over from a live
+    holder, which is then fenced); exit 3 when a job holds it."""
+    from .lock import RunLock
+
+    lock = RunLock(storage, run_id=run_id or f"atomic-checkpoint {what}")
+    try:
+        storage.makedirs(META_DIR)
+        lock.acquire(takeover=force)
+    except LockHeldError as exc:
+        raise CliError(f"refusing to {what} {storage.url()}: {exc}", EXIT_LOCKED) from None
+    except StorageFullError as exc:
+        # The lock file cannot be written on a full disk, and freeing it is what this
+        # command is for (no job can take the lock either until it has). Each deletion
+        # then checks that no job took the lock since.
+        _warn(f"cannot take the run lock ({exc}); going on without it, stopping if a job takes it")
+        return _LockWatch(storage, _lock_holder(storage), what)
+    return lock
+
+
+@dataclasses.dataclass
+class _LockWatch:
+    """In place of the run lock where it cannot be taken (a full disk): ``check`` raises
+    (exit 3) once the lock changed hands since the command started."""
+
+    storage: Storage
+    seen: Any
+    what: str
+
+    def check(self) -> None:
+        now = _lock_holder(self.storage)
+        if now is None or getattr(now, "generation", None) == getattr(self.seen, "generation", 0):
+            return
+        raise CliError(
+            f"stopped: {now.describe()} took the run lock on {self.storage.url()} while "
+            f"{self.what} was running; run {self.what} again once it has finished",
+            EXIT_LOCKED,
+        )
+
+    def release(self) -> None:
+        """Nothing to release."""
+
+
+def _prune(args: argparse.Namespace, storage: Storage, policy: Any, holder: Any, lock: Any) -> int:
+    from .retention import describe_plan, plan_keeping_a_verified_newest, unrecorded_metrics
+
     try:
         run_id = args.run_id or catalog.recorded_run_id(storage)
     except CheckpointError as exc:
@@ -2038,8 +2095,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
 
-    # Every byte of the newest checkpoint the policy keeps is verified before anything
-    # is deleted; one that fails is set aside (see plan_keeping_a_verified_newest).
+    # Every byte of every checkpoint the policy keeps (--quick: of the newest one) is
+    # verified before anything is deleted; one that fails is set aside, and the policy
+    # is applied to the others (see plan_keeping_a_verified_newest).
     def verifies(step: int) -> bool:
         name = checkpoint_name(step)
         manifest = next(m for m in manifests if m.step == step)
@@ -2062,7 +2120,9 @@ def cmd_prune(args: argparse.Namespace) -> int:
             if progress is not None:
                 progress.finish()
 
-    victim_steps, infos = plan_keeping_a_verified_newest(policy, infos, verifies)
+    victim_steps, infos = plan_keeping_a_verified_newest(
+        policy, infos, verifies, every_kept=not args.quick
+    )
     victims = set(victim_steps)
     plan = describe_plan(policy, infos)
     failed: list[dict[str, Any]] = []
@@ -2072,7 +2132,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
         strategy = choose_strategy(storage)
         for step in sorted(victims):
             try:
-                if strategy.retire(storage, step):
+                if strategy.retire(storage, step, fence=lock.check if lock else None):
                     log.info("retention: deleted %s", storage.url(checkpoint_name(step)))
             except CheckpointError as exc:
                 failed.append({"name": checkpoint_name(step), "step": step, "problem": str(exc)})
@@ -2787,7 +2847,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "verify",
         "recompute every checksum; exit 1 on any problem",
-        "Read every byte of every checkpoint of the run (or only STEP), compare "
+        "Read every byte of every checkpoint in ROOT (or only STEP), compare "
         "sizes and checksums with the manifest, and check each state file's header as "
         "restore does (a header it rejects is CORRUPT). Prints a line per checkpoint, ok or "
         "CORRUPT: <problem>; exits 1 if any checkpoint fails (or there is none), 2 if "
@@ -2795,8 +2855,8 @@ def build_parser() -> argparse.ArgumentParser:
         "readable manifest (torn copy, another tool's directory, symlink, crashed "
         "object-store save) is NOT A CHECKPOINT and fails verify, unless it is a save in "
         "progress of the live job holding the run lock (--json: skipped, in_progress "
-        "true). Other runs' checkpoints are skipped unless --all-runs. Shows a progress "
-        "bar (bytes/s) on stderr for large checkpoints when stderr is a terminal.",
+        "true). Other runs' checkpoints are verified too, each line naming its run. Shows "
+        "a progress bar (bytes/s) on stderr for large checkpoints when stderr is a terminal.",
         "/ckpt/run1",
         "/ckpt/run1 4000 --quiet",
         "/ckpt/run1 --json --progress 2>verify.log",
@@ -2851,10 +2911,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Delete this run's committed checkpoints that no given policy keeps (a "
         "checkpoint is kept if any policy keeps it); the newest is never deleted, "
         "corrupt and foreign entries are never touched. Before anything is deleted, every "
-        "byte of the newest checkpoint kept is verified (what a resume would load): one "
-        "that fails is set aside, never deleted, and the next newest must verify instead. "
-        "Each deletion un-commits first (renames into ROOT/.trash/), then deletes. Refuses "
-        "(exit 3) while a live job holds the run lock.",
+        "byte of every checkpoint kept is verified (--quick: of the newest one, what a "
+        "resume would load; the others by size): one that fails is set aside, never "
+        "deleted, not counted as kept, and the policy is applied to the others. Each "
+        "deletion un-commits first (renames into ROOT/.trash/), then deletes. Refuses "
+        "(exit 3) while a live job holds the run lock, and holds it while it runs, so no "
+        "job starts in the middle of a prune.",
         "/ckpt/run1 --keep-last 3 --dry-run",
         "/ckpt/run1 --keep-last 2 --keep-best 1 --metric eval_loss --mode min --pin 10000",
     )
@@ -2877,7 +2939,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep these steps (--pin 1000 5000, or --pin 1000 --pin 5000)",
     )
     p.add_argument("--run-id", metavar="RUN", help="prune this run (default: ROOT's run)")
-    _progress_option(p, "of the verification of the newest checkpoint kept")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="verify every byte of the newest checkpoint kept only (the others by size): "
+        "faster on large roots, but a bit-rotted older one is then counted as kept",
+    )
+    _progress_option(p, "of the verification of the checkpoints kept")
     finish(
         p,
         cmd_prune,

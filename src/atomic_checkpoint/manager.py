@@ -1122,9 +1122,19 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
     def _check_writable(self) -> None:
         if self._closed:
-            raise CheckpointError("this CheckpointManager is closed")
+            raise self._closed_error()
         if self.read_only:
-            raise ReadOnlyError(f"this CheckpointManager on {self.root} is read-only")
+            raise ReadOnlyError(
+                f"this CheckpointManager on {self.root} is read-only (read_only=True): open "
+                "one without read_only=True to save, roll back or delete (it takes the run "
+                "lock: one writing job per root)"
+            )
+
+    def _closed_error(self) -> CheckpointError:
+        return CheckpointError(
+            f"this CheckpointManager on {self.root} is closed (close(), or the end of its "
+            "with block): open a new CheckpointManager on the root to go on"
+        )
 
     def _check_step_order(self, step: int) -> None:
         """Refuse a save below the newest committed step, on every rank alike (the
@@ -2042,7 +2052,7 @@ class CheckpointManager:
                 rest is retried by the next rotation).
         """
         if self._closed:
-            raise CheckpointError("this CheckpointManager is closed")
+            raise self._closed_error()
         if self.read_only:
             raise ReadOnlyError(
                 f"apply_retention() on a read-only CheckpointManager of {self.root}: "

@@ -392,28 +392,37 @@ def plan_keeping_a_verified_newest(
     verifies: Callable[[int], bool],
     *,
     protect: Iterable[int] = (),
+    every_kept: bool = False,
 ) -> tuple[list[int], list[CheckpointInfo]]:
     """``plan_deletions``, made safe against a corrupt newest checkpoint: the newest
     one the plan keeps (what a resume would load, and what makes deleting the others
     safe) must pass ``verifies(step)`` (a full read; the caller may know it good
     already). One that fails is set aside, neither kept nor deleted, and the plan is
     made again without it, so a corrupt newest never makes retention delete the last
-    checkpoint that can be restored. Nothing is verified when nothing would be deleted.
+    checkpoint that can be restored. With ``every_kept``, every checkpoint the plan
+    keeps must verify, newest first (``prune``: ``--keep-last 2`` leaves two good
+    ones, not a bit-rotted one counted as kept). Nothing is verified when nothing would
+    be deleted; each step at most once.
 
     Returns:
         The steps to delete, and the checkpoints the plan was made of (``checkpoints``
         less the ones set aside).
     """
     infos = list(checkpoints)
+    good: set[int] = set()
     while True:
         victims = [v.step for v in plan_deletions(policy, infos, protect=protect)]
-        kept = [i for i in infos if i.step not in victims]
+        kept = sorted((i.step for i in infos if i.step not in victims), reverse=True)
         if not victims or not kept:
             return victims, infos
-        top = max(kept, key=lambda i: i.step)
-        if verifies(top.step):
+        bad = next(
+            (s for s in kept[: None if every_kept else 1] if s not in good and not verifies(s)),
+            None,
+        )
+        if bad is None:
             return victims, infos
-        infos = [i for i in infos if i.step != top.step]
+        good.update(s for s in kept if s > bad)
+        infos = [i for i in infos if i.step != bad]
 
 
 def describe_plan(

@@ -2614,7 +2614,10 @@ class TieredCheckpointManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise CheckpointError("this TieredCheckpointManager is closed")
+            raise CheckpointError(
+                "this TieredCheckpointManager is closed (close(), or the end of its with "
+                "block): open a new one to go on"
+            )
 
     def __enter__(self: _Self) -> _Self:
         return self

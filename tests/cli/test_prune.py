@@ -309,3 +309,57 @@ def test_commands_that_change_a_root_refuse_one_checkpoint_as_root(tmp_path, roo
         assert "is one checkpoint (it holds checkpoint.manifest.json)" in proc.stderr
         assert f"({root})" in proc.stderr, proc.stderr
     assert _committed(root) == [100, 200, 300]
+
+
+def test_prune_verifies_every_checkpoint_it_keeps_not_only_the_newest(tmp_path):
+    # A bit-rotted checkpoint-300 (same size) was counted as one of the two kept, the
+    # good 200 deleted, and prune exited 0: one good checkpoint left where --keep-last 2
+    # promised two.
+    root = tmp_path / "root"
+    make_root(root, (100, 200, 300, 400))
+    flip_byte(state_file(root, 300))
+    quick = run_cli("prune", root, "--keep-last", "2", "--quick", "--dry-run", "--json")
+    plan = {c["step"]: c["kept"] for c in json.loads(quick.stdout)["checkpoints"]}
+    assert plan == {100: False, 200: False, 300: True, 400: True}  # --quick: as before
+    proc = run_cli("prune", root, "--keep-last", "2")
+    assert proc.returncode == 1, proc.stderr
+    assert "checkpoint-300" in error_line(proc) and "corrupt" in error_line(proc)
+    assert _committed(root) == [200, 300, 400]  # 300 set aside, never deleted
+    with CheckpointManager(root, read_only=True) as mgr:
+        mgr.verify(200)
+        mgr.verify(400)
+
+
+@pytest.mark.timeout(120)
+def test_a_job_cannot_start_in_the_middle_of_a_prune(tmp_path):
+    # prune checked the lock only when it began: a job that opened ROOT meanwhile, rolled
+    # back and saved again had its new checkpoints deleted by name (none left at all).
+    import signal
+    import sys
+
+    from atomic_checkpoint import LockHeldError
+    from tests.cli.helpers import cli_env
+
+    root = tmp_path / "root"
+    make_root(root, range(1, 41))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "atomic_checkpoint", "prune", str(root), "--keep-last", "1", "-v"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # ends with the process at the latest
+            if "retention: deleted" in line:
+                proc.send_signal(signal.SIGSTOP)  # a slow prune (a large root on S3)
+                break
+        with pytest.raises(LockHeldError, match="atomic-checkpoint prune"):
+            CheckpointManager(root)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert not (root / ".atomic-checkpoint" / "lock.json").exists()  # released at its end
+    with CheckpointManager(root) as mgr:
+        assert [c.step for c in mgr.checkpoints()] == [40]

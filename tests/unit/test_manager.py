@@ -322,11 +322,14 @@ def test_read_only_manager_never_writes(tmp_path):
     before = sorted(str(p) for p in (tmp_path / "r").rglob("*"))
     ro = CheckpointManager(tmp_path / "r", read_only=True)
     assert ro.latest().step == 1 and same(ro.restore(), state(1))
-    with pytest.raises(ReadOnlyError):
-        ro.save(2, state(2))
-    with pytest.raises(ReadOnlyError, match="without read_only=True"):
-        ro.apply_retention()
+    # Each refusal says what to do (save() said only "is read-only").
+    for call in (lambda: ro.save(2, state(2)), lambda: ro.rollback(1), ro.apply_retention):
+        with pytest.raises(ReadOnlyError, match="without read_only=True"):
+            call()
     assert sorted(str(p) for p in (tmp_path / "r").rglob("*")) == before
+    mgr.close()
+    with pytest.raises(CheckpointError, match=r"is closed .*open a new CheckpointManager"):
+        mgr.save(2, state(2))
 
 
 def test_on_commit_sees_only_committed_paths(tmp_path):
