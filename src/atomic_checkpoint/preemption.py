@@ -738,6 +738,8 @@ class PreemptionGuard:
         #: Why the agreed stop saves nothing (the save would not fit), else None.
         self.skipped_save: str | None = None
         self._save_now = False
+        #: Once the ranks stopped: (the least time left of any rank, when it was known).
+        self._agreed_left: tuple[float, float] | None = None
         self._checks = 0
         self._recent: list[float] = []  # durations of the last saves seen, seconds
         self._seen_save: Any = None
@@ -826,6 +828,17 @@ class PreemptionGuard:
             return None
         return self.grace_s - (time.monotonic() - self._record.at)
 
+    def _least_left(self, round_name: str) -> float | None:
+        """The least time left of the grace period on any rank now; collective."""
+        least: float | None = gather_summary(
+            self._coord,
+            round_name,
+            self._time_left(),
+            lambda views: min((v for v in views if v is not None), default=None),
+            timeout_s=self.timeout_s,
+        )
+        return least
+
     @property
     def time_left_s(self) -> float | None:
         """Seconds left of the grace period since this process's first signal, less the
@@ -837,6 +850,13 @@ class PreemptionGuard:
         scheduler's SIGKILL (without the reserve, a close that used all of it left the
         job killed with 137)."""
         left = self._time_left()
+        if self._agreed_left is not None:
+            # Once the ranks stopped: the least time left of any rank (the one signalled
+            # first), the same on every rank. A rank that got no signal had None, and a
+            # collective close(timeout_s=time_left_s) with None on some ranks and a
+            # bound on others never ended within the grace period.
+            agreed, at = self._agreed_left
+            left = agreed - (time.monotonic() - at)
         if left is None or self.grace_s is None:
             return None
         return max(0.0, left - min(EXIT_RESERVE_S, self.grace_s / 2))
@@ -903,6 +923,8 @@ class PreemptionGuard:
         # Every rank decides the same from the same summary: the least time left (the
         # rank signalled first) against the slowest recent save.
         left, estimate = check["left"], check["estimate"]
+        if left is not None:
+            self._agreed_left = (left, time.monotonic())
         if left is not None and estimate is not None and estimate * MARGIN > left:
             slowest = check["slowest"] or estimate
             busy = (
@@ -922,7 +944,32 @@ class PreemptionGuard:
             self._log_decision(step, signalled, check["signals"], left, estimate)
         if self._save_now:
             self._report_failed_async(step)
+            if left is not None and check["slowest"] is not None:
+                self._check_again_after_waiting(step, check["slowest"])
         return self._save_now
+
+    def _check_again_after_waiting(self, step: int, slowest: float) -> None:
+        """The save starts only once the async save in flight and the retention of the
+        last save have ended (``_report_failed_async`` waited for both): either can take
+        longer than the estimate said, so the ranks decide again, together, from the
+        time left now; a save that no longer fits is not started."""
+        left = self._least_left(f"preemption check {self._checks} at step {step}: again")
+        if left is None:
+            return
+        self._agreed_left = (left, time.monotonic())
+        if slowest * MARGIN <= left:
+            return
+        self._save_now = False
+        self.skipped_save = (
+            f"a save would take {slowest:.2f} s (the slowest of the recent saves) and only "
+            f"{max(left, 0.0):.2f} s are left of the {self.grace_s:g} s grace period once "
+            f"the async save in flight and the last save's retention had ended (a save is "
+            f"started only if {MARGIN:g} x its expected time fits)"
+        )
+        if self._coord.rank == min(self.requested_by):
+            log.warning(
+                "preemption: stopping at step %d WITHOUT saving: %s", step, self.skipped_save
+            )
 
     def _report_failed_async(self, step: int) -> None:
         """Finish the async save in flight and report its failure here, logged: raised
@@ -999,18 +1046,28 @@ class PreemptionGuard:
     def close(self) -> None:
         """Put back the handlers that were installed before. Idempotent; main thread.
 
-        A handler that someone else installed after this guard is left in place.
+        A handler that someone else installed after this guard is left in place. Once
+        preempted (a signal came, or the ranks stopped), the preemption signals are
+        ignored instead (``arm()``'s handler, if it was the one before, is put back: it
+        only records them): the launcher stops the other ranks with SIGTERM as soon as
+        one has exited, and a rank still closing its manager (retention, an upload, the
+        run lock's release) died of it (-15), leaving its lock behind.
         """
         if self._closed:
             return
         if threading.current_thread() is not threading.main_thread():
             raise CheckpointError("PreemptionGuard.close() must be called from the main thread")
+        preempted = self.requested or self.stopping
+        armed = _armed.handler if _armed is not None else None
         for s, previous in self._previous.items():
             if signal.getsignal(s) != self._handler:
                 log.debug(
                     "preemption: the handler of %s was replaced; leaving it",
                     signal.Signals(s).name,
                 )
+                continue
+            if preempted and (armed is None or previous != armed):
+                signal.signal(s, signal.SIG_IGN)
                 continue
             # None: the previous handler was not installed from Python; the default
             # action is the closest we can put back.

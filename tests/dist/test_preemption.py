@@ -70,7 +70,12 @@ def w_train(
         guard.requested_by,
     )
     guard.close()
-    restored = {s: signal.getsignal(s) == before[s] for s in before}
+    # Preempted: the closed guard leaves the signals ignored (the launcher's SIGTERM to
+    # the remaining ranks must not kill a rank still closing its manager); otherwise
+    # the handlers before it are back.
+    restored = {
+        s: signal.getsignal(s) == (signal.SIG_IGN if guard.stopping else before[s]) for s in before
+    }
     mgr.close()
     return {
         "saved": saved,
@@ -246,6 +251,7 @@ def w_deadline(rank: int, world: int, root: str) -> dict[str, Any]:
             "skipped": guard.skipped_save,
             "exit_code": guard.exit_code,
             "warned": [m for m in seen.messages if "WITHOUT saving" in m],
+            "time_left": guard.time_left_s,
         }
     mgr.close()
     return out
@@ -264,4 +270,8 @@ def test_a_save_that_cannot_fit_the_grace_period_is_skipped_on_every_rank_alike(
     # The rank that was signalled says so, naming the checkpoint that stays.
     assert [bool(v["warned"]) for v in values] == [False, False, True, False]
     assert "previous checkpoint (step 1)" in values[2]["warned"][0]
+    # What is left of the grace period is known on every rank once they stopped (it was
+    # None where no signal came, so a close(timeout_s=time_left_s) waited for ever there
+    # while the signalled rank gave up: a tiered close never ended).
+    assert all(v["time_left"] is not None for v in values), values
     _check_checkpoint(root, 1)

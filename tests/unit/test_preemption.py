@@ -203,3 +203,54 @@ def test_an_uncatchable_signal_or_a_bad_number_installs_no_handler(tmp_path: Pat
     assert preemption.armed() is None and signal.getsignal(signal.SIGTERM) == before
     with pytest.raises(TypeError, match="needs the job's CheckpointManager"):
         PreemptionGuard(None)
+
+
+def test_the_deadline_is_checked_again_after_the_async_save_in_flight_ends(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    """Saves took 1 s; the async save in flight takes 2 s (more than the estimate
+    assumed). At the signal a save fits (1 s + the 1 s left of the one in flight, x 1.25,
+    within 2.8 s); once the one in flight has ended, 0.8 s are left: the preemption save
+    is not started. It was, and committed after the grace period (the SIGKILL)."""
+    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
+    mgr = CheckpointManager(tmp_path / "r")
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    try:
+        mgr.save(1, state)
+        monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay,mid_write@0=delay")
+        with PreemptionGuard(mgr, grace_s=2.8) as guard:
+            mgr.save_async(2, state)
+            os.kill(os.getpid(), signal.SIGTERM)
+            _until(lambda: guard.requested, "the guard's handler")
+            with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+                assert guard.should_save(3) is False
+            assert "once the async save in flight" in (guard.skipped_save or "")
+            assert "WITHOUT saving" in caplog.text
+            assert guard.stopping and guard.exit_code == REQUEUE_EXIT_CODE
+            assert guard.time_left_s is not None and guard.time_left_s < 1.0
+        assert [c.step for c in mgr.checkpoints()] == [1, 2]
+    finally:
+        monkeypatch.delenv("ATOMIC_CHECKPOINT_FAULTS")
+        mgr.close()
+
+
+def test_once_preempted_the_closed_guard_ignores_further_signals(tmp_path, clean_signals):
+    """The launcher SIGTERMs every rank as soon as one has exited: a rank still closing
+    its manager after the guard's block (retention, the run lock's release) died of it
+    (exit -15, its run lock left behind) unless arm() had been called."""
+    mgr = CheckpointManager(tmp_path / "r")
+    try:
+        with PreemptionGuard(mgr) as guard:
+            assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # not preempted: put back
+        with PreemptionGuard(mgr) as guard:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            _until(lambda: guard.requested, "the guard's handler")
+            assert guard.should_save(5) is True
+            mgr.save(5, {"w": np.zeros(4)})
+        for s in (signal.SIGTERM, signal.SIGUSR1):
+            assert signal.getsignal(s) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: this test process goes on
+        assert guard.exit_code == REQUEUE_EXIT_CODE
+    finally:
+        mgr.close()
