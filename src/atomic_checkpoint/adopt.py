@@ -1065,7 +1065,7 @@ def _classify(
     by_step: dict[int, list[tuple[str, list[Framework]]]] = {}
     misnamed: dict[int, tuple[str, str]] = {}
     for name in storage.listdir(""):
-        if name in (layout.PENDING_DIR, layout.TRASH_DIR, layout.META_DIR):
+        if name in layout.OWN_DIRS:
             continue
         disk = _on_disk_name(storage, name)
         folder = functools.partial(CheckpointFolder, storage, name, 0)

@@ -937,7 +937,7 @@ def _checkpoint_names(names: list[str]) -> tuple[list[tuple[int, str]], list[str
     steps: list[tuple[int, str]] = []
     others: list[str] = []
     for name in names:
-        if name in (layout.PENDING_DIR, layout.TRASH_DIR, layout.META_DIR):
+        if name in layout.OWN_DIRS:
             continue
         step = layout.parse_checkpoint_name(name)
         if step is None:
@@ -1288,6 +1288,20 @@ def same_content(a: Manifest, b: Manifest) -> bool:
         return {(plain_path(f.path), f.size_bytes, f.checksum) for f in m.files}
 
     return a.state_kind == b.state_kind and files(a) == files(b)
+
+
+def is_replica(copy: Manifest, source: Manifest) -> bool:
+    """Whether ``copy`` (a step on the persistent tier) is a replica of ``source`` (the
+    step on a tier 0): ``same_content``, or, for one node's tier 0 of a multi-node job
+    (a manifest of its storage domain, ``domain_ranks``), every file of that node in the
+    copy alike: the copy holds every node's files."""
+    if source.domain_ranks is None:
+        return same_content(copy, source)
+
+    def files(m: Manifest) -> set[tuple[str, int, str]]:
+        return {(plain_path(f.path), f.size_bytes, f.checksum) for f in m.files}
+
+    return copy.state_kind == source.state_kind and files(source) <= files(copy)
 
 
 def runs_of(manifests: Iterable[Manifest]) -> dict[str, list[int]]:

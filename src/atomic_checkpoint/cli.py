@@ -219,7 +219,6 @@ from .layout import (
     LIGHTNING_MANIFEST_SUFFIX,
     MANIFEST_NAME,
     META_DIR,
-    PENDING_DIR,
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
@@ -1361,7 +1360,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 r["status"] == "ok"
                 and ours is not None
                 and theirs is not None
-                and not catalog.same_content(ours, theirs)
+                and not catalog.is_replica(theirs, ours)
             ):
                 r["status"] = "differs"
                 r["problem"] = (
@@ -1494,7 +1493,7 @@ def _of_this_root(path: str) -> bool:
     ``checkpoint-<step>/`` entry or one of its directories (``.pending``, ``.trash``,
     ``.atomic-checkpoint``)."""
     head = path.split("/", 1)[0]
-    return parse_checkpoint_name(head) is not None or head in (PENDING_DIR, TRASH_DIR, META_DIR)
+    return parse_checkpoint_name(head) is not None or head in layout.OWN_DIRS
 
 
 def _clean_uploads(
@@ -2448,6 +2447,7 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         # No checkpoint at all: nothing to copy, and nothing written on either tier.
         _drain_outcome(args, fast, slow, None, root_missing=False)
         return EXIT_OK
+    deadline = time.monotonic() + args.timeout  # every wait below counts against it
     _check_target(fast, slow, args.timeout)
     if missing and not args.json:
         # Under torchrun it still takes part: the other nodes' steps need every node.
@@ -2469,8 +2469,6 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
                 f"({_human_bytes(info.size_bytes)}, {doc['seconds']:.2f} s, {rate}/s)",
                 flush=True,
             )
-
-    deadline = time.monotonic() + args.timeout
 
     def check_locks() -> None:
         # Opening the tiers with the job's run id would take its lock over (a restarted
@@ -2500,7 +2498,9 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
     mgr = TieredCheckpointManager(
         [Tier(fast), Tier(slow)],
         on_commit=on_commit,
-        timeout_s=args.timeout,  # its start waits for tier 1 at most min(this, 30 s)
+        # What is left of --timeout (its start waits for tier 1 at most min(this,
+        # 30 s)): the lock check above may have used some of it.
+        timeout_s=max(deadline - time.monotonic(), 0.5),
         **({} if coord is None else {"coordinator": coord, "fast_domains": "per-host"}),
     )
     try:
@@ -2573,7 +2573,7 @@ def _drain_audit(fast: Storage, slow: Storage, run_id: str, failed: dict[int, An
         if e.status == "corrupt" and step not in there:
             failed[step] = f"ROOT's copy is corrupt, so it is not replicated: {e.problem}"
         elif e.status == "ok" and e.manifest is not None and step in there:
-            if not catalog.same_content(e.manifest, there[step]):
+            if not catalog.is_replica(there[step], e.manifest):
                 failed[step] = (
                     f"{slow.url(checkpoint_name(step))} is another copy of step {step} than "
                     f"{fast.url(checkpoint_name(step))} (different checksums): not replaced; "

@@ -51,6 +51,10 @@ MANIFEST_NAME = "checkpoint.manifest.json"
 PENDING_DIR = ".pending"
 TRASH_DIR = ".trash"
 META_DIR = ".atomic-checkpoint"
+#: A tiered job's copies of other nodes' files (``peers=``), under each node's tier 0.
+PEERS_DIR = ".peers"
+#: The directories of ROOT that are the library's own, never checkpoints or foreign.
+OWN_DIRS = (PENDING_DIR, TRASH_DIR, META_DIR, PEERS_DIR)
 CHECKPOINT_PREFIX = "checkpoint-"
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\Z")

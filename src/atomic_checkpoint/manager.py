@@ -705,7 +705,9 @@ class CheckpointManager:
         # or a second job would sweep the pending data of a live one (E3, F1).
         lock = RunLock(self.storage, run_id=run_id, lease_s=self._lease_s)
         try:
-            lock.acquire(takeover=self._takeover, same_run=explicit_run_id)
+            lock.acquire(
+                takeover=self._takeover, same_run=explicit_run_id and self._run_id_declared
+            )
         except StorageFullError as exc:
             # Nothing was being saved, and retention needs a manager: say what works.
             raise StorageFullError(
@@ -1349,6 +1351,11 @@ class CheckpointManager:
     #: A tier of a ``TieredCheckpointManager`` (its tier 0 subclass says so): what this
     #: root lacks is not what the job lacks.
     _one_tier_of_several = False
+    #: Whether a ``run_id`` passed in was declared by the user (a restarted job may then
+    #: take over a live holder's lock of the same run). False for the tiers of a
+    #: ``TieredCheckpointManager`` whose run id was read from a tier: a second job
+    #: pointed at a live job's tiers took its locks over as "a restarted job".
+    _run_id_declared = True
     #: The thread inside ``on_commit``: see ``_on_leaders``.
     _callback_thread: int | None = None
 

@@ -132,7 +132,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, TypeVar
 
-from . import catalog
+from . import catalog, layout
 from ._checks import flag, retention_policy
 from ._faults import fault_point
 from .async_save import lower_priority
@@ -338,6 +338,19 @@ class _Tier0Manager(CheckpointManager):
     persistent tier or a peer, so its start does not call that "starting from scratch"."""
 
     _one_tier_of_several = True
+    _run_id_declared = False
+
+
+class _DeclaredTier0Manager(_Tier0Manager):
+    """Tier 0 of a job that was given its ``run_id``."""
+
+    _run_id_declared = True
+
+
+class _Tier1Manager(CheckpointManager):
+    """Tier 1 of a job whose run id was read from a tier, not given."""
+
+    _run_id_declared = False
 
 
 class TieredCheckpointManager:
@@ -503,8 +516,11 @@ class TieredCheckpointManager:
                     "tier answers"
                 )
 
+        declared = run_id is not None
+        self._run_id_given = declared
+
         def open_fast(mode: str) -> CheckpointManager:
-            return _Tier0Manager(
+            return (_DeclaredTier0Manager if declared else _Tier0Manager)(
                 self._fast_storage,
                 retention=(
                     _HoldUnreplicated(fast.retention, self) if fast.retention is not None else None
@@ -1408,7 +1424,7 @@ class TieredCheckpointManager:
     def _new_persistent(self) -> CheckpointManager:
         """A manager of tier 1 (taking its run lock), driven by this process alone."""
         slow = self.tiers[1]
-        return CheckpointManager(
+        return (CheckpointManager if self._run_id_given else _Tier1Manager)(
             self._slow_storage,
             retention=slow.retention,
             run_id=self.run_id,
@@ -2693,7 +2709,7 @@ def _tiered(info: CheckpointInfo, tiers: tuple[int, ...]) -> TieredCheckpointInf
 
 # Peer copies live on tier 0 beside the node's own checkpoints, out of the catalog's
 # sight (it lists ``checkpoint-<step>`` names only): ``.peers/node-<n>/checkpoint-<S>``.
-_PEERS = ".peers"
+_PEERS = layout.PEERS_DIR
 _INCOMING = ".incoming-"
 # Gloo tags: a replication round (replicator thread) and a restore (training thread)
 # never take each other's messages.

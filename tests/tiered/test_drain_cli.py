@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -251,6 +252,16 @@ def test_drain_to_s3_and_a_cut_link_exits_2_keeping_the_steps(s3_server, s3_buck
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "nothing was copied" in proc.stderr and "drain` again" in proc.stderr
         proxy.remove(cut)
+        # The endpoint holds every request: --timeout bounds the whole command (its run
+        # file read and its lock check each waited a whole --timeout: twice as long).
+        hung = proxy.add(Rule("delay", times=None))
+        t0 = time.monotonic()
+        proc = run_cli("drain", fast_root, "--to", url, *popt_args, "--timeout", "8")
+        took = time.monotonic() - t0
+        assert proc.returncode == 2 and "did not answer within" in proc.stderr, proc.stderr
+        assert took < 1.5 * 8 + 3, took
+        hung.release.set()
+        proxy.remove(hung)
         # Reads answer, every write fails: the lock check passes, the copies do not.
         proxy.add(Rule("error", method="PUT", status=503, times=None))
         popt_args = storage_option_args(proxy.storage_options(max_attempts=1))

@@ -170,6 +170,17 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
     there = catalog.load_checkpoint(reader.storage, 3)
     mine = {f.path.rsplit("/", 1)[-1]: f.checksum for f in there.files}
     assert all(mine[f.path.rsplit("/", 1)[-1]] == f.checksum for f in saved.files)
+    # So `verify NODE --tier PERSISTENT` verifies it as a replica on every node (it said
+    # "ANOTHER COPY" and exited 1: a node's copy holds its own ranks' files only).
+    tier_opts = [
+        a
+        for k, v in (opts or {}).items()
+        for a in ("--tier-storage-option", f"{k}={json.dumps(v)}")
+    ]
+    for r in range(WORLD):
+        proc = run_cli("verify", Path(base) / f"node{r}", "3", "--tier", slow, *tier_opts)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "verified on tier(s) 0,1" in proc.stdout, proc.stdout
 
     # Node 1 is replaced: its local tier is empty. Every rank agrees on step 3; ranks 0
     # and 2 load it from their own disks, rank 1 from the persistent tier; all exact.

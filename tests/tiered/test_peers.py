@@ -107,6 +107,12 @@ def test_a_wiped_node_restores_from_a_peer_and_a_corrupt_peer_copy_is_rejected(t
         assert not any("trying the next copy" in w for w in v["warnings"]), v["warnings"]
     assert not _peer_copy(base, 1, 1, 3).exists()
     assert not list((base / "node1" / ".peers" / "node-1").glob(".incoming-*"))
+    # .peers/ is the library's own, like .pending/: not a foreign entry of the root.
+    from tests.cli.helpers import run_json
+
+    listed = run_json("list", base / "node2")
+    assert (base / "node2" / ".peers").is_dir()
+    assert not [e for e in listed["entries"] if e["name"].startswith(".peers")], listed
 
 
 def test_ranks_holding_their_own_file_load_it_while_the_peer_fetch_runs(tmp_path):

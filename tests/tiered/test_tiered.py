@@ -513,3 +513,43 @@ def test_wait_peers_says_false_when_the_job_makes_no_peer_copies(fast_root, tmp_
         assert mgr.wait_peers(timeout_s=5) is False
         assert mgr.wait_peers(1, timeout_s=5) is False
         assert mgr.peer_recoverable() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_second_job_on_a_live_jobs_persistent_tier_is_refused(tmp_path: Path) -> None:
+    # Job B (its own empty tier 0, no run_id) read the run id from the persistent tier,
+    # then took the live job A's lock of that tier "because this job declared the same
+    # run id": A was fenced there, and B's step 2 landed between A's steps 1 and 3.
+    import sys
+
+    from atomic_checkpoint import LockHeldError
+
+    persistent, release = tmp_path / "p", tmp_path / "release"
+    job_a = textwrap.dedent(
+        f"""
+        import os, time
+        from atomic_checkpoint import Tier, TieredCheckpointManager
+        m = TieredCheckpointManager([Tier({str(tmp_path / "fA")!r}), Tier({str(persistent)!r})])
+        m.save(1, {{"w": [1.0]}})
+        assert m.wait_replicated(timeout_s=30)
+        print("ready", flush=True)
+        deadline = time.monotonic() + 60
+        while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m.save(3, {{"w": [3.0]}})
+        assert m.wait_replicated(timeout_s=30)
+        m.close()
+        print("done", flush=True)
+        """
+    )
+    a = subprocess.Popen([sys.executable, "-c", job_a], stdout=subprocess.PIPE, text=True)
+    try:
+        assert a.stdout is not None and a.stdout.readline().strip() == "ready"
+        with pytest.raises(LockHeldError, match="locked by another job"):
+            TieredCheckpointManager([Tier(tmp_path / "fB"), Tier(persistent)], timeout_s=15)
+    finally:
+        release.touch()
+        out, _ = a.communicate(timeout=60)
+    assert a.returncode == 0 and "done" in out
+    with CheckpointManager(persistent, read_only=True) as reader:
+        assert [c.step for c in reader.checkpoints()] == [1, 3]
