@@ -176,6 +176,7 @@ log = logging.getLogger("atomic_checkpoint")
 
 #: ``with`` gives back the same object, subclass included.
 _Self = TypeVar("_Self")
+_R = TypeVar("_R")
 
 _CHUNK = 8 << 20
 # Back-off between attempts while the persistent tier fails (unreachable, throttled):
@@ -1847,10 +1848,13 @@ class TieredCheckpointManager:
         if self.rank == 0:
             try:
                 if newest:
-                    names = catalog.listed_steps(self._slow_read_storage())
+                    names = self._slow_within(
+                        lambda: catalog.listed_steps(self._slow_read_storage())
+                    )
                     slow = {}
                 else:
-                    slow = {c.step: c for c in self._slow_reader().checkpoints()}
+                    listed = self._slow_within(lambda: self._slow_reader().checkpoints())
+                    slow = {c.step: c for c in listed}
             except (StorageError, CommitError) as exc:
                 slow_error = f"{type(exc).__name__}: {exc}"
                 log.warning(
@@ -2286,6 +2290,16 @@ class TieredCheckpointManager:
         return sorted(todo)
 
     # ------------------------------------------------------------------ discovery
+    def _slow_within(self, fn: Callable[[], _R]) -> _R:
+        """``fn()`` reading tier 1, or ``StorageError`` once it has not answered within
+        the start's bound (``min(timeout_s, 30 s)``): an endpoint that accepts
+        connections and never answers held ``restore``/``latest``/``checkpoints`` for
+        its client's minutes of retries, where tier 0 could answer (the read goes on in
+        the background until it ends)."""
+        return answer_within(
+            self._start_wait_s, f"the persistent tier {self._slow_storage.url('')}", fn
+        )
+
     def _slow_reader(self) -> CheckpointManager:
         # A separate read-only manager (its own storage object): restore and listing
         # never wait for, or share state with, the replicator's copy in flight.
@@ -2301,7 +2315,9 @@ class TieredCheckpointManager:
     def _tier_lists(self) -> tuple[list[CheckpointInfo], list[CheckpointInfo] | None]:
         fast = self.fast.checkpoints()
         try:
-            slow: list[CheckpointInfo] | None = self._slow_reader().checkpoints()
+            slow: list[CheckpointInfo] | None = self._slow_within(
+                lambda: self._slow_reader().checkpoints()
+            )
         except (StorageError, CommitError) as exc:
             if not fast:
                 raise
@@ -2394,7 +2410,7 @@ class TieredCheckpointManager:
             return held[-1] if held else None
         found = [(0, self.fast.latest())]
         try:
-            found.append((1, self._slow_reader().latest()))
+            found.append((1, self._slow_within(lambda: self._slow_reader().latest())))
         except (StorageError, CommitError) as exc:
             if found[0][1] is None:
                 raise

@@ -70,6 +70,14 @@ def test_start_and_close_keep_their_bounds_while_tier_1_never_answers(
         assert time.monotonic() - t0 < 15
         mgr.save(2, state(2))  # saves go on at tier 0, held there
         assert steps_on(mgr.fast) == [1, 2] or steps_on(mgr.fast) == [2]
+        # Reads answer from tier 0 within the bound (min(timeout_s, 30 s)): they waited
+        # for the S3 client's retries, minutes, though tier 0 held the newest step.
+        for read in (mgr.latest, mgr.checkpoints, mgr.restore):
+            t0 = time.monotonic()
+            got = read()
+            assert time.monotonic() - t0 < 15, read
+            assert got is not None
+        assert mgr.latest().step == 2 and same(mgr.restore(), state(2))
         t0 = time.monotonic()
         # Step 2 stays held on tier 0 (step 1 too: tier 1 could not be consulted).
         assert 2 in mgr.close(timeout_s=3)
