@@ -2520,6 +2520,9 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
     failed: dict[int, Any] = dict(mgr.replication_failures())
     error = mgr.last_replication_error
     below: list[int] = []
+    if coord is not None:
+        # Tier 1's commits are rank 0's (on_commit fires there): every node reports them.
+        done = coord.broadcast("drain: replicated", done, src=0, timeout_s=args.timeout)
     if coord is None:
         # What the replicator does not look at: a step ROOT holds torn (not a
         # checkpoint there, so never queued), a step TO holds another copy of (two

@@ -401,6 +401,9 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
     docs = [json.loads(out[out.index("{") :]) for out, _ in outs]
     assert all(d["ok"] and d["left"] == [] for d in docs), docs
     assert [d["root"] for d in docs] == [f"{base}/node0", f"{base}/node1"]
+    # Every node reports the steps replicated (node 1 said none: tier 1's commits are
+    # rank 0's, and a script reading node 1's report concluded nothing was drained).
+    assert all([r["step"] for r in d["replicated"]] == [1, 2, 3] for d in docs), docs
     reader = CheckpointManager(url, storage_options=opts, read_only=True)
     assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
     for s in (1, 2, 3):
