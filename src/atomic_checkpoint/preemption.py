@@ -882,6 +882,9 @@ class PreemptionGuard:
         Raises:
             CoordinationTimeoutError: some rank did not reach this boundary within
                 ``timeout_s`` (it crashed, or it calls ``should_save`` fewer times).
+            CollectiveMismatchError: some rank made another call of the library here
+                (it went on to a save or to ``close()``: it calls ``should_save`` fewer
+                times), said at once.
             CheckpointError: the ranks passed different steps, or the guard is closed.
         """
         step = validate_step(step)
