@@ -216,9 +216,10 @@ class TieredCheckpointInfo(CheckpointInfo):
     indexes of the tiers that hold a valid copy of it, fastest first."""
 
     tiers: tuple[int, ...] = ()
-    #: Multi-rank jobs with ``peers=``: the fewest nodes whose tier 0 holds any one
-    #: rank's file (its own node's copy and peer copies); the step survives the loss
-    #: of ``node_copies - 1`` nodes without the persistent tier.
+    #: Multi-rank jobs: the fewest nodes whose tier 0 holds any one rank's file (its
+    #: own node's copy and, with ``peers=``, peer copies: 1 without them, 0 where a
+    #: node lacks its copy); the step survives the loss of ``node_copies - 1`` nodes
+    #: without the persistent tier. 0 in a single-process job.
     node_copies: int = 0
     #: After a ``restore()``: the ranks that loaded a copy sent by a peer node.
     from_peers: tuple[int, ...] = ()
@@ -1965,8 +1966,7 @@ class TieredCheckpointManager:
         for step in sorted(self._loadable(v)):
             tiers = tuple(t for t, held in ((0, step in everywhere), (1, step in v.slow)) if held)
             info = _tiered(v.infos[step], tiers)
-            if self._peer_group is not None:
-                info = dataclasses.replace(info, node_copies=self._node_copies(v, step))
+            info = dataclasses.replace(info, node_copies=self._node_copies(v, step))
             out.append(info)
         if not out and v.slow_error is not None:
             raise self._unreadable(v)

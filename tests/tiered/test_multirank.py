@@ -148,6 +148,9 @@ def test_each_node_uploads_its_files_and_a_wiped_node_restores_from_the_persiste
     assert all(v["listed"][-1] == (3, (0, 1)) for v in first), first
     assert all(t in ((0, 1), (1,)) for v in first for _s, t in v["listed"]), first
     assert len({tuple(v["listed"]) for v in first}) == 1
+    # Without peers= each node holds its own ranks' files of what tier 0 keeps: one
+    # node copy (it said 0, as if no node held them).
+    assert all(v["node_copies"][3] == 1 for v in first), first
     for r in range(WORLD):  # node r's disk holds rank r's file only
         names = os.listdir(Path(base) / f"node{r}" / "checkpoint-3")
         assert rank_state_file(r) in names and len([n for n in names if "rank-" in n]) == 1

@@ -195,8 +195,9 @@ def test_peers_zero_changes_nothing(tmp_path):
     )
     assert all(v["replicated"] and v["recoverable"] == [] for v in first)
     # Step 1 may be gone from tier 0 already (KeepLast(1), replicated before step 2).
-    assert all(v["listed"][1:] == [(2, (0, 1), 0)] for v in first), first
-    assert all(v["listed"][0] in ((1, (0, 1), 0), (1, (1,), 0)) for v in first), first
+    # Each node holds its own ranks' files: one node copy (0 once tier 0 dropped it).
+    assert all(v["listed"][1:] == [(2, (0, 1), 1)] for v in first), first
+    assert all(v["listed"][0] in ((1, (0, 1), 1), (1, (1,), 0)) for v in first), first
     assert not any((base / f"node{r}" / ".peers").exists() for r in range(WORLD))
     # A wiped node reads its file from the persistent tier, as before.
     shutil.rmtree(base / "node1")

@@ -75,7 +75,9 @@ def w_tiered(
     for s in steps:
         mgr.save(s, make_state(s, rank, big_elems=ELEMS))
     out["replicated"] = mgr.wait_replicated(timeout_s=60)
-    out["listed"] = [(c.step, c.tiers) for c in mgr.checkpoints()]
+    listed = mgr.checkpoints()
+    out["listed"] = [(c.step, c.tiers) for c in listed]
+    out["node_copies"] = {c.step: c.node_copies for c in listed}
     out["left"] = mgr.close()
     return out
 
