@@ -373,7 +373,7 @@ def plan_deletions(
         ValueError: a step appears more than once in ``checkpoints``.
         TypeError: ``policy`` is not a policy, an element of ``checkpoints`` is not a
             :class:`CheckpointInfo`, or ``policy.keep`` returned something other than
-            a set of int steps.
+            int steps (a set, or any iterable of them, such as a list).
     """
     _check_policy(policy, where="plan_deletions")
     ordered = _ordered(checkpoints)
