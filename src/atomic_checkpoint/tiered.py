@@ -2611,11 +2611,13 @@ class TieredCheckpointManager:
         never = self._never_replicated()
         if never:
             log.warning(
-                "closed with steps %s on %s only, for good: replication gave up on them "
-                "(replication_failures() says why: %s)",
+                "closed with steps %s on %s only: replication gave up on them in this run "
+                "(%s; `atomic-checkpoint verify %s` checks a copy said to be corrupt, and "
+                "the next start, or `atomic-checkpoint drain` on every node, tries again)",
                 never,
                 self.fast.root,
                 "; ".join(f"step {s}: {self._failed[s]}" for s in never),
+                self.fast.root,
             )
         left = sorted(set(left) | set(never))
         self._left_at_close, self._closed = left, True
