@@ -450,6 +450,12 @@ class TieredCheckpointManager:
         self._closed = False
         self._left_at_close: list[int] = []  # what close() returned, for a second close()
         self._start_wait_s = min(self.timeout_s, _START_WAIT_S)
+        # Several ranks: a read of tier 1 that one rank makes while the others wait in a
+        # round for it ends well within the round's timeout_s (a rank arriving after
+        # the others gave up failed every rank's start, whatever timeout_s was).
+        self._slow_wait_s = (
+            min(self._start_wait_s, self.timeout_s / 2) if self._multi else self._start_wait_s
+        )
         # The thread opening tier 1 at start, while it has not answered (single process).
         self._opener: threading.Thread | None = None
         self._open_done = False
@@ -485,7 +491,7 @@ class TieredCheckpointManager:
             slow_url = self._slow_storage.url("")
             try:
                 rid = answer_within(
-                    self._start_wait_s,
+                    self._slow_wait_s,
                     f"the persistent tier {slow_url}",
                     lambda: (
                         _recorded_run_id(self._slow_storage) or _newest_run_id(self._slow_storage)
@@ -764,7 +770,7 @@ class TieredCheckpointManager:
             return False
         try:
             found = answer_within(
-                self._start_wait_s,
+                self._slow_wait_s,
                 f"the persistent tier {self._slow_storage.url('')}",
                 lambda: catalog.newest_valid(self._slow_storage, run_id=run_id),
             )
@@ -776,7 +782,7 @@ class TieredCheckpointManager:
         """``_read_floor``, or None if tier 1 does not answer within the start's bound."""
         try:
             return answer_within(
-                self._start_wait_s,
+                self._slow_wait_s,
                 f"the persistent tier {self._slow_storage.url('')}",
                 self._read_floor,
             )
@@ -2292,12 +2298,13 @@ class TieredCheckpointManager:
     # ------------------------------------------------------------------ discovery
     def _slow_within(self, fn: Callable[[], _R]) -> _R:
         """``fn()`` reading tier 1, or ``StorageError`` once it has not answered within
-        the start's bound (``min(timeout_s, 30 s)``): an endpoint that accepts
+        the start's bound (``min(timeout_s, 30 s)``; with several ranks at most half of
+        ``timeout_s``, as the others wait for it): an endpoint that accepts
         connections and never answers held ``restore``/``latest``/``checkpoints`` for
         its client's minutes of retries, where tier 0 could answer (the read goes on in
         the background until it ends)."""
         return answer_within(
-            self._start_wait_s, f"the persistent tier {self._slow_storage.url('')}", fn
+            self._slow_wait_s, f"the persistent tier {self._slow_storage.url('')}", fn
         )
 
     def _slow_reader(self) -> CheckpointManager:

@@ -131,6 +131,7 @@ def test_ranks_holding_their_own_file_load_it_while_the_peer_fetch_runs(tmp_path
 
 
 @pytest.mark.netfs
+@pytest.mark.timeout(300)
 def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_server, s3_bucket):
     url = f"s3://{s3_bucket}/run"
     base = tmp_path / "nodes"
@@ -174,6 +175,20 @@ def test_a_wiped_node_restores_from_a_peer_while_s3_answers_503(tmp_path, s3_ser
         assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in second)
         m = catalog.load_checkpoint(CheckpointManager(base / "node2", read_only=True).storage, 3)
         assert m.domain_ranks == (2,)
+
+        # The same while S3 takes every request and never answers: each read of tier 1
+        # is bounded within half the ranks' timeout_s, so the wiped node still restores
+        # from its peer (every rank's start failed: the wiped rank, reading tier 1 for
+        # the run id as long as the others waited for it, arrived after they gave up).
+        proxy.remove(down)
+        hung = proxy.add(Rule("delay", times=None, when=lambda _r: flag.exists()))
+        shutil.rmtree(base / "node1")
+        still = ok_values(job([], []))
+        assert hung.fired > 0
+        assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in still), still
+        hung.release.set()
+        proxy.remove(hung)
+        down = proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
 
         # Node 1 wiped again and node 2's copy of its files lost too: no rank can tell
         # whether a checkpoint exists (S3 does not answer), so every rank raises rather
