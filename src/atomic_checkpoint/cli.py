@@ -1976,8 +1976,11 @@ def cmd_prune(args: argparse.Namespace) -> int:
     _refuse_one_checkpoint(storage, "prune")
     # A live job's lock is the first answer (exit 3), whatever else is wrong.
     holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
-    if args.dry_run or not storage.listdir(""):
-        return _prune(args, storage, policy, holder, None)  # (an empty root: nothing made)
+    listing = storage.listdir("")
+    ours = any(parse_checkpoint_name(n) is not None for n in listing)
+    if args.dry_run or not listing or (not ours and _lightning_names(storage)):
+        # Nothing made in an empty root, or in a Lightning directory that is refused.
+        return _prune(args, storage, policy, holder, None)
     # Held for the whole prune: a job starting meanwhile would save (or roll back and
     # save again) the steps this prune is about to delete by name (exit 3 for it).
     lock = _take_lock(storage, "prune", args.run_id, force=args.force)

@@ -1050,11 +1050,12 @@ class PreemptionGuard:
         """Put back the handlers that were installed before. Idempotent; main thread.
 
         A handler that someone else installed after this guard is left in place. Once
-        preempted (a signal came, or the ranks stopped), the preemption signals are
-        ignored instead (``arm()``'s handler, if it was the one before, is put back: it
-        only records them): the launcher stops the other ranks with SIGTERM as soon as
-        one has exited, and a rank still closing its manager (retention, an upload, the
-        run lock's release) died of it (-15), leaving its lock behind.
+        preempted (a signal came, or the ranks stopped), the guard's handler stays
+        instead, recording and otherwise ignoring further signals (``arm()``'s handler,
+        if it was the one before, is put back: it only records too): the launcher stops
+        the other ranks with SIGTERM as soon as one has exited, and a rank still closing
+        its manager (retention, an upload, the run lock's release) died of it (-15),
+        leaving its lock behind.
         """
         if self._closed:
             return
@@ -1070,7 +1071,9 @@ class PreemptionGuard:
                 )
                 continue
             if preempted and (armed is None or previous != armed):
-                signal.signal(s, signal.SIG_IGN)
+                # The guard's handler stays: it only records (a forked child re-raises
+                # with the handler before it). Not SIG_IGN, which every process started
+                # from here on would inherit across exec.
                 continue
             # None: the previous handler was not installed from Python; the default
             # action is the closest we can put back.

@@ -70,11 +70,16 @@ def w_train(
         guard.requested_by,
     )
     guard.close()
-    # Preempted: the closed guard leaves the signals ignored (the launcher's SIGTERM to
-    # the remaining ranks must not kill a rank still closing its manager); otherwise
-    # the handlers before it are back.
+    # Preempted: the closed guard's handler stays (it only records: the launcher's
+    # SIGTERM to the remaining ranks must not kill a rank still closing its manager);
+    # otherwise the handlers before it are back.
     restored = {
-        s: signal.getsignal(s) == (signal.SIG_IGN if guard.stopping else before[s]) for s in before
+        s: (
+            signal.getsignal(s) not in (signal.SIG_DFL, signal.SIG_IGN, before[s])
+            if guard.stopping
+            else signal.getsignal(s) == before[s]
+        )
+        for s in before
     }
     mgr.close()
     return {

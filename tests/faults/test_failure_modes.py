@@ -502,18 +502,31 @@ def test_e4_the_handler_only_records_and_close_puts_the_old_handlers_back(tmp_pa
             assert guard.requested_by == (0,) and guard.signum == signal.SIGTERM
             assert guard.should_save(3) is True  # stays decided
             mgr.save(2, {"step": 2})
-        assert signal.getsignal(signal.SIGUSR1) is theirs
-        assert signal.getsignal(signal.SIGTERM) == previous_term
+        # Preempted: the guard's handler stays after close (it only records), so the
+        # launcher's SIGTERM to the remaining ranks cannot kill this one while it closes
+        # its manager; the job exits with guard.exit() next.
+        assert signal.getsignal(signal.SIGUSR1) is not theirs
+        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
         with pytest.raises(CheckpointError, match="closed"):
             guard.should_save(4)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert seen == [] and mgr.latest().step == 2
+        # Not preempted, a closed guard puts the old handlers back.
+        signal.signal(signal.SIGUSR1, theirs)
+        signal.signal(signal.SIGTERM, previous_term)
+        with PreemptionGuard(mgr) as calm:
+            assert calm.should_save(3) is False
+        assert signal.getsignal(signal.SIGUSR1) is theirs
+        assert signal.getsignal(signal.SIGTERM) == previous_term
         os.kill(os.getpid(), signal.SIGUSR1)
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
             time.sleep(0.001)
         assert seen == [signal.SIGUSR1]  # the old handler is in charge again
-        assert mgr.latest().step == 2
     finally:
         signal.signal(signal.SIGUSR1, previous_usr1)
+        signal.signal(signal.SIGTERM, previous_term)
         mgr.close()
 
 
