@@ -22,6 +22,12 @@ pytestmark = pytest.mark.timeout(60)
 REPO = str(Path(__file__).resolve().parents[2])
 
 
+def _sigterm(guard) -> None:
+    """SIGTERM to this process, once the guard's handler has recorded it."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    _until(lambda: guard.requested, "the guard's handler")
+
+
 def _until(cond, what: str) -> None:
     deadline = time.monotonic() + 10
     while not cond():
@@ -74,8 +80,7 @@ def test_a_save_that_cannot_fit_in_the_grace_period_is_not_started(
         assert mgr.last_saved.timings_s["total"] >= 1.0
         with PreemptionGuard(mgr, grace_s=1.0) as guard:
             assert guard.should_save(2) is False and not guard.stopping
-            os.kill(os.getpid(), signal.SIGTERM)
-            _until(lambda: guard.requested, "the guard's handler")
+            _sigterm(guard)
             with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
                 assert guard.should_save(3) is False
             assert guard.stopping and guard.decided_step == 3
@@ -106,8 +111,7 @@ def test_an_async_save_in_flight_counts_against_the_grace_period(
         with PreemptionGuard(mgr, grace_s=2.4) as guard:
             handle = mgr.save_async(2, state)
             assert mgr.async_in_flight is handle
-            os.kill(os.getpid(), signal.SIGTERM)
-            _until(lambda: guard.requested, "the guard's handler")
+            _sigterm(guard)
             with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
                 assert guard.should_save(3) is False
             assert "after the async save in flight" in (guard.skipped_save or "")
@@ -145,8 +149,7 @@ def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environ
         mgr.save(1, {"step": 1})
         with PreemptionGuard(mgr) as guard:
             assert guard.grace_s == 60.0 and guard.save_estimate_s is not None
-            os.kill(os.getpid(), signal.SIGTERM)
-            _until(lambda: guard.requested, "the guard's handler")
+            _sigterm(guard)
             with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
                 assert guard.should_save(2) is True
             assert guard.skipped_save is None and guard.stopping
@@ -172,8 +175,7 @@ def test_a_failed_async_save_does_not_cost_the_preemption_save(tmp_path, caplog,
         mgr.save(5, {"step": 5})
         mgr.save_async(10, {"step": object()})  # unsupported: fails in the background
         with PreemptionGuard(mgr, grace_s=60) as guard:
-            os.kill(os.getpid(), signal.SIGTERM)
-            _until(lambda: guard.requested, "the guard's handler")
+            _sigterm(guard)
             with caplog.at_level(logging.ERROR, logger="atomic_checkpoint"):
                 assert guard.should_save(11) is True
             assert "the async save before step 11 failed" in caplog.text
@@ -220,8 +222,7 @@ def test_the_deadline_is_checked_again_after_the_async_save_in_flight_ends(
         monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay,mid_write@0=delay")
         with PreemptionGuard(mgr, grace_s=2.8) as guard:
             mgr.save_async(2, state)
-            os.kill(os.getpid(), signal.SIGTERM)
-            _until(lambda: guard.requested, "the guard's handler")
+            _sigterm(guard)
             with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
                 assert guard.should_save(3) is False
             assert "once the async save in flight" in (guard.skipped_save or "")
