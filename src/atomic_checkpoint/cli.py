@@ -608,9 +608,9 @@ def _check_lock(storage: Storage, what: str, *, force: bool, dry_run: bool) -> A
     return holder
 
 
-def _lock_unchanged(storage: Storage, seen: Any, before: str) -> None:
-    """Raise (exit 3) if the run lock changed hands since ``clean`` started: a job
-    that started meanwhile may be saving into what is about to be removed."""
+def _lock_unchanged(storage: Storage, seen: Any, before: str, what: str = "clean") -> None:
+    """Raise (exit 3) if the run lock changed hands since ``what`` started: a job that
+    started meanwhile may be saving into what is about to be removed."""
     now = _lock_holder(storage)
     if now is None or (isinstance(now, _UnreadableLock) and isinstance(seen, _UnreadableLock)):
         return
@@ -619,8 +619,8 @@ def _lock_unchanged(storage: Storage, seen: Any, before: str) -> None:
         return
     raise CliError(
         f"stopped before {storage.url(before)}: {now.describe()} took the run lock on "
-        f"{storage.url()} while clean was running, and may be saving there. Nothing of "
-        "that job was touched; run clean again once it has finished",
+        f"{storage.url()} while {what} was running, and may be saving there. Nothing of "
+        f"that job was touched; run {what} again once it has finished",
         EXIT_LOCKED,
     )
 
@@ -2020,14 +2020,7 @@ class _LockWatch:
     what: str
 
     def check(self) -> None:
-        now = _lock_holder(self.storage)
-        if now is None or getattr(now, "generation", None) == getattr(self.seen, "generation", 0):
-            return
-        raise CliError(
-            f"stopped: {now.describe()} took the run lock on {self.storage.url()} while "
-            f"{self.what} was running; run {self.what} again once it has finished",
-            EXIT_LOCKED,
-        )
+        _lock_unchanged(self.storage, self.seen, "", self.what)
 
     def release(self) -> None:
         """Nothing to release."""
