@@ -9,7 +9,10 @@ alternating order (base, head, head, base, ...), each round in a fresh process w
 * ``save``: seconds per synchronous ``CheckpointManager.save`` of a flat, transformer-like
   state of ``--size`` bytes (one process; the first save of each round is not counted);
 * ``overhead``: the slowest rank's time in ``save()`` less the write and fsync of its
-  data, over ``--ranks`` real processes in a gloo group, each saving a tiny state.
+  data, over ``--ranks`` real processes in a gloo group, each saving a tiny state;
+* ``calls``: Python function calls per save of a tiny state in one process (counted by
+  ``cProfile``): the CPU work of the commit path, which does not vary with the load of
+  the machine the way times do. With more ranks than cores, the overhead is CPU-bound.
 
 Example (the figure issue 13 asks for; about 5 minutes on 2 cores)::
 
@@ -60,7 +63,29 @@ def _child(size: int, saves: int, ranks: int, scratch: str) -> dict[str, Any]:
         "module": atomic_checkpoint.__file__,
         "save_s": statistics.median(times),
         "overhead_s": over["overhead_s"],
+        "calls": _calls_per_save(os.path.join(scratch, "calls")),
     }
+
+
+def _calls_per_save(root: str, saves: int = 50) -> float:
+    """Python function calls per save of a tiny state, one process, after warm-up."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from atomic_checkpoint import CheckpointManager, KeepLast
+
+    state = {"w": torch.zeros(16)}
+    with CheckpointManager(root, retention=KeepLast(2)) as mgr:
+        for step in range(3):
+            mgr.save(step, state)
+        profile = cProfile.Profile()
+        profile.enable()
+        for step in range(3, 3 + saves):
+            mgr.save(step, state)
+        profile.disable()
+    return float(pstats.Stats(profile).total_calls) / saves  # type: ignore[attr-defined]
 
 
 def _extract(rev: str, into: str) -> str:
@@ -120,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 figures[name].append(_round(versions[name], args, scratch))
                 print(
                     f"round {i}/{args.rounds} {name}: save {figures[name][-1]['save_s']:.3f} s, "
-                    f"overhead {figures[name][-1]['overhead_s'] * 1e3:.1f} ms "
+                    f"overhead {figures[name][-1]['overhead_s'] * 1e3:.1f} ms, "
+                    f"{figures[name][-1]['calls']:.0f} calls per save "
                     f"({time.perf_counter() - started:.0f} s)",
                     file=sys.stderr,
                     flush=True,
@@ -129,14 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     print("| figure | base (median) | head (median) | head/base |")
     print("|---|---|---|---|")
     summary = {}
-    for key, label, scale, unit in (
-        ("save_s", "sync save", 1.0, "s"),
-        ("overhead_s", "commit overhead, slowest rank", 1e3, "ms"),
+    for key, label, scale, unit, digits in (
+        ("save_s", "sync save", 1.0, "s", 3),
+        ("overhead_s", "commit overhead, slowest rank", 1e3, "ms", 3),
+        ("calls", "Python calls per tiny save", 1.0, "", 0),
     ):
         base = statistics.median(f[key] for f in figures["base"])
         head = statistics.median(f[key] for f in figures["head"])
         summary[key] = head / base
-        cells = (f"{base * scale:.3f} {unit}", f"{head * scale:.3f} {unit}", f"{head / base:.3f}")
+        cells = (
+            f"{base * scale:.{digits}f} {unit}".rstrip(),
+            f"{head * scale:.{digits}f} {unit}".rstrip(),
+            f"{head / base:.3f}",
+        )
         print(f"| {label} | " + " | ".join(cells) + " |")
     mib_s = {
         n: args.size / statistics.median(f["save_s"] for f in figures[n]) / 2**20 for n in figures
