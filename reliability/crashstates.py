@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import os
 import pickle
@@ -182,14 +183,49 @@ def _operation(act: Callable[[Any, Any], None]) -> Callable[[str, Record], None]
     return operate
 
 
-def _op_save(step: int, version: int = 0, *, overwrite: bool = False, asynchronous: bool = False):
+@contextlib.contextmanager
+def _no_room_for(name: str) -> Iterator[None]:
+    """A full disk as far as directory ``name`` is concerned: creating it fails with
+    ENOSPC (the recorder's ``os.mkdir`` is wrapped, so nothing is recorded for it). The
+    deletions of a rotation are what would free the space, and the rename strategy then
+    un-commits into ``.pending/``, which exists, instead of a new ``.trash/``."""
+    recorded = os.mkdir
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        where = os.fspath(path)
+        if os.path.basename(where.rstrip("/")) == name and not os.path.isdir(where):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+        recorded(path, *args, **kwargs)
+
+    os.mkdir = mkdir  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os.mkdir = recorded
+
+
+def _full_disk(full: bool) -> contextlib.AbstractContextManager[None]:
+    from atomic_checkpoint.layout import TRASH_DIR
+
+    return _no_room_for(TRASH_DIR) if full else contextlib.nullcontext()
+
+
+def _op_save(
+    step: int,
+    version: int = 0,
+    *,
+    overwrite: bool = False,
+    asynchronous: bool = False,
+    full_disk: bool = False,
+):
     def act(mgr: Any, rec: Any) -> None:
-        if asynchronous:
-            mgr.save_async(step, state_of(step, version), overwrite=overwrite).result()
-        else:
-            mgr.save(step, state_of(step, version), overwrite=overwrite)
-        rec.mark("committed", step=step, version=version)
-        mgr.wait()
+        with _full_disk(full_disk):
+            if asynchronous:
+                mgr.save_async(step, state_of(step, version), overwrite=overwrite).result()
+            else:
+                mgr.save(step, state_of(step, version), overwrite=overwrite)
+            rec.mark("committed", step=step, version=version)
+            mgr.wait()
 
     return _operation(act)
 
@@ -233,9 +269,10 @@ def _op_failing(step: int, version: int, point: str, *, overwrite: bool = False)
     return _operation(act)
 
 
-def _op_rollback(to: int):
+def _op_rollback(to: int, *, full_disk: bool = False):
     def act(mgr: Any, rec: Any) -> None:
-        mgr.rollback(to)
+        with _full_disk(full_disk):
+            mgr.rollback(to)
         rec.mark("rolled-back", to=to)
 
     return _operation(act)
@@ -432,6 +469,29 @@ def _scenarios() -> list[Scenario]:
         )
     for storage in ("local", "marker"):
         out += _on(storage, with_files, **_STORAGES[storage])
+    # A rotation and a rollback on a full disk: ``.trash/`` cannot be created, so the
+    # rename strategy un-commits into ``.pending/`` (strategies._trash_dir). The marker
+    # strategy writes its marker and needs no new directory: rename strategies only.
+    full = [
+        Scenario(
+            "retention-full-disk",
+            _saved({1: 0, 2: 0}),
+            _op_save(3, full_disk=True),
+            {1: 0, 2: 0},
+            {3: 0},
+            may_drop=frozenset({1, 2}),
+            retention=KeepLast(1),
+        ),
+        Scenario(
+            "rollback-full-disk",
+            _saved({1: 0, 2: 0, 3: 0}),
+            _op_rollback(1, full_disk=True),
+            {1: 0, 2: 0, 3: 0},
+            may_drop=frozenset({2, 3}),
+        ),
+    ]
+    for storage in ("local", "no-exchange"):
+        out += _on(storage, full, **_STORAGES[storage])
     # Wide operations, for the state count of --full: one rotation deleting WIDE
     # checkpoints, one start sweeping WIDE crashed saves (their deletes are volatile
     # together: up to 5**WIDE combinations at one crash point).

@@ -244,7 +244,33 @@ def test_ci_and_the_quick_campaign_cover_every_operation():
     kinds = {n.split("/")[0] for n in names}
     assert kinds >= {"save", "overwrite", "retention", "sweep", "takeover", "first-start"}
     assert kinds >= {"async-save", "saving", "rollback", "retention-wide", "sweep-wide"}
+    assert kinds >= {"retention-full-disk", "rollback-full-disk"}
     assert {n.split("/")[1] for n in names} >= {"local", "no-exchange", "marker", "local-odirect"}
+
+
+@pytest.mark.parametrize("name", ["rollback-full-disk/local", "retention-full-disk/no-exchange"])
+def test_on_a_full_disk_checkpoints_are_un_committed_into_pending_and_every_crash_state_recovers(
+    name, tmp_path
+):
+    """Where ``.trash/`` cannot be created (ENOSPC: the deletions are what would free the
+    space), retention and rollback rename into ``.pending/`` instead, newest first, with
+    the same fsyncs: no crash state may bring a rolled-back step back or lose a kept one."""
+    (tmp_path / "recorded").mkdir()
+    trace = crashstates.record_trace(name, str(tmp_path / "recorded"))
+    moved = [op.where.split(" ")[0] for op in trace.ops if op.kind == "rename"]
+    moved = [m for m in moved if m.startswith("checkpoint-")]
+    # retention deletes the oldest first; rollback un-commits the newest first
+    assert moved == (
+        ["checkpoint-3", "checkpoint-2"] if "rollback" in name else ["checkpoint-1", "checkpoint-2"]
+    )
+    assert all(
+        ".pending/" in op.where
+        for op in trace.ops
+        if op.kind == "rename" and op.where.startswith("checkpoint-")
+    )
+    assert not [op for op in trace.ops if ".trash" in op.where]
+    (tmp_path / "states").mkdir()
+    every_state_recovers(name, tmp_path / "states", per_cut=PER_CUT, max_states=30, floor=FLOOR)
 
 
 @pytest.mark.parametrize("name", sorted(crashstore.scenarios()))
