@@ -2204,7 +2204,11 @@ def _print_prune(
 ) -> None:
     print(f"{storage.url()}: run {run_id or '(none recorded)'}, policy {policy!r}")
     if not rows:
-        print("no committed checkpoint of this run: nothing to prune")
+        print(
+            "no checkpoint of this run passed verification: nothing to prune"
+            if any(e["status"] == "corrupt" for e in skipped)
+            else "no committed checkpoint of this run: nothing to prune"
+        )
     failed_steps = {f["step"] for f in failed}
     table = []
     for r in rows:

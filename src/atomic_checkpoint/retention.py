@@ -402,7 +402,8 @@ def plan_keeping_a_verified_newest(
     checkpoint that can be restored. With ``every_kept``, every checkpoint the plan
     keeps must verify, newest first (``prune``: ``--keep-last 2`` leaves two good
     ones, not a bit-rotted one counted as kept). Nothing is verified when nothing would
-    be deleted; each step at most once.
+    be deleted, unless ``every_kept`` and a corrupt one was found: then every kept one
+    is, so that what is reported corrupt is all of it. Each step at most once.
 
     Returns:
         The steps to delete, and the checkpoints the plan was made of (``checkpoints``
@@ -410,10 +411,11 @@ def plan_keeping_a_verified_newest(
     """
     infos = list(checkpoints)
     good: set[int] = set()
+    found_corrupt = False
     while True:
         victims = [v.step for v in plan_deletions(policy, infos, protect=protect)]
         kept = sorted((i.step for i in infos if i.step not in victims), reverse=True)
-        if not victims or not kept:
+        if not kept or not (victims or (every_kept and found_corrupt)):
             return victims, infos
         bad = next(
             (s for s in kept[: None if every_kept else 1] if s not in good and not verifies(s)),
@@ -421,6 +423,7 @@ def plan_keeping_a_verified_newest(
         )
         if bad is None:
             return victims, infos
+        found_corrupt = True
         good.update(s for s in kept if s > bad)
         infos = [i for i in infos if i.step != bad]
 

@@ -330,6 +330,29 @@ def test_prune_verifies_every_checkpoint_it_keeps_not_only_the_newest(tmp_path):
         mgr.verify(400)
 
 
+@pytest.mark.timeout(90)
+def test_prune_with_every_checkpoint_bit_rotted_names_all_of_them_and_deletes_none(tmp_path):
+    # Once the newest were found corrupt, the rest (kept, since nothing was left to
+    # delete) were shown as kept, and the error counted 2 corrupt checkpoints of 4.
+    root = tmp_path / "root"
+    make_root(root, (100, 200, 300, 400))
+    for step in (100, 200, 300, 400):
+        flip_byte(state_file(root, step))
+    proc = run_cli("prune", root, "--keep-last", "2")
+    assert proc.returncode == 1, proc.stderr
+    assert "4 checkpoint(s) of the run are corrupt" in error_line(proc), proc.stderr
+    assert "no checkpoint of this run passed verification" in proc.stdout, proc.stdout
+    assert _committed(root) == [100, 200, 300, 400]
+    doc = run_json("prune", root, "--keep-last", "2", "--dry-run", expect_rc=1)
+    assert sorted(s["step"] for s in doc["skipped"] if s["status"] == "corrupt") == [
+        100,
+        200,
+        300,
+        400,
+    ]
+    assert doc["checkpoints"] == []
+
+
 @pytest.mark.timeout(120)
 def test_a_job_cannot_start_in_the_middle_of_a_prune(tmp_path):
     # prune checked the lock only when it began: a job that opened ROOT meanwhile, rolled
