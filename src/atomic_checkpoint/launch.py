@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from . import _early
 from .preemption import GRACE_ENV, REQUEUE_EXIT_CODE, SIGNALS_DIR_ENV, grace_from_env
 
 __all__ = ["main"]
@@ -72,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     # From the first instant: importing torch takes about a second, and a SIGTERM then
     # killed the launcher (status 143, no requeue) before any handler of torchrun's.
-    early: list[int] = []
+    # Those that came while Python imported the package (``_early``) count too.
+    early = _early.received
     for sig in _PREEMPTION_SIGNALS:
         signal.signal(sig, lambda signum, frame: early.append(signum))
     try:

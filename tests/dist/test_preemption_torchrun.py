@@ -303,3 +303,61 @@ sys.exit(launch.main(["--standalone", "--nproc-per-node=1", sys.argv[1]]))
     assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, proc.stderr[-2000:])
     assert "before any worker started" in proc.stderr
     assert not marker.exists()
+
+
+def test_a_sigterm_while_python_imports_the_package_is_still_a_requeue(tmp_path):
+    # `python -m atomic_checkpoint.launch` imports the package (about half a second)
+    # before launch.main can install a handler; a SIGTERM then ended it with 143. Here
+    # the signal comes in the middle of that import: a `sitecustomize` on the path sends
+    # it as `atomic_checkpoint.manager` starts to load.
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        """
+import importlib.abc, os, signal, sys
+class _SignalOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "atomic_checkpoint.manager":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return None
+sys.meta_path.insert(0, _SignalOnImport())
+"""
+    )
+    marker = tmp_path / "worker-ran"
+    script = tmp_path / "worker.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), os.path.join(REPO, "src"), REPO])
+    proc = subprocess.run(
+        [sys.executable, "-m", "atomic_checkpoint.launch", "--standalone"]
+        + ["--nproc-per-node=1", str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, proc.stderr[-2000:])
+    assert "the launcher got SIGTERM before any worker started" in proc.stderr
+    assert not marker.exists()
+
+
+def test_importing_the_package_elsewhere_changes_no_signal_handler():
+    from atomic_checkpoint import _early
+
+    code = (
+        "import signal, atomic_checkpoint; "
+        "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "src"))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "True", out.stderr
+    python = "/usr/bin/python3"
+    assert _early.launching([python, "-m", "atomic_checkpoint.launch", "--standalone"])
+    assert _early.launching([python, "-W", "error", "-u", "-matomic_checkpoint.launch"])
+    assert not _early.launching([python, "-m", "atomic_checkpoint", "list", "ROOT"])
+    assert not _early.launching([python, "train.py", "-m", "atomic_checkpoint.launch"])
+    assert not _early.launching([python, "-c", "import atomic_checkpoint.launch"])
