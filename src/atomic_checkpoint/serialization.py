@@ -1334,13 +1334,14 @@ class _Loader:
             self.check_into(node, into, path)
         if node is None or t is bool or t is str or t is int:
             return node
-        if depth >= MAX_DEPTH:
-            raise self.corrupt(path, f"nests deeper than {MAX_DEPTH} levels")
         if t is list:
+            self.check_depth(path, depth)
             return self.sequence(node, into, path, depth, list)
         if t is not dict or not node:
             raise self.corrupt(path, f"unexpected JSON {t.__name__} {node!r:.60}")
         tag = next(iter(node))
+        if tag in ("tuple", "dict", "odict"):
+            self.check_depth(path, depth)
         allowed = {"ndarray": {"ndarray", "byteorder"}, "odict": {"odict", "attrs"}}
         if not set(node) <= allowed.get(tag, {tag}):
             raise self.corrupt(path, f"unexpected fields {sorted(node)} in a {tag!r} node")
@@ -1352,6 +1353,13 @@ class _Loader:
         if tag in ("tensor", "ndarray", "npscalar", "pickle"):
             return self.leaf(node, tag, into, path)
         return self.scalar(tag, value, path)
+
+    def check_depth(self, path: _Path, depth: int) -> None:
+        """Containers nest at most ``MAX_DEPTH`` levels (the recursion's bound), as at
+        save; a leaf (a tensor, a float) may sit under the deepest one: a tensor 199
+        dicts deep was saved, then refused by every restore."""
+        if depth >= MAX_DEPTH:
+            raise self.corrupt(path, f"nests deeper than {MAX_DEPTH} levels")
 
     def expect(self, value: Any, t: type, path: _Path, tag: str) -> Any:
         if type(value) is not t:

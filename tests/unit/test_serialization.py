@@ -1042,3 +1042,32 @@ def test_planning_a_state_of_many_tensors_runs_no_garbage_collection() -> None:
         gc.callbacks.remove(on_gc)
     assert during <= 1, started
     assert len(loaded) == 3000 and torch.equal(loaded[2999]["b"], torch.zeros(3))
+
+
+def _nested(depth: int, leaf: Any) -> Any:
+    for _ in range(depth):
+        leaf = {"k": leaf}
+    return leaf
+
+
+@pytest.mark.parametrize(
+    "leaf", [torch.ones(2), np.arange(3), 1.5, b"x"], ids=["tensor", "ndarray", "float", "bytes"]
+)
+def test_a_leaf_under_the_deepest_container_allowed_round_trips(leaf: Any) -> None:
+    # Save allowed MAX_DEPTH containers, but the loader counted the leaf as a level: a
+    # tensor 199 dicts deep (inside the state's own dict) was saved and committed, and
+    # then refused by every restore ("nests deeper than 200 levels").
+    from atomic_checkpoint.serialization import MAX_DEPTH
+
+    state = {"x": _nested(MAX_DEPTH - 1, leaf)}
+    got = roundtrip(state)
+    for _ in range(MAX_DEPTH):
+        got = got["x" if "x" in got else "k"]
+    if isinstance(leaf, torch.Tensor):
+        assert torch.equal(got, leaf)
+    elif isinstance(leaf, np.ndarray):
+        assert np.array_equal(got, leaf)
+    else:
+        assert got == leaf
+    with pytest.raises(SerializationError, match="nests deeper"):
+        roundtrip({"x": _nested(MAX_DEPTH, leaf)})
