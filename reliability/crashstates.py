@@ -302,9 +302,13 @@ def _prepare_crashed(root: str) -> None:
     mgr.save(2, state_of(2))
     mgr.wait()
     if _CURRENT.strategy != "marker":
-        shutil.copytree(os.path.join(root, "checkpoint-2"), f"{root}/.pending/checkpoint-3.0a1b")
-        os.remove(f"{root}/.pending/checkpoint-3.0a1b/{MANIFEST}")
-        shutil.copytree(os.path.join(root, "checkpoint-1"), f"{root}/.trash/checkpoint-0.9f8e")
+        shutil.copytree(
+            os.path.join(root, "checkpoint-2"), f"{root}/.pending/checkpoint-3.0a1b2c3d4e5f6a7b"
+        )
+        os.remove(f"{root}/.pending/checkpoint-3.0a1b2c3d4e5f6a7b/{MANIFEST}")
+        shutil.copytree(
+            os.path.join(root, "checkpoint-1"), f"{root}/.trash/checkpoint-0.9f8e7d6c5b4a3928"
+        )
     else:
         # A marker save that crashed: in-progress marker and data, no manifest.
         from atomic_checkpoint.strategies import MarkerStrategy

@@ -568,11 +568,28 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
             "aside, or copy the complete checkpoint directory in its place"
         )
     steps = [s for s, _ in _checkpoint_names(storage.listdir(""))[0]]
-    have = ", ".join(map(str, steps[-10:])) if steps else "none"
     return CheckpointNotFoundError(
-        f"no checkpoint step {step} in {storage.url('')} (checkpoint steps there: {have}; "
-        "see `atomic-checkpoint list`)"
+        f"no checkpoint step {step} in {storage.url('')} (checkpoint steps there: "
+        f"{_steps_near(steps, step)}; see `atomic-checkpoint list`)"
     )
+
+
+def _steps_near(steps: list[int], step: int, most: int = 10) -> str:
+    """``steps`` (ascending) as a short list for a message about ``step``: all of them,
+    or, of many, the ones just below and above it, the newest and a count ("100, 200
+    ... 1000 (1000 in all)"), never a cut list that reads as complete."""
+    if not steps:
+        return "none"
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    at = bisect.bisect_left(steps, step)
+    near = steps[max(0, at - most // 2) : at + most // 2]
+    shown = ", ".join(map(str, near))
+    if near[0] != steps[0]:
+        shown = f"{steps[0]} ... {shown}"
+    if near[-1] != steps[-1]:
+        shown = f"{shown} ... {steps[-1]}"
+    return f"{shown} ({len(steps)} in all)"
 
 
 def _foreign_entries(storage: Storage, rel: str) -> list[str]:
@@ -1010,7 +1027,7 @@ def scan(
         # or verify anything.
         log.warning("not listing %s: %s", storage.url(layout.PENDING_DIR), exc)
         pending = []
-    for name in pending:
+    for name in filter(layout.is_own_entry, pending):  # not a user's own folders
         parsed = layout.parse_pending_name(name)
         entries.append(
             Entry(

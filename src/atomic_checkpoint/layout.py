@@ -80,7 +80,7 @@ def validate_step(step: object) -> int:
     numpy and torch integer scalars are accepted when they convert exactly; bools,
     floats and strings are not (``"10"`` and ``10.0`` are almost always bugs).
     """
-    if isinstance(step, (bool, float, str, bytes)):
+    if isinstance(step, (bool, float, str, bytes)) or _is_bool_scalar(step):
         raise TypeError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
     try:
         value = int(step)  # type: ignore[call-overload]
@@ -95,6 +95,13 @@ def validate_step(step: object) -> int:
     if value >= 10**19:
         raise ValueError(f"step {value} is too large (at most 19 digits)")
     return value
+
+
+def _is_bool_scalar(value: object) -> bool:
+    """A numpy or torch bool (``np.bool_(True)``, ``torch.tensor(True)``): ``int()``
+    makes 1 of it exactly, as of Python's own bool, and it is refused as that is."""
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and str(dtype) in ("bool", "torch.bool")
 
 
 def checkpoint_name(step: int) -> str:
@@ -146,6 +153,14 @@ def replaced_name(step: int, attempt: str) -> str:
 def parse_replaced_name(name: str) -> tuple[int, str] | None:
     m = _REPLACED_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+def is_own_entry(name: str) -> bool:
+    """Whether ``name``, an entry of ``.pending/`` or ``.trash/``, is one this library
+    makes there (``checkpoint-<step>.<token>``, with ``.replaced`` in ``.trash/``). Only
+    those are removed as leftovers: a directory that was never a checkpoint root may
+    have folders of these names holding a user's own files."""
+    return _PENDING_RE.match(name) is not None or _REPLACED_RE.match(name) is not None
 
 
 # Marker strategy (strategies.MarkerStrategy) names inside ``checkpoint-<step>/``: a save

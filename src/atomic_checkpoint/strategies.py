@@ -55,6 +55,7 @@ from .layout import (
     TRASH_DIR,
     attempt_dir_name,
     checkpoint_name,
+    is_own_entry,
     marker_name,
     new_attempt_token,
     parse_attempt_dir,
@@ -461,15 +462,17 @@ class RenameStrategy:
         return _retire(self, storage, step, rank=rank, fence=fence)
 
     def leftovers(self, storage: Storage, *, keep: frozenset[str] = frozenset()) -> list[Leftover]:
-        """Every entry of ``.pending/`` and ``.trash/`` but those in ``keep`` (what
-        ``recover_replaced`` restores in a dry run or could not settle: never the only
-        complete copy of a step), one ``Leftover`` each. Read-only; called by ``sweep``
-        and by the CLI's ``clean`` after its ``recover_replaced``."""
+        """Every entry of ``.pending/`` and ``.trash/`` named as this library names them
+        (``layout.is_own_entry``: a user's own files in folders of those names, in a
+        directory that was never a checkpoint root, are not ours to delete) but those in
+        ``keep`` (what ``recover_replaced`` restores in a dry run or could not settle:
+        never the only complete copy of a step), one ``Leftover`` each. Read-only;
+        called by ``sweep`` and by the CLI's ``clean`` after its ``recover_replaced``."""
         out: list[Leftover] = []
         for directory in (PENDING_DIR, TRASH_DIR):
             for name in storage.listdir(directory):
                 rel = f"{directory}/{name}"
-                if rel not in keep:
+                if rel not in keep and is_own_entry(name):
                     out.append(Leftover(rel, False, (rel,), (), ()))
         return out
 

@@ -143,13 +143,31 @@ def test_clean_unlinks_stray_files_and_symlinks_without_following_them(tmp_path,
     os.symlink(precious, root / ".pending" / "checkpoint-3.0123456789abcdef")
     (root / ".pending" / "stray.txt").write_text("left by hand")
     doc = run_json("clean", root)
-    assert sorted(i["name"] for i in doc["removed"]) == [
-        ".pending/checkpoint-3.0123456789abcdef",
-        ".pending/stray.txt",
-    ]
-    assert list((root / ".pending").iterdir()) == []
+    # Only what the library names so is removed: a file of someone else's stays.
+    assert [i["name"] for i in doc["removed"]] == [".pending/checkpoint-3.0123456789abcdef"]
+    assert [p.name for p in (root / ".pending").iterdir()] == ["stray.txt"]
     assert (precious / "data.bin").read_bytes() == b"x" * 1000
     assert (root / "checkpoint-1").is_dir()
+
+
+@pytest.mark.timeout(90)
+def test_clean_and_a_start_never_delete_files_the_library_did_not_write(tmp_path):
+    # A directory that was never a checkpoint root, with folders named .pending and
+    # .trash of the user's own: clean, and a manager's start (its sweep), removed them.
+    home = tmp_path / "home"
+    (home / ".pending" / "thesis").mkdir(parents=True)
+    (home / ".trash").mkdir()
+    (home / ".pending" / "thesis" / "chapter1.tex").write_text("my thesis")
+    (home / ".trash" / "recover-me.txt").write_text("still needed")
+    (home / ".trash" / "checkpoint-7.notatoken").mkdir()  # near our names, not one
+    mine = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+    doc = run_json("clean", home)
+    assert doc["removed"] == [] and doc["failed"] == []
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == mine
+    with CheckpointManager(home) as mgr:
+        mgr.save(1, {"w": [1.0]})
+    left = sorted(str(p.relative_to(home)) for p in home.rglob("*"))
+    assert set(mine) <= set(left), set(mine) - set(left)
 
 
 @pytest.mark.timeout(60)

@@ -93,6 +93,15 @@ def test_numpy_and_torch_integer_steps_are_accepted():
     assert validate_step(torch.tensor(8)) == 8
 
 
+def test_numpy_and_torch_bools_are_refused_as_python_bools_are():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    # int() makes 1 of each exactly: save(np.bool_(True), ...) made checkpoint-1.
+    for flag in (np.bool_(True), np.bool_(False), torch.tensor(True)):
+        with pytest.raises(TypeError, match="step must be a non-negative int"):
+            validate_step(flag)
+
+
 @pytest.mark.parametrize(
     "path",
     [

@@ -581,6 +581,13 @@ def test_restoring_a_step_that_is_not_there_says_which_steps_are(tmp_path: Path)
             mgr.restore(15)
         text = str(missing.value)
         assert "no checkpoint step 15" in text and "checkpoint steps there: 10, 20;" in text
+        # Of many, the steps around the one asked for, and how many there are: the 10
+        # newest alone left out 10 and 20 without saying the list was cut.
+        for step in range(991, 1001):
+            mgr.save(step, {"w": np.zeros(2)})
+        with pytest.raises(CheckpointNotFoundError) as missing:
+            mgr.restore(15)
+        assert "there: 10, 20, 991, 992, 993, 994 ... 1000 (12 in all);" in str(missing.value)
         # A directory of that name that was never committed is named as such.
         (tmp_path / "ck" / "checkpoint-15").mkdir()
         with pytest.raises(

@@ -71,13 +71,18 @@ def with_two_checkpoints(storage: Storage, strategy: str) -> None:
         mgr.save(2, np_state(2))
 
 
+USERS_OWN = "notes.txt"
+
+
 def leave_remains(storage: Storage) -> None:
     """What crashed saves and deletes of both strategies leave: a pending attempt, an
-    un-committed checkpoint in the trash, a stray file in ``.pending/``, and a marker
-    save of step 7 whose ranks had written when the process died."""
+    un-committed checkpoint in the trash, a stray file in ``.pending/`` named as ours,
+    and a marker save of step 7 whose ranks had written when the process died; and a
+    user's own file in ``.pending/``, which no sweep removes."""
     storage.makedirs(f"{PENDING_DIR}/checkpoint-5.00000000000000aa")
     storage.write_bytes_atomic(f"{PENDING_DIR}/checkpoint-5.00000000000000aa/rank-0.bin", b"x")
-    storage.write_bytes_atomic(f"{PENDING_DIR}/stray", b"y")
+    storage.write_bytes_atomic(f"{PENDING_DIR}/checkpoint-6.00000000000000dd", b"y")
+    storage.write_bytes_atomic(f"{PENDING_DIR}/{USERS_OWN}", b"not ours")
     storage.makedirs(f"{TRASH_DIR}/checkpoint-3.00000000000000bb")
     storage.write_bytes_atomic(f"{TRASH_DIR}/checkpoint-3.00000000000000bb/rank-0.bin", b"z")
     attempt = MarkerStrategy().prepare(storage, 7, "00000000000000cc")
@@ -117,7 +122,7 @@ def test_sweep_is_idempotent_on_a_real_directory(tmp_path, strategy):
     assert fenced, "the fence is checked before removing anything"
     # Whatever the strategy, the rename strategy's remains go (an earlier run may have
     # left them); the marker strategy's only under the marker strategy, as before.
-    assert os.listdir(tmp_path / PENDING_DIR) == []
+    assert os.listdir(tmp_path / PENDING_DIR) == [USERS_OWN]
     assert os.listdir(tmp_path / TRASH_DIR) == []
     assert (tmp_path / "checkpoint-7").exists() == (strategy == "rename")
     assert len(cleaned) == (3 if strategy == "rename" else 4)
@@ -134,7 +139,7 @@ def test_marker_sweep_is_idempotent_in_memory():
     leave_remains(storage)
     sweeper = MarkerStrategy()
     assert len(sweeper.sweep(storage)) == 4
-    assert storage.listdir(PENDING_DIR) == [] and storage.listdir(TRASH_DIR) == []
+    assert storage.listdir(PENDING_DIR) == [USERS_OWN] and storage.listdir(TRASH_DIR) == []
     assert "checkpoint-7" not in storage.listdir("")
     after = storage.walk_files("")
     assert sweeper.sweep(storage) == []
