@@ -1978,8 +1978,10 @@ def cmd_prune(args: argparse.Namespace) -> int:
     holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
     listing = storage.listdir("")
     ours = any(parse_checkpoint_name(n) is not None for n in listing)
-    if args.dry_run or not listing or (not ours and _lightning_names(storage)):
-        # Nothing made in an empty root, or in a Lightning directory that is refused.
+    if args.dry_run or not ours:
+        # Nothing made where there is no checkpoint to delete: an empty root, a
+        # directory of other files (it was left holding .atomic-checkpoint/lock.token),
+        # a Lightning directory that is refused.
         return _prune(args, storage, policy, holder, None)
     # Held for the whole prune: a job starting meanwhile would save (or roll back and
     # save again) the steps this prune is about to delete by name (exit 3 for it).

@@ -93,7 +93,7 @@ from .layout import checkpoint_name, new_attempt_token
 from .manifest import FileEntry, Manifest, SharedManifest
 from .rankfiles import RankReport, merge_reports, report_files
 from .storage import visibility
-from .storage.base import Storage
+from .storage.base import Storage, full_storage_error
 from .strategies import CommitStrategy
 
 log = logging.getLogger("atomic_checkpoint")
@@ -161,6 +161,8 @@ class Pending:
     #: On the leader: the location it created, until it is committed or removed.
     owned: str | None = None
     committed: bool = False
+    #: What this rank passed as ``overwrite``: every rank must pass the same.
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,10 +204,10 @@ def begin(
     ``CoordinationTimeoutError`` (the leader did not answer), or the shared error of a
     failed leader (``DistributedCheckpointError``; with one rank, its own error).
     """
-    pending = Pending(step, "", False, overwrite, None, time.perf_counter())
+    pending = Pending(step, "", False, overwrite, None, time.perf_counter(), overwrite=overwrite)
     mine = problem if ctx.is_coordinator else None
 
-    def prepare() -> tuple[int, str, bool]:
+    def prepare() -> tuple[int, str, bool, bool]:
         if mine is not None:
             raise mine
         attempt = new_attempt_token()
@@ -221,17 +223,20 @@ def begin(
         )
         if exists and not overwrite and len(ctx.leaders) == 1:
             raise _exists_error(ctx.storage, step)
-        return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists
+        return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists, overwrite
 
     with _aborting(ctx, pending):
         decided, exists_everywhere = _decide(
             ctx, pending, "prepare", prepare, combine=lambda got: all(d[2] for d in got)
         )
-    if exists_everywhere and not overwrite:
+    leader_step, pending.location, exists, leader_overwrite = decided
+    # The leader's overwrite decides here, so every rank takes the same way; a rank
+    # that passed another one fails the save on every rank in ``finish``. (A rank that
+    # raised here alone left its leader waiting for its report until timeout_s.)
+    if exists_everywhere and not leader_overwrite:
         # Committed in every domain (several domains: each leader only said so).
         abort(ctx, pending)
         raise _exists_error(ctx.storage, step)
-    leader_step, pending.location, exists = decided
     # Committed in some domains only: the leftover of a save that failed half way (a
     # node died between the domains' commits). It never counted as a checkpoint; it is
     # replaced.
@@ -265,6 +270,10 @@ def attempt(
     except Exception as exc:  # every failure is shared, never swallowed
         if ctx is not None and pending is not None:
             exc = _unseen_location(ctx, pending, exc)
+            full = full_storage_error(ctx.storage, exc)
+            if full is not None:
+                full.__cause__ = exc
+                exc = full
         return Failed(phase, exc)
 
 
@@ -329,9 +338,10 @@ def finish(
         if failed is None and isinstance(written, Failed):
             failed = (written.phase, written.error)
         report = written if pending.writes and isinstance(written, RankReport) else None
-        sent: tuple[int, int, RankReport | None] = (ctx.leader, step, report)
+        call = (step, state_kind, pending.overwrite)
+        sent: tuple[int, tuple[int, str, bool], RankReport | None] = (ctx.leader, call, report)
 
-        _, (steps, write_s, fsync_s), reports = gather_routed(
+        _, (calls, write_s, fsync_s), reports = gather_routed(
             ctx.coord,
             _key(step, "write"),
             "write",
@@ -344,8 +354,8 @@ def finish(
             step=step,
             failed=failed,
         )
-        if steps is not None:
-            check_same_step(steps)
+        if calls is not None:
+            check_same_call(calls)
         timings = pending.timings
         timings["write"], timings["fsync"] = write_s, fsync_s
         timings["gather"] = time.perf_counter() - t  # this rank wrote before finish began
@@ -502,8 +512,11 @@ def _decide(
     return (mine if ctx.is_coordinator else verdict[1]), verdict[2]
 
 
-def check_same_step(steps: Sequence[int]) -> None:
-    """Abort the save on every rank unless every rank passed the same step."""
+def check_same_call(calls: Sequence[tuple[int, str, bool]]) -> None:
+    """Abort the save on every rank unless every rank passed the same step, the same
+    ``replicated`` (the state kind) and the same ``overwrite``: ``(step, kind,
+    overwrite)`` by rank."""
+    steps = [c[0] for c in calls]
     if len(set(steps)) > 1:
         by_rank = dict(enumerate(steps))
         raise errors.CommitError(
@@ -512,6 +525,18 @@ def check_same_step(steps: Sequence[int]) -> None:
             "alike). Nothing was committed; compute "
             "the step once (e.g. on rank 0) and use it on every rank"
         )
+    for what, index, shown in (
+        ("replicated", 1, lambda kind: kind == "replicated"),
+        ("overwrite", 2, bool),
+    ):
+        values = [c[index] for c in calls]
+        if len(set(values)) > 1:
+            by_rank = {r: shown(v) for r, v in enumerate(values)}
+            raise errors.CommitError(
+                f"the ranks passed different {what}= to the save of step {steps[0]} "
+                f"({by_rank}, by rank): every rank must pass the same. Nothing was "
+                "committed; the checkpoints already committed are unchanged"
+            )
 
 
 def _commit_on_leader(
@@ -570,21 +595,22 @@ def _commit_on_leader(
 
 
 def _write_summary(
-    written: list[tuple[int, int, RankReport | None]],
+    written: list[tuple[int, tuple[int, str, bool], RankReport | None]],
 ) -> tuple[Any, float, float]:
     """What every rank needs of the write round's reports (only the leaders get them):
-    every rank's step if they differ (else None), the slowest write and fsync."""
-    steps = [w[1] for w in written]
+    every rank's call ``(step, kind, overwrite)`` if they differ (else None), the
+    slowest write and fsync."""
+    calls = [w[1] for w in written]
     reports = [r for _, _, r in written if r is not None]
     return (
-        steps if len(set(steps)) > 1 else None,
+        calls if len(set(calls)) > 1 else None,
         max((r.write_s for r in reports), default=0.0),
         max((r.fsync_s for r in reports), default=0.0),
     )
 
 
 def _reports_by_leader(
-    written: list[tuple[int, int, RankReport | None]],
+    written: list[tuple[int, tuple[int, str, bool], RankReport | None]],
 ) -> dict[int, list[RankReport | None]]:
     """The write round's reports, each domain's to its leader, in rank order."""
     out: dict[int, list[RankReport | None]] = {}

@@ -302,7 +302,8 @@ def permission_advice(code: int, action: str, path: str) -> str:
     if code == _errno.EROFS:
         return (
             "The filesystem holding it is mounted read-only: remount it read-write to "
-            "save, or open the root with read_only=True to restore from it."
+            "save, or open the root with read_only=True to restore from it (the "
+            "command line's list, verify and inspect only read)."
         )
     if action.startswith(_READING) and action != "open for fsync":
         return (
@@ -328,7 +329,8 @@ def permission_advice(code: int, action: str, path: str) -> str:
     return (
         f"This user may not write in {where}: make {them} writable by the job's user (a "
         "root shared by a group wants umask 002 and group-writable directories), or open "
-        "the root with read_only=True to restore from it."
+        "the root with read_only=True to restore from it (the command line's list, "
+        "verify and inspect only read)."
     )
 
 

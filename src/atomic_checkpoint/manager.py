@@ -93,8 +93,8 @@ from .manifest import (
 )
 from .rankfiles import RankReport, Staging, write_image, write_plan
 from .retention import RetentionPolicy
-from .storage import posix, storage_for
-from .storage.base import Storage, direct_io
+from .storage import posix, storage_for, visibility
+from .storage.base import Storage, direct_io, full_storage_error
 from .storage.temps import abandoned_temps
 from .strategies import CommitStrategy, choose_strategy
 
@@ -665,8 +665,16 @@ class CheckpointManager:
                 "has no valid checkpoint to resume from: check the path (nothing was "
                 "created)"
             )
-        self.storage.makedirs(META_DIR)
-        self.storage.makedirs(PENDING_DIR)
+        if not visibility.dirs_made(
+            self.storage, (META_DIR, PENDING_DIR), on_wait=self._say_stale_root
+        ):
+            raise StorageError(
+                f"{self.root} was deleted through another client of this network "
+                f"filesystem, and this client still sees it after "
+                f"{visibility.STALE_ROOT_WAIT_S:.0f} s (its cached entry): nothing can be "
+                "created in it. Wait until the mount's cache expires and start again, or "
+                "remount it"
+            )
         # Their entries in ROOT must be durable before anything is created inside them.
         self.storage.fsync_dir("")
         if local is not None and not posix.is_accessible(local, write=True):
@@ -729,6 +737,15 @@ class CheckpointManager:
         except BaseException:
             self._release_lock()
             raise
+
+    def _say_stale_root(self) -> None:
+        log.warning(
+            "%s: this client's cache still shows the root as it was before another client "
+            "deleted it (a network filesystem); waiting up to %.0f s for that entry to "
+            "expire before anything is created in it",
+            self.root,
+            visibility.STALE_ROOT_WAIT_S,
+        )
 
     def _recorded_run_id(self) -> str | None:
         """The run id recorded in ROOT's run file, or None: no run file, or an empty or
@@ -1277,29 +1294,29 @@ class CheckpointManager:
             self._finish_async()  # at most one save in flight
             step = validate_step(step)
             metrics_d, metadata_d, problem = _checked_input(metrics, metadata)
-            self._agree_to_save(step, failed or problem)
+            self._agree_to_save(step, overwrite, failed or problem)
             self._check_step_order(step)
             gen = _SavingBlock(self, step, metrics_d, metadata_d, overwrite)
             with gen as path:
                 yield path
             self.last_saved = path.info = gen.info
 
-    def _agree_to_save(self, step: int, problem: Exception | None) -> None:
-        """One round before a ``saving()`` block: the same step on every rank, and no
-        rank's bad input; else every rank raises the same error, at once."""
+    def _agree_to_save(self, step: int, overwrite: bool, problem: Exception | None) -> None:
+        """One round before a ``saving()`` block: the same step and ``overwrite`` on every
+        rank, and no rank's bad input; else every rank raises the same error, at once."""
         if self.world_size == 1:
             if problem is not None:
                 raise problem
             return
         failure = None if problem is None else rank_failure(problem, self.rank, "prepare")
-        steps, failures = gather_summary(
+        calls, failures = gather_summary(
             self.coordinator,
             f"saving() step {step}: inputs",
-            (step, failure),
-            _steps_and_failures,
+            ((step, "files", overwrite), failure),
+            _calls_and_failures,
             timeout_s=self.timeout_s,
         )
-        commit.check_same_step(steps)
+        commit.check_same_call(calls)
         if failures:
             raise shared_error(failures, step)
 
@@ -2450,7 +2467,10 @@ class CheckpointManager:
                 it leaves out is loaded into new memory and returned. A tensor there of
                 another shape or dtype, or one the checkpoint does not hold (a key it
                 lacks, a list it has shorter, a value of another kind) raises
-                ``StateMismatchError`` before anything is read. After a fallback it holds
+                ``StateMismatchError`` before anything is read. Targets that share
+                memory (tied weights) are checked once read: where the checkpoint holds
+                different values for them, ``StateMismatchError`` says so and every
+                other target holds the checkpoint's values. After a fallback it holds
                 the older checkpoint's values. The checksum is known only once every
                 byte is in, so a restore that raises ``CorruptCheckpointError`` (or
                 whose fallback then raises) has overwritten it with unverified data:
@@ -3150,9 +3170,12 @@ class _SavingBlock:
         # process the user's exception propagates; with several, this rank raises the
         # error every other rank raises (naming this rank), its own exception the cause,
         # so that code handling the save's failure runs alike on every rank.
-        why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
+        why: CheckpointError = CheckpointError(
+            f"the saving() block raised {type(exc).__name__}: {exc}"
+        )
+        full = full_storage_error(self.mgr.storage, exc)
         try:
-            self._finish(commit.Failed("write", why))
+            self._finish(commit.Failed("write", full or why))
         except CheckpointError as shared:
             # A DistributedCheckpointError from the block is already every rank's error
             # (the integrations agree on their own failures, e.g. save_dcp's): kept.
@@ -3162,6 +3185,8 @@ class _SavingBlock:
                 and not isinstance(exc, DistributedCheckpointError)
             ):
                 raise shared from exc
+        if full is not None and self.mgr.world_size == 1:
+            raise full from exc
 
 
 def _say_into_is_unverified(exc: CheckpointError) -> None:
@@ -3176,10 +3201,11 @@ def _say_into_is_unverified(exc: CheckpointError) -> None:
     )
 
 
-def _steps_and_failures(
-    values: list[tuple[int, RankFailure | None]],
-) -> tuple[list[int], list[RankFailure]]:
-    """Each rank's step, and the failures, of ``_agree_to_save``'s round."""
+def _calls_and_failures(
+    values: list[tuple[tuple[int, str, bool], RankFailure | None]],
+) -> tuple[list[tuple[int, str, bool]], list[RankFailure]]:
+    """Each rank's ``(step, kind, overwrite)``, and the failures, of ``_agree_to_save``'s
+    round."""
     return [s for s, _ in values], [f for _, f in values if f is not None]
 
 

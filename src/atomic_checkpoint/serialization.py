@@ -1314,8 +1314,9 @@ class _Loader:
                     f"with another target ({', '.join(others[:3])}), but the checkpoint "
                     "holds different values for them, so one would overwrite the other: "
                     "pass tensors with memory of their own (untie them, as they were "
-                    "when saved), or load without into=. Those targets hold a mix of "
-                    "both now"
+                    "when saved), or load without into=. Only this could not be checked "
+                    "before reading: every other target of into= holds the checkpoint's "
+                    "values now, and these ones a mix of both"
                 )
 
     def build(self, node: Any, into: Any) -> Any:

@@ -55,6 +55,15 @@ def test_usage_errors_are_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [["list"], ["verify"], ["prune", "--keep-last", "1"]])
+def test_a_url_with_one_slash_lost_is_named_as_such(tmp_path, command):
+    # Read as a local relative path: "<cwd>/s3:/bucket/run1 does not exist".
+    proc = run_cli(*command[:1], "s3:/bucket/run1", *command[1:], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "looks like 's3://bucket/run1' with one slash lost" in error_line(proc)
+    assert not (tmp_path / "s3:").exists()
+
+
 def test_verbose_logs_what_the_library_does(root):
     make_root(root, (1, 2, 3))
     quiet = run_cli("prune", root, "--keep-last", "2")

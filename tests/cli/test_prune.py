@@ -386,3 +386,15 @@ def test_a_job_cannot_start_in_the_middle_of_a_prune(tmp_path):
     assert not (root / ".atomic-checkpoint" / "lock.json").exists()  # released at its end
     with CheckpointManager(root) as mgr:
         assert [c.step for c in mgr.checkpoints()] == [40]
+
+
+@pytest.mark.timeout(60)
+def test_prune_of_a_directory_of_other_files_leaves_nothing_behind(tmp_path):
+    # It printed "nothing to prune" and left .atomic-checkpoint/lock.token there.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine")
+    proc = run_cli("prune", home, "--keep-last", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to prune" in proc.stdout
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]

@@ -237,3 +237,35 @@ def w_stalled_outcome(
     """``w_timed_save_then_list`` with ``victim`` stalled at the outcome of ``step``."""
     _stall_outcome_wait(rank, victim, step, how)
     return w_timed_save_then_list(rank, world, root, step, timeout_s)
+
+
+def w_mismatched_flags(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Saves whose ``replicated=`` or ``overwrite=`` differs by rank (rank 0 passes
+    True, the others False), then a save passed alike: each outcome, with its time."""
+    import numpy as np
+
+    out: dict[str, Any] = {}
+    mgr = CheckpointManager(root, timeout_s=30)
+    mgr.save(1, {"w": np.full(4, rank)})
+
+    def attempt(name: str, call: Any) -> None:
+        t = time.monotonic()
+        try:
+            out[name] = ("ok", call(), time.monotonic() - t)
+        except Exception as exc:
+            out[name] = (type(exc).__name__, str(exc), time.monotonic() - t)
+
+    def in_a_block() -> int:
+        with mgr.saving(1, overwrite=rank == 0) as d:
+            (d / f"rank-{rank}.txt").write_text("x")
+        return 1
+
+    first = rank == 0
+    attempt("replicated", lambda: mgr.save(2, {"w": np.full(4, rank)}, replicated=first).step)
+    attempt("overwrite", lambda: mgr.save(1, {"w": np.full(4, 10 + rank)}, overwrite=first).step)
+    attempt("saving", in_a_block)
+    attempt("next", lambda: mgr.save(3, {"w": np.full(4, rank)}).step)
+    out["restored_1"] = mgr.restore(1)["w"].tolist()
+    out["steps"] = [c.step for c in mgr.checkpoints()]
+    mgr.close()
+    return out

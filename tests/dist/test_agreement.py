@@ -171,3 +171,24 @@ def test_rank_frozen_at_the_outcome_broadcast_reports_the_same_outcome(tmp_path)
     finally:
         job.close()
     _same_success(results, 8)
+
+
+def test_flags_that_differ_by_rank_fail_the_save_on_every_rank_at_once(tmp_path):
+    # replicated= on rank 0 only: committed as one replicated copy, and rank 1's
+    # restore() returned rank 0's state. overwrite= on rank 0 only: rank 1 raised
+    # CheckpointExistsError alone while rank 0 waited for it until timeout_s, and the
+    # ranks were out of step for every later call.
+    root = str(tmp_path / "ckpt")
+    values = ok_values(run_ranks(aw.w_mismatched_flags, 2, root, tmp_dir=str(tmp_path)))
+    for name, flag in (("replicated", "replicated="), ("overwrite", "overwrite=")):
+        outcomes = [v[name] for v in values]
+        assert [o[0] for o in outcomes] == ["CommitError"] * 2, outcomes
+        assert outcomes[0][1] == outcomes[1][1] and flag in outcomes[0][1], outcomes
+        assert "{0: True, 1: False}" in outcomes[0][1], outcomes
+        assert all(o[2] < 15 for o in outcomes), outcomes  # at once, not at timeout_s
+    saving = [v["saving"] for v in values]
+    assert [o[0] for o in saving] == ["CommitError"] * 2 and "overwrite=" in saving[0][1]
+    # Nothing committed or changed by them, and the next save passed alike works.
+    assert [v["next"][:2] for v in values] == [("ok", 3)] * 2
+    assert [v["steps"] for v in values] == [[1, 3]] * 2
+    assert [v["restored_1"] for v in values] == [[0, 0, 0, 0], [1, 1, 1, 1]]

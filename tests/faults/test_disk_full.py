@@ -159,3 +159,29 @@ def test_apply_retention_frees_a_full_disk_inside_the_job(small_disk):
         assert mgr.apply_retention() == [1, 2]
         assert mgr.save(4, {"x": np.zeros(1 << 18, dtype=np.float32)}).step == 4
         assert [c.step for c in mgr.checkpoints()] == [4]  # KeepLast(1) after the save
+
+
+def test_a_framework_writer_on_a_full_disk_is_reported_as_a_full_disk(small_disk):
+    # torch.save (what the Trainer, Accelerate and Lightning write with) reports a full
+    # disk as "RuntimeError: [enforce fail at inline_container.cc:...] . unexpected pos",
+    # without ENOSPC: the integrations' users got that, not the advice a full disk has.
+    import torch
+
+    disk = small_disk(4, "tmpfs")
+    root = disk.path / "root"
+    with CheckpointManager(root) as mgr:
+        with mgr.saving(1) as d:
+            torch.save({"w": torch.zeros(1000)}, d / "small.pt")
+        with pytest.raises(StorageFullError, match="its filesystem is full") as err:
+            with mgr.saving(2) as d:
+                torch.save({"w": torch.zeros(2 << 20)}, d / "model.pt")  # 8 MiB
+        assert err.value.errno == errno.ENOSPC
+        assert "atomic-checkpoint prune" in str(err.value)
+        assert not isinstance(err.value.__cause__, OSError)  # torch's own error, kept
+        assert [c.step for c in mgr.checkpoints()] == [1]
+        mgr.verify(1)
+    # A block that fails for another reason on a disk with room keeps its own error.
+    # (Another disk: torch's writer, held by the traceback, keeps the first one full.)
+    with CheckpointManager(small_disk(4, "tmpfs").path / "root") as mgr, pytest.raises(KeyError):
+        with mgr.saving(3):
+            raise KeyError("mine")

@@ -9,6 +9,7 @@ about them stay true.
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import json
 import logging
@@ -573,8 +574,12 @@ def test_disk_full_keeps_the_previous_file(tmp_path, tmpfs):
     io = AtomicCheckpointIO()
     path = Path(disk.path) / "last.ckpt"
     io.save_checkpoint(_state(1, n=1000), path)
-    with pytest.raises(StorageFullError):
+    with pytest.raises(StorageFullError) as err:
         io.save_checkpoint(_state(2, n=1 << 20), path)  # 4 MiB on a 2 MiB disk
+    # The advice works for a Lightning directory: prune refuses one (it is not a
+    # manager's root) and there is no manager to apply_retention() with.
+    assert "save_top_k" in str(err.value) and "prune" not in str(err.value)
+    assert err.value.errno == errno.ENOSPC
     assert _strays(Path(disk.path)) == []
     assert io.load_checkpoint(path)["global_step"] == 1
 

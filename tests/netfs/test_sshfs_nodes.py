@@ -19,6 +19,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -327,6 +328,35 @@ def test_a_step_rolled_back_on_the_other_node_is_saved_again_here(
         "checkpoint-3",
     ]
     observed(saved_again_on_a=3)
+
+
+@pytest.mark.timeout(120)
+def test_a_root_deleted_on_the_other_node_is_made_again_here_once_the_cache_lets_go(
+    sshfs_export: SshfsExport,
+    sshfs_nodes: tuple[SshfsMount, SshfsMount],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # To start over, the root is deleted through node A; a job starts on node B, whose
+    # kernel still caches the root (about 20 s): its makedirs found the cached entries
+    # and made nothing, and the start failed with "create .../run.json.tmp-... failed:
+    # No such file or directory". It now waits for the cached entry to go, and says so.
+    a, b = sshfs_nodes
+    with CheckpointManager(a.path / "run") as job1:
+        job1.save(1, _state(1))
+    assert "checkpoint-1" in os.listdir(b.path / "run")  # B has looked: cached
+    shutil.rmtree(a.path / "run")
+    caplog.set_level(logging.WARNING, logger="atomic_checkpoint")
+    started = time.monotonic()
+    with CheckpointManager(b.path / "run") as job2:
+        assert job2.latest() is None
+        job2.save(1, _state(1))
+    waited = time.monotonic() - started
+    assert _server_names(sshfs_export.export, "run") == ["checkpoint-1"]
+    said = [
+        r.getMessage() for r in caplog.records if "cache still shows the root" in r.getMessage()
+    ]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    observed(waited_for_stale_root_s=round(waited, 1))
 
 
 @pytest.mark.timeout(60)

@@ -785,9 +785,14 @@ def test_into_targets_that_share_memory_get_the_saved_values_or_are_refused(
     share memory: a tensor tied in the new model but not in the checkpoint, a row view
     of another target. Now such targets are checked after the load."""
     saved = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([10.0, 20.0, 30.0])}
-    tied = torch.zeros(3)
+    saved["other"] = torch.tensor([5.0])
+    tied, other = torch.zeros(3), torch.zeros(1)
     with pytest.raises(StateMismatchError, match=r"state\['a'\]: .*shares memory.*state\['b'\]"):
-        roundtrip(saved, through=through, into={"a": tied, "b": tied})
+        roundtrip(saved, through=through, into={"a": tied, "b": tied, "other": other})
+    # The error says what it could not: the other targets were filled already.
+    assert float(other[0]) == 5.0
+    with pytest.raises(StateMismatchError, match="every other target of into= holds"):
+        roundtrip(saved, through=through, into={"a": tied, "b": tied, "other": other})
     full = torch.zeros(2, 2)
     with pytest.raises(StateMismatchError, match="shares memory"):
         roundtrip(

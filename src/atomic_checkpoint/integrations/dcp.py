@@ -128,6 +128,7 @@ from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata
 from ..rankfiles import report_files
 from ..storage import is_url, posix
+from ..storage.base import full_storage_error
 from ..storage.local import LocalStorage
 
 __all__ = [
@@ -206,6 +207,16 @@ def _write_shards(
             process_group=process_group,
             no_dist=not _is_distributed(),
         )
+
+
+def _full_disk_said(mgr: CheckpointManager, exc: BaseException) -> BaseException:
+    """``exc``, or where ROOT's filesystem is full, the error that says so (DCP's writer
+    reported it as torch's "unexpected pos ...", without ENOSPC)."""
+    full = full_storage_error(mgr.storage, exc)
+    if full is None:
+        return exc
+    full.__cause__ = exc
+    return full
 
 
 def _dcp_error(rank: int, phase: str, exc: BaseException) -> RankFailure:
@@ -365,7 +376,8 @@ def save_dcp(
         # CheckpointException derives from BaseException: name it, or it escapes as a
         # non-Exception that `except Exception` in the training loop never sees.
         except (CheckpointException, Exception) as exc:
-            cause, failure = exc, _dcp_error(mgr.rank, "dcp_write", exc)
+            said = _full_disk_said(mgr, exc)
+            cause, failure = exc, _dcp_error(mgr.rank, "dcp_write", said)
         # DCP's own error reporting stops at its collectives: a rank that died leaves
         # the others with a bare gloo/NCCL error (or none). Share every rank's outcome
         # so all of them raise the same error, naming who failed.
@@ -529,9 +541,9 @@ def async_save_dcp(
             if single:
                 # One rank: the commit hands back this rank's own error; report it as
                 # every multi-rank failure is reported.
-                failure = _dcp_error(mgr.rank, "dcp_write", exc)
+                failure = _dcp_error(mgr.rank, "dcp_write", _full_disk_said(mgr, exc))
                 raise DistributedCheckpointError([failure], step=step) from exc
-            raise _dcp_failure(exc) from exc
+            raise _dcp_failure(_full_disk_said(mgr, exc)) from exc
 
     in_the_way = _clear_the_way(mgr, step, overwrite, "async_save_dcp")  # see save_dcp
     handle = mgr.saving_async(

@@ -118,6 +118,7 @@ from ..errors import (
     CorruptCheckpointError,
     SerializationError,
     StorageError,
+    StorageFullError,
     UnsafeCheckpointError,
 )
 from ..layout import LIGHTNING_MANIFEST_SUFFIX
@@ -684,6 +685,21 @@ def _ensure_dir(directory: str) -> None:
         LocalStorage(os.path.dirname(created)).fsync_dir("")
 
 
+def _full_disk(exc: StorageFullError, final: str) -> StorageFullError:
+    """``exc`` with the advice that works here: a Lightning directory is not a manager's
+    root, so ``prune`` refuses it; ModelCheckpoint keeps and removes its files."""
+    return StorageFullError(
+        f"cannot save {final!r}: the storage is full "
+        f"({os.strerror(exc.errno) if exc.errno else 'no space left'}). The previous "
+        f"file by that name is untouched. Free space (or inodes: `df -i`): lower "
+        "ModelCheckpoint(save_top_k=...), or delete old .ckpt files of that directory "
+        f"together with their {LIGHTNING_MANIFEST_SUFFIX} files, or other files; then "
+        "save again",
+        errno=exc.errno,
+        path=exc.filename,
+    )
+
+
 class _HashingSink:
     """What ``torch.save`` writes into: hashes and forwards every chunk.
 
@@ -819,8 +835,11 @@ class _AtomicFileIO:
             writer.close()
         except BaseException as exc:
             writer.abort()
-            if sink.error is not None and sink.error is not exc:
-                raise sink.error from exc
+            error = sink.error if sink.error is not None else exc
+            if isinstance(error, StorageFullError):
+                raise _full_disk(error, final) from exc
+            if error is not exc:
+                raise error from exc
             if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
                 raise
             raise SerializationError(

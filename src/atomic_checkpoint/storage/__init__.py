@@ -5,7 +5,6 @@ never imports fsspec. ``posix.py`` holds the calls by OS path that the rest of t
 package makes on a mounted filesystem, with their OSError mapped here too."""
 
 import os
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -105,17 +104,6 @@ def open_storage(
         from .fsspec import FsspecStorage  # imports fsspec: only for URL roots
 
         return FsspecStorage(text, storage_options)
-    collapsed = re.match(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)", text)
-    if collapsed:
-        # pathlib turns "s3://bucket/run" into "s3:/bucket/run": as a local path it
-        # became ./s3:/bucket/run, and the checkpoints stayed on the node's disk.
-        scheme = collapsed.group(1)
-        meant = text[5:] if scheme == "file" else f"{scheme}://{text[len(scheme) + 2 :]}"
-        raise ValueError(
-            f"{text!r} looks like {meant!r} with one slash lost (pathlib.Path collapses "
-            "'//'): pass the URL as a str, not a Path (or put './' in front of a local "
-            "directory really named like this)"
-        )
     if storage_options:
         raise ValueError(
             f"storage_options apply to URL roots (s3://, gs://, ...), not to the local "

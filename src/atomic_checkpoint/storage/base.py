@@ -20,7 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
-from ..errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from ..errors import (
+    CorruptCheckpointError,
+    StorageError,
+    StorageFullError,
+    UnsafeCheckpointError,
+)
 
 #: The most bytes :meth:`Storage.read_bytes` reads. Everything read whole (manifests,
 #: the run file, lock and marker files) is untrusted input and far smaller; a larger
@@ -264,6 +269,42 @@ def _implements(obj: object, protocol: type) -> bool:
 
 
 _IMPLEMENTS: dict[tuple[type, type], bool] = {}
+
+
+#: Free bytes under which a write's failure is taken for the full disk it likely was.
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError | None:
+    """Where a write into ``storage`` failed because its filesystem is full, the error
+    that says so, else None. The frameworks' writers report a full disk in their own
+    words, without ENOSPC (``torch.save``: "[enforce fail at inline_container.cc] .
+    unexpected pos ..."). ``exc`` counts as the full disk when it is ENOSPC/EDQUOT, or
+    when the filesystem has under ``NEARLY_FULL_BYTES`` free now (mounted storages; an
+    object store is never full). Called by whoever reports a failed write, once."""
+    if isinstance(exc, StorageFullError) or not isinstance(exc, Exception):
+        return None  # already ours, with its advice; an interruption is not a write's
+    code = getattr(exc, "errno", None)
+    local = storage.local_path("")
+    if code not in (errno.ENOSPC, errno.EDQUOT):
+        if local is None:
+            return None
+        try:
+            st = os.statvfs(local)
+        except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+            return None
+        if st.f_bavail * st.f_frsize >= NEARLY_FULL_BYTES:
+            return None
+        code = errno.ENOSPC
+    root = storage.url("")
+    return StorageFullError(
+        f"a write into {root} failed because its filesystem is full ({type(exc).__name__}: "
+        f"{str(exc)[:300]}). Nothing was committed and the checkpoints already there are "
+        f"intact. Free space (`atomic-checkpoint prune {root} --keep-last N` works on a "
+        "full disk, or delete other files), then save again",
+        errno=code,
+        path=local or root,
+    )
 
 
 def renaming(storage: Storage) -> RenamingStorage:

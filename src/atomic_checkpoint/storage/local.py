@@ -71,6 +71,7 @@ import io
 import logging
 import os
 import queue
+import re
 import shutil
 import stat
 import sys
@@ -542,11 +543,25 @@ def local_root(root: str | os.PathLike[str]) -> str:
 
     Raises:
         ValueError: a ``file://`` URL that names a host (``file://tmp/x``, one slash
-            short of ``file:///tmp/x``): it was read as the relative path ``tmp/x``.
+            short of ``file:///tmp/x``): it was read as the relative path ``tmp/x``; or
+            a URL with one slash lost (``s3:/bucket/run``, what ``pathlib.Path`` makes
+            of ``s3://bucket/run``).
         CheckpointNotFoundError: a relative root while the working directory no longer
             exists (deleted or replaced since the process started).
     """
     text = os.fspath(root)
+    collapsed = re.match(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)", text)
+    if collapsed:
+        # pathlib turns "s3://bucket/run" into "s3:/bucket/run": as a local path it
+        # became ./s3:/bucket/run, and the checkpoints stayed on the node's disk (the
+        # CLI said "<cwd>/s3:/bucket/run does not exist").
+        scheme = collapsed.group(1)
+        meant = text[5:] if scheme == "file" else f"{scheme}://{text[len(scheme) + 2 :]}"
+        raise ValueError(
+            f"{text!r} looks like {meant!r} with one slash lost (pathlib.Path collapses "
+            "'//'): pass the URL as a str, not a Path (or put './' in front of a local "
+            "directory really named like this)"
+        )
     if text.startswith("file://"):
         host, slash, rest = text[len("file://") :].partition("/")
         if host and host.lower() != "localhost":
@@ -945,8 +960,10 @@ class LocalStorage:
             p = base.check_no_links(self.root, path) if path else self.root
         except CheckpointError:
             return []
-        if not self.capabilities.coherent:
-            self._drop_cached_metadata(p)
+        if not self.capabilities.coherent and not self._drop_cached_metadata(p):
+            # The server has no such directory; this client's cache still lists what
+            # it held (sshfs, for about 20 s after another client deleted it).
+            return []
         try:
             return sorted(os.listdir(p))
         except (FileNotFoundError, NotADirectoryError):
@@ -1126,22 +1143,25 @@ class LocalStorage:
             return  # reached through a link: nothing of ours to refresh
         self._drop_cached_metadata(p)
 
-    def _drop_cached_metadata(self, p: str) -> None:
+    def _drop_cached_metadata(self, p: str) -> bool:
+        """Returns False when the server says ``p`` does not exist (whatever this
+        client's cache still shows), else True."""
         # sshfs, NFS: a metadata write through the mount makes the client drop what it
         # cached for that path (sshfs: the directory listing, or a file's attributes),
         # so a listing taken before another node's commit is renewed. Touching the
         # times is the cheapest such write; nothing orders by mtime (layout.py).
         if os.path.islink(p):
-            return  # utime through it would touch the times of a file outside ROOT
+            return True  # utime through it would touch the times of a file outside ROOT
         try:
             os.utime(p)
         except (FileNotFoundError, NotADirectoryError):
-            pass
+            return False
         except OSError as exc:
             # Read-only mount or not our directory: listings may lag (~20 s on sshfs).
             if not self._refresh_failed:
                 self._refresh_failed = True
                 log.debug("cannot refresh cached metadata of %s (%s): listings may lag", p, exc)
+        return True
 
 
 def _open_new(p: str) -> int:

@@ -16,6 +16,7 @@ Any rank may call these, from any thread; they change nothing on the storage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
@@ -50,6 +51,43 @@ def until(
         storage.refresh(refresh)
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
+
+
+#: How long a start waits for this client's cached entry of a root another client
+#: deleted to expire (sshfs keeps it about 20 s, and no refresh drops the kernel's).
+STALE_ROOT_WAIT_S = 30.0
+
+
+def dirs_made(
+    storage: Storage,
+    names: tuple[str, ...],
+    *,
+    timeout_s: float = STALE_ROOT_WAIT_S,
+    on_wait: Callable[[], None] | None = None,
+) -> bool:
+    """``storage.makedirs`` of each of ``names`` (entries of the root), made where the
+    server has them. On a network filesystem a root that another client deleted can
+    still be in this client's cache: ``makedirs`` then finds the cached entries and
+    creates nothing, and every file created inside fails with ENOENT until the entry
+    expires. The root's listing, read from the server, tells; until it shows every one
+    of ``names``, they are made again, for up to ``timeout_s`` (``on_wait()`` is called
+    once, when waiting starts). Returns whether they are there."""
+
+    def made() -> bool:
+        try:
+            for name in names:
+                storage.makedirs(name)
+        except CheckpointError as exc:
+            if storage.capabilities.coherent or getattr(exc, "errno", None) != errno.ENOENT:
+                raise
+            return False  # the root is gone at the server and still cached here
+        return storage.capabilities.coherent or set(names) <= set(storage.listdir(""))
+
+    if made():
+        return True
+    if on_wait is not None:
+        on_wait()
+    return until(storage, "", made, bool, timeout_s)
 
 
 def dir_still_there(storage: Storage, name: str) -> bool:
