@@ -1639,7 +1639,11 @@ class CheckpointManager:
         self._check_step_order(step)
         if self._async is None:
             # Created once, on every rank at the same (first) async save, so the clone's
-            # key namespace is the same on every rank.
+            # key namespace is the same on every rank. One round agrees on that first:
+            # a rank in save() meanwhile (save_async on some ranks only) raised nothing
+            # until timeout_s, and its ranks stayed out of step for every later call.
+            if self.world_size > 1:
+                self._agree("save_async", step)
             self._async_coord = self.coordinator.clone()
             self._async = AsyncSaver()
             if self._snapshots is None:  # else made by prepare_async()

@@ -170,6 +170,46 @@ def test_rollback_on_rank_0_alone_while_the_others_save_is_a_mismatch_long_befor
         assert after == [1, 2, 4]
 
 
+def test_a_first_save_async_on_some_ranks_while_the_others_save_is_a_mismatch(
+    tmp_path, monkeypatch
+):
+    # save_async on rank 0, save on rank 1: the background save talks through its own
+    # store connection, made at the first save_async, so the two never met. Both waited
+    # out timeout_s, and as rank 1 made no connection, every later call of the two
+    # ranks failed too. The first save_async now agrees on the main connection.
+    import torch
+
+    from atomic_checkpoint import CheckpointManager, coordination
+
+    monkeypatch.setattr(coordination, "SLOW_ROUND_S", 2.0)
+
+    def body(coord, rank):
+        with CheckpointManager(tmp_path, coordinator=coord, timeout_s=60) as mgr:
+            mgr.save(1, {"x": torch.full((2,), 1.0)})
+            t0 = __import__("time").monotonic()
+            try:
+                if rank == 0:
+                    mgr.save_async(3, {"x": torch.zeros(2)}).result()
+                else:
+                    mgr.save(3, {"x": torch.zeros(2)})
+                got: Any = "no error"
+            except Exception as exc:
+                got = exc
+            took = __import__("time").monotonic() - t0
+            mgr.save(4, {"x": torch.full((2,), 4.0)})  # made alike: works again
+            mgr.save_async(5, {"x": torch.full((2,), 5.0)}).result()  # and async too
+            return got, took, [c.step for c in mgr.checkpoints()]
+
+    results = _on_ranks(2, body)
+    for rank, (kind, value, _) in enumerate(results):
+        assert kind == "ok", value
+        err, took, after = value
+        assert isinstance(err, CollectiveMismatchError), (rank, err)
+        assert "save_async" in str(err) and "save step 3" in str(err), str(err)
+        assert took < 20, took  # at SLOW_ROUND_S (2 s here), not at timeout_s (60 s)
+        assert after == [1, 4, 5]
+
+
 def test_a_rank_that_makes_no_call_is_still_a_timeout_naming_it():
     def body(coord, rank):
         if rank == 2:
