@@ -835,10 +835,16 @@ class TieredCheckpointManager:
         self.fast.wait()
         if not allow_empty:
             # As CheckpointManager.rollback: it removed every checkpoint of both tiers,
-            # the persistent one included, with INFO lines as the only notice.
-            held = [c.step for c in self.checkpoints()]
-            victims = [s for s in held if s > step]
-            if victims and not any(s <= step for s in held):
+            # the persistent one included, with INFO lines as the only notice. A tier 1
+            # that cannot be listed is not taken for an empty one (the message said its
+            # steps did not exist): its rollback below says it did not answer.
+            if self._multi:
+                held: list[int] | None = [c.step for c in self.checkpoints()]
+            else:
+                fast, slow = self._tier_lists()
+                held = None if slow is None else [c.step for c in (*fast, *slow)]
+            victims = [s for s in held or () if s > step]
+            if held is not None and victims and not any(s <= step for s in held):
                 raise CheckpointError(
                     f"rollback({step}) would remove every checkpoint of run "
                     f"{self.run_id!r} on both tiers (steps {victims}) and leave none at "
@@ -853,7 +859,22 @@ class TieredCheckpointManager:
             self._ceiling = step
         try:
             removed = set(self._rollback_persistent(step))
-            removed |= set(self.fast.rollback(step, allow_empty=True))
+            try:
+                removed |= set(self.fast.rollback(step, allow_empty=True))
+            except CheckpointError as exc:
+                # Said in the error (its type and fields kept), not in a log line only: a
+                # restart that does not call rollback again copies tier 0's steps above
+                # `step` back to tier 1, and restore() then loads one of them.
+                exc.args = (
+                    f"rollback({step}) is half done: {self._slow_storage.url('')} was rolled "
+                    f"back (steps {sorted(removed, reverse=True)} removed), but tier 0 "
+                    f"{self.fast.root} was not: {exc.args[0] if exc.args else exc}. Call "
+                    f"rollback({step}) again once tier 0 can be written, before saving or "
+                    f"restarting: a restart without it replicates tier 0's steps above "
+                    f"{step} again",
+                    *exc.args[1:],
+                )
+                raise
         finally:
             with self._cv:
                 self._ceiling = None

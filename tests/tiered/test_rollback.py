@@ -129,6 +129,57 @@ def test_rollback_while_the_persistent_tier_is_unreachable_touches_neither_tier(
         assert steps_on(reader) == [1, 2]
 
 
+@pytest.mark.netfs
+@pytest.mark.timeout(120)
+def test_rollback_to_a_step_only_the_unreachable_tier_holds_says_it_did_not_answer(
+    s3_server, s3_bucket, fast_root
+):
+    # Tier 1 holds step 1 (tier 0 let it go once replicated), tier 0 the unreplicated
+    # steps 2 and 3. With tier 1 unreachable, its steps were not counted: "rollback(1)
+    # would remove every checkpoint ... pass allow_empty=True to remove them all".
+    with s3_link_cut(s3_server, s3_bucket, fast_root, (2, 3)) as link:
+        mgr = link.mgr
+        assert steps_on(mgr.fast) == [2, 3]
+        with pytest.raises(CheckpointError) as err:
+            mgr.rollback(1)
+        assert "call rollback(1) again" in str(err.value), str(err.value)
+        assert "allow_empty" not in str(err.value)
+        assert steps_on(mgr.fast) == [2, 3]
+        link.proxy.remove(link.cut)
+        assert mgr.rollback(1) == [3, 2]
+        assert mgr.close() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_rollback_that_fails_on_tier_0_after_tier_1_says_it_is_half_done(
+    fast_root, tmp_path, monkeypatch
+):
+    # Tier 1 rolled back, then tier 0 refused (remounted read-only): the error said
+    # only tier 0's problem, and a restart without a second rollback replicated tier
+    # 0's steps above the target back to tier 1, and restore() loaded one of them.
+    from atomic_checkpoint import StoragePermissionError
+
+    mgr = TieredCheckpointManager([Tier(str(fast_root)), Tier(str(tmp_path / "slow"))])
+    for step in (1, 2, 3):
+        mgr.save(step, state(step))
+    assert mgr.wait_replicated(timeout_s=30)
+
+    def read_only(step, **kwargs):
+        raise StoragePermissionError("rename ... failed: Read-only file system", errno=30)
+
+    monkeypatch.setattr(mgr.fast, "rollback", read_only)
+    with pytest.raises(StoragePermissionError) as err:  # its type and errno are kept
+        mgr.rollback(1)
+    said = str(err.value)
+    assert "rollback(1) is half done" in said and "Read-only file system" in said, said
+    assert "steps [3, 2] removed" in said and "Call rollback(1) again" in said, said
+    assert err.value.errno == 30
+    monkeypatch.undo()
+    assert mgr.rollback(1) == [3, 2]  # called again, as it says: done
+    assert steps_on(mgr.fast) == [1]
+    assert mgr.close() == []
+
+
 @pytest.mark.timeout(60)
 def test_rollback_while_a_mounted_persistent_tier_is_gone_touches_neither_tier(fast_root, tmp_path):
     """All replicated, the replicator idle; then tier 1's directory is replaced by a
