@@ -155,6 +155,7 @@ from .errors import (
     ResumeError,
     StepOrderError,
     StorageError,
+    StorageFullError,
     UnsafeCheckpointError,
 )
 from .layout import (
@@ -653,7 +654,22 @@ class TieredCheckpointManager:
         background."""
         self._check_open()
         self._check_floor(step)
-        info = self.fast.save(step, state, **kwargs)
+        try:
+            info = self.fast.save(step, state, **kwargs)
+        except StorageFullError:
+            # Tier 0 filled while tier 1 was away (its steps held past the policy until
+            # replicated). Once they are replicated, only the next commit's retention
+            # would free them, and no save could commit: every later save failed until
+            # close(). Raised on every rank alike, so every rank takes this way.
+            if self.fast.retention is None or not self.fast.apply_retention():
+                raise
+            log.warning(
+                "tier 0 %s was full: retention freed the steps replication no longer "
+                "holds; saving step %s again",
+                self.fast.root,
+                step,
+            )
+            info = self.fast.save(step, state, **kwargs)
         if self._multi:
             self._queue(info.step)  # every rank: the replicators go step by step together
         return info
@@ -2586,8 +2602,10 @@ class TieredCheckpointManager:
             # left behind once the bound is spent: it can no longer commit anything half
             # way, and close() keeps its word on timeout_s.
             # (Multi-rank: the replicators stop together, at their next agreed exchange,
-            # which waits up to timeout_s for the other ranks' close().)
-            grace = self.timeout_s if self._multi and drain else _STOP_GRACE_S
+            # which waits up to the manager's timeout_s for the other ranks' close(); an
+            # explicit close(timeout_s=) is kept instead, as a preempted job's grace
+            # period must be: it overran by the manager's timeout_s, 600 s by default.)
+            grace = self.timeout_s if self._multi and drain and timeout_s is None else _STOP_GRACE_S
             self._thread.join(max(deadline - time.monotonic(), grace))
             stopped = True
             if self._thread.is_alive() or (self._opener is not None and self._opener.is_alive()):

@@ -312,6 +312,35 @@ def test_saves_go_on_while_s3_is_unreachable_and_every_rank_catches_up(tmp_path,
             assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
 
 
+def test_close_keeps_its_timeout_on_every_rank_while_s3_holds_every_request(tmp_path, s3_tiers):
+    # A preempted job's close(timeout_s=guard.time_left_s): with the persistent tier
+    # silent, each rank's close waited for its replicator up to the manager's timeout_s
+    # on top of its own (23 s for close(timeout_s=3) with timeout_s=20; 600 s more by
+    # default), past the scheduler's SIGKILL.
+    flag = tmp_path / "silent-from-now-on"
+    with S3Proxy(s3_tiers.server, lifetime_s=110) as proxy:
+        held = proxy.add(Rule("delay", times=None, when=lambda _r: flag.exists()))
+        try:
+            values = ok_values(
+                run_ranks(
+                    workers.w_close_within_its_timeout,
+                    WORLD,
+                    s3_tiers.base,
+                    s3_tiers.url,
+                    proxy.storage_options(max_attempts=1),
+                    str(flag),
+                    tmp_dir=str(tmp_path),
+                    timeout_s=100,
+                )
+            )
+        finally:
+            held.release.set()
+            proxy.remove(held)
+    assert all(v["replicated"] for v in values)
+    assert all(v["took"] < 3 + 4 for v in values), [v["took"] for v in values]
+    assert all(v["left"] == [2] for v in values), values
+
+
 def test_a_full_local_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_path, small_disk):
     # Node 1's tier 0 is a real 8 MiB tmpfs that fills up between two saves: the save
     # of step 2 fails on every rank with the same error naming node 1's disk, nothing

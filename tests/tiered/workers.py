@@ -598,3 +598,27 @@ def w_tiered_restore_outcome(
         got = (type(exc).__name__, str(exc))
     mgr.close()
     return got
+
+
+def w_close_within_its_timeout(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
+) -> dict[str, Any]:
+    """Step 1 replicated; then rank 0 creates ``flag`` (the proxy holds every request
+    to the persistent tier from then on, unanswered), step 2 is saved, and every rank
+    calls ``close(timeout_s=3)`` with the manager's ``timeout_s`` at 20: how long each
+    took, and what it left on tier 0."""
+
+    import torch.distributed as dist
+
+    _fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=20, retry_max_s=0.2)
+    mgr.save(1, make_state(1, rank, big_elems=ELEMS))
+    replicated = mgr.wait_replicated(timeout_s=60)
+    dist.barrier()
+    if rank == 0:
+        with open(flag, "w"):
+            pass
+    dist.barrier()
+    mgr.save(2, make_state(2, rank, big_elems=ELEMS))
+    t = time.monotonic()
+    left = mgr.close(timeout_s=3)
+    return {"replicated": replicated, "took": time.monotonic() - t, "left": left}

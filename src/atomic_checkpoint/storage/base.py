@@ -486,7 +486,7 @@ def answer_within(
     worker.join(max(seconds, 0.0))
     if not box:
         # A deadline already passed gives no time at all: said as such, not "-0.0009 s".
-        within = f"within {seconds:g} s" if seconds > 0 else "before the deadline, which had passed"
+        within = f"within {seconds:g} s" if seconds > 0 else "within the time left (none)"
         raise late() if late else StorageError(f"{what} did not answer {within}")
     ok, value = box[0]
     if ok:
