@@ -173,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         n: args.size / statistics.median(f["save_s"] for f in figures[n]) / 2**20 for n in figures
     }
     print(f"save throughput: base {mib_s['base']:.0f} MiB/s, head {mib_s['head']:.0f} MiB/s")
+    # Each round's pair (base and head run back to back): the median of their ratios is
+    # what a drift of the machine over the run (page cache, memory) moves least.
+    for key, label in (("save_s", "sync save"), ("overhead_s", "commit overhead")):
+        pairs = [h[key] / b[key] for b, h in zip(figures["base"], figures["head"], strict=True)]
+        summary[f"paired_{key}"] = statistics.median(pairs)
+        print(f"{label}, median of the rounds' head/base: {statistics.median(pairs):.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"base": args.base, "figures": figures, "ratios": summary}, f, indent=1)
