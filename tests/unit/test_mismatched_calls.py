@@ -11,6 +11,7 @@ torchrun job uses).
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,17 @@ TIMEOUT_S = 8.0  # a mismatch must be raised long before this
 
 def _on_ranks(world: int, body: Callable[[Any, int], Any]) -> list[tuple[str, Any, float]]:
     return on_store_threads(world, body)
+
+
+def _outcome_and_seconds(call: Callable[[], Any]) -> tuple[Any, float]:
+    """What ``call()`` raised ("no error" if nothing), and how long it took."""
+    t0 = time.monotonic()
+    try:
+        call()
+        got: Any = "no error"
+    except Exception as exc:
+        got = exc
+    return got, time.monotonic() - t0
 
 
 def _then_agree(first: Callable[[Any, int], Any]) -> Callable[[Any, int], Any]:
@@ -145,16 +157,11 @@ def test_rollback_on_rank_0_alone_while_the_others_save_is_a_mismatch_long_befor
         with CheckpointManager(tmp_path, coordinator=coord, timeout_s=60) as mgr:
             for s in (1, 2):
                 mgr.save(s, {"x": torch.full((2,), float(s))})
-            t0 = __import__("time").monotonic()
-            try:
-                if rank == 0:
-                    mgr.rollback(1)
-                else:
-                    mgr.save(3, {"x": torch.zeros(2)})
-                got: Any = "no error"
-            except Exception as exc:
-                got = exc
-            took = __import__("time").monotonic() - t0
+            got, took = _outcome_and_seconds(
+                (lambda: mgr.rollback(1))
+                if rank == 0
+                else lambda: mgr.save(3, {"x": torch.zeros(2)})
+            )
             on_disk = sorted(n for n in os.listdir(tmp_path) if n.startswith("checkpoint-"))
             mgr.save(4, {"x": torch.full((2,), 4.0)})  # made alike: works again
             return got, took, on_disk, [c.step for c in mgr.checkpoints()]
@@ -186,16 +193,11 @@ def test_a_first_save_async_on_some_ranks_while_the_others_save_is_a_mismatch(
     def body(coord, rank):
         with CheckpointManager(tmp_path, coordinator=coord, timeout_s=60) as mgr:
             mgr.save(1, {"x": torch.full((2,), 1.0)})
-            t0 = __import__("time").monotonic()
-            try:
-                if rank == 0:
-                    mgr.save_async(3, {"x": torch.zeros(2)}).result()
-                else:
-                    mgr.save(3, {"x": torch.zeros(2)})
-                got: Any = "no error"
-            except Exception as exc:
-                got = exc
-            took = __import__("time").monotonic() - t0
+            got, took = _outcome_and_seconds(
+                (lambda: mgr.save_async(3, {"x": torch.zeros(2)}).result())
+                if rank == 0
+                else lambda: mgr.save(3, {"x": torch.zeros(2)})
+            )
             mgr.save(4, {"x": torch.full((2,), 4.0)})  # made alike: works again
             mgr.save_async(5, {"x": torch.full((2,), 5.0)}).result()  # and async too
             return got, took, [c.step for c in mgr.checkpoints()]
