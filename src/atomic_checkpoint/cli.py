@@ -2879,8 +2879,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "clean",
         "remove abandoned pending and trash data",
-        "Remove what crashed saves and interrupted deletions left: everything under "
-        "ROOT/.pending/ and ROOT/.trash/. Committed checkpoints are never touched. "
+        "Remove what crashed saves and interrupted deletions left: the entries of "
+        "ROOT/.pending/ and ROOT/.trash/ the library named (checkpoint-<step>.<token>; "
+        "other files there stay). Committed checkpoints are never touched. "
         "Refuses (exit 3) while a live job holds the run lock on ROOT. With --force it "
         "cleans anyway and removes the run lock: the way to free a root whose job is "
         "known to be dead before its lease runs out (if that job is alive after all, it "
