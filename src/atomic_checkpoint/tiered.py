@@ -651,7 +651,9 @@ class TieredCheckpointManager:
     def save(self, step: int, state: Any, **kwargs: Any) -> CheckpointInfo:
         """Save ``state`` as checkpoint ``step`` on tier 0 (``CheckpointManager.save``'s
         arguments); returns once it is committed there. Replication follows in the
-        background."""
+        background. Where tier 0 is full, tier 0's retention is applied once (steps
+        held for replication and replicated since are freed) and, if it freed any, the
+        save is made again; else its ``StorageFullError`` is raised."""
         self._check_open()
         self._check_floor(step)
         try:
@@ -2565,7 +2567,9 @@ class TieredCheckpointManager:
 
         Multi-rank: collective. The replicators stop together, at the start of their
         next round (a copy in flight is discarded, never half committed): a rank whose
-        ``close()`` comes first waits for the others' (at most ``timeout_s``).
+        ``close()`` comes first waits for the others' (at most the manager's
+        ``timeout_s``; with ``close(timeout_s=T)``, at most ``T`` and 2 s for the
+        replicator to stop, which is then left behind if it has not).
         """
         if self._closed:
             return list(self._left_at_close)
