@@ -270,10 +270,7 @@ def attempt(
     except Exception as exc:  # every failure is shared, never swallowed
         if ctx is not None and pending is not None:
             exc = _unseen_location(ctx, pending, exc)
-            full = full_storage_error(ctx.storage, exc)
-            if full is not None:
-                full.__cause__ = exc
-                exc = full
+            exc = full_storage_error(ctx.storage, exc) or exc
         return Failed(phase, exc)
 
 

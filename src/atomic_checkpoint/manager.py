@@ -3174,10 +3174,13 @@ class _SavingBlock:
         # process the user's exception propagates; with several, this rank raises the
         # error every other rank raises (naming this rank), its own exception the cause,
         # so that code handling the save's failure runs alike on every rank.
-        why: CheckpointError = CheckpointError(
-            f"the saving() block raised {type(exc).__name__}: {exc}"
+        why = CheckpointError(f"the saving() block raised {type(exc).__name__}: {exc}")
+        # An integration's DistributedCheckpointError said a full disk already (DCP).
+        full = (
+            None
+            if isinstance(exc, DistributedCheckpointError)
+            else full_storage_error(self.mgr.storage, exc)
         )
-        full = full_storage_error(self.mgr.storage, exc)
         try:
             self._finish(commit.Failed("write", full or why))
         except CheckpointError as shared:

@@ -209,16 +209,6 @@ def _write_shards(
         )
 
 
-def _full_disk_said(mgr: CheckpointManager, exc: BaseException) -> BaseException:
-    """``exc``, or where ROOT's filesystem is full, the error that says so (DCP's writer
-    reported it as torch's "unexpected pos ...", without ENOSPC)."""
-    full = full_storage_error(mgr.storage, exc)
-    if full is None:
-        return exc
-    full.__cause__ = exc
-    return full
-
-
 def _dcp_error(rank: int, phase: str, exc: BaseException) -> RankFailure:
     """This rank's failure of DCP's ``phase`` (``dcp_write``, ``dcp_read``), as the
     exchange shares it."""
@@ -376,7 +366,7 @@ def save_dcp(
         # CheckpointException derives from BaseException: name it, or it escapes as a
         # non-Exception that `except Exception` in the training loop never sees.
         except (CheckpointException, Exception) as exc:
-            said = _full_disk_said(mgr, exc)
+            said = full_storage_error(mgr.storage, exc) or exc
             cause, failure = exc, _dcp_error(mgr.rank, "dcp_write", said)
         # DCP's own error reporting stops at its collectives: a rank that died leaves
         # the others with a bare gloo/NCCL error (or none). Share every rank's outcome
@@ -538,12 +528,13 @@ def async_save_dcp(
                 background=True,
             )
         except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
+            said = full_storage_error(mgr.storage, exc) or exc
             if single:
                 # One rank: the commit hands back this rank's own error; report it as
                 # every multi-rank failure is reported.
-                failure = _dcp_error(mgr.rank, "dcp_write", _full_disk_said(mgr, exc))
+                failure = _dcp_error(mgr.rank, "dcp_write", said)
                 raise DistributedCheckpointError([failure], step=step) from exc
-            raise _dcp_failure(_full_disk_said(mgr, exc)) from exc
+            raise _dcp_failure(said) from exc
 
     in_the_way = _clear_the_way(mgr, step, overwrite, "async_save_dcp")  # see save_dcp
     handle = mgr.saving_async(

@@ -281,7 +281,9 @@ def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError
     words, without ENOSPC (``torch.save``: "[enforce fail at inline_container.cc] .
     unexpected pos ..."). ``exc`` counts as the full disk when it is ENOSPC/EDQUOT, or
     when the filesystem has under ``NEARLY_FULL_BYTES`` free now (mounted storages; an
-    object store is never full). Called by whoever reports a failed write, once."""
+    object store is never full). Its ``__cause__`` is ``exc``: callers report
+    ``full_storage_error(storage, exc) or exc``. Called by whoever reports a failed
+    write, once."""
     if isinstance(exc, StorageFullError) or not isinstance(exc, Exception):
         return None  # already ours, with its advice; an interruption is not a write's
     code = getattr(exc, "errno", None)
@@ -297,7 +299,7 @@ def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError
             return None
         code = errno.ENOSPC
     root = storage.url("")
-    return StorageFullError(
+    full = StorageFullError(
         f"a write into {root} failed because its filesystem is full ({type(exc).__name__}: "
         f"{str(exc)[:300]}). Nothing was committed and the checkpoints already there are "
         f"intact. Free space (`atomic-checkpoint prune {root} --keep-last N` works on a "
@@ -305,6 +307,8 @@ def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError
         errno=code,
         path=local or root,
     )
+    full.__cause__ = exc
+    return full
 
 
 def renaming(storage: Storage) -> RenamingStorage:
