@@ -1976,8 +1976,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
     _refuse_one_checkpoint(storage, "prune")
     # A live job's lock is the first answer (exit 3), whatever else is wrong.
     holder = _check_lock(storage, "prune", force=args.force, dry_run=args.dry_run)
-    listing = storage.listdir("")
-    ours = any(parse_checkpoint_name(n) is not None for n in listing)
+    ours = any(parse_checkpoint_name(n) is not None for n in storage.listdir(""))
     if args.dry_run or not ours:
         # Nothing made where there is no checkpoint to delete: an empty root, a
         # directory of other files (it was left holding .atomic-checkpoint/lock.token),
