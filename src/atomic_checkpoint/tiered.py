@@ -68,11 +68,15 @@ C. rank 0 publishes one manifest (every rank's file, the checksums of the save,
    ``wait_replicated``/``replication_backlog`` agree.
 
 At start (and after tier 1 was unreachable) one round agrees what tier 1 lacks: the
-steps every node committed on tier 0, newer than tier 1's newest. A rank that dies
-mid-round makes the others' round time out (``timeout_s``): replication stops there
-and the steps stay held on tier 0 until the job restarts. Each round begins with one
-exchange that also says whether any rank is closing: the replicators stop together,
-between rounds, so a ``close()`` never leaves another rank waiting in a round. ``latest()``,
+steps every node committed on tier 0, newer than tier 1's newest. While a rank's part
+of a round works on storage (rank 0's on tier 1, a leader's copy), every rank's
+replicator meets the others every second (less often above 1,000 ranks) until every
+part has ended: a slow or stalled tier 1 makes a slow round, whatever ``timeout_s``. A
+rank that dies (or freezes) mid-round misses a meeting, so the others' round times out
+(``timeout_s``): replication stops there and the steps stay held on tier 0 until the job
+restarts. Each round begins with one exchange that also says whether any rank is
+closing: the replicators stop together, between rounds, so a ``close()`` never leaves
+another rank waiting in a round. ``latest()``,
 ``checkpoints()`` and ``restore()`` are collective: each rank says which steps it can
 load from its own node's tier 0 copy, rank 0 says what tier 1 holds, and every rank
 picks the newest step that every rank can load from some tier. Each rank then reads
@@ -130,7 +134,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from . import catalog, layout
 from ._checks import flag, retention_policy
@@ -189,6 +193,10 @@ _START_WAIT_S = 30.0
 # What close() gives the replicator to stop, even with timeout_s=0: a copy in flight
 # notices the stop between two chunks.
 _STOP_GRACE_S = 2.0
+# Multi-rank: how often the replicators meet while a rank's part of a round works on
+# storage (less often above 1,000 ranks; at most a quarter of timeout_s), so that they
+# wait for a slow rank as long as it lives (``_while_working``).
+_MEET_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -311,6 +319,10 @@ class _Interrupted(Exception):
 class _RoundFailed(Exception):
     """Internal: a multi-rank replication round failed alike on every rank (tier 1
     unreachable, a node's upload failed): every rank backs off and retries."""
+
+
+class _Stalled(StorageError):
+    """``last_replication_error`` while a multi-rank round waits on slow storage."""
 
 
 class _ArrivalMismatch(CommitError):
@@ -459,6 +471,7 @@ class TieredCheckpointManager:
         )
         # The thread opening tier 1 at start, while it has not answered (single process).
         self._opener: threading.Thread | None = None
+        self._io_worker: threading.Thread | None = None  # _while_working's, multi-rank
         self._open_done = False
         self._open_error: BaseException | None = None
         self._start_gave_up = False
@@ -1325,24 +1338,77 @@ class TieredCheckpointManager:
                 )
                 return
 
+    def _while_working(self, what: str, work: Callable[[], _R] | None) -> _R | None:
+        """This rank's part of a multi-rank round that works on storage (``work``; None:
+        this rank has none), run on a helper thread while every rank's replicator meets
+        the others every ``_MEET_EVERY_S`` until every rank's part has ended; returns
+        its result (or raises what it raised).
+
+        The round's next exchange then finds every rank on time. Waiting there instead
+        timed out after ``timeout_s`` whenever a rank's part took longer (a persistent
+        tier that stalls past it, a large step's copy), which reads as a dead rank and
+        stopped replication for the rest of the job. A rank that dies or freezes misses
+        a meeting and is named within ``timeout_s``, as before. While a part runs
+        longer than ``timeout_s``, ``last_replication_error`` says which ranks it waits
+        for. A close() on any rank ends the round on every rank (``_RoundFailed``; the
+        next round's first exchange stops them); a part stuck in a storage call goes on
+        in its daemon thread and its result is dropped."""
+        box: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                box.append((True, work() if work is not None else None))
+            except BaseException as exc:  # handed to the replicator thread below
+                box.append((False, exc))
+
+        worker = threading.Thread(target=run, name="atomic-checkpoint-replica-io", daemon=True)
+        self._io_worker = worker  # close() does not wait on tier 1 while it is stuck
+        worker.start()
+        # A meeting costs the store O(N) requests: at most ~1,000 a second at any scale.
+        every = min(max(_MEET_EVERY_S, self.world_size / 1000), self.timeout_s / 4)
+        t0 = time.monotonic()
+        while True:
+            worker.join(every)
+            busy, stopping = gather_summary(
+                self._rc,
+                f"tiered: {what}, working",
+                (not box, self._stop.is_set()),
+                _busy_ranks,
+                timeout_s=self.timeout_s,
+            )
+            if not busy:
+                break
+            if stopping:
+                raise _RoundFailed(
+                    f"closed while rank(s) {busy} still worked on storage ({what} of a "
+                    "replication round)"
+                )
+            waited = time.monotonic() - t0
+            if waited > self.timeout_s:
+                with self._cv:
+                    if self._last_error is None or isinstance(self._last_error, _Stalled):
+                        self._last_error = _Stalled(
+                            f"the replication round ({what}) has waited {waited:.0f} s for "
+                            f"rank(s) {busy} working on storage (the persistent tier is "
+                            "slow or not answering); it goes on when they finish"
+                        )
+        with self._cv:
+            if isinstance(self._last_error, _Stalled):
+                self._last_error = None
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return cast(_R, value)
+
     def _rollback_round(self, asked: list[int]) -> None:
         """The replicators' part of ``rollback`` (every rank, agreed): rank 0 rolls
         tier 1 back, then every rank forgets the steps above it and node leaders drop
         their peer copies above it; every rank gets the same outcome."""
         step = min(asked)
-        problem: str | None = None
-        removed: list[int] = []
-        if self.rank == 0:
-            if len(set(asked)) > 1:
-                problem = f"the ranks called rollback() with different steps: {sorted(set(asked))}"
-            else:
-                try:
-                    if self._persistent is None:
-                        self._persistent = self._new_persistent()
-                    removed = self._persistent.rollback(step, allow_empty=True)
-                except CheckpointError as exc:
-                    self._drop_persistent()
-                    problem = f"{self._slow_storage.url('')}: {type(exc).__name__}: {exc}"
+        removed, problem = self._while_working(
+            "rollback",
+            functools.partial(self._rollback_slow, asked) if self.rank == 0 else None,
+        ) or ([], None)
         removed, problem = self._rc.broadcast(
             "tiered: rollback", (removed, problem), src=0, timeout_s=self.timeout_s
         )
@@ -1367,6 +1433,19 @@ class TieredCheckpointManager:
             self._rollback_result = (kind, CheckpointError(value) if kind == "error" else value)
             self._cv.notify_all()
 
+    def _rollback_slow(self, asked: list[int]) -> tuple[list[int], str | None]:
+        """Rank 0's part of the rollback round: tier 1 rolled back to the step every
+        rank asked for; the steps removed, or what went wrong."""
+        if len(set(asked)) > 1:
+            return [], f"the ranks called rollback() with different steps: {sorted(set(asked))}"
+        try:
+            if self._persistent is None:
+                self._persistent = self._new_persistent()
+            return self._persistent.rollback(asked[0], allow_empty=True), None
+        except CheckpointError as exc:
+            self._drop_persistent()
+            return [], f"{self._slow_storage.url('')}: {type(exc).__name__}: {exc}"
+
     def _drop_peer_copies_above(self, step: int) -> str | None:
         """Remove the peer copies this node holds of steps above ``step`` (rolled
         back): each one's manifest first (un-committed), then its files. Returns what
@@ -1389,17 +1468,9 @@ class TieredCheckpointManager:
         """Agree on what tier 1 lacks: the steps every node committed on tier 0, newer
         than tier 1's newest, minus tier 1's. Rank 0 opens tier 1 (its run lock)."""
         on_fast = self._on_fast() if self.fast.is_coordinator else None
-        on_slow, error = None, None
-        if self.rank == 0:
-            try:
-                if self._persistent is None:
-                    self._persistent = self._new_persistent()
-                on_slow = {c.step for c in self._persistent.checkpoints()}
-            except LockHeldError as exc:
-                error = ("fatal", str(exc))
-            except CheckpointError as exc:
-                self._drop_persistent()
-                error = ("retry", f"{type(exc).__name__}: {exc}")
+        on_slow, error = self._while_working(
+            "reconcile", self._slow_steps if self.rank == 0 else None
+        ) or (None, None)
         # With peer replicas, each node leader also says whose peer copies it holds, so
         # that a step saved before this start (a restart) gets its copies too.
         held = None
@@ -1443,6 +1514,20 @@ class TieredCheckpointManager:
                     self._peer_todo.add(step)
             self._reconciled = True
             self._cv.notify_all()
+
+    def _slow_steps(self) -> tuple[set[int] | None, tuple[str, str] | None]:
+        """Rank 0's part of the reconcile round: the steps tier 1 holds (opening it and
+        taking its run lock first), or the error, "fatal" (another job holds the lock)
+        or "retry"."""
+        try:
+            if self._persistent is None:
+                self._persistent = self._new_persistent()
+            return {c.step for c in self._persistent.checkpoints()}, None
+        except LockHeldError as exc:
+            return None, ("fatal", str(exc))
+        except CheckpointError as exc:
+            self._drop_persistent()
+            return None, ("retry", f"{type(exc).__name__}: {exc}")
 
     def _peer_state_at_start(
         self, common: set[int], views: list[tuple[Any, ...]]
@@ -1492,31 +1577,26 @@ class TieredCheckpointManager:
         files, the checksums of the save) only if every node's copy verified, and sends
         the outcome: committed, failed (a corrupt copy: never retried) or retry."""
         rc, t0 = self._rc, time.perf_counter()
-        plan: dict[str, Any] | None = None
-        if self.rank == 0:
-            plan = self._plan_multi(mine)
+        # Each part that works on storage runs while the ranks meet (_while_working),
+        # so a slow persistent tier is a slow round, not a rank taken for dead.
+        plan = self._while_working(
+            "plan", functools.partial(self._plan_multi, mine) if self.rank == 0 else None
+        )
         plan = rc.broadcast("tiered: plan", plan, src=0, timeout_s=self.timeout_s)
         assert plan is not None
         step = plan["step"]
         if "error" in plan:
             raise _RoundFailed(plan["error"])
-        copied: tuple[str, Any] = ("ok", [])
+        copy = None
         if not plan.get("done") and self.fast.is_coordinator:
-            try:
-                copied = ("ok", self._copy_node_files(step, plan["staged"]))
-            except _Stopped:
-                # close() on this rank: the round ends alike for everyone (rank 0
-                # discards the attempt), and the next round's exchange stops them all.
-                copied = ("retry", f"rank {self.rank}: stopping")
-            except (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError) as e:
-                copied = ("failed", f"rank {self.rank}: {e}")
-            except Exception as e:
-                copied = ("retry", f"rank {self.rank}: {type(e).__name__}: {e}")
+            copy = functools.partial(self._copy_outcome, step, plan["staged"])
+        copied = self._while_working("copy", copy) or ("ok", [])
         # Only rank 0 reads the nodes' results (it commits); everyone gets the outcome.
         results = gather_to(rc, "tiered: copied", copied, dst=0, timeout_s=self.timeout_s)
-        outcome: tuple[str, str | None] = ("committed", None)
+        commit = None
         if results is not None and not plan.get("done"):
-            outcome = self._commit_multi(step, plan, results, t0)
+            commit = functools.partial(self._commit_multi, step, plan, results, t0)
+        outcome = self._while_working("commit", commit) or ("committed", None)
         outcome = rc.broadcast("tiered: outcome", outcome, src=0, timeout_s=self.timeout_s)
         kind, msg = outcome
         with self._cv:
@@ -1552,6 +1632,21 @@ class TieredCheckpointManager:
         except CheckpointError as exc:
             self._drop_persistent()
             return {"step": step, "error": f"{type(exc).__name__}: {exc}"}
+
+    def _copy_outcome(self, step: int, staged: str) -> tuple[str, Any]:
+        """A node leader's part of round B, as the result rank 0 gathers: ("ok", the
+        entries), ("failed", why: a corrupt tier 0 copy, never retried) or ("retry",
+        why)."""
+        try:
+            return "ok", self._copy_node_files(step, staged)
+        except _Stopped:
+            # close() on this rank: the round ends alike for everyone (rank 0 discards
+            # the attempt), and the next round's exchange stops them all.
+            return "retry", f"rank {self.rank}: stopping"
+        except (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError) as e:
+            return "failed", f"rank {self.rank}: {e}"
+        except Exception as e:
+            return "retry", f"rank {self.rank}: {type(e).__name__}: {e}"
 
     def _copy_node_files(self, step: int, staged: str) -> list[FileEntry]:
         """A node leader's part of round B: its node's files of ``step`` into
@@ -2612,7 +2707,8 @@ class TieredCheckpointManager:
             grace = self.timeout_s if self._multi and drain and timeout_s is None else _STOP_GRACE_S
             self._thread.join(max(deadline - time.monotonic(), grace))
             stopped = True
-            if self._thread.is_alive() or (self._opener is not None and self._opener.is_alive()):
+            stuck = (self._thread, self._opener, self._io_worker)
+            if any(t is not None and t.is_alive() for t in stuck):
                 log.warning(
                     "close(): the replicator is still waiting for %s after %g s: left behind; "
                     "tier 1's run lock is released in the background (or lapses with its "
@@ -2726,6 +2822,15 @@ def _next_round(
     asked = [r for _, _, r in reports]
     back = None if any(r is None for r in asked) else [int(r) for r in asked if r is not None]
     return stop, back, min((p for _, p, _ in reports if p is not None), default=None)
+
+
+def _busy_ranks(reports: list[tuple[bool, bool]]) -> tuple[str, bool]:
+    """A meeting of ``_while_working``, on rank 0: the ranks still working ("" when
+    none; the first 8 named, so the answer stays small at any scale) and whether any
+    rank is stopping."""
+    busy = [r for r, (working, _) in enumerate(reports) if working]
+    text = ", ".join(map(str, busy[:8])) + (f" and {len(busy) - 8} more" if len(busy) > 8 else "")
+    return text, any(stop for _, stop in reports)
 
 
 def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:

@@ -445,6 +445,42 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
 
 
 @pytest.mark.netfs
+def test_a_persistent_tier_that_stalls_past_timeout_s_is_a_slow_round_not_a_dead_rank(
+    tmp_path, s3_tiers
+):
+    # Every request to the persistent tier is held 8 s, twice timeout_s, for a while.
+    # The replicators waited for the stalled rank at the round's next exchange, timed
+    # out after timeout_s, took it for dead and stopped replication for the rest of the
+    # job. Now they meet while it works: the round waits, the stall is reported in
+    # last_replication_error, and step 2 reaches the persistent tier on every rank.
+    flag = tmp_path / "slow-from-now-on"
+    with S3Proxy(s3_tiers.server, lifetime_s=110) as proxy:
+        slow = proxy.add(Rule("delay", times=None, delay_s=8, when=lambda _r: flag.exists()))
+        values = ok_values(
+            run_ranks(
+                workers.w_tier1_stalls,
+                2,
+                s3_tiers.base,
+                s3_tiers.url,
+                proxy.storage_options(max_attempts=1),
+                str(flag),
+                tmp_dir=str(tmp_path),
+                timeout_s=140,
+            )
+        )
+    assert slow.fired > 0
+    assert all(v["first"] is True for v in values), values
+    assert any("has waited" in v["during"] for v in values), values
+    assert all(v["caught_up"] is True for v in values), values
+    assert all(v["after"] == "None" and v["backlog"] == [] for v in values), values
+    assert all(v["left"] == [] for v in values), values
+    reader = CheckpointManager(s3_tiers.url, storage_options=s3_tiers.opts, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2]
+    for r in range(2):
+        assert states_equal(reader.restore(step=2, rank=r), make_state(2, r, big_elems=4096))
+
+
+@pytest.mark.netfs
 def test_ranks_that_close_one_by_one_while_s3_fails_stop_replicating_together(tmp_path, s3_tiers):
     # Once the tiers are open, the persistent tier answers 503 to everything, so the 3
     # ranks' replicators retry their rounds in lockstep. Rank 0 closes at once, the

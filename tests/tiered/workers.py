@@ -622,3 +622,37 @@ def w_close_within_its_timeout(
     t = time.monotonic()
     left = mgr.close(timeout_s=3)
     return {"replicated": replicated, "took": time.monotonic() - t, "left": left}
+
+
+def w_tier1_stalls(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
+) -> dict[str, Any]:
+    """Step 1 replicated; then rank 0 creates ``flag`` (the proxy holds each request to
+    the persistent tier 8 s, twice the manager's ``timeout_s`` of 4), step 2 is saved,
+    and 7 s later rank 0 removes the flag. What each rank saw meanwhile, and whether
+    step 2 reached the persistent tier afterwards on every rank."""
+
+    import torch.distributed as dist
+
+    _fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=4, retry_max_s=0.2)
+    mgr.save(1, make_state(1, rank, big_elems=ELEMS))
+    out: dict[str, Any] = {"first": mgr.wait_replicated(timeout_s=60)}
+    dist.barrier()
+    if rank == 0:
+        with open(flag, "w"):
+            pass
+    dist.barrier()
+    mgr.save(2, make_state(2, rank, big_elems=ELEMS))
+    time.sleep(7)
+    out["during"] = repr(mgr.last_replication_error)
+    dist.barrier()
+    if rank == 0:
+        os.remove(flag)
+    try:
+        out["caught_up"] = mgr.wait_replicated(2, timeout_s=60)
+    except Exception as exc:
+        out["caught_up"] = f"{type(exc).__name__}: {exc}"
+    out["after"] = repr(mgr.last_replication_error)
+    out["backlog"] = mgr.replication_backlog()
+    out["left"] = mgr.close(timeout_s=30)
+    return out
