@@ -118,6 +118,25 @@ class S3Tiers:
         assert down.fired > 0  # the replicators did try, and failed
         return values
 
+    def run_ranks_while_held(
+        self, fn: Callable[..., Any], world: int, flag: Path, *, delay_s: float | None = None
+    ) -> list[Any]:
+        """Run ``fn(rank, world, base, url, PROXIED, FLAG)`` on ``world`` ranks, PROXIED
+        being the options of a proxy of the server that holds every request made while
+        the file FLAG exists: ``delay_s``, or until the job ends. Every rank's value;
+        the proxy must have held requests."""
+        with S3Proxy(self.server, lifetime_s=110) as proxy:
+            held = proxy.add(
+                Rule("delay", times=None, delay_s=delay_s, when=lambda _r: flag.exists())
+            )
+            try:
+                args = (self.base, self.url, proxy.storage_options(max_attempts=1), str(flag))
+                return ok_values(run_ranks(fn, world, *args, tmp_dir=self.tmp_dir, timeout_s=140))
+            finally:
+                held.release.set()
+                proxy.remove(held)
+                assert held.fired > 0
+
 
 @pytest.fixture
 def s3_tiers(tmp_path, s3_server, s3_bucket) -> S3Tiers:
@@ -317,25 +336,9 @@ def test_close_keeps_its_timeout_on_every_rank_while_s3_holds_every_request(tmp_
     # silent, each rank's close waited for its replicator up to the manager's timeout_s
     # on top of its own (23 s for close(timeout_s=3) with timeout_s=20; 600 s more by
     # default), past the scheduler's SIGKILL.
-    flag = tmp_path / "silent-from-now-on"
-    with S3Proxy(s3_tiers.server, lifetime_s=110) as proxy:
-        held = proxy.add(Rule("delay", times=None, when=lambda _r: flag.exists()))
-        try:
-            values = ok_values(
-                run_ranks(
-                    workers.w_close_within_its_timeout,
-                    WORLD,
-                    s3_tiers.base,
-                    s3_tiers.url,
-                    proxy.storage_options(max_attempts=1),
-                    str(flag),
-                    tmp_dir=str(tmp_path),
-                    timeout_s=100,
-                )
-            )
-        finally:
-            held.release.set()
-            proxy.remove(held)
+    values = s3_tiers.run_ranks_while_held(
+        workers.w_close_within_its_timeout, WORLD, tmp_path / "silent-from-now-on"
+    )
     assert all(v["replicated"] for v in values)
     assert all(v["took"] < 3 + 4 for v in values), [v["took"] for v in values]
     assert all(v["left"] == [2] for v in values), values
@@ -453,22 +456,9 @@ def test_a_persistent_tier_that_stalls_past_timeout_s_is_a_slow_round_not_a_dead
     # out after timeout_s, took it for dead and stopped replication for the rest of the
     # job. Now they meet while it works: the round waits, the stall is reported in
     # last_replication_error, and step 2 reaches the persistent tier on every rank.
-    flag = tmp_path / "slow-from-now-on"
-    with S3Proxy(s3_tiers.server, lifetime_s=110) as proxy:
-        slow = proxy.add(Rule("delay", times=None, delay_s=8, when=lambda _r: flag.exists()))
-        values = ok_values(
-            run_ranks(
-                workers.w_tier1_stalls,
-                2,
-                s3_tiers.base,
-                s3_tiers.url,
-                proxy.storage_options(max_attempts=1),
-                str(flag),
-                tmp_dir=str(tmp_path),
-                timeout_s=140,
-            )
-        )
-    assert slow.fired > 0
+    values = s3_tiers.run_ranks_while_held(
+        workers.w_tier1_stalls, 2, tmp_path / "slow-from-now-on", delay_s=8
+    )
     assert all(v["first"] is True for v in values), values
     assert any("has waited" in v["during"] for v in values), values
     assert all(v["caught_up"] is True for v in values), values

@@ -600,17 +600,15 @@ def w_tiered_restore_outcome(
     return got
 
 
-def w_close_within_its_timeout(
-    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
-) -> dict[str, Any]:
-    """Step 1 replicated; then rank 0 creates ``flag`` (the proxy holds every request
-    to the persistent tier from then on, unanswered), step 2 is saved, and every rank
-    calls ``close(timeout_s=3)`` with the manager's ``timeout_s`` at 20: how long each
-    took, and what it left on tier 0."""
-
+def _flag_after_step_1(
+    rank: int, base: str, slow: str, opts: dict[str, Any], flag: str, *, timeout_s: float
+) -> tuple[TieredCheckpointManager, bool]:
+    """Save step 1 and wait for the persistent tier to have it; then rank 0 creates
+    ``flag`` (the test's proxy holds the persistent tier's requests from then on) and
+    every rank saves step 2. The manager, and whether step 1 was replicated."""
     import torch.distributed as dist
 
-    _fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=20, retry_max_s=0.2)
+    _fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=timeout_s, retry_max_s=0.2)
     mgr.save(1, make_state(1, rank, big_elems=ELEMS))
     replicated = mgr.wait_replicated(timeout_s=60)
     dist.barrier()
@@ -619,6 +617,18 @@ def w_close_within_its_timeout(
             pass
     dist.barrier()
     mgr.save(2, make_state(2, rank, big_elems=ELEMS))
+    return mgr, replicated
+
+
+def w_close_within_its_timeout(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
+) -> dict[str, Any]:
+    """Step 1 replicated; then rank 0 creates ``flag`` (the proxy holds every request
+    to the persistent tier from then on, unanswered), step 2 is saved, and every rank
+    calls ``close(timeout_s=3)`` with the manager's ``timeout_s`` at 20: how long each
+    took, and what it left on tier 0."""
+
+    mgr, replicated = _flag_after_step_1(rank, base, slow, opts, flag, timeout_s=20)
     t = time.monotonic()
     left = mgr.close(timeout_s=3)
     return {"replicated": replicated, "took": time.monotonic() - t, "left": left}
@@ -634,15 +644,8 @@ def w_tier1_stalls(
 
     import torch.distributed as dist
 
-    _fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=4, retry_max_s=0.2)
-    mgr.save(1, make_state(1, rank, big_elems=ELEMS))
-    out: dict[str, Any] = {"first": mgr.wait_replicated(timeout_s=60)}
-    dist.barrier()
-    if rank == 0:
-        with open(flag, "w"):
-            pass
-    dist.barrier()
-    mgr.save(2, make_state(2, rank, big_elems=ELEMS))
+    mgr, first = _flag_after_step_1(rank, base, slow, opts, flag, timeout_s=4)
+    out: dict[str, Any] = {"first": first}
     time.sleep(7)
     out["during"] = repr(mgr.last_replication_error)
     dist.barrier()
