@@ -3063,7 +3063,8 @@ def _within(limit: float, func: Callable[[argparse.Namespace], int], args: Any) 
             )
         return CliError(
             f"{args.command} {args.root} did not finish within {limit:g} s (--timeout): the "
-            "storage answered too slowly or not at all (an endpoint that is down or hung?). "
+            "storage answered too slowly, not at all, or only with errors its client retries "
+            "(an endpoint that is down, hung or throttling: HTTP 503). "
             "Nothing is left half-done that the next command cannot handle: run it again, "
             "with a longer --timeout, once the storage answers",
             EXIT_USAGE,
