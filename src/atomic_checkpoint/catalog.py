@@ -43,11 +43,12 @@ from .errors import (
     CorruptCheckpointError,
     StorageError,
     StoragePermissionError,
+    UnsupportedSchemaError,
 )
 from .manifest import FileEntry, Hasher, Manifest, SharedManifest
 from .storage import posix, visibility
 from .storage.base import Storage
-from .storage.temps import parse_temp_name
+from .storage.temps import abandoned_temps, parse_temp_name
 
 _T = TypeVar("_T")
 log = logging.getLogger("atomic_checkpoint")
@@ -593,10 +594,16 @@ def _steps_near(steps: list[int], step: int, most: int = 10) -> str:
 
 
 def _foreign_entries(storage: Storage, rel: str) -> list[str]:
+    """The entries of checkpoint directory ``rel`` that no save or delete of ours left:
+    neither a marker, an attempt directory nor a temporary file whose writer is gone."""
+    names = storage.listdir(rel)
+    ours = {path.rsplit("/", 1)[-1] for path, _ in abandoned_temps(storage, rel, names)}
     return [
         n
-        for n in storage.listdir(rel)
-        if layout.parse_marker_name(n) is None and layout.parse_attempt_dir(n) is None
+        for n in names
+        if layout.parse_marker_name(n) is None
+        and layout.parse_attempt_dir(n) is None
+        and n not in ours
     ]
 
 
@@ -630,7 +637,21 @@ def step_taken(
     except CheckpointNotFoundError:
         # Marker-strategy leftovers (markers, attempt directories) are ours, not foreign.
         there = visibility.dir_still_there(storage, name)
-        if there and (renames or _foreign_entries(storage, name)):
+        foreign = _foreign_entries(storage, name) if there else []
+        if there and renames and not foreign:
+            # Only the remains of an in-place save or delete cut short (the marker
+            # strategy's, or its empty directory): a run that used that strategy on this
+            # ROOT before it renamed. With no manifest they never were a checkpoint, and
+            # this run's sweep does not look for them (it knows its own remains only):
+            # removed here, so that they never block this save (FAILURE_MODES E3).
+            log.warning(
+                "removing %s: the remains of an in-place save or delete that was cut short "
+                "(no manifest: never a checkpoint)",
+                storage.url(name),
+            )
+            storage.delete_tree(name)
+            return False
+        if there and (renames or foreign):
             if overwrite:
                 return True
             raise CommitError(
@@ -639,6 +660,14 @@ def step_taken(
                 "Move it away, or pass overwrite=True to replace it"
             ) from None
         return False
+    except UnsupportedSchemaError as exc:
+        # Written by a newer version of this library: this one cannot tell what it is
+        # or whose, so it never replaces it (docs/format.md), overwrite=True included.
+        raise CheckpointExistsError(
+            f"{storage.url(name)} was written by a newer version of atomic-checkpoint "
+            f"({exc}): this version never replaces or deletes it, overwrite=True "
+            "included. Save under another step, or upgrade atomic-checkpoint"
+        ) from None
     except CorruptCheckpointError as exc:
         if not overwrite:
             # Not "already committed": nothing valid is there, but it is never replaced

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .coordination import Coordinator, gather_routed
-from .errors import CheckpointError, CheckpointNotFoundError, CoordinationTimeoutError
+from .errors import CheckpointError, CheckpointNotFoundError
 from .layout import META_DIR
 from .lock import HOST_ENV as HOST_ENV
 from .lock import current_host
@@ -113,27 +113,19 @@ def discover(
             return candidates  # probed only to check that the hosts do not share ROOT
         return None if by_host(hosts) is not None else candidates
 
-    try:
-        _, candidates, routed = gather_routed(
-            coord,
-            "domains: hosts",
-            "storage domains",
-            current_host,
-            probe_list,
-            lambda hosts: _routes(by_host(hosts)),
-            dst=0,
-            routed=True,
-            timeout_s=timeout_s,
-        )
-    except CoordinationTimeoutError as exc:
-        # The first collective of a new manager: the usual cause is a manager created
-        # on some ranks only (under `if rank == 0:`, the habit of a single-writer save).
-        raise CoordinationTimeoutError(
-            f"{exc}. Opening a checkpoint manager is collective: create it on every "
-            "rank, in the same order (not under `if rank == 0:`)",
-            missing_ranks=exc.missing_ranks,
-            key=exc.key,
-        ) from None
+    # (Not the first round of a new manager: that one, which says "create it on every
+    # rank" when a rank never comes, is its settings' check.)
+    _, candidates, routed = gather_routed(
+        coord,
+        "domains: hosts",
+        "storage domains",
+        current_host,
+        probe_list,
+        lambda hosts: _routes(by_host(hosts)),
+        dst=0,
+        routed=True,
+        timeout_s=timeout_s,
+    )
     if candidates is None:
         return _unpack(routed)
     per_host = routed if mode == "per-host" else None

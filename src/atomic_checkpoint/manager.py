@@ -51,6 +51,7 @@ from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CommitError,
+    CoordinationTimeoutError,
     CorruptCheckpointError,
     DistributedCheckpointError,
     FencedError,
@@ -188,7 +189,10 @@ class CheckpointManager:
             (adopted, with a warning; several raise ``ResumeError``: pass one); else a
             new one.
         coordinator: how ranks agree; default: torch.distributed when a process group
-            is initialised, else single process.
+            is initialised, else single process. Creating a manager is then collective
+            (every rank, in the same order), and ``run_id``, ``read_only``, ``resume``
+            and ``storage_domains`` must be the same on every rank: else every rank
+            raises ``CollectiveMismatchError`` naming each rank's.
         timeout_s: bound on every wait for other ranks.
         read_only: never write, lock or delete (safe while a job runs); on a network
             filesystem, a stale cached listing is dropped by touching a directory's
@@ -323,6 +327,10 @@ class CheckpointManager:
         self._takeover = takeover
         self._lease_s = lease_s
         self._lock: RunLock | None = None
+        if self.world_size > 1:
+            self._agree_on_settings(
+                run_id=run_id, read_only=read_only, resume=resume, storage_domains=storage_domains
+            )
         self.domain: Domain = discover_domains(
             self.storage,
             self.coordinator,
@@ -456,6 +464,24 @@ class CheckpointManager:
         """``coordination.agree`` on ``call``'s arguments, refused inside ``on_commit``."""
         self._refuse_in_callback(call)
         agree(self.coordinator, call, value, timeout_s=self.timeout_s)
+
+    def _agree_on_settings(self, **settings: Any) -> None:
+        """A new manager's first round with several ranks: the settings that steer its
+        collective steps are the same on every rank. A ``run_id`` passed on some ranks
+        only was rank 0's, silently, and ``read_only=`` or ``storage_domains=`` on some
+        ranks made the ranks' rounds differ (a mismatch naming two rounds, not the
+        setting). ``CollectiveMismatchError`` names each rank's settings."""
+        try:
+            self._agree("CheckpointManager()", settings)
+        except CoordinationTimeoutError as exc:
+            # The usual cause: a manager created on some ranks only (under
+            # `if rank == 0:`, the habit of a single-writer save).
+            raise CoordinationTimeoutError(
+                f"{exc}. Opening a checkpoint manager is collective: create it on every "
+                "rank, in the same order (not under `if rank == 0:`)",
+                missing_ranks=exc.missing_ranks,
+                key=exc.key,
+            ) from None
 
     def _on_leaders(
         self,

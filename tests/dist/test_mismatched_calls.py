@@ -196,6 +196,42 @@ def test_a_saving_block_failing_on_one_rank_and_retention_on_rank_0_alone(tmp_pa
     assert all(x["on_disk"] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"] for x in v), v
 
 
+def w_settings_by_rank(rank: int, world: int, root: str) -> dict[str, str]:
+    """Step 1 saved alike; then managers opened with a ``run_id`` or ``read_only`` that
+    differs by rank. What each open raised, and how long it took."""
+    with CheckpointManager(root, timeout_s=TIMEOUT_S) as mgr:
+        mgr.save(1, {"r": rank})
+    out = {}
+    for name, value in (("run_id", f"run-{rank}"), ("read_only", rank % 2 == 1)):
+        t = time.monotonic()
+        try:
+            CheckpointManager(root, timeout_s=TIMEOUT_S, **{name: value}).close()
+            out[name] = "opened"
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__} after {time.monotonic() - t:.1f} s: {exc}"
+    if rank == 0:  # a manager made under `if rank == 0:`
+        try:
+            CheckpointManager(root, timeout_s=2.0).close()
+            out["alone"] = "opened"
+        except Exception as exc:
+            out["alone"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_settings_that_differ_by_rank_fail_the_open_on_every_rank_at_once(tmp_path):
+    # A run_id passed differently by rank was rank 0's, silently; read_only= on some
+    # ranks only failed with a mismatch of two rounds that did not name the setting.
+    v = ok_values(run_ranks(w_settings_by_rank, 2, str(tmp_path / "root"), tmp_dir=str(tmp_path)))
+    for name in ("run_id", "read_only"):
+        said = [x[name] for x in v]
+        assert all(x.startswith("CollectiveMismatchError after ") for x in said), said
+        assert all(f"'{name}'" in x and "CheckpointManager()" in x for x in said), said
+        assert all(float(x.split()[2]) < TIMEOUT_S / 2 for x in said), said
+    assert all("'run-0'" in x["run_id"] and "'run-1'" in x["run_id"] for x in v), v
+    assert v[0]["alone"].startswith("CoordinationTimeoutError"), v[0]
+    assert "create it on every rank" in v[0]["alone"], v[0]
+
+
 def w_own_root_per_rank(rank: int, world: int, base: str) -> str:
     import os
 

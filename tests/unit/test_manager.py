@@ -33,7 +33,7 @@ from atomic_checkpoint import (
     StorageError,
     UnsafeCheckpointError,
 )
-from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
+from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR, parse_attempt_dir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -877,9 +877,11 @@ def test_a_wrapping_storage_that_copied_direct_io_capabilities_works_without_it(
         assert same(mgr.restore(), state(1))
 
 
-def test_an_empty_step_directory_is_said_before_anything_is_written(tmp_path, caplog):
+def test_an_empty_step_directory_is_removed_before_anything_is_written(tmp_path, caplog):
     # An interrupted copy left checkpoint-3/ empty: the restarted job wrote every
-    # rank's data, then the rename failed with a bare "already exists".
+    # rank's data, then the rename failed with a bare "already exists"; then the save
+    # refused the empty directory, which holds nothing to lose (FAILURE_MODES E3: a
+    # leftover never blocks a save of the same step).
     with CheckpointManager(tmp_path) as mgr:
         for s in (1, 2, 3):
             mgr.save(s, state(s))
@@ -892,11 +894,59 @@ def test_an_empty_step_directory_is_said_before_anything_is_written(tmp_path, ca
     )
     with mgr:
         assert mgr.latest().step == 2
+        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+            mgr.save(3, state(3))
+        assert "removing" in caplog.text and "never a checkpoint" in caplog.text
+        assert same(mgr.restore(3), state(3))
+        assert os.listdir(tmp_path / PENDING_DIR) == []
+
+
+@pytest.mark.parametrize("left", ["attempt", "empty"])
+def test_a_marker_strategy_leftover_never_blocks_a_renaming_save_of_its_step(tmp_path, left):
+    # A marker-strategy save (or retention delete) killed on a local root, then the job
+    # restarted with the default strategy (rename): save(N) raised "exists but is not a
+    # committed checkpoint", at every restart, since the rename strategy's sweep does
+    # not look inside checkpoint directories.
+    with CheckpointManager(tmp_path, strategy="marker") as mgr:
+        mgr.save(1, state(1))
+        if left != "empty":
+            mgr.save(2, state(2))
+    step_dir = tmp_path / "checkpoint-2"
+    if left == "empty":
+        step_dir.mkdir()
+    else:
+        (step_dir / MANIFEST_NAME).unlink()  # cut short before its commit, or un-committed
+        assert [n for n in os.listdir(step_dir) if parse_attempt_dir(n)], os.listdir(step_dir)
+    user_dir = tmp_path / "checkpoint-3"
+    user_dir.mkdir()
+    (user_dir / "notes.txt").write_text("mine")  # not ours: still never removed
+    with CheckpointManager(tmp_path) as mgr:
+        assert mgr.latest().step == 1
+        mgr.save(2, state(2))
+        assert same(mgr.restore(2), state(2))
         with pytest.raises(CommitError, match="exists but is not a committed checkpoint"):
             mgr.save(3, state(3))
-        assert os.listdir(tmp_path / PENDING_DIR) == []
-        mgr.save(3, state(3), overwrite=True)
-        assert same(mgr.restore(3), state(3))
+    assert (user_dir / "notes.txt").read_text() == "mine"
+
+
+def test_a_checkpoint_of_a_newer_format_is_never_replaced_overwrite_included(tmp_path):
+    # docs/format.md: a checkpoint of a higher schema_version is skipped, never
+    # replaced or deleted. save(step, overwrite=True) replaced it, and the refusal of a
+    # plain save advised exactly that.
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    path = tmp_path / "checkpoint-2" / MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc["schema_version"] = 999
+    path.write_text(json.dumps(doc))
+    newer = path.read_bytes()
+    with CheckpointManager(tmp_path) as mgr:
+        for overwrite in (False, True):
+            with pytest.raises(CheckpointExistsError, match="newer version") as info:
+                mgr.save(2, state(20), overwrite=overwrite)
+            assert "Pass overwrite=True" not in str(info.value)
+    assert path.read_bytes() == newer
 
 
 def test_a_reader_of_a_root_without_a_run_file_follows_the_newest_checkpoints_run(tmp_path):
