@@ -51,6 +51,7 @@ from .catalog import read_manifest
 from .catalog import validate as validate_checkpoint
 from .layout import (
     MANIFEST_NAME,
+    META_DIR,
     PENDING_DIR,
     TRASH_DIR,
     attempt_dir_name,
@@ -462,14 +463,15 @@ class RenameStrategy:
         return _retire(self, storage, step, rank=rank, fence=fence)
 
     def leftovers(self, storage: Storage, *, keep: frozenset[str] = frozenset()) -> list[Leftover]:
-        """Every entry of ``.pending/`` and ``.trash/`` named as this library names them
+        """Every entry of ``.pending/`` and ``.trash/`` (and ``.atomic-checkpoint/``, where
+        an un-commit on a full disk may go: ``_trash_dir``) named as this library names them
         (``layout.is_own_entry``: a user's own files in folders of those names, in a
         directory that was never a checkpoint root, are not ours to delete) but those in
         ``keep`` (what ``recover_replaced`` restores in a dry run or could not settle:
         never the only complete copy of a step), one ``Leftover`` each. Read-only;
         called by ``sweep`` and by the CLI's ``clean`` after its ``recover_replaced``."""
         out: list[Leftover] = []
-        for directory in (PENDING_DIR, TRASH_DIR):
+        for directory in (PENDING_DIR, TRASH_DIR, META_DIR):  # META_DIR: _trash_dir
             for name in storage.listdir(directory):
                 rel = f"{directory}/{name}"
                 if rel not in keep and is_own_entry(name):
@@ -512,20 +514,23 @@ class RenameStrategy:
 def _trash_dir(storage: Storage) -> str:
     """Where ``uncommit`` renames a checkpoint to: ``.trash/``, created if need be. On a
     full disk, where even that directory cannot be created (the deletion is what would
-    free the space), ``.pending/`` when it exists: whatever is there is a leftover the
-    next start's sweep and ``clean`` remove, and a rename into an existing directory
-    allocates nothing."""
+    free the space), an existing directory of ours instead: ``.pending/``, else
+    ``.atomic-checkpoint/`` (it holds the run lock, so it exists whenever a deletion
+    runs: a root that never rotated, such as one of adopted checkpoints, has neither of
+    the others). A rename into an existing directory allocates nothing, and whatever is
+    left there is removed by the next start's sweep and by ``clean`` (``leftovers``)."""
     try:
         storage.makedirs(TRASH_DIR)
     except errors.StorageFullError:
-        if not storage.is_dir(PENDING_DIR):
+        instead = PENDING_DIR if storage.is_dir(PENDING_DIR) else META_DIR
+        if not storage.is_dir(instead):
             raise
         log.warning(
             "cannot create %s (the storage is full): un-committing into %s instead",
             storage.url(TRASH_DIR),
-            storage.url(PENDING_DIR),
+            storage.url(instead),
         )
-        return PENDING_DIR
+        return instead
     return TRASH_DIR
 
 

@@ -22,6 +22,7 @@ import pytest
 from reliability.checks import expected_state, states_equal
 
 from atomic_checkpoint import CheckpointManager, KeepLast, StorageFullError
+from atomic_checkpoint.layout import META_DIR
 from tests.testbed import fill_until_enospc
 from tests.testbed.pytest_fixtures import small_disk  # noqa: F401 - fixture used by name
 
@@ -121,16 +122,20 @@ def _three_checkpoints(root) -> None:
             mgr.save(step, {"x": np.full(1 << 18, step, dtype=np.float32)})
 
 
-def test_prune_frees_a_full_disk_as_the_full_disk_errors_advise(small_disk):
+@pytest.mark.parametrize("pending", [True, False], ids=["saved-here", "adopted"])
+def test_prune_frees_a_full_disk_as_the_full_disk_errors_advise(small_disk, pending):
     # "atomic-checkpoint prune ROOT --keep-last N (it works on a full disk)" failed with
     # "create directory 'ROOT/.trash' failed: No space left on device": the un-commit
-    # renamed into .trash/, which needs a block of its own on ext4.
+    # renamed into .trash/, which needs a block of its own on ext4. It then went to
+    # .pending/, which a root of adopted checkpoints (never saved to here) lacks too.
     from tests.cli.helpers import run_cli
 
     disk = small_disk(8, "ext4")
     root = disk.path / "root"
     _three_checkpoints(root)
     assert not (root / ".trash").exists()
+    if not pending:
+        (root / ".pending").rmdir()
     _fill(disk.path)
     proc = run_cli("prune", root, "--keep-last", "1")
     assert proc.returncode == 0, proc.stderr
@@ -140,6 +145,7 @@ def test_prune_frees_a_full_disk_as_the_full_disk_errors_advise(small_disk):
     assert free_bytes(disk.path) > 2 * 4 * (1 << 18)  # the two checkpoints' space is back
     with CheckpointManager(root) as mgr:  # the start sweeps what the prune left
         assert os.listdir(root / ".pending") == []
+        assert not [n for n in os.listdir(root / META_DIR) if n.startswith("checkpoint-")]
         assert (mgr.restore()["x"] == 3).all()
         assert mgr.save(4, {"x": np.zeros(1 << 18, dtype=np.float32)}).step == 4
 
