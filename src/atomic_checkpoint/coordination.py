@@ -430,6 +430,18 @@ _namespace_lock = threading.Lock()
 _namespace_counter = 0
 
 
+def _incarnation() -> str:
+    """What sets this process's keys apart from those of the job's earlier incarnations
+    in the same store. torchrun with ``--max-restarts`` restarts the workers in place,
+    and with its c10d rendezvous they connect to the agent's store again, where the
+    last incarnation's keys are still there: the new processes number their managers
+    and rounds from 1 again, so a rank read the old outcome of its round (a save that
+    returned the last incarnation's step, on one rank only). ``TORCHELASTIC_RESTART_COUNT``
+    is the same on every worker of one incarnation."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "" if count in ("", "0") else f"restart{count}/"
+
+
 def _next_namespace() -> int:
     """Namespaces are handed out in creation order, identical on every rank as long as
     every rank creates its managers in the same order (which collective use requires)."""
@@ -462,7 +474,7 @@ class TorchDistributedCoordinator:
         self._store = store
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
-        self._ns = namespace or f"atomic_checkpoint/{_next_namespace()}"
+        self._ns = namespace or f"atomic_checkpoint/{_incarnation()}{_next_namespace()}"
         self._seq = 0
         self._last_publish: tuple[int, int, str] | None = None  # (round, src, key): ``settle``
         self._clones = 0

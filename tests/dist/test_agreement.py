@@ -15,6 +15,7 @@ jobs.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -192,3 +193,51 @@ def test_flags_that_differ_by_rank_fail_the_save_on_every_rank_at_once(tmp_path)
     assert [v["next"][:2] for v in values] == [("ok", 3)] * 2
     assert [v["steps"] for v in values] == [[1, 3]] * 2
     assert [v["restored_1"] for v in values] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_a_job_restarted_in_place_never_reads_its_last_incarnations_rounds(
+    tmp_path, monkeypatch
+):
+    # torchrun --max-restarts restarts the workers in place, and with its c10d
+    # rendezvous they connect to the same store again, where the last incarnation's
+    # keys still are: the new processes numbered their rounds from 1 again, and one
+    # rank's save(1) returned the last incarnation's step 0 while the other failed.
+    # Two incarnations of 2 ranks (threads) on one real TCPStore, as the agent's.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from atomic_checkpoint import CheckpointManager, coordination
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    monkeypatch.setattr(coordination, "_next_namespace", lambda: 1)  # a new process's first
+    root = tmp_path / "root"
+
+    def incarnation(step: int) -> dict[int, str]:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(step))
+        out: dict[int, str] = {}
+
+        def rank(r: int) -> None:
+            store = dist.TCPStore("127.0.0.1", server.port, 1, False)
+            coord = coordination.TorchDistributedCoordinator(store, rank=r, world_size=2)
+            try:
+                with CheckpointManager(root, coordinator=coord, timeout_s=5) as mgr:
+                    out[r] = f"saved {mgr.save(step, {'r': r}).step}"
+            except Exception as exc:
+                out[r] = f"{type(exc).__name__}: {exc}"
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    assert incarnation(0) == {0: "saved 0", 1: "saved 0"}
+    for step in (1, 2):
+        assert incarnation(step) == {0: f"saved {step}", 1: f"saved {step}"}
+    reader = CheckpointManager(root, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [0, 1, 2]
+    assert reader.restore(2, rank=1) == {"r": 1}
