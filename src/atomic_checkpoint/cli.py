@@ -190,6 +190,7 @@ sizes only (``verify`` reads the data and the state files' headers). The other d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -3048,6 +3049,8 @@ def _within(limit: float, func: Callable[[argparse.Namespace], int], args: Any) 
     crash (a delete un-commits before it deletes; ``clean`` removes what is left)."""
 
     def late() -> CliError:
+        global _ABANDONED
+        _ABANDONED = True
         waits = catalog.overwrites_waited_for()
         if waits:
             # Not the storage: the command was waiting (up to REPLACE_WAIT_S) for an
@@ -3086,20 +3089,38 @@ def _tolerant_output() -> None:
                 pass
 
 
+#: Set when ``--timeout`` gave up on the command (``_within``): it goes on in a daemon
+#: thread, inside a storage call that does not answer.
+_ABANDONED = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (see the module docstring)."""
+    """Run the command line; returns the exit status (see the module docstring).
+
+    Run as the program (``argv`` None: the ``atomic-checkpoint`` script, ``python -m
+    atomic_checkpoint``), a command that ``--timeout`` gave up on ends the process
+    here, with its exit status: Python's own exit waited for the threads still inside
+    the storage call (a thread pool's workers, the run lock's release at exit), and an
+    `adopt` frozen half way never exited."""
     stdout = sys.stdout
     try:
         _tolerant_output()
         sys.stdout = _VisibleStream(stdout)
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt:
         # Before the command ran (its parser being built, a lazy import): 130 too.
         _error_line("interrupted")
-        return EXIT_INTERRUPTED
+        code = EXIT_INTERRUPTED
     finally:
         if isinstance(sys.stdout, _VisibleStream):
             sys.stdout = stdout
+    if _ABANDONED and argv is None:
+        # As if killed there: what the command changed is as safe as after a crash.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    return code
 
 
 def _main(argv: Sequence[str] | None) -> int:

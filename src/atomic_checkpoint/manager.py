@@ -112,6 +112,9 @@ _OPEN_MANAGERS: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 _Self = TypeVar("_Self")
 
 _RESUME_MODES = ("auto", "must", "never")
+# close(timeout_s=T): how long an async save asked to stop at T gets to end (a write
+# stops at its next chunk) before close returns without it.
+_STOP_MOMENT_S = 0.5
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -1728,15 +1731,23 @@ class CheckpointManager:
     def _finish_async(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         return None if self._async is None else self._async.wait(timeout_s)
 
-    def _close_async(self, why: str, stop_bound_s: float | None = None) -> BaseException | None:
+    def _close_async(
+        self, why: str, stop_bound_s: float | None = None, within_s: float | None = None
+    ) -> BaseException | None:
         """Finish the in-flight async save (past ``timeout_s``, ask it to stop) and wait
         until it has ended, however it ends; log which. Returns its failure if this
         manager has not raised it yet. ``stop_bound_s``: see
-        ``AsyncSaver.finish_or_abandon`` (interpreter exit only)."""
+        ``AsyncSaver.finish_or_abandon`` (interpreter exit). ``within_s``: the whole
+        wait, to finish and then to stop (``close(timeout_s=)``), at least a moment to
+        stop once asked."""
         saver = self._async
         if saver is None:
             return None
-        error = saver.finish_or_abandon(self.timeout_s, why, stop_bound_s=stop_bound_s)
+        finish_s = self.timeout_s
+        if within_s is not None:
+            finish_s = min(finish_s, within_s)
+            stop_bound_s = max(within_s - finish_s, _STOP_MOMENT_S)
+        error = saver.finish_or_abandon(finish_s, why, stop_bound_s=stop_bound_s)
         if self._snapshots is not None and not saver.is_running:
             self._snapshots.release()
         return error
@@ -2833,11 +2844,12 @@ class CheckpointManager:
         return m.info(self.storage.url(checkpoint_name(m.step)))
 
     # ------------------------------------------------------------------ life cycle
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Finish background work, then release the run lock. Idempotent.
 
-        An in-flight async save gets ``timeout_s`` to finish; past that it is asked to
-        stop. Either way ``close`` waits until the save has ended, however long its
+        An in-flight async save gets the manager's ``timeout_s`` to finish (or this
+        call's ``timeout_s``, if shorter); past that it is asked to stop. Without
+        ``timeout_s``, ``close`` then waits until the save has ended, however long its
         last storage call takes (a save past its last fence check is renaming or
         fsyncing its commit, which cannot be taken back), and reports what happened:
 
@@ -2854,7 +2866,16 @@ class CheckpointManager:
         Called inside a save on the save's own thread (a signal handler that interrupted
         it, or ``on_commit`` of a synchronous save), it returns at once and the manager
         closes as soon as that save has ended (successful or not).
+
+        ``timeout_s`` bounds ``close`` itself, for a job that must exit within a
+        preemption's grace period (``close(timeout_s=guard.time_left_s)``): a save
+        still inside a storage call once it has passed (a stalled object store) is
+        left running, and not a checkpoint unless it was already committing. The run
+        lock then stays with this process, as at interpreter exit: released, another
+        job could take ROOT under that save; it is taken over once the process is gone.
         """
+        if timeout_s is not None:
+            timeout_s = _wait_seconds("timeout_s", timeout_s)
         if self._closed:
             return
         if os.getpid() != self._pid:
@@ -2870,7 +2891,8 @@ class CheckpointManager:
             return
         self._check_process("close()")
         self._close_in_save_slot(
-            functools.partial(self._close, "close()", stop_bound_s=None), lambda: self._closed
+            functools.partial(self._close, "close()", stop_bound_s=None, within_s=timeout_s),
+            lambda: self._closed,
         )
 
     def _close_in_save_slot(self, body: Callable[[], object], closed: Callable[[], bool]) -> bool:
@@ -2908,15 +2930,17 @@ class CheckpointManager:
         *,
         stop_bound_s: float | None,
         before_release: Callable[[bool], None] | None = None,
+        within_s: float | None = None,
     ) -> None:
         """``close``. ``before_release(saved)``: run once the async save and the
         rotation are finished, while this job still holds the run lock (``saved``: the
         async save did not fail); a ``TieredCheckpointManager`` drains replication and
-        applies tier 0's retention there."""
-        async_error = self._close_async(why, stop_bound_s)
+        applies tier 0's retention there. ``within_s``: ``close(timeout_s=)``, the
+        whole wait for the async save (to finish, then to stop)."""
+        async_error = self._close_async(why, stop_bound_s, within_s)
         if self._async is not None and self._async.is_running:
-            # Interpreter exit only (close() waits without a bound): the save is stuck in
-            # a storage call. Keep the run lock: released, another job could take ROOT
+            # Interpreter exit, or close(timeout_s=) spent: the save is stuck in a
+            # storage call. Keep the run lock: released, another job could take ROOT
             # while this save may still rename into it; held by a process about to end,
             # it is taken over once the process is gone (logged by the saver). Not even
             # at the locks' own exit hook: its delete would hang on the stuck storage.

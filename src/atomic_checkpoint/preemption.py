@@ -828,17 +828,6 @@ class PreemptionGuard:
             return None
         return self.grace_s - (time.monotonic() - self._record.at)
 
-    def _least_left(self, round_name: str) -> float | None:
-        """The least time left of the grace period on any rank now; collective."""
-        least: float | None = gather_summary(
-            self._coord,
-            round_name,
-            self._time_left(),
-            lambda views: min((v for v in views if v is not None), default=None),
-            timeout_s=self.timeout_s,
-        )
-        return least
-
     @property
     def time_left_s(self) -> float | None:
         """Seconds left of the grace period since this process's first signal, less the
@@ -946,44 +935,70 @@ class PreemptionGuard:
         if self._coord.rank == min(signalled):
             self._log_decision(step, signalled, check["signals"], left, estimate)
         if self._save_now:
-            self._report_failed_async(step)
-            if left is not None and check["slowest"] is not None:
-                self._check_again_after_waiting(step, check["slowest"])
+            # With the grace period known, the wait for the async save in flight keeps
+            # within it: a save stuck in a storage call held this rank here while the
+            # others timed out, and the job was killed instead of requeued.
+            running = self._report_failed_async(step, None if left is None else self.time_left_s)
+            if left is not None:
+                self._check_again_after_waiting(step, check["slowest"], running)
         return self._save_now
 
-    def _check_again_after_waiting(self, step: int, slowest: float) -> None:
+    def _check_again_after_waiting(self, step: int, slowest: float | None, running: bool) -> None:
         """The save starts only once the async save in flight and the retention of the
-        last save have ended (``_report_failed_async`` waited for both): either can take
-        longer than the estimate said, so the ranks decide again, together, from the
-        time left now; a save that no longer fits is not started."""
-        left = self._least_left(f"preemption check {self._checks} at step {step}: again")
+        last save have ended (``_report_failed_async`` waited for both, within the
+        grace period): either can take longer than the estimate said, so the ranks
+        decide again, together, from the time left now and whether some rank's async
+        save is still running (stuck in storage); a save that no longer fits, or would
+        queue behind a stuck one, is not started."""
+        left, stuck = gather_summary(
+            self._coord,
+            f"preemption check {self._checks} at step {step}: again",
+            (self._time_left(), running),
+            _least_left_and_running,
+            timeout_s=self.timeout_s,
+        )
         if left is None:
             return
         self._agreed_left = (left, time.monotonic())
-        if slowest * MARGIN <= left:
+        if stuck:
+            self.skipped_save = (
+                f"the async save in flight on rank(s) {stuck} had not ended within the "
+                f"{self.grace_s:g} s grace period (its storage is slow or not answering); "
+                "a save now would queue behind it"
+            )
+        elif slowest is None or slowest * MARGIN <= left:
             return
+        else:
+            self.skipped_save = (
+                f"a save would take {slowest:.2f} s (the slowest of the recent saves) and "
+                f"only {max(left, 0.0):.2f} s are left of the {self.grace_s:g} s grace period "
+                f"once the async save in flight and the last save's retention had ended (a "
+                f"save is started only if {MARGIN:g} x its expected time fits)"
+            )
         self._save_now = False
-        self.skipped_save = (
-            f"a save would take {slowest:.2f} s (the slowest of the recent saves) and only "
-            f"{max(left, 0.0):.2f} s are left of the {self.grace_s:g} s grace period once "
-            f"the async save in flight and the last save's retention had ended (a save is "
-            f"started only if {MARGIN:g} x its expected time fits)"
-        )
         if self._coord.rank == min(self.requested_by):
             log.warning(
                 "preemption: stopping at step %d WITHOUT saving: %s", step, self.skipped_save
             )
 
-    def _report_failed_async(self, step: int) -> None:
+    def _report_failed_async(self, step: int, within_s: float | None) -> bool:
         """Finish the async save in flight and report its failure here, logged: raised
         by ``mgr.save(step)`` (the first call after it), it would cost the save the
         grace period is for, and the job would exit 1 instead of being requeued. Every
-        rank gets the failure alike, so every rank goes on to the save."""
+        rank gets the failure alike, so every rank goes on to the save. Waits up to
+        ``within_s`` (None: as long as it runs); returns whether it is still running."""
         wait = getattr(self._manager, "wait", None)
         if wait is None:
-            return
+            return False
         try:
-            wait()
+            wait(timeout_s=within_s)
+        except TimeoutError:
+            log.error(
+                "preemption: the async save before step %d has not ended within the grace "
+                "period; the preemption save is not started",
+                step,
+            )
+            return True
         except Exception as exc:  # any failure of that save: it is reported, not raised
             log.error(
                 "preemption: the async save before step %d failed (%s); the preemption "
@@ -992,6 +1007,7 @@ class PreemptionGuard:
                 exc,
                 step,
             )
+        return False
 
     def _log_decision(
         self,
@@ -1104,6 +1120,15 @@ if os.environ.get(ARM_ENV, "").strip().lower() not in ("", "0", "false", "no", "
             "thread",
             ARM_ENV,
         )
+
+
+def _least_left_and_running(views: list[tuple[float | None, bool]]) -> tuple[float | None, str]:
+    """The second check, on rank 0: the least time left of any rank, and the ranks
+    whose async save is still running ("" if none; the first 8 named)."""
+    left = min((v for v, _ in views if v is not None), default=None)
+    running = [r for r, (_, busy) in enumerate(views) if busy]
+    named = ", ".join(map(str, running[:8])) + (" and more" if len(running) > 8 else "")
+    return left, named
 
 
 def _check_summary(

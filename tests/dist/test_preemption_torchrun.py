@@ -208,6 +208,43 @@ def test_repeated_sigterms_during_the_save_do_not_cut_it_short(tmp_path):
     assert "more signal(s) ignored while the workers saved" in job.text()
 
 
+def test_an_async_save_stuck_in_storage_still_ends_the_job_within_the_grace_period(tmp_path):
+    # Rank 0's background writer of the async save of step 8 never returns (a storage
+    # call that does not answer); every worker gets SIGTERM with a grace period of 8 s.
+    # Rank 0 waited in should_save for that save without a bound while rank 1 timed
+    # out (30 s), the launcher killed rank 0 after its shutdown timeout, and the job
+    # exited 1 long after the scheduler's SIGKILL would have come.
+    grace = 8.0
+    job = Job(
+        tmp_path,
+        save_every=4,
+        PREEMPT_ASYNC="1",
+        ATOMIC_CHECKPOINT_GRACE_S=str(grace),
+        ATOMIC_CHECKPOINT_FAULTS="mid_write@0=hang:8",
+    )
+    workers = [job.pid(r) for r in range(WORLD)]
+
+    def stuck() -> bool:
+        pend = job.root / PENDING_DIR
+        return job.at_step(9) and any(
+            (pend / d / "rank-00000.safetensors").exists() for d in os.listdir(pend)
+        )
+
+    job.wait_for("rank 0's async save of step 8 to be stuck in its write", stuck)
+    signalled = time.monotonic()
+    _kill(workers)
+    rc, results = job.finish()
+    took = time.monotonic() - signalled
+    assert rc == REQUEUE_EXIT_CODE, job.text()
+    assert took < grace + 4, (took, job.text())  # the launcher's own exit on a busy node
+    for r in results:
+        assert r["exit_code"] == REQUEUE_EXIT_CODE and r["decided"] is not None, results
+        assert "had not ended within the 8 s grace period" in r["skipped_save"], results
+    reader = CheckpointManager(job.root, read_only=True)
+    assert reader.latest().step == 4  # the stuck save never committed; step 4 is intact
+    reader.verify(4)
+
+
 def test_a_sigterm_before_the_process_group_exists_saves_and_the_restart_resumes(tmp_path):
     # Every worker is signalled while it starts (signals armed, no process group, no
     # manager, no guard yet): on the default action they would die, and the restart

@@ -300,18 +300,23 @@ def test_stock_accelerate_project_is_adopted_and_keeps_accelerates_layout(projec
 
 
 # ---------------------------------------------------------------------- object store
+def _uploaded(stock: Path, store: FsspecStorage, steps: tuple[int, ...]) -> FsspecStorage:
+    """``store`` holding the stock run's checkpoints ``steps``, as a stock run on S3."""
+    for step in steps:
+        for name in sorted(os.listdir(stock / f"checkpoint-{step}")):
+            data = (stock / f"checkpoint-{step}" / name).read_bytes()
+            store.write_bytes_atomic(f"checkpoint-{step}/{name}", data)
+    return store
+
+
 @pytest.mark.netfs
 @pytest.mark.timeout(180)
 def test_adopt_on_an_s3_root_commits_like_a_marker_save(
-    stock_hf: Path, s3_server: Any, s3_bucket: str, tmp_path: Path
+    stock_hf: Path, s3_server: Any, s3_bucket: str
 ) -> None:
     url = f"s3://{s3_bucket}/out"
     opts = s3_server.storage_options()
-    store = FsspecStorage(url, opts)
-    for step in (2, 4):
-        for name in sorted(os.listdir(stock_hf / f"checkpoint-{step}")):
-            data = (stock_hf / f"checkpoint-{step}" / name).read_bytes()
-            store.write_bytes_atomic(f"checkpoint-{step}/{name}", data)
+    store = _uploaded(stock_hf, FsspecStorage(url, opts), (2, 4))
     store.write_bytes_atomic("checkpoint-6/config.json", b"{}")  # torn: model only begun
     result = adopt(url, storage_options=opts)
     assert result.adopted == [2, 4] and list(result.refused) == [6], result
@@ -321,6 +326,56 @@ def test_adopt_on_an_s3_root_commits_like_a_marker_save(
     assert [c.step for c in mgr.checkpoints()] == [2, 4]
     assert mgr.verify(4).adopted
     assert adopt(url, storage_options=opts, steps=[2, 4]).already == [2, 4]
+
+
+@pytest.mark.netfs
+@pytest.mark.timeout(180)
+def test_cli_adopt_on_s3_that_stops_answering_half_way_exits_at_its_timeout(
+    stock_hf: Path, s3_server: Any, s3_bucket: str, tmp_path: Path
+) -> None:
+    # The endpoint stops answering once the first checkpoint is adopted: the command
+    # said "did not finish within 15 s (--timeout)", then the process never exited
+    # (Python's exit waited for the threads still inside the storage call).
+    import time
+
+    from tests.cli.helpers import cli_env
+    from tests.testbed.s3proxy import Rule, S3Proxy
+
+    url = f"s3://{s3_bucket}/out"
+    _uploaded(stock_hf, FsspecStorage(url, s3_server.storage_options()), (2, 4, 6, 8, 10))
+    silent = tmp_path / "silent"
+    with S3Proxy(s3_server, lifetime_s=120) as proxy:
+        held = proxy.add(Rule("delay", times=None, when=lambda _r: silent.exists()))
+        options = [
+            a
+            for k, v in proxy.storage_options(max_attempts=1).items()
+            for a in ("--storage-option", f"{k}={json.dumps(v)}")
+        ]
+        cmd = [sys.executable, "-m", "atomic_checkpoint", "adopt", url, *options]
+        with subprocess.Popen(
+            [*cmd, "--timeout", "15"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env({"PYTHONUNBUFFERED": "1"}),  # each line as adopt prints it
+        ) as proc:
+            try:
+                assert proc.stdout is not None and proc.stderr is not None
+                first = proc.stdout.readline()
+                silent.touch()
+                t0 = time.monotonic()
+                rc = proc.wait(60)
+                took = time.monotonic() - t0
+                err = proc.stderr.read()
+            finally:
+                held.release.set()
+                if proc.poll() is None:
+                    proc.kill()
+    assert first.startswith("adopted checkpoint-2"), (first, err)
+    assert held.fired > 0
+    assert rc == 2 and "did not finish within 15 s (--timeout)" in err, (rc, err)
+    assert took < 15 + 10, took
+    assert "Traceback" not in err
 
 
 # ---------------------------------------------------------------------- the CLI

@@ -195,7 +195,7 @@ with PreemptionGuard(mgr) as guard:
                 saved.append(mgr.save(step, state).step)
         if guard.stopping:
             break
-mgr.close()
+mgr.close(timeout_s=guard.time_left_s)  # as the README: within the grace period
 put(
     f"result-rank{rank}.json",
     json.dumps(
