@@ -197,6 +197,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -204,7 +205,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
-from . import catalog, layout
+from . import _early, catalog, layout
 from ._version import __version__
 from .coordination import gather_summary
 from .errors import (
@@ -3102,6 +3103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     here, with its exit status: Python's own exit waited for the threads still inside
     the storage call (a thread pool's workers, the run lock's release at exit), and an
     `adopt` frozen half way never exited."""
+    if signal.getsignal(signal.SIGINT) is _early.interrupted_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt again
     stdout = sys.stdout
     try:
         _tolerant_output()

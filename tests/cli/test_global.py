@@ -173,3 +173,47 @@ def test_every_json_key_the_commands_emit_is_documented(root, tmp_path):
     emitted |= {k for d in documents if d["command"] == "inspect" for k in d}
     missing = sorted(k for k in emitted if f'"{k}"' not in doc and f"``{k}``" not in doc)
     assert missing == [], f"--json keys not in the documented schema: {missing}"
+
+
+@pytest.mark.parametrize("entry_point", [False, True], ids=["module", "script"])
+def test_ctrl_c_while_the_package_imports_is_one_line_and_130(root, entry_point):
+    # A Ctrl-C in the command's first moments (Python importing the package) ended
+    # with a KeyboardInterrupt traceback and status 1, which a script reads as "a
+    # problem was found". Signals at growing delays cover the import and the command.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from atomic_checkpoint import _early
+    from tests.cli.helpers import ENTRY_POINT, cli_env
+
+    assert _early.command_line(["python", "-m", "atomic_checkpoint", "list", "R"])
+    assert _early.command_line(["python", "/venv/bin/atomic-checkpoint", "list", "R"])
+    assert not _early.command_line(["python", "train.py"])
+    assert not _early.command_line(["python", "-m", "atomic_checkpoint.launch", "t.py"])
+    make_root(root, steps=(100,))
+    cmd = [str(ENTRY_POINT)] if entry_point else [sys.executable, "-m", "atomic_checkpoint"]
+    interrupted = 0
+    for i in range(12):
+        with subprocess.Popen(
+            [*cmd, "verify", str(root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(None),
+        ) as proc:
+            time.sleep(0.1 + 0.06 * i)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            _out, err = proc.communicate(timeout=60)
+        if "Traceback" in err:  # only from Python's own start, before the package runs
+            assert "/atomic_checkpoint/" not in err, (i, err)
+            continue
+        if proc.returncode == -signal.SIGINT:  # at the interpreter's own exit: the shell's 130
+            continue
+        if proc.returncode != 0:
+            assert proc.returncode == 130, (i, proc.returncode, err)
+            assert err.strip().splitlines()[-1] == "atomic-checkpoint: error: interrupted", err
+            interrupted += 1
+    assert interrupted > 0
