@@ -804,7 +804,9 @@ def adopt(
         LockHeldError: a live job (or a ``CheckpointManager`` of this process) holds the
             run lock on ``root``: adopt before it opens, or after it closes.
         ValueError: ``framework`` is unknown; a step is not a valid step.
-        CheckpointError: ``run_id`` differs from the recorded run; storage errors.
+        CheckpointError: ``run_id`` differs from the recorded run; storage errors (a
+            full disk). When one stops an adoption half way, its ``adopt_result``
+            attribute holds what was adopted, refused or already committed before it.
     """
     t0 = time.monotonic()
     _check_framework(framework)
@@ -848,22 +850,30 @@ def adopt(
             record_layout()
         last_seq, valid = _committed_in(storage)
         seqs = itertools.count(last_seq + 1)
-        out = adopt_held(
-            storage,
-            rid,
-            lock,
-            wanted,
-            framework=framework,
-            next_seq=seqs.__next__,
-            progress=say,
-            valid=valid,
-        )
+        out = AdoptResult(storage.url(""), rid)
+        try:
+            adopt_held(
+                storage,
+                rid,
+                lock,
+                wanted,
+                framework=framework,
+                next_seq=seqs.__next__,
+                progress=say,
+                valid=valid,
+                into=out,
+            )
+        except CheckpointError as exc:
+            exc.adopt_result = out  # type: ignore[attr-defined]  # what it did before
+            raise
         if not out.adopted and not had_run_file and not valid:
             # Nothing recorded: the run file made for this call goes too, or the job
             # started later with its own run_id was refused, and the CLI (prune, list)
-            # took the root for a run that holds nothing.
+            # took the root for a run that holds nothing. No run exists, so none is
+            # reported (the next adopt makes another).
             storage.delete_file(RUN_FILE)
             storage.fsync_dir(layout.META_DIR)
+            out = dataclasses.replace(out, run_id=None)
     finally:
         lock.release()
     log.debug("adopt %s: %.2f s", storage.url(""), time.monotonic() - t0)
@@ -912,6 +922,7 @@ def adopt_held(
     strategy: str | None = None,
     progress: Callable[[str], object] | None = None,
     valid: Mapping[str, Manifest] | None = None,
+    into: AdoptResult | None = None,
 ) -> AdoptResult:
     """What :func:`adopt` does once it holds the run lock, for a caller that holds it
     already (an open ``CheckpointManager``: ``CheckpointManager.adopt_existing``):
@@ -920,10 +931,11 @@ def adopt_held(
     adopted, refused or already committed. Not collective; one process.
 
     ``valid``: the checkpoints of ROOT already read and validated under this lock
-    (``_committed_in``), by name: settled without reading their manifests again."""
+    (``_committed_in``), by name: settled without reading their manifests again.
+    ``into``: the result to fill in as it goes (what was done before an error)."""
     _check_framework(framework)
     say = progress or (lambda line: None)
-    out = AdoptResult(storage.url(""), rid)
+    out = AdoptResult(storage.url(""), rid) if into is None else into
     strategy = strategy or choose_strategy(storage).name
     for c in _classify(storage, framework, wanted, rid, valid):
         shown = _shown(storage, c.name)

@@ -207,6 +207,7 @@ from typing import Any, NoReturn, TextIO
 
 from . import _early, catalog, layout
 from ._version import __version__
+from .adopt import AdoptResult
 from .coordination import gather_summary
 from .errors import (
     CheckpointError,
@@ -2268,36 +2269,18 @@ def cmd_adopt(args: argparse.Namespace) -> int:
         # a shell user is told the flags instead. Same error type: same exit status.
         if not isinstance(exc, OSError):
             exc.args = (_adopt_cli_words(str(exc)),)
+        if args.json:
+            # The document too (a script reads stdout): what was done before the error
+            # (a full disk half way), and the error as its problem.
+            done = getattr(exc, "adopt_result", None)
+            if done is None:
+                done = AdoptResult(storage.url(""), None, dry_run=args.dry_run)
+            _emit_json(_adopt_doc(done, time.monotonic() - t0, str(exc)))
         raise
     seconds = time.monotonic() - t0
     problem = _adopt_problem(args, result)
     if args.json:
-        _emit_json(
-            {
-                "schema_version": JSON_SCHEMA_VERSION,
-                "command": "adopt",
-                "root": result.root,
-                "run_id": result.run_id,
-                "dry_run": result.dry_run,
-                "adopted": [
-                    {
-                        "step": s,
-                        "framework": result.frameworks.get(s),
-                        "size_bytes": result.size_bytes.get(s),
-                        "seconds": result.seconds.get(s),
-                    }
-                    for s in result.adopted
-                ],
-                "already": result.already,
-                "refused": [
-                    {"step": s, "problem": _adopt_cli_words(p)}
-                    for s, p in sorted(result.refused.items())
-                ],
-                "seconds": seconds,
-                # Why the command exits 1 (null when it exits 0): the error line on stderr.
-                "problem": problem,
-            }
-        )
+        _emit_json(_adopt_doc(result, seconds, problem))
     elif result.adopted or result.already or result.refused:
         verb = "would adopt" if result.dry_run else "adopted"
         total = sum(result.size_bytes.get(s, 0) for s in result.adopted)
@@ -2309,6 +2292,33 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     if problem is not None:
         raise CliError(problem)
     return EXIT_OK
+
+
+def _adopt_doc(result: AdoptResult, seconds: float, problem: str | None) -> dict[str, Any]:
+    """``adopt --json``'s document."""
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "command": "adopt",
+        "root": result.root,
+        "run_id": result.run_id,
+        "dry_run": result.dry_run,
+        "adopted": [
+            {
+                "step": s,
+                "framework": result.frameworks.get(s),
+                "size_bytes": result.size_bytes.get(s),
+                "seconds": result.seconds.get(s),
+            }
+            for s in result.adopted
+        ],
+        "already": result.already,
+        "refused": [
+            {"step": s, "problem": _adopt_cli_words(p)} for s, p in sorted(result.refused.items())
+        ],
+        "seconds": seconds,
+        # Why the command exits non-zero (null when it exits 0): the error line on stderr.
+        "problem": problem,
+    }
 
 
 #: The library's advice in Python terms -> the ``adopt`` command's flags.

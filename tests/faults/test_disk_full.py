@@ -22,7 +22,7 @@ import pytest
 from reliability.checks import expected_state, states_equal
 
 from atomic_checkpoint import CheckpointManager, KeepLast, StorageFullError
-from atomic_checkpoint.layout import META_DIR
+from atomic_checkpoint.layout import MANIFEST_NAME, META_DIR
 from tests.testbed import fill_until_enospc
 from tests.testbed.pytest_fixtures import small_disk  # noqa: F401 - fixture used by name
 
@@ -191,3 +191,40 @@ def test_a_framework_writer_on_a_full_disk_is_reported_as_a_full_disk(small_disk
     with CheckpointManager(small_disk(4, "tmpfs").path / "root") as mgr, pytest.raises(KeyError):
         with mgr.saving(3):
             raise KeyError("mine")
+
+
+def test_adopt_json_that_fills_the_disk_half_way_still_says_what_it_adopted(small_disk):
+    # adopt --json whose disk filled after some checkpoints were recorded exited 2
+    # with nothing on stdout: a script could not tell which ones this run adopted.
+    # The disk is freed a little at a time until a run adopts some and then fails.
+    import json
+
+    from tests.cli.helpers import run_cli
+
+    disk = small_disk(8, "ext4")
+    root = disk.path / "root"
+    for step in range(1, 9):
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+        (root / f"checkpoint-{step}" / "weights.bin").write_bytes(os.urandom(3000))
+    _fill(disk.path)
+    spare = sorted(disk.path.glob("d*"), key=lambda p: int(p.name[1:]))
+
+    def manifests() -> int:
+        return sum((root / f"checkpoint-{s}" / MANIFEST_NAME).exists() for s in range(1, 9))
+
+    for _ in range(60):
+        if spare:
+            spare.pop().rmdir()  # one block more
+        else:
+            os.truncate(disk.path / "filler", (disk.path / "filler").stat().st_size - 4096)
+        before = manifests()
+        proc = run_cli("adopt", root, "--framework", "generic", "--json")
+        assert proc.returncode in (0, 2), proc.stderr
+        if proc.returncode == 2 and manifests() > before:
+            doc = json.loads(proc.stdout)
+            assert len(doc["adopted"]) == manifests() - before, doc
+            assert "No space left" in doc["problem"] or "full" in doc["problem"], doc
+            break
+        assert proc.returncode == 2, "adopted everything at once: no half-way failure seen"
+    else:
+        pytest.fail("no run adopted some checkpoints and then ran out of space")

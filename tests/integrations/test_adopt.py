@@ -379,6 +379,26 @@ def test_cli_adopt_on_s3_that_stops_answering_half_way_exits_at_its_timeout(
 
 
 # ---------------------------------------------------------------------- the CLI
+@pytest.mark.timeout(120)
+def test_cli_adopt_json_prints_its_document_when_it_fails_and_names_no_run_it_never_made(
+    stock_hf: Path, tmp_path: Path
+) -> None:
+    # Every checkpoint refused: the document named a run id that was never recorded
+    # (the next adopt made another). A --run-id other than the recorded run: exit 1
+    # with no document at all, where a script reads stdout.
+    torn = _copy(stock_hf, tmp_path / "torn")
+    for step in (2, 4, 6, 8, 10):
+        (torn / f"checkpoint-{step}" / "trainer_state.json").unlink()
+    refused = run_json("adopt", torn, expect_rc=1)
+    assert refused["run_id"] is None and refused["adopted"] == [], refused
+    assert len(refused["refused"]) == 5 and not (torn / META_DIR / "run.json").exists()
+    out = _copy(stock_hf, tmp_path / "whole")
+    assert run_cli("adopt", out).returncode == 0
+    wrong = run_json("adopt", out, "--run-id", "run-of-another-job", expect_rc=1)
+    assert "records run" in wrong["problem"] and wrong["adopted"] == [], wrong
+    assert wrong["schema_version"] == 1 and wrong["command"] == "adopt"
+
+
 @pytest.mark.timeout(180)
 def test_cli_adopt_reports_and_exit_codes(out: Path, tmp_path: Path) -> None:
     _tear_hf(out)
