@@ -179,7 +179,8 @@ sizes only (``verify`` reads the data and the state files' headers). The other d
 - ``adopt``: ``{"schema_version", "command": "adopt", "root", "run_id", "dry_run",
   "adopted": [{"step", "framework", "size_bytes", "seconds"}], "already": [step, ...],
   "refused": [{"step", "problem"}], "seconds", "problem"}`` (the top-level ``problem``:
-  why it exits 1, the error line; null when it exits 0); ``inspect`` and ``list`` entries say
+  why it exits non-zero, the error line; null when it exits 0; printed also when it
+  fails half way, e.g. on a full disk: what it did before); ``inspect`` and ``list`` entries say
   ``"adopted": true`` for checkpoints recorded this way.
 - ``<lock>`` is the holder of ``ROOT/.atomic-checkpoint/lock.json``: ``{"run_id",
   "host", "pid", "token", "acquired_unix", "renewed_unix", "expires_unix", "is_live"}``
