@@ -1003,6 +1003,17 @@ class TieredCheckpointManager:
                 sorted(missing),
                 self.fast.root,
             )
+        behind = sorted(on_fast - on_slow - missing)
+        if behind:
+            log.info(
+                "steps %s on %s are not on %s and at or below its newest step %s: not "
+                "replicated (dropped by its retention, or left behind when the run went on "
+                "from the persistent tier without them); tier 0's retention may delete them",
+                behind,
+                self.fast.root,
+                pm.root,
+                newest_slow,
+            )
 
     def _on_fast(self) -> set[int]:
         """The steps of this run committed on tier 0, read from storage, not through
