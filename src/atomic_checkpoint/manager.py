@@ -201,8 +201,10 @@ class CheckpointManager:
             filesystem, a stale cached listing is dropped by touching a directory's
             times (a metadata write, no data).
         resume: "auto" (resume if there is a valid checkpoint; error if there are
-            checkpoints but none is valid, or, with node-local disks, several of the
-            run's steps are on some nodes only), "must" (error if nothing valid), "never"
+            checkpoints but none is valid, or, with node-local disks, no step of the run
+            is on every node while several are on some nodes only; with a step on every
+            node it resumes from the newest such step, with a warning naming the newer
+            ones), "must" (error if nothing valid), "never"
             (error if this run already has checkpoints: start a new run instead).
         on_commit: called on the coordinator with each ``CheckpointInfo`` after its
             commit is durable (for uploaders: never a pending path); from the save's
