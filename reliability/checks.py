@@ -94,12 +94,16 @@ def unclear_reason(
     errno: int | None = None,
     victim: int | None = None,
     dead: Iterable[int] = (),
+    full: bool = False,
 ) -> str | None:
     """Why ``desc`` (from :func:`describe_error`) does not say what failed, or None.
 
     Args:
         errno: the errno of the injected storage fault: the error must carry it, on
             the failing rank, with the error type it maps to.
+        full: the fault is a full disk: ``StorageFullError`` is right whatever the
+            errno (sshfs reports a full server disk as EIO; the library then finds the
+            full disk by its free space).
         victim: the rank the fault was injected on.
         dead: ranks known to be dead or stuck: a timeout must name one of them.
     """
@@ -136,7 +140,9 @@ def unclear_reason(
             want = STORAGE_TYPES.get(errno, "StorageError")
             if not any(_names_errno(f["message"], errno) for f in mine):
                 return f"no failure of rank {victim} names errno {errno}: {failures}"
-            if not any(f["error_type"] == want for f in mine):
+            if not any(
+                f["error_type"] in (want, "StorageFullError" if full else want) for f in mine
+            ):
                 return f"rank {victim} failed with {[f['error_type'] for f in mine]}, not {want}"
         return None
     if "StorageError" in mro:
@@ -146,7 +152,7 @@ def unclear_reason(
             if desc["errno"] != errno:
                 return f"{kind} has errno {desc['errno']}, the fault was errno {errno}"
             want = STORAGE_TYPES.get(errno, "StorageError")
-            if kind != want:
+            if kind != want and not (full and kind == "StorageFullError"):
                 return f"errno {errno} raised {kind}, not {want}"
         if not desc["path"] and "'" not in msg and "/" not in msg:
             return f"{kind} does not name a path: {msg[:200]!r}"

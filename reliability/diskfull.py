@@ -164,7 +164,7 @@ def _judge(tally: Tally, label: str, values: list[dict[str, Any]], code: int) ->
     tally.faults += 1
     for i, v in enumerate(values):
         desc = v["error"]
-        reason = unclear_reason(desc, errno=code) if desc else "no error"
+        reason = unclear_reason(desc, errno=code, full=True) if desc else "no error"
         if reason:
             tally.violate("unclear", f"{label}: rank {i}: {reason}")
         elif desc["type"] == "DistributedCheckpointError":

@@ -240,3 +240,28 @@ def test_a_second_manager_on_the_root_lets_the_firsts_async_save_fail_as_fenced(
     second.close()
     with pytest.raises(FencedError):
         first.close()
+
+
+def test_close_with_a_timeout_returns_within_it_while_a_save_is_stuck_in_storage(tmp_path):
+    # A preempted job's close(timeout_s=guard.time_left_s): close() took no argument,
+    # and with the async save inside a storage call that does not return (a stalled
+    # object store), close() waited for it past the grace period.
+    root = tmp_path / "root"
+    storage = HeldCallStorage(root, "open_write")
+    mgr = CheckpointManager(storage, timeout_s=30)
+    mgr.save(1, {"w": torch.ones(4)})
+    storage.armed = True
+    mgr.save_async(2, {"w": torch.ones(4)})
+    assert storage.entered.wait(30)
+    try:
+        t = time.monotonic()
+        mgr.close(timeout_s=1.0)
+        took = time.monotonic() - t
+    finally:
+        storage.release.set()
+    assert took < 1.0 + 1.5, took  # the bound and the moment to stop, not the stuck call
+    assert listed(root) == [1]  # never a checkpoint: it had not committed
+    other = CheckpointManager(tmp_path / "other")
+    with pytest.raises(ValueError):
+        other.close(timeout_s=-1)
+    other.close()
