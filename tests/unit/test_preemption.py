@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,6 +45,16 @@ def clean_signals():
         signal.signal(s, h)
 
 
+def _a_root_whose_saves_took_1_s(tmp_path: Any, monkeypatch: Any) -> tuple[Any, Any]:
+    """A manager whose one save so far took about 1 s (a delay in its write), and the
+    state it saved."""
+    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
+    mgr = CheckpointManager(tmp_path / "r")
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    mgr.save(1, state)
+    return mgr, state
+
+
 def test_arm_records_the_guard_adopts_and_disarm_restores(tmp_path, clean_signals):
     before = signal.getsignal(signal.SIGTERM)
     preemption.arm()
@@ -71,11 +82,8 @@ def test_a_save_that_cannot_fit_in_the_grace_period_is_not_started(
 ):
     # The last save took over 1 s (a real save, held 1 s by a fault point mid-write);
     # with a grace period of 1 s, less than that is left when the ranks decide.
-    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
-    mgr = CheckpointManager(tmp_path / "r")
-    state = {"w": np.arange(1000, dtype=np.float32)}
+    mgr, _state = _a_root_whose_saves_took_1_s(tmp_path, monkeypatch)
     try:
-        mgr.save(1, state)
         monkeypatch.delenv("ATOMIC_CHECKPOINT_FAULTS")
         assert mgr.last_saved.timings_s["total"] >= 1.0
         with PreemptionGuard(mgr, grace_s=1.0) as guard:
@@ -103,11 +111,8 @@ def test_an_async_save_in_flight_counts_against_the_grace_period(
     one in flight plus a new one. The guard used to start it, and the commit landed
     after the grace period (the scheduler's SIGKILL). Stopping without a save, it also
     says that the save in flight still commits."""
-    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
-    mgr = CheckpointManager(tmp_path / "r")
-    state = {"w": np.arange(1000, dtype=np.float32)}
+    mgr, state = _a_root_whose_saves_took_1_s(tmp_path, monkeypatch)
     try:
-        mgr.save(1, state)
         with PreemptionGuard(mgr, grace_s=2.4) as guard:
             handle = mgr.save_async(2, state)
             assert mgr.async_in_flight is handle
@@ -216,11 +221,8 @@ def test_an_async_save_in_flight_past_the_time_left_means_no_preemption_save(
     grace period less the way out) is spent: the preemption save is not started. It was,
     and committed after the grace period (the SIGKILL); and an async save that never
     ended held the rank in should_save past it."""
-    monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay")
-    mgr = CheckpointManager(tmp_path / "r")
-    state = {"w": np.arange(1000, dtype=np.float32)}
+    mgr, state = _a_root_whose_saves_took_1_s(tmp_path, monkeypatch)
     try:
-        mgr.save(1, state)
         monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay,mid_write@0=delay")
         with PreemptionGuard(mgr, grace_s=2.8) as guard:
             mgr.save_async(2, state)
