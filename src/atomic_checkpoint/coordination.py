@@ -173,7 +173,7 @@ _GAVE_UP = b"\x00atomic-checkpoint-gave-up:"
 _MISMATCH = b"\x00atomic-checkpoint-mismatch:"
 
 
-def _ranks_text(ranks: Sequence[int], most: int = 16) -> str:
+def ranks_text(ranks: Sequence[int], most: int = 16) -> str:
     """``[1, 2, 3]``; past ``most`` ranks, the first ``most`` and how many in all."""
     if len(ranks) <= most:
         return str(list(ranks))
@@ -956,7 +956,7 @@ class TorchDistributedCoordinator:
                 "Every rank must make the same collective calls (save, save_async, restore, "
                 "rollback, close), not only the rank under `if rank == 0:`",
                 self.rank,
-                _ranks_text(missing),
+                ranks_text(missing),
                 key,
                 SLOW_ROUND_S,
                 len(arrived),

@@ -80,7 +80,7 @@ from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
 from ._checks import positive_seconds
-from .coordination import gather_summary
+from .coordination import gather_summary, ranks_text
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
 from .storage.posix import is_dir, list_names, make_dirs, read_head
@@ -1128,8 +1128,7 @@ def _least_left_and_running(views: list[tuple[float | None, bool]]) -> tuple[flo
     whose async save is still running ("" if none; the first 8 named)."""
     left = min((v for v, _ in views if v is not None), default=None)
     running = [r for r, (_, busy) in enumerate(views) if busy]
-    named = ", ".join(map(str, running[:8])) + (" and more" if len(running) > 8 else "")
-    return left, named
+    return left, (ranks_text(running, 8) if running else "")
 
 
 def _check_summary(

@@ -147,6 +147,7 @@ from .coordination import (
     gather_routed,
     gather_summary,
     gather_to,
+    ranks_text,
 )
 from .errors import (
     CheckpointError,
@@ -2840,8 +2841,7 @@ def _busy_ranks(reports: list[tuple[bool, bool]]) -> tuple[str, bool]:
     none; the first 8 named, so the answer stays small at any scale) and whether any
     rank is stopping."""
     busy = [r for r, (working, _) in enumerate(reports) if working]
-    text = ", ".join(map(str, busy[:8])) + (f" and {len(busy) - 8} more" if len(busy) > 8 else "")
-    return text, any(stop for _, stop in reports)
+    return (ranks_text(busy, 8) if busy else ""), any(stop for _, stop in reports)
 
 
 def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:
