@@ -184,16 +184,17 @@ def _operation(act: Callable[[Any, Any], None]) -> Callable[[str, Record], None]
 
 
 @contextlib.contextmanager
-def _no_room_for(name: str) -> Iterator[None]:
-    """A full disk as far as directory ``name`` is concerned: creating it fails with
-    ENOSPC (the recorder's ``os.mkdir`` is wrapped, so nothing is recorded for it). The
-    deletions of a rotation are what would free the space, and the rename strategy then
-    un-commits into ``.pending/``, which exists, instead of a new ``.trash/``."""
+def _no_room_for(*names: str) -> Iterator[None]:
+    """A full disk as far as the directories ``names`` are concerned: creating one fails
+    with ENOSPC (the recorder's ``os.mkdir`` is wrapped, so nothing is recorded for it).
+    The deletions of a rotation are what would free the space, and the rename strategy
+    then un-commits into a directory of ours that exists (``.pending/``, else
+    ``.atomic-checkpoint/``) instead of a new ``.trash/``."""
     recorded = os.mkdir
 
     def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
         where = os.fspath(path)
-        if os.path.basename(where.rstrip("/")) == name and not os.path.isdir(where):
+        if os.path.basename(where.rstrip("/")) in names and not os.path.isdir(where):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
         recorded(path, *args, **kwargs)
 
@@ -204,10 +205,29 @@ def _no_room_for(name: str) -> Iterator[None]:
         os.mkdir = recorded
 
 
-def _full_disk(full: bool) -> contextlib.AbstractContextManager[None]:
-    from atomic_checkpoint.layout import TRASH_DIR
+def _full_disk(full: bool | str) -> contextlib.AbstractContextManager[None]:
+    """``full``: False, True (no room for ``.trash/``), or ``"pending too"`` (no room
+    for ``.pending/`` either, on a root that has none: one of adopted checkpoints)."""
+    from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR
 
-    return _no_room_for(TRASH_DIR) if full else contextlib.nullcontext()
+    if not full:
+        return contextlib.nullcontext()
+    return _no_room_for(TRASH_DIR, *([PENDING_DIR] if full == "pending too" else []))
+
+
+def _without_pending(prepare: Callable[[str], None]) -> Callable[[str], None]:
+    """``prepare``, then ``.pending/`` and ``.trash/`` removed (empty after a clean
+    close): a root whose checkpoints were adopted, never staged there."""
+
+    def without(root: str) -> None:
+        from atomic_checkpoint.layout import PENDING_DIR, TRASH_DIR
+
+        prepare(root)
+        for name in (PENDING_DIR, TRASH_DIR):
+            if os.path.isdir(os.path.join(root, name)):
+                os.rmdir(os.path.join(root, name))
+
+    return without
 
 
 def _op_save(
@@ -216,7 +236,7 @@ def _op_save(
     *,
     overwrite: bool = False,
     asynchronous: bool = False,
-    full_disk: bool = False,
+    full_disk: bool | str = False,
 ):
     def act(mgr: Any, rec: Any) -> None:
         with _full_disk(full_disk):
@@ -269,13 +289,30 @@ def _op_failing(step: int, version: int, point: str, *, overwrite: bool = False)
     return _operation(act)
 
 
-def _op_rollback(to: int, *, full_disk: bool = False):
+def _op_rollback(to: int, *, full_disk: bool | str = False):
     def act(mgr: Any, rec: Any) -> None:
         with _full_disk(full_disk):
             mgr.rollback(to)
         rec.mark("rolled-back", to=to)
 
     return _operation(act)
+
+
+def _op_prune(keep_last: int, *, full_disk: bool | str = False):
+    """``atomic-checkpoint prune ROOT --keep-last N`` as a user runs it (in process, so
+    recorded), on a disk as full as ``full_disk`` says."""
+
+    def operate(root: str, record: Record) -> None:
+        from atomic_checkpoint.cli import main as cli_main
+
+        out = io.StringIO()
+        with record(), _full_disk(full_disk):
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                rc = cli_main(["prune", root, "--keep-last", str(keep_last)])
+            if rc != 0:
+                raise RuntimeError(f"prune exited {rc}: {out.getvalue()[-500:]}")
+
+    return operate
 
 
 def _op_start(save_step: int | None = None):
@@ -492,6 +529,16 @@ def _scenarios() -> list[Scenario]:
             _op_rollback(1, full_disk=True),
             {1: 0, 2: 0, 3: 0},
             may_drop=frozenset({2, 3}),
+        ),
+        # `prune` (which the full-disk errors advise) on a root of adopted checkpoints,
+        # with no .pending/ and no room for .trash/ nor .pending/: the un-commit goes
+        # into .atomic-checkpoint/ (it holds the run lock, so it exists).
+        Scenario(
+            "prune-full-disk-adopted",
+            _without_pending(_saved({1: 0, 2: 0, 3: 0})),
+            _op_prune(1, full_disk="pending too"),
+            {1: 0, 2: 0, 3: 0},
+            may_drop=frozenset({1, 2}),
         ),
     ]
     for storage in ("local", "no-exchange"):

@@ -273,6 +273,24 @@ def test_on_a_full_disk_checkpoints_are_un_committed_into_pending_and_every_cras
     every_state_recovers(name, tmp_path / "states", per_cut=PER_CUT, max_states=30, floor=FLOOR)
 
 
+def test_a_prune_on_a_full_disk_without_pending_un_commits_into_the_meta_dir(tmp_path):
+    """``atomic-checkpoint prune`` on a root with no ``.pending/`` (its checkpoints were
+    adopted, never staged there), on a disk with no room for ``.trash/`` nor
+    ``.pending/``: the un-commit renames into ``.atomic-checkpoint/`` (which holds the run
+    lock), oldest first, and every crash state recovers, the next start sweeping what is
+    left there."""
+    name = "prune-full-disk-adopted/local"
+    (tmp_path / "recorded").mkdir()
+    trace = crashstates.record_trace(name, str(tmp_path / "recorded"))
+    renames = [op.where for op in trace.ops if op.kind == "rename"]
+    moved = [r for r in renames if r.startswith("checkpoint-")]
+    assert [r.split(" ")[0] for r in moved] == ["checkpoint-1", "checkpoint-2"], renames
+    assert all(" -> .atomic-checkpoint/checkpoint-" in r for r in moved), moved
+    assert not [op for op in trace.ops if ".trash" in op.where or ".pending" in op.where]
+    (tmp_path / "states").mkdir()
+    every_state_recovers(name, tmp_path / "states", per_cut=PER_CUT, max_states=30, floor=FLOOR)
+
+
 @pytest.mark.parametrize("name", sorted(crashstore.scenarios()))
 def test_every_prefix_of_object_store_requests_recovers(name):
     """Object stores: a PUT or DELETE is atomic and durable once it returns, so the
