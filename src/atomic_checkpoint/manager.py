@@ -2333,16 +2333,20 @@ class CheckpointManager:
         if deleted:
             log.info("%s: deleted %s", why, self.storage.url(name))
 
-    def _finish_rotation(self) -> None:
+    def _finish_rotation(self, within_s: float | None = None) -> bool:
         """Wait for the rotation in flight, if any; log its failure once. Several
         threads may wait at once (an async save's thread, the training thread in
-        ``checkpoints()``): each returns only once the rotation ended."""
+        ``checkpoints()``): each returns only once the rotation ended. ``within_s``
+        (``close(timeout_s=)``): wait at most that long, and return False if the
+        rotation is still running then (a deletion stuck in a storage call)."""
         with self._rotation_lock:
             t = self._rotation
         if t is threading.current_thread():
-            return  # called from the rotation itself (a policy's code): it is running
+            return True  # called from the rotation itself (a policy's code): it is running
         if t is not None:
-            t.join()
+            t.join(within_s)
+            if t.is_alive():
+                return False
         with self._rotation_lock:
             if self._rotation is t:
                 self._rotation = None
@@ -2357,6 +2361,7 @@ class CheckpointManager:
                 self.retention,
                 exc_info=err,
             )
+        return True
 
     # ------------------------------------------------------------------ discovery
     def checkpoints(self) -> list[CheckpointInfo]:
@@ -2872,9 +2877,11 @@ class CheckpointManager:
         ``timeout_s`` bounds ``close`` itself, for a job that must exit within a
         preemption's grace period (``close(timeout_s=guard.time_left_s)``): a save
         still inside a storage call once it has passed (a stalled object store) is
-        left running, and not a checkpoint unless it was already committing. The run
-        lock then stays with this process, as at interpreter exit: released, another
-        job could take ROOT under that save; it is taken over once the process is gone.
+        left running, and not a checkpoint unless it was already committing; so is
+        retention still deleting an old checkpoint (logged; what it leaves is removed
+        by the next start). The run lock then stays with this process, as at
+        interpreter exit: released, another job could take ROOT under that save; it is
+        taken over once the process is gone.
         """
         if timeout_s is not None:
             timeout_s = _wait_seconds("timeout_s", timeout_s)
@@ -2939,6 +2946,7 @@ class CheckpointManager:
         async save did not fail); a ``TieredCheckpointManager`` drains replication and
         applies tier 0's retention there. ``within_s``: ``close(timeout_s=)``, the
         whole wait for the async save (to finish, then to stop)."""
+        deadline = None if within_s is None else time.monotonic() + within_s
         async_error = self._close_async(why, stop_bound_s, within_s)
         if self._async is not None and self._async.is_running:
             # Interpreter exit, or close(timeout_s=) spent: the save is stuck in a
@@ -2946,11 +2954,24 @@ class CheckpointManager:
             # while this save may still rename into it; held by a process about to end,
             # it is taken over once the process is gone (logged by the saver). Not even
             # at the locks' own exit hook: its delete would hang on the stuck storage.
-            if self._lock is not None:
-                self._lock.keep_at_exit()
-            self._closed = True
+            self._keep_lock_for_what_still_runs()
             return
-        self._finish_rotation()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._finish_rotation(within_s=left):
+            # close(timeout_s=) spent while retention is inside a storage call (a
+            # deletion on a stalled mount): as for a stuck save. What it un-committed
+            # or half deleted is swept by the next start (a crash there is the same).
+            log.warning(
+                "%s: retention is still deleting old checkpoints in %s after timeout_s=%g; "
+                "left running (the next start removes what it leaves)",
+                why,
+                self.root,
+                within_s,
+            )
+            self._keep_lock_for_what_still_runs()
+            if async_error is not None:
+                raise async_error
+            return
         try:
             if before_release is not None:
                 before_release(async_error is None)
@@ -2960,6 +2981,13 @@ class CheckpointManager:
             self._leave()
         if async_error is not None:
             raise async_error
+
+    def _keep_lock_for_what_still_runs(self) -> None:
+        """Close without releasing the run lock: a save or rotation of this manager is
+        still inside a storage call, and the lock goes with this process."""
+        if self._lock is not None:
+            self._lock.keep_at_exit()
+        self._closed = True
 
     def _leave(self) -> None:
         """After close: tell the other ranks that this one makes no more calls, so that

@@ -38,8 +38,9 @@ class HeldCallStorage(LocalStorage):
     """A real LocalStorage whose chosen call, once armed, waits until ``release`` is set.
 
     ``call``: ``"rename_dir"`` (the rename of the pending directory that commits a save),
-    ``"fsync_dir"`` (the fsync of ROOT just after that rename) or ``"open_write"`` (a
-    rank's state file, before anything is committed).
+    ``"fsync_dir"`` (the fsync of ROOT just after that rename), ``"open_write"`` (a
+    rank's state file, before anything is committed) or ``"delete_tree"`` (retention
+    deleting a checkpoint it un-committed).
     """
 
     def __init__(self, root: Any, call: str):
@@ -71,6 +72,10 @@ class HeldCallStorage(LocalStorage):
     def open_write(self, path: str, *, size_hint: int | None = None) -> Any:
         self._hold("open_write", path.endswith(".safetensors"))
         return super().open_write(path, size_hint=size_hint)
+
+    def delete_tree(self, path: str) -> None:
+        self._hold("delete_tree", True)
+        super().delete_tree(path)
 
 
 def tree(root: Any) -> dict[str, tuple[int, int]]:
@@ -265,3 +270,31 @@ def test_close_with_a_timeout_returns_within_it_while_a_save_is_stuck_in_storage
     with pytest.raises(ValueError):
         other.close(timeout_s=-1)
     other.close()
+
+
+def test_close_with_a_timeout_returns_within_it_while_retention_is_stuck_deleting(
+    tmp_path, caplog
+):
+    # close(timeout_s=) bounded the async save only: with the rotation after the last
+    # save stuck deleting the old checkpoint (a stalled mount), it joined the rotation
+    # without a bound, and a preempted job overran its grace period.
+    root = tmp_path / "root"
+    storage = HeldCallStorage(root, "delete_tree")
+    mgr = CheckpointManager(storage, timeout_s=30, retention=KeepLast(1))
+    mgr.save(1, {"w": torch.ones(4)})
+    storage.armed = True
+    mgr.save(2, {"w": torch.zeros(4)})  # its rotation deletes step 1, and is held there
+    assert storage.entered.wait(30)
+    try:
+        t = time.monotonic()
+        mgr.close(timeout_s=1.0)
+        took = time.monotonic() - t
+    finally:
+        storage.release.set()
+    assert took < 1.0 + 1.5, took
+    assert "retention is still deleting old checkpoints" in caplog.text
+    assert listed(root) == [2]  # step 1 was un-committed before its deletion stuck
+    for t in threading.enumerate():
+        if t.name == "atomic-checkpoint-rotation":
+            t.join(60)
+    assert listed(root) == [2]

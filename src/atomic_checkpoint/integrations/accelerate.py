@@ -65,6 +65,7 @@ import atexit
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, SupportsFloat
@@ -445,9 +446,10 @@ class FrameworkRoot:
                 return True, str(exc)
         return None
 
-    def close(self) -> None:
-        """Wait for background retention. Not collective; idempotent."""
-        self.manager.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for background retention (at most ``timeout_s``: see
+        ``CheckpointManager.close``). Not collective; idempotent."""
+        self.manager.close(timeout_s=timeout_s)
 
 
 def _given(values: list[Any]) -> list[Any]:
@@ -974,7 +976,7 @@ def preemption_guard(
             if guard.stopping:
                 break
         guard.close()
-        close(accelerator)
+        close(accelerator, timeout_s=guard.time_left_s)  # None: no signal, no bound
         guard.exit()          # exit status 75 (requeue) when preempted, else 0
 
     Args:
@@ -999,14 +1001,18 @@ def preemption_guard(
     return guard
 
 
-def close(accelerator: Any) -> None:
+def close(accelerator: Any, timeout_s: float | None = None) -> None:
     """Finish background retention and release the run lock of every root that
     :func:`save_state` / :func:`load_state` opened for ``accelerator``.
 
     Call it at the end of training (it also runs at interpreter exit). Not collective;
-    idempotent; a later ``save_state`` opens the root again.
+    idempotent; a later ``save_state`` opens the root again. ``timeout_s`` bounds the
+    whole call, for a preempted job that must exit within its grace period
+    (``close(accelerator, timeout_s=guard.time_left_s)``): retention still deleting
+    then is left running, as ``CheckpointManager.close(timeout_s=)`` says.
     """
     roots: dict[str, tuple[FrameworkRoot, Any]] = accelerator.__dict__.get(_ROOTS_ATTR, {})
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while roots:
         _key, (opened, _policy) = roots.popitem()
-        opened.close()
+        opened.close(timeout_s=None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -76,6 +76,7 @@ import logging
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -258,9 +259,13 @@ class _AtomicTrainer:
             self.roots[key] = opened
         return opened
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Close every root this run opened; ``timeout_s`` bounds all of it (a
+        preempted run: the grace period left)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for opened in self.roots.values():
-            opened.close()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            opened.close(timeout_s=left)
         self.roots.clear()
 
     # ------------------------------------------------------------------ hooks
@@ -387,13 +392,16 @@ class _AtomicTrainer:
                 undo = [protecting_loaders_of(trainer, n) for n in _LOADER_FACTORIES]
             return self._orig_train(resume_from_checkpoint, *args, **kwargs)
         finally:
+            within = None
             if callback is not None:
                 trainer.remove_callback(callback)
                 callback.guard.close()
+                if callback.guard.stopping:  # preempted: exit within the grace period
+                    within = callback.guard.time_left_s
             for restore in undo:
                 restore()
             trainer.args.save_total_limit = limit
-            self.close()
+            self.close(timeout_s=within)
 
     def _resume_path(self, resume_from_checkpoint: Any, output_dir: str) -> tuple[Any, int | None]:
         """What to hand the Trainer's ``train``, and the step it resumes from when that is

@@ -2,7 +2,7 @@
 during step ``SIGNAL_AT`` (as a scheduler would send it). Writes ``OUT/result.json``
 and exits with the guard's exit status.
 
-Arguments: OUT SIGNAL_AT.
+Arguments: OUT SIGNAL_AT [TOTAL_LIMIT].
 """
 
 from atomic_checkpoint import preemption
@@ -23,7 +23,8 @@ from atomic_checkpoint.integrations.accelerate import (  # noqa: E402
 )
 
 out, signal_at = sys.argv[1], int(sys.argv[2])
-accelerator, model, optimizer, scheduler = build(out, total_limit=None)
+limit = int(sys.argv[3]) if len(sys.argv) > 3 else None
+accelerator, model, optimizer, scheduler = build(out, total_limit=limit)
 guard = preemption_guard(accelerator)
 saved = []
 for step in range(1, 50):
@@ -35,7 +36,7 @@ for step in range(1, 50):
     if guard.stopping:
         break
 guard.close()
-close(accelerator)
+close(accelerator, timeout_s=guard.time_left_s)  # None: not preempted, no bound
 with open(os.path.join(out, "result.json"), "w") as f:
     json.dump({"saved": saved, "decided": guard.decided_step, "exit_code": guard.exit_code}, f)
 guard.exit()
