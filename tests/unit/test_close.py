@@ -247,6 +247,19 @@ def test_a_second_manager_on_the_root_lets_the_firsts_async_save_fail_as_fenced(
         first.close()
 
 
+def closed_within(mgr: CheckpointManager, storage: HeldCallStorage, timeout_s: float) -> None:
+    """Once ``storage``'s call is held: ``close(timeout_s=)`` returns within the bound
+    and the moment to stop, not after the stuck call; then the call is released."""
+    assert storage.entered.wait(30)
+    try:
+        t = time.monotonic()
+        mgr.close(timeout_s=timeout_s)
+        took = time.monotonic() - t
+    finally:
+        storage.release.set()
+    assert took < timeout_s + 1.5, took
+
+
 def test_close_with_a_timeout_returns_within_it_while_a_save_is_stuck_in_storage(tmp_path):
     # A preempted job's close(timeout_s=guard.time_left_s): close() took no argument,
     # and with the async save inside a storage call that does not return (a stalled
@@ -257,14 +270,7 @@ def test_close_with_a_timeout_returns_within_it_while_a_save_is_stuck_in_storage
     mgr.save(1, {"w": torch.ones(4)})
     storage.armed = True
     mgr.save_async(2, {"w": torch.ones(4)})
-    assert storage.entered.wait(30)
-    try:
-        t = time.monotonic()
-        mgr.close(timeout_s=1.0)
-        took = time.monotonic() - t
-    finally:
-        storage.release.set()
-    assert took < 1.0 + 1.5, took  # the bound and the moment to stop, not the stuck call
+    closed_within(mgr, storage, 1.0)
     assert listed(root) == [1]  # never a checkpoint: it had not committed
     other = CheckpointManager(tmp_path / "other")
     with pytest.raises(ValueError):
@@ -272,9 +278,7 @@ def test_close_with_a_timeout_returns_within_it_while_a_save_is_stuck_in_storage
     other.close()
 
 
-def test_close_with_a_timeout_returns_within_it_while_retention_is_stuck_deleting(
-    tmp_path, caplog
-):
+def test_close_with_a_timeout_returns_within_it_while_retention_is_stuck_deleting(tmp_path, caplog):
     # close(timeout_s=) bounded the async save only: with the rotation after the last
     # save stuck deleting the old checkpoint (a stalled mount), it joined the rotation
     # without a bound, and a preempted job overran its grace period.
@@ -284,14 +288,7 @@ def test_close_with_a_timeout_returns_within_it_while_retention_is_stuck_deletin
     mgr.save(1, {"w": torch.ones(4)})
     storage.armed = True
     mgr.save(2, {"w": torch.zeros(4)})  # its rotation deletes step 1, and is held there
-    assert storage.entered.wait(30)
-    try:
-        t = time.monotonic()
-        mgr.close(timeout_s=1.0)
-        took = time.monotonic() - t
-    finally:
-        storage.release.set()
-    assert took < 1.0 + 1.5, took
+    closed_within(mgr, storage, 1.0)
     assert "retention is still deleting old checkpoints" in caplog.text
     assert listed(root) == [2]  # step 1 was un-committed before its deletion stuck
     for t in threading.enumerate():
