@@ -492,6 +492,24 @@ def test_latest_checkpoint_orders_by_recorded_step_not_name_or_mtime(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_latest_checkpoint_takes_the_last_committed_file_of_the_newest_step(tmp_path):
+    # PreemptionCallback saves preempted-step=4.ckpt at the batch end; that epoch's
+    # validation then runs, and ModelCheckpoint writes epoch=3-step=4.ckpt and last.ckpt
+    # with the new best in its state. Ranked by name, the preemption file won, and the
+    # resumed ModelCheckpoint named a best file that top-k had already deleted.
+    io = AtomicCheckpointIO()
+    io.save_checkpoint(_state(4), tmp_path / "preempted-step=4.ckpt")
+    time.sleep(0.01)
+    io.save_checkpoint(_state(4), tmp_path / "epoch=3-step=4.ckpt")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "epoch=3-step=4.ckpt")
+    time.sleep(0.01)
+    io.save_checkpoint(_state(4), tmp_path / "last.ckpt")
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
+    io.save_checkpoint(_state(3), tmp_path / "zz-step=3.ckpt")  # newer, but a lower step
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "last.ckpt")
+
+
+@pytest.mark.timeout(60)
 def test_latest_checkpoint_skips_a_newest_file_whose_bytes_changed(tmp_path, caplog):
     """One flipped byte keeps the size: before, the default (sizes only) returned the
     file, and ``fit(ckpt_path=...)`` failed its checksum at every restart."""

@@ -393,9 +393,12 @@ def latest_checkpoint(
 
     Use it to resume from the newest complete checkpoint whatever its name
     (``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``). Steps come from the
-    manifests, never from modification times or names. A file whose state had no
-    ``global_step`` (Lightning Fabric's ``fabric.save``) ranks by when its save
-    committed, recorded in its manifest, below any file with a step. Files without a
+    manifests, never from modification times or names. Among files of one step, the
+    one whose save committed last wins (recorded in its manifest): e.g. the
+    ``ModelCheckpoint`` file written after a ``PreemptionCallback`` file of the same
+    step, its callback state holding that epoch's validation. A file whose state had
+    no ``global_step`` (Lightning Fabric's ``fabric.save``) ranks by when its save
+    committed, below any file with a step. Files without a
     manifest are not considered (a warning names them when nothing else is found, with
     ``adopt=True`` to take the complete ones); invalid ones are skipped with a warning
     that says what is wrong.
@@ -440,8 +443,11 @@ def latest_checkpoint(
             log.warning("skipping %s: %s", path, exc)
             continue
         step = info.global_step
-        # Files of one step: by name, as before; files without a step: by commit time.
-        when = 0.0 if step is not None else info.written_unix or 0.0
+        # Files of one step, and files without a step: the last committed first. A
+        # preemption file saved at a batch end is followed by that epoch's validation
+        # and ModelCheckpoint's files of the same step, whose callback state knows the
+        # new best; ranked by name, the resumed ModelCheckpoint lost it.
+        when = info.written_unix or 0.0
         candidates.append((step is not None, step or 0, when, name))
     best: tuple[bool, int, float, str] | None = None
     for key in sorted(candidates, reverse=True):
