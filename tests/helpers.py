@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -105,14 +106,17 @@ class CountsReads:
 
     manifest_reads = 0
     size_checks = 0
+    _counting = threading.Lock()  # a scan of an object store reads from threads
 
     def read_bytes(self, path: str) -> bytes:
         if path.endswith(f"/{MANIFEST_NAME}"):
-            self.manifest_reads += 1
+            with self._counting:
+                self.manifest_reads += 1
         return super().read_bytes(path)  # type: ignore[misc]
 
     def size(self, path: str) -> int | None:
-        self.size_checks += 1
+        with self._counting:
+            self.size_checks += 1
         return super().size(path)  # type: ignore[misc]
 
     def reset(self) -> None:
