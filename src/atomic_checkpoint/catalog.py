@@ -1185,6 +1185,24 @@ def newest(
     return next(_valid_only(storage, entries, warn=warn), None)
 
 
+def newest_noting_unmanifested(
+    storage: Storage, *, run_id: str | None, warn: bool = True
+) -> tuple[Manifest | None, list[str]]:
+    """``newest``, and the ``checkpoint-<step>`` directories without a manifest (nor a
+    marker of ours) that the walk met above it, newest first: what a reader's start
+    reports, where a writable start's ``newest_valid`` tells it."""
+    met: list[str] = []
+
+    def noting(entries: Iterable[Entry]) -> Iterator[Entry]:
+        for e in entries:
+            if e.unmanifested:
+                met.append(e.name)
+            yield e
+
+    found = _newest_first(storage, run_id=run_id, cache=None)
+    return next(_valid_only(storage, noting(found), warn=warn), None), met
+
+
 def _newest_first(
     storage: Storage,
     *,

@@ -1888,7 +1888,12 @@ def _print_inspect(
         ("state kind", m.state_kind),
         ("strategy", m.strategy),
         ("checksums", m.checksum_algorithm),
-        ("schema", f"{m.schema_version} (atomic-checkpoint {m.library_version or '?'})"),
+        (
+            "schema",
+            f"{m.schema_version} (atomic-checkpoint {m.library_version})"
+            if m.library_version
+            else f"{m.schema_version} (no library version recorded)",
+        ),
         ("size", f"{_human_bytes(m.size_bytes)} ({m.size_bytes} bytes) in {len(m.files)} file(s)"),
         ("metrics", _metrics_text(dict(m.metrics))),
         ("metadata", json.dumps(dict(m.metadata), sort_keys=True) if m.metadata else "-"),

@@ -675,7 +675,9 @@ class CheckpointManager:
             recorded = None if run_id is not None else self._recorded_run_id()
             # A reader only needs to know whether there is a valid checkpoint (resume
             # modes): the newest one, not a read of every manifest in ROOT.
-            newest = catalog.newest(self.storage, run_id=run_id or recorded, warn=False)
+            newest, unmanifested = catalog.newest_noting_unmanifested(
+                self.storage, run_id=run_id or recorded, warn=False
+            )
             if run_id is None and recorded is None and newest is not None and newest.run_id:
                 # No run file (a copied root, a persistent tier): the reader follows the
                 # run of the newest checkpoint, never a mix of every run's checkpoints
@@ -688,6 +690,9 @@ class CheckpointManager:
                 "n_valid_counted": False,
                 "newest": None if newest is None else newest.step,
                 "n_corrupt": 0,
+                # Newer than what a reader loads: said as a writable start says it (an
+                # evaluator otherwise went back a step in silence).
+                "unmanifested": unmanifested[::-1],  # ascending, as a start lists them
             }
         if resume == "must" and local is not None and not posix.exists(local):
             # Nothing to resume, and nothing created for it (a mistyped path).

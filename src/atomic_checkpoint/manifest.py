@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -44,6 +45,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 # Integers in a manifest (commit sequence, world size, ranks, counts) are below this;
 # a 400-digit number is corrupt, not a counter.
 _MAX_INT = 1 << 63
+_RANK_FILE_RE = re.compile(r"^rank-([0-9]{5,})\.safetensors\Z")
+
 #: The most ranks a manifest may record (over ten times the largest jobs run today).
 MAX_WORLD_SIZE = 1 << 20
 # created_unix is within this many seconds of the epoch (year ~33,000): a float like
@@ -359,6 +362,27 @@ class Manifest:
                 raise CorruptCheckpointError(
                     f"{where}: world_size {_short(world)} is not in 1..{MAX_WORLD_SIZE}"
                 )
+            for f in files:
+                # The rank whose state a file holds (the format): one of the job's ranks,
+                # and for a per-rank save's state file the one its name says (files of
+                # saving() and the integrations are named by whoever wrote them).
+                if f.rank is None:
+                    continue
+                named = (
+                    _RANK_FILE_RE.match(f.path.rsplit("/", 1)[-1])
+                    if doc.get("state_kind") == "per_rank"
+                    else None
+                )
+                if f.rank >= world:
+                    raise CorruptCheckpointError(
+                        f"{where}: file {f.path!r} records rank {f.rank}, but world_size is "
+                        f"{world} (ranks 0..{world - 1})"
+                    )
+                if named is not None and int(named.group(1)) != f.rank:
+                    raise CorruptCheckpointError(
+                        f"{where}: file {f.path!r} records rank {f.rank}, not the rank its "
+                        "name says"
+                    )
             domain_ranks: tuple[int, ...] | None = None
             domain_count = 1
             if "domain" in doc:

@@ -211,11 +211,23 @@ def _mutate(fn):
             "lowercase hex",
         ),
         (lambda d: d.update(strategy=""), errors.CorruptCheckpointError, "no strategy"),
+        # format.md: a file's rank is "the rank whose state it holds" (both were read as
+        # valid: a rank outside the job, a per-rank file claiming another rank's name)
+        (lambda d: d["files"][1].update(rank=2), errors.CorruptCheckpointError, "world_size is 2"),
+        (lambda d: d["files"][1].update(rank=0), errors.CorruptCheckpointError, "its name says"),
     ],
 )
 def test_invalid_manifests_raise_precise_errors(mutation, exc, match):
     with pytest.raises(exc, match=match):
         Manifest.from_json_bytes(_mutate(mutation))
+
+
+def test_files_named_by_their_writer_may_have_any_name_of_a_rank():
+    # saving() and the integrations name their own files: only a per-rank save's state
+    # files must carry the rank their name says.
+    files = (FileEntry("out/rank-00001.safetensors", 10, "00000000000000ab", 0),)
+    m = _manifest(state_kind="files", files=files)
+    assert Manifest.from_json_bytes(m.to_json_bytes()).files == files
 
 
 @pytest.mark.parametrize("data", [b"", b"{", b"[]", b"\xff\xfe", b"null"])

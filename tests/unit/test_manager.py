@@ -877,6 +877,21 @@ def test_a_wrapping_storage_that_copied_direct_io_capabilities_works_without_it(
         assert same(mgr.restore(), state(1))
 
 
+def test_a_reader_says_that_a_newer_step_directory_has_no_manifest(tmp_path, caplog):
+    # An evaluator (read_only=True) went back to step 2 in silence when checkpoint-3
+    # had lost its manifest; a writable start warned.
+    with CheckpointManager(tmp_path) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+    os.remove(tmp_path / "checkpoint-3" / MANIFEST_NAME)
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        reader = CheckpointManager(tmp_path, read_only=True)
+    assert "checkpoint-3, newer than step 2 (the newest valid checkpoint), has no manifest" in (
+        caplog.text
+    )
+    assert reader.latest().step == 2
+
+
 def test_an_empty_step_directory_is_removed_before_anything_is_written(tmp_path, caplog):
     # An interrupted copy left checkpoint-3/ empty: the restarted job wrote every
     # rank's data, then the rename failed with a bare "already exists"; then the save
