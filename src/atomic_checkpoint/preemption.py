@@ -52,7 +52,8 @@ The deadline: the guard knows the grace period (``grace_s=``, else
 ``ATOMIC_CHECKPOINT_GRACE_S``) and measures the saves it sees (``mgr.last_saved``).
 When the ranks agree to stop, a save is started only if the slowest recent save, with
 a margin, fits in what is left of the grace period on the rank that was signalled
-first; otherwise ``should_save`` returns False, ``stopping`` is True, the previous
+first, less the end of it kept for the exit (``EXIT_RESERVE_S``); otherwise
+``should_save`` returns False, ``stopping`` is True, the previous
 checkpoint stays the newest, and a warning says why. A save cut by the final SIGKILL
 would not be torn (the commit is atomic) but would be time spent for nothing.
 
@@ -829,6 +830,13 @@ class PreemptionGuard:
         return self.grace_s - (time.monotonic() - self._record.at)
 
     @property
+    def _reserve(self) -> float:
+        """The end of the grace period kept for the way out (``EXIT_RESERVE_S``, at most
+        half of it): a preemption save is started only if it ends before, or the
+        process outlived the grace period and lost the requeue exit code to SIGKILL."""
+        return 0.0 if self.grace_s is None else min(EXIT_RESERVE_S, self.grace_s / 2)
+
+    @property
     def time_left_s(self) -> float | None:
         """Seconds left of the grace period since this process's first signal, less the
         way out (``EXIT_RESERVE_S``, at most half the grace period: this rank's exit,
@@ -848,7 +856,7 @@ class PreemptionGuard:
             left = agreed - (time.monotonic() - at)
         if left is None or self.grace_s is None:
             return None
-        return max(0.0, left - min(EXIT_RESERVE_S, self.grace_s / 2))
+        return max(0.0, left - self._reserve)
 
     def should_save(self, step: int) -> bool:
         """Whether to save now and stop, decided by all ranks together. Collective.
@@ -917,7 +925,7 @@ class PreemptionGuard:
         left, estimate = check["left"], check["estimate"]
         if left is not None:
             self._agreed_left = (left, time.monotonic())
-        if left is not None and estimate is not None and estimate * MARGIN > left:
+        if left is not None and estimate is not None and estimate * MARGIN > left - self._reserve:
             slowest = check["slowest"] or estimate
             busy = (
                 ""
@@ -927,7 +935,8 @@ class PreemptionGuard:
             self.skipped_save = (
                 f"a save would take {estimate:.2f} s (the slowest of the recent saves took "
                 f"{slowest:.2f} s{busy}) and {left:.2f} s are left of the {self.grace_s:g} s "
-                f"grace period (a save is started only if {MARGIN:g} x its expected time fits)"
+                f"grace period (a save is started only if {MARGIN:g} x its expected time fits "
+                f"in it, less the {self._reserve:g} s kept for the exit)"
             )
         elif left is not None and left <= 0:
             self.skipped_save = f"the {self.grace_s:g} s grace period is already over"
@@ -966,14 +975,15 @@ class PreemptionGuard:
                 f"{self.grace_s:g} s grace period (its storage is slow or not answering); "
                 "a save now would queue behind it"
             )
-        elif slowest is None or slowest * MARGIN <= left:
+        elif slowest is None or slowest * MARGIN <= left - self._reserve:
             return
         else:
             self.skipped_save = (
                 f"a save would take {slowest:.2f} s (the slowest of the recent saves) and "
                 f"only {max(left, 0.0):.2f} s are left of the {self.grace_s:g} s grace period "
                 f"once the async save in flight and the last save's retention had ended (a "
-                f"save is started only if {MARGIN:g} x its expected time fits)"
+                f"save is started only if {MARGIN:g} x its expected time fits in it, less "
+                f"the {self._reserve:g} s kept for the exit)"
             )
         self._save_now = False
         if self._coord.rank == min(self.requested_by):

@@ -103,6 +103,27 @@ def test_a_save_that_cannot_fit_in_the_grace_period_is_not_started(
         mgr.close()
 
 
+def test_a_save_that_would_eat_the_exit_reserve_is_not_started(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    """Saves of about 1 s, x 1.25, fit in a 2 s grace period, but not in the 1 s left of
+    it once the way out is kept (half of it): started, the save committed and the
+    process was still exiting when the scheduler's SIGKILL came (137, not requeued). A
+    4 s grace period keeps 2 s for the exit, and leaves room for the save."""
+    mgr, _state = _a_root_whose_saves_took_1_s(tmp_path, monkeypatch)
+    try:
+        monkeypatch.delenv("ATOMIC_CHECKPOINT_FAULTS")
+        with PreemptionGuard(mgr, grace_s=2.0) as guard:
+            _sigterm(guard)
+            assert guard.should_save(2) is False and guard.stopping
+            assert "less the 1 s kept for the exit" in (guard.skipped_save or "")
+        with PreemptionGuard(mgr, grace_s=4.0) as guard:
+            _sigterm(guard)
+            assert guard.should_save(2) is True and guard.skipped_save is None
+    finally:
+        mgr.close()
+
+
 def test_an_async_save_in_flight_counts_against_the_grace_period(
     tmp_path, monkeypatch, caplog, clean_signals
 ):
@@ -215,23 +236,23 @@ def test_an_uncatchable_signal_or_a_bad_number_installs_no_handler(tmp_path: Pat
 def test_an_async_save_in_flight_past_the_time_left_means_no_preemption_save(
     tmp_path, monkeypatch, caplog, clean_signals
 ):
-    """Saves took 1 s; the async save in flight takes 2 s (more than the estimate
+    """Saves took 1 s; the async save in flight takes 4 s (more than the estimate
     assumed). At the signal a save fits (1 s + the 1 s left of the one in flight, x 1.25,
-    within 2.8 s); but the one in flight has not ended when the time left for it (the
-    grace period less the way out) is spent: the preemption save is not started. It was,
-    and committed after the grace period (the SIGKILL); and an async save that never
-    ended held the rank in should_save past it."""
+    within 6 s less the 3 s kept for the exit); but the one in flight has not ended when
+    the time left for it (the grace period less the way out) is spent: the preemption
+    save is not started. It was, and committed after the grace period (the SIGKILL); and
+    an async save that never ended held the rank in should_save past it."""
     mgr, state = _a_root_whose_saves_took_1_s(tmp_path, monkeypatch)
     try:
-        monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", "mid_write@0=delay,mid_write@0=delay")
-        with PreemptionGuard(mgr, grace_s=2.8) as guard:
+        monkeypatch.setenv("ATOMIC_CHECKPOINT_FAULTS", ",".join(["mid_write@0=delay"] * 4))
+        with PreemptionGuard(mgr, grace_s=6) as guard:
             mgr.save_async(2, state)
             _sigterm(guard)
             t = time.monotonic()
             with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
                 assert guard.should_save(3) is False
-            assert time.monotonic() - t < 1.9  # the time left, not the save's 2 s
-            assert "had not ended within the 2.8 s grace period" in (guard.skipped_save or "")
+            assert time.monotonic() - t < 3.5  # the time left, not the save's 4 s
+            assert "had not ended within the 6 s grace period" in (guard.skipped_save or "")
             assert "WITHOUT saving" in caplog.text
             assert guard.stopping and guard.exit_code == REQUEUE_EXIT_CODE
             assert guard.time_left_s is not None and guard.time_left_s < 1.0
