@@ -1227,16 +1227,25 @@ class TieredCheckpointManager:
             raise
         log.info("replicated %s to %s", name, dst.url(name))
 
-    def _copy_verified(self, src: str, dst: str, entry: FileEntry, algorithm: str) -> None:
-        """Stream ``src`` (tier 0) to ``dst`` (tier 1), hashing each byte read; raise
-        ``CorruptCheckpointError`` (nothing committed) if it is not the saved file."""
+    def _copy_verified(
+        self,
+        src: str,
+        dst: str,
+        entry: FileEntry,
+        algorithm: str,
+        source: Storage | None = None,
+    ) -> None:
+        """Stream ``src`` (tier 0, or ``source``) to ``dst`` (tier 1), hashing each byte
+        read; raise ``CorruptCheckpointError`` (nothing committed) if it is not the
+        saved file."""
         h = Hasher(algorithm)
         size = 0
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
+        reading = self._fast_storage if source is None else source
         w = self._slow_storage.open_write(dst, size_hint=entry.size_bytes)
         try:
-            with self._fast_storage.open_read(src) as r:
+            with reading.open_read(src) as r:
                 while n := r.readinto(view):
                     self._check_interrupt()
                     h.update(view[:n])
@@ -1247,7 +1256,7 @@ class TieredCheckpointManager:
             digest = h.hexdigest()
             if size != entry.size_bytes or digest != entry.checksum:
                 raise CorruptCheckpointError(
-                    f"{self._fast_storage.url(src)}: read {size} bytes with checksum {digest}, "
+                    f"{reading.url(src)}: read {size} bytes with checksum {digest}, "
                     f"the manifest records {entry.size_bytes} bytes with {entry.checksum}: "
                     "tier 0's copy is corrupt and is not replicated"
                 )
@@ -1663,21 +1672,47 @@ class TieredCheckpointManager:
     def _copy_node_files(self, step: int, staged: str) -> list[FileEntry]:
         """A node leader's part of round B: its node's files of ``step`` into
         ``staged`` on tier 1, each verified as read and again on arrival."""
-        source = catalog.load_checkpoint(self._fast_storage, step)
-        return self._copy_files(source, staged, rank=self.rank)
+        storage, source = self._node_copy(step)
+        return self._copy_files(source, staged, rank=self.rank, storage=storage)
 
-    def _copy_files(self, source: Manifest, staged: str, *, rank: int) -> list[FileEntry]:
-        """Copy every file of ``source`` (committed on tier 0) into ``staged`` on tier 1,
-        each verified as read and again on arrival; their entries, as tier 1 records
-        them. ``rank`` is the one the ``mid_replicate`` fault point is armed for."""
+    def _node_copy(self, step: int) -> tuple[Storage, Manifest]:
+        """Where this node's files of ``step`` are, and their manifest: its tier 0, else
+        (a node whose tier 0 was wiped, restored from a peer's copy of its files) the
+        copy that restore committed under its own ``.peers/node-<i>/``. Without the
+        second, a step restored so never reached the persistent tier: the node's own
+        tier 0 lacks it, while ``wait_replicated`` said True."""
+        try:
+            return self._fast_storage, catalog.load_checkpoint(self._fast_storage, step)
+        except CheckpointNotFoundError:
+            if self._peer_group is None:
+                raise
+            own = self._peer_storage(self.fast.domain.index)
+            try:
+                return own, catalog.load_checkpoint(own, step)
+            except CheckpointNotFoundError:
+                pass
+            raise
+
+    def _copy_files(
+        self, source: Manifest, staged: str, *, rank: int, storage: Storage | None = None
+    ) -> list[FileEntry]:
+        """Copy every file of ``source`` (committed on tier 0, or on ``storage``) into
+        ``staged`` on tier 1, each verified as read and again on arrival; their entries,
+        as tier 1 records them. ``rank`` is the one the ``mid_replicate`` fault point is
+        armed for."""
         step = source.step
         name = checkpoint_name(step)
+        reading = self._fast_storage if storage is None else storage
         files = []
         for i, entry in enumerate(source.files):
             rel = catalog.plain_path(entry.path)
-            catalog.check_inside(self._fast_storage, name, entry.path)
+            catalog.check_inside(reading, name, entry.path)
             self._copy_verified(
-                f"{name}/{entry.path}", f"{staged}/{rel}", entry, source.checksum_algorithm
+                f"{name}/{entry.path}",
+                f"{staged}/{rel}",
+                entry,
+                source.checksum_algorithm,
+                reading,
             )
             files.append(FileEntry(rel, entry.size_bytes, entry.checksum, entry.rank))
             if i == 0:
@@ -1700,7 +1735,7 @@ class TieredCheckpointManager:
                 return kind, "; ".join(m for k, m in bad if k == kind)
             if pm is None:
                 return "retry", "the persistent tier was closed"
-            source = catalog.load_checkpoint(self._fast_storage, step)
+            source = self._node_copy(step)[1]
             files = sorted((f for _k, fs in results for f in fs), key=lambda f: f.path)
             expected = {catalog.plain_path(rank_state_file(r)) for r in range(source.world_size)}
             have = {f.path for f in files}
@@ -2277,6 +2312,15 @@ class TieredCheckpointManager:
                     self.last_restored = dataclasses.replace(
                         _tiered(info, used_tiers), from_peers=from_peers
                     )
+                if from_peers and s not in slow and (not slow or s > max(slow)):
+                    # Some node's files of it are only in peer copies now (its tier 0
+                    # was wiped): replicated from there (_node_copy), as a save would be.
+                    # Every rank alike (from_peers and slow are agreed). No peer round:
+                    # the copies that restore used are where they were.
+                    with self._cv:
+                        self._todo.add(s)
+                        self._kick = True
+                        self._cv.notify_all()
                 return state
             text = "; ".join(m for _k, m in problems)
             if step is not None or any(k == "error" for k, _m in problems):

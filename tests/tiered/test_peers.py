@@ -280,3 +280,34 @@ def test_a_bug_in_one_replicator_ends_every_rank_s_wait_within_the_timeout(tmp_p
     assert all(v["waited_s"] < 30 for v in got), got
     assert "ValueError: a bug in the sender" in got[0]["replicated"], got[0]
     assert all(isinstance(v["replicated"], str) for v in got), got
+
+
+def test_a_step_restored_from_a_peer_copy_is_replicated_to_the_persistent_tier(
+    tmp_path, s3_server, s3_bucket
+):
+    # Steps 2 and 3 were on the nodes' tier 0 and their peers only (S3 down); node 1
+    # was replaced. The restart restored step 3, node 1's files from node 2's peer copy,
+    # but never replicated it: node 1's tier 0 lacks it, so the start's reconcile (steps
+    # every node holds) left it out, wait_replicated() said True and close() returned [];
+    # losing node 2 as well then lost step 3.
+    url = f"s3://{s3_bucket}/run"
+    base = tmp_path / "nodes"
+    flag = tmp_path / "s3-is-down"
+    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+        proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
+        opts = proxy.storage_options(max_attempts=1)
+        args = (str(base), url, opts, 1)
+        first = ok_values(
+            run_ranks(workers.w_peers, WORLD, *args, [1], [2, 3], str(flag), tmp_dir=str(tmp_path))
+        )
+        assert all(v["recoverable"] == [1, 2, 3] and 3 in v["left"] for v in first), first
+        flag.unlink()
+        shutil.rmtree(base / "node1")
+        second = ok_values(
+            run_ranks(workers.w_peers, WORLD, *args, [], [], None, True, tmp_dir=str(tmp_path))
+        )
+    assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in second), second
+    assert all(v["replicated"] and v["left"] == [] for v in second), second
+    reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+    assert 3 in [c.step for c in reader.checkpoints()]
+    reader.verify(3)
