@@ -269,6 +269,9 @@ class _Views:
     #: A restore's view reads tier 1 newest first and stops at its first candidate:
     #: the lowest step read there. Below it, ``slow`` says nothing (None: all read).
     slow_floor: int | None = None
+    #: A restore's view: the newest tier 1 step passed over because a job of another
+    #: number of ranks saved it (not every rank has a file in it), as words.
+    other_shape: str | None = None
 
 
 def _meta_errors(leaders: list[int], metas: list[Any]) -> list[str]:
@@ -2095,6 +2098,38 @@ class TieredCheckpointManager:
         floor: int | None = None
         try:
             for entry in catalog.newest_first(storage, run_id=self.run_id, steps=walked):
+                m = entry.manifest
+                if (
+                    want is None
+                    and entry.status == "ok"
+                    and m is not None
+                    and m.state_kind == "per_rank"
+                    and m.world_size != self.world_size
+                ):
+                    # Saved by a job of another shape (one that shrank to fewer nodes):
+                    # not every rank of this one has a file in it. Passed over, as a
+                    # plain root's start passes over the steps only some nodes hold;
+                    # restore(step) still says why it cannot load it.
+                    v.other_shape = v.other_shape or (
+                        f"{entry.name} on {storage.url('')} holds per-rank state of "
+                        f"{m.world_size} rank(s) but this job has {self.world_size}"
+                    )
+                    log.warning(
+                        "restore: %s on %s was saved by a job of %d rank(s), and this job "
+                        "has %d: not every rank can load it, so restore() loads an older "
+                        "step. Saves below step %d raise StepOrderError: call "
+                        "rollback(<the step restored>) first (it deletes the newer steps "
+                        "on both tiers), or start the job with %d ranks again to resume "
+                        "from step %d",
+                        entry.name,
+                        storage.url(""),
+                        m.world_size,
+                        self.world_size,
+                        m.step,
+                        m.world_size,
+                        m.step,
+                    )
+                    continue
                 if entry.status == "ok" and entry.manifest is not None:
                     v.slow.add(entry.manifest.step)
                     v.infos[entry.manifest.step] = entry.manifest.info(storage.url(entry.name))
@@ -2339,6 +2374,11 @@ class TieredCheckpointManager:
             )
         if v.slow_error is not None:
             raise self._unreadable(v)
+        if v.other_shape is not None:
+            raise CheckpointError(
+                f"no checkpoint of run {self.run_id!r} that every rank can load: "
+                f"{v.other_shape}; restore it with the same number of ranks"
+            )
         raise CheckpointNotFoundError(
             f"no checkpoint of run {self.run_id!r} that every rank can load from "
             f"{self.fast.root} (each node's own) or {self._slow_storage.url('')}"

@@ -268,6 +268,28 @@ def test_a_smaller_job_refuses_per_rank_state_of_a_larger_one_on_every_rank(tmp_
     assert all("each rank restores its own" in m and slow in m for _k, m in other), other
 
 
+def test_a_job_that_grows_back_resumes_from_the_newest_step_every_rank_can_load(tmp_path):
+    """3 nodes save step 1; the job shrinks to 2 nodes and saves step 2; the 3 nodes
+    again: step 2 holds 2 ranks' files only. restore() raised on it at every start
+    (each rank loaded the newest step on some tier, whatever its shape); it loads step
+    1, says why, and after rollback(1) the job saves on."""
+    base, slow = str(tmp_path / "nodes"), str(tmp_path / "persistent")
+
+    def job(world: int, save: int | None) -> list[dict[str, Any]]:
+        return ok_values(
+            run_ranks(
+                workers.w_tiered_resized, world, base, slow, None, save, tmp_dir=str(tmp_path)
+            )
+        )
+
+    assert all(v["replicated"] for v in job(WORLD, 1) + job(2, 2))
+    regrown = job(WORLD, None)
+    assert all("error" not in v for v in regrown), regrown
+    assert all(v["restored"] == 1 and v["restored_ok"] for v in regrown), regrown
+    assert any("saved by a job of 2 rank(s)" in w for w in regrown[0]["warned"]), regrown[0]
+    assert all(v["replicated"] and v["listed"] == [1, 2] for v in regrown), regrown
+
+
 def test_a_node_leader_killed_mid_upload_loses_nothing_and_the_restart_replicates(tmp_path):
     slow = str(tmp_path / "persistent")
     base = str(tmp_path / "nodes")

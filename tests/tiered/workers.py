@@ -659,3 +659,30 @@ def w_tier1_stalls(
     out["backlog"] = mgr.replication_backlog()
     out["left"] = mgr.close(timeout_s=30)
     return out
+
+
+def w_tiered_resized(
+    rank: int, world: int, base: str, slow: str, opts: Any, save: int | None
+) -> dict[str, Any]:
+    """A job of ``world`` ranks, each its own node: save step ``save`` and wait for the
+    persistent tier; or (``save`` None) restore, then ``rollback`` to the step restored
+    and save the next one, as the restore's warning advises."""
+    warned: list[str] = []
+    logging.getLogger("atomic_checkpoint").addHandler(ListHandler(warned))
+    _, mgr = _node_manager(rank, base, slow, opts, keep=3, timeout_s=30.0, retry_max_s=0.5)
+    out: dict[str, Any] = {"warned": warned}
+    try:
+        if save is not None:
+            mgr.save(save, make_state(save, rank, big_elems=ELEMS))
+        else:
+            state = mgr.restore()
+            step = out["restored"] = mgr.last_restored.step
+            out["restored_ok"] = states_equal(state, make_state(step, rank, big_elems=ELEMS))
+            mgr.rollback(step)
+            mgr.save(step + 1, make_state(step + 1, rank, big_elems=ELEMS))
+        out["replicated"] = mgr.wait_replicated(timeout_s=60)
+        out["listed"] = [c.step for c in mgr.checkpoints()]
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    mgr.close()
+    return out
