@@ -642,7 +642,7 @@ def test_register_framework_says_what_is_wrong_with_its_arguments() -> None:
         register_framework("bad-b", "^ck-(", lambda path: None)
     with pytest.raises(TypeError, match="record of framework 'bad-c' must be callable"):
         register_framework("bad-c", r"^x-(\d+)$", lambda path: None, record=5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="step_inside of framework 'bad-d'.*with record"):
+    with pytest.raises(TypeError, match=r"step_inside of framework 'bad-d'.*with record"):
         register_framework("bad-d", r"^x-(\d+)?$", lambda path: None, step_inside=len)
 
 

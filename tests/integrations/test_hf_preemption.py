@@ -77,3 +77,14 @@ def test_sigterm_saves_the_current_step_stops_and_exits_with_the_requeue_code(tm
         "signum": None,
         "exit_code": 0,
     }
+
+
+def test_a_preemption_at_an_evaluation_step_says_that_the_evaluation_is_skipped(tmp_path):
+    # eval_steps=4 and the SIGTERM as step 4 begins: the guard saves step 4 and stops
+    # before the evaluation scheduled there; the resumed run goes on from step 5, so
+    # best-model tracking never sees step 4. That was silent.
+    rc, out = _launch(tmp_path, tmp_path, 20, 3, 0, 0, 4)
+    assert rc == REQUEUE_EXIT_CODE, out[-4000:]
+    assert "preemption at step 4: the evaluation eval_steps schedules there is skipped" in out
+    reader = CheckpointManager(tmp_path / "run", read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [4]

@@ -737,6 +737,16 @@ def _preemption_callback(guard: PreemptionGuard) -> Any:
             if guard.stopping:
                 # The save (or none, when it would not fit in the grace period) is the
                 # guard's decision, not save_steps': evaluation would eat the window.
+                if control.should_evaluate and state.is_world_process_zero:
+                    log.warning(
+                        "preemption at step %d: the evaluation eval_steps schedules there is "
+                        "skipped (it would use the grace period), and the resumed run goes "
+                        "on from the next step: that checkpoint has no metric, so best-model "
+                        "tracking (metric_for_best_model, load_best_model_at_end) never "
+                        "sees step %d",
+                        state.global_step,
+                        state.global_step,
+                    )
                 control.should_save = save
                 control.should_evaluate = False
                 control.should_training_stop = True

@@ -2,7 +2,7 @@
 itself at the start of step ``SIGNAL_AT + 1`` (as a scheduler would send it). Writes
 ``OUT/result.json`` and exits with the guard's exit status.
 
-Arguments: OUT MAX_STEPS SIGNAL_AT (0: no signal) RESUME (0/1) [WORKERS]. With
+Arguments: OUT MAX_STEPS SIGNAL_AT (0: no signal) RESUME (0/1) [WORKERS [EVAL_STEPS]]. With
 WORKERS > 0 the Trainer's DataLoaders have that many (persistent) workers, and the
 signal goes, from another process, to the job's whole process group, as SLURM sends it
 to every process of the job step.
@@ -25,6 +25,8 @@ from atomic_checkpoint.integrations.hf import make_atomic  # noqa: E402
 
 out, max_steps, signal_at, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 workers = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+eval_steps = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+evaluating = {"eval_strategy": "steps", "eval_steps": eval_steps} if eval_steps else {}
 
 
 class SignalAt(TrainerCallback):
@@ -46,12 +48,14 @@ args = tiny_args(
     save_steps=100,
     dataloader_num_workers=workers,
     dataloader_persistent_workers=workers > 0,
+    **evaluating,
 )
 trainer = make_atomic(
     Trainer(
         model=tiny_model(),
         args=args,
         train_dataset=RandomTokens(64),
+        eval_dataset=RandomTokens(8) if eval_steps else None,
         callbacks=[signaller := SignalAt()],
     ),
     preemption=True,
