@@ -92,7 +92,8 @@ The bytes travel point to point over a gloo group created at construction
 (``new_group(backend="gloo")``, collectively, on every rank): a group of its own, so
 the transfers never mix with the training's collectives and may run on the replicator
 thread while the training thread runs those. The replicator threads run one agreed
-peer round per step, before any tier 1 work (peer copies need no persistent tier):
+peer round per step, before any tier 1 work, and also while a tier 1 round waits on a
+slow or silent persistent tier (peer copies need no persistent tier):
 
 P1. every node leader reads its committed tier 0 manifest of the step, and every rank
     gathers them (through the replicator's coordinator): the file list, sizes and
@@ -1391,12 +1392,17 @@ class TieredCheckpointManager:
         # A meeting costs the store O(N) requests: at most ~1,000 a second at any scale.
         every = min(max(_MEET_EVERY_S, self.world_size / 1000), self.timeout_s / 4)
         t0 = time.monotonic()
+        # Peer rounds go on meanwhile (not during a rollback): they need no persistent
+        # tier, and a stalled one held every step saved during the stall on one node.
+        peering = self._peer_group is not None and what != "rollback"
         while True:
             worker.join(every)
-            busy, stopping = gather_summary(
+            with self._cv:
+                peer_step = min(self._peer_todo) if peering and self._peer_todo else None
+            busy, stopping, chosen = gather_summary(
                 self._rc,
                 f"tiered: {what}, working",
-                (not box, self._stop.is_set()),
+                (not box, self._stop.is_set(), peer_step),
                 _busy_ranks,
                 timeout_s=self.timeout_s,
             )
@@ -1407,6 +1413,9 @@ class TieredCheckpointManager:
                     f"closed while rank(s) {busy} still worked on storage ({what} of a "
                     "replication round)"
                 )
+            if chosen is not None:
+                self._peer_round(chosen)  # every rank alike: the value is agreed
+                continue
             waited = time.monotonic() - t0
             if waited > self.timeout_s:
                 with self._cv:
@@ -2920,12 +2929,13 @@ def _next_round(
     return stop, back, min((p for _, p, _ in reports if p is not None), default=None)
 
 
-def _busy_ranks(reports: list[tuple[bool, bool]]) -> tuple[str, bool]:
+def _busy_ranks(reports: list[tuple[bool, bool, int | None]]) -> tuple[str, bool, int | None]:
     """A meeting of ``_while_working``, on rank 0: the ranks still working ("" when
-    none; the first 8 named, so the answer stays small at any scale) and whether any
-    rank is stopping."""
-    busy = [r for r, (working, _) in enumerate(reports) if working]
-    return (ranks_text(busy, 8) if busy else ""), any(stop for _, stop in reports)
+    none; the first 8 named, so the answer stays small at any scale), whether any rank
+    is stopping, and the oldest step any rank has for a peer round (as ``_next_round``)."""
+    busy = [r for r, (working, _, _) in enumerate(reports) if working]
+    peer = min((p for _, _, p in reports if p is not None), default=None)
+    return (ranks_text(busy, 8) if busy else ""), any(stop for _, stop, _ in reports), peer
 
 
 def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:

@@ -311,3 +311,41 @@ def test_a_step_restored_from_a_peer_copy_is_replicated_to_the_persistent_tier(
     reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
     assert 3 in [c.step for c in reader.checkpoints()]
     reader.verify(3)
+
+
+def test_peer_copies_go_on_while_the_persistent_tier_holds_every_request(
+    tmp_path, s3_server, s3_bucket
+):
+    # The replicator ran each step's peer round before its tier 1 round; with the
+    # persistent tier silent (requests held, not refused), the tier 1 round of step 1's
+    # successor never ended, and no step saved meanwhile got peer copies: the
+    # redundancy was missing exactly while the persistent tier could not be reached.
+    url = f"s3://{s3_bucket}/run"
+    flag = tmp_path / "s3-is-silent"
+    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+        held = proxy.add(Rule("delay", times=None, when=lambda _r: flag.exists()))
+        opts = proxy.storage_options(max_attempts=1)
+        try:
+            got = ok_values(
+                run_ranks(
+                    workers.w_peers,
+                    WORLD,
+                    str(tmp_path / "nodes"),
+                    url,
+                    opts,
+                    1,
+                    [1],
+                    [2, 3],
+                    str(flag),
+                    False,
+                    20.0,
+                    3.0,  # step 2's tier 1 round has begun, and is held, when 3 is saved
+                    tmp_dir=str(tmp_path),
+                    timeout_s=150,
+                )
+            )
+        finally:
+            held.release.set()
+    assert held.fired > 0  # the persistent tier was asked, and held
+    assert all(v["replicated"] and v["peered_held"] for v in got), got
+    assert all(v["recoverable"] == [1, 2, 3] for v in got), got

@@ -205,12 +205,16 @@ def w_peers(
     held: list[int] = (),  # type: ignore[assignment]
     flag: str | None = None,
     settle: bool = False,
+    peer_wait_s: float = 60.0,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     """Restore the newest step every rank can load (if any), save ``steps`` and wait
     until the persistent tier and the peers have them; then (``flag``: rank 0 creates
     it once every rank got there, and the proxy in front of the persistent tier answers
-    503 from then on) save ``held`` and wait for their peer copies only. ``settle``:
-    with no ``steps``, wait all the same (for what this start found to do)."""
+    503, or holds every request, from then on) save ``held`` and wait for their peer
+    copies only, ``peer_wait_s`` at most (``pause_s``: after each, wait for its peer
+    copies, then that long, so that its tier 1 round has begun). ``settle``: with no
+    ``steps``, wait all the same (for what this start found to do)."""
     import logging
 
     import torch.distributed as dist
@@ -242,8 +246,11 @@ def w_peers(
                 pass
     for s in held:
         mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+        if pause_s:
+            mgr.wait_peers(s, timeout_s=peer_wait_s)
+            time.sleep(pause_s)
     if held:
-        out["peered_held"] = mgr.wait_peers(timeout_s=60)
+        out["peered_held"] = mgr.wait_peers(timeout_s=peer_wait_s)
     out["recoverable"] = mgr.peer_recoverable()
     out["listed"] = [(c.step, c.tiers, c.node_copies) for c in mgr.checkpoints()]
     out["left"] = mgr.close(timeout_s=1 if flag is not None else None)
