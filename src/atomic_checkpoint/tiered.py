@@ -2515,9 +2515,11 @@ class TieredCheckpointManager:
     @property
     def last_replication_error(self) -> BaseException | None:
         """Why the last attempt to reach the persistent tier failed (None once an
-        attempt succeeded): replication is retrying while this is set."""
+        attempt succeeded): replication is retrying while this is set. Once replication
+        has stopped for good (a rank gone, which ``wait_replicated`` raises), why it
+        stopped, so that a thread watching this sees it without waiting."""
         with self._cv:
-            return self._last_error
+            return self._fatal if self._fatal is not None else self._last_error
 
     def replication_failures(self) -> dict[int, CheckpointError]:
         """The steps that will never be replicated from this tier 0, with why (a copy

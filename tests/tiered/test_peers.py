@@ -280,6 +280,9 @@ def test_a_bug_in_one_replicator_ends_every_rank_s_wait_within_the_timeout(tmp_p
     assert all(v["waited_s"] < 30 for v in got), got
     assert "ValueError: a bug in the sender" in got[0]["replicated"], got[0]
     assert all(isinstance(v["replicated"], str) for v in got), got
+    # Said without waiting too: it stayed None once replication had stopped.
+    assert "a bug in the sender" in got[0]["last_error"], got[0]
+    assert all(v["last_error"] != "None" for v in got), got
 
 
 def test_a_step_restored_from_a_peer_copy_is_replicated_to_the_persistent_tier(

@@ -558,6 +558,7 @@ def w_replicator_bug(rank: int, world: int, base: str, slow: str) -> dict[str, A
     except CheckpointError as exc:
         out["replicated"] = f"{type(exc).__name__}: {exc}"
     out["waited_s"] = time.monotonic() - t
+    out["last_error"] = repr(mgr.last_replication_error)
     try:
         mgr.close()
     except CheckpointError as exc:
