@@ -1003,6 +1003,32 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_and_exits_for_re
 
 
 @pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_a_second_preemption_removes_the_first_ones_checkpoint(tmp_path):
+    # Nothing removed preempted-step=<N>.ckpt files (not ModelCheckpoint's top-k): a
+    # job on spot instances kept one whole checkpoint per preemption.
+    from atomic_checkpoint.preemption import REQUEUE_EXIT_CODE
+
+    ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
+    common = ["--dir", str(ckpt), "--ref", str(ref), "--io", "atomic", "--every", "100",
+              "--preempt", "1", "--max-steps", "40"]  # fmt: skip
+    first = _run_script(tmp_path, *common, "--signal-self-at", "3")
+    assert first.returncode == REQUEUE_EXIT_CODE, first.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.glob("preempted-step=*.ckpt")) == ["preempted-step=4.ckpt"]
+    second = _run_script(tmp_path, *common, "--resume", "latest", "--signal-self-at", "6")
+    assert second.returncode == REQUEUE_EXIT_CODE, second.stderr[-3000:]
+    assert _report(ref)["start_step"] == 4
+    newer = f"preempted-step={_report(ref)['final_step']}.ckpt"
+    assert sorted(p.name for p in ckpt.glob("preempted-step=*.ckpt*")) == [
+        newer,
+        newer + ".manifest.json",
+    ]
+    picked = latest_checkpoint(ckpt, full=True)  # that step's file committed last
+    assert picked is not None
+    assert verify_checkpoint(picked).global_step == _report(ref)["final_step"]
+
+
+@pytest.mark.faults
 def test_the_deadline_counts_model_checkpoint_saves(tmp_path):
     """ModelCheckpoint's save of step 2 takes 3 s; a SIGTERM in step 3 with a 3 s grace
     period: a preemption save would not fit, so the job stops without one (the step-2

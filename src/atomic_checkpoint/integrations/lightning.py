@@ -1270,9 +1270,11 @@ class _PreemptionCallback:
             return
         step = int(trainer.global_step)
         if guard.should_save(step):
-            path = os.path.join(self._directory(trainer), f"preempted-step={step}.ckpt")
+            directory = self._directory(trainer)
+            path = os.path.join(directory, f"preempted-step={step}.ckpt")
             trainer.save_checkpoint(path)  # every rank; rank 0 writes, atomically (timed)
             self.saved_path = path
+            _drop_older_preemption_files(trainer, directory, step)
         if guard.stopping:
             trainer.should_stop = True
 
@@ -1304,6 +1306,20 @@ class _PreemptionCallback:
         if self.guard is not None:
             self.guard.exit()  # ignores further preemption signals, then raises
         raise SystemExit(self.exit_code)
+
+
+_PREEMPTED_RE = re.compile(r"preempted-step=([0-9]+)\.ckpt\Z")
+
+
+def _drop_older_preemption_files(trainer: Any, directory: str, step: int) -> None:
+    """Once the preemption checkpoint of ``step`` is committed, the earlier runs' ones in
+    ``directory`` go (``trainer.strategy.remove_checkpoint``: rank 0, manifest and all):
+    nothing else removes them (not ModelCheckpoint's top-k), and a job on spot
+    instances kept one whole checkpoint per preemption."""
+    for name in sorted(posix.list_dir(directory) or ()):
+        found = _PREEMPTED_RE.fullmatch(name)
+        if found is not None and int(found.group(1)) < step:
+            trainer.strategy.remove_checkpoint(os.path.join(directory, name))
 
 
 # ---------------------------------------------------------------------- namespaces
