@@ -229,6 +229,7 @@ from .layout import (
     parse_checkpoint_name,
     validate_step,
 )
+from .lock import without_takeover_advice
 from .manifest import CheckpointInfo, Manifest, format_size
 from .storage import is_url, local_root, open_storage, posix
 from .storage.base import Storage, answer_within
@@ -2332,12 +2333,6 @@ _ADOPT_CLI_WORDS = (
     ("pass run_id= with the run to adopt into", "pass --run-id RUN with the run to adopt into"),
     ("Omit run_id, or pass the recorded one", "Omit --run-id, or pass the recorded one"),
     (' (framework="dcp")', ""),
-    ("pass CheckpointManager(..., takeover=True), or run", "run"),
-    (
-        "take a copy's lock over with takeover=True",
-        "take a copy's lock over with `atomic-checkpoint clean --force` on the copy",
-    ),
-    ("; or pass takeover=True", ""),
 )
 
 
@@ -2346,7 +2341,7 @@ def _adopt_cli_words(text: str) -> str:
     by the command line's flags."""
     for python, flags in _ADOPT_CLI_WORDS:
         text = text.replace(python, flags)
-    return text
+    return without_takeover_advice(text)
 
 
 def _adopt_problem(args: argparse.Namespace, result: Any) -> str | None:

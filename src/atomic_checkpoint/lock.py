@@ -360,6 +360,27 @@ def _with_heartbeat(storage: Storage, holder: LockHolder) -> LockHolder:
     return holder
 
 
+#: The run lock's advice in ``CheckpointManager`` terms, and what to say instead to
+#: whoever cannot pass its arguments (the command line, the Trainer and Accelerate
+#: integrations, which open the root themselves).
+_WITHOUT_TAKEOVER = (
+    ("pass CheckpointManager(..., takeover=True), or run", "run"),
+    (
+        "take a copy's lock over with takeover=True",
+        "take a copy's lock over with `atomic-checkpoint clean --force` on the copy",
+    ),
+    ("; or pass takeover=True", ""),
+)
+
+
+def without_takeover_advice(text: str) -> str:
+    """``text``, a run lock error's message, advising what a caller that cannot pass
+    ``takeover=True`` can do instead (``atomic-checkpoint clean --force``)."""
+    for python, instead in _WITHOUT_TAKEOVER:
+        text = text.replace(python, instead)
+    return text
+
+
 def _unreadable_lock_error(storage: Storage, raw: bytes) -> LockError:
     return LockError(
         f"the run lock {storage.url(LOCK_FILE)} is unreadable ({len(raw)} bytes that are "

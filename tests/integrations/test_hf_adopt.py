@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -330,6 +331,31 @@ def test_adoption_stops_train_while_another_job_holds_the_lock(tmp_path: Path) -
     finally:
         holder.close()
     assert _lock_free(out)
+
+
+@pytest.mark.timeout(60)
+def test_a_held_lock_tells_a_trainer_user_what_they_can_do(tmp_path: Path) -> None:
+    # The advice named CheckpointManager(..., takeover=True), which a Trainer user
+    # never calls (make_atomic opens the root): the shell's command instead.
+    out = tmp_path / "out"
+    hold = (
+        "import sys, time; from atomic_checkpoint import CheckpointManager; "
+        f"m = CheckpointManager({str(out)!r}); print('held', flush=True); "
+        "sys.stdin.read(); m.close()"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with subprocess.Popen(
+        [sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+        text=True,
+    ) as holder:  # fmt: skip
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            with pytest.raises(LockHeldError) as held:
+                make_atomic(_trainer(out, 2)).train()
+        finally:
+            holder.communicate("", timeout=30)
+    assert "takeover=True" not in str(held.value)
+    assert "atomic-checkpoint clean --force" in str(held.value)
 
 
 @pytest.mark.timeout(120)

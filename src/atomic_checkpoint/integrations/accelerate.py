@@ -81,6 +81,7 @@ from ..errors import (
     CommitError,
     CorruptCheckpointError,
     DistributedCheckpointError,
+    LockError,
     ResumeError,
     StorageError,
 )
@@ -94,6 +95,7 @@ from ..layout import (
     parse_checkpoint_name,
     validate_step,
 )
+from ..lock import without_takeover_advice
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo
 from ..preemption import PreemptionGuard, protect_dataloaders, protecting_loaders_of
@@ -196,14 +198,20 @@ class FrameworkRoot:
         self.root = framework_path(label, root)
         self.label = label
         self.timeout_s = timeout_s
-        self.manager = CheckpointManager(
-            self.root if storage is None else storage,
-            retention=retention,
-            timeout_s=timeout_s,
-            visibility_timeout_s=visibility_timeout_s,
-            storage_domains="auto",
-            strategy=strategy,
-        )
+        try:
+            self.manager = CheckpointManager(
+                self.root if storage is None else storage,
+                retention=retention,
+                timeout_s=timeout_s,
+                visibility_timeout_s=visibility_timeout_s,
+                storage_domains="auto",
+                strategy=strategy,
+            )
+        except LockError as exc:
+            # Its advice names CheckpointManager(takeover=True), which a Trainer or
+            # Accelerate user does not call: say what they can do instead.
+            exc.args = (without_takeover_advice(str(exc)), *exc.args[1:])
+            raise
         domain = self.manager.domain
         if domain.count > 1 and not per_node:
             self.manager.close()
