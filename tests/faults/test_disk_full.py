@@ -228,3 +228,23 @@ def test_adopt_json_that_fills_the_disk_half_way_still_says_what_it_adopted(smal
         assert proc.returncode == 2, "adopted everything at once: no half-way failure seen"
     else:
         pytest.fail("no run adopted some checkpoints and then ran out of space")
+
+
+def test_a_full_disk_inside_dcp_s_error_is_reported_with_the_full_disk_advice(tmp_path):
+    # DCP wraps each rank's OSError(ENOSPC) in a CheckpointException ({rank: (error,
+    # trace)}), without an errno of its own: on a disk with room left after the failed
+    # write, the DCP integration said "No space left" without how to free it.
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from atomic_checkpoint import LocalStorage
+    from atomic_checkpoint.storage.base import full_storage_error
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = CheckpointException("dcp", {1: (full, traceback.StackSummary())})
+    said = full_storage_error(LocalStorage(tmp_path), wrapped)
+    assert isinstance(said, StorageFullError) and said.errno == errno.ENOSPC
+    assert "atomic-checkpoint prune" in str(said) and said.__cause__ is wrapped
+    other = CheckpointException("dcp", {0: (ValueError("x"), traceback.StackSummary())})
+    assert full_storage_error(LocalStorage(tmp_path), other) is None

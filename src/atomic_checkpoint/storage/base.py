@@ -284,9 +284,13 @@ def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError
     object store is never full). Its ``__cause__`` is ``exc``: callers report
     ``full_storage_error(storage, exc) or exc``. Called by whoever reports a failed
     write, once."""
-    if isinstance(exc, StorageFullError) or not isinstance(exc, Exception):
-        return None  # already ours, with its advice; an interruption is not a write's
-    code = getattr(exc, "errno", None)
+    if isinstance(exc, StorageFullError):
+        return None  # already ours, with its advice
+    if not isinstance(exc, Exception) and not isinstance(getattr(exc, "failures", None), dict):
+        # An interruption is not a write's. DCP's CheckpointException derives from
+        # BaseException only, and carries the ranks' errors in ``failures``.
+        return None
+    code = _full_errno(exc)
     local = storage.local_path("")
     if code not in (errno.ENOSPC, errno.EDQUOT):
         if local is None:
@@ -309,6 +313,28 @@ def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError
     )
     full.__cause__ = exc
     return full
+
+
+def _full_errno(exc: BaseException) -> int | None:
+    """ENOSPC or EDQUOT where ``exc`` or what it wraps says so (its causes, and the
+    per-rank failures of DCP's ``CheckpointException``, ``{rank: (error, trace)}``),
+    else ``exc``'s own errno. A bounded walk: each exception once."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo and len(seen) < 64:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        code = getattr(e, "errno", None)
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            return int(code)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [v[0] if isinstance(v, tuple) and v else v for v in failures.values()]
+    own = getattr(exc, "errno", None)
+    return own if isinstance(own, int) else None
 
 
 def renaming(storage: Storage) -> RenamingStorage:
