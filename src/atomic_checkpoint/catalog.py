@@ -1164,6 +1164,7 @@ def newest(
     run_id: str | None,
     warn: bool = True,
     skip: Collection[int] = (),
+    unmanifested: list[str] | None = None,
 ) -> Manifest | None:
     """This run's newest valid checkpoint, or None: what ``committed(...)[-1]`` answers,
     reading manifests newest first and stopping at the first that validates, so a
@@ -1175,32 +1176,25 @@ def newest(
     is wrong (DESIGN invariant 6); each one skipped costs one more manifest read. No
     cache: the answer is always checked against the storage as it is now. Steps in
     ``skip`` (``restore()``'s fallback: the ones it already tried) are passed over
-    unread.
+    unread. ``unmanifested``: gets the names of the ``checkpoint-<step>`` directories
+    without a manifest (nor a marker of ours) met above it, newest first (what a
+    reader's start reports).
 
     Raises:
         StorageError: an I/O error on a candidate (as ``scan``): never taken for "no
             checkpoint", which would resume from an older step or from scratch.
     """
     entries = _newest_first(storage, run_id=run_id, skip=skip, cache=None)
+    if unmanifested is not None:
+        entries = _noting_unmanifested(entries, unmanifested)
     return next(_valid_only(storage, entries, warn=warn), None)
 
 
-def newest_noting_unmanifested(
-    storage: Storage, *, run_id: str | None, warn: bool = True
-) -> tuple[Manifest | None, list[str]]:
-    """``newest``, and the ``checkpoint-<step>`` directories without a manifest (nor a
-    marker of ours) that the walk met above it, newest first: what a reader's start
-    reports, where a writable start's ``newest_valid`` tells it."""
-    met: list[str] = []
-
-    def noting(entries: Iterable[Entry]) -> Iterator[Entry]:
-        for e in entries:
-            if e.unmanifested:
-                met.append(e.name)
-            yield e
-
-    found = _newest_first(storage, run_id=run_id, cache=None)
-    return next(_valid_only(storage, noting(found), warn=warn), None), met
+def _noting_unmanifested(entries: Iterable[Entry], met: list[str]) -> Iterator[Entry]:
+    for e in entries:
+        if e.unmanifested:
+            met.append(e.name)
+        yield e
 
 
 def _newest_first(

@@ -202,6 +202,15 @@ def rank_state_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
 
+_RANK_STATE_FILE_RE = re.compile(r"^rank-([0-9]{5,})\.safetensors\Z")
+
+
+def parse_rank_state_file(name: str) -> int | None:
+    """The rank of ``rank_state_file(rank)`` (a file's last path component), or None."""
+    m = _RANK_STATE_FILE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 REPLICATED_STATE_FILE = "replicated.safetensors"
 _STATE_FILE_RE = re.compile(r"^(rank-[0-9]{5,}|replicated)\.safetensors\Z")
 

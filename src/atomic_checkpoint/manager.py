@@ -675,8 +675,9 @@ class CheckpointManager:
             recorded = None if run_id is not None else self._recorded_run_id()
             # A reader only needs to know whether there is a valid checkpoint (resume
             # modes): the newest one, not a read of every manifest in ROOT.
-            newest, unmanifested = catalog.newest_noting_unmanifested(
-                self.storage, run_id=run_id or recorded, warn=False
+            unmanifested: list[str] = []
+            newest = catalog.newest(
+                self.storage, run_id=run_id or recorded, warn=False, unmanifested=unmanifested
             )
             if run_id is None and recorded is None and newest is not None and newest.run_id:
                 # No run file (a copied root, a persistent tier): the reader follows the
@@ -930,7 +931,15 @@ class CheckpointManager:
 
     def _check_fence(self) -> None:
         """Raise ``FencedError`` if this job lost the run lock (coordinator only; a
-        no-op on other ranks and read-only managers, which hold no lock)."""
+        no-op on other ranks and read-only managers, which hold no lock), and
+        ``CheckpointError`` once ``close()`` has returned: work that it left running (a
+        rotation stuck in a storage call, past ``close(timeout_s=)``) stops at its next
+        change of ROOT instead of deleting on after close (DESIGN invariant 12)."""
+        if self._closed:
+            raise CheckpointError(
+                f"{self.root}: this manager was closed; work it left running changes "
+                "nothing more (the next start removes what it left)"
+            )
         if self._lock is not None:
             self._lock.check()
 

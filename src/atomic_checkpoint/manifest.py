@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import time
 import zlib
 from collections.abc import Callable, Mapping
@@ -34,7 +33,7 @@ from typing import Any
 import xxhash as _xxhash
 
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedSchemaError
-from .layout import rank_state_file, validate_relative_path, validate_step
+from .layout import parse_rank_state_file, rank_state_file, validate_relative_path, validate_step
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "atomic-checkpoint"
@@ -45,8 +44,6 @@ MAX_MANIFEST_BYTES = 64 << 20
 # Integers in a manifest (commit sequence, world size, ranks, counts) are below this;
 # a 400-digit number is corrupt, not a counter.
 _MAX_INT = 1 << 63
-_RANK_FILE_RE = re.compile(r"^rank-([0-9]{5,})\.safetensors\Z")
-
 #: The most ranks a manifest may record (over ten times the largest jobs run today).
 MAX_WORLD_SIZE = 1 << 20
 # created_unix is within this many seconds of the epoch (year ~33,000): a float like
@@ -368,17 +365,13 @@ class Manifest:
                 # saving() and the integrations are named by whoever wrote them).
                 if f.rank is None:
                     continue
-                named = (
-                    _RANK_FILE_RE.match(f.path.rsplit("/", 1)[-1])
-                    if doc.get("state_kind") == "per_rank"
-                    else None
-                )
                 if f.rank >= world:
                     raise CorruptCheckpointError(
                         f"{where}: file {f.path!r} records rank {f.rank}, but world_size is "
                         f"{world} (ranks 0..{world - 1})"
                     )
-                if named is not None and int(named.group(1)) != f.rank:
+                named = parse_rank_state_file(f.path.rsplit("/", 1)[-1])
+                if doc.get("state_kind") == "per_rank" and named not in (None, f.rank):
                     raise CorruptCheckpointError(
                         f"{where}: file {f.path!r} records rank {f.rank}, not the rank its "
                         "name says"

@@ -140,6 +140,12 @@ RECENT_SAVES = 5
 EXIT_RESERVE_S = 3.0
 
 
+def _exit_reserve(grace_s: float) -> float:
+    """The end of a ``grace_s`` grace period kept for the way out: ``EXIT_RESERVE_S``,
+    at most half of it."""
+    return min(EXIT_RESERVE_S, grace_s / 2)
+
+
 class _Record:
     """The first signal a process received: what a handler stores, nothing else."""
 
@@ -313,7 +319,7 @@ def _importing_main_for_a_child() -> bool:
 def _startup_deadline(state: _Armed, grace_s: float) -> None:
     """Exit with the requeue code if a signal came and no guard took it over in time
     (see :func:`arm`). Polls: a signal handler must not start threads or wake locks."""
-    reserve = min(EXIT_RESERVE_S, grace_s / 2)
+    reserve = _exit_reserve(grace_s)
     shared = os.environ.get(SIGNALS_DIR_ENV, "").strip() or None
     noted = False
     while _armed is state and not state.adopted:
@@ -834,7 +840,7 @@ class PreemptionGuard:
         """The end of the grace period kept for the way out (``EXIT_RESERVE_S``, at most
         half of it): a preemption save is started only if it ends before, or the
         process outlived the grace period and lost the requeue exit code to SIGKILL."""
-        return 0.0 if self.grace_s is None else min(EXIT_RESERVE_S, self.grace_s / 2)
+        return 0.0 if self.grace_s is None else _exit_reserve(self.grace_s)
 
     @property
     def time_left_s(self) -> float | None:

@@ -132,7 +132,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import KW_ONLY, dataclass
 from typing import Any, TypeVar, cast
@@ -716,10 +716,11 @@ class TieredCheckpointManager:
             return
         self._queue(info.step)
 
-    def _queue(self, step: int) -> None:
+    def _queue(self, step: int, *, peer_round: bool = True) -> None:
+        """Queue ``step`` for replication (and, with ``peer_round``, for its peer round)."""
         with self._cv:
             self._todo.add(step)
-            if self._peer_group is not None and step not in self._peer_done:
+            if peer_round and self._peer_group is not None and step not in self._peer_done:
                 self._peer_todo.add(step)
             self._kick = True
             self._cv.notify_all()
@@ -1237,16 +1238,15 @@ class TieredCheckpointManager:
         dst: str,
         entry: FileEntry,
         algorithm: str,
-        source: Storage | None = None,
+        reading: Storage,
     ) -> None:
-        """Stream ``src`` (tier 0, or ``source``) to ``dst`` (tier 1), hashing each byte
-        read; raise ``CorruptCheckpointError`` (nothing committed) if it is not the
-        saved file."""
+        """Stream ``src`` (on ``reading``: tier 0, or a peer copy of this node's files)
+        to ``dst`` (tier 1), hashing each byte read; raise ``CorruptCheckpointError``
+        (nothing committed) if it is not the saved file."""
         h = Hasher(algorithm)
         size = 0
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
-        reading = self._fast_storage if source is None else source
         w = self._slow_storage.open_write(dst, size_hint=entry.size_bytes)
         try:
             with reading.open_read(src) as r:
@@ -2361,10 +2361,7 @@ class TieredCheckpointManager:
                     # was wiped): replicated from there (_node_copy), as a save would be.
                     # Every rank alike (from_peers and slow are agreed). No peer round:
                     # the copies that restore used are where they were.
-                    with self._cv:
-                        self._todo.add(s)
-                        self._kick = True
-                        self._cv.notify_all()
+                    self._queue(s, peer_round=False)
                 return state
             text = "; ".join(m for _k, m in problems)
             if step is not None or any(k == "error" for k, _m in problems):
@@ -2928,7 +2925,7 @@ def _next_round(
     stop = any(s for s, _, _ in reports)
     asked = [r for _, _, r in reports]
     back = None if any(r is None for r in asked) else [int(r) for r in asked if r is not None]
-    return stop, back, min((p for _, p, _ in reports if p is not None), default=None)
+    return stop, back, _oldest(p for _, p, _ in reports)
 
 
 def _busy_ranks(reports: list[tuple[bool, bool, int | None]]) -> tuple[str, bool, int | None]:
@@ -2936,8 +2933,14 @@ def _busy_ranks(reports: list[tuple[bool, bool, int | None]]) -> tuple[str, bool
     none; the first 8 named, so the answer stays small at any scale), whether any rank
     is stopping, and the oldest step any rank has for a peer round (as ``_next_round``)."""
     busy = [r for r, (working, _, _) in enumerate(reports) if working]
-    peer = min((p for _, _, p in reports if p is not None), default=None)
+    peer = _oldest(p for _, _, p in reports)
     return (ranks_text(busy, 8) if busy else ""), any(stop for _, stop, _ in reports), peer
+
+
+def _oldest(steps: Iterable[int | None]) -> int | None:
+    """The oldest step some rank has for a peer round (a rank whose save has not
+    returned yet has None)."""
+    return min((s for s in steps if s is not None), default=None)
 
 
 def _stop_at_exit(ref: weakref.ref[TieredCheckpointManager], pid: int) -> None:

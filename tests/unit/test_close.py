@@ -280,18 +280,21 @@ def test_close_with_a_timeout_returns_within_it_while_a_save_is_stuck_in_storage
 
 def test_close_with_a_timeout_returns_within_it_while_retention_is_stuck_deleting(tmp_path, caplog):
     # close(timeout_s=) bounded the async save only: with the rotation after the last
-    # save stuck deleting the old checkpoint (a stalled mount), it joined the rotation
-    # without a bound, and a preempted job overran its grace period.
+    # save stuck deleting an old checkpoint (a stalled mount), it joined the rotation
+    # without a bound, and a preempted job overran its grace period. Once close() has
+    # returned, the rotation left running deletes nothing more (DESIGN invariant 12).
     root = tmp_path / "root"
+    with CheckpointManager(root) as first:
+        first.save(1, {"w": torch.ones(4)})
+        first.save(2, {"w": torch.ones(4)})
     storage = HeldCallStorage(root, "delete_tree")
     mgr = CheckpointManager(storage, timeout_s=30, retention=KeepLast(1))
-    mgr.save(1, {"w": torch.ones(4)})
     storage.armed = True
-    mgr.save(2, {"w": torch.zeros(4)})  # its rotation deletes step 1, and is held there
+    mgr.save(3, {"w": torch.zeros(4)})  # its rotation deletes step 1 (held), then 2
     closed_within(mgr, storage, 1.0)
     assert "retention is still deleting old checkpoints" in caplog.text
-    assert listed(root) == [2]  # step 1 was un-committed before its deletion stuck
+    assert listed(root) == [2, 3]  # step 1 was un-committed before its deletion stuck
     for t in threading.enumerate():
         if t.name == "atomic-checkpoint-rotation":
             t.join(60)
-    assert listed(root) == [2]
+    assert listed(root) == [2, 3]  # not deleted after close() returned
