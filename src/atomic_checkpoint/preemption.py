@@ -744,6 +744,13 @@ class PreemptionGuard:
         self.requested_by: tuple[int, ...] = ()
         #: Why the agreed stop saves nothing (the save would not fit), else None.
         self.skipped_save: str | None = None
+        #: Once the ranks stopped: whether the work they said comes before the save at
+        #: that step (``should_save(work_s=)``, an evaluation, say) fits in the grace
+        #: period with the save, the same on every rank. False: skip it.
+        self.work_fits = False
+        #: Why that work is skipped, else None (no work was announced, or it fits).
+        self.skipped_work: str | None = None
+        self._work: float | None = None  # the largest work_s announced when they stopped
         self._save_now = False
         #: Once the ranks stopped: (the least time left of any rank, when it was known).
         self._agreed_left: tuple[float, float] | None = None
@@ -864,7 +871,7 @@ class PreemptionGuard:
             return None
         return max(0.0, left - self._reserve)
 
-    def should_save(self, step: int) -> bool:
+    def should_save(self, step: int, *, work_s: float | None = None) -> bool:
         """Whether to save now and stop, decided by all ranks together. Collective.
 
         Call it on every rank at the same step boundary, the same number of times.
@@ -875,9 +882,20 @@ class PreemptionGuard:
         (``skipped_save`` says why, and a warning): stop without saving, the previous
         checkpoint stays the newest. Later calls give the same answer.
 
+        Work the loop would do at this step before the save (an evaluation whose
+        metric the checkpoint should record, say) is announced with ``work_s``: when
+        the ranks stop here, ``work_fits`` says, the same on every rank, whether that
+        work and the save both fit in the grace period (``MARGIN`` x the slowest
+        announced work plus the slowest recent save, less the exit reserve). Do it only
+        then; otherwise skip it (``skipped_work`` says why): the save comes first.
+
         Args:
             step: the step the loop is at (the one a save now would record); every
                 rank must pass the same one.
+            work_s: how long that work takes on this rank, measured (e.g. the slowest
+                recent evaluation); None: no such work at this step, or its duration
+                is unknown (it is not kept). The ranks may pass different values; the
+                largest counts.
 
         Returns:
             True: save ``step`` now (a normal ``mgr.save``) and stop training.
@@ -891,6 +909,8 @@ class PreemptionGuard:
             CheckpointError: the ranks passed different steps, or the guard is closed.
         """
         step = validate_step(step)
+        if work_s is not None and work_s != 0:
+            work_s = positive_seconds("work_s", work_s)
         if self._closed:
             raise CheckpointError("this PreemptionGuard is closed: create a new one")
         self._checks += 1
@@ -909,6 +929,7 @@ class PreemptionGuard:
                 self._time_left() if mine is not None else None,
                 self._needed_s(),
                 self.save_estimate_s,
+                work_s,
             ),
             _check_summary,
             timeout_s=self.timeout_s,
@@ -947,6 +968,7 @@ class PreemptionGuard:
         elif left is not None and left <= 0:
             self.skipped_save = f"the {self.grace_s:g} s grace period is already over"
         self._save_now = self.skipped_save is None
+        self._decide_work(check["work"], left, estimate)
         if self._coord.rank == min(signalled):
             self._log_decision(step, signalled, check["signals"], left, estimate)
         if self._save_now:
@@ -957,6 +979,30 @@ class PreemptionGuard:
             if left is not None:
                 self._check_again_after_waiting(step, check["slowest"], running)
         return self._save_now
+
+    def _decide_work(self, work: float | None, left: float | None, estimate: float | None) -> None:
+        """Whether the announced work (``work_s``, the largest of any rank) and the save
+        both fit in what is left of the grace period: the same on every rank, from the
+        same agreed figures. Unknown durations or grace period: the work is skipped
+        (the save is what the grace period is for)."""
+        self._work = work
+        self.work_fits, self.skipped_work = False, None
+        if work is None:
+            return
+        if not self._save_now:
+            self.skipped_work = "no save is made at this stop"
+        elif left is None:
+            self.skipped_work = f"the grace period is unknown (pass grace_s= or set {GRACE_ENV})"
+        elif estimate is None:
+            self.skipped_work = "no save was measured yet: the save's duration is unknown"
+        elif (work + estimate) * MARGIN > left - self._reserve:
+            self.skipped_work = (
+                f"it takes {work:.2f} s and the save {estimate:.2f} s; {left:.2f} s are left "
+                f"of the {self.grace_s:g} s grace period ({MARGIN:g} x both must fit in it, "
+                f"less the {self._reserve:g} s kept for the exit)"
+            )
+        else:
+            self.work_fits = True
 
     def _check_again_after_waiting(self, step: int, slowest: float | None, running: bool) -> None:
         """The save starts only once the async save in flight and the retention of the
@@ -975,6 +1021,9 @@ class PreemptionGuard:
         if left is None:
             return
         self._agreed_left = (left, time.monotonic())
+        if self.work_fits and not stuck and self._work is not None and slowest is not None:
+            # The wait used some of the window: keep the work only if both still fit.
+            self._decide_work(self._work, left, slowest)
         if stuck:
             self.skipped_save = (
                 f"the async save in flight on rank(s) {stuck} had not ended within the "
@@ -992,6 +1041,8 @@ class PreemptionGuard:
                 f"the {self._reserve:g} s kept for the exit)"
             )
         self._save_now = False
+        if self._work is not None:
+            self.work_fits, self.skipped_work = False, "no save is made at this stop"
         if self._coord.rank == min(self.requested_by):
             log.warning(
                 "preemption: stopping at step %d WITHOUT saving: %s", step, self.skipped_save
@@ -1068,14 +1119,20 @@ class PreemptionGuard:
             fits = f"{left:.1f} s of the grace period left; no save measured yet"
         else:
             fits = f"{left:.1f} s of the grace period left, a save takes <= {estimate:.2f} s"
+        work = ""
+        if self.work_fits:
+            work = f"; the {self._work:.2f} s of work announced before the save fits: it runs first"
+        elif self.skipped_work is not None:
+            work = f"; the work announced before the save is skipped: {self.skipped_work}"
         log.warning(
-            "preemption: %s received by rank(s) %s; every rank saves step %d now (%s; %s) "
+            "preemption: %s received by rank(s) %s; every rank saves step %d now (%s; %s%s) "
             "and stops",
             "/".join(names),
             list(signalled),
             step,
             waited,
             fits,
+            work,
         )
 
     # ------------------------------------------------------------------ life cycle
@@ -1148,17 +1205,20 @@ def _least_left_and_running(views: list[tuple[float | None, bool]]) -> tuple[flo
 
 
 def _check_summary(
-    views: list[tuple[int, int | None, float | None, float | None, float | None]],
+    views: list[tuple[int, int | None, float | None, float | None, float | None, float | None]],
 ) -> dict[str, Any]:
     """What every rank needs of the ranks' views at a preemption check (each rank's
-    step, signal, time left, time a save started now would take, slowest recent save),
-    computed once: the steps by rank if they differ (an error), the ranks signalled and
-    their signals, the least time left, the longest save time and the slowest save."""
+    step, signal, time left, time a save started now would take, slowest recent save,
+    work announced before the save), computed once: the steps by rank if they differ
+    (an error), the ranks signalled and their signals, the least time left, the longest
+    save time, the slowest save and the longest work."""
     steps = {v[0] for v in views}
     lefts = [v[2] for v in views if v[2] is not None]
     estimates = [v[3] for v in views if v[3] is not None]
     slowest = [v[4] for v in views if v[4] is not None]
+    work = [v[5] for v in views if v[5] is not None]
     return {
+        "work": max(work) if work else None,
         "slowest": max(slowest) if slowest else None,
         "by_rank": {r: v[0] for r, v in enumerate(views)} if len(steps) > 1 else None,
         "signalled": tuple(r for r, v in enumerate(views) if v[1] is not None),

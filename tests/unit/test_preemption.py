@@ -124,6 +124,42 @@ def test_a_save_that_would_eat_the_exit_reserve_is_not_started(
         mgr.close()
 
 
+def test_work_announced_before_the_save_is_kept_only_if_it_fits_with_the_save(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    """``should_save(step, work_s=)``: an evaluation (say) scheduled at the preemption
+    step runs first only if it and the save fit in the grace period. Saves of about
+    1 s, a 10 s grace period less its 3 s exit reserve: 3 s of work fits (1.25 x 4 s),
+    5 s does not (1.25 x 6 s), and the save is made either way. The Trainer used to
+    skip its evaluation there whatever the time left."""
+    mgr, _state = _a_root_whose_saves_took_1_s(tmp_path, monkeypatch)
+    try:
+        monkeypatch.delenv("ATOMIC_CHECKPOINT_FAULTS")
+        with PreemptionGuard(mgr, grace_s=10.0) as guard:
+            assert guard.should_save(2, work_s=3.0) is False and not guard.work_fits
+            _sigterm(guard)
+            with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+                assert guard.should_save(2, work_s=3.0) is True
+            assert guard.work_fits and guard.skipped_work is None
+            assert "of work announced before the save fits: it runs first" in caplog.text
+        with PreemptionGuard(mgr, grace_s=10.0) as guard:
+            _sigterm(guard)
+            assert guard.should_save(2, work_s=5.0) is True and not guard.work_fits
+            assert "1.25 x both must fit in it" in (guard.skipped_work or "")
+        with PreemptionGuard(mgr) as guard:  # grace period unknown: the save comes first
+            _sigterm(guard)
+            assert guard.should_save(2, work_s=0.1) is True and not guard.work_fits
+            assert "the grace period is unknown" in (guard.skipped_work or "")
+        with PreemptionGuard(mgr, grace_s=10.0) as guard:  # nothing announced
+            _sigterm(guard)
+            assert guard.should_save(2) is True
+            assert (guard.work_fits, guard.skipped_work) == (False, None)
+            with pytest.raises(ValueError, match="work_s"):
+                guard.should_save(2, work_s=-1.0)
+    finally:
+        mgr.close()
+
+
 def test_an_async_save_in_flight_counts_against_the_grace_period(
     tmp_path, monkeypatch, caplog, clean_signals
 ):

@@ -721,35 +721,63 @@ def _collective() -> tuple[int, int, Any]:
 _LOADER_FACTORIES = ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader")
 
 
+#: Evaluations the preemption callback remembers the duration of: the slowest counts.
+RECENT_EVALUATIONS = 3
+
+
 def _preemption_callback(guard: PreemptionGuard) -> Any:
     """A ``TrainerCallback`` that asks ``guard`` at every optimizer step, on every rank
     (the Trainer calls ``on_step_end`` on each, the same number of times), and turns
     the agreed answer into the Trainer's own controls: save this step (through the
-    atomic save above), skip evaluation, stop training."""
+    atomic save above), evaluate first only if the evaluation and the save both fit in
+    the grace period, stop training.
+
+    The Trainer evaluates before it saves. The evaluations it runs at ``eval_steps``
+    are timed here (from this step end to ``on_evaluate``), and the slowest recent one
+    is announced to the guard (``should_save(work_s=)``), which decides, the same on
+    every rank, whether it fits with the save: then the checkpoint records its metric
+    and best-model tracking sees the step."""
     from transformers import TrainerCallback
 
     class PreemptionCallback(TrainerCallback):
         def __init__(self) -> None:
             self.guard = guard
+            self._evaluating_since: float | None = None
+            self._evaluations: list[float] = []  # seconds, the last RECENT_EVALUATIONS
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            save = guard.should_save(int(state.global_step))
+            step = int(state.global_step)
+            evaluate = bool(control.should_evaluate)
+            work = max(self._evaluations) if evaluate and self._evaluations else None
+            save = guard.should_save(step, work_s=work)
             if guard.stopping:
                 # The save (or none, when it would not fit in the grace period) is the
-                # guard's decision, not save_steps': evaluation would eat the window.
-                if control.should_evaluate and state.is_world_process_zero:
+                # guard's decision, not save_steps'; the evaluation runs only if it fits.
+                if evaluate and not guard.work_fits and state.is_world_process_zero:
+                    why = guard.skipped_work or "no evaluation was timed yet in this run"
                     log.warning(
                         "preemption at step %d: the evaluation eval_steps schedules there is "
-                        "skipped (it would use the grace period), and the resumed run goes "
-                        "on from the next step: that checkpoint has no metric, so best-model "
-                        "tracking (metric_for_best_model, load_best_model_at_end) never "
-                        "sees step %d",
-                        state.global_step,
-                        state.global_step,
+                        "skipped (%s), and the resumed run goes on from the next step: that "
+                        "checkpoint has no metric, so best-model tracking "
+                        "(metric_for_best_model, load_best_model_at_end) never sees step %d",
+                        step,
+                        why,
+                        step,
                     )
                 control.should_save = save
-                control.should_evaluate = False
+                control.should_evaluate = evaluate and guard.work_fits
                 control.should_training_stop = True
+            if control.should_evaluate:
+                self._evaluating_since = time.monotonic()
+            return control
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            # Only the evaluations the training loop ran at a step end (a user's own
+            # trainer.evaluate() has none in progress here).
+            if self._evaluating_since is not None:
+                took = time.monotonic() - self._evaluating_since
+                self._evaluations = [*self._evaluations, took][-RECENT_EVALUATIONS:]
+                self._evaluating_since = None
             return control
 
     return PreemptionCallback()

@@ -2,10 +2,11 @@
 itself at the start of step ``SIGNAL_AT + 1`` (as a scheduler would send it). Writes
 ``OUT/result.json`` and exits with the guard's exit status.
 
-Arguments: OUT MAX_STEPS SIGNAL_AT (0: no signal) RESUME (0/1) [WORKERS [EVAL_STEPS]]. With
+Arguments: OUT MAX_STEPS SIGNAL_AT (0: no signal) RESUME (0/1) [WORKERS [EVAL_STEPS
+[SAVE_STEPS]]]. With
 WORKERS > 0 the Trainer's DataLoaders have that many (persistent) workers, and the
 signal goes, from another process, to the job's whole process group, as SLURM sends it
-to every process of the job step.
+to every process of the job step. ``result.json`` lists the steps evaluated.
 """
 
 from atomic_checkpoint import preemption
@@ -26,6 +27,7 @@ from atomic_checkpoint.integrations.hf import make_atomic  # noqa: E402
 out, max_steps, signal_at, resume = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 workers = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 eval_steps = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+save_steps = int(sys.argv[7]) if len(sys.argv) > 7 else 100
 evaluating = {"eval_strategy": "steps", "eval_steps": eval_steps} if eval_steps else {}
 
 
@@ -45,7 +47,7 @@ class SignalAt(TrainerCallback):
 args = tiny_args(
     os.path.join(out, "run"),
     max_steps=max_steps,
-    save_steps=100,
+    save_steps=save_steps,
     dataloader_num_workers=workers,
     dataloader_persistent_workers=workers > 0,
     **evaluating,
@@ -70,6 +72,7 @@ with open(os.path.join(out, "result.json"), "w") as f:
             "decided": guard.decided_step,
             "signum": guard.signum,
             "exit_code": guard.exit_code,
+            "evaluated": [e["step"] for e in trainer.state.log_history if "eval_loss" in e],
         },
         f,
     )
