@@ -227,6 +227,7 @@ from .layout import (
     TRASH_DIR,
     checkpoint_name,
     parse_checkpoint_name,
+    parse_sibling_pending,
     validate_step,
 )
 from .lock import without_takeover_advice
@@ -234,7 +235,7 @@ from .manifest import CheckpointInfo, Manifest, format_size
 from .storage import is_url, local_root, open_storage, posix
 from .storage.base import Storage, answer_within
 from .storage.local import refuse_dangling_root
-from .storage.temps import abandoned_temps
+from .storage.temps import abandoned_temps, parse_temp_name
 from .strategies import (
     CommitStrategy,
     Leftover,
@@ -768,7 +769,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     if lightning:
         # A Lightning ModelCheckpoint directory: each .ckpt through its sidecar manifest
         # (the sidecars are part of their files, not entries of their own).
-        docs = [d for d in docs if not d["name"].endswith((".ckpt", ".ckpt.manifest.json"))]
+        docs = [
+            d
+            for d in docs
+            if not d["name"].endswith((".ckpt", ".ckpt.manifest.json"))
+            and _lightning_leftover(d["name"]) is None
+        ]
         docs = sorted(docs + lightning, key=lambda d: (d["step"] is None, d["step"] or 0))
     tiers = _tier_docs(args, run_id)
     if tiers:
@@ -1162,6 +1168,17 @@ def _verify_lightning(storage: Storage, name: str, *, full: bool = True) -> dict
     }
 
 
+def _lightning_leftover(name: str) -> str | None:
+    """The ``.ckpt`` file that ``name``, an entry of a Lightning directory, is being
+    written for (``AtomicCheckpointIO``'s pending sibling, or its sidecar manifest's
+    temporary file), else None."""
+    final = parse_sibling_pending(name)
+    if final is None:
+        temp = parse_temp_name(name)
+        final = temp.final.removesuffix(LIGHTNING_MANIFEST_SUFFIX) if temp is not None else None
+    return final if final is not None and final.endswith(".ckpt") else None
+
+
 def _lightning_list_docs(storage: Storage) -> list[dict[str, Any]]:
     """``list``'s entries for the ``.ckpt`` files of a Lightning ``ModelCheckpoint``
     directory: step, time and size from each file's sidecar manifest, the size checked
@@ -1192,6 +1209,30 @@ def _lightning_list_docs(storage: Storage) -> list[dict[str, Any]]:
                 "commit_seq": None,
                 "path": storage.url(name),
                 "adopted": r["adopted"],
+            }
+        )
+    for name in storage.listdir("") if storage.local_path("") is not None else []:
+        final = _lightning_leftover(name)
+        if final is None:
+            continue
+        # A save in progress, or one a crash cut short (the .ckpt keeps its previous
+        # content): "pending", as in a CheckpointManager root, not a foreign entry.
+        docs.append(
+            {
+                "name": name,
+                "step": None,
+                "status": "pending",
+                "problem": (
+                    f"a save of {final} in progress, or cut short by a crash: never loaded; "
+                    "the next save into this directory removes it"
+                ),
+                "run_id": None,
+                "created_unix": None,
+                "size_bytes": _tree_size(storage, name),
+                "metrics": {},
+                "commit_seq": None,
+                "path": storage.url(name),
+                "adopted": False,
             }
         )
     return docs

@@ -61,6 +61,10 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\Z")
 _PENDING_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\Z")
 _REPLACED_RE = re.compile(r"^checkpoint-(0|[1-9][0-9]{0,18})\.([0-9a-f]{8,32})\.replaced\Z")
 
+#: What the integrations that commit one name by renaming a sibling onto it (Lightning's
+#: ``.ckpt`` files, DCP's path-style checkpoints) write first: ``.<name>.<token>.pending``.
+_SIBLING_PENDING_RE = re.compile(r"^\.(?P<final>.+)\.[0-9a-f]{16}\.pending\Z")
+
 #: The sidecar manifest of a Lightning ``.ckpt`` file (``integrations.lightning``):
 #: ``<name>.ckpt`` + this.
 LIGHTNING_MANIFEST_SUFFIX = ".manifest.json"
@@ -139,6 +143,18 @@ def pending_name(step: int, attempt: str) -> str:
 def parse_pending_name(name: str) -> tuple[int, str] | None:
     m = _PENDING_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else None
+
+
+def sibling_pending_name(name: str) -> str:
+    """The pending sibling a save of ``name`` writes, then renames onto ``name`` (Lightning's
+    ``.ckpt`` files, DCP's path-style checkpoints): hidden, unique per save, never loaded."""
+    return f".{name}.{new_attempt_token()}.pending"
+
+
+def parse_sibling_pending(name: str) -> str | None:
+    """The final name of a pending sibling (``sibling_pending_name``), else None."""
+    m = _SIBLING_PENDING_RE.match(name)
+    return m.group("final") if m else None
 
 
 def replaced_name(step: int, attempt: str) -> str:

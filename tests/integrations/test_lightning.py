@@ -46,6 +46,7 @@ from atomic_checkpoint.integrations.lightning import (
     latest_checkpoint,
     verify_checkpoint,
 )
+from tests.cli.helpers import run_cli, run_json
 from tests.dist.launcher import run_ranks
 from tests.dist.workers import states_equal
 from tests.integrations.scripts.lightning_workers import (
@@ -1085,3 +1086,40 @@ def test_sigterm_to_one_rank_saves_the_current_step_on_all_and_exits_for_requeue
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # ran to its end: exit 0
     assert _report(ref)["start_step"] == 6 and _report(ref)["final_step"] == 8
     _assert_resumed_state_equals_saved(ref, 6, world=1)
+
+
+@pytest.mark.timeout(120)
+def test_list_shows_what_a_save_killed_mid_write_left_as_pending_not_foreign(tmp_path):
+    # A save of last.ckpt killed in its write leaves its pending sibling (the previous
+    # last.ckpt stays whole). `list` showed it among "foreign: not checkpoints, left
+    # alone" entries, as if someone else's file sat in the directory.
+    code = (
+        "import sys\n"
+        "from atomic_checkpoint.integrations.lightning import AtomicCheckpointIO\n"
+        "from tests.integrations.scripts.lightning_workers import checkpoint_dict\n"
+        "AtomicCheckpointIO().save_checkpoint(checkpoint_dict(int(sys.argv[2])), sys.argv[1])\n"
+    )
+    last = tmp_path / "ckpt" / "last.ckpt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    env.pop(FAULTS_ENV, None)
+    first = subprocess.run([sys.executable, "-c", code, last, "2"], env=env, timeout=60)
+    assert first.returncode == 0
+    killed = subprocess.run(
+        [sys.executable, "-c", code, last, "4"],
+        env={**env, FAULTS_ENV: "mid_write@*=kill"},
+        timeout=60,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    (leftover,) = _strays(last.parent)
+    assert leftover.startswith(".last.ckpt.") and leftover.endswith(".pending")
+    assert verify_checkpoint(last).global_step == 2
+
+    doc = run_json("list", last.parent)
+    rows = {e["name"]: e for e in doc["entries"]}
+    assert set(rows) == {"last.ckpt", leftover}, rows
+    assert (rows["last.ckpt"]["status"], rows["last.ckpt"]["step"]) == ("ok", 2)
+    assert rows[leftover]["status"] == "pending"
+    assert "a save of last.ckpt in progress, or cut short by a crash" in rows[leftover]["problem"]
+    text = run_cli("list", last.parent)
+    assert text.returncode == 0 and "foreign" not in text.stdout, text.stdout
+    assert "1 ok, 1 pending" in text.stdout, text.stdout

@@ -91,7 +91,6 @@ import pickle
 import re
 import sys
 import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -123,7 +122,13 @@ from ..errors import (
     ResumeError,
     StorageError,
 )
-from ..layout import MANIFEST_NAME, checkpoint_name, parse_checkpoint_name, validate_step
+from ..layout import (
+    MANIFEST_NAME,
+    checkpoint_name,
+    parse_checkpoint_name,
+    sibling_pending_name,
+    validate_step,
+)
 from ..manager import CheckpointManager
 from ..manifest import CheckpointInfo, FileEntry, Manifest, check_metadata
 from ..rankfiles import report_files
@@ -851,7 +856,7 @@ def _prepare_path(parent: str, name: str) -> str:
             f"{os.path.join(parent, name)!r} already exists: a path-style save never "
             "replaces a checkpoint; choose a new checkpoint_id"
         )
-    pending = f".{name}.{uuid.uuid4().hex[:16]}.pending"
+    pending = sibling_pending_name(name)
     storage.makedirs(pending)
     storage.fsync_dir("")
     return pending

@@ -98,7 +98,6 @@ import pickle
 import re
 import threading
 import time
-import uuid
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -121,7 +120,7 @@ from ..errors import (
     StorageFullError,
     UnsafeCheckpointError,
 )
-from ..layout import LIGHTNING_MANIFEST_SUFFIX
+from ..layout import LIGHTNING_MANIFEST_SUFFIX, parse_sibling_pending, sibling_pending_name
 from ..manifest import DEFAULT_ALGORITHM, Hasher
 from ..storage import is_url, posix
 from ..storage.local import LocalStorage
@@ -151,7 +150,6 @@ _SCHEMA = 1
 # Versions a manifest may list: the new one plus those the file may still hold. After
 # a completed save it lists one; each save that crashed between steps 2 and 3 adds one.
 _MAX_VERSIONS = 8
-_PENDING_RE = re.compile(r"^\..+\.[0-9a-f]{16}\.pending\Z")
 _READ_CHUNK = 8 << 20
 
 
@@ -832,7 +830,7 @@ class _AtomicFileIO:
         fields = checkpoint if isinstance(checkpoint, Mapping) else {}
         step = _int_or_none(fields.get("global_step"))
         epoch = _int_or_none(fields.get("epoch"))
-        pending = f".{name}.{uuid.uuid4().hex[:16]}.pending"
+        pending = sibling_pending_name(name)
         hasher = Hasher(DEFAULT_ALGORITHM)
         writer = store.open_write(pending)
         sink = _HashingSink(writer, hasher, rank=rank, step=step)
@@ -899,7 +897,7 @@ class _AtomicFileIO:
         store = LocalStorage(directory)
         for name in store.listdir(""):
             temp = parse_temp_name(name)  # a manifest's replace, killed half way
-            if _PENDING_RE.match(name) or (
+            if parse_sibling_pending(name) is not None or (
                 temp is not None and temp.final.endswith(".ckpt" + MANIFEST_SUFFIX)
             ):
                 try:
