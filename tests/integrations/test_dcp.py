@@ -7,6 +7,9 @@ import json
 import logging
 import os
 import pickle
+import signal
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -797,3 +800,34 @@ def test_loads_refuse_pickles_that_name_other_code_unless_allow_pickle(tmp_path)
         _SafeReader(str(stock)).read_metadata()
     assert "not part of DCP's metadata" in (stock_checkpoint_problem(stock) or "")
     assert not ran.exists()
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_a_path_style_save_killed_mid_write_is_removed_once_its_name_is_committed(tmp_path):
+    # A path-style save SIGKILLed mid-write leaves its pending directory beside PATH. It
+    # can never commit once PATH exists (a path-style save never replaces), but nothing
+    # removed it: every crash left a hidden directory of shards for good.
+    paths = tmp_path / "paths"
+    code = (
+        "import sys, torch\n"
+        "from atomic_checkpoint.integrations.dcp import save\n"
+        "save({'model': {'w': torch.arange(4096.0)}}, checkpoint_id=sys.argv[1])\n"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo / "src"), str(repo)])}
+    killed = subprocess.run(
+        [sys.executable, "-c", code, paths / "step-5"],
+        env={**env, FAULTS_ENV: "mid_write@*=kill"},
+        timeout=90,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    (leftover,) = os.listdir(paths)
+    assert leftover.startswith(".step-5.") and leftover.endswith(".pending")
+
+    save(_plain(4), checkpoint_id=paths / "step-4", step=4)  # another name: kept (may be live)
+    assert sorted(os.listdir(paths)) == sorted([leftover, "step-4"])
+    save(_plain(5), checkpoint_id=paths / "step-5", step=5)  # the restart saves step-5 again
+    assert sorted(os.listdir(paths)) == ["step-4", "step-5"]
+    back = _plain(0)
+    assert load(back, checkpoint_id=paths / "step-5").step == 5

@@ -59,7 +59,8 @@ it onto PATH (never replacing an existing PATH)::
 
     ckpts/
       step-100/                       committed: .metadata, shards, manifest
-      .step-200.<token>.pending/      a save in progress, or killed: never loaded
+      .step-200.<token>.pending/      a save in progress, or killed: never loaded,
+                                      removed once a later save commits step-200
 
 ``load(state_dict, checkpoint_id=PATH)`` verifies PATH against its manifest (each rank
 a share of the checksums) before DCP reads it, and refuses a directory without one
@@ -126,6 +127,7 @@ from ..layout import (
     MANIFEST_NAME,
     checkpoint_name,
     parse_checkpoint_name,
+    parse_sibling_pending,
     sibling_pending_name,
     validate_step,
 )
@@ -917,7 +919,24 @@ def _commit_path(
     fault_point("after_manifest", 0, step)
     storage.rename_dir(pending, name)  # never replaces: CheckpointExistsError
     storage.fsync_dir("")
+    _sweep_doomed(storage)
     return manifest
+
+
+def _sweep_doomed(storage: LocalStorage) -> None:
+    """Remove the pending directories beside committed checkpoints whose name now
+    exists: saves of those names killed (or failed) before their rename, which can
+    never commit now (a path-style save never replaces). Nothing else looked at them,
+    so each crash left one for good."""
+    for entry in storage.listdir(""):
+        final = parse_sibling_pending(entry)
+        if final is None or not posix.lexists(os.path.join(storage.root, final)):
+            continue
+        try:
+            storage.delete_tree(entry)
+            log.info("removed %s: an abandoned save of %s", storage.url(entry), final)
+        except CheckpointError as exc:
+            log.warning("could not remove the abandoned DCP save %s: %s", entry, exc)
 
 
 def _discard_pending(parent: str, pending: str) -> None:
