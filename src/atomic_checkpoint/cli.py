@@ -220,9 +220,12 @@ from .errors import (
     StorageFullError,
 )
 from .layout import (
+    CHECKPOINT_PREFIX,
+    LIGHTNING_DEPTH,
     LIGHTNING_MANIFEST_SUFFIX,
     MANIFEST_NAME,
     META_DIR,
+    OWN_DIRS,
     RUN_FILE,
     TRASH_DIR,
     checkpoint_name,
@@ -774,6 +777,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             for d in docs
             if not d["name"].endswith((".ckpt", ".ckpt.manifest.json"))
             and _lightning_leftover(d["name"]) is None
+            and d["name"] not in _lightning_folders([x["name"] for x in lightning])
         ]
         docs = sorted(docs + lightning, key=lambda d: (d["step"] is None, d["step"] or 0))
     tiers = _tier_docs(args, run_id)
@@ -1094,7 +1098,40 @@ def _lightning_names(storage: Storage) -> list[str]:
     through a sidecar manifest each (``<name>.manifest.json``)."""
     if storage.local_path("") is None:
         return []
-    return sorted(n for n in storage.listdir("") if n.endswith(".ckpt") and "/" not in n)
+    top = storage.listdir("")
+    names = [n for n in top if n.endswith(".ckpt") and "/" not in n]
+    # A "/" in a ModelCheckpoint filename (a metric logged as "val/loss" in
+    # "{epoch}-{step}-{val/loss:.3f}") puts its files in sub-folders, as far down as
+    # latest_checkpoint looks: those with a sidecar manifest count. Folders of a
+    # CheckpointManager root (checkpoints, the library's own) are not entered.
+    level = [n for n in top if _may_hold_lightning_files(storage, n)]
+    for depth in range(LIGHTNING_DEPTH):
+        below = []
+        for folder in level:
+            for n in storage.listdir(folder):
+                rel = f"{folder}/{n}"
+                if n.endswith(".ckpt"):
+                    if storage.size(rel + LIGHTNING_MANIFEST_SUFFIX) is not None:
+                        names.append(rel)
+                elif depth + 1 < LIGHTNING_DEPTH and _may_hold_lightning_files(storage, rel):
+                    below.append(rel)
+        level = below
+    return sorted(names)
+
+
+def _may_hold_lightning_files(storage: Storage, rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return (
+        not name.startswith((".", CHECKPOINT_PREFIX, "checkpoint_"))
+        and name not in OWN_DIRS
+        and storage.is_dir(rel)
+        and not posix.is_link(storage.local_path(rel) or rel)
+    )
+
+
+def _lightning_folders(names: Sequence[str]) -> set[str]:
+    """The top folders of ROOT that the Lightning files ``names`` lie in."""
+    return {n.split("/", 1)[0] for n in names if "/" in n}
 
 
 def _verify_lightning(storage: Storage, name: str, *, full: bool = True) -> dict[str, Any]:
@@ -1320,7 +1357,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if e.status in ("ok", "corrupt"):
                 targets.append(e)
                 continue
-            if lightning and e.name.endswith((".ckpt", ".ckpt.manifest.json")):
+            if lightning and (
+                e.name.endswith((".ckpt", ".ckpt.manifest.json"))
+                or e.name in _lightning_folders(lightning)
+            ):
                 continue  # verified below, through the sidecar manifests
             named = parse_checkpoint_name(e.name) is not None
             if e.status == "foreign" and e.manifest is not None and named:

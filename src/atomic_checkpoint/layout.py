@@ -68,6 +68,10 @@ _SIBLING_PENDING_RE = re.compile(r"^\.(?P<final>.+)\.[0-9a-f]{16}\.pending\Z")
 #: The sidecar manifest of a Lightning ``.ckpt`` file (``integrations.lightning``):
 #: ``<name>.ckpt`` + this.
 LIGHTNING_MANIFEST_SUFFIX = ".manifest.json"
+#: How many folders down a Lightning directory's ``.ckpt`` files are looked for: a ``/``
+#: in a ``ModelCheckpoint`` filename (a metric logged as ``val/loss`` in
+#: ``"{epoch}-{step}-{val/loss:.3f}"``) puts its files in sub-folders.
+LIGHTNING_DEPTH = 3
 
 #: The Accelerate layout: committed checkpoints are ``ROOT/checkpoints/checkpoint_<step>``.
 LAYOUT_FILE = f"{META_DIR}/layout.json"

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -1123,3 +1124,85 @@ def test_list_shows_what_a_save_killed_mid_write_left_as_pending_not_foreign(tmp
     text = run_cli("list", last.parent)
     assert text.returncode == 0 and "foreign" not in text.stdout, text.stdout
     assert "1 ok, 1 pending" in text.stdout, text.stdout
+
+
+def _fit_with(directory: Path, max_steps: int, *checkpoints: Any, resume: str | None = None):
+    """A single-process fit of the scripts' tiny model, logging its loss as
+    ``train/loss`` and ``train_loss``, with ``AtomicCheckpointIO`` and ``checkpoints``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.integrations.scripts.lightning_train import TinyModel, cpu_trainer
+
+    class Logged(TinyModel):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train/loss", loss)
+            self.log("train_loss", loss)
+            return loss
+
+    made = [ModelCheckpoint(dirpath=directory, **c) for c in checkpoints]
+    trainer = cpu_trainer(1, max_steps, made, [AtomicCheckpointIO()])
+    with warnings.catch_warnings():  # Lightning's own hints: not ours
+        warnings.simplefilter("ignore")
+        trainer.fit(Logged(), ckpt_path=resume)
+    return trainer, made
+
+
+@pytest.mark.timeout(180)
+def test_latest_checkpoint_passes_over_weights_only_files_that_cannot_resume_a_fit(
+    tmp_path, caplog
+):
+    # A full last.ckpt and a weights-only best file in one dirpath, both of step 4, the
+    # best committed last: latest_checkpoint returned it and fit(ckpt_path=...) raised
+    # KeyError ("checkpoint contains only the model") at every restart of the job.
+    ckpt = tmp_path / "ckpt"
+    full = {"save_last": True, "every_n_train_steps": 2, "save_top_k": 0}
+    best = {
+        "monitor": "step",
+        "mode": "max",
+        "save_top_k": 1,
+        "save_weights_only": True,
+        "every_n_train_steps": 2,
+        "filename": "best-{step}",
+    }
+    _fit_with(ckpt, 4, full, best)
+    assert verify_checkpoint(ckpt / "best-step=4.ckpt").weights_only is True
+    assert verify_checkpoint(ckpt / "last.ckpt").weights_only is False
+    assert latest_checkpoint(ckpt) == str(ckpt / "last.ckpt")
+    assert latest_checkpoint(ckpt, include_weights_only=True) == str(ckpt / "best-step=4.ckpt")
+    trainer, _ = _fit_with(ckpt, 6, full, best, resume=latest_checkpoint(ckpt))
+    assert trainer.global_step == 6
+    # Only weights-only files newer than any full one: passed over, and said.
+    os.remove(ckpt / "last.ckpt")
+    os.remove(ckpt / ("last.ckpt" + MANIFEST_SUFFIX))
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        assert latest_checkpoint(ckpt) is None
+    assert "saved with save_weights_only=True, it cannot resume a fit" in caplog.text
+
+
+@pytest.mark.timeout(180)
+def test_files_a_slash_in_the_filename_put_in_sub_folders_are_found_and_listed(tmp_path):
+    # ModelCheckpoint(filename="{step}-{train/loss:.3f}") writes step=4-train/loss=...ckpt:
+    # a sub-folder of dirpath. latest_checkpoint returned None (the resume silently
+    # started from step 0) and `list`/`verify` saw no checkpoint.
+    ckpt = tmp_path / "ckpt"
+    top2 = {
+        "monitor": "step",
+        "mode": "max",
+        "save_top_k": 2,
+        "every_n_train_steps": 2,
+        "filename": "{step}-{train/loss:.3f}",
+    }
+    _, (callback,) = _fit_with(ckpt, 6, top2)
+    newest = Path(callback.best_model_path)
+    assert newest.parent.name == "step=6-train" and newest.exists()
+    assert latest_checkpoint(ckpt) == str(newest)
+    trainer, _ = _fit_with(ckpt, 8, top2, resume=latest_checkpoint(ckpt))
+    assert trainer.global_step == 8
+
+    doc = run_json("list", ckpt)
+    rows = {e["name"]: e for e in doc["entries"] if e["status"] == "ok"}
+    assert sorted(e["step"] for e in rows.values()) == [6, 8], doc["entries"]
+    assert all(name.split("/")[0].startswith("step=") for name in rows), rows
+    verified = run_json("verify", ckpt)
+    assert sorted(r["step"] for r in verified["checkpoints"] if r["status"] == "ok") == [6, 8]

@@ -120,7 +120,12 @@ from ..errors import (
     StorageFullError,
     UnsafeCheckpointError,
 )
-from ..layout import LIGHTNING_MANIFEST_SUFFIX, parse_sibling_pending, sibling_pending_name
+from ..layout import (
+    LIGHTNING_DEPTH,
+    LIGHTNING_MANIFEST_SUFFIX,
+    parse_sibling_pending,
+    sibling_pending_name,
+)
 from ..manifest import DEFAULT_ALGORITHM, Hasher
 from ..storage import is_url, posix
 from ..storage.local import LocalStorage
@@ -162,9 +167,13 @@ class _Version:
     global_step: int | None
     epoch: int | None
     written_unix: float
+    #: Saved with ``save_weights_only=True`` (no optimizer or callback state: it cannot
+    #: resume a fit); None: not recorded (an older manifest, an adopted file, a state
+    #: that is not a Trainer checkpoint).
+    weights_only: bool | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "size": self.size_bytes,
             "checksum": self.checksum,
             "algorithm": self.algorithm,
@@ -172,6 +181,9 @@ class _Version:
             "epoch": self.epoch,
             "written_unix": self.written_unix,
         }
+        if self.weights_only is not None:
+            doc["weights_only"] = self.weights_only
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> _Version:
@@ -182,13 +194,32 @@ class _Version:
             step = doc.get("global_step")
             epoch = doc.get("epoch")
             written = float(doc.get("written_unix", 0.0))
+            weights_only = doc.get("weights_only")
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptCheckpointError(f"{where}: malformed version entry {doc!r}") from exc
         if not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
             raise CorruptCheckpointError(f"{where}: malformed version entry {doc!r}")
-        if not isinstance(algorithm, str):
+        if not isinstance(algorithm, str) or weights_only not in (None, True, False):
             raise CorruptCheckpointError(f"{where}: malformed version entry {doc!r}")
-        return cls(size, checksum, algorithm, _int_or_none(step), _int_or_none(epoch), written)
+        return cls(
+            size,
+            checksum,
+            algorithm,
+            _int_or_none(step),
+            _int_or_none(epoch),
+            written,
+            weights_only,
+        )
+
+
+def _weights_only(fields: Mapping[str, Any]) -> bool | None:
+    """Whether a Trainer checkpoint was saved with ``save_weights_only=True``: the model
+    and loops without optimizer, scheduler or callback state (Lightning's
+    ``dump_checkpoint``). None for a state that is not a Trainer checkpoint (Fabric's
+    ``fabric.save`` of the user's own dict)."""
+    if "state_dict" not in fields or "loops" not in fields:
+        return None
+    return "optimizer_states" not in fields and "callbacks" not in fields
 
 
 @dataclass(frozen=True)
@@ -211,6 +242,10 @@ class CheckpointFile:
             while the file was written).
         written_unix: when the verified version's save committed (recorded in the
             manifest; None without one).
+        weights_only: saved with ``ModelCheckpoint(save_weights_only=True)``: it loads
+            weights but cannot resume a fit (no optimizer, scheduler or callback state).
+            None where not recorded (no manifest, an adopted file, a manifest of an
+            older version, a Fabric state).
     """
 
     path: str
@@ -223,6 +258,7 @@ class CheckpointFile:
     link: str | None = None
     adopted: bool = False
     written_unix: float | None = None
+    weights_only: bool | None = None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -380,14 +416,51 @@ def verify_checkpoint(
         is_newest=newest,
         adopted=recorded is not None and recorded[1],
         written_unix=match.written_unix,
+        weights_only=match.weights_only,
     )
 
 
+def _checkpoint_names(dirpath: str | os.PathLike[str]) -> list[str] | None:
+    """The ``.ckpt`` files under ``dirpath``, as ``/``-separated paths relative to it,
+    sorted: those at its top and, ``LIGHTNING_DEPTH`` levels down, those a ``/`` in a
+    ``ModelCheckpoint`` filename put in sub-folders (hidden folders and links to
+    folders are not entered). None: ``dirpath`` cannot be listed."""
+    directory = _local_path(dirpath)
+    top = posix.list_dir(directory)
+    if top is None:
+        return None
+    found: list[str] = []
+    level = [("", sorted(top))]
+    for depth in range(LIGHTNING_DEPTH + 1):
+        below = []
+        for prefix, names in level:
+            for name in names:
+                rel = prefix + name
+                path = os.path.join(directory, rel)
+                if name.endswith(".ckpt") and not posix.is_dir(path):
+                    found.append(rel)
+                elif (
+                    depth < LIGHTNING_DEPTH
+                    and not name.startswith(".")
+                    and posix.is_dir(path)
+                    and not posix.is_link(path)
+                ):
+                    listed = posix.list_dir(path)
+                    if listed:
+                        below.append((rel + "/", sorted(listed)))
+        level = below
+    return sorted(found)
+
+
 def latest_checkpoint(
-    dirpath: str | os.PathLike[str], *, full: bool = False, adopt: bool = False
+    dirpath: str | os.PathLike[str],
+    *,
+    full: bool = False,
+    adopt: bool = False,
+    include_weights_only: bool = False,
 ) -> str | None:
     """The ``.ckpt`` file in ``dirpath`` with the highest recorded ``global_step`` that
-    verifies against its manifest; None if there is none.
+    verifies against its manifest and can resume a fit; None if there is none.
 
     Use it to resume from the newest complete checkpoint whatever its name
     (``trainer.fit(model, ckpt_path=latest_checkpoint(dirpath))``). Steps come from the
@@ -399,7 +472,11 @@ def latest_checkpoint(
     committed, below any file with a step. Files without a
     manifest are not considered (a warning names them when nothing else is found, with
     ``adopt=True`` to take the complete ones); invalid ones are skipped with a warning
-    that says what is wrong.
+    that says what is wrong. Files a ``ModelCheckpoint(save_weights_only=True)`` wrote
+    hold no optimizer, scheduler or callback state, and ``fit`` refuses them: they are
+    passed over (a warning says so when one is newer than the file returned). Files in
+    sub-folders (a ``/`` in a ``ModelCheckpoint`` filename, e.g. a metric named
+    ``val/loss``) count, up to 3 levels down.
 
     Args:
         dirpath: ``ModelCheckpoint``'s directory.
@@ -415,6 +492,8 @@ def latest_checkpoint(
             (``RANK``, else ``NODE_RANK`` and ``LOCAL_RANK``, 0 when unset) adopts: with
             Lightning's own DDP launcher the other ranks start after it has. Under
             ``torchrun``, adopt once before the job (``atomic-checkpoint adopt``).
+        include_weights_only: also consider files saved with ``save_weights_only=True``
+            (to load weights for evaluation or fine-tuning, not to resume a fit).
 
     Raises:
         LockHeldError: ``adopt`` and a job holds the run lock of ``dirpath``.
@@ -422,15 +501,13 @@ def latest_checkpoint(
     directory = _local_path(dirpath)
     if adopt and _launch_rank() == 0 and posix.is_dir(directory):
         adopt_checkpoints(directory)
-    listed = posix.list_dir(directory)
-    if listed is None:
+    names = _checkpoint_names(directory)
+    if names is None:
         return None
-    names = sorted(listed)
     candidates: list[tuple[bool, int, float, str]] = []
     unmanifested: list[str] = []
+    weights: list[tuple[int, str]] = []  # (step, name): passed over, weights only
     for name in names:
-        if not name.endswith(".ckpt"):
-            continue
         if not posix.exists(os.path.join(directory, name + MANIFEST_SUFFIX)):
             unmanifested.append(name)
             continue
@@ -441,6 +518,9 @@ def latest_checkpoint(
             log.warning("skipping %s: %s", path, exc)
             continue
         step = info.global_step
+        if info.weights_only and not include_weights_only:
+            weights.append((step or 0, name))
+            continue
         # Files of one step, and files without a step: the last committed first. A
         # preemption file saved at a batch end is followed by that epoch's validation
         # and ModelCheckpoint's files of the same step, whose callback state knows the
@@ -476,6 +556,16 @@ def latest_checkpoint(
                 best[3],
                 best[3],
             )
+    newer = [n for step, n in sorted(weights, reverse=True) if best is None or step > best[1]]
+    if newer:
+        log.warning(
+            "latest_checkpoint: passing over %s in %s: saved with save_weights_only=True, "
+            "it cannot resume a fit (no optimizer, scheduler or callback state)%s. Pass "
+            "include_weights_only=True to load weights from it",
+            ", ".join(newer[:3]) + (", ..." if len(newer) > 3 else ""),
+            directory,
+            "" if best is not None else "; no other checkpoint found: returning None",
+        )
     if best is None and unmanifested:
         log.warning(
             "latest_checkpoint: %s holds %d .ckpt file(s) without a manifest (%s%s), written "
@@ -562,22 +652,24 @@ def stock_checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def _recorded_step(path: str) -> tuple[int | None, int | None] | str:
-    """(``global_step``, ``epoch``) that the whole ``torch.save`` file at ``path``
-    records (None for one it lacks), read with ``weights_only=True`` (no code from the
-    file runs; tensors are mapped, not read); else why they cannot be read."""
+def _recorded_step(path: str) -> tuple[int | None, int | None, bool | None] | str:
+    """(``global_step``, ``epoch``, whether it was saved weights-only) that the whole
+    ``torch.save`` file at ``path`` records (None for one it lacks), read with
+    ``weights_only=True`` (no code from the file runs; tensors are mapped, not read);
+    else why they cannot be read."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
         # Its hyper-parameters hold classes weights_only refuses (a dataclass, a
         # Namespace): whole by its archive, its step is then the one its name gives,
         # as before this check (no code from the file is ever run to read it).
-        return None, None
+        return None, None, None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         return f"torch.load cannot read it: {exc}"
     if not isinstance(state, Mapping):
-        return None, None
-    return _int_or_none(state.get("global_step")), _int_or_none(state.get("epoch"))
+        return None, None, None
+    step, epoch = _int_or_none(state.get("global_step")), _int_or_none(state.get("epoch"))
+    return step, epoch, _weights_only(state)
 
 
 def _record_adopted(path: str) -> bool:
@@ -603,6 +695,7 @@ def _record_adopted(path: str) -> bool:
         recorded[0] if recorded[0] is not None else int(match["step"]) if match else None,
         recorded[1] if recorded[1] is not None else int(epoch[1]) if epoch else None,
         time.time(),
+        recorded[2],
     )
     store = LocalStorage(directory)
     store.fsync_dir("")
@@ -851,7 +944,13 @@ class _AtomicFileIO:
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         new = _Version(
-            sink.size_bytes, hasher.hexdigest(), hasher.algorithm, step, epoch, time.time()
+            sink.size_bytes,
+            hasher.hexdigest(),
+            hasher.algorithm,
+            step,
+            epoch,
+            time.time(),
+            _weights_only(fields),
         )
         try:
             previous = self._versions_on_disk(final)
