@@ -2109,7 +2109,14 @@ class CheckpointManager:
         # one). A step every domain has but that failed verification is neither: it
         # stays, as with one domain.
         complete = {s for s, _, _ in everywhere}
-        victims |= {s for s, _, _ in mine if s not in complete and s < newest_common}
+        partial = {s for s, _, _ in mine if s not in complete and s < newest_common}
+        # Except those a tiered job's tier 0 holds for the persistent tier: after a node
+        # was replaced, the steps it lost stay restorable from the others' tier 0 and
+        # their peer copies, and may be the only copies of a step tier 1 never got.
+        held = getattr(self.retention, "held_partial", None)
+        if partial and callable(held):
+            partial -= set(held(partial))
+        victims |= partial
         return sorted(victims - {newest})
 
     def apply_retention(self) -> list[int]:

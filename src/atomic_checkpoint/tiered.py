@@ -254,6 +254,14 @@ class _HoldUnreplicated:
         steps = {c.step for c in checkpoints}
         return frozenset(kept | (self._owner._held_steps(steps) & steps))
 
+    def held_partial(self, steps: set[int]) -> frozenset[int]:
+        """Of ``steps``, committed on this node's tier 0 but not on every node's (a node
+        whose tier 0 was replaced lacks them), those still waiting for the persistent
+        tier: the manager's retention keeps them instead of removing them as the
+        leftovers of a save that failed half way. They may be the only copies of a step
+        (restored from this node's files and its peer copies)."""
+        return frozenset(self._owner._held_steps(steps) & steps)
+
 
 @dataclass
 class _Views:

@@ -19,7 +19,7 @@ from tests.testbed.s3proxy import Rule, S3Proxy
 from tests.tiered import workers
 
 from atomic_checkpoint import CheckpointManager, catalog
-from atomic_checkpoint.layout import checkpoint_name, rank_state_file
+from atomic_checkpoint.layout import MANIFEST_NAME, checkpoint_name, rank_state_file
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 WORLD = 3
@@ -352,3 +352,36 @@ def test_peer_copies_go_on_while_the_persistent_tier_holds_every_request(
     assert held.fired > 0  # the persistent tier was asked, and held
     assert all(v["replicated"] and v["peered_held"] for v in got), got
     assert all(v["recoverable"] == [1, 2, 3] for v in got), got
+
+
+def test_a_replaced_node_does_not_make_the_others_delete_steps_tier_1_never_got(
+    tmp_path, s3_server, s3_bucket
+):
+    # S3 down; steps 2 and 3 on every node's tier 0 and their peers only; node 1
+    # replaced. The restart restored 3 and saved 4 (S3 still down). Once 4 was on every
+    # node, the other nodes removed 2 and 3 as the leftovers of saves that failed half
+    # way (not on every node), although tier 1 never got them: close() said they
+    # "stay on tier 0", and losing another node then lost them for good.
+    url = f"s3://{s3_bucket}/run"
+    base = tmp_path / "nodes"
+    flag = tmp_path / "s3-is-down"
+    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+        proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
+        opts = proxy.storage_options(max_attempts=1)
+        args = (str(base), url, opts, 1)
+        ok_values(
+            run_ranks(workers.w_peers, WORLD, *args, [1], [2, 3], str(flag), tmp_dir=str(tmp_path))
+        )
+        shutil.rmtree(base / "node1")
+        second = ok_values(
+            run_ranks(workers.w_peers, WORLD, *args, [], [4], str(flag), tmp_dir=str(tmp_path))
+        )
+    assert all(v["restored"] == (3, (0,), (1,)) and v["peered_held"] for v in second), second
+    assert all({3, 4} <= set(v["left"]) for v in second), second
+    for node in (0, 2):  # what close() said stays there, does
+        kept = [
+            s
+            for s in (2, 3, 4)
+            if (base / f"node{node}" / checkpoint_name(s) / MANIFEST_NAME).exists()
+        ]
+        assert kept == [2, 3, 4], (node, sorted(p.name for p in (base / f"node{node}").iterdir()))
