@@ -580,6 +580,9 @@ class MarkerStrategy:
         # Attempts whose every rank had reported its files when the commit began (see
         # ``discard``): no upload of theirs can still be in flight.
         self._reported: set[str] = set()
+        # Attempts discarded before every rank had reported: their markers stayed (see
+        # ``discard``), until a later commit proves every rank has moved on.
+        self._markers_left: set[str] = set()
 
     def pending_location(self, step: int, attempt: str) -> str:
         return f"{checkpoint_name(step)}/{attempt_dir_name(attempt)}"
@@ -647,7 +650,33 @@ class MarkerStrategy:
         attempt = parse_attempt_dir(attempt_dir)
         if attempt is not None:
             _drop_marker(storage, final, attempt)
+        self._finish_left_discards(storage)
         return written
+
+    def _finish_left_discards(self, storage: Storage) -> None:
+        """Finish the discards whose marker stayed: every rank reported its files for
+        the commit just made, so every rank's earlier save (run in order on each rank)
+        has ended, and no upload into those attempts can still land. Their late files
+        go, then their markers (last, as in ``discard``). A failed save on an object
+        store left ``checkpoint-<step>/`` listed as pending, and ``verify ROOT`` failing,
+        until the next start's sweep, however cleanly the job ended."""
+        for pending in sorted(self._markers_left):
+            final, attempt_dir = pending.rsplit("/", 1)
+            attempt = parse_attempt_dir(attempt_dir)
+            try:
+                storage.delete_tree(pending)
+                storage.fsync_dir(final)
+                if attempt is not None:
+                    storage.delete_file(f"{final}/{marker_name(attempt)}")
+                _remove_if_empty(storage, final)
+            except errors.CheckpointError as exc:
+                log.warning(
+                    "could not finish removing the failed save %s: %s (the next start's "
+                    "sweep removes it)",
+                    storage.url(pending),
+                    exc,
+                )
+            self._markers_left.discard(pending)
 
     def is_committed(self, storage: Storage, step: int, pending: str) -> bool:
         """After a failure: is this attempt's manifest the committed one? Only then are
@@ -686,10 +715,11 @@ class MarkerStrategy:
             return
         if pending not in self._reported:
             log.info(
-                "discarded %s; its marker stays until the next start's sweep, as a rank's "
-                "upload may still land there",
+                "discarded %s; its marker stays until the next commit (or start's sweep), "
+                "as a rank's upload may still land there",
                 storage.url(pending),
             )
+            self._markers_left.add(pending)
             return
         self._reported.discard(pending)
         # The attempt's removal is made durable before the marker's: a power loss must

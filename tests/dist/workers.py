@@ -168,11 +168,13 @@ def w_bad_state_on(rank: int, world: int, root: str, bad_rank: int, step: int) -
     return {"error_type": None}
 
 
-def w_bad_input_on(rank: int, world: int, root: str, bad_rank: int, kind: str) -> dict[str, Any]:
+def w_bad_input_on(
+    rank: int, world: int, root: str, bad_rank: int, kind: str, strategy: str | None = None
+) -> dict[str, Any]:
     """One rank passes metrics or metadata that cannot be recorded, to a save, an async
     save and a saving() block: every rank must raise, and the next save (made alike)
     must work."""
-    mgr = CheckpointManager(root, timeout_s=20)
+    mgr = CheckpointManager(root, timeout_s=20, strategy=strategy)
     mgr.save(1, make_state(1, rank, big_elems=64))
     bad: dict[str, Any] = {}
     if rank == bad_rank:
