@@ -416,9 +416,31 @@ def _aborting(ctx: SaveContext, pending: Pending) -> Iterator[None]:
     then raise it."""
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
+        if pending.committed and len(ctx.leaders) > 1 and _failed_everywhere(exc):
+            _uncommit_domain(ctx, pending)
         abort(ctx, pending)
         raise
+
+
+def _failed_everywhere(exc: BaseException) -> bool:
+    """An error the ranks agreed on; not a timeout (some rank may have been told the
+    save committed)."""
+    return isinstance(exc, errors.CheckpointError) and not isinstance(
+        exc, errors.CoordinationTimeoutError | errors.SaveAbandonedError
+    )
+
+
+def _uncommit_domain(ctx: SaveContext, pending: Pending) -> None:
+    """A leader whose domain committed a step another domain failed: take it back, so
+    that no reader of this domain (a node's uploader, ``verify``) takes a failed step."""
+    where = ctx.storage.url(checkpoint_name(pending.step))
+    try:
+        fence = ctx.lock.check if ctx.lock is not None else None
+        ctx.strategy.retire(ctx.storage, pending.step, rank=ctx.coord.rank, fence=fence)
+        log.warning("step %d failed in another domain: %s taken back", pending.step, where)
+    except errors.CheckpointError as exc:
+        log.warning("step %d failed elsewhere; %s stays, uncounted: %s", pending.step, where, exc)
 
 
 def _fence(ctx: SaveContext, step: int) -> None:

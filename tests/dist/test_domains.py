@@ -101,6 +101,27 @@ def test_node_dies_after_the_other_committed_both_resume_from_the_same_older_ste
         CheckpointManager(root, read_only=True).verify(3)
 
 
+def test_a_step_one_node_failed_to_commit_is_taken_back_on_the_node_that_committed(tmp_path):
+    # Node 1's leader fails before its rename (an I/O error), after node 0 committed
+    # its copy: every rank was told "No partial checkpoint is visible", yet node 0's
+    # checkpoint-3 stayed committed there, `verify` called it ok and a reader of that
+    # node (an uploader, an evaluator) took it.
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1, 2], None, tmp_dir=base))
+    faults = "after_manifest@2=delay:3,after_manifest@2=raise:3"
+    failed = run_ranks(
+        workers.w_node_local, 4, base, [3], None, tmp_dir=base, faults=faults, timeout_s=40
+    )
+    assert all(r.error is not None for r in failed), failed
+    assert all("No partial checkpoint is visible" in r.error_text for r in failed), failed
+    for node in ("node0", "node1"):
+        root = os.path.join(base, node)
+        assert not os.path.exists(os.path.join(root, "checkpoint-3")), os.listdir(root)
+        assert [c.step for c in CheckpointManager(root, read_only=True).checkpoints()] == [1, 2]
+    values = ok_values(run_ranks(workers.w_node_local, 4, base, [3], None, tmp_dir=base))
+    assert all(v["latest"] == 2 and v["listed"] == [1, 2, 3] for v in values), values
+
+
 @pytest.mark.parametrize("saved", [[1, 2], [1]])
 def test_a_node_whose_disk_was_wiped_is_never_a_silent_fresh_start(tmp_path, saved):
     # Node 1's root is gone (a replaced node); node 0 holds the saved steps. A step
