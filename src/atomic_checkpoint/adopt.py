@@ -207,7 +207,7 @@ class Framework:
     is_complete: Callable[[CheckpointFolder], str | None]
     record: Callable[[CheckpointFolder], bool] | None = None
     auto: bool = True
-    step_inside: Callable[[CheckpointFolder], int | None] | None = None
+    step_inside: Callable[[CheckpointFolder], int | str | None] | None = None
 
     def step_of(
         self, on_disk_name: str, folder: Callable[[], CheckpointFolder] | None = None
@@ -215,6 +215,20 @@ class Framework:
         """The step of the checkpoint named ``on_disk_name``: the one its name gives;
         for a name that matches without one (the step group takes no part), the one
         ``step_inside(folder())`` reads from it; None for no checkpoint of ours."""
+        got = self._step_or_why(on_disk_name, folder)
+        return got if isinstance(got, int) else None
+
+    def unreadable(
+        self, on_disk_name: str, folder: Callable[[], CheckpointFolder] | None = None
+    ) -> str | None:
+        """Why a checkpoint whose name gives no step has no readable one inside (a
+        torn ``last.ckpt``: ``step_inside`` says so); None otherwise."""
+        got = self._step_or_why(on_disk_name, folder)
+        return got if isinstance(got, str) else None
+
+    def _step_or_why(
+        self, on_disk_name: str, folder: Callable[[], CheckpointFolder] | None
+    ) -> int | str | None:
         if not on_disk_name.isprintable():
             return None  # "checkpoint-3\n" matches a pattern ending in $: never a step
         m = self.names.match(on_disk_name)
@@ -225,6 +239,8 @@ class Framework:
             if self.step_inside is None or folder is None:
                 return None
             got = self.step_inside(folder())
+            if isinstance(got, str):
+                return got
             text = None if got is None else str(got)
         try:
             return layout.validate_step(int(text))  # type: ignore[arg-type]
@@ -242,7 +258,7 @@ def register_framework(
     *,
     record: Callable[[CheckpointFolder], bool] | None = None,
     auto: bool = True,
-    step_inside: Callable[[CheckpointFolder], int | None] | None = None,
+    step_inside: Callable[[CheckpointFolder], int | str | None] | None = None,
 ) -> None:
     """Register (or replace) the completeness rule of a framework for ``adopt``.
 
@@ -267,8 +283,9 @@ def register_framework(
         step_inside: for checkpoints whose name may carry no step (``names_regex``
             matches with its step group taking no part, as Lightning's ``last.ckpt``):
             ``(path) -> step`` reads the step the checkpoint records (``path.step`` is
-            0 then), or None to leave it out. Files only (with ``record``); it must
-            not write.
+            0 then), or None to leave it out, or why it cannot be read (a str: the
+            checkpoint is refused with it, e.g. a torn file). Files only (with
+            ``record``); it must not write.
 
     Raises:
         ValueError: the name is reserved, or the regex is invalid or captures no step.
@@ -728,6 +745,8 @@ class AdoptResult:
         adopted: steps recorded now (dry run: that would be), ascending.
         refused: step -> why it is not adopted (torn, unreadable, ...); nothing was
             written for those.
+        unreadable: name -> why, for checkpoints whose name gives no step and whose
+            own record of it cannot be read (a torn ``last.ckpt``): refused too.
         already: steps that were committed checkpoints of the run already (nothing
             written: adopting is idempotent).
         frameworks: step -> the framework whose rule accepted it (adopted steps).
@@ -740,6 +759,7 @@ class AdoptResult:
     run_id: str | None
     adopted: list[int] = field(default_factory=list)
     refused: dict[int, str] = field(default_factory=dict)
+    unreadable: dict[str, str] = field(default_factory=dict)
     already: list[int] = field(default_factory=list)
     frameworks: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
@@ -749,7 +769,12 @@ class AdoptResult:
     @property
     def ok(self) -> bool:
         """Nothing was refused."""
-        return not self.refused
+        return not self.refused and not self.unreadable
+
+
+#: A ``_Candidate``'s step when the checkpoint's name gives none and its own record of
+#: it cannot be read (``AdoptResult.unreadable``).
+_NO_STEP = -1
 
 
 @dataclass
@@ -939,6 +964,10 @@ def adopt_held(
     strategy = strategy or choose_strategy(storage).name
     for c in _classify(storage, framework, wanted, rid, valid):
         shown = _shown(storage, c.name)
+        if c.step == _NO_STEP:
+            out.unreadable[c.name] = str(c.problem)
+            say(f"REFUSED {shown}: {c.problem}")
+            continue
         if c.already:
             _once(out.already, c.step)
             say(f"already {shown}: a committed checkpoint of run {rid} (nothing written)")
@@ -1011,7 +1040,10 @@ def _dry_result(
     out = AdoptResult(storage.url(""), rid, dry_run=True)
     for c in found:
         shown = _shown(storage, c.name)
-        if c.already:
+        if c.step == _NO_STEP:
+            out.unreadable[c.name] = str(c.problem)
+            say(f"would refuse {shown}: {c.problem}")
+        elif c.already:
             _once(out.already, c.step)
             say(f"already {shown}: a committed checkpoint (nothing to do)")
         elif c.problem is not None or c.framework is None:
@@ -1076,6 +1108,7 @@ def _classify(
     )
     by_step: dict[int, list[tuple[str, list[Framework]]]] = {}
     misnamed: dict[int, tuple[str, str]] = {}
+    out_unreadable: list[_Candidate] = []
     for name in storage.listdir(""):
         if name in layout.OWN_DIRS:
             continue
@@ -1083,6 +1116,13 @@ def _classify(
         folder = functools.partial(CheckpointFolder, storage, name, 0)
         found = [(f, s) for f in rules if (s := f.step_of(disk, folder)) is not None]
         if not found:
+            why = next((w for f in rules if (w := f.unreadable(disk, folder))), None)
+            if why is not None and wanted is None:
+                # Said, not skipped: a torn last.ckpt is often the newest state, and a
+                # silent "0 refused" sent the job back to an older step.
+                out_unreadable.append(
+                    _Candidate(_NO_STEP, name, problem=f"its step cannot be read: {why}")
+                )
             continue
         matching, step = [f for f, _ in found], found[0][1]
         if wanted is not None and step not in wanted:
@@ -1106,7 +1146,7 @@ def _classify(
             )
             continue
         by_step.setdefault(step, []).append((name, matching))
-    out: list[_Candidate | None] = []
+    out: list[_Candidate | None] = list(out_unreadable)
     listings: dict[str, list[str]] = {}  # shared by the rules: each sibling listed once
     judge = functools.partial(_judge, storage, explicit=wanted is not None, listings=listings)
     for step, (name, why) in sorted(misnamed.items()):

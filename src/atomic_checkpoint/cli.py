@@ -1859,6 +1859,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             own = {"url": storage.url(name), "status": target.status, "problem": problem}
             copies = tier_copies(own, None)
             _emit_inspect_json(storage, name, target.status, problem, None, [], copies, root=root)
+        lightning = _lightning_names(storage) if target.status == "missing" else []
+        if lightning:
+            # "checkpoint steps there: none" contradicted `list`, which shows its files.
+            raise CliError(
+                f"{storage.url()} is a Lightning ModelCheckpoint directory ({len(lightning)} "
+                ".ckpt file(s)), not a CheckpointManager root: `inspect` reads "
+                f"checkpoint-<step> folders. `{PROG} list {args.root}` shows its files by "
+                f"recorded step and `{PROG} verify {args.root}` checks them against their "
+                "manifests",
+                EXIT_USAGE,
+            )
         if target.status in ("missing", "not_a_checkpoint"):
             raise CliError(str(target.problem))
         raise CliError(f"{storage.url(name)} is corrupt: {problem}")
@@ -2369,12 +2380,13 @@ def cmd_adopt(args: argparse.Namespace) -> int:
     problem = _adopt_problem(args, result)
     if args.json:
         _emit_json(_adopt_doc(result, seconds, problem))
-    elif result.adopted or result.already or result.refused:
+    elif result.adopted or result.already or result.refused or result.unreadable:
         verb = "would adopt" if result.dry_run else "adopted"
         total = sum(result.size_bytes.get(s, 0) for s in result.adopted)
         print(
             f"{result.root}: {verb} {len(result.adopted)} ({_human_bytes(total)}), "
-            f"{len(result.already)} already committed, {len(result.refused)} refused, in "
+            f"{len(result.already)} already committed, "
+            f"{len(result.refused) + len(result.unreadable)} refused, in "
             f"{seconds:.2f} s" + (f" (run {result.run_id})" if result.run_id else "")
         )
     if problem is not None:
@@ -2402,7 +2414,8 @@ def _adopt_doc(result: AdoptResult, seconds: float, problem: str | None) -> dict
         "already": result.already,
         "refused": [
             {"step": s, "problem": _adopt_cli_words(p)} for s, p in sorted(result.refused.items())
-        ],
+        ]
+        + [{"step": None, "name": n, "problem": p} for n, p in sorted(result.unreadable.items())],
         "seconds": seconds,
         # Why the command exits non-zero (null when it exits 0): the error line on stderr.
         "problem": problem,
@@ -2430,9 +2443,17 @@ def _adopt_problem(args: argparse.Namespace, result: Any) -> str | None:
     if result.refused:
         first = min(result.refused)
         return _adopt_cli_words(
-            f"{len(result.refused)} checkpoint(s) not adopted (step(s) "
+            f"{len(result.refused) + len(result.unreadable)} checkpoint(s) not adopted (step(s) "
             f"{', '.join(map(str, sorted(result.refused)))}); step {first}: "
             f"{result.refused[first]}. Nothing was written for them; resume ignores them"
+        )
+    if result.unreadable:
+        name, why = sorted(result.unreadable.items())[0]
+        return (
+            f"{len(result.unreadable)} checkpoint(s) not adopted: {name}: {why.rstrip('.')}. "
+            "Nothing was "
+            "written for them; a resume from this directory takes the newest adopted one, "
+            "which may be older"
         )
     if result.adopted or result.already:
         return None

@@ -1124,6 +1124,10 @@ def test_list_shows_what_a_save_killed_mid_write_left_as_pending_not_foreign(tmp
     text = run_cli("list", last.parent)
     assert text.returncode == 0 and "foreign" not in text.stdout, text.stdout
     assert "1 ok, 1 pending" in text.stdout, text.stdout
+    # `inspect DIR 2` said "checkpoint steps there: none", contradicting `list`.
+    inspected = run_cli("inspect", last.parent, 2)
+    assert inspected.returncode == 2, (inspected.stdout, inspected.stderr)
+    assert "is a Lightning ModelCheckpoint directory" in inspected.stderr, inspected.stderr
 
 
 def _fit_with(directory: Path, max_steps: int, *checkpoints: Any, resume: str | None = None):

@@ -127,3 +127,28 @@ def test_a_file_whose_step_needs_unsafe_unpickling_is_adopted_by_its_name(
     assert dry.adopted == [2] and not dry.refused, dry
     assert latest_checkpoint(ckpt, adopt=True).endswith("epoch=0-step=2.ckpt")
     assert (ckpt / ("epoch=0-step=2.ckpt" + MANIFEST_SUFFIX)).exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_torn_last_ckpt_is_refused_and_said_by_adopt(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # save_top_k=1 kept step 2's file, last.ckpt held step 4 and a crash tore it.
+    # `adopt --framework lightning` adopted step 2 and said "0 refused", exit 0: the
+    # newest state was not mentioned, and the job resumed from an older step.
+    ckpt = tmp_path / "ckpt"
+    _stock_run(ckpt, save_last=True)
+    last = ckpt / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:3000])
+    dry = adopt(ckpt, framework="lightning", dry_run=True)
+    assert "last.ckpt" in dry.unreadable and not dry.ok, dry
+    assert "torn by a crash during the save" in dry.unreadable["last.ckpt"]
+    cli = run_cli("adopt", ckpt, "--framework", "lightning")
+    assert cli.returncode == 1, (cli.stdout, cli.stderr)
+    assert "REFUSED last.ckpt: its step cannot be read" in cli.stdout, cli.stdout
+    assert "1 refused" in cli.stdout and "last.ckpt" in cli.stderr, (cli.stdout, cli.stderr)
+    doc = run_json("adopt", ckpt, "--framework", "lightning", expect_rc=1)
+    assert [r["name"] for r in doc["refused"] if r["step"] is None] == ["last.ckpt"], doc
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        newest = latest_checkpoint(ckpt, adopt=True)
+    assert newest is not None and newest.endswith("step=4.ckpt"), newest

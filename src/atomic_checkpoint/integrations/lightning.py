@@ -549,12 +549,16 @@ def latest_checkpoint(
         if last_t is not None and best_t is not None and last_t > best_t:
             log.warning(
                 "latest_checkpoint: %s has a last.ckpt written without a manifest after %s "
-                "(the newest checkpoint found), not adopted (adopt=False, or it is torn or "
-                "records no global_step), so resuming from %s may go back. Pass "
-                "adopt=True to adopt it by the global_step it records, if it is complete",
+                "(the newest checkpoint found), not adopted (%s), so resuming from %s may "
+                "go back%s",
                 directory,
                 best[3],
+                "it is torn or records no global_step" if adopt else "adopt=False",
                 best[3],
+                ""
+                if adopt
+                else ". Pass adopt=True to adopt it by the global_step it records, if it is "
+                "complete",
             )
     newer = [n for step, n in sorted(weights, reverse=True) if best is None or step > best[1]]
     if newer:
@@ -746,11 +750,14 @@ def _register_adoption() -> None:
     )
 
 
-def _step_inside(path: str) -> int | None:
+def _step_inside(path: str) -> int | str | None:
     """The ``global_step`` a ``last.ckpt`` records (adoption's ``step_inside``); None
-    when it records none or cannot be read (not adopted: the name gives no step)."""
-    recorded = _recorded_step(_local_path(path))
-    return None if isinstance(recorded, str) else recorded[0]
+    when it records none; why, when it cannot be read (a torn file: refused, said)."""
+    final = _local_path(path)
+    recorded = _recorded_step(final)
+    if isinstance(recorded, str):  # said as adoption says it of a torn step-named file
+        return stock_checkpoint_problem(final) or recorded
+    return recorded[0]
 
 
 # ---------------------------------------------------------------------- file writes
