@@ -780,6 +780,12 @@ def cmd_list(args: argparse.Namespace) -> int:
             and d["name"] not in _lightning_folders([x["name"] for x in lightning])
         ]
         docs = sorted(docs + lightning, key=lambda d: (d["step"] is None, d["step"] or 0))
+    for d in docs:
+        sibling = _sibling_pending_problem(d["name"]) if d["status"] == "foreign" else None
+        if sibling is not None:
+            # Ours (a path-style DCP save's), not a foreign entry.
+            d["status"], d["problem"] = "pending", sibling
+            d["size_bytes"] = _tree_size(storage, d["name"])
     tiers = _tier_docs(args, run_id)
     if tiers:
         _add_tiers(docs, tiers)
@@ -1203,6 +1209,36 @@ def _verify_lightning(storage: Storage, name: str, *, full: bool = True) -> dict
         "created_unix": info.written_unix,
         "adopted": info.adopted,
     }
+
+
+def _doomed_siblings(storage: Storage) -> list[str]:
+    """The pending siblings (``layout.sibling_pending_name``) at the top of a mounted
+    ROOT whose final name exists: saves killed before their rename, which can never
+    commit now."""
+    if storage.local_path("") is None:
+        return []
+    names = storage.listdir("")
+    # Directories only: a Lightning .ckpt's pending file sits beside a last.ckpt that
+    # every save replaces, so it may be a save in progress.
+    return sorted(
+        n
+        for n in names
+        if (final := parse_sibling_pending(n)) is not None
+        and final in names
+        and storage.is_dir(n)
+        and not final.endswith(".ckpt")
+    )
+
+
+def _sibling_pending_problem(name: str) -> str | None:
+    """What ``list`` says of a pending sibling left beside a path-style checkpoint."""
+    final = parse_sibling_pending(name)
+    if final is None:
+        return None
+    return (
+        f"a save of {final} in progress, or killed before its rename: never loaded; removed "
+        f"once a save of {final} commits (`{PROG} clean` removes it once {final} exists)"
+    )
 
 
 def _lightning_leftover(name: str) -> str | None:
@@ -1702,6 +1738,22 @@ def cmd_clean(args: argparse.Namespace) -> int:
                 failed.append({**item, "problem": str(exc)})
                 continue
             removed.append(item)
+    # A path-style DCP save killed before its rename left `.<name>.<token>.pending/`
+    # beside NAME. Once NAME exists it can never commit (those saves never replace):
+    # only then is it removed, as no job may still write it.
+    for rel in _doomed_siblings(storage):
+        item = {"name": rel, "kind": "pending", "size_bytes": _tree_size(storage, rel)}
+        try:
+            if not args.dry_run:
+                if storage.is_dir(rel):
+                    storage.delete_tree(rel)
+                else:
+                    storage.delete_file(rel)
+                log.info("removed %s", storage.url(rel))
+        except CheckpointError as exc:
+            failed.append({**item, "problem": str(exc)})
+            continue
+        removed.append(item)
     # Marker commits (object stores, s3fs-style mounts) stage in place: a crashed save
     # leaves an attempt and its marker under checkpoint-<step>/ instead of .pending/.
     # Only what the listing found is removed (never a manifest), and before each entry

@@ -42,6 +42,7 @@ from atomic_checkpoint.integrations.dcp import (
     save_dcp,
 )
 from atomic_checkpoint.layout import MANIFEST_NAME, PENDING_DIR
+from tests.cli.helpers import run_json
 from tests.dist.launcher import ok_values, run_ranks
 from tests.integrations.helpers import run_example
 
@@ -826,6 +827,17 @@ def test_a_path_style_save_killed_mid_write_is_removed_once_its_name_is_committe
     assert leftover.startswith(".step-5.") and leftover.endswith(".pending")
 
     save(_plain(4), checkpoint_id=paths / "step-4", step=4)  # another name: kept (may be live)
+    assert sorted(os.listdir(paths)) == sorted([leftover, "step-4"])
+    # `list` called it "foreign: not checkpoints, left alone".
+    rows = {e["name"]: e for e in run_json("list", paths)["entries"]}
+    assert rows[leftover]["status"] == "pending", rows
+    assert "a save of step-5 in progress, or killed before its rename" in rows[leftover]["problem"]
+    # One whose name exists can never commit: `clean` removes it (nothing else does).
+    doomed = paths / ".step-4.0123456789abcdef.pending"
+    doomed.mkdir()
+    (doomed / "__0_0.distcp").write_bytes(b"x" * 100)
+    cleaned = run_json("clean", paths)
+    assert [r["name"] for r in cleaned["removed"]] == [doomed.name], cleaned
     assert sorted(os.listdir(paths)) == sorted([leftover, "step-4"])
     save(_plain(5), checkpoint_id=paths / "step-5", step=5)  # the restart saves step-5 again
     assert sorted(os.listdir(paths)) == ["step-4", "step-5"]
