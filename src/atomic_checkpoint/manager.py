@@ -1471,7 +1471,10 @@ class CheckpointManager:
 
         Returns as soon as every tensor is copied into the snapshot buffers: from then
         on the state may change in place (``optimizer.step()``) without reaching the
-        checkpoint. The buffers are allocated by the first call and reused by every
+        checkpoint. It waits for no other rank, except at the manager's first
+        ``save_async`` (one round: the ranks agree on it before the background
+        coordinator is made, so a late rank holds the others up to it, ``timeout_s`` at
+        most) and for the previous save still in flight (below). The buffers are allocated by the first call and reused by every
         later one (pinned when tensors live on a GPU), so an async save holds at most
         one extra copy of the state.
 
