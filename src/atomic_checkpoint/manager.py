@@ -1474,9 +1474,9 @@ class CheckpointManager:
         checkpoint. It waits for no other rank, except at the manager's first
         ``save_async`` (one round: the ranks agree on it before the background
         coordinator is made, so a late rank holds the others up to it, ``timeout_s`` at
-        most) and for the previous save still in flight (below). The buffers are allocated by the first call and reused by every
-        later one (pinned when tensors live on a GPU), so an async save holds at most
-        one extra copy of the state.
+        most) and for the previous save still in flight (below). The buffers are
+        allocated by the first call and reused by every later one (pinned when tensors
+        live on a GPU), so an async save holds at most one extra copy of the state.
 
         At most one save is in flight: this call (like ``save`` and ``saving``) first
         waits for the previous async save and raises its failure (once, on every rank

@@ -1529,9 +1529,10 @@ class TieredCheckpointManager:
             if kind is not None:
                 return kind, msg, set(), set(), None
             common = set.intersection(*(v[0] for v in views if v[0] is not None))
-            return None, None, views[0][1], common, self._peer_state_at_start(common, views)
+            held = self._held_by_every_node(views) | common
+            return None, None, views[0][1], (common, held), self._peer_state_at_start(common, views)
 
-        kind, msg, slow_steps, common, peer_state = gather_summary(
+        kind, msg, slow_steps, (common, replicable), peer_state = gather_summary(
             self._rc,
             "tiered: reconcile",
             (on_fast, on_slow, error, held),
@@ -1543,7 +1544,7 @@ class TieredCheckpointManager:
         if kind == "retry":
             raise _RoundFailed(f"opening {self._slow_storage.url('')}: {msg}")
         newest_slow = max(slow_steps, default=None)
-        missing = {s for s in common - slow_steps if newest_slow is None or s > newest_slow}
+        missing = {s for s in replicable - slow_steps if newest_slow is None or s > newest_slow}
         with self._cv:
             self._todo = {s for s in self._todo | missing if s not in slow_steps}
             self._replicated |= common & slow_steps
@@ -1569,6 +1570,20 @@ class TieredCheckpointManager:
         except CheckpointError as exc:
             self._drop_persistent()
             return None, ("retry", f"{type(exc).__name__}: {exc}")
+
+    def _held_by_every_node(self, views: list[tuple[Any, ...]]) -> set[int]:
+        """With peer replicas: the steps every node holds, on its tier 0 or as the copy
+        of its own files that a restore committed under its ``.peers/node-<i>/`` (its
+        tier 0 was replaced): each node can send its files of them (``_node_copy``), so
+        they are replicable. A step restored so and not replicated before the job ended
+        was never queued again: the replaced node's tier 0 lacks it."""
+        if self._peer_group is None:
+            return set()
+        per_node = []
+        for i, leader in enumerate(self.fast.domain.leaders):
+            fast, held = views[leader][0] or set(), views[leader][3] or {}
+            per_node.append(set(fast) | {s for s, sources in held.items() if i in sources})
+        return set.intersection(*per_node) if per_node else set()
 
     def _peer_state_at_start(
         self, common: set[int], views: list[tuple[Any, ...]]
