@@ -71,7 +71,9 @@ What the options keep meaning (and what changes):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import json
 import logging
 import math
 import os
@@ -161,15 +163,51 @@ class KeepTrainerBest:
         best = getattr(getattr(self._trainer, "state", None), "best_model_checkpoint", None)
         if not best:
             return frozenset()
-        best = os.path.normpath(os.path.abspath(best))
-        parent, name = os.path.split(best)
+        parent, name = os.path.split(os.path.normpath(best))
         if parse_attempt_dir(name) is not None:
             # Marker strategy: the files live in checkpoint-<step>/attempt-<token>/.
             parent, name = os.path.split(parent)
         step = parse_checkpoint_name(name)
-        if parent != self._run_dir or step is None or step not in {c.step for c in checkpoints}:
+        if step is None or step not in {c.step for c in checkpoints}:
             return frozenset()
-        return frozenset({step})
+        return frozenset({step}) if _names_dir(parent, self._run_dir) else frozenset()
+
+
+def _names_dir(parent: str, run_dir: str) -> bool:
+    """Whether ``parent`` (of a recorded best checkpoint) names ``run_dir`` (absolute).
+    The record is as the run that wrote it named it: relative to that run's working
+    directory (``output_dir="out"``), or through a link. Resolved against this
+    process's working directory, it named another place, and a requeued job started
+    from elsewhere (or through a /scratch link) deleted the best."""
+    if not os.path.isabs(parent):
+        # Relative to a working directory that may not be ours: the run's directory
+        # ends with it (keeping one more checkpoint is the safe mistake).
+        tail = os.path.normpath(parent).split(os.sep)
+        if tail == ["."] or run_dir.split(os.sep)[-len(tail) :] == tail:
+            return True
+    absolute = os.path.normpath(os.path.abspath(parent))
+    return absolute == run_dir or posix.real_path(absolute) == posix.real_path(run_dir)
+
+
+def _best_named_here(checkpoint: str, output_dir: str) -> str | None:
+    """The best checkpoint that ``checkpoint``'s ``trainer_state.json`` records, named
+    for this process (under ``output_dir`` as given), when the record names this run's
+    directory otherwise (relative to another working directory, or through a link) and
+    that checkpoint is there; else None. The Trainer drops a recorded best it cannot
+    find from here ("does not exist anymore"), and retention then deleted it."""
+    try:
+        text = posix.read_head(os.path.join(checkpoint, _TRAINER_STATE_NAME), 1 << 28)
+        best = json.loads(text or b"{}").get("best_model_checkpoint")
+    except (CheckpointError, ValueError, AttributeError):
+        return None
+    if not isinstance(best, str) or not best or posix.is_dir(best):
+        return None
+    parent, name = os.path.split(os.path.normpath(best))
+    if parse_checkpoint_name(name) is None:
+        return None
+    here = os.path.join(output_dir, name)
+    run_dir = os.path.normpath(os.path.abspath(output_dir))
+    return here if _names_dir(parent, run_dir) and posix.is_dir(here) else None
 
 
 def _moved(path: str, old: str, new: str) -> str:
@@ -379,6 +417,12 @@ class _AtomicTrainer:
             if trial is None:  # a search trial saves under its own run-<id> folder
                 self._plan_continuation(resume_from_checkpoint, start, output_dir)
             trainer.args.save_total_limit = None
+            if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+                best = _best_named_here(os.fspath(resume_from_checkpoint), output_dir)
+                if best is not None:
+                    fix = _best_fix_callback(best)
+                    trainer.add_callback(fix)
+                    undo.append(functools.partial(trainer.remove_callback, fix))
             if self.settings.preemption:
                 callback = _preemption_callback(
                     PreemptionGuard(
@@ -389,7 +433,7 @@ class _AtomicTrainer:
                 )
                 trainer.preemption_guard = callback.guard
                 trainer.add_callback(callback)
-                undo = [protecting_loaders_of(trainer, n) for n in _LOADER_FACTORIES]
+                undo += [protecting_loaders_of(trainer, n) for n in _LOADER_FACTORIES]
             return self._orig_train(resume_from_checkpoint, *args, **kwargs)
         finally:
             within = None
@@ -781,6 +825,21 @@ def _preemption_callback(guard: PreemptionGuard) -> Any:
             return control
 
     return PreemptionCallback()
+
+
+def _best_fix_callback(best: str) -> Any:
+    """A ``TrainerCallback`` that gives the resumed state its best checkpoint back,
+    named from here (``_best_named_here``), once the Trainer dropped it."""
+    from transformers import TrainerCallback
+
+    class BestFromHere(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if state.best_model_checkpoint is None:
+                state.best_model_checkpoint = best
+                log.info("Trainer: the best checkpoint recorded at resume is %s", best)
+            return control
+
+    return BestFromHere()
 
 
 def _per_node_writer(trainer: Any) -> Any:
