@@ -435,3 +435,45 @@ def test_training_args_bin_records_the_users_save_total_limit(tmp_path: Path) ->
     Trainer's does (it recorded None)."""
     text = _run_snippet(tmp_path, _ARGS_RECORDED, timeout_s=100)
     assert "SAVED_LIMIT 3 AFTER 3" in text, text[-2000:]
+
+
+_BEST_FROM_ELSEWHERE = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from tiny_hf import RandomTokens, tiny_args, tiny_model
+from transformers import Trainer
+from atomic_checkpoint.integrations.hf import make_atomic
+
+base, run, max_steps, scores = sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
+os.chdir(base)
+given = iter(float(s) for s in scores.split(","))
+args = tiny_args(
+    run, max_steps=max_steps, eval_strategy="steps", eval_steps=2, save_total_limit=1,
+    load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=False,
+)
+trainer = make_atomic(Trainer(
+    model=tiny_model(), args=args, train_dataset=RandomTokens(32),
+    eval_dataset=RandomTokens(8), compute_metrics=lambda _p: {"score": next(given)},
+))
+trainer.train(resume_from_checkpoint=True if max_steps > 4 else None)
+print("BEST", trainer.state.best_model_checkpoint)
+print("LEFT", sorted(n for n in os.listdir(run) if n.startswith("checkpoint-")))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_best_checkpoint_survives_a_resume_from_another_directory(tmp_path: Path) -> None:
+    # The best (step 4) was recorded as "out/checkpoint-4", relative to the first run's
+    # working directory. The requeued job, started elsewhere with the absolute path,
+    # resolved it against its own directory: the Trainer dropped it ("does not exist
+    # anymore") and save_total_limit=1 deleted checkpoint-4, the best model.
+    base = tmp_path / "base"
+    (base / "elsewhere").mkdir(parents=True)
+    first = _run_snippet(tmp_path, _BEST_FROM_ELSEWHERE, str(base), "out", "4", "3,1")
+    assert "BEST out/checkpoint-4" in first, first[-3000:]
+    out = base / "out"
+    again = _run_snippet(
+        tmp_path, _BEST_FROM_ELSEWHERE, str(base / "elsewhere"), str(out), "8", "4,5"
+    )
+    assert f"BEST {out / 'checkpoint-4'}" in again, again[-3000:]
+    assert "LEFT ['checkpoint-4', 'checkpoint-8']" in again, again[-3000:]
