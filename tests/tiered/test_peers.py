@@ -287,27 +287,32 @@ def test_a_bug_in_one_replicator_ends_every_rank_s_wait_within_the_timeout(tmp_p
 
 
 def _node_1_replaced_while_s3_is_down(
-    tmp_path: Path, s3_server: Any, url: str, *then: Any
-) -> list[dict[str, Any]]:
+    tmp_path: Path, s3_server: Any, url: str, *runs: tuple[Any, ...]
+) -> list[list[dict[str, Any]]]:
     """A job saves step 1 (replicated), then 2 and 3 with S3 answering 503 (tier 0 and
-    the peers only); node 1's tier 0 is wiped; the restart runs ``w_peers`` with
-    ``then`` (its steps, held steps, the flag that keeps S3 down: None brings it back).
-    The restart's values."""
+    the peers only); node 1's tier 0 is wiped; then each of ``runs`` is a restart running
+    ``w_peers`` with those arguments (its steps, held steps, "down" to keep S3 down or
+    None to bring it back, ...). Every restart's values."""
     base = tmp_path / "nodes"
     flag = tmp_path / "s3-is-down"
-    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+    with S3Proxy(s3_server, lifetime_s=240) as proxy:
         proxy.add(Rule("error", status=503, times=None, when=lambda _r: flag.exists()))
         args = (str(base), url, proxy.storage_options(max_attempts=1), 1)
         first = ok_values(
             run_ranks(workers.w_peers, WORLD, *args, [1], [2, 3], str(flag), tmp_dir=str(tmp_path))
         )
         assert all(v["recoverable"] == [1, 2, 3] and 3 in v["left"] for v in first), first
-        if then[2] is None:
-            flag.unlink()
-        else:
-            then = (*then[:2], str(flag), *then[3:])
         shutil.rmtree(base / "node1")
-        return ok_values(run_ranks(workers.w_peers, WORLD, *args, *then, tmp_dir=str(tmp_path)))
+        out = []
+        for then in runs:
+            if then[2] is None:
+                flag.unlink(missing_ok=True)
+            else:
+                then = (*then[:2], str(flag), *then[3:])
+            out.append(
+                ok_values(run_ranks(workers.w_peers, WORLD, *args, *then, tmp_dir=str(tmp_path)))
+            )
+        return out
 
 
 def test_a_step_restored_from_a_peer_copy_is_replicated_to_the_persistent_tier(
@@ -319,7 +324,7 @@ def test_a_step_restored_from_a_peer_copy_is_replicated_to_the_persistent_tier(
     # every node holds) left it out, wait_replicated() said True and close() returned [];
     # losing node 2 as well then lost step 3.
     url = f"s3://{s3_bucket}/run"
-    second = _node_1_replaced_while_s3_is_down(tmp_path, s3_server, url, [], [], None, True)
+    (second,) = _node_1_replaced_while_s3_is_down(tmp_path, s3_server, url, ([], [], None, True))
     assert all(v["restored_ok"] and v["restored"] == (3, (0,), (1,)) for v in second), second
     assert all(v["replicated"] and v["left"] == [] for v in second), second
     reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
@@ -374,7 +379,7 @@ def test_a_replaced_node_does_not_make_the_others_delete_steps_tier_1_never_got(
     # way (not on every node), although tier 1 never got them: close() said they
     # "stay on tier 0", and losing another node then lost them for good.
     url = f"s3://{s3_bucket}/run"
-    second = _node_1_replaced_while_s3_is_down(tmp_path, s3_server, url, [], [4], "down")
+    (second,) = _node_1_replaced_while_s3_is_down(tmp_path, s3_server, url, ([], [4], "down"))
     assert all(v["restored"] == (3, (0,), (1,)) and v["peered_held"] for v in second), second
     assert all({3, 4} <= set(v["left"]) for v in second), second
     base = tmp_path / "nodes"
@@ -385,3 +390,22 @@ def test_a_replaced_node_does_not_make_the_others_delete_steps_tier_1_never_got(
             if (base / f"node{node}" / checkpoint_name(s) / MANIFEST_NAME).exists()
         ]
         assert kept == [2, 3, 4], (node, sorted(p.name for p in (base / f"node{node}").iterdir()))
+
+
+def test_a_step_restored_from_a_peer_copy_while_s3_was_down_is_replicated_at_the_next_start(
+    tmp_path, s3_server, s3_bucket
+):
+    # The restart after node 1 was replaced restored step 3 from the peers with S3 still
+    # down, and close() said 3 "stays on tier 0 and is replicated at the next start".
+    # The next start, S3 back, queued only the steps every node's tier 0 holds; node 1
+    # holds 3 only as the copy its restore committed under .peers/node-1/: never
+    # replicated, while wait_replicated() said True and close() returned [].
+    url = f"s3://{s3_bucket}/run"
+    second, third = _node_1_replaced_while_s3_is_down(
+        tmp_path, s3_server, url, ([], [], "down"), ([], [], None, True)
+    )
+    assert all(v["restored"] == (3, (0,), (1,)) and 3 in v["left"] for v in second), second
+    assert all(v["replicated"] and v["left"] == [] for v in third), third
+    reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+    assert 3 in [c.step for c in reader.checkpoints()]
+    reader.verify(3)
