@@ -1527,7 +1527,7 @@ class TieredCheckpointManager:
             # On rank 0, once: every rank reads this answer, not every rank's view.
             kind, msg = views[0][2] or (None, None)
             if kind is not None:
-                return kind, msg, set(), set(), None
+                return kind, msg, set(), (set(), set()), None
             common = set.intersection(*(v[0] for v in views if v[0] is not None))
             held = self._held_by_every_node(views) | common
             return None, None, views[0][1], (common, held), self._peer_state_at_start(common, views)

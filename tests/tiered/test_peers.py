@@ -380,8 +380,9 @@ def test_a_replaced_node_does_not_make_the_others_delete_steps_tier_1_never_got(
     # "stay on tier 0", and losing another node then lost them for good.
     url = f"s3://{s3_bucket}/run"
     (second,) = _node_1_replaced_while_s3_is_down(tmp_path, s3_server, url, ([], [4], "down"))
-    assert all(v["restored"] == (3, (0,), (1,)) and v["peered_held"] for v in second), second
-    assert all({3, 4} <= set(v["left"]) for v in second), second
+    brief = [(v["restored"], v["peered_held"], v["left"], v["recoverable"]) for v in second]
+    assert all(v["restored"] == (3, (0,), (1,)) and v["peered_held"] for v in second), brief
+    assert all({3, 4} <= set(v["left"]) for v in second), brief
     base = tmp_path / "nodes"
     for node in (0, 2):  # what close() said stays there, does
         kept = [
