@@ -400,10 +400,11 @@ def test_a_step_restored_from_a_peer_copy_while_s3_was_down_is_replicated_at_the
     # down, and close() said 3 "stays on tier 0 and is replicated at the next start".
     # The next start, S3 back, queued only the steps every node's tier 0 holds; node 1
     # holds 3 only as the copy its restore committed under .peers/node-1/: never
-    # replicated, while wait_replicated() said True and close() returned [].
+    # replicated, while wait_replicated() said True and close() returned []. (That
+    # start restores nothing: a restore from the peers queues the step by itself.)
     url = f"s3://{s3_bucket}/run"
     second, third = _node_1_replaced_while_s3_is_down(
-        tmp_path, s3_server, url, ([], [], "down"), ([], [], None, True)
+        tmp_path, s3_server, url, ([], [], "down"), ([], [], None, True, 60.0, 0.0, False)
     )
     assert all(v["restored"] == (3, (0,), (1,)) and 3 in v["left"] for v in second), second
     assert all(v["replicated"] and v["left"] == [] for v in third), third

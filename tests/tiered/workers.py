@@ -207,6 +207,7 @@ def w_peers(
     settle: bool = False,
     peer_wait_s: float = 60.0,
     pause_s: float = 0.0,
+    restore: bool = True,
 ) -> dict[str, Any]:
     """Restore the newest step every rank can load (if any), save ``steps`` and wait
     until the persistent tier and the peers have them; then (``flag``: rank 0 creates
@@ -214,7 +215,8 @@ def w_peers(
     503, or holds every request, from then on) save ``held`` and wait for their peer
     copies only, ``peer_wait_s`` at most (``pause_s``: after each, wait for its peer
     copies, then that long, so that its tier 1 round has begun). ``settle``: with no
-    ``steps``, wait all the same (for what this start found to do)."""
+    ``steps``, wait all the same (for what this start found to do). ``restore``: False,
+    nothing is restored (a start that only replicates what it found)."""
     import logging
 
     import torch.distributed as dist
@@ -228,7 +230,7 @@ def w_peers(
         mgr._slow_storage.fs.retries = 1  # s3fs' own retry loop, on top of botocore's
     latest = mgr.latest()
     out: dict[str, Any] = {"latest": None if latest is None else (latest.step, latest.tiers)}
-    if latest is not None:
+    if latest is not None and restore:
         out["copies"] = latest.node_copies
         state = mgr.restore()
         out["restored_ok"] = states_equal(state, make_state(latest.step, rank, big_elems=ELEMS))
