@@ -2697,6 +2697,11 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         # copies of one root drained into one place), and steps below TO's newest that
         # TO lacks (never copied back: TO orders checkpoints by step).
         below = _drain_audit(fast, slow, mgr.run_id, failed)
+    else:
+        # The replicator takes only the steps every node holds: one that only some do
+        # (a node whose disk was replaced lost its copy) stayed here, and drain said
+        # "0 left", exit 0, as if all were replicated.
+        failed.update(_stranded(fast, slow, mgr.run_id, failed))
     _drain_outcome(args, fast, slow, mgr.run_id, missing, done, failed, left, below)
     if failed:
         first = min(failed)
@@ -2753,6 +2758,37 @@ def _drain_audit(fast: Storage, slow: Storage, run_id: str, failed: dict[int, An
         elif e.status == "ok" and newest_there is not None and step < newest_there:
             below.append(step)
     return below
+
+
+def _stranded(
+    fast: Storage, slow: Storage, run_id: str, failed: Mapping[int, Any]
+) -> dict[int, str]:
+    """After a drain on several nodes: the valid steps of this node's ROOT that TO lacks
+    and that are newer than TO's newest, each with why it was not replicated."""
+    listed = catalog.listed_steps(slow)
+    newest = next(
+        (
+            e.step
+            for e in catalog.newest_first(slow, run_id=run_id, steps=listed)
+            if e.status == "ok" and e.manifest is not None
+        ),
+        None,
+    )
+    there = {step for step, _ in listed}
+    return {
+        e.step: (
+            f"{fast.url(checkpoint_name(e.step))} is not on every node's tier 0 (a node "
+            "whose disk was replaced lost its copy), so it cannot be replicated from the "
+            "nodes' tier 0; start the job again on these tiers with peers=: it restores "
+            "the newest such step from the peer copies and replicates it"
+        )
+        for e in catalog.scan(fast, run_id=run_id)
+        if e.status == "ok"
+        and e.step is not None
+        and e.step not in failed
+        and e.step not in there
+        and (newest is None or e.step > newest)
+    }
 
 
 def _drain_outcome(

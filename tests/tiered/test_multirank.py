@@ -407,7 +407,10 @@ def test_a_full_local_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_pa
 
 
 @pytest.mark.netfs
-def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(tmp_path, s3_tiers):
+@pytest.mark.parametrize("replaced", [False, True])
+def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
+    tmp_path, s3_tiers, replaced
+):
     # A job of 4 ranks on 2 nodes ends while S3 is unreachable: steps 1-3 exist only as
     # the two nodes' tier 0 copies, each holding its own 2 ranks' files. Neither copy
     # alone can be published; `atomic-checkpoint drain` run on both nodes at once under
@@ -423,6 +426,10 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
     to_opts = storage_option_args(opts)
     alone = run_cli("drain", f"{base}/node0", "--to", url, *to_opts, "--timeout", "20")
     assert alone.returncode == 1 and "one node's copy of a 2-node save" in alone.stderr
+    if replaced:
+        # Node 1's disk was replaced since: its copy of step 3 is gone. Drain said
+        # "0 failed, 0 left", exit 0, while step 3 stayed on node 0 only.
+        shutil.rmtree(f"{base}/node1/{checkpoint_name(3)}")
     # Two nodes, each one torchrun with one process (static rendezvous on loopback).
     port = free_port()
     nodes = [
@@ -454,16 +461,22 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
         for n in (0, 1)
     ]
     outs = wait_nodes(nodes, timeout_s=150)
-    assert [p.returncode for p in nodes] == [0, 0], outs
     docs = [json.loads(out[out.index("{") :]) for out, _ in outs]
-    assert all(d["ok"] and d["left"] == [] for d in docs), docs
+    steps = [1, 2] if replaced else [1, 2, 3]
+    if replaced:
+        assert [p.returncode for p in nodes] == [1, 0], outs
+        assert [f["step"] for f in docs[0]["failed"]] == [3], docs[0]
+        assert "not on every node's tier 0" in docs[0]["failed"][0]["problem"], docs[0]
+    else:
+        assert [p.returncode for p in nodes] == [0, 0], outs
+        assert all(d["ok"] and d["left"] == [] for d in docs), docs
     assert [d["root"] for d in docs] == [f"{base}/node0", f"{base}/node1"]
     # Every node reports the steps replicated (node 1 said none: tier 1's commits are
     # rank 0's, and a script reading node 1's report concluded nothing was drained).
-    assert all([r["step"] for r in d["replicated"]] == [1, 2, 3] for d in docs), docs
+    assert all([r["step"] for r in d["replicated"]] == steps for d in docs), docs
     reader = CheckpointManager(url, storage_options=opts, read_only=True)
-    assert [c.step for c in reader.checkpoints()] == [1, 2, 3]
-    for s in (1, 2, 3):
+    assert [c.step for c in reader.checkpoints()] == steps
+    for s in steps:
         catalog.load_checkpoint(reader.storage, s, full=True)
         for r in range(4):
             assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
