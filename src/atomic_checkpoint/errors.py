@@ -40,6 +40,7 @@ All errors are picklable: they cross ranks inside :class:`DistributedCheckpointE
 from __future__ import annotations
 
 import errno as _errno
+import os as _os
 from dataclasses import dataclass
 
 __all__ = [
@@ -326,11 +327,20 @@ def permission_advice(code: int, action: str, path: str) -> str:
         places.append(f"{parent!r}{f' ({who})' if who else ''}")
     where = " or ".join(places)
     them = "it" if len(places) == 1 else "them"
+    as_root = ""
+    if _os.name == "posix" and _os.geteuid() == 0:
+        # Root passes every permission bit of a local filesystem: the mode and owner
+        # above rarely explain it.
+        as_root = (
+            " This process runs as root: look also for an immutable or append-only "
+            "attribute (lsattr -d; chattr -i), a read-only bind mount, a security policy "
+            "(SELinux, AppArmor), or a network filesystem that maps root to nobody."
+        )
     return (
         f"This user may not write in {where}: make {them} writable by the job's user (a "
         "root shared by a group wants umask 002 and group-writable directories), or open "
         "the root with read_only=True to restore from it (the command line's list, "
-        "verify and inspect only read)."
+        f"verify and inspect only read).{as_root}"
     )
 
 

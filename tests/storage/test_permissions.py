@@ -176,3 +176,5 @@ def test_the_advice_for_a_rename_names_the_directory_of_each_side():
     assert "may not write in '/r' or '/r/.trash': make them writable" in advice
     one = permission_advice(errno.EACCES, "rename", "/r/.pending/a -> /r/.pending/b")
     assert "may not write in '/r/.pending': make it writable" in one
+    # As root (chattr +i on ROOT), a mode or owner is rarely the cause: said too.
+    assert ("lsattr -d; chattr -i" in advice) == (os.geteuid() == 0), advice
