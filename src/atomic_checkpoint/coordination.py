@@ -452,7 +452,18 @@ def _next_namespace() -> int:
 
 
 class TorchDistributedCoordinator:
-    """Coordination through an initialised ``torch.distributed`` process group's store."""
+    """Coordination through an initialised ``torch.distributed`` process group's store.
+
+    Args:
+        store: the store to meet through; default: the default process group's.
+        rank, world_size: default: the process group's.
+        namespace: the prefix of this coordinator's keys in the store. Every rank must
+            use the same one. The default is made from a counter of coordinators made
+            in this process (and the job's incarnation), so it agrees across ranks that
+            are one process each and create their coordinators in the same order; ranks
+            that share a process (threads, each with its own store client) must pass
+            one explicitly, or they never meet.
+    """
 
     def __init__(
         self,
