@@ -1726,34 +1726,27 @@ def cmd_clean(args: argparse.Namespace) -> int:
     )
     # A process killed inside an atomic write (run record, lock, claim) left its
     # temporary file; only one whose writer is provably gone goes (``storage.temps``).
-    for directory in ("", META_DIR):
-        for rel, _why in abandoned_temps(storage, directory):
-            item = {"name": rel, "kind": "temporary", "size_bytes": 0}
+    # A path-style DCP save killed before its rename left `.<name>.<token>.pending/`
+    # beside NAME. Once NAME exists it can never commit (those saves never replace):
+    # only then is it removed, as no job may still write it.
+    temps = [rel for d in ("", META_DIR) for rel, _why in abandoned_temps(storage, d)]
+    for kind, rels in (("temporary", temps), ("pending", _doomed_siblings(storage))):
+        for rel in rels:
+            item = {"name": rel, "kind": kind, "size_bytes": 0}
             try:
-                item["size_bytes"] = storage.size(rel) or 0
+                item["size_bytes"] = (
+                    _tree_size(storage, rel) if kind == "pending" else storage.size(rel) or 0
+                )
                 if not args.dry_run:
-                    storage.delete_file(rel)
+                    if kind == "pending":
+                        storage.delete_tree(rel)
+                    else:
+                        storage.delete_file(rel)
                     log.info("removed %s", storage.url(rel))
             except CheckpointError as exc:
                 failed.append({**item, "problem": str(exc)})
                 continue
             removed.append(item)
-    # A path-style DCP save killed before its rename left `.<name>.<token>.pending/`
-    # beside NAME. Once NAME exists it can never commit (those saves never replace):
-    # only then is it removed, as no job may still write it.
-    for rel in _doomed_siblings(storage):
-        item = {"name": rel, "kind": "pending", "size_bytes": _tree_size(storage, rel)}
-        try:
-            if not args.dry_run:
-                if storage.is_dir(rel):
-                    storage.delete_tree(rel)
-                else:
-                    storage.delete_file(rel)
-                log.info("removed %s", storage.url(rel))
-        except CheckpointError as exc:
-            failed.append({**item, "problem": str(exc)})
-            continue
-        removed.append(item)
     # Marker commits (object stores, s3fs-style mounts) stage in place: a crashed save
     # leaves an attempt and its marker under checkpoint-<step>/ instead of .pending/.
     # Only what the listing found is removed (never a manifest), and before each entry
