@@ -600,9 +600,20 @@ def _commit_on_leader(
         library_version=__version__,
     )
     # The manifest as written: the marker strategy lists files under their attempt.
-    manifest = ctx.strategy.publish(
-        storage, staged, manifest, rank=ctx.coord.rank, overwrite=pending.replace
-    )
+    try:
+        manifest = ctx.strategy.publish(
+            storage, staged, manifest, rank=ctx.coord.rank, overwrite=pending.replace
+        )
+    except errors.CheckpointError as exc:
+        # Its pending data gone between the fence above and the rename: another job
+        # that took ROOT over swept it. Said as that (FencedError), not as a missing
+        # path that a training loop would take for a step rotated away.
+        if (
+            isinstance(exc, errors.CheckpointNotFoundError)
+            or getattr(exc, "errno", 0) == errno.ENOENT
+        ):
+            fence()
+        raise
     view = None
     if len(ctx.leaders) > 1:
         view = [

@@ -15,6 +15,9 @@ Commands (``op``):
     wait_gate wait until a rotation or a gated save is blocked at its gate.
     save_gated ``step``: a ``saving()`` block in a thread that writes a file, then blocks
               before leaving the block (before the commit) until ``open_gate``.
+    save_publish_gated ``step``: a ``save()`` in a thread whose leader blocks after its
+              last check of the lock, right before the commit strategy publishes,
+              until ``open_gate``.
     save_state_gated ``step``: a ``save()`` in a thread whose leader blocks after the
               rank wrote its state file, before it checks that the file is there, until
               ``open_gate``.
@@ -132,6 +135,18 @@ class Job:
                 self.gate.block()
 
         return self._save_in_thread(save)
+
+    def op_save_publish_gated(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        step, strategy = cmd["step"], self.m.strategy
+        real = strategy.publish
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            del strategy.publish  # the class's method again
+            self.gate.block()
+            return real(*args, **kwargs)
+
+        strategy.publish = gated  # type: ignore[method-assign]
+        return self._save_in_thread(lambda: self.m.save(step, {"step": step}))
 
     def op_save_state_gated(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from atomic_checkpoint import commit

@@ -276,6 +276,25 @@ def test_a_zombie_caught_between_prepare_and_publish_does_not_commit(jobs, tmp_p
     assert steps(root) == [] and not (root / "checkpoint-5").exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_zombie_caught_after_its_last_lock_check_is_told_it_was_fenced(jobs, tmp_path):
+    # Stopped after its last check of the lock, right before the rename; the job that
+    # took over swept its pending files. It committed nothing (right), but raised
+    # CheckpointNotFoundError ("cannot rename ...: does not exist"), which a training
+    # loop takes for a step rotated away, and went on saving as a zombie.
+    root = tmp_path / "ckpt"
+    a = jobs("a")
+    ok(a.call("open", root=str(root)))
+    ok(a.call("save_publish_gated", step=5))
+    assert ok(a.call("wait_gate"))["entered"]
+    b = jobs("b")
+    ok(b.call("open", root=str(root), kwargs={"takeover": True}))
+    ok(a.call("open_gate"))
+    saved = ok(a.call("join"))["save"]
+    assert saved["error"] == "FencedError", saved
+    assert steps(root) == [] and not (root / "checkpoint-5").exists()
+
+
 @pytest.mark.timeout(90)
 def test_a_zombie_whose_taker_already_left_is_fenced_at_once(jobs, tmp_path):
     # The job that took over swept the zombie's pending files at its start and closed
