@@ -536,12 +536,26 @@ def load_checkpoint(storage: Storage, step: int, *, full: bool = False) -> Manif
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
 
+def entry_present(storage: Storage, rel: str) -> bool:
+    """Whether entry ``rel`` of ROOT exists, asked past a network mount's cache: a name
+    deleted through another mount keeps passing ``stat()`` here for ~20 s (sshfs), and
+    a step just rotated away was reported as a directory "never committed" instead of
+    missing. A fresh listing of ROOT settles it (only asked when the stat says yes)."""
+    if not storage.is_dir(rel) and storage.size(rel) is None:
+        return False
+    if storage.capabilities.coherent:
+        return True
+    storage.refresh("")
+    return rel in storage.listdir("")
+
+
 def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
     """Why there is no checkpoint ``step`` to load, in the user's terms: no such entry
     (and which steps there are), or a directory that was never committed. For
     ``restore``/``verify`` and the CLI alike; called only once a read found nothing."""
     rel = layout.checkpoint_name(step)
-    if storage.is_dir(rel):
+    present = entry_present(storage, rel)
+    if present and storage.is_dir(rel):
         purposes = _marker_purposes(storage, rel)
         if "delete" in purposes:
             # Marker roots un-commit in place (the manifest goes first, then the data):
@@ -560,7 +574,7 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
             "another tool wrote it) or its manifest was deleted; resume ignores it, and "
             f"`atomic-checkpoint verify {storage.url('')}` (without a step) says what it is"
         )
-    if storage.size(rel) is not None:
+    if present and storage.size(rel) is not None:
         # A regular file (or a link to one) by that name: "no checkpoint step 5 ...
         # (checkpoint steps there: ..., 5)" named it as a step that exists.
         return CheckpointNotFoundError(

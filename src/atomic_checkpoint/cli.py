@@ -1069,7 +1069,7 @@ def _single_target(storage: Storage, step: int) -> catalog.Entry:
         manifest = catalog.read_manifest(storage, name)
     except CheckpointNotFoundError:
         problem = str(catalog.missing_step_error(storage, step))
-        there = storage.is_dir(name) or storage.size(name) is not None
+        there = catalog.entry_present(storage, name)
         return catalog.Entry(name, step, "not_a_checkpoint" if there else "missing", None, problem)
     except CheckpointError as exc:
         return catalog.Entry(name, step, "corrupt", problem=str(exc))

@@ -43,7 +43,7 @@ from tests.testbed.pytest_fixtures import (  # noqa: F401 - fixtures used by nam
 )
 
 from atomic_checkpoint import CheckpointManager, KeepLast, LocalStorage, catalog
-from atomic_checkpoint.errors import CheckpointExistsError, StorageError
+from atomic_checkpoint.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from atomic_checkpoint.storage.detect import local_capabilities
 
 pytestmark = pytest.mark.netfs
@@ -433,6 +433,36 @@ def test_storage_decides_existence_from_the_server_not_a_stale_stat(
         assert sorted(results) == ["exists", "won"], results
         outcomes.update(results)
     observed(stale_stat_then_commit="ok", rename_races=dict(outcomes))
+
+
+def test_a_step_rotated_away_on_the_other_node_is_missing_here_not_never_committed(
+    sshfs_nodes: tuple[SshfsMount, SshfsMount],
+) -> None:
+    # The job on node A rotates step 2 away; node B's mount still stats it (cached).
+    # `inspect`/`verify ROOT 2` through B said "not_a_checkpoint ... never committed (a
+    # crashed save or another tool wrote it)": an upload gate could not tell rotation,
+    # the normal case, from a torn or foreign folder. A local disk says "missing".
+    from tests.cli.helpers import run_json
+
+    dir_a, dir_b = dir_made_on_node_a(sshfs_nodes, "run")
+    job = CheckpointManager(dir_a, retention=KeepLast(2))
+    for step in (1, 2, 3):
+        job.save(step, _state(step))
+    assert [c.step for c in job.checkpoints()] == [2, 3]  # its rotation has ended
+    with CheckpointManager(dir_b, read_only=True) as monitor:
+        assert [c.step for c in monitor.checkpoints()] == [2, 3]  # B caches checkpoint-2
+    job.save(4, _state(4))  # retention deletes step 2
+    assert [c.step for c in job.checkpoints()] == [3, 4]
+    job.close()
+    assert LocalStorage(dir_b).is_dir("checkpoint-2"), "premise: B's stat is stale"
+    doc = run_json("inspect", dir_b, 2, expect_rc=1)
+    assert doc["status"] == "missing", doc
+    with (
+        CheckpointManager(dir_b, read_only=True) as monitor,
+        pytest.raises(CheckpointNotFoundError, match="no checkpoint step 2"),
+    ):
+        monitor.verify(2)
+    observed(rotated_away_seen_from_b="missing")
 
 
 # --------------------------------------------------------------------------
