@@ -46,11 +46,17 @@ def test_a_domain_costs_the_same_bytes_at_any_size_when_ranks_go_node_by_node():
 
 
 def test_preemption_check_summary_is_what_every_rank_decides_from():
-    # (step, signal, time left, a save's time now, slowest recent save); rank 1 has an
-    # async save in flight, so a save there now takes longer than its slowest save.
-    views = [(10, None, None, 2.0, 2.0), (10, 15, 30.0, 3.5, 2.5), (10, 10, 12.5, None, None)]
+    # (step, signal, time left, a save's time now, slowest recent save, work announced
+    # before the save); rank 1 has an async save in flight, so a save there now takes
+    # longer than its slowest save; the ranks timed their evaluations differently.
+    views = [
+        (10, None, None, 2.0, 2.0, 1.5),
+        (10, 15, 30.0, 3.5, 2.5, 2.0),
+        (10, 10, 12.5, None, None, None),
+    ]
     summary = _check_summary(views)
     assert summary == {
+        "work": 2.0,
         "slowest": 2.5,
         "by_rank": None,
         "signalled": (1, 2),
@@ -58,7 +64,9 @@ def test_preemption_check_summary_is_what_every_rank_decides_from():
         "left": 12.5,
         "estimate": 3.5,
     }
-    apart = _check_summary([(10, None, None, None, None), (11, None, None, None, None)])
+    none = (None, None, None, None, None)
+    apart = _check_summary([(10, *none), (11, *none)])
+    assert apart["work"] is None
     assert apart["by_rank"] == {0: 10, 1: 11} and apart["signalled"] == ()
 
 
