@@ -154,6 +154,7 @@ from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CollectiveMismatchError,
     CommitError,
     CorruptCheckpointError,
     LockError,
@@ -536,13 +537,22 @@ class TieredCheckpointManager:
         if self._multi:
             # One run on every node: rank 0's answer, else any node's (a wiped node
             # learns it from the persistent tier or from the others).
-            rid, unreadable = gather_summary(
+            rid, unreadable, differ = gather_summary(
                 coord,
                 "tiered: run id",
-                (rid, unread is not None),
+                (rid, unread is not None, (self._slow_storage.url(""), int(peers or 0))),
                 _run_id_of,
                 timeout_s=self.timeout_s,
             )
+            if differ is not None:
+                # Every rank alike: with other peers= on one node its peer rounds
+                # never matched the others' (a raw store timeout), and another
+                # persistent tier on one node was silently rank 0's.
+                raise CollectiveMismatchError(
+                    "the ranks opened the tiers with different settings (persistent tier, "
+                    f"peers=): {differ}. Pass the same Tier list (tier 0 may be each "
+                    "node's own path) and the same peers= on every rank"
+                )
             if rid is None and unreadable:
                 # Every rank raises alike: nobody can tell which run this is.
                 raise unread or StorageError(
@@ -3246,7 +3256,19 @@ def _restore_outcomes(
     return problems, tuple(sorted(int(t) for t in used)), peers
 
 
-def _run_id_of(views: list[tuple[str | None, bool]]) -> tuple[str | None, bool]:
-    """The run id rank 0 names, else the first any node names; and whether some node
-    could not read the persistent tier."""
-    return next((r for r, _u in views if r), None), any(u for _r, u in views)
+def _run_id_of(
+    views: list[tuple[str | None, bool, tuple[str, int]]],
+) -> tuple[str | None, bool, str | None]:
+    """The run id rank 0 names, else the first any node names; whether some node could
+    not read the persistent tier; and, when the ranks' settings (persistent tier,
+    ``peers``) differ, the first ranks of each, as words (else None)."""
+    settings: dict[tuple[str, int], list[int]] = {}
+    for rank, (_r, _u, mine) in enumerate(views):
+        settings.setdefault(tuple(mine), []).append(rank)  # type: ignore[arg-type]
+    differ = None
+    if len(settings) > 1:
+        differ = "; ".join(
+            f"rank(s) {ranks_text(ranks, 4)}: {url}, peers={k}"
+            for (url, k), ranks in settings.items()
+        )
+    return next((r for r, _u, _s in views if r), None), any(u for _r, u, _s in views), differ

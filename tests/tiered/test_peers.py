@@ -411,3 +411,19 @@ def test_a_step_restored_from_a_peer_copy_while_s3_was_down_is_replicated_at_the
     reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
     assert 3 in [c.step for c in reader.checkpoints()]
     reader.verify(3)
+
+
+def test_ranks_with_other_peers_or_another_persistent_tier_are_refused_alike(tmp_path):
+    # One node with peers=1 and the others without: its peer rounds never met theirs
+    # (a raw store timeout); one node naming another persistent tier: rank 0's was
+    # used silently. Every rank is refused at once, with each rank's settings.
+    slow = str(tmp_path / "persistent")
+    got = ok_values(
+        run_ranks(
+            workers.w_settings_differ, WORLD, str(tmp_path / "nodes"), slow, tmp_dir=str(tmp_path)
+        )
+    )
+    assert all(v["error"] == "CollectiveMismatchError" for v in got), got
+    assert len({v["message"] for v in got}) == 1, got
+    assert "rank(s) [1]: " in got[0]["message"] and "peers=1" in got[0]["message"], got[0]
+    assert f"{slow}-other" in got[0]["message"], got[0]

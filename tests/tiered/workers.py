@@ -12,7 +12,7 @@ from typing import Any
 from tests.dist.workers import make_state, states_equal
 from tests.helpers import ListHandler
 
-from atomic_checkpoint import KeepLast, Tier, TieredCheckpointManager
+from atomic_checkpoint import CheckpointError, KeepLast, Tier, TieredCheckpointManager
 from atomic_checkpoint.domains import HOST_ENV
 
 ELEMS = 4096
@@ -696,3 +696,13 @@ def w_tiered_resized(
         out["error"] = f"{type(exc).__name__}: {exc}"
     mgr.close()
     return out
+
+
+def w_settings_differ(rank: int, world: int, base: str, slow: str) -> dict[str, Any]:
+    """Each rank passes peers=its rank; the last rank also another persistent tier."""
+    where = f"{slow}-other" if rank == world - 1 else slow
+    try:
+        _node_manager(rank, base, where, None, keep=3, timeout_s=20, retry_max_s=0.2, peers=rank)
+    except CheckpointError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
