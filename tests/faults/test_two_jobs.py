@@ -262,30 +262,17 @@ def test_explicit_takeover_leaves_a_zombie_that_can_neither_delete_nor_commit(jo
 
 
 @pytest.mark.timeout(60)
-def test_a_zombie_caught_between_prepare_and_publish_does_not_commit(jobs, tmp_path):
-    root = tmp_path / "ckpt"
-    a = jobs("a")
-    ok(a.call("open", root=str(root)))
-    ok(a.call("save_gated", step=5))  # passed the fence at prepare, files written
-    assert ok(a.call("wait_gate"))["entered"]
-    b = jobs("b")
-    ok(b.call("open", root=str(root), kwargs={"takeover": True}))
-    ok(a.call("open_gate"))
-    saved = ok(a.call("join"))["save"]
-    assert saved["error"] == "FencedError", saved
-    assert steps(root) == [] and not (root / "checkpoint-5").exists()
-
-
-@pytest.mark.timeout(60)
-def test_a_zombie_caught_after_its_last_lock_check_is_told_it_was_fenced(jobs, tmp_path):
-    # Stopped after its last check of the lock, right before the rename; the job that
+@pytest.mark.parametrize("gate", ["save_gated", "save_publish_gated"])
+def test_a_zombie_caught_before_its_commit_is_fenced_and_commits_nothing(jobs, tmp_path, gate):
+    # save_gated: stopped between prepare and publish (files written). save_publish_gated:
+    # stopped after its last check of the lock, right before the rename; the job that
     # took over swept its pending files. It committed nothing (right), but raised
     # CheckpointNotFoundError ("cannot rename ...: does not exist"), which a training
     # loop takes for a step rotated away, and went on saving as a zombie.
     root = tmp_path / "ckpt"
     a = jobs("a")
     ok(a.call("open", root=str(root)))
-    ok(a.call("save_publish_gated", step=5))
+    ok(a.call(gate, step=5))
     assert ok(a.call("wait_gate"))["entered"]
     b = jobs("b")
     ok(b.call("open", root=str(root), kwargs={"takeover": True}))
