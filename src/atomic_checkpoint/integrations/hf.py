@@ -834,7 +834,10 @@ def _best_fix_callback(best: str) -> Any:
 
     class BestFromHere(TrainerCallback):
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            if state.best_model_checkpoint is None:
+            # Dropped (transformers 5), or kept as a path that does not resolve from here
+            # (transformers 4: its final load of the best model then found nothing).
+            recorded = state.best_model_checkpoint
+            if recorded is None or not posix.is_dir(recorded):
                 state.best_model_checkpoint = best
                 log.info("Trainer: the best checkpoint recorded at resume is %s", best)
             return control
