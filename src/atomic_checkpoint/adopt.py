@@ -215,20 +215,14 @@ class Framework:
         """The step of the checkpoint named ``on_disk_name``: the one its name gives;
         for a name that matches without one (the step group takes no part), the one
         ``step_inside(folder())`` reads from it; None for no checkpoint of ours."""
-        got = self._step_or_why(on_disk_name, folder)
+        got = self.step_or_why(on_disk_name, folder)
         return got if isinstance(got, int) else None
 
-    def unreadable(
-        self, on_disk_name: str, folder: Callable[[], CheckpointFolder] | None = None
-    ) -> str | None:
-        """Why a checkpoint whose name gives no step has no readable one inside (a
-        torn ``last.ckpt``: ``step_inside`` says so); None otherwise."""
-        got = self._step_or_why(on_disk_name, folder)
-        return got if isinstance(got, str) else None
-
-    def _step_or_why(
+    def step_or_why(
         self, on_disk_name: str, folder: Callable[[], CheckpointFolder] | None
     ) -> int | str | None:
+        """``step_of``, or why a checkpoint whose name gives no step has no readable one
+        inside (a torn ``last.ckpt``: ``step_inside`` says so)."""
         if not on_disk_name.isprintable():
             return None  # "checkpoint-3\n" matches a pattern ending in $: never a step
         m = self.names.match(on_disk_name)
@@ -1114,9 +1108,11 @@ def _classify(
             continue
         disk = _on_disk_name(storage, name)
         folder = functools.partial(CheckpointFolder, storage, name, 0)
-        found = [(f, s) for f in rules if (s := f.step_of(disk, folder)) is not None]
+        # One read per rule: a name that gives no step (last.ckpt) is read for it.
+        read = [(f, f.step_or_why(disk, folder)) for f in rules]
+        found = [(f, got) for f, got in read if isinstance(got, int)]
         if not found:
-            why = next((w for f in rules if (w := f.unreadable(disk, folder))), None)
+            why = next((got for _f, got in read if isinstance(got, str)), None)
             if why is not None and wanted is None:
                 # Said, not skipped: a torn last.ckpt is often the newest state, and a
                 # silent "0 refused" sent the job back to an older step.

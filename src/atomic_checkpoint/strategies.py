@@ -661,14 +661,10 @@ class MarkerStrategy:
         store left ``checkpoint-<step>/`` listed as pending, and ``verify ROOT`` failing,
         until the next start's sweep, however cleanly the job ended."""
         for pending in sorted(self._markers_left):
-            final, attempt_dir = pending.rsplit("/", 1)
-            attempt = parse_attempt_dir(attempt_dir)
+            self._reported.add(pending)  # no upload can land now: discard drops the marker
             try:
-                storage.delete_tree(pending)
-                storage.fsync_dir(final)
-                if attempt is not None:
-                    storage.delete_file(f"{final}/{marker_name(attempt)}")
-                _remove_if_empty(storage, final)
+                self.discard(storage, pending)
+                _remove_if_empty(storage, pending.rsplit("/", 1)[0])
             except errors.CheckpointError as exc:
                 log.warning(
                     "could not finish removing the failed save %s: %s (the next start's "
@@ -676,6 +672,7 @@ class MarkerStrategy:
                     storage.url(pending),
                     exc,
                 )
+                self._reported.discard(pending)
             self._markers_left.discard(pending)
 
     def is_committed(self, storage: Storage, step: int, pending: str) -> bool:
