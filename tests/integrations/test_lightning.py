@@ -307,12 +307,13 @@ def test_ddp_saves_rotates_and_resumes_from_newest_complete_after_kill(tmp_path)
     assert latest_checkpoint(ckpt).endswith(("last.ckpt", "epoch=0-step=10.ckpt"))
 
 
-def _async_argv(io: str, ckpt: Path, ref: Path) -> list[str]:
-    # save_top_k=1 without "last": ModelCheckpoint removes the previous file after it
-    # asked for the new one. The main thread holds after the save of step 4.
+def _async_argv(io: str, ckpt: Path, ref: Path, save_last: str = "0") -> list[str]:
+    # save_top_k=1 (without "last" by default): ModelCheckpoint removes the previous file
+    # after it asked for the new one. The main thread holds after the save of step 4.
     return [
         sys.executable, str(SCRIPT), "--dir", str(ckpt), "--ref", str(ref), "--io", io,
-        "--max-steps", "8", "--top-k", "1", "--save-last", "0", "--hold-at", "4", "--settle", "1",
+        "--max-steps", "8", "--top-k", "1", "--save-last", save_last, "--hold-at", "4",
+        "--settle", "1",
     ]  # fmt: skip
 
 
@@ -335,39 +336,68 @@ def test_stock_async_checkpoint_io_removes_previous_before_new_is_written(tmp_pa
     assert _report(tmp_path / "ref2")["start_step"] == 0
 
 
-@pytest.mark.faults
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_async_atomic_keeps_previous_until_new_is_committed(tmp_path):
+def _kill_while_step_4_is_written(tmp_path: Path, save_last: str) -> tuple[Path, Path, str]:
+    """The async plugin's background write of step 4 hangs half way; the job is killed
+    once the training thread has moved on past ModelCheckpoint's remove_checkpoint (and
+    link) calls. Returns (checkpoint dir, reference dir, log)."""
     ckpt, ref = tmp_path / "ckpt", tmp_path / "ref"
 
-    # The background write of step 4 hangs half way; the training thread has moved on
-    # past ModelCheckpoint's remove_checkpoint call when the job is killed.
     def writing_and_moved_on() -> bool:
         return (ref / "held").exists() and any(n.endswith(".pending") for n in os.listdir(ckpt))
 
     _rc, log = _run_until_killed(
         tmp_path,
-        _async_argv("atomic-async", ckpt, ref),
+        _async_argv("atomic-async", ckpt, ref, save_last=save_last),
         kill_when=writing_and_moved_on,
         env={FAULTS_ENV: "mid_write@0=hang:4"},
     )
+    return ckpt, ref, log
+
+
+def _resume_from_step_2(tmp_path: Path, ckpt: Path, ref: Path, save_last: str, resume: str) -> None:
+    """Resume the killed job with the async plugin to step 6: it starts from step 2 with
+    exactly the state saved there."""
+    resumed = _run_script(
+        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic-async",
+        "--max-steps", "6", "--top-k", "1", "--save-last", save_last, "--resume", resume,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _report(ref)["start_step"] == 2 and _report(ref)["final_step"] == 6
+    _assert_resumed_state_equals_saved(ref, 2, world=1)
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_atomic_keeps_previous_until_new_is_committed(tmp_path):
+    ckpt, ref, log = _kill_while_step_4_is_written(tmp_path, save_last="0")
     names = set(os.listdir(ckpt))
     assert "epoch=0-step=2.ckpt" in names, (names, log[-2000:])
     assert "epoch=0-step=4.ckpt" not in names
     assert any(n.endswith(".pending") for n in names)  # step 4, half written
     assert verify_checkpoint(ckpt / "epoch=0-step=2.ckpt").global_step == 2
-    resumed = _run_script(
-        tmp_path, "--dir", str(ckpt), "--ref", str(ref), "--io", "atomic-async",
-        "--max-steps", "6", "--top-k", "1", "--save-last", "0", "--resume", "latest",
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert _report(ref)["start_step"] == 2 and _report(ref)["final_step"] == 6
-    _assert_resumed_state_equals_saved(ref, 2, world=1)
+    _resume_from_step_2(tmp_path, ckpt, ref, save_last="0", resume="latest")
     # Rotation after the resume: the async removals ran behind the commits.
     # (Lightning keeps the file it resumed from: ModelCheckpoint never removes it.)
     kept = sorted(n for n in os.listdir(ckpt) if n.endswith(".ckpt"))
     assert kept == ["epoch=0-step=2.ckpt", "epoch=0-step=6.ckpt"]
+    assert _strays(ckpt) == []
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_async_atomic_links_last_ckpt_only_to_a_committed_file(tmp_path):
+    # ModelCheckpoint(save_last="link") re-points last.ckpt right after it asks for the
+    # save, before the background write commits.
+    ckpt, ref, log = _kill_while_step_4_is_written(tmp_path, save_last="link")
+    link = ckpt / "last.ckpt"
+    # Still the link to the complete step-2 file (Lightning had re-pointed it at the
+    # uncommitted step-4 file, leaving it dangling).
+    assert link.is_symlink() and os.readlink(link) == "epoch=0-step=2.ckpt", log[-2000:]
+    assert verify_checkpoint(link).global_step == 2
+    _resume_from_step_2(tmp_path, ckpt, ref, save_last="link", resume="last")
+    assert verify_checkpoint(latest_checkpoint(ckpt)).global_step == 6
     assert _strays(ckpt) == []
 
 

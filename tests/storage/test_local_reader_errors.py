@@ -68,3 +68,19 @@ def test_a_file_removed_between_open_and_read_is_not_found(tmp_path):
             reader.read(8)
     finally:
         real.close()
+
+
+def test_replace_with_link_swaps_the_entry_in_one_step(tmp_path):
+    # Lightning's save_last="link": last.ckpt is never absent, and a temporary name
+    # that cannot be made (taken) fails inside the error tree and leaves the link alone.
+    (tmp_path / "a.ckpt").write_bytes(b"a")
+    (tmp_path / "b.ckpt").write_bytes(b"b")
+    (tmp_path / "last.ckpt").symlink_to("a.ckpt")
+    storage = LocalStorage(str(tmp_path))
+    storage.replace_with_link("last.ckpt", ".last.ckpt.t1.pending", "b.ckpt")
+    assert (tmp_path / "last.ckpt").read_bytes() == b"b"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "b.ckpt", "last.ckpt"]
+    (tmp_path / ".last.ckpt.t2.pending").write_bytes(b"taken")
+    with pytest.raises(StorageError):
+        storage.replace_with_link("last.ckpt", ".last.ckpt.t2.pending", "a.ckpt")
+    assert (tmp_path / "last.ckpt").read_bytes() == b"b"

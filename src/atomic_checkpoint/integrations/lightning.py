@@ -1101,7 +1101,9 @@ class _AsyncAtomicFileIO:
     behind the saves submitted before it, and skipped (with a warning) if one of them
     failed: Lightning's ``ModelCheckpoint`` removes the previous file right after
     asking for the new one, and Lightning's own ``AsyncCheckpointIO`` then deletes it
-    while the new one is still being written.
+    while the new one is still being written. ``ModelCheckpoint(save_last="link")``'s
+    link of ``last.ckpt`` to the new file is queued and skipped the same way, so
+    ``last.ckpt`` never points at a file that is not committed.
 
     A failure of a background save is raised once, by the next ``save_checkpoint`` or by
     ``teardown`` (Lightning calls it at the end of ``fit``).
@@ -1213,8 +1215,32 @@ class _AsyncAtomicFileIO:
         except BaseException as exc:
             self._record(exc)
 
+    def link_checkpoint(self, target: Any, link: Any) -> None:
+        """Queue ``ModelCheckpoint(save_last="link")``'s re-pointing of ``link``
+        (``last.ckpt``) at ``target`` behind every save submitted before it, and skip it
+        (with a warning) if one of them failed: ``link`` keeps pointing at the previous
+        complete checkpoint until ``target`` is committed. Called on global rank 0 (see
+        ``_link_after_saves``)."""
+        self._submit(self._link_job, os.fspath(target), os.fspath(link))
+
+    def _link_job(self, target: str, link: str) -> None:
+        if self._save_failed:
+            log.warning(
+                "kept %s as it was: the save of %s queued before its link failed",
+                link,
+                target,
+            )
+            return
+        directory, name = os.path.split(_local_path(link))
+        try:
+            LocalStorage(directory).replace_with_link(
+                name, sibling_pending_name(name), os.path.relpath(target, directory)
+            )
+        except BaseException as exc:
+            self._record(exc)
+
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until every queued save and removal has finished.
+        """Block until every queued save, link and removal has finished.
 
         Raises:
             TimeoutError: still running after ``timeout_s`` (the work goes on).
@@ -1501,7 +1527,39 @@ def _make_plugins(namespace: str) -> LightningClasses:
     sync = _bind(namespace, "AtomicCheckpointIO", _AtomicFileIO, base)
     # The async plugin's synchronous half is the same namespace's sync plugin.
     made = _bind(namespace, "AsyncAtomicCheckpointIO", _AsyncAtomicFileIO, base, _sync_cls=sync)
+    _link_after_saves(namespace)
     return LightningClasses(sync, made)
+
+
+def _link_after_saves(namespace: str) -> None:
+    """Make ``ModelCheckpoint(save_last="link")`` link behind the async plugin's saves.
+
+    ModelCheckpoint re-points ``last.ckpt`` itself, on the training thread, right after it
+    asked for the save (``_link_checkpoint``: remove, then symlink; not through the
+    plugin). With the async plugin the new file is not written then: a crash before its
+    commit left ``last.ckpt`` dangling, and ``fit(ckpt_path="last")`` started over from
+    step 0 with only a warning. When the trainer's plugin is our async one, the link is
+    queued behind the save instead (``link_checkpoint``); any other plugin gets
+    Lightning's own. A Lightning without that hook is left alone.
+    """
+    module = importlib.import_module(_CALLBACK_BASES[namespace])
+    callback = getattr(module, "ModelCheckpoint", None)
+    stock = getattr(callback, "__dict__", {}).get("_link_checkpoint")
+    if not isinstance(stock, staticmethod) or getattr(stock.__func__, "_queued", False):
+        return
+    link = stock.__func__
+
+    def link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+        plugin = getattr(trainer.strategy, "checkpoint_io", None)
+        if not isinstance(plugin, _AsyncAtomicFileIO):
+            link(trainer, filepath, linkpath)
+            return
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            plugin.link_checkpoint(filepath, linkpath)
+        trainer.strategy.barrier()
+
+    link_checkpoint._queued = True  # type: ignore[attr-defined]
+    callback._link_checkpoint = staticmethod(link_checkpoint)  # type: ignore[union-attr]
 
 
 _CALLBACK_BASES = {

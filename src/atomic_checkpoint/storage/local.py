@@ -860,6 +860,32 @@ class LocalStorage:
         _replace(self._abs(src), self._abs(dst))
         self.fsync_dir(dst.rsplit("/", 1)[0] if "/" in dst else "")
 
+    def replace_with_link(self, path: str, temp: str, target: str) -> None:
+        """Make ``path`` a symbolic link to ``target`` in one step, then fsync its
+        directory: the link is made at ``temp`` (a sibling of ``path``), then renamed onto
+        ``path``, so readers see the old entry or the new link, never no entry (Lightning's
+        ``save_last="link"`` removes ``last.ckpt``, then links it again). ``target`` is
+        stored as given (relative to ``path``'s directory, as Lightning writes it).
+
+        Called by the one writer of ``path``; blocks.
+
+        Raises:
+            StorageError: the link or the rename failed (``temp`` is removed).
+        """
+        self.check_root()
+        temp_abs = self._abs(temp)
+        try:
+            os.symlink(target, temp_abs)
+        except OSError as exc:
+            raise map_os_error(exc, "symlink", temp_abs) from exc
+        try:
+            _replace(temp_abs, self._abs(path))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp_abs)
+            raise
+        self.fsync_dir(path.rsplit("/", 1)[0] if "/" in path else "")
+
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Create ``path`` holding ``data`` unless it exists; True if this call did.
 
