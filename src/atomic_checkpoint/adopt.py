@@ -518,7 +518,11 @@ _SIBLING_RE = re.compile(rf"^checkpoint[-_]{_STEP}\Z")
 
 
 def _missing_beside_siblings(
-    folder: CheckpointFolder, per_process: re.Pattern[str], finished: str, why: str
+    folder: CheckpointFolder,
+    per_process: re.Pattern[str],
+    finished: str,
+    why: str,
+    torn: Callable[[set[str]], bool] = lambda held: False,
 ) -> str | None:
     """The per-process (or per-object) files that every other adoptable sibling has and
     this folder lacks, as the reason it is torn; None when it lacks none.
@@ -530,7 +534,10 @@ def _missing_beside_siblings(
     (``random_states_1.pkl`` of rank 1), or a save stopped before its last files
     (``custom_checkpoint_<i>.pkl``, which Accelerate writes after the RNG states). A
     file only some siblings hold proves nothing (a run restarted with fewer processes
-    or objects), and a folder with no adoptable sibling is judged on its own."""
+    or objects), and a folder with no adoptable sibling is judged on its own.
+    ``torn(held)``: whether a sibling's per-process files alone show it torn (it then
+    tells nothing about the others), or that it is of another layout than this folder
+    (a run resized between restarts); such siblings are passed over."""
     parent = posixpath.dirname(folder.rel)
     own = posixpath.basename(folder.rel)
     common: set[str] | None = None
@@ -548,6 +555,8 @@ def _missing_beside_siblings(
         if finished not in names:
             continue  # torn itself, or not the framework's
         held = {n for n in names if per_process.match(n)}
+        if torn(held):
+            continue
         common = held if common is None else common & held
         others += 1
     if not common:
@@ -573,9 +582,11 @@ def hf_is_complete(path: str) -> str | None:
     Trainer writes it after the model, optimizer, scheduler and RNG states) for step
     N, the model weights (every shard of a sharded index), and every file whole. A
     folder is torn, too, if it lacks an ``rng_state.pth`` / ``rng_state_<p>.pth`` that
-    every other adoptable sibling ``checkpoint-<M>`` (one holding
-    ``trainer_state.json``) has: a process of a multi-process save killed before it
-    wrote its RNG state."""
+    every other adoptable sibling ``checkpoint-<M>`` of its layout (one holding
+    ``trainer_state.json``; one process writes ``rng_state.pth``, several
+    ``rng_state_<p>.pth``) has, or holds ``rng_state_0.pth`` without
+    ``rng_state_1.pth``: a process of a multi-process save killed before it wrote its
+    RNG state."""
     folder = _folder(path)
     files = folder.files()
     if not files:
@@ -602,17 +613,45 @@ def hf_is_complete(path: str) -> str | None:
     step = state.get("global_step") if isinstance(state, dict) else None
     if isinstance(step, int) and not isinstance(step, bool) and step != folder.step:
         return f"{_TRAINER_STATE} records global_step {step}, not {folder.step}: a copied folder?"
+    own = {n for n in files if _HF_RNG.match(n)}
     return (
         _weights_problem(folder, ("model", "pytorch_model", "adapter_model"), "model")
         or _contiguous(folder, r"^rng_state_([0-9]+)\.pth\Z", "rng_state_<i>.pth")
+        or _hf_rng_problem(own)
         or _missing_beside_siblings(
             folder,
-            re.compile(r"^rng_state(?:_[0-9]+)?\.pth\Z"),
+            _HF_RNG,
             _TRAINER_STATE,
             "a process of this save was killed before it wrote its RNG state",
+            # Judged against whole siblings of its own layout (any, if it holds no RNG
+            # file): a run resized between restarts leaves one-process folders
+            # (rng_state.pth) beside multi-process ones (rng_state_<p>.pth).
+            torn=lambda held: (
+                _hf_rng_problem(held) is not None
+                or (bool(own) and ("rng_state.pth" in held) != ("rng_state.pth" in own))
+            ),
         )
         or _files_problem(folder)
     )
+
+
+#: The Trainer's RNG state files: ``rng_state.pth`` from a one-process run, one
+#: ``rng_state_<p>.pth`` per process from a run of several.
+_HF_RNG = re.compile(r"^rng_state(?:_[0-9]+)?\.pth\Z")
+
+
+def _hf_rng_problem(held: set[str]) -> str | None:
+    """What the RNG files ``held`` alone show torn: the Trainer writes
+    ``rng_state_<p>.pth`` only when it runs on two processes or more (one process writes
+    ``rng_state.pth``), so ``rng_state_0.pth`` without ``rng_state_1.pth`` is a save
+    whose other processes were killed before they wrote theirs."""
+    if "rng_state_0.pth" in held and "rng_state_1.pth" not in held:
+        return (
+            "rng_state_1.pth is missing: the Trainer writes one rng_state_<p>.pth per "
+            "process only when it runs on two or more, so a process of this save was "
+            "killed before it wrote its RNG state"
+        )
+    return None
 
 
 def accelerate_is_complete(path: str) -> str | None:

@@ -255,6 +255,23 @@ def validate(
             )
 
 
+def failed_validation(storage: Storage, step: int) -> CorruptCheckpointError | None:
+    """Why this run's committed-looking ``checkpoint-<step>`` is no checkpoint (a file
+    missing, or of another size: sizes only), or None if it validates or cannot be read.
+    Step 1 of a save of that step without ``overwrite``, on the leader: a save that
+    failed after its manifest landed (an object store that processed a timed-out
+    manifest PUT late) leaves one, which every read skips; the save that retries the
+    step replaces it instead of calling it committed."""
+    name = layout.checkpoint_name(step)
+    try:
+        validate(storage, name, read_manifest(storage, name))
+    except CorruptCheckpointError as exc:
+        return exc
+    except CheckpointError:
+        return None
+    return None
+
+
 #: How many times a reader re-reads a checkpoint that is replaced while it reads it
 #: before it gives up (a step overwritten again and again, faster than it can be read).
 #: A retry costs a read of the checkpoint, and happens only when its manifest changed.

@@ -140,22 +140,24 @@ sizes only (``verify`` reads the data and the state files' headers). The other d
   ``verify ROOT`` (``verify ROOT STEP`` of that step fails with ``error``).
 - ``clean``: ``{"schema_version", "command": "clean", "root", "dry_run", "forced",
   "lock": <lock> | null, "lock_removed": bool, "restored": [{"name", "copy", "from"}],
-  "removed": [{"name", "kind": "pending" | "trash" | "stale" | "upload" | "temporary",
-  "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
+  "removed": [{"name", "kind": "pending" | "trash" | "stale" | "upload" | "temporary" |
+  "empty", "size_bytes"}], "failed": [{"name", "kind", "size_bytes", "problem"}],
   "freed_bytes"}``; with ``--dry-run`` "removed" lists what would be removed.
   ``restored``: steps an overwrite interrupted between its two renames had left absent,
   put back first (``copy``: "new" or "old", ``from``: the folder it was put back from).
   ``name`` is what is removed: an entry of ``.pending/`` or ``.trash/``, an uncommitted
   ``checkpoint-<step>``, or, beside a committed manifest (``stale``, ``temporary``), the
   attempt, marker or temporary file itself (``checkpoint-<step>/<file>``), one item each.
+  ``empty``: an empty ``checkpoint-<step>`` directory (what a delete cut short after
+  its last file leaves; it holds nothing, so nothing is lost).
   ``temporary``: a temporary file of an atomic write whose writer is gone. With marker
   commits (object stores) an uncommitted ``checkpoint-<step>`` is ``pending``,
   and the attempts and markers a crash left beside a committed one are ``stale``. On
   S3, an unfinished multipart upload under ROOT/ that ``clean`` aborted is ``upload``
   (``size_bytes`` 0: unknown); none is aborted while a live job holds the lock.
 - ``inspect``: ``{"schema_version", "command": "inspect", "root", "name", "path",
-  "status": "ok" | "corrupt" | "foreign" | "not_a_checkpoint" | "missing", "problem",
-  "manifest": {"step", "run_id",
+  "status": "ok" | "corrupt" | "error" | "foreign" | "not_a_checkpoint" | "missing",
+  "problem", "manifest": {"step", "run_id",
   "commit_seq", "created_unix", "world_size", "state_kind", "strategy",
   "checksum_algorithm", "schema_version", "library_version", "size_bytes", "metrics",
   "metadata", "domain_count", "domain_ranks", "adopted"} | null, "files": [{"path",
@@ -165,9 +167,10 @@ sizes only (``verify`` reads the data and the state files' headers). The other d
   empty) when the manifest itself is unreadable, and for ``not_a_checkpoint`` (an entry
   by that name without a manifest: a directory never committed, a file) and ``missing``
   (no such entry). ``corrupt`` also covers a state file whose header ``restore``
-  rejects (its ``problem`` says which file). ``domain_count`` > 1 (node-local
-  storage): this copy holds the files of the ranks in ``domain_ranks`` only;
-  otherwise ``domain_ranks`` is null.
+  rejects (its ``problem`` says which file); ``error``: its files could not be read
+  (the storage failed: permissions, I/O, a 503), not that they differ (exit 2).
+  ``domain_count`` > 1 (node-local storage): this copy holds the files of the ranks
+  in ``domain_ranks`` only; otherwise ``domain_ranks`` is null.
 - ``prune``: ``{"schema_version", "command": "prune", "root", "run_id" (null: no run
   recorded and no checkpoint), "policy",
   "dry_run", "forced", "lock": <lock> | null, "checkpoints": [{"name", "step",
@@ -1923,8 +1926,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     try:
         catalog.validate(storage, name, m)  # sizes; the data is not read
         catalog.check_state_headers(storage, name, m)  # what restore's loader rejects
-    except CheckpointError as exc:
+    except CorruptCheckpointError as exc:
         status, problem = "corrupt", _short_problem(storage, name, str(exc))
+    except CheckpointError as exc:  # unreadable (a 503, permissions, I/O): not proven corrupt
+        status, problem = "error", _short_problem(storage, name, str(exc))
     if status == "ok" and run_id is not None and not m.belongs_to(run_id):
         status, problem = "foreign", f"belongs to run {m.run_id!r}, not {run_id!r}"
     files = []
@@ -1966,6 +1971,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_inspect(storage, name, status, problem, m, files, copies)
     if status == "corrupt":
         raise CliError(f"{storage.url(name)} is corrupt: {problem}")
+    if status == "error":
+        raise CliError(
+            f"could not read {storage.url(name)} (this says nothing about its data; try "
+            f"again once the storage answers): {problem}",
+            EXIT_USAGE,
+        )
     return EXIT_OK
 
 
@@ -3076,7 +3087,8 @@ def build_parser() -> argparse.ArgumentParser:
         "remove abandoned pending and trash data",
         "Remove what crashed saves and interrupted deletions left: the entries of "
         "ROOT/.pending/ and ROOT/.trash/ the library named (checkpoint-<step>.<token>; "
-        "other files there stay). Committed checkpoints are never touched. "
+        "other files there stay), and empty checkpoint-<step> directories (a delete cut "
+        "short after its last file). Committed checkpoints are never touched. "
         "Refuses (exit 3) while a live job holds the run lock on ROOT. With --force it "
         "cleans anyway and removes the run lock: the way to free a root whose job is "
         "known to be dead before its lease runs out (if that job is alive after all, it "

@@ -80,7 +80,7 @@ from . import errors
 from ._faults import fault_point
 from ._version import __version__
 from .catalog import committed as committed_manifests
-from .catalog import read_manifest, step_taken
+from .catalog import failed_validation, read_manifest, step_taken
 from .coordination import (
     Coordinator,
     gather_routed,
@@ -221,9 +221,14 @@ def begin(
             run_id=ctx.run_id,
             renames=not ctx.strategy.writes_in_place,
         )
+        replace = overwrite
         if exists and not overwrite and len(ctx.leaders) == 1:
-            raise _exists_error(ctx.storage, step)
-        return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists, overwrite
+            torn = failed_validation(ctx.storage, step)
+            if torn is None:
+                raise _exists_error(ctx.storage, step)
+            log.warning("saving step %d replaces it: %s (a resume skips it)", step, torn)
+            replace = True
+        return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists, replace
 
     with _aborting(ctx, pending):
         decided, exists_everywhere = _decide(

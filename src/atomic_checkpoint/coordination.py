@@ -168,6 +168,10 @@ SLOW_ROUND_S = 60.0
 #: and start with the 4-byte length of their key, which is never this long.
 _GAVE_UP = b"\x00atomic-checkpoint-gave-up:"
 
+#: How many rounds in a row a call skips as taken by calls other ranks made without
+#: this one (``_rounds``), before it fails.
+_MOST_TAKEN_ROUNDS = 16
+
 #: The outcome of a round whose ranks made different calls, followed by the pickled
 #: ``{rank: key}``.
 _MISMATCH = b"\x00atomic-checkpoint-mismatch:"
@@ -186,14 +190,21 @@ def _delete_keys(store: Any, keys: list[str]) -> None:
 
 
 def _gave_up_mark(rank: int, missing: Sequence[int], key: str) -> bytes:
-    return _GAVE_UP + f"{rank}|{','.join(map(str, missing))}|{key}".encode()
+    return _GAVE_UP + f"{rank}|{','.join(map(str, missing))}|{time.time():.6f}|{key}".encode()
 
 
 def _gave_up_by(raw: bytes) -> tuple[str, tuple[int, ...], str]:
     """A give-up mark's rank that gave up, ranks it names, and the call it was in."""
+    by, late, _, key = _gave_up_fields(raw)
+    return by, late, key
+
+
+def _gave_up_fields(raw: bytes) -> tuple[str, tuple[int, ...], float, str]:
+    """A give-up mark's fields: ``_gave_up_by``'s, and when (Unix time) it was made."""
     by, _, rest = raw[len(_GAVE_UP) :].decode(errors="replace").partition("|")
-    listed, _, key = rest.partition("|")
-    return by, tuple(int(r) for r in listed.split(",") if r), key
+    listed, _, rest = rest.partition("|")
+    when, _, key = rest.partition("|")
+    return by, tuple(int(r) for r in listed.split(",") if r), float(when or 0), key
 
 
 def _tag(key: str, payload: bytes) -> bytes:
@@ -225,6 +236,32 @@ def _mismatch_in_mark(raw: bytes, key: str, rank: int) -> CollectiveMismatchErro
     if _same_call(their_key, key):
         return None
     return _mismatch({int(by): their_key, rank: key}, rank)
+
+
+class _RoundTaken(Exception):
+    """This rank's call arrived in a round that ranks in another call had already
+    abandoned: they gave up waiting for this rank there (``_taken_by_lone_call``).
+    Raised on the worker thread and caught by ``_rounds``, which runs the call again
+    in the next round."""
+
+
+def _taken_by_lone_call(raw: bytes, key: str, rank: int, arrived_unix: float) -> bool:
+    """Whether ``raw``, read in a round this rank arrived at in call ``key`` at
+    ``arrived_unix``, is the give-up mark of a call other ranks made without this one:
+    a rank in another call gave up waiting for this rank there before this rank
+    arrived. Such a call (``checkpoints()`` under ``if rank == 0:``) took a round number
+    on its ranks alone; counted as this rank's too, it put every later call one round
+    out of step, so each failed for good. It failed on its ranks already (they timed
+    out); this rank's call belongs to the next round. A mark made while this rank
+    waited there is two calls that met (each rank in its own): their mismatch, as
+    before. (Marks hold the wall-clock time: across hosts, clocks apart by more than
+    the gap between the two events can take one case for the other.)"""
+    if not raw.startswith(_GAVE_UP):
+        return False
+    by, late, when, their_key = _gave_up_fields(raw)
+    return (
+        by != str(rank) and rank in late and when < arrived_unix and not _same_call(their_key, key)
+    )
 
 
 def _store_failed(rank: int, key: str, exc: BaseException) -> CheckpointError:
@@ -487,6 +524,7 @@ class TorchDistributedCoordinator:
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self._ns = namespace or f"atomic_checkpoint/{_incarnation()}{_next_namespace()}"
         self._seq = 0
+        self._arrived_unix = 0.0  # when this rank began its current round (``_rounds``)
         self._last_publish: tuple[int, int, str] | None = None  # (round, src, key): ``settle``
         self._clones = 0
         self._stalled = False
@@ -514,8 +552,8 @@ class TorchDistributedCoordinator:
         nothing more is sent through it) and raises; later exchanges fail at once.
         """
         seq = self._next_round(key)
-        _, raw = self._run(
-            key, lambda: self._gather(key, obj, 0, timeout_s, seq, _pack_list), timeout_s
+        _, raw = self._rounds(
+            key, seq, lambda n: self._gather(key, obj, 0, timeout_s, n, _pack_list), timeout_s
         )
         return _unpack_list(raw)
 
@@ -565,20 +603,19 @@ class TorchDistributedCoordinator:
                 (``dst`` among them if it never answered); the same ranks are named on
                 every rank.
         """
-        seq = self._next_round(key)
         box: list[Any] = []
 
-        def outcome_of(raws: list[bytes]) -> bytes:
-            values = [pickle.loads(b) for b in raws]
-            private = route(values) if route is not None else None
-            box[:] = [values, None if private is None else private.get(self.rank)]
-            if private:
-                self._send_routed(seq, private)
-            return pickle.dumps(
-                (private is not None, reduce(values)), protocol=pickle.HIGHEST_PROTOCOL
-            )
+        def exchange(seq: int) -> tuple[bool, Any, Any]:
+            def outcome_of(raws: list[bytes]) -> bytes:
+                values = [pickle.loads(b) for b in raws]
+                private = route(values) if route is not None else None
+                box[:] = [values, None if private is None else private.get(self.rank)]
+                if private:
+                    self._send_routed(seq, private)
+                return pickle.dumps(
+                    (private is not None, reduce(values)), protocol=pickle.HIGHEST_PROTOCOL
+                )
 
-        def exchange() -> tuple[bool, Any, Any]:
             _, raw = self._gather(key, obj, dst, timeout_s, seq, outcome_of)
             sent, reduced = pickle.loads(raw)
             mine = None
@@ -591,7 +628,7 @@ class TorchDistributedCoordinator:
                 self._worker.defer(functools.partial(_delete_keys, self._store, [own]))
             return sent, reduced, mine
 
-        _, reduced, mine = self._run(key, exchange, timeout_s)
+        _, reduced, mine = self._rounds(key, self._next_round(key), exchange, timeout_s)
         return (box[0] if box else None), reduced, mine
 
     def _routed_key(self, seq: int, rank: int) -> str:
@@ -628,8 +665,12 @@ class TorchDistributedCoordinator:
         """
         self._last_publish = None  # set only once this round is really attempted
         seq = self._next_round(key)
-        self._last_publish = (seq, src, key)
-        return self._run(key, lambda: self._publish(key, obj, src, timeout_s, seq), timeout_s)
+
+        def attempt(n: int) -> Any:
+            self._last_publish = (n, src, key)
+            return self._publish(key, obj, src, timeout_s, n)
+
+        return self._rounds(key, seq, attempt, timeout_s)
 
     def settle(self, key: str, *, src: int, timeout_s: float) -> tuple[str, Any]:
         """After ``publish`` raised ``CoordinationTimeoutError`` on a receiver: what did
@@ -710,6 +751,36 @@ class TorchDistributedCoordinator:
             raise result
         raise _store_failed(self.rank, key, result) from result
 
+    def _rounds(self, key: str, seq: int, attempt: Callable[[int], _T], timeout_s: float) -> _T:
+        """``attempt(seq)`` on the worker thread (``_run``); if round ``seq`` turns out
+        to be one that ranks in another call abandoned without this rank
+        (``_RoundTaken``: a call they made alone), this rank's call goes to the next
+        round, and so on: it meets the other ranks' same call there."""
+
+        def rounds() -> _T:
+            n = seq
+            for _ in range(_MOST_TAKEN_ROUNDS):
+                self._arrived_unix = time.time()
+                try:
+                    return attempt(n)
+                except _RoundTaken:
+                    log.warning(
+                        "rank %d: other ranks made a call without this rank in round %d "
+                        "and gave up waiting for it there; %r goes on in the next round",
+                        self.rank,
+                        n,
+                        key,
+                    )
+                    n = self._seq = n + 1
+            raise CoordinationTimeoutError(
+                f"rank {self.rank}: {_MOST_TAKEN_ROUNDS} rounds in a row before {key!r} were "
+                "calls other ranks made without this one: every rank must make the same "
+                "collective calls, in the same order (not only the rank under `if rank == 0:`)",
+                key=key,
+            )
+
+        return self._run(key, rounds, timeout_s)
+
     def _claim(self, slot: str, obj: Any, key: str, timeout_s: float, seq: int) -> bytes:
         """Write ``obj`` into this rank's ``slot`` unless a rank that gave up waiting
         for it marked it first; then this rank is late, and fails like the others. A
@@ -718,6 +789,8 @@ class TorchDistributedCoordinator:
         mine = _tag(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         stored = self._store.compare_set(slot, "", mine)
         if stored != mine:
+            if _taken_by_lone_call(stored, key, self.rank, self._arrived_unix):
+                raise _RoundTaken
             if not stored.startswith(_GAVE_UP):
                 self._check_call(key, stored, slot, seq)  # raises: another call wrote it
             mismatch = _mismatch_in_mark(stored, key, self.rank)
@@ -797,6 +870,8 @@ class TorchDistributedCoordinator:
                     missing_ranks=(src,),
                     key=key,
                 ) from exc
+        if _taken_by_lone_call(raw, key, self.rank, self._arrived_unix):
+            raise _RoundTaken
         if raw.startswith(_GAVE_UP):
             # A rank in another call (collecting in this slot) may have given up on this one.
             mismatch = _mismatch_in_mark(raw, key, self.rank)
@@ -880,6 +955,11 @@ class TorchDistributedCoordinator:
                         values = [payload for _, payload in calls]
                         outcome = _tag(key, outcome_of(values))
                     else:
+                        # Another call's value: first, did its ranks abandon this round
+                        # (a call they made alone)? Then it is not this call's round.
+                        peek = self._store.compare_set(out_key, _NO_LIST, _NO_LIST)
+                        if _taken_by_lone_call(peek, key, self.rank, self._arrived_unix):
+                            raise _RoundTaken
                         called = {r: k for r, (k, _) in enumerate(calls)}
                         outcome, values = self._mismatch_mark(seq, called), None
                     raw = self._store.compare_set(out_key, "", outcome)
@@ -887,6 +967,12 @@ class TorchDistributedCoordinator:
         if raw.startswith(_GAVE_UP):
             if routed:  # written just before a rank's give-up mark won: nobody reads them
                 self._worker.defer(functools.partial(_delete_keys, self._store, routed))
+            if _taken_by_lone_call(raw, key, self.rank, self._arrived_unix):
+                if self.rank != dst:  # nobody reads this rank's value there
+                    self._worker.defer(
+                        functools.partial(_delete_keys, self._store, [keys[self.rank]])
+                    )
+                raise _RoundTaken
             raise self._missing_error(key, raw, dst, timeout_s)
         payload = self._check_call(key, raw, out_key, seq)
         # The outcome is out, so every rank has arrived in this round and finished every
@@ -1045,9 +1131,10 @@ class TorchDistributedCoordinator:
         """``src``'s ``obj`` on every rank, once every rank has arrived (unlike
         ``publish``, a missing rank fails the round for everyone)."""
         seq = self._next_round(key)
-        _, raw = self._run(
+        _, raw = self._rounds(
             key,
-            lambda: self._gather(key, obj, src, timeout_s, seq, lambda raws: raws[src]),
+            seq,
+            lambda n: self._gather(key, obj, src, timeout_s, n, lambda raws: raws[src]),
             timeout_s,
         )
         return pickle.loads(raw)

@@ -193,9 +193,10 @@ class CheckpointManager:
             new one.
         coordinator: how ranks agree; default: torch.distributed when a process group
             is initialised, else single process. Creating a manager is then collective
-            (every rank, in the same order), and ``run_id``, ``read_only``, ``resume``
-            and ``storage_domains`` must be the same on every rank: else every rank
-            raises ``CollectiveMismatchError`` naming each rank's.
+            (every rank, in the same order), and ``run_id``, ``read_only``, ``resume``,
+            ``storage_domains``, ``retention`` and ``strategy`` must be the same on
+            every rank: else every rank raises ``CollectiveMismatchError`` naming each
+            rank's.
         timeout_s: bound on every wait for other ranks.
         read_only: never write, lock or delete (safe while a job runs); on a network
             filesystem, a stale cached listing is dropped by touching a directory's
@@ -334,7 +335,12 @@ class CheckpointManager:
         self._lock: RunLock | None = None
         if self.world_size > 1:
             self._agree_on_settings(
-                run_id=run_id, read_only=read_only, resume=resume, storage_domains=storage_domains
+                run_id=run_id,
+                read_only=read_only,
+                resume=resume,
+                storage_domains=storage_domains,
+                retention=_policy_setting(retention),
+                strategy=self.commit_strategy,
             )
         self.domain: Domain = discover_domains(
             self.storage,
@@ -475,7 +481,9 @@ class CheckpointManager:
         collective steps are the same on every rank. A ``run_id`` passed on some ranks
         only was rank 0's, silently, and ``read_only=`` or ``storage_domains=`` on some
         ranks made the ranks' rounds differ (a mismatch naming two rounds, not the
-        setting). ``CollectiveMismatchError`` names each rank's settings."""
+        setting); a ``retention=`` or ``strategy=`` that differs by rank was the
+        coordinator's alone (retention), or split one save between two layouts
+        (strategy). ``CollectiveMismatchError`` names each rank's settings."""
         try:
             self._agree("CheckpointManager()", settings)
         except CoordinationTimeoutError as exc:
@@ -826,8 +834,17 @@ class CheckpointManager:
         """
         # Through the manager's cache: the start's walk that follows (``_start_view``)
         # then reads none of these manifests again, so such a root is read once.
-        manifests = catalog.committed(self.storage, run_id=None, warn=False, cache=self._manifests)
-        runs = catalog.runs_of(manifests)
+        entries = catalog.scan(self.storage, run_id=None, cache=self._manifests)
+        runs = catalog.runs_of(e.manifest for e in entries if e.status == "ok" and e.manifest)
+        if not runs:
+            # None valid: the run the torn ones carry (files missing, other sizes) is
+            # this root's too, so that the start refuses to begin from scratch over them
+            # (ResumeError), as it does with its run file in place.
+            runs = catalog.runs_of(
+                e.manifest for e in entries if e.status == "corrupt" and e.manifest
+            )
+            if len(runs) != 1 or list(runs) == [""]:
+                return None
         if not runs:
             return None
         if list(runs) == [""]:
@@ -2707,6 +2724,7 @@ class CheckpointManager:
         manifest with only the files it may read (its rank's state file, or ``rank``'s,
         and the replicated one)."""
         wanted = (rank_state_file(self.rank if rank is None else rank), REPLICATED_STATE_FILE)
+        first: tuple[Manifest | None, Manifest] | None = None  # (here, resolved) at the 1st try
         for attempt in range(catalog.READ_ATTEMPTS):
             resolved, refused = self._on_leaders(
                 "resolve",
@@ -2736,10 +2754,21 @@ class CheckpointManager:
                 changed = now is None or not catalog.same_copy(now, manifest)
             except CheckpointError as exc:  # shared like a failed load, never raised alone
                 changed, error = False, error or exc
-            if now is None and attempt == catalog.READ_ATTEMPTS - 1:
-                # Absent here at every try while the coordinator found it: not a step
-                # being replaced, but a rank that does not see the coordinator's ROOT.
-                changed, error = False, self._unseen_step(step)
+            first = first or (now, manifest)
+            if attempt == catalog.READ_ATTEMPTS - 1 and (
+                now is None
+                or (
+                    changed
+                    and first[0] is not None
+                    and catalog.same_copy(now, first[0])
+                    and catalog.same_copy(manifest, first[1])
+                )
+            ):
+                # Absent here at every try while the coordinator found it, or another
+                # copy here than the coordinator's with neither changing in all these
+                # reads (storage_domains="shared" on node-local disks): not a step being
+                # replaced, but a rank that does not see the coordinator's ROOT.
+                changed, error = False, self._unseen_step(step, now is not None)
             mine = (changed, None if error is None else _restore_failure(error, self.rank))
             # Rank 0 collects the outcomes; every rank gets one answer (O(N) bytes).
             changed, failures = gather_summary(
@@ -2763,9 +2792,19 @@ class CheckpointManager:
             "restore it once the writer stops"
         )
 
-    def _unseen_step(self, step: int) -> StorageError:
-        """This rank's error for a step its coordinator read and this rank never saw."""
+    def _unseen_step(self, step: int, other_copy: bool = False) -> StorageError:
+        """This rank's error for a step its coordinator read and this rank never saw (or,
+        ``other_copy``, saw as another copy, unchanged at every read)."""
         where = self.storage.url(checkpoint_name(step))
+        if other_copy:
+            return StorageError(
+                f"rank {self.rank} sees another copy of {where} than rank "
+                f"{self.domain.leader} (its coordinator) read, and neither changed in "
+                f"{catalog.READ_ATTEMPTS} reads: the ranks do not share one ROOT. Pass the "
+                "same ROOT on every rank; for node-local disks, give each node its own host "
+                "name (ATOMIC_CHECKPOINT_HOST) or pass storage_domains='per-host' (not "
+                "'shared')"
+            )
         return StorageError(
             f"rank {self.rank} does not see {where}, which rank {self.domain.leader} (its "
             "coordinator) read: the ranks do not share one ROOT (a node whose mount is "
@@ -3535,6 +3574,17 @@ def _with_timings(info: CheckpointInfo, timings: dict[str, float]) -> Checkpoint
 
 
 _STRATEGY_LOGGED: set[tuple[str, str]] = set()
+
+
+def _policy_setting(policy: Any) -> str | None:
+    """A retention policy as the ranks compare it at open: its repr where its class
+    defines one (every policy here does: ``KeepLast(3) | KeepBest(1, ...)``), else its
+    class name (the default repr holds an address, which differs by process)."""
+    if policy is None:
+        return None
+    if type(policy).__repr__ is object.__repr__:
+        return type(policy).__qualname__
+    return repr(policy)
 
 
 def _log_strategy_once(storage: Storage, strategy: str, *, forced: bool) -> None:

@@ -173,3 +173,24 @@ def test_one_checkpoint_of_an_s3_root_is_verified_by_its_own_url(s3_server, s3_b
     with pytest.raises(CheckpointError, match="is one checkpoint"):
         CheckpointManager(one, storage_options=opts)
     assert _keys(s3_server, s3_bucket, "models/") == before
+
+
+@pytest.mark.timeout(180)
+def test_inspect_says_could_not_read_not_corrupt_when_the_store_fails(s3_server, s3_bucket):
+    # A 503 on every read of a rank file is the store failing, not the checkpoint:
+    # `inspect` called the intact checkpoint corrupt (exit 1), and a script acting on
+    # its verdict would delete a good checkpoint.
+    from tests.testbed.s3proxy import Rule, S3Proxy
+
+    url = f"s3://{s3_bucket}/unread"
+    _saved(s3_server, url, 2)
+    with S3Proxy(s3_server, lifetime_s=120) as proxy:
+        opts = proxy.storage_options(max_attempts=1)
+        flags = [f"--storage-option={k}={json.dumps(v)}" for k, v in opts.items()]
+        proxy.add(Rule("error", method="GET", key=r"checkpoint-2/.*rank-00000", times=None))
+        failed = run_cli("inspect", url, "2", *flags, "--json")
+        assert failed.returncode == 2, (failed.stdout, failed.stderr)
+        doc = json.loads(failed.stdout)
+        assert doc["status"] == "error" and "rank-00000" in doc["problem"], doc
+        assert "corrupt" not in error_line(failed) and "could not read" in error_line(failed)
+    assert run_json("inspect", url, "2", env=_aws_env(s3_server))["status"] == "ok"

@@ -270,3 +270,32 @@ def test_restore_of_another_nodes_rank_from_one_nodes_copy_says_so(tmp_path):
                 mgr.restore(rank=r)
             assert not isinstance(err.value, CorruptCheckpointError)
         assert [c.step for c in mgr.checkpoints()] == [1, 2]  # nothing set aside
+
+
+def w_restore_declared_shared(rank: int, world: int, base: str) -> str:
+    """The node-local job restarted with ``storage_domains="shared"`` (a job script
+    edited for a cluster with shared storage): what its restore raised."""
+    from atomic_checkpoint.domains import HOST_ENV
+
+    os.environ[HOST_ENV] = f"node{rank // 2}"
+    root = os.path.join(base, f"node{rank // 2}")
+    with CheckpointManager(root, timeout_s=10, storage_domains="shared") as mgr:
+        try:
+            mgr.restore()
+            return "restored"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+
+def test_a_restore_on_node_local_disks_declared_shared_says_the_ranks_do_not_share_root(
+    tmp_path,
+):
+    # Each rank but the coordinator's node sees its own node's copy: it read as a step
+    # being replaced, and after 8 reads every rank said "restore it once the writer
+    # stops", with no writer anywhere.
+    base = str(tmp_path)
+    ok_values(run_ranks(workers.w_node_local, 4, base, [1], None, tmp_dir=base))
+    said = ok_values(run_ranks(w_restore_declared_shared, 4, base, tmp_dir=base, timeout_s=90))
+    for text in said:
+        assert "do not share one ROOT" in text and "per-host" in text, text
+        assert "writer" not in text, text

@@ -197,12 +197,19 @@ def test_a_saving_block_failing_on_one_rank_and_retention_on_rank_0_alone(tmp_pa
 
 
 def w_settings_by_rank(rank: int, world: int, root: str) -> dict[str, str]:
-    """Step 1 saved alike; then managers opened with a ``run_id`` or ``read_only`` that
-    differs by rank. What each open raised, and how long it took."""
+    """Step 1 saved alike; then managers opened with a ``run_id``, ``read_only``,
+    ``retention`` or ``strategy`` that differs by rank. What each open raised, and how
+    long it took."""
     with CheckpointManager(root, timeout_s=TIMEOUT_S) as mgr:
         mgr.save(1, {"r": rank})
     out = {}
-    for name, value in (("run_id", f"run-{rank}"), ("read_only", rank % 2 == 1)):
+    differing = (
+        ("run_id", f"run-{rank}"),
+        ("read_only", rank % 2 == 1),
+        ("retention", KeepLast(1 + rank)),
+        ("strategy", "marker" if rank % 2 else "rename"),
+    )
+    for name, value in differing:
         t = time.monotonic()
         try:
             CheckpointManager(root, timeout_s=TIMEOUT_S, **{name: value}).close()
@@ -219,15 +226,17 @@ def w_settings_by_rank(rank: int, world: int, root: str) -> dict[str, str]:
 
 
 def test_settings_that_differ_by_rank_fail_the_open_on_every_rank_at_once(tmp_path):
-    # A run_id passed differently by rank was rank 0's, silently; read_only= on some
-    # ranks only failed with a mismatch of two rounds that did not name the setting.
+    # A run_id or retention passed differently by rank was rank 0's, silently; read_only=
+    # on some ranks only failed with a mismatch of two rounds that did not name the
+    # setting; a strategy differing by rank split one save between two layouts.
     v = ok_values(run_ranks(w_settings_by_rank, 2, str(tmp_path / "root"), tmp_dir=str(tmp_path)))
-    for name in ("run_id", "read_only"):
+    for name in ("run_id", "read_only", "retention", "strategy"):
         said = [x[name] for x in v]
         assert all(x.startswith("CollectiveMismatchError after ") for x in said), said
         assert all(f"'{name}'" in x and "CheckpointManager()" in x for x in said), said
         assert all(float(x.split()[2]) < TIMEOUT_S / 2 for x in said), said
     assert all("'run-0'" in x["run_id"] and "'run-1'" in x["run_id"] for x in v), v
+    assert all("KeepLast(1)" in x["retention"] and "KeepLast(2)" in x["retention"] for x in v), v
     assert v[0]["alone"].startswith("CoordinationTimeoutError"), v[0]
     assert "create it on every rank" in v[0]["alone"], v[0]
 
@@ -358,3 +367,51 @@ def test_a_rank_whose_roots_mount_is_missing_is_named_on_resume_and_on_restore(t
     # Nothing was written into the empty mount point, and the step is intact.
     assert [p.name for p in empty.iterdir() if p.name.startswith("checkpoint-")] == []
     assert (tmp_path / "root" / "checkpoint-1" / "checkpoint.manifest.json").exists()
+
+
+def w_lone_call_then_calls_alike(rank: int, world: int, root: str, lone: int, call: str) -> Any:
+    """Step 1 saved alike; ``lone`` alone calls ``call`` (the misuse under ``if rank ==
+    0:``) and times out, the others wait until it has; then every rank saves steps 2
+    and 3 and lists. What each call did on this rank."""
+    import os
+
+    done = os.path.join(root + "-flags", "lone-done")
+    os.makedirs(os.path.dirname(done), exist_ok=True)
+    mgr = CheckpointManager(root, timeout_s=3.0)
+    mgr.save(1, {"r": rank})
+    out: dict[str, Any] = {}
+    if rank == lone:
+        try:
+            getattr(mgr, call)()
+            out["lone"] = "ok"
+        except Exception as exc:
+            out["lone"] = type(exc).__name__
+        open(done, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for step in (2, 3):
+        try:
+            out[f"save {step}"] = mgr.save(step, {"r": rank}).step
+        except Exception as exc:
+            out[f"save {step}"] = f"{type(exc).__name__}: {exc}"
+    out["listed"] = [c.step for c in mgr.checkpoints()]
+    mgr.close()
+    return out
+
+
+@pytest.mark.parametrize(("lone", "call"), [(0, "checkpoints"), (1, "checkpoints"), (0, "latest")])
+def test_calls_made_alike_after_a_call_one_rank_made_alone_work_again(tmp_path, lone, call):
+    # The lone call times out on its rank, as documented; it had taken a round number
+    # on that rank alone, so every later call met the other ranks one round out of
+    # step and failed, for good (every save, on every rank).
+    root = str(tmp_path / "ckpt")
+    v = ok_values(
+        run_ranks(
+            w_lone_call_then_calls_alike, 3, root, lone, call, tmp_dir=str(tmp_path), timeout_s=120
+        )
+    )
+    assert v[lone]["lone"] == "CoordinationTimeoutError", v
+    assert all(x["save 2"] == 2 and x["save 3"] == 3 for x in v), v
+    assert all(x["listed"] == [1, 2, 3] for x in v), v

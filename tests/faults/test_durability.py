@@ -286,6 +286,29 @@ def test_checkpoints_of_several_runs_without_a_run_file_need_run_id(tmp_path):
     mgr.close()
 
 
+@pytest.mark.parametrize("run_file", ["absent", "empty"])
+def test_a_root_without_a_usable_run_file_whose_only_checkpoint_is_torn_is_refused(
+    tmp_path, run_file
+):
+    # A copy cut short (a rank file of another size) of a root whose run file is gone
+    # or empty: the start took the torn checkpoint for another run's and began a new
+    # run from scratch beside it, where an intact run file gave ResumeError.
+    root = tmp_path / "r"
+    mgr = CheckpointManager(root)
+    mgr.save(7, np_state(7))
+    run_id = mgr.run_id
+    mgr.close()
+    with open(root / "checkpoint-7" / "rank-00000.safetensors", "ab") as f:
+        f.write(b"x")
+    if run_file == "absent":
+        (root / RUN_FILE).unlink()
+    else:
+        (root / RUN_FILE).write_bytes(b"")
+    with pytest.raises(ResumeError) as err:
+        CheckpointManager(root)
+    assert run_id in str(err.value) and "none is valid" in str(err.value)
+
+
 # --------------------------------------------------------------- 8: the run file
 @pytest.mark.parametrize(
     "content", [b"", b'{"run_id": "run-2', b"{}"], ids=["empty", "torn", "no-run-id"]

@@ -766,6 +766,22 @@ def test_trainer_folder_lacking_the_rng_state_its_siblings_have_is_refused(out: 
     assert "rng_state.pth is missing" in result.refused[4]
 
 
+@pytest.mark.timeout(120)
+def test_trainer_folders_of_a_run_resized_between_restarts(out: Path) -> None:
+    """Two processes (rng_state_<p>.pth), then one (rng_state.pth), then two again, the
+    last but one save torn (process 1 killed before its RNG state). The torn folder
+    counted as complete when judging the others: it was adopted, and the complete
+    one-process folder refused as missing rng_state_0.pth."""
+    for step in (2, 4, 8, 10):
+        folder = out / f"checkpoint-{step}"
+        (folder / "rng_state.pth").rename(folder / "rng_state_0.pth")
+        if step != 8:
+            shutil.copyfile(folder / "rng_state_0.pth", folder / "rng_state_1.pth")
+    result = adopt(out, dry_run=True)
+    assert result.adopted == [2, 4, 6, 10] and list(result.refused) == [8], result
+    assert "rng_state_1.pth is missing" in result.refused[8]
+
+
 # ---------------------------------------------------------------------- generic, temporaries
 def test_generic_refuses_a_truncated_torch_save_file(tmp_path: Path) -> None:
     """``generic`` checks a file that starts as a zip archive (``torch.save``'s format,

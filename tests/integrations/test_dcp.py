@@ -843,3 +843,34 @@ def test_a_path_style_save_killed_mid_write_is_removed_once_its_name_is_committe
     assert sorted(os.listdir(paths)) == ["step-4", "step-5"]
     back = _plain(0)
     assert load(back, checkpoint_id=paths / "step-5").step == 5
+
+
+def w_save_dcp_on_node_local_disks(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Two "nodes" of one rank each, each with its own ROOT: both DCP saves, then what
+    is on each node's disk."""
+    from atomic_checkpoint.domains import HOST_ENV
+
+    os.environ[HOST_ENV] = f"node{rank}"
+    root = os.path.join(base, f"node{rank}")
+    out: dict[str, Any] = {}
+    with CheckpointManager(root, timeout_s=30) as mgr:
+        for name, save in (("sync", save_dcp), ("async", async_save_dcp)):
+            try:
+                done = save(mgr, 1, _plain(1))
+                out[name] = "saved" if name == "sync" else done.result().step
+            except Exception as exc:
+                out[name] = _error(exc)
+        out["on_disk"] = sorted(os.listdir(root))
+    return out
+
+
+def test_save_dcp_refuses_node_local_disks_before_writing(tmp_path):
+    # DCP's coordinator writes the global .metadata alone: each node committed its
+    # copy and `verify` said ok, but no copy could ever be loaded.
+    base = str(tmp_path)
+    v = ok_values(run_ranks(w_save_dcp_on_node_local_disks, 2, base, tmp_dir=base, timeout_s=90))
+    for x in v:
+        for name in ("sync", "async"):
+            assert x[name]["type"] == "CheckpointError", x
+            assert "not shared by all ranks" in x[name]["message"], x
+        assert not any(n.startswith("checkpoint-") for n in x["on_disk"]), x

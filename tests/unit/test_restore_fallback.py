@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from atomic_checkpoint import (
+    CheckpointExistsError,
     CheckpointManager,
     CorruptCheckpointError,
     KeepLast,
@@ -294,3 +295,33 @@ def test_a_root_of_newer_format_checkpoints_says_to_upgrade(tmp_path):
         CheckpointManager(tmp_path, read_only=True).restore()
     # Nothing was touched.
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+@pytest.mark.parametrize("strategy", ["rename", "marker"])
+def test_the_running_job_replaces_a_torn_checkpoint_of_the_step_it_saves_again(
+    tmp_path, caplog, strategy
+):
+    """A save that failed after its manifest landed (an object store that processed a
+    timed-out manifest PUT late) leaves a manifest without its files. The job retries
+    the step: it raised CheckpointExistsError ("already committed") while its own
+    checkpoints() and latest() skipped that step. It replaces it; an intact step still
+    refuses."""
+    mgr = CheckpointManager(tmp_path, strategy=strategy)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    [path] = [
+        os.path.join(d, n)
+        for d, _, names in os.walk(tmp_path / "checkpoint-2")
+        for n in names
+        if n.startswith("rank-")
+    ]
+    os.remove(path)
+    assert [c.step for c in mgr.checkpoints()] == [1]
+    caplog.set_level(logging.WARNING, logger="atomic_checkpoint")
+    assert mgr.save(2, _state(22)).step == 2
+    assert "saving step 2 replaces it" in caplog.text and "is missing" in caplog.text
+    assert [c.step for c in mgr.checkpoints()] == [1, 2]
+    assert mgr.restore(2)["step"] == 22
+    with pytest.raises(CheckpointExistsError):
+        mgr.save(2, _state(2))
+    mgr.close()

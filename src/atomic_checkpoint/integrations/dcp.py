@@ -284,6 +284,22 @@ def _check_thread_count(thread_count: Any) -> None:
         raise ValueError(f"thread_count must be an int of at least 1, got {thread_count!r}")
 
 
+def _one_storage(mgr: CheckpointManager, step: int) -> None:
+    """A DCP save needs every rank's files under one ROOT: DCP's coordinator writes the
+    global ``.metadata`` alone, so on node-local disks no node's copy could be loaded
+    (each node's commit succeeded, and every load failed). Refused on every rank alike
+    (the domains are), before anything is written."""
+    if mgr.domain.count > 1:
+        raise CheckpointError(
+            f"save_dcp step {step}: {mgr.root} is not shared by all ranks: they form "
+            f"{mgr.domain.count} storage domains (led by ranks {list(mgr.domain.leaders)}), "
+            "and a DCP checkpoint needs every rank's files in one place (DCP's coordinator "
+            "writes the global .metadata alone, so no node's copy could be loaded). Save to "
+            "a filesystem every rank mounts, or use mgr.save(), whose node-local copies "
+            "each hold their own ranks' parts. Nothing was written"
+        )
+
+
 def _local_root(mgr: CheckpointManager) -> str:
     if not isinstance(mgr, CheckpointManager):
         raise TypeError(
@@ -343,8 +359,11 @@ def save_dcp(
         DistributedCheckpointError: DCP failed, or a rank did not finish, on any rank;
             every rank that is still alive raises it and nothing is committed.
         CheckpointExistsError: ``step`` is committed and ``overwrite`` is False.
+        CheckpointError: ROOT is not shared by every rank (node-local disks): DCP's
+            global ``.metadata`` would be on one node only; nothing is written.
     """
     _local_root(mgr)
+    _one_storage(mgr, step)
     _check_thread_count(thread_count)
     meta = _with_dcp_record(metadata, mgr.world_size)
     # A stock run's save torn by a crash (adoption refused it) is where this save
@@ -506,6 +525,7 @@ def async_save_dcp(
     ``mgr.close()``, on every rank.
     """
     _local_root(mgr)  # a mounted filesystem, checked before anything is staged
+    _one_storage(mgr, step)
     _check_thread_count(thread_count)
     t0 = time.perf_counter()
     mgr.wait()  # at most one save in flight; raises its failure once
