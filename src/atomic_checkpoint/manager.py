@@ -2259,7 +2259,9 @@ class CheckpointManager:
             done = sorted(set(victims) - set(left))
             raise type(first)(  # StorageFullError stays one: the user's except names it
                 f"retention could not delete checkpoint step(s) {left} of {self.root} "
-                f"(deleted {done or 'nothing else'}; retried at the next rotation): {first}",
+                f"(deleted {done or 'nothing else'}; a step still committed is retried at "
+                "the next rotation, the files of one already un-committed are removed by "
+                f"the next start or `atomic-checkpoint clean`): {first}",
                 errno=first.errno,
                 path=first.path,
             ) from first
