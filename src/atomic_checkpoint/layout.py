@@ -100,8 +100,10 @@ def validate_step(step: object) -> int:
         raise TypeError(f"step must be a non-negative int, got {type(step).__name__} {step!r}")
     if value < 0:
         raise ValueError(f"step must be a non-negative int, got {value}")
-    if value >= 10**19:
-        raise ValueError(f"step {value} is too large (at most 19 digits)")
+    if value >= 2**63:
+        # The format's integers are int64 (docs/format.md): a reader in another
+        # language could not hold a larger step.
+        raise ValueError(f"step {value} is too large (at most 2**63 - 1, the largest int64)")
     return value
 
 

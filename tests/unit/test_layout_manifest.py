@@ -78,12 +78,17 @@ def test_pending_names_round_trip_and_are_unique_per_attempt():
         (True, TypeError),
         (None, TypeError),
         (10**19, ValueError),
+        (2**63, ValueError),  # above the format's int64
         (2.5, TypeError),
     ],
 )
 def test_bad_steps_are_rejected_clearly(bad, exc):
     with pytest.raises(exc, match="step"):
         validate_step(bad)
+
+
+def test_the_largest_int64_step_is_accepted():
+    assert validate_step(2**63 - 1) == 2**63 - 1
 
 
 def test_numpy_and_torch_integer_steps_are_accepted():
