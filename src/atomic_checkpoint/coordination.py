@@ -781,6 +781,10 @@ class TorchDistributedCoordinator:
 
         return self._run(key, rounds, timeout_s)
 
+    def _taken(self, raw: bytes, key: str) -> bool:
+        """``_taken_by_lone_call`` for this rank, in the round it is attempting."""
+        return _taken_by_lone_call(raw, key, self.rank, self._arrived_unix)
+
     def _claim(self, slot: str, obj: Any, key: str, timeout_s: float, seq: int) -> bytes:
         """Write ``obj`` into this rank's ``slot`` unless a rank that gave up waiting
         for it marked it first; then this rank is late, and fails like the others. A
@@ -789,7 +793,7 @@ class TorchDistributedCoordinator:
         mine = _tag(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
         stored = self._store.compare_set(slot, "", mine)
         if stored != mine:
-            if _taken_by_lone_call(stored, key, self.rank, self._arrived_unix):
+            if self._taken(stored, key):
                 raise _RoundTaken
             if not stored.startswith(_GAVE_UP):
                 self._check_call(key, stored, slot, seq)  # raises: another call wrote it
@@ -870,7 +874,7 @@ class TorchDistributedCoordinator:
                     missing_ranks=(src,),
                     key=key,
                 ) from exc
-        if _taken_by_lone_call(raw, key, self.rank, self._arrived_unix):
+        if self._taken(raw, key):
             raise _RoundTaken
         if raw.startswith(_GAVE_UP):
             # A rank in another call (collecting in this slot) may have given up on this one.
@@ -958,7 +962,7 @@ class TorchDistributedCoordinator:
                         # Another call's value: first, did its ranks abandon this round
                         # (a call they made alone)? Then it is not this call's round.
                         peek = self._store.compare_set(out_key, _NO_LIST, _NO_LIST)
-                        if _taken_by_lone_call(peek, key, self.rank, self._arrived_unix):
+                        if self._taken(peek, key):
                             raise _RoundTaken
                         called = {r: k for r, (k, _) in enumerate(calls)}
                         outcome, values = self._mismatch_mark(seq, called), None
@@ -967,7 +971,7 @@ class TorchDistributedCoordinator:
         if raw.startswith(_GAVE_UP):
             if routed:  # written just before a rank's give-up mark won: nobody reads them
                 self._worker.defer(functools.partial(_delete_keys, self._store, routed))
-            if _taken_by_lone_call(raw, key, self.rank, self._arrived_unix):
+            if self._taken(raw, key):
                 if self.rank != dst:  # nobody reads this rank's value there
                     self._worker.defer(
                         functools.partial(_delete_keys, self._store, [keys[self.rank]])

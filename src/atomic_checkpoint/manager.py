@@ -825,8 +825,9 @@ class CheckpointManager:
 
     def _adopted_run_id(self) -> str | None:
         """ROOT has no usable run file: the run id that its valid checkpoints carry (a
-        checkpoint copied into a new root, a run file lost), or None when there are
-        none. Never a new run over valid checkpoints without a word (invariant 6).
+        checkpoint copied into a new root, a run file lost), or, with none valid, the one
+        run its torn ones carry (the start then refuses them: ``ResumeError``); None when
+        there are none. Never a new run over valid checkpoints without a word (invariant 6).
 
         Raises:
             ResumeError: the checkpoints carry several run ids: which one continues is
@@ -845,8 +846,6 @@ class CheckpointManager:
             )
             if len(runs) != 1 or list(runs) == [""]:
                 return None
-        if not runs:
-            return None
         if list(runs) == [""]:
             # Path-style saves (integrations.dcp.save(checkpoint_id=...)) record no run:
             # a new run takes them on (Manifest.belongs_to) and resumes from them.
