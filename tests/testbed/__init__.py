@@ -9,7 +9,8 @@ bounded loops, and tear everything down on exit, even after an exception:
 - :class:`NetnsPair`: two network namespaces joined by a veth pair, with
   :meth:`NetnsPair.cut` / :meth:`NetnsPair.restore` for partitions.
 - :class:`S3Server` / :class:`S3fsFuseMount`: moto_server and s3fs-fuse.
-- :class:`SmallDisk`: a small tmpfs, ext4 or xfs filesystem for ENOSPC.
+- :class:`SmallDisk`: a small tmpfs, ext4 or xfs filesystem for ENOSPC;
+  :class:`PowerCutImage`: what a power cut would leave of a loop-mounted one.
 - :mod:`.fiu_tools`: libfiu fault injection in a Python child.
 - :mod:`.probes`: ``(available, reason)`` for each facility.
 
@@ -17,7 +18,7 @@ pytest fixtures wrapping these live in :mod:`tests.testbed.pytest_fixtures`.
 """
 
 from ._util import TestbedError, TestbedTimeout, free_port, mount_entries, wait_until
-from .disk import SmallDisk, fill_until_enospc
+from .disk import PowerCutImage, SmallDisk, fill_until_enospc
 from .fiu_tools import child_control, enable_cmd, fiu_available, fiu_run_argv, parent_control
 from .netns import NetnsPair
 from .probes import (
@@ -44,6 +45,7 @@ __all__ = [
     "NetnsPair",
     "S3Server",
     "S3fsFuseMount",
+    "PowerCutImage",
     "SmallDisk",
     "SshfsExport",
     "SshfsMount",

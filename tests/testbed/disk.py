@@ -33,7 +33,9 @@ _XFS_UNFLAGGED_MIN_MB = 300
 class SmallDisk(Service):
     """A freshly made filesystem of ``size_mb`` MiB mounted under ``base_dir``."""
 
-    def __init__(self, base_dir: Path | str, size_mb: int, kind: str = "tmpfs"):
+    def __init__(
+        self, base_dir: Path | str, size_mb: int, kind: str = "tmpfs", *, options: str = ""
+    ):
         """Validates arguments; the filesystem is made on ``__enter__``.
 
         Args:
@@ -41,6 +43,7 @@ class SmallDisk(Service):
                 file for ext4/xfs) is made inside it.
             size_mb: Size in MiB (xfs needs at least 16).
             kind: ``"tmpfs"``, ``"ext4"`` or ``"xfs"``.
+            options: Extra mount options (comma-separated), e.g. ``"commit=600"``.
 
         Raises:
             ValueError: Unknown kind or size too small.
@@ -52,6 +55,7 @@ class SmallDisk(Service):
         self.base_dir = Path(base_dir)
         self.size_mb = size_mb
         self.kind = kind
+        self.options = options
         self.path = self.base_dir / f"{kind}-disk"  # Made unique in start().
         self.image: Path | None = None
         self._mounted = False
@@ -70,12 +74,12 @@ class SmallDisk(Service):
         mount = require_binary("mount")
         try:
             if self.kind == "tmpfs":
-                opts = f"size={self.size_mb}m,mode=0755"
+                opts = _options(f"size={self.size_mb}m,mode=0755", self.options)
                 run([mount, "-t", "tmpfs", "-o", opts, "tmpfs", str(self.path)])
             else:
                 self.image = self._make_image()
                 # -o loop sets up an auto-clearing loop device: umount frees it.
-                run([mount, "-o", "loop", str(self.image), str(self.path)])
+                run([mount, "-o", _options("loop", self.options), str(self.image), str(self.path)])
             self._mounted = True
         except BaseException:
             self.close()
@@ -111,6 +115,74 @@ class SmallDisk(Service):
                 env.update(_XFS_SMALL_ENV)
             run([require_binary("mkfs.xfs"), "-q", "-f", str(image)], env=env)
         return image
+
+
+def _options(*parts: str) -> str:
+    return ",".join(p for p in parts if p)
+
+
+class PowerCutImage(SmallDisk):
+    """What a power cut at this moment would leave of a loop-mounted :class:`SmallDisk`,
+    mounted read-write at a fresh place (its journal or log replayed, as at a reboot).
+
+    The copy is of the disk's image file, i.e. of what the loop device has been given:
+    the blocks the filesystem wrote out (an fsync, a journal commit, writeback). Pages
+    that are still dirty in the mounted filesystem's cache, which a SIGKILL keeps and a
+    power cut loses, are not in it. Take it while nothing writes to the disk (the writer
+    killed or stopped), so that it is one moment. It models a disk that writes through:
+    what a drive cache loses on top (blocks handed over but not flushed) is kept here.
+
+    Example::
+
+        with SmallDisk(tmp, 64, "ext4", options="commit=600") as disk:
+            ...  # a job writes under disk.path and is killed
+            with PowerCutImage(disk, tmp / "cut") as after:
+                ...  # after.path holds what the reboot finds
+    """
+
+    def __init__(self, disk: SmallDisk, base_dir: Path | str):
+        """Nothing is copied until ``__enter__``.
+
+        Raises:
+            ValueError: ``disk`` has no device image (tmpfs lives in memory only).
+        """
+        if disk.kind not in ("ext4", "xfs"):
+            raise ValueError(f"a {disk.kind} disk has no device to copy")
+        super().__init__(base_dir, disk.size_mb, disk.kind)
+        self.disk = disk
+
+    def start(self) -> None:  # close() is SmallDisk's: unmount, remove the image
+        """Copies the device and mounts the copy.
+
+        Raises:
+            TestbedError: the disk is not mounted, or mount failed.
+        """
+        if self.disk.image is None:
+            raise TestbedError("the disk is not started: there is no device to copy")
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        self.path = resolve_mountpoint(tempfile.mkdtemp(prefix="cut-", dir=self.base_dir))
+        self.image = self.path.with_name(self.path.name + ".img")
+        try:
+            _copy_sparse(self.disk.image, self.image)
+            # A copy of a mounted XFS has the same UUID; XFS refuses that unless told.
+            opts = _options("loop", "nouuid" if self.disk.kind == "xfs" else "")
+            run([require_binary("mount"), "-o", opts, str(self.image), str(self.path)])
+            self._mounted = True
+        except BaseException:
+            self.close()
+            raise
+
+
+def _copy_sparse(src: Path, dst: Path, chunk: int = 1 << 20) -> None:
+    """Copies a mostly empty image, leaving holes where ``src`` reads zeros."""
+    zeros = bytes(chunk)
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while block := fin.read(chunk):
+            if block == zeros[: len(block)]:
+                fout.seek(len(block), os.SEEK_CUR)
+            else:
+                fout.write(block)
+        fout.truncate(fin.tell())
 
 
 def fill_until_enospc(path: Path, chunk: int = 1 << 20, limit_bytes: int = 1 << 34) -> int:
