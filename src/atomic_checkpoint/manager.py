@@ -200,7 +200,9 @@ class CheckpointManager:
         timeout_s: bound on every wait for other ranks.
         read_only: never write, lock or delete (safe while a job runs); on a network
             filesystem, a stale cached listing is dropped by touching a directory's
-            times (a metadata write, no data).
+            times (a metadata write, no data). A root that does not exist yet lists no
+            checkpoints (the job has not saved); an object-store bucket that does not
+            exist raises ``StorageError`` at the first listing.
         resume: "auto" (resume if there is a valid checkpoint; error if there are
             checkpoints but none is valid, or, with node-local disks, no step of the run
             is on every node while several are on some nodes only; with a step on every

@@ -309,3 +309,25 @@ def test_a_root_with_an_empty_segment_is_refused_and_a_403_names_the_credentials
     err = storage._error(PermissionError(errno.EACCES, "Forbidden"), "open bucket of", "")
     assert isinstance(err, PermissionError)
     assert "access key and secret" in str(err) and "mounted read-only" not in str(err)
+
+
+def test_a_read_only_manager_on_a_bucket_that_does_not_exist_says_so(
+    s3_server, s3_bucket, monkeypatch, capsys
+):
+    """An evaluator pointed at a misspelled bucket listed no checkpoints, for ever (a
+    writable manager fails at its first makedirs; a reader makes none). A prefix with
+    nothing under it in a real bucket is still an empty root: the job has not saved."""
+    opts = s3_server.storage_options()
+    empty = CheckpointManager(f"s3://{s3_bucket}/not-yet", storage_options=opts, read_only=True)
+    assert empty.checkpoints() == [] and empty.latest() is None
+    empty.close()
+    with pytest.raises(StorageError, match=f"bucket '{s3_bucket}-typo' .* does not exist") as err:
+        reader = CheckpointManager(
+            f"s3://{s3_bucket}-typo/run", storage_options=opts, read_only=True
+        )
+        reader.checkpoints()
+    assert err.value.errno == errno.ENOENT
+    for name, value in aws_env(s3_server).items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["list", f"s3://{s3_bucket}-typo/run"]) == 2
+    assert f"bucket '{s3_bucket}-typo'" in capsys.readouterr().err

@@ -407,22 +407,7 @@ class FsspecStorage:
         if self._is_object_store:
             # No directories to make; but a missing bucket must fail here, clearly, and
             # never be created behind the user's back (s3fs' makedirs would create it).
-            if not self._bucket_checked:
-                bucket = self._root.split("/", 1)[0]
-                try:
-                    # info, not exists: s3fs' exists() answers False for any error,
-                    # including bad storage_options, which must not read as "no bucket".
-                    self.fs.info(bucket)
-                except FileNotFoundError as exc:
-                    raise StorageError(
-                        f"bucket {bucket!r} of {self.url()!r} does not exist (or these "
-                        "credentials cannot see it): create it first",
-                        errno=errno.ENOENT,
-                        path=self.url(),
-                    ) from exc
-                except Exception as exc:
-                    raise self._error(exc, "open bucket of", "") from exc
-                self._bucket_checked = True
+            self._check_bucket()
             return
         self._beneath(path)
         p = self._abs(path)
@@ -434,6 +419,26 @@ class FsspecStorage:
                     path=self.url(path),
                 )
             self.fs.makedirs(p, exist_ok=True)
+
+    def _check_bucket(self) -> None:
+        """Raise StorageError (ENOENT) if ROOT's bucket does not exist; once per storage."""
+        if self._bucket_checked:
+            return
+        bucket = self._root.split("/", 1)[0]
+        try:
+            # info, not exists: s3fs' exists() answers False for any error,
+            # including bad storage_options, which must not read as "no bucket".
+            self.fs.info(bucket)
+        except FileNotFoundError as exc:
+            raise StorageError(
+                f"bucket {bucket!r} of {self.url()!r} does not exist (or these "
+                "credentials cannot see it): create it first, or correct the URL",
+                errno=errno.ENOENT,
+                path=self.url(),
+            ) from exc
+        except Exception as exc:
+            raise self._error(exc, "open bucket of", "") from exc
+        self._bucket_checked = True
 
     def open_write(self, path: str, *, size_hint: int | None = None) -> _FsspecWriter:
         self._beneath(path)
@@ -647,6 +652,11 @@ class FsspecStorage:
             # and gives each entry's type.
             infos = self.fs.ls(p, detail=self._is_object_store)
         except (FileNotFoundError, NotADirectoryError):
+            if self._is_object_store:
+                # A prefix with nothing under it is an empty directory; a bucket that
+                # is not there is a wrong URL, not an empty root: a read-only manager
+                # (which makes no directories) would otherwise list nothing for ever.
+                self._check_bucket()
             return []
         except Exception as exc:
             raise self._error(exc, "list", path) from exc
