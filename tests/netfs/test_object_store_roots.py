@@ -331,3 +331,21 @@ def test_a_read_only_manager_on_a_bucket_that_does_not_exist_says_so(
         monkeypatch.setenv(name, value)
     assert cli.main(["list", f"s3://{s3_bucket}-typo/run"]) == 2
     assert f"bucket '{s3_bucket}-typo'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_a_store_that_keeps_answering_503_is_named_with_what_to_do(s3_server, s3_bucket):
+    """s3fs turns a 503 (SlowDown) into errno 16: the failed save said "[Errno 16]" and
+    nothing of the store's throttling, nor of the retries that would ride it out."""
+    from tests.testbed.s3proxy import Rule, S3Proxy
+
+    with S3Proxy(s3_server, lifetime_s=100) as proxy:
+        opts = proxy.storage_options(max_attempts=1)
+        with CheckpointManager(f"s3://{s3_bucket}/busy", storage_options=opts) as mgr:
+            mgr.save(1, state(1))
+            proxy.add(Rule("error", status=503, method="PUT", key=r"rank-00000", times=None))
+            with pytest.raises(StorageError) as err:
+                mgr.save(2, state(2))
+            assert err.value.errno == errno.EBUSY
+            assert "503" in str(err.value) and "max_attempts" in str(err.value), err.value
+            assert [c.step for c in mgr.checkpoints()] == [1]

@@ -375,6 +375,19 @@ class FsspecStorage:
                     errno=code,
                     path=where,
                 )
+            if code == errno.EBUSY and self._is_object_store:
+                # s3fs' errno for 503 (SlowDown, ServiceUnavailable) and 409: the HTTP
+                # answer and what to do about it, not "[Errno 16] Device busy".
+                return StorageError(
+                    f"{action} {where!r} failed: the object store answered that it is "
+                    f"busy ({text}): HTTP 503 Slow Down or Service Unavailable (a request "
+                    "rate above what the store allows), or 409, after the client's "
+                    "retries. Give it more retries, e.g. storage_options={'config_kwargs': "
+                    "{'retries': {'mode': 'adaptive', 'max_attempts': 10}}}, or spread the "
+                    "load (docs/scale.md)",
+                    errno=code,
+                    path=where,
+                )
             err = map_os_error(OSError(code, text), action, where)
             if type(err) is StorageError and "bucket does not exist" in text.lower():
                 err = StorageError(
