@@ -531,7 +531,10 @@ def _tree_size(storage: Storage, rel: str) -> int:
     """Bytes under ``rel`` without following symlinks (a link is its own size)."""
     local = storage.local_path(rel)
     if local is None:
-        return sum(size for _, size in storage.walk_files(rel))
+        total = sum(size for _, size in storage.walk_files(rel))
+        # An object (a marker, a temporary manifest) has nothing under its name: it is
+        # its own size, as a file is on a filesystem (clean said "would free 0 B").
+        return total or (storage.size(rel) or 0)
     return posix.tree_size(local)
 
 

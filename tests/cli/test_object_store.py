@@ -194,3 +194,20 @@ def test_inspect_says_could_not_read_not_corrupt_when_the_store_fails(s3_server,
         assert doc["status"] == "error" and "rank-00000" in doc["problem"], doc
         assert "corrupt" not in error_line(failed) and "could not read" in error_line(failed)
     assert run_json("inspect", url, "2", env=_aws_env(s3_server))["status"] == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_list_and_clean_agree_on_the_size_of_a_save_killed_before_its_data(
+    s3_server, s3_bucket
+):
+    # A writer killed after its marker and before any data leaves one object (the
+    # marker): `list` showed its size, `clean --dry-run` said "would free 0 B" (a size of
+    # what lies under the marker's name, as if it were a folder).
+    url = f"s3://{s3_bucket}/marker-only"
+    opts = _saved(s3_server, url, 1)
+    MarkerStrategy().prepare(FsspecStorage(url, opts), 2, "0123456789abcdef")
+    env = _aws_env(s3_server)
+    listed = {e["step"]: e for e in run_json("list", url, env=env)["entries"]}
+    planned = run_json("clean", url, "--dry-run", env=env)["removed"]
+    assert [(p["name"], p["kind"]) for p in planned] == [("checkpoint-2", "pending")], planned
+    assert planned[0]["size_bytes"] == listed[2]["size_bytes"] > 0, (planned, listed[2])
