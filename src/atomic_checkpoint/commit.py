@@ -619,6 +619,12 @@ def _commit_on_leader(
         ):
             fence()
         raise
+    if ctx.strategy.writes_in_place and ctx.lock is not None:
+        # The commit is a request (a PUT), which a stalled network can hold past a
+        # takeover, whose start swept this attempt's files: that save is not reported
+        # committed (the new holder's next save of the step replaces the manifest).
+        # The lock only: an async save asked to stop now has committed all the same.
+        ctx.lock.check()
     view = None
     if len(ctx.leaders) > 1:
         view = [

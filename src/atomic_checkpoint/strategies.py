@@ -440,6 +440,11 @@ class RenameStrategy:
         Called through ``retire`` (retention, ``rollback``, ``prune``). Returns what
         ``delete`` removes, or None when the checkpoint is already gone.
         """
+        taken = self._uncommit(storage, step)
+        return None if taken is None else taken[0]
+
+    def _uncommit(self, storage: Storage, step: int) -> tuple[str, Callable[[], None]] | None:
+        """``uncommit``, and how to undo it (``_retire``: a job found fenced after it)."""
         name = checkpoint_name(step)
         trash = f"{_trash_dir(storage)}/{name}.{new_attempt_token()}"
         try:
@@ -451,7 +456,13 @@ class RenameStrategy:
                 return None
             raise
         storage.fsync_dir("")
-        return trash
+
+        def undo() -> None:
+            # Never over a copy that is there now: a new holder's save of this step.
+            renaming(storage).rename_dir(trash, name)
+            storage.fsync_dir("")
+
+        return trash, undo
 
     def delete(self, storage: Storage, uncommitted: str) -> None:
         """Delete what ``uncommit`` took out of the namespace."""
@@ -731,17 +742,31 @@ class MarkerStrategy:
         checkpoint. A marker is written first, so a crash before the data is gone
         leaves a directory the sweep recognises. Returns what ``delete`` removes, or
         None when there is no manifest (already gone)."""
+        taken = self._uncommit(storage, step)
+        return None if taken is None else taken[0]
+
+    def _uncommit(self, storage: Storage, step: int) -> tuple[str, Callable[[], None]] | None:
+        """``uncommit``, and how to undo it (``_retire``: a job found fenced after it).
+        The manifest is read, not only sized (one request either way), to be put back."""
         final = checkpoint_name(step)
         path = f"{final}/{MANIFEST_NAME}"
-        if storage.size(path) is None:
+        try:
+            committed = storage.read_bytes(path)
+        except errors.CheckpointNotFoundError:
             return None
         attempt = new_attempt_token()
-        storage.write_bytes_atomic(
-            f"{final}/{marker_name(attempt)}", _marker_doc(step, attempt, "delete")
-        )
+        marker = f"{final}/{marker_name(attempt)}"
+        storage.write_bytes_atomic(marker, _marker_doc(step, attempt, "delete"))
         storage.delete_file(path)
         storage.fsync_dir(final)
-        return final
+
+        def undo() -> None:
+            # Created once: a manifest there now is a new holder's commit of this step.
+            storage.create_exclusive(path, committed)
+            storage.delete_file(marker)
+            storage.fsync_dir(final)
+
+        return final, undo
 
     def delete(self, storage: Storage, uncommitted: str) -> None:
         """Delete an un-committed checkpoint directory: data first, markers last, so a
@@ -977,16 +1002,41 @@ def _protocol_members() -> tuple[str, ...]:
 
 
 def _retire(
-    strategy: CommitStrategy, storage: Storage, step: int, *, rank: int, fence: _Fence
+    strategy: RenameStrategy | MarkerStrategy,
+    storage: Storage,
+    step: int,
+    *,
+    rank: int,
+    fence: _Fence,
 ) -> bool:
     """``CommitStrategy.retire`` for every strategy here: the fault points fire at the
     same moments whatever un-commits (the fault campaigns name them)."""
     if fence is not None:
         fence()  # a job that lost the run lock deletes nothing
     fault_point("before_uncommit", rank, step)
-    uncommitted = strategy.uncommit(storage, step)
-    if uncommitted is None:
+    taken = strategy._uncommit(storage, step)
+    if taken is None:
         return False  # already gone: deletes tolerate ENOENT
+    uncommitted, undo = taken
+    if fence is not None:
+        # Again: the un-commit may have been held (a stalled request or rename) while
+        # another job took ROOT over, and that job may have kept this very step (its
+        # rollback to it). Put it back and stop; nothing of it is deleted.
+        try:
+            fence()
+        except errors.FencedError:
+            try:
+                undo()
+            except errors.CheckpointError as exc:
+                log.warning(
+                    "atomic-checkpoint: this job lost the run lock while it un-committed "
+                    "checkpoint %d and could not put it back (%s); the job holding ROOT "
+                    "now finds it in %s (its next start or `clean` removes it)",
+                    step,
+                    exc,
+                    storage.url(uncommitted),
+                )
+            raise
     fault_point("after_uncommit", rank, step)
     fault_point("mid_delete", rank, step)
     strategy.delete(storage, uncommitted)

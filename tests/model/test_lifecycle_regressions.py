@@ -182,3 +182,16 @@ def test_a_restore_fallback_during_an_async_save_takes_steps_out_of_its_rotation
         state.save_async_next(rel=1)
         state.restore_newest(verify=True)
         state.close()
+
+
+def test_an_async_save_asked_to_stop_after_its_marker_commit_is_reported_committed() -> None:
+    """Found while adding the fence check after a marker commit (a manifest PUT that
+    lands after a takeover raises ``FencedError``). That check first went through the
+    save's own fence, which also raises when ``close()`` has asked the async save to
+    stop: a save whose manifest was already published was reported abandoned ("NOT a
+    checkpoint") while it was listed. The check after the commit asks the lock only."""
+    with replay(MarkerMachine) as state:
+        state.start(policy=0)
+        state.close()
+        state.reopen(policy=0)
+        state.close_during_slow_async(phase="after_manifest", rel=0, skip=0)

@@ -60,8 +60,10 @@ def test_latest_and_rotation_read_a_handful_of_manifests(s3_server, s3_bucket, c
         storage.reset()
         mgr.save(step, {"w": np.full(64, step, dtype=np.float32)})
         mgr.wait()  # the rotation ran
-        # ... and the torn one, read again at each scan (only valid ones are cached).
-        assert storage.manifest_reads <= HANDFUL + 1, (step, storage.manifest_reads)
+        # ... and the torn one, read again at each scan (only valid ones are cached), and
+        # the one the rotation un-commits (read in place of a HEAD: it is put back if
+        # the job turns out to have lost the run lock meanwhile).
+        assert storage.manifest_reads <= HANDFUL + 2, (step, storage.manifest_reads)
         assert storage.size_checks <= 2 * HANDFUL, (step, storage.size_checks)
     storage.reset()
     steps = [c.step for c in mgr.checkpoints()]

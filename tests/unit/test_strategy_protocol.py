@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from atomic_checkpoint.strategies import (
     choose_strategy,
 )
 from tests.faults.test_failure_modes import np_state
+from tests.helpers import same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +205,8 @@ def test_retire_fires_the_rotation_fault_points_in_order(tmp_path, monkeypatch, 
     fence_calls: list[bool] = []
     retirer = choose_strategy(storage, strategy)
     retirer.retire(storage, 1, rank=3, fence=lambda: fence_calls.append(not seen))
-    assert fence_calls == [True], "the fence is checked first"
+    # First before anything, again once the un-commit is done (before any delete).
+    assert fence_calls == [True, False], "the fence is checked first, and after the un-commit"
     # Committed before the un-commit, not after it (the campaigns kill at these points).
     assert seen == [
         ("before_uncommit", 3, True),
@@ -341,3 +344,91 @@ def test_marker_leftovers_on_an_object_store_list_only_the_marked_checkpoints():
     (left,) = MarkerStrategy().leftovers(storage)
     assert left.name == "checkpoint-41" and not left.committed
     assert storage.listings <= 3, storage.listings  # ROOT, then the marked one
+
+
+@pytest.mark.parametrize("strategy", ["rename", "marker"])
+@pytest.mark.parametrize("kept", ["rolled back to", "untouched"])
+def test_an_uncommit_that_lands_after_a_takeover_is_put_back(
+    tmp_path, monkeypatch, caplog, strategy, kept
+):
+    """A job's retention passed its fence check, then its un-commit of step 1 stalled
+    (a slow rename or a held request) while another job took ROOT over and rolled back
+    to step 1 (or left it alone). The stalled un-commit landed afterwards and deleted
+    the new holder's only checkpoint. Now the job checks the fence again once the
+    un-commit is done, puts step 1 back and stops, deleting nothing."""
+    import threading
+
+    from atomic_checkpoint import FencedError
+
+    stalled, go_on = threading.Event(), threading.Event()
+
+    def stall(phase: str, rank: int, step: int | None = None) -> None:
+        if phase == "before_uncommit" and step == 1:
+            stalled.set()
+            assert go_on.wait(30)
+
+    monkeypatch.setattr(strategies, "fault_point", stall)
+    old = CheckpointManager(tmp_path, retention=KeepLast(1), strategy=strategy)
+    old.save(1, np_state(1))
+    old.save(2, np_state(2))  # its rotation of step 1 runs behind, and stalls
+    assert stalled.wait(30)
+    new = CheckpointManager(tmp_path, takeover=True, strategy=strategy)
+    if kept == "rolled back to":
+        new.rollback(1)
+    assert [c.step for c in new.checkpoints()] == ([1] if kept == "rolled back to" else [1, 2])
+    go_on.set()
+    with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+        old.wait()  # the rotation's outcome is logged: fenced, after putting step 1 back
+    assert "retention after the previous save failed: FencedError" in caplog.text
+    assert [c.step for c in new.checkpoints()] == ([1] if kept == "rolled back to" else [1, 2])
+    assert same(new.restore(1), np_state(1))
+    new.save(3, np_state(3))  # the holder goes on
+    new.close()
+    with pytest.raises(FencedError):
+        old.save(4, np_state(4))
+    old.close()
+
+
+def test_a_marker_commit_that_lands_after_a_takeover_is_not_reported_committed(monkeypatch):
+    """The marker strategy's commit is one create of the manifest: held in flight (a
+    stalled PUT) while another job took ROOT over and swept the attempt's files, it
+    landed afterwards and save() returned a checkpoint the root does not hold."""
+    import threading
+
+    from atomic_checkpoint import FencedError
+    from atomic_checkpoint.layout import MANIFEST_NAME
+
+    held, go_on = threading.Event(), threading.Event()
+    real_create = MemoryStorage.create_exclusive
+
+    def create_exclusive(self: MemoryStorage, path: str, data: bytes) -> bool:
+        if path == f"{checkpoint_name(3)}/{MANIFEST_NAME}" and not held.is_set():
+            held.set()
+            assert go_on.wait(30)
+        return real_create(self, path, data)
+
+    # Object-store semantics (no directories: the create lands whatever was swept).
+    monkeypatch.setattr(MemoryStorage, "create_exclusive", create_exclusive)
+    storage = MemoryStorage()
+    old = CheckpointManager(storage, strategy="marker")
+    old.save(1, np_state(1))
+    saved: list[BaseException | None] = []
+    thread = threading.Thread(target=lambda: saved.append(_raised(old.save, 3, np_state(3))))
+    thread.start()
+    assert held.wait(30)
+    new = CheckpointManager(storage, takeover=True, strategy="marker")  # sweeps step 3's files
+    go_on.set()
+    thread.join(30)
+    assert isinstance(saved[0], FencedError), saved
+    new.save(3, np_state(3))  # the holder's save of that step replaces what landed
+    assert same(new.restore(3), np_state(3))
+    new.close()
+    old.close()
+
+
+def _raised(call: Any, *args: Any) -> BaseException | None:
+    try:
+        call(*args)
+    except BaseException as exc:
+        return exc
+    return None
