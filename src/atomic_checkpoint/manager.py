@@ -224,7 +224,9 @@ class CheckpointManager:
             same process that was not closed (it is fenced; a warning says so);
             otherwise ``LockHeldError`` names it.
         lease_s: the run lock's lease: renewed every ``lease_s / 3``; a holder that
-            has not renewed for ``lease_s`` may be taken over from any host.
+            has not renewed for ``lease_s`` may be taken over from any host, and one
+            whose renewals fail for 5/6 of it (a full disk, a read-only remount) stops
+            committing for good (``FencedError``; restart it once the storage is back).
         storage_domains: which ranks see the same files under ``root``: "auto"
             (probed at start: one file written per host, read by the others), "shared"
             (one storage domain, no probe: trust it), or "per-host" (each host's own
@@ -1732,15 +1734,24 @@ class CheckpointManager:
             not count: it is per rank, and every rank must raise at the same call).
 
         Raises:
-            TimeoutError: still running after ``timeout_s`` (it goes on).
+            TimeoutError: the save, or its retention, still running after ``timeout_s``
+                (it goes on).
             CheckpointError: the async save failed (raised once, on every rank).
             TypeError, ValueError: its metrics or metadata could not be recorded (as
                 ``save`` raises them; every rank raises it, nothing was written).
         """
         self._check_process("wait()")
         timeout_s = _wait_seconds("timeout_s", timeout_s)  # 0 polls
+        started = time.monotonic()
         info = self._finish_async(timeout_s)
-        self._finish_rotation()
+        # The bound covers the retention too (a deletion stuck in a slow storage call):
+        # a preempted job waited for it past its grace period.
+        left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - started))
+        if not self._finish_rotation(left):
+            raise TimeoutError(
+                f"the retention after the last save of {self.root} is still running after "
+                f"{timeout_s:g} s (a deletion in a slow storage call); it goes on"
+            )
         return info
 
     def _check_process(self, what: str) -> None:
@@ -2754,17 +2765,25 @@ class CheckpointManager:
             # read) tells: unchanged on every rank means every rank read this copy.
             try:
                 now = catalog.manifest_now(self.storage, checkpoint_name(step))
-                changed = now is None or not catalog.same_copy(now, manifest)
             except CheckpointError as exc:  # shared like a failed load, never raised alone
-                changed, error = False, error or exc
-            first = first or (now, manifest)
-            if attempt == catalog.READ_ATTEMPTS - 1 and (
-                now is None
-                or (
-                    changed
-                    and first[0] is not None
-                    and catalog.same_copy(now, first[0])
-                    and catalog.same_copy(manifest, first[1])
+                # The read that ends a restore failed (an EIO): this rank's error, said
+                # on every rank; nothing is known of the copy here.
+                changed, error, reread = False, error or exc, False
+            else:
+                changed = now is None or not catalog.same_copy(now, manifest)
+                first, reread = first or (now, manifest), True
+            if (
+                reread
+                and first is not None
+                and attempt == catalog.READ_ATTEMPTS - 1
+                and (
+                    now is None
+                    or (
+                        changed
+                        and first[0] is not None
+                        and catalog.same_copy(now, first[0])
+                        and catalog.same_copy(manifest, first[1])
+                    )
                 )
             ):
                 # Absent here at every try while the coordinator found it, or another

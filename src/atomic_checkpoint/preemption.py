@@ -71,6 +71,7 @@ is not looked at while the job evaluates.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -681,8 +682,13 @@ def grace_from_env() -> float | None:
         raise ValueError(
             f"{GRACE_ENV}={text!r} is not a number of seconds (e.g. {GRACE_ENV}=30)"
         ) from None
-    if not value > 0:
-        raise ValueError(f"{GRACE_ENV}={text!r} must be a positive number of seconds")
+    if not 0 < value < math.inf:
+        # inf (or nan) made the guard's time left inf, which close(timeout_s=) refuses:
+        # the job that followed the README's close(timeout_s=guard.time_left_s) died.
+        raise ValueError(
+            f"{GRACE_ENV}={text!r} must be a positive, finite number of seconds (unset "
+            "it when the grace period is unknown)"
+        )
     return value
 
 
@@ -1063,8 +1069,8 @@ class PreemptionGuard:
             if isinstance(exc, TimeoutError) and not isinstance(exc, CheckpointError):
                 # wait()'s own bound, not the save's failure (a rank that timed out).
                 log.error(
-                    "preemption: the async save before step %d has not ended within the "
-                    "grace period; the preemption save is not started",
+                    "preemption: the async save before step %d (or its retention) has not "
+                    "ended within the grace period; the preemption save is not started",
                     step,
                 )
                 return True

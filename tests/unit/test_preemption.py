@@ -219,9 +219,10 @@ def test_a_save_that_fits_is_started_and_the_grace_period_comes_from_the_environ
         assert (
             "every rank saves step 2" in caplog.text and "of the grace period left" in caplog.text
         )
-        monkeypatch.setenv("ATOMIC_CHECKPOINT_GRACE_S", "soon")
-        with pytest.raises(ValueError, match="ATOMIC_CHECKPOINT_GRACE_S"):
-            PreemptionGuard(mgr)
+        for bad in ("soon", "inf", "nan", "-1"):
+            monkeypatch.setenv("ATOMIC_CHECKPOINT_GRACE_S", bad)
+            with pytest.raises(ValueError, match="ATOMIC_CHECKPOINT_GRACE_S"):
+                PreemptionGuard(mgr)
         with pytest.raises(ValueError, match="grace_s"):
             PreemptionGuard(mgr, grace_s=0)
     finally:
@@ -322,3 +323,40 @@ def test_once_preempted_the_closed_guard_ignores_further_signals(tmp_path, clean
         assert guard.exit_code == REQUEUE_EXIT_CODE
     finally:
         mgr.close()
+
+
+def test_a_slow_retention_is_waited_for_within_the_grace_period_only(
+    tmp_path, monkeypatch, caplog, clean_signals
+):
+    # The last save's retention was deleting on slow storage (6 s) when SIGTERM came,
+    # with a 4 s grace period: should_save waited for it to the end, and the job was
+    # killed past its grace period instead of exiting 75 in it. wait(timeout_s=) bounded
+    # the async save only, not its retention.
+    from atomic_checkpoint import KeepLast, strategies
+
+    release = time.monotonic() + 6.0
+
+    def slow_delete(phase: str, rank: int, step: int | None = None) -> None:
+        if phase == "after_uncommit":
+            time.sleep(max(0.0, release - time.monotonic()))
+
+    mgr = CheckpointManager(tmp_path / "r", retention=KeepLast(1))
+    try:
+        mgr.save(1, {"step": 1})
+        monkeypatch.setattr(strategies, "fault_point", slow_delete)
+        release = time.monotonic() + 6.0
+        mgr.save(2, {"step": 2})  # its retention deletes step 1, slowly, behind
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"retention .* is still running"):
+            mgr.wait(timeout_s=0.5)
+        assert time.monotonic() - t0 < 3.0
+        with PreemptionGuard(mgr, grace_s=4) as guard:
+            _sigterm(guard)
+            signalled = time.monotonic()
+            with caplog.at_level(logging.ERROR, logger="atomic_checkpoint"):
+                guard.should_save(3)
+            assert time.monotonic() - signalled < 3.5, "should_save took the grace period"
+            assert "(or its retention) has not ended within the grace period" in caplog.text
+    finally:
+        mgr.close()
+    assert [c.step for c in CheckpointManager(tmp_path / "r", read_only=True).checkpoints()] == [2]

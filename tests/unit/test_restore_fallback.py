@@ -5,6 +5,7 @@ invariants 6 and 11; the multi-rank agreement is in ``tests/dist/test_agreement.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -17,6 +18,8 @@ from atomic_checkpoint import (
     CorruptCheckpointError,
     KeepLast,
     StateMismatchError,
+    StorageError,
+    catalog,
 )
 
 
@@ -325,3 +328,26 @@ def test_the_running_job_replaces_a_torn_checkpoint_of_the_step_it_saves_again(
     with pytest.raises(CheckpointExistsError):
         mgr.save(2, _state(2))
     mgr.close()
+
+
+@pytest.mark.parametrize("read_only", [False, True])
+def test_an_io_error_on_the_read_that_ends_a_restore_is_a_storage_error(
+    tmp_path, monkeypatch, read_only
+):
+    # The manifest is read again once every file was read (an overwrite racing the
+    # reader): an EIO there raised UnboundLocalError ('now'), not the storage's error,
+    # and on several ranks the others then blamed the user's code for a mismatch.
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"w": np.arange(4.0)})
+    reader = CheckpointManager(tmp_path, read_only=read_only)
+
+    def failing(storage, name):
+        raise StorageError(f"read '{name}' failed: I/O error", errno=errno.EIO, path=name)
+
+    monkeypatch.setattr(catalog, "manifest_now", failing)
+    with pytest.raises(StorageError, match="I/O error") as err:
+        reader.restore()
+    assert err.value.errno == errno.EIO
+    monkeypatch.undo()
+    assert reader.restore(1)["w"].tolist() == [0.0, 1.0, 2.0, 3.0]  # and it reads again
+    reader.close()
