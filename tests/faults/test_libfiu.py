@@ -237,3 +237,47 @@ def test_campaign_slice_on_s3fs_fuse_is_clean(extra_so, tmp_path):
     assert tally.trials == len(combos)
     assert tally.faults == len(combos), tally.stats
     assert tally.violations == 0, "\n".join(tally.details)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("code", ["EIO", "ENOSPC", "EINTR"])
+def test_a_failing_close_is_a_storage_error(extra_so, tmp_path, code):
+    # NFS and FUSE report a deferred write error at close(). The close of a directory
+    # after its fsync, and of the run lock's new file, let it escape as a bare OSError
+    # (no path, not a CheckpointError): a training loop catching CheckpointError died.
+    root = tmp_path / "root"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": 1})
+    out = run_child(
+        extra_so,
+        tmp_path,
+        """
+        import atomic_checkpoint.serialization  # imported before the fault: it is code
+        from atomic_checkpoint import CheckpointError, CheckpointManager, KeepLast
+        code = getattr(errno, sys.argv[2])
+        def attempt(fn):
+            fiu.enable("posix/io/oc/close", code, onetime=False)
+            try:
+                fn()
+                return ["ok"]
+            except CheckpointError as exc:
+                return ["ours", type(exc).__name__, exc.errno, str(exc)]
+            except BaseException as exc:
+                return ["bare", type(exc).__name__, repr(exc)]
+            finally:
+                fiu.disable("posix/io/oc/close")
+        out = {"start": attempt(lambda: CheckpointManager(sys.argv[1]).close())}
+        mgr = CheckpointManager(sys.argv[1], retention=KeepLast(1))
+        mgr.save_async(2, {"x": 2}).result(30)  # its modules imported before the fault
+        out["save"] = attempt(lambda: mgr.save(3, {"x": 3}))
+        out["async"] = attempt(lambda: mgr.save_async(4, {"x": 4}).result(30))
+        out["retention"] = attempt(lambda: mgr.apply_retention())
+        mgr.close()
+        print(json.dumps(out))
+    """,
+        str(root),
+        code,
+    )
+    for what, got in out.items():
+        assert got[0] == "ours", (what, got)
+        assert got[2] == getattr(errno, code) and str(root) in got[3], (what, got)

@@ -93,7 +93,7 @@ from ..errors import (
 )
 from . import base
 from .detect import local_capabilities, mount_of
-from .posix import fsync_directory
+from .posix import close_quietly, fsync_directory
 from .temps import temp_name
 
 log = logging.getLogger("atomic_checkpoint")
@@ -1204,8 +1204,13 @@ def _fill_new(fd: int, p: str, data: bytes) -> None:
             view = view[os.write(fd, view) :]
         os.fsync(fd)
     except OSError as exc:
-        os.close(fd)
+        close_quietly(fd)
         with contextlib.suppress(OSError):
             os.unlink(p)
         raise map_os_error(exc, "write", p) from exc
-    os.close(fd)
+    try:
+        os.close(fd)  # NFS and FUSE may report a deferred write error only here
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+        raise map_os_error(exc, "close", p) from exc

@@ -51,8 +51,18 @@ def fsync_directory(path: str) -> None:
         # EINVAL: the filesystem does not support directory fsync (some FUSE); the
         # entries are as durable as that filesystem makes them.
         if exc.errno != errno.EINVAL:
+            close_quietly(fd)
             raise map_os_error(exc, "fsync directory", path) from exc
-    finally:
+    try:
+        # NFS and FUSE may report a deferred error here (EIO, EINTR): ours, not bare.
+        os.close(fd)
+    except OSError as exc:
+        raise map_os_error(exc, "close directory", path) from exc
+
+
+def close_quietly(fd: int) -> None:
+    """Close ``fd`` on a path that is already failing: its own error adds nothing."""
+    with contextlib.suppress(OSError):
         os.close(fd)
 
 
