@@ -618,7 +618,9 @@ def _check_lock(storage: Storage, what: str, *, force: bool, dry_run: bool) -> A
         )
     _warn(
         f"--force: going ahead with {what} on {storage.url()} although the run lock is held "
-        f"by {who}; if that job is alive, the save or deletion it has in progress fails"
+        f"by {who}; if that job is alive, it loses the run lock for good: the save or "
+        "deletion it has in progress fails, and so does every later one (FencedError). "
+        "Restart it to go on (it resumes from its newest checkpoint)"
     )
     return holder
 
@@ -3103,7 +3105,8 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         cmd_clean,
         dry_run="show what would be removed",
-        force="clean even though a live job holds the run lock (its save in progress fails)",
+        force="clean even though a live job holds the run lock (that job can then no "
+        "longer commit or delete: restart it)",
     )
 
     p = command(
@@ -3166,7 +3169,8 @@ def build_parser() -> argparse.ArgumentParser:
         p,
         cmd_prune,
         dry_run="show the plan, delete nothing",
-        force="prune even though a live job holds the run lock",
+        force="prune even though a live job holds the run lock (that job can then no "
+        "longer commit or delete: restart it)",
     )
 
     p = command(

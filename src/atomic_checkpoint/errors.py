@@ -353,9 +353,11 @@ def map_os_error(exc: OSError, action: str, path: str) -> StorageError:
     if code in _FULL:
         return StorageFullError(
             f"{action} {path!r} failed: {reason} (errno {code}). Free space (or inodes: "
-            "`df -i`) on the checkpoint storage, e.g. delete old checkpoints with "
-            "`atomic-checkpoint prune ROOT --keep-last N` (it works on a full disk) or "
-            "apply_retention() of a manager with a lower retention, then save again.",
+            "`df -i`) on the checkpoint storage, then save again. In the running job: set "
+            "mgr.retention to a lower policy and call mgr.apply_retention(). With the job "
+            "stopped: `atomic-checkpoint prune ROOT --keep-last N` (it works on a full "
+            "disk; beside a live job it needs --force, after which that job can no longer "
+            "save and must be restarted).",
             errno=code,
             path=path,
         )

@@ -824,8 +824,10 @@ class RunLock:
             return
         if raw is None:
             why = (
-                f"{self.storage.url(LOCK_FILE)} was removed (by `clean --force`, by hand, "
-                "or its root was unmounted, moved or replaced)"
+                f"{self.storage.url(LOCK_FILE)} was removed (by `clean --force` or "
+                "`prune --force`, which take the lock over and release it when done; by a "
+                "job that took it over and has ended; by hand; or its root was unmounted, "
+                "moved or replaced)"
             )
         elif current is None:
             why = f"{self.storage.url(LOCK_FILE)} was replaced by an unreadable file"

@@ -262,8 +262,13 @@ def test_prune_refuses_while_a_live_job_holds_the_lock(tmp_path):
         assert _committed(root) == list(STEPS)
         proc = run_cli("prune", root, "--keep-last", "5", "--force", "--json")
         assert proc.returncode == 0 and "warning: --force" in proc.stderr
+        # It says what it costs the job: its lock, for good, not only a save in progress.
+        assert "loses the run lock for good" in proc.stderr and "Restart it" in proc.stderr
         assert json.loads(proc.stdout)["lock"]["pid"] == holder.pid
         assert _committed(root) == [200, 300, 400, 500, 600]
+        holder.save()  # the idle job's next save: fenced, naming what took its lock
+        said = holder.readline()
+        assert said.startswith("FAILED FencedError") and "prune --force" in said, said
     finally:
         holder.close()
     assert run_cli("prune", root, "--keep-last", "4").returncode == 0  # dead: proceeds

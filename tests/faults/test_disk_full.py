@@ -59,6 +59,9 @@ def test_a_save_that_does_not_fit_fails_cleanly_and_keeps_every_checkpoint(small
     assert e.errno == errno.ENOSPC
     assert "rank-00000.safetensors" in str(e) and "errno 28" in str(e)
     assert "Free space" in str(e)  # it says what to do
+    # ... in the running job (prune is refused while the job holds the lock, and with
+    # --force it costs the job its lock: both said).
+    assert "mgr.apply_retention()" in str(e) and "needs --force" in str(e)
     assert os.listdir(root / ".pending") == []
     # Nothing of the failed save keeps running (its checksum helper included: it used
     # to start before the reservation failed, and waited out its idle timeout).
