@@ -432,15 +432,16 @@ class _Worker:
         effort clean-up)."""
         self._submit((fn, None, None))
 
-    def drain(self, timeout_s: float) -> None:
+    def drain(self, timeout_s: float) -> bool:
         """Wait, at most ``timeout_s``, until what is queued (deferred key deletions)
-        has run. Not collective; a worker that is not running returns at once."""
+        has run; whether it has. Not collective; a worker that is not running returns
+        True at once."""
         with self._lock:
             if self._thread is None or self._pid != os.getpid():
-                return
+                return True
         done = threading.Event()
         self._submit((lambda: None, [], done))
-        done.wait(timeout_s)
+        return done.wait(timeout_s)
 
 
 _WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
@@ -458,9 +459,20 @@ def _drain_workers() -> None:
     active exception``, SIGABRT) instead of exiting 0, and its launcher reports the
     job as failed. atexit handlers run before that teardown, while threads still run.
     """
-    deadline = time.monotonic() + _EXIT_DRAIN_S
+    drain_workers(_EXIT_DRAIN_S)
+
+
+def drain_workers(within_s: float) -> bool:
+    """Let every worker of this process finish its queued store requests, waiting at
+    most ``within_s`` in all; whether they did. A worker still inside a round that
+    waits for other ranks (an async save left running by ``close(timeout_s=)``) does
+    not finish: ``PreemptionGuard.exit`` then ends the process at once rather than
+    wait past the grace period."""
+    deadline = time.monotonic() + within_s
+    drained = True
     for worker in list(_WORKERS):
-        worker.drain(max(0.0, deadline - time.monotonic()))
+        drained = worker.drain(max(0.0, deadline - time.monotonic())) and drained
+    return drained
 
 
 _namespace_lock = threading.Lock()

@@ -70,6 +70,7 @@ is not looked at while the job evaluates.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -82,7 +83,7 @@ from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
 from ._checks import positive_seconds
-from .coordination import gather_summary, ranks_text
+from .coordination import drain_workers, gather_summary, ranks_text
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
 from .storage.posix import is_dir, list_names, make_dirs, read_head
@@ -810,11 +811,41 @@ class PreemptionGuard:
         from here on: the launcher stops the remaining ranks with SIGTERM as soon as
         one rank has exited, and during interpreter shutdown Python has already put
         the default action back, so such a signal would turn a clean requeue exit
-        into a death by SIGTERM (exit status -15)."""
+        into a death by SIGTERM (exit status -15). When preempted with the grace
+        period known, a round of a save left running by ``close(timeout_s=)`` that
+        still waits for other ranks when two thirds of the exit reserve are left ends
+        the process with ``os._exit`` (logged; ``atexit`` handlers do not run): the
+        interpreter's exit would wait for it past the grace period."""
         code = self.exit_code
         if code == REQUEUE_EXIT_CODE and threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 signal.signal(s, signal.SIG_IGN)
+        left = self._time_left()
+        if self._agreed_left is not None:  # the rank signalled first: the same on every rank
+            agreed, at = self._agreed_left
+            left = agreed - (time.monotonic() - at)
+        # A save that close(timeout_s=) left running may hold a round that waits for
+        # the other ranks: the interpreter's exit would wait for it (then tear the
+        # store client down inside it), past the grace period. Within what is left of
+        # it, less most of the exit reserve (for the launcher), it ends; else this ends
+        # now.
+        if (
+            code == REQUEUE_EXIT_CODE
+            and left is not None
+            and not drain_workers(max(0.0, left - self._reserve * 2 / 3))
+        ):
+            log.warning(
+                "preemption: exiting with %d now, leaving a save still waiting for "
+                "other ranks (the grace period ends in %.1f s); the next start "
+                "removes what it leaves",
+                code,
+                max(0.0, left),
+            )
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
         raise SystemExit(code)
 
     @property

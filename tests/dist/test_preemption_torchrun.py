@@ -236,7 +236,10 @@ def test_an_async_save_stuck_in_storage_still_ends_the_job_within_the_grace_peri
     rc, results = job.finish()
     took = time.monotonic() - signalled
     assert rc == REQUEUE_EXIT_CODE, job.text()
-    assert took < grace + 4, (took, job.text())  # the launcher's own exit on a busy node
+    # Within the grace period (half a second for the launcher on a busy node): rank 1,
+    # whose own write was not stuck, waited at its exit for its worker, held in the
+    # stuck save's round, and the job ended about 3 s after the grace period.
+    assert took < grace + 0.5, (took, job.text())
     for r in results:
         assert r["exit_code"] == REQUEUE_EXIT_CODE and r["decided"] is not None, results
         assert "had not ended within the 8 s grace period" in r["skipped_save"], results
