@@ -182,12 +182,78 @@ class _Armed:
         self.handler = self._on_signal  # one bound method: disarm() recognises it
         #: Set by the first guard of the process: from then on the guard decides.
         self.adopted = False
+        #: The pipe of ``signal.set_wakeup_fd`` (read end, write end), or None.
+        self.wakeup: tuple[int, int] | None = None
+
+    def watch_wakeup(self) -> None:
+        """Have Python's C-level handler write each signal's number to a pipe at once.
+        A Python handler runs only once the main thread is back between two bytecodes,
+        and a main thread inside a long C call (``init_process_group`` waiting for a
+        slower rank) never got there: the start-up deadline, which reads the record,
+        never learnt of the signal. Not if another wakeup fd is set (asyncio's)."""
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            before = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            before = None
+        if before != -1:
+            if before is not None:
+                signal.set_wakeup_fd(before)  # someone else's: theirs
+            os.close(r)
+            os.close(w)
+            return
+        self.wakeup = (r, w)
+
+    def read_wakeup(self) -> None:
+        """Record a signal the wakeup pipe saw (the deadline's thread)."""
+        if self.wakeup is None:
+            return
+        try:
+            data = os.read(self.wakeup[0], 512)
+        except (BlockingIOError, OSError):
+            return
+        for signum in data:
+            if signum in self.signals and self.record.signum is None:
+                self.record.signum, self.record.at = signum, time.monotonic()
+
+    def stop_wakeup(self) -> None:
+        """Put the wakeup fd back as it was, if it is still ours (main thread)."""
+        if self.wakeup is None:
+            return
+        r, w = self.wakeup
+        self.wakeup = None
+        try:
+            current = signal.set_wakeup_fd(-1)
+            if current != w:
+                signal.set_wakeup_fd(current)  # replaced since (asyncio): leave it
+        except (ValueError, OSError):
+            pass
+        for fd in (r, w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.record.on_signal(signum, self.previous)
 
 
 _armed: _Armed | None = None
+
+
+def _forget_wakeup_in_child() -> None:
+    """A forked child (a DataLoader worker) shares the wakeup pipe: a signal it gets
+    would read, in the parent, as the parent's own. The child's C handler stops
+    writing there (its fork-time thread is its main thread)."""
+    state = _armed
+    if state is not None and state.wakeup is not None:
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        state.wakeup = None  # its copies of the two fds are closed when it exits
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_wakeup_in_child)
 
 
 def _catchable(signals: Iterable[int]) -> tuple[signal.Signals, ...]:
@@ -251,7 +317,9 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
     ``ATOMIC_CHECKPOINT_GRACE_S``), a process that got a signal and still has no guard
     ``EXIT_RESERVE_S`` (at most half the grace period) before the grace period ends
     exits at once with ``REQUEUE_EXIT_CODE``, from a watcher thread (``os._exit``: the
-    main thread may be inside an import or a C call for seconds). Nothing was trained
+    main thread may be inside an import or a C call for seconds; the watcher learns of
+    the signal through ``signal.set_wakeup_fd``, written by Python's C-level handler at
+    once, when no other wakeup fd is set). Nothing was trained
     since the start, so nothing is lost; the scheduler's SIGKILL would have ended it a
     moment later with no exit status to requeue on. Importing a framework, building a
     model and forming the process group can take longer than a 10 s grace period on a
@@ -296,6 +364,7 @@ def arm(signals: Iterable[int] = DEFAULT_SIGNALS, *, grace_s: float | None = Non
     state.previous.update(_install(wanted, state.handler))
     _armed = state
     if grace is not None:
+        state.watch_wakeup()
         threading.Thread(
             target=_startup_deadline,
             args=(state, grace),
@@ -325,6 +394,7 @@ def _startup_deadline(state: _Armed, grace_s: float) -> None:
     shared = os.environ.get(SIGNALS_DIR_ENV, "").strip() or None
     noted = False
     while _armed is state and not state.adopted:
+        state.read_wakeup()
         at = state.record.at
         if at is not None:
             if shared is not None and not noted:
@@ -393,6 +463,7 @@ def disarm() -> None:
     state, _armed = _armed, None
     if state is None or state.record.pid != os.getpid():
         return
+    state.stop_wakeup()
     for s, previous in state.previous.items():
         if signal.getsignal(s) == state.handler:
             signal.signal(s, previous if previous is not None else signal.SIG_DFL)
@@ -773,6 +844,9 @@ class PreemptionGuard:
         early = armed()
         if early is not None and _armed is not None:
             _armed.adopted = True  # the start-up deadline stops watching: we decide
+            _armed.read_wakeup()  # a signal its thread had not read yet
+            _armed.stop_wakeup()
+            early = armed()
         if early is not None and early[0] is not None and self._record.signum is None:
             self._record.signum, self._record.at = early
         self._note_save()

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +164,40 @@ def test_the_start_up_deadline_counts_from_the_first_signal_noted_on_the_node(
     # It noted its own signal for the other workers: when, SIGTERM, its pid.
     mine = [n for n in os.listdir(shared) if not n.endswith("-1")]
     assert len(mine) == 1 and mine[0].split("-")[1] == str(int(signal.SIGTERM)), mine
+
+
+_IN_A_C_CALL = """
+import os, signal, sys, threading, time
+from atomic_checkpoint import preemption
+preemption.arm()                      # the grace period comes from the environment
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=20))
+# SIGTERM while the main thread waits inside torch's store client, as in
+# init_process_group waiting for a slower rank: no Python handler runs until it returns.
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+try:
+    store.get("never-set")
+except Exception as exc:
+    print("the wait ended:", type(exc).__name__)
+print("still here")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_signal_while_the_main_thread_is_inside_a_c_call_still_meets_the_deadline(tmp_path):
+    # The start-up deadline read what the Python handler recorded, and that handler only
+    # runs between bytecodes: a rank blocked in init_process_group (waiting for a slower
+    # one) never acted on its SIGTERM, and the launcher's SIGKILL ended it long after
+    # the grace period. The C-level handler's wakeup pipe tells the deadline at once.
+    path = os.pathsep.join([os.path.join(REPO, "src"), REPO])
+    env = {**os.environ, "PYTHONPATH": path, "ATOMIC_CHECKPOINT_GRACE_S": "4"}
+    env.pop("ATOMIC_CHECKPOINT_ARM", None)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _IN_A_C_CALL], env=env, capture_output=True, text=True, timeout=80
+    )
+    assert proc.returncode == REQUEUE_EXIT_CODE, (proc.returncode, proc.stdout, proc.stderr)
+    assert "still here" not in proc.stdout and "the wait ended" not in proc.stdout
+    assert "no PreemptionGuard has taken it over" in proc.stderr
+    assert time.monotonic() - started < 15  # the store's own wait is 20 s
