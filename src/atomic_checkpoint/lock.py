@@ -455,6 +455,10 @@ class RunLock:
         self._released = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # A lapsed lease taken back (``_reclaim``): one at a time, under one claimant
+        # name, so that a claim left by an attempt the storage cut short is ours.
+        self._reclaiming = threading.Lock()
+        self._claimant = uuid.uuid4().hex
 
     # ---------------------------------------------------------------- state
     @property
@@ -818,9 +822,9 @@ class RunLock:
             raise
         if current is not None and current.generation == holder.generation:
             # Still ours on disk, but past 5/6 of the lease without a renewal others may
-            # take over any moment (clock skew): stop before they can.
+            # take over any moment (clock skew): take it back as they would, or stop.
             if silent > self.lease_s * _SELF_FENCE_AT:
-                self._fence(lease_lapsed)
+                self._reclaim(holder, raw, lease_lapsed)
             return
         if raw is None:
             why = (
@@ -848,6 +852,45 @@ class RunLock:
             f"on {self.storage.url('')}: {why}. A job that lost the lock can neither commit "
             "nor delete; stop this job"
             + (" (it was superseded)" if current is not None else ", and restart it")
+        )
+
+    def _reclaim(self, holder: LockHolder, raw: bytes | None, lapsed: str) -> None:
+        """The lease lapsed (renewals failed: a full disk, a read-only remount) and
+        ``lock.json`` still holds this job's generation: no job has taken ROOT over.
+        Take it back the way a job taking over would, through the claim on this
+        generation (which excludes a taker's own claim), with a new generation and
+        fencing token. A full disk for longer than the lease fenced the job for good,
+        though no one else had touched ROOT.
+
+        Raises:
+            FencedError: another job's claim or lock came first.
+            CheckpointError: the storage still refuses the writes (not fenced: the next
+                check, or the heartbeat, tries again).
+        """
+        with self._reclaiming:
+            if self._holder is not holder:
+                return  # another thread took it back meanwhile
+            mine = self._new_doc(_Me.now(self._host), previous=holder)
+            if self._claim(holder.generation, mine, self._claimant) is None:
+                self._fence(lapsed)  # a job taking over holds the claim
+            if _read_optional(self.storage, LOCK_FILE) != raw:
+                self._fence(lapsed)  # replaced since we read it
+            self.storage.write_bytes_atomic(LOCK_FILE, mine.to_bytes())
+            if not self._verify(mine):
+                self._fence(lapsed)
+            with self._mutex:
+                self._holder = mine
+                self._last_renewed = self._elapsed()
+        log.warning(
+            "run lock on %s: this job's lease had lapsed (its renewals failed) and no other "
+            "job took ROOT over: it holds the lock again (fencing token %d)",
+            self.storage.url(""),
+            mine.token,
+        )
+        self._best_effort(
+            "record the fencing token in",
+            TOKEN_FILE,
+            lambda: self.storage.write_bytes_atomic(TOKEN_FILE, f"{mine.token}\n".encode()),
         )
 
     def _fence(self, message: str) -> NoReturn:

@@ -224,9 +224,10 @@ class CheckpointManager:
             same process that was not closed (it is fenced; a warning says so);
             otherwise ``LockHeldError`` names it.
         lease_s: the run lock's lease: renewed every ``lease_s / 3``; a holder that
-            has not renewed for ``lease_s`` may be taken over from any host, and one
-            whose renewals fail for 5/6 of it (a full disk, a read-only remount) stops
-            committing for good (``FencedError``; restart it once the storage is back).
+            has not renewed for ``lease_s`` may be taken over from any host. One whose
+            renewals fail for 5/6 of it (a full disk, a read-only remount) stops
+            committing, and takes the lock back once the storage takes writes again if
+            no other job took it (else ``FencedError``, for good).
         storage_domains: which ranks see the same files under ``root``: "auto"
             (probed at start: one file written per host, read by the others), "shared"
             (one storage domain, no probe: trust it), or "per-host" (each host's own

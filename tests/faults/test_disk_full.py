@@ -251,3 +251,26 @@ def test_a_full_disk_inside_dcp_s_error_is_reported_with_the_full_disk_advice(tm
     assert "atomic-checkpoint prune" in str(said) and said.__cause__ is wrapped
     other = CheckpointException("dcp", {0: (ValueError("x"), traceback.StackSummary())})
     assert full_storage_error(LocalStorage(tmp_path), other) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_full_for_longer_than_the_lease_lets_the_job_save_again(small_disk, caplog):
+    # The lease's renewals fail while the disk is full; past 5/6 of the lease the job
+    # fenced itself for good, though no other job had touched ROOT: "free space, then
+    # save again" did not work after a full disk of more than 50 s (lease 60 s). Here
+    # the lease is 3 s and the disk stays full for 5 s.
+    import time
+
+    disk = small_disk(8, "ext4")
+    root = disk.path / "root"
+    with CheckpointManager(root, lease_s=3) as mgr:
+        mgr.save(1, {"x": np.ones(16)})
+        _fill(disk.path)
+        with pytest.raises(StorageFullError):
+            mgr.save(2, {"x": np.zeros(1 << 18, dtype=np.float32)})
+        time.sleep(5)  # the heartbeat's renewals fail the whole time: the lease lapses
+        os.unlink(disk.path / "filler")
+        with caplog.at_level("WARNING", logger="atomic_checkpoint"):
+            assert mgr.save(2, {"x": np.zeros(1 << 18, dtype=np.float32)}).step == 2
+        assert "no other job took ROOT over: it holds the lock again" in caplog.text
+        assert [c.step for c in mgr.checkpoints()] == [1, 2]

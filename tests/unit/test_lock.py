@@ -18,8 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from atomic_checkpoint import FencedError, LocalStorage, LockError, LockHeldError, MemoryStorage
+from atomic_checkpoint import (
+    FencedError,
+    LocalStorage,
+    LockError,
+    LockHeldError,
+    MemoryStorage,
+    StorageFullError,
+)
 from atomic_checkpoint import lock as lockmod
+from atomic_checkpoint.layout import META_DIR
 from atomic_checkpoint.lock import LOCK_FILE, LockHolder, RunLock, read_lock_holder
 
 pytestmark = pytest.mark.timeout(60)
@@ -144,22 +152,60 @@ def test_renewal_keeps_the_lease_alive(storage):
     a.check()
 
 
-def test_a_holder_that_cannot_renew_fences_itself_before_others_may_take_over():
+def test_a_holder_whose_renewals_fail_takes_its_lock_back_only_if_no_one_took_it():
+    # Renewals failing past 5/6 of the lease (a full disk, a read-only remount) fenced
+    # the job for good, though no other job had touched ROOT: a full disk for 75 s
+    # killed the job that the full-disk error told to "free space, then save again".
+    clock = Clock()
+    storage = MemoryStorage()
+    a = make_lock(storage, clock)
+    a.acquire()
+    first = a.token
+    storage.inject("write_atomic", "lock.lease-", OSError(errno.ENOSPC, "full"), times=None)
+    storage.inject("create_exclusive", "lock.takeover-", OSError(errno.ENOSPC, "full"), times=None)
+    clock.advance(30)
+    a.renew()  # fails, logged, not raised
+    a.check()  # still inside the safe part of the lease
+    clock.advance(21)  # 51 s without a renewal: past 5/6 of the lease
+    with pytest.raises(StorageFullError):
+        a.check()  # it tries to take the lock back: the storage says why it cannot
+    assert not a.is_fenced
+    storage._faults.clear()  # space again
+    a.check()  # taken back through a claim, as a job taking over would
+    assert a.token == first + 1 and read_lock_holder(storage).token == a.token
+    a.renew()
+    a.check()
+
+    # Past the lease, another job took ROOT over: the lapsed holder is fenced for good.
+    storage.inject("write_atomic", "lock.lease-", OSError(errno.EIO, "I/O error"), times=None)
+    clock.advance(61)
+    b = make_lock(storage, clock, run_id="run-b", host="node-b")
+    b.acquire()
+    storage._faults.clear()
+    with pytest.raises(FencedError, match="'run-b' on host 'node-b'"):
+        a.check()
+    with pytest.raises(FencedError):
+        a.check()
+    b.check()
+
+
+def test_a_lapsed_holder_yields_to_a_job_whose_takeover_claim_came_first():
     clock = Clock()
     storage = MemoryStorage()
     a = make_lock(storage, clock)
     a.acquire()
     storage.inject("write_atomic", "lock.lease-", OSError(errno.EIO, "I/O error"), times=None)
-    clock.advance(30)
-    a.renew()  # fails, logged, not raised
-    a.check()  # still inside the safe part of the lease
-    clock.advance(21)  # 51 s without a renewal: past 5/6 of the lease
+    clock.advance(51)
+    # A job taking over has claimed this generation (and not yet replaced lock.json).
+    generation = read_lock_holder(storage).generation
+    claim = {"generation": generation, "by": "someone", "host": "node-b", "pid": 1}
+    storage.create_exclusive(
+        f"{META_DIR}/lock.takeover-{generation}.0.json",
+        json.dumps({**claim, "claimed_unix": clock.now}).encode(),
+    )
     with pytest.raises(FencedError, match="could not renew its lease"):
         a.check()
-    storage._faults.clear()
-    a.renew()
-    with pytest.raises(FencedError):
-        a.check()  # once fenced, always fenced: others may already have taken over
+    assert a.is_fenced
 
 
 def _holder(**kw) -> LockHolder:
