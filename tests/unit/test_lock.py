@@ -152,16 +152,22 @@ def test_renewal_keeps_the_lease_alive(storage):
     a.check()
 
 
+def _holding(renewal_error: OSError) -> tuple[Clock, MemoryStorage, RunLock]:
+    """A lock acquired on memory storage whose lease renewals fail with ``renewal_error``."""
+    clock = Clock()
+    storage = MemoryStorage()
+    holder = make_lock(storage, clock)
+    holder.acquire()
+    storage.inject("write_atomic", "lock.lease-", renewal_error, times=None)
+    return clock, storage, holder
+
+
 def test_a_holder_whose_renewals_fail_takes_its_lock_back_only_if_no_one_took_it():
     # Renewals failing past 5/6 of the lease (a full disk, a read-only remount) fenced
     # the job for good, though no other job had touched ROOT: a full disk for 75 s
     # killed the job that the full-disk error told to "free space, then save again".
-    clock = Clock()
-    storage = MemoryStorage()
-    a = make_lock(storage, clock)
-    a.acquire()
+    clock, storage, a = _holding(OSError(errno.ENOSPC, "full"))
     first = a.token
-    storage.inject("write_atomic", "lock.lease-", OSError(errno.ENOSPC, "full"), times=None)
     storage.inject("create_exclusive", "lock.takeover-", OSError(errno.ENOSPC, "full"), times=None)
     clock.advance(30)
     a.renew()  # fails, logged, not raised
@@ -190,11 +196,7 @@ def test_a_holder_whose_renewals_fail_takes_its_lock_back_only_if_no_one_took_it
 
 
 def test_a_lapsed_holder_yields_to_a_job_whose_takeover_claim_came_first():
-    clock = Clock()
-    storage = MemoryStorage()
-    a = make_lock(storage, clock)
-    a.acquire()
-    storage.inject("write_atomic", "lock.lease-", OSError(errno.EIO, "I/O error"), times=None)
+    clock, storage, a = _holding(OSError(errno.EIO, "I/O error"))
     clock.advance(51)
     # A job taking over has claimed this generation (and not yet replaced lock.json).
     generation = read_lock_holder(storage).generation
