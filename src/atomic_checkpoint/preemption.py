@@ -86,7 +86,14 @@ from ._checks import positive_seconds
 from .coordination import drain_workers, gather_summary, ranks_text
 from .errors import CheckpointError, StorageError
 from .layout import validate_step
-from .storage.posix import is_dir, list_names, make_dirs, read_head
+from .storage.posix import (
+    close_quietly,
+    is_dir,
+    list_names,
+    make_dirs,
+    read_available,
+    read_head,
+)
 
 __all__ = [
     "ARM_ENV",
@@ -201,8 +208,8 @@ class _Armed:
         if before != -1:
             if before is not None:
                 signal.set_wakeup_fd(before)  # someone else's: theirs
-            os.close(r)
-            os.close(w)
+            close_quietly(r)
+            close_quietly(w)
             return
         self.wakeup = (r, w)
 
@@ -210,11 +217,7 @@ class _Armed:
         """Record a signal the wakeup pipe saw (the deadline's thread)."""
         if self.wakeup is None:
             return
-        try:
-            data = os.read(self.wakeup[0], 512)
-        except (BlockingIOError, OSError):
-            return
-        for signum in data:
+        for signum in read_available(self.wakeup[0], 512):
             if signum in self.signals and self.record.signum is None:
                 self.record.signum, self.record.at = signum, time.monotonic()
 
@@ -230,9 +233,8 @@ class _Armed:
                 signal.set_wakeup_fd(current)  # replaced since (asyncio): leave it
         except (ValueError, OSError):
             pass
-        for fd in (r, w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        close_quietly(r)
+        close_quietly(w)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.record.on_signal(signum, self.previous)

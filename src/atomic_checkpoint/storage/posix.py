@@ -61,9 +61,19 @@ def fsync_directory(path: str) -> None:
 
 
 def close_quietly(fd: int) -> None:
-    """Close ``fd`` on a path that is already failing: its own error adds nothing."""
+    """Close ``fd`` on a path that is already failing (or a pipe being given up): its
+    own error adds nothing."""
     with contextlib.suppress(OSError):
         os.close(fd)
+
+
+def read_available(fd: int, size: int) -> bytes:
+    """What a non-blocking descriptor (a pipe) holds now, up to ``size`` bytes; empty
+    when nothing is there or it cannot be read."""
+    try:
+        return os.read(fd, size)
+    except OSError:  # BlockingIOError included: nothing yet
+        return b""
 
 
 def fsync_file(path: str, reader: Any = None) -> None:
