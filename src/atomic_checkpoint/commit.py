@@ -624,7 +624,14 @@ def _commit_on_leader(
         # takeover, whose start swept this attempt's files: that save is not reported
         # committed (the new holder's next save of the step replaces the manifest).
         # The lock only: an async save asked to stop now has committed all the same.
-        ctx.lock.check()
+        try:
+            ctx.lock.check()
+        except errors.FencedError as exc:
+            raise errors.FencedError(
+                f"{exc}. The manifest of step {step} landed after that (a request held in "
+                "flight), with its files swept: it is listed as corrupt until the job "
+                "holding ROOT saves that step again"
+            ) from exc
     view = None
     if len(ctx.leaders) > 1:
         view = [

@@ -843,12 +843,11 @@ class PreemptionGuard:
         self._handler = self._on_signal
         self._previous.update(_install(self.signals, self._handler))
         # After the handlers are in place, so that no signal falls between the two.
-        early = armed()
-        if early is not None and _armed is not None:
+        if armed() is not None and _armed is not None:
             _armed.adopted = True  # the start-up deadline stops watching: we decide
             _armed.read_wakeup()  # a signal its thread had not read yet
             _armed.stop_wakeup()
-            early = armed()
+        early = armed()
         if early is not None and early[0] is not None and self._record.signum is None:
             self._record.signum, self._record.at = early
         self._note_save()
@@ -896,10 +895,7 @@ class PreemptionGuard:
         if code == REQUEUE_EXIT_CODE and threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 signal.signal(s, signal.SIG_IGN)
-        left = self._time_left()
-        if self._agreed_left is not None:  # the rank signalled first: the same on every rank
-            agreed, at = self._agreed_left
-            left = agreed - (time.monotonic() - at)
+        left = self._grace_left()
         # A save that close(timeout_s=) left running may hold a round that waits for
         # the other ranks: the interpreter's exit would wait for it (then tear the
         # store client down inside it), past the grace period. Within what is left of
@@ -972,17 +968,21 @@ class PreemptionGuard:
         preemption save: the process still exits with ``REQUEUE_EXIT_CODE`` before the
         scheduler's SIGKILL (without the reserve, a close that used all of it left the
         job killed with 137)."""
-        left = self._time_left()
-        if self._agreed_left is not None:
-            # Once the ranks stopped: the least time left of any rank (the one signalled
-            # first), the same on every rank. A rank that got no signal had None, and a
-            # collective close(timeout_s=time_left_s) with None on some ranks and a
-            # bound on others never ended within the grace period.
-            agreed, at = self._agreed_left
-            left = agreed - (time.monotonic() - at)
-        if left is None or self.grace_s is None:
+        left = self._grace_left()
+        return None if left is None else max(0.0, left - self._reserve)
+
+    def _grace_left(self) -> float | None:
+        """Seconds left of the grace period (None: no signal, or it is unknown). Once
+        the ranks stopped: the least time left of any rank (the one signalled first),
+        the same on every rank. A rank that got no signal had None, and a collective
+        close(timeout_s=time_left_s) with None on some ranks and a bound on others
+        never ended within the grace period."""
+        if self.grace_s is None:
             return None
-        return max(0.0, left - self._reserve)
+        if self._agreed_left is not None:
+            agreed, at = self._agreed_left
+            return agreed - (time.monotonic() - at)
+        return self._time_left()
 
     def should_save(self, step: int, *, work_s: float | None = None) -> bool:
         """Whether to save now and stop, decided by all ranks together. Collective.

@@ -420,6 +420,8 @@ def test_a_marker_commit_that_lands_after_a_takeover_is_not_reported_committed(m
     go_on.set()
     thread.join(30)
     assert isinstance(saved[0], FencedError), saved
+    # It says what landed (invariant 12: an error never hides a commit that happened).
+    assert "The manifest of step 3 landed after that" in str(saved[0]), saved
     new.save(3, np_state(3))  # the holder's save of that step replaces what landed
     assert same(new.restore(3), np_state(3))
     new.close()

@@ -319,14 +319,12 @@ def _sync_and_close(fd: int, path: str, before: Callable[[int], None] | None = N
             before(fd)
         os.fsync(fd)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        close_quietly(fd)
         raise map_os_error(exc, "fsync", path) from exc
     except BaseException:
         # KeyboardInterrupt during the fsync: the descriptor of a file that is about to
         # be deleted kept its blocks in use until the process ended.
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        close_quietly(fd)
         raise
     try:
         os.close(fd)
@@ -339,8 +337,7 @@ def _discard(fd: int | None, path: str) -> None:
     """Close ``fd`` (if open) and remove the partial file ``path``; best effort, as an
     abort runs on a path that is failing already."""
     if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        close_quietly(fd)
     with contextlib.suppress(OSError):
         os.unlink(path)
 
@@ -1196,21 +1193,18 @@ def _open_new(p: str) -> int:
 
 
 def _fill_new(fd: int, p: str, data: bytes) -> None:
-    """Write ``data`` through ``fd`` (just created as ``p``), fsync and close it; on
-    failure the file is removed, so nothing half-written keeps the name."""
+    """Write ``data`` through ``fd`` (just created as ``p``), then ``_sync_and_close``
+    (whose close reports a deferred write error too); on failure the file is removed,
+    so nothing half-written keeps the name."""
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
     except OSError as exc:
-        close_quietly(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(p)
+        _discard(fd, p)
         raise map_os_error(exc, "write", p) from exc
     try:
-        os.close(fd)  # NFS and FUSE may report a deferred write error only here
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(p)
-        raise map_os_error(exc, "close", p) from exc
+        _sync_and_close(fd, p)
+    except BaseException:
+        _discard(None, p)
+        raise
