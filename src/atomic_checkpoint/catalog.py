@@ -606,6 +606,53 @@ def missing_step_error(storage: Storage, step: int) -> CheckpointNotFoundError:
     )
 
 
+def exists_error(storage: Storage, step: int) -> CheckpointExistsError:
+    """Why a save of ``step`` without ``overwrite`` is refused: it is committed."""
+    return CheckpointExistsError(
+        f"checkpoint step {step} is already committed at "
+        f"{storage.url(layout.checkpoint_name(step))}; pass overwrite=True to replace it "
+        "atomically, or save under a new step"
+    )
+
+
+def await_readable(storage: Storage, step: int, timeout_s: float) -> None:
+    """Non-coordinators on a network filesystem: wait until the commit is visible.
+
+    Runs after every rank was told the save committed, so it never fails the save: a
+    rank that raised here while the others returned would report a failure for a
+    committed step (found by the libfiu campaign on s3fs-fuse: an EIO reading the
+    manifest back through one rank's mount). A manifest that stays invisible or cannot
+    be read from this rank is a warning; the checkpoint is committed either way."""
+    where = storage.url(layout.checkpoint_name(step))
+
+    def read() -> CheckpointError | None:
+        try:
+            read_manifest(storage, layout.checkpoint_name(step))
+            return None
+        except CheckpointError as exc:
+            return exc
+
+    exc = visibility.until(
+        storage, "", read, lambda e: not isinstance(e, CheckpointNotFoundError), timeout_s
+    )
+    if isinstance(exc, CheckpointNotFoundError):
+        log.warning(
+            "checkpoint step %d is committed but not visible from this rank after %g s: "
+            "%s (this mount's cache is stale; it shows the step later)",
+            step,
+            timeout_s,
+            where,
+        )
+    elif exc is not None:
+        log.warning(
+            "checkpoint step %d is committed, but this rank cannot read its manifest back "
+            "at %s: %s",
+            step,
+            where,
+            exc,
+        )
+
+
 def _steps_near(steps: list[int], step: int, most: int = 10) -> str:
     """``steps`` (ascending) as a short list for a message about ``step``: all of them,
     or, of many, the ones just below and above it, the newest and a count ("100, 200

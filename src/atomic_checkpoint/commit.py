@@ -79,8 +79,8 @@ from typing import Any, TypeVar
 from . import errors
 from ._faults import fault_point
 from ._version import __version__
+from .catalog import await_readable, exists_error, failed_validation, read_manifest, step_taken
 from .catalog import committed as committed_manifests
-from .catalog import failed_validation, read_manifest, step_taken
 from .coordination import (
     Coordinator,
     gather_routed,
@@ -225,7 +225,7 @@ def begin(
         if exists and not overwrite and len(ctx.leaders) == 1:
             torn = failed_validation(ctx.storage, step)
             if torn is None:
-                raise _exists_error(ctx.storage, step)
+                raise exists_error(ctx.storage, step)
             log.warning("saving step %d replaces it: %s (a resume skips it)", step, torn)
             replace = True
         return step, ctx.strategy.prepare(ctx.storage, step, attempt), exists, replace
@@ -241,7 +241,7 @@ def begin(
     if exists_everywhere and not leader_overwrite:
         # Committed in every domain (several domains: each leader only said so).
         abort(ctx, pending)
-        raise _exists_error(ctx.storage, step)
+        raise exists_error(ctx.storage, step)
     # Committed in some domains only: the leftover of a save that failed half way (a
     # node died between the domains' commits). It never counted as a checkpoint; it is
     # replaced.
@@ -252,7 +252,7 @@ def begin(
         try:
             fault_point("before_write", ctx.coord.rank, step)
             if not ctx.is_coordinator and not ctx.storage.capabilities.coherent:
-                _await_dir(ctx.storage, pending.location, ctx.visibility_timeout_s)
+                visibility.await_dir(ctx.storage, pending.location, ctx.visibility_timeout_s)
             pending.writes = True
         except Exception as exc:  # shared by finish, never swallowed
             pending.problem = ("write", exc)
@@ -396,7 +396,7 @@ def finish(
     views = (common, view) if len(ctx.leaders) > 1 and ctx.is_coordinator else None
     timings["commit"] = time.perf_counter() - t
     if not ctx.is_coordinator and not storage.capabilities.coherent:
-        _await_committed(storage, step, ctx.visibility_timeout_s)
+        await_readable(storage, step, ctx.visibility_timeout_s)
     timings["total"] = time.perf_counter() - pending.started
     return Committed(manifest, timings, views)
 
@@ -761,14 +761,6 @@ def _own_commit(
     return manifest if ours and ours <= listed else None
 
 
-def _exists_error(storage: Storage, step: int) -> errors.CheckpointExistsError:
-    return errors.CheckpointExistsError(
-        f"checkpoint step {step} is already committed at "
-        f"{storage.url(checkpoint_name(step))}; pass overwrite=True to replace it atomically, "
-        "or save under a new step"
-    )
-
-
 def _await_files(
     storage: Storage,
     pending: str,
@@ -789,57 +781,6 @@ def _await_files(
             f"{len(wrong)} file(s) written by the ranks are not visible to the "
             f"coordinator after {timeout_s:g} s, e.g. {f.path!r} from rank {f.rank}: "
             f"expected {f.size_bytes} bytes, seen {wrong[f.path]}"
-        )
-
-
-def _await_dir(storage: Storage, path: str, timeout_s: float) -> None:
-    """Ranks other than the coordinator, on a network filesystem: wait until the pending
-    directory the coordinator just created is visible here (NFS clients cache negative
-    lookups; a refresh of the parent drops them)."""
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
-    if not visibility.until(storage, parent, lambda: storage.is_dir(path), bool, timeout_s):
-        raise errors.CommitError(
-            f"the pending directory {storage.url(path)} that the coordinator created is "
-            f"not visible from this rank after {timeout_s:g} s: does this rank see the "
-            "same storage under the checkpoint root?"
-        )
-
-
-def _await_committed(storage: Storage, step: int, timeout_s: float) -> None:
-    """Non-coordinators on a network filesystem: wait until the commit is visible.
-
-    Runs after every rank was told the save committed, so it never fails the save: a
-    rank that raised here while the others returned would report a failure for a
-    committed step (found by the libfiu campaign on s3fs-fuse: an EIO reading the
-    manifest back through one rank's mount). A manifest that stays invisible or cannot
-    be read from this rank is a warning; the checkpoint is committed either way."""
-    where = storage.url(checkpoint_name(step))
-
-    def read() -> errors.CheckpointError | None:
-        try:
-            read_manifest(storage, checkpoint_name(step))
-            return None
-        except errors.CheckpointError as exc:
-            return exc
-
-    exc = visibility.until(
-        storage, "", read, lambda e: not isinstance(e, errors.CheckpointNotFoundError), timeout_s
-    )
-    if isinstance(exc, errors.CheckpointNotFoundError):
-        log.warning(
-            "checkpoint step %d is committed but not visible from this rank after %g s: "
-            "%s (this mount's cache is stale; it shows the step later)",
-            step,
-            timeout_s,
-            where,
-        )
-    elif exc is not None:
-        log.warning(
-            "checkpoint step %d is committed, but this rank cannot read its manifest back "
-            "at %s: %s",
-            step,
-            where,
-            exc,
         )
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CommitError
 from .base import Storage
 
 _T = TypeVar("_T")
@@ -145,3 +145,16 @@ def await_sizes(
         return missing
 
     return until(storage, directory, probe, lambda missing: not missing, timeout_s)
+
+
+def await_dir(storage: Storage, path: str, timeout_s: float) -> None:
+    """Ranks other than the coordinator, on a network filesystem: wait until the pending
+    directory the coordinator just created is visible here (NFS clients cache negative
+    lookups; a refresh of the parent drops them)."""
+    parent = path.rsplit("/", 1)[0] if "/" in path else ""
+    if not until(storage, parent, lambda: storage.is_dir(path), bool, timeout_s):
+        raise CommitError(
+            f"the pending directory {storage.url(path)} that the coordinator created is "
+            f"not visible from this rank after {timeout_s:g} s: does this rank see the "
+            "same storage under the checkpoint root?"
+        )
