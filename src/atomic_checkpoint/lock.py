@@ -134,7 +134,9 @@ def _fmt_time(unix: float) -> str:
 
 #: The fields that identify one process: a pid is reused, so its start time, the
 #: boot and the pid namespace tell this process from an earlier one with that pid.
-_PROCESS_IDENTITY = operator.attrgetter("host", "pid", "pid_start", "boot_id", "pid_ns")
+_PROCESS_IDENTITY = operator.attrgetter("host", "pid", "boot_id", "pid_ns")
+#: This process's start time, boot id and pid namespace, by pid (see ``_Me.now``).
+_IDENTITY: dict[int, tuple[int | None, str | None, str | None]] = {}
 
 
 @dataclass(frozen=True)
@@ -148,14 +150,18 @@ class _Me:
     @classmethod
     def now(cls, host: str | None = None) -> _Me:
         pid = os.getpid()
-        stat = _proc_stat(pid)
-        return cls(
-            host=host or current_host(),
-            pid=pid,
-            pid_start=stat[1] if stat else None,
-            boot_id=_read_text("/proc/sys/kernel/random/boot_id"),
-            pid_ns=_pid_namespace(),
-        )
+        known = _IDENTITY.get(pid)
+        if known is None:
+            stat = _proc_stat(pid)
+            boot = _read_text("/proc/sys/kernel/random/boot_id")
+            known = (stat[1] if stat else None, boot, _pid_namespace())
+            if None not in known:
+                # Read once per process (a fork has another pid): a read of /proc that
+                # fails once (EIO, EMFILE) made this process a stranger to its own
+                # lock, and a second manager was refused as another job.
+                _IDENTITY.clear()
+                _IDENTITY[pid] = known
+        return cls(host or current_host(), pid, *known)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,7 +271,13 @@ class LockHolder:
         return self._is_process(_Me.now())
 
     def _is_process(self, me: _Me) -> bool:
-        return bool(_PROCESS_IDENTITY(self) == _PROCESS_IDENTITY(me))
+        # A start time one side could not read still names this process: a live pid
+        # in the same boot and pid namespace is one process (an earlier one with
+        # that pid is gone, and its lock is ours to take over either way).
+        unknown = self.pid_start is None or me.pid_start is None
+        return _PROCESS_IDENTITY(self) == _PROCESS_IDENTITY(me) and (
+            unknown or self.pid_start == me.pid_start
+        )
 
     def to_bytes(self) -> bytes:
         doc = {"kind": "atomic-checkpoint-lock", "version": 1, **asdict(self)}
@@ -837,7 +849,7 @@ class RunLock:
             why = f"{self.storage.url(LOCK_FILE)} was replaced by an unreadable file"
         else:
             why = f"it is now held by {current.describe(self._clock())}"
-        if current is not None and _PROCESS_IDENTITY(current) == _PROCESS_IDENTITY(holder):
+        if current is not None and current._is_process(_Me.now(self._host)):
             # Not another job: this process opened a second writable manager on ROOT
             # (a notebook cell run again), which took the lock over from this one.
             self._fence(

@@ -294,6 +294,28 @@ def test_an_earlier_unclosed_lock_of_this_process_is_superseded(storage):
         a.check()
 
 
+@pytest.mark.parametrize("fails", ["the first start", "the second start"])
+def test_this_process_is_still_itself_when_reading_proc_fails_once(storage, monkeypatch, fails):
+    """A read of /proc that failed once (EIO, EMFILE under fault injection) gave this
+    process another identity: the second manager of a notebook was refused with
+    LockHeldError naming this very process, and the first one stayed the holder."""
+    real = lockmod._proc_stat
+    monkeypatch.setattr(lockmod, "_IDENTITY", {})
+    monkeypatch.setattr(lockmod, "_proc_stat", lambda pid: None)
+    if fails == "the second start":
+        monkeypatch.setattr(lockmod, "_proc_stat", real)
+    a = RunLock(storage, run_id="nb", heartbeat=False)
+    a.acquire()
+    monkeypatch.setattr(
+        lockmod, "_proc_stat", (lambda pid: None) if fails != "the first start" else real
+    )
+    b = RunLock(storage, run_id="nb", heartbeat=False)
+    b.acquire()
+    b.check()
+    with pytest.raises(FencedError, match="newer CheckpointManager of this same process"):
+        a.check()
+
+
 def test_a_removed_lock_fences_its_holder(storage):
     a = make_lock(storage, Clock())
     a.acquire()
