@@ -106,7 +106,14 @@ per-checkpoint ``seconds`` (nothing was recorded). ``problem`` is null for ``ok`
 entries, except a Lightning ``last.ckpt`` link (``save_last="link"``), status ``ok`` and
 ``problem`` "a link to <its target>". Every ``--json`` command that got as far as
 reading ROOT prints its document, also when it then exits 1 (a step that is not there:
-``verify ROOT STEP`` and ``inspect ROOT STEP`` say so in it). ``list --json``::
+``verify ROOT STEP`` and ``inspect ROOT STEP`` say so in it). One that an error stops
+before it has its document (ROOT missing or unreadable, the run lock held by a live job,
+the storage failing, ``--timeout``) prints ``{"schema_version", "command", "root",
+"error": {"type", "message", "exit_code"}}`` instead (``type``: ``LockHeldError`` for
+exit 3, else the error's class: ``CliError`` for the command's own checks, e.g. a
+missing ROOT, or the library's, e.g. ``StorageError``; ``message``: the error line, as
+printed on stderr).
+``list --json``::
 
     {"schema_version": 1, "command": "list", "root": "/ckpt/run1",
      "run_id": "run-20240501-120000-1a2b3c4d",
@@ -388,8 +395,45 @@ def _short_problem(storage: Storage, name: str, problem: str | None) -> str | No
     return problem[len(prefix) :] if problem.startswith(prefix) else problem
 
 
+#: Whether the running command printed its JSON document (``_failed``; a command run
+#: under ``--timeout`` prints from another thread).
+_EMITTED = {"done": False}
+
+
 def _emit_json(doc: dict[str, Any]) -> None:
+    _EMITTED["done"] = True
     _write_out(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def _error_type(exc: BaseException, code: int) -> str:
+    """The public name of what stopped a command: ``LockHeldError`` for every refusal
+    of exit 3, whichever check made it; else the class of ``exc``."""
+    if code == EXIT_LOCKED:
+        return LockHeldError.__name__
+    return next(c.__name__ for c in type(exc).__mro__ if not c.__name__.startswith("_"))
+
+
+def _failed(args: argparse.Namespace, exc: BaseException, message: str, code: int) -> int:
+    """A command stopped by an error: the error line on stderr and, with ``--json``,
+    when the command printed no document of its own, the error document on stdout (a
+    script reads one document whatever happened)."""
+    _error_line(message)
+    if getattr(args, "json", False) and not _EMITTED["done"]:
+        root = getattr(args, "root", None)
+        with contextlib.suppress(OSError, ValueError):
+            _emit_json(
+                {
+                    "schema_version": 1,
+                    "command": getattr(args, "command", None),
+                    "root": root if isinstance(root, str) else None,
+                    "error": {
+                        "type": _error_type(exc, code),
+                        "message": " ".join(message.split()),
+                        "exit_code": code,
+                    },
+                }
+            )
+    return code
 
 
 _OUT_PIECE = 1 << 16
@@ -3348,26 +3392,22 @@ def _main(argv: Sequence[str] | None) -> int:
     verbose = int(getattr(args, "verbose", 0) or 0)
     _setup_logging(verbose)
     func: Callable[[argparse.Namespace], int] = args.func
+    _EMITTED["done"] = False
     try:
         limit = getattr(args, "give_up_s", None)
         return func(args) if limit is None else _within(limit, func, args)
     except SystemExit as exc:  # parser.error from inside a command
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     except CliError as exc:
-        _error_line(str(exc))
-        return exc.code
+        return _failed(args, exc, str(exc), exc.code)
     except LockHeldError as exc:
-        _error_line(str(exc))
-        return EXIT_LOCKED
+        return _failed(args, exc, str(exc), EXIT_LOCKED)
     except StorageError as exc:
-        _error_line(str(exc))
-        return EXIT_USAGE
+        return _failed(args, exc, str(exc), EXIT_USAGE)
     except CheckpointError as exc:
-        _error_line(str(exc))
-        return EXIT_PROBLEM
-    except KeyboardInterrupt:
-        _error_line("interrupted")
-        return EXIT_INTERRUPTED
+        return _failed(args, exc, str(exc), EXIT_PROBLEM)
+    except KeyboardInterrupt as exc:
+        return _failed(args, exc, "interrupted", EXIT_INTERRUPTED)
     except BrokenPipeError:
         # The reader of stdout went away (`... | head`): stop quietly, and keep Python
         # from complaining again when it flushes stdout at exit.
@@ -3375,13 +3415,14 @@ def _main(argv: Sequence[str] | None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_PROBLEM
     except OSError as exc:
-        _error_line(f"{type(exc).__name__}: {exc}")
-        return EXIT_USAGE
+        return _failed(args, exc, f"{type(exc).__name__}: {exc}", EXIT_USAGE)
     except Exception as exc:
         if verbose >= 2:
             traceback.print_exc()
-        _error_line(
+        return _failed(
+            args,
+            exc,
             f"internal error: {type(exc).__name__}: {exc} (a bug in atomic-checkpoint "
-            f"{__version__}; run with -vv for the traceback and report it)"
+            f"{__version__}; run with -vv for the traceback and report it)",
+            EXIT_PROBLEM,
         )
-        return EXIT_PROBLEM

@@ -3,6 +3,7 @@ broken pipes, and imports."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -173,6 +174,32 @@ def test_every_json_key_the_commands_emit_is_documented(root, tmp_path):
     emitted |= {k for d in documents if d["command"] == "inspect" for k in d}
     missing = sorted(k for k in emitted if f'"{k}"' not in doc and f"``{k}``" not in doc)
     assert missing == [], f"--json keys not in the documented schema: {missing}"
+
+
+@pytest.mark.timeout(120)
+def test_a_json_command_stopped_by_an_error_still_prints_one_document(root, tmp_path):
+    """`--json` scripts parse stdout: a command refused before it had its document (a
+    missing ROOT, the lock of a live job) printed nothing there, only the error line on
+    stderr. It now prints an error document, with the same message and exit status."""
+    from atomic_checkpoint import CheckpointManager, cli
+
+    missing = tmp_path / "no-such-root"
+    for args in (("list", missing), ("verify", missing), ("inspect", missing, "3")):
+        doc = run_json(*args, expect_rc=2)
+        assert doc["command"] == args[0] and doc["root"] == str(missing), doc
+        assert doc["error"]["exit_code"] == 2 and "does not exist" in doc["error"]["message"]
+    make_root(root, (100, 200))
+    with CheckpointManager(root):  # a live job holds the run lock
+        proc = run_cli("prune", root, "--keep-last", "1", "--json")
+    assert proc.returncode == 3, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["error"]["type"] == "LockHeldError" and doc["error"]["exit_code"] == 3
+    assert doc["error"]["message"] in " ".join(error_line(proc).split()), (doc, proc.stderr)
+    # A document the command printed itself is not followed by a second one.
+    ok = run_cli("verify", root, "100", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["command"] == "verify"
+    for key in ("error", "type", "message", "exit_code"):
+        assert f'"{key}"' in (cli.__doc__ or "") or f"``{key}``" in (cli.__doc__ or ""), key
 
 
 @pytest.mark.parametrize("entry_point", [False, True], ids=["module", "script"])
