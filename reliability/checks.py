@@ -124,7 +124,7 @@ def unclear_reason(
         if dead and not dead & set(missing):
             return f"timeout names ranks {missing}, but rank(s) {sorted(dead)} failed"
         return None
-    if kind == "DistributedCheckpointError":
+    if "DistributedCheckpointError" in mro:  # DistributedStorageFullError too
         failures = desc["failures"]
         if not failures:
             return "distributed error lists no failing rank"

@@ -167,7 +167,7 @@ def _judge(tally: Tally, label: str, values: list[dict[str, Any]], code: int) ->
         reason = unclear_reason(desc, errno=code, full=True) if desc else "no error"
         if reason:
             tally.violate("unclear", f"{label}: rank {i}: {reason}")
-        elif desc["type"] == "DistributedCheckpointError":
+        elif "DistributedCheckpointError" in desc["mro"]:
             tally.count("failed_ranks", str(sorted(f["rank"] for f in desc["failures"])))
         tally.count("error", desc["type"] if desc else "none")
         if v["steps_after"] != [1]:

@@ -27,6 +27,7 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     ├── CoordinationTimeoutError(CheckpointError, TimeoutError)
     ├── CollectiveMismatchError(CheckpointError)   ranks made different calls
     ├── DistributedCheckpointError(CheckpointError)   carries every rank's failure
+    │   └── DistributedStorageFullError(DistributedCheckpointError, StorageFullError)
     ├── SaveAbandonedError(CheckpointError)   an async save stopped by close() or exit
     ├── LockError(CheckpointError)
     │   ├── LockHeldError                another live job owns ROOT
@@ -41,7 +42,9 @@ from __future__ import annotations
 
 import errno as _errno
 import os as _os
+import re as _re
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "CheckpointError",
@@ -52,6 +55,7 @@ __all__ = [
     "CoordinationTimeoutError",
     "CorruptCheckpointError",
     "DistributedCheckpointError",
+    "DistributedStorageFullError",
     "FencedError",
     "LockError",
     "LockHeldError",
@@ -216,6 +220,15 @@ class DistributedCheckpointError(CheckpointError):
             message promises about the checkpoints on storage.
     """
 
+    def __new__(cls, failures: Any = (), *args: Any, **kwargs: Any) -> DistributedCheckpointError:
+        # A rank out of space makes the error a StorageFullError too: `except
+        # StorageFullError:` around a save works with one rank and with many alike.
+        if cls is DistributedCheckpointError and any(
+            getattr(f, "error_type", None) == StorageFullError.__name__ for f in failures
+        ):
+            cls = DistributedStorageFullError
+        return super().__new__(cls)
+
     def __init__(
         self,
         failures: list[RankFailure] | tuple[RankFailure, ...],
@@ -242,10 +255,48 @@ class DistributedCheckpointError(CheckpointError):
                 "No partial checkpoint is visible; the previous checkpoints are intact."
             )
         super().__init__(outcome)
+        self.args = (outcome,)  # OSError (the subclass below) sets them in __new__
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:
         return tuple(f.rank for f in self.failures)
+
+
+class DistributedStorageFullError(DistributedCheckpointError, StorageFullError):
+    """A ``DistributedCheckpointError`` in which at least one rank ran out of space
+    (ENOSPC, EDQUOT): raised on every rank, and caught by ``except StorageFullError``
+    as the one-process error is. ``errno`` is the first such rank's (ENOSPC or
+    EDQUOT); ``failures`` names each rank."""
+
+    def __init__(
+        self,
+        failures: list[RankFailure] | tuple[RankFailure, ...],
+        *,
+        step: int | None = None,
+        operation: str = "save",
+    ):
+        DistributedCheckpointError.__init__(self, failures, step=step, operation=operation)
+        self.errno = _full_errno(self.failures)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def,unused-ignore]
+        return (_rebuild_full, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_full(cls, args, state):  # type: ignore[no-untyped-def,unused-ignore]
+    obj = _rebuild(cls, args, state)
+    obj.errno = _full_errno(obj.failures)  # a C slot of OSError, not in the instance dict
+    return obj
+
+
+def _full_errno(failures: tuple[RankFailure, ...]) -> int:
+    """The errno of the first rank out of space (EDQUOT or ENOSPC), as its message
+    names it (``map_os_error``'s "(errno N)"); ENOSPC if it names none."""
+    for f in failures:
+        if f.error_type == StorageFullError.__name__:
+            found = _re.search(r"\(errno (\d+)\)", f.message)
+            if found and int(found.group(1)) in (_errno.ENOSPC, _errno.EDQUOT):
+                return int(found.group(1))
+    return _errno.ENOSPC
 
 
 class SaveAbandonedError(CheckpointError):

@@ -393,6 +393,7 @@ def test_a_full_local_disk_fails_the_save_on_every_rank_and_loses_nothing(tmp_pa
     errors = [v["saved"][2] for v in values]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
     assert "rank 1" in errors[0][1] and "No space left" in errors[0][1], errors[0]
+    assert errors[0][2], f"not catchable as StorageFullError: {errors[0]}"
     assert all(v["saved"][3] is None for v in values)
     assert all([s for s, _t in v["listed"]] == [1, 3] for v in values), values
     reader = CheckpointManager(slow, read_only=True)

@@ -12,7 +12,13 @@ from typing import Any
 from tests.dist.workers import make_state, states_equal
 from tests.helpers import ListHandler
 
-from atomic_checkpoint import CheckpointError, KeepLast, Tier, TieredCheckpointManager
+from atomic_checkpoint import (
+    CheckpointError,
+    KeepLast,
+    StorageFullError,
+    Tier,
+    TieredCheckpointManager,
+)
 from atomic_checkpoint.domains import HOST_ENV
 
 ELEMS = 4096
@@ -401,7 +407,8 @@ def w_tiered_disk_full(
             mgr.save(s, make_state(s, rank, big_elems=ELEMS))
             out["saved"][s] = None
         except Exception as exc:  # every rank must get the same error
-            out["saved"][s] = [type(exc).__name__, str(exc)]
+            # The README: a full disk is caught as StorageFullError, one rank or many.
+            out["saved"][s] = [type(exc).__name__, str(exc), isinstance(exc, StorageFullError)]
         if s == 2 and rank == 1:
             os.remove(filler)  # space again
         dist.barrier()

@@ -289,6 +289,38 @@ def test_metadata_is_a_bounded_json_mapping():
         check_metadata({"m": {0: "a", "x": "b"}})
 
 
+def test_a_rank_out_of_space_is_caught_as_storage_full_on_every_rank():
+    """With one rank a full disk raises StorageFullError; with many it was only a
+    DistributedCheckpointError, and `except StorageFullError:` around the save (the
+    README's advice for a full disk) never fired under torchrun."""
+    full = errors.RankFailure(1, "write", "StorageFullError", "write 'x' failed (errno 28)")
+    other = errors.RankFailure(0, "write", "CoordinationTimeoutError", "rank 1 hung")
+    e = errors.DistributedCheckpointError([other, full], step=7)
+    assert isinstance(e, errors.StorageFullError) and isinstance(e, OSError)
+    assert isinstance(e, errors.DistributedCheckpointError) and e.errno == errno.ENOSPC
+    assert e.failures == (other, full) and e.step == 7 and "rank 1" in str(e)
+    assert type(e) is errors.DistributedStorageFullError
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is type(e) and str(back) == str(e) and back.errno == errno.ENOSPC
+    assert back.failures == e.failures and back.step == 7
+    quota = errors.RankFailure(2, "write", "StorageFullError", "write 'y' failed (errno 122)")
+    assert errors.DistributedCheckpointError([quota]).errno == errno.EDQUOT
+    plain = errors.DistributedCheckpointError([other], step=7)
+    assert type(plain) is errors.DistributedCheckpointError
+    assert not isinstance(plain, errors.StorageFullError)
+    assert str(pickle.loads(pickle.dumps(plain))) == str(plain)
+    try:
+        raise coordination_shared([full], 7)
+    except errors.StorageFullError as caught:
+        assert caught.failed_ranks == (1,)
+
+
+def coordination_shared(failures, step):
+    from atomic_checkpoint.coordination import shared_error
+
+    return shared_error(failures, step)
+
+
 def test_errors_pickle_and_keep_their_fields():
     failure = errors.RankFailure(2, "write", "StorageFullError", "disk full")
     e = errors.DistributedCheckpointError([failure], step=5)

@@ -31,7 +31,7 @@ PUBLIC = {
     "CorruptCheckpointError", "UnsafeCheckpointError", "UnsupportedSchemaError",
     "SerializationError", "StorageError", "StorageFullError", "StoragePermissionError",
     "CommitError", "CoordinationTimeoutError", "CollectiveMismatchError", "RankFailure",
-    "DistributedCheckpointError",
+    "DistributedCheckpointError", "DistributedStorageFullError",
     "LockError", "LockHeldError", "FencedError", "ResumeError", "ReadOnlyError",
     "SaveAbandonedError", "StateMismatchError",
     "__version__",
@@ -71,6 +71,7 @@ def test_a_type_checker_sees_the_lazy_exports_and_no_other_name(tmp_path):
     # The package's module __getattr__ made mypy accept any name (a typo such as
     # KeepLastt passed, then failed at import) and typed FsspecStorage as `object`.
     from mypy import api  # requirements/dev.txt
+
     user = tmp_path / "user.py"
     user.write_text(
         "from atomic_checkpoint import FsspecStorage, SaveHandle, KeepLastt\n"
