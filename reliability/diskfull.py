@@ -1,14 +1,15 @@
 """Real disk-full campaign: ROOT on a small filesystem that really runs out of space.
 
 Filesystems: tmpfs, ext4 made with ``-m 0`` (no root reserve: the campaign runs as
-root), xfs, and sshfs whose export lives on a small tmpfs (a network filesystem that
-reports ENOSPC from the server, without ``fallocate``). Per filesystem:
+root), xfs, and sshfs whose export lives on a small tmpfs (a network filesystem without
+``fallocate``, which reports the server's full disk as EIO: the library must still say
+ENOSPC). Per filesystem:
 
 - **one rank**: one random rank's state alone is larger than the free space;
 - **together**: every rank's state fits alone, but not all of them together;
 
 Each trial: 3 ranks save step 1 (fits); the coordinator fills the disk until a few MiB
-are free; step 2 must fail on every rank with a ``DistributedCheckpointError`` that
+are free; step 2 must fail on every rank with a ``DistributedStorageFullError`` that
 carries ``StorageFullError`` (errno ENOSPC) for the rank(s) that hit the wall; step 1
 must stay the newest checkpoint; the failed save must give back the space it took and
 leave nothing pending; after the filler is removed, the same manager saves step 2 and
@@ -50,10 +51,13 @@ def run(size: str, seed: int, progress: Progress, workdir: str) -> Tally:
     for kind in KINDS[size]:
         try:
             with _small_root(kind, base) as (root, filler):
+                # What the filesystem says (sshfs: EIO) is a statistic; the library must
+                # say ENOSPC on every kind (``storage.posix.write_error``).
                 code = errno.ENOSPC
-                if kind == "sshfs":
-                    code = probe_full_errno(root, os.path.dirname(filler)) or errno.ENOSPC
-                tally.stats.setdefault("errno_of_a_full_disk", {})[kind] = errno.errorcode[code]
+                said = code if kind != "sshfs" else probe_full_errno(root, os.path.dirname(filler))
+                tally.stats.setdefault("errno_of_a_full_disk", {})[kind] = (
+                    errno.errorcode[said] if said else "none"
+                )
                 for i in range(REPEATS[size]):
                     for variant in VARIANTS:
                         where = os.path.join(root, f"r{i}-{variant}")
@@ -87,8 +91,9 @@ def probe_full_errno(mount_dir: str, server_dir: str) -> int | None:
     """The errno a client of ``mount_dir`` gets when the server's disk is full.
 
     SFTP (protocol 3, what sshfs speaks) has no "disk full" status: the server sends a
-    generic failure, which sshfs reports as EIO. The campaign expects from the library
-    the errno the filesystem gave it, so it asks the filesystem first.
+    generic failure, which sshfs reports as EIO. The library reports it as the full
+    disk it is (ENOSPC, ``StorageFullError``); this probe records what the filesystem
+    itself said.
     """
     filler = os.path.join(server_dir, "probe-filler")
     try:

@@ -76,6 +76,35 @@ def test_a_save_that_does_not_fit_fails_cleanly_and_keeps_every_checkpoint(small
     assert [c.step for c in CheckpointManager(root, read_only=True).checkpoints()] == [2]
 
 
+@pytest.mark.timeout(180)
+def test_a_full_disk_behind_sshfs_is_a_full_disk_not_an_io_error(small_disk, tmp_path):
+    """SFTP has no "disk full" status, and sshfs reports the server's full disk as EIO:
+    the save failed with a bare StorageError ("Input/output error") and none of the
+    full-disk advice, and `except StorageFullError:` missed it. The export lives on a
+    real 32 MiB tmpfs, filled from the server's side."""
+    from tests.testbed import SshfsExport
+
+    disk = small_disk(32, "tmpfs")
+    with SshfsExport(disk.path / "srv") as export:
+        root = export.mount(tmp_path / "mnt").path / "root"
+        mgr = CheckpointManager(root, retention=KeepLast(1))
+        mgr.save(1, expected_state(1, 0, SMALL))
+        filler = export.export / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(0, free_bytes(disk.path) - (4 << 20)))
+        big = expected_state(2, 0, 2 << 20)  # 16 MiB
+        with pytest.raises(StorageFullError) as err:
+            mgr.save(2, big)
+        e = err.value
+        assert e.errno == errno.ENOSPC and "errno 5" in str(e) and "sshfs" in str(e), e
+        assert "Free space" in str(e) and "rank-00000.safetensors" in str(e)
+        assert [c.step for c in mgr.checkpoints()] == [1]
+        assert states_equal(mgr.restore(), expected_state(1, 0, SMALL))
+        filler.unlink()
+        assert mgr.save(2, big).step == 2 and states_equal(mgr.restore(2), big)
+        mgr.close()
+
+
 def _fill(path) -> None:
     """Fill the disk at ``path``: a large file, then the remaining small allocations
     (directories need a block each on ext4)."""

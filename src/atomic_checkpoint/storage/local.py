@@ -93,7 +93,7 @@ from ..errors import (
 )
 from . import base
 from .detect import local_capabilities, mount_of
-from .posix import close_quietly, fsync_directory
+from .posix import close_quietly, fsync_directory, write_error
 from .temps import temp_name
 
 log = logging.getLogger("atomic_checkpoint")
@@ -293,7 +293,7 @@ class _LocalWriter(base.AbortOnError):
                     raise OSError(errno.ENOSPC, "short write", self._path)
                 view = view[n:]
         except OSError as exc:
-            raise map_os_error(exc, "write", self._path) from exc
+            raise write_error(exc, "write", self._path) from exc
 
     def close(self) -> None:
         fd, self._fd = self._fd, None
@@ -320,7 +320,7 @@ def _sync_and_close(fd: int, path: str, before: Callable[[int], None] | None = N
         os.fsync(fd)
     except OSError as exc:
         close_quietly(fd)
-        raise map_os_error(exc, "fsync", path) from exc
+        raise write_error(exc, "fsync", path) from exc
     except BaseException:
         # KeyboardInterrupt during the fsync: the descriptor of a file that is about to
         # be deleted kept its blocks in use until the process ended.
@@ -330,7 +330,7 @@ def _sync_and_close(fd: int, path: str, before: Callable[[int], None] | None = N
         os.close(fd)
     except OSError as exc:
         # NFS and FUSE can report deferred write errors (ENOSPC, EIO) only at close.
-        raise map_os_error(exc, "close", path) from exc
+        raise write_error(exc, "close", path) from exc
 
 
 def _discard(fd: int | None, path: str) -> None:
@@ -459,7 +459,7 @@ class _DirectWriter:
     def _raise_error(self) -> None:
         exc = self._error
         if exc is not None:
-            raise map_os_error(exc, "write", self._path) from exc
+            raise write_error(exc, "write", self._path) from exc
 
     def submit(self, view: memoryview, offset: int) -> _Done:
         """Queue a write; raises the error of an earlier write, if one failed."""
@@ -1202,7 +1202,7 @@ def _fill_new(fd: int, p: str, data: bytes) -> None:
             view = view[os.write(fd, view) :]
     except OSError as exc:
         _discard(fd, p)
-        raise map_os_error(exc, "write", p) from exc
+        raise write_error(exc, "write", p) from exc
     try:
         _sync_and_close(fd, p)
     except BaseException:

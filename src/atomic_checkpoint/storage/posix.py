@@ -25,10 +25,12 @@ from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    StorageError,
     UnsafeCheckpointError,
     map_os_error,
 )
 from ..manifest import Hasher
+from .base import NEARLY_FULL_BYTES
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -76,6 +78,40 @@ def read_available(fd: int, size: int) -> bytes:
         return b""
 
 
+def write_error(exc: OSError, action: str, path: str) -> StorageError:
+    """``map_os_error`` for a failed write, fsync or close of a file being written, except
+    that an EIO where the filesystem has (nearly) no space left is the full disk it is:
+    SFTP, what sshfs speaks, has no "disk full" status, and sshfs reports a full server
+    disk as EIO. Without this, the save failed with a bare I/O error and none of the
+    full-disk advice (``StorageFullError``)."""
+    if exc.errno == errno.EIO:
+        free = free_bytes(os.path.dirname(path) or ".")
+        if free is not None and free < NEARLY_FULL_BYTES:
+            exc = OSError(
+                errno.ENOSPC,
+                f"{exc.strerror or exc} (errno {errno.EIO}) with {free} bytes free on its "
+                "filesystem: a full disk, which this mount reports as an I/O error (sshfs "
+                "does)",
+            )
+    return map_os_error(exc, action, path)
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes free to this user on the filesystem of ``path`` (its nearest existing
+    parent), or None if that cannot be told."""
+    while True:
+        try:
+            st = os.statvfs(path)
+            return st.f_bavail * st.f_frsize
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if not parent or parent == path:
+                return None
+            path = parent
+        except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+            return None
+
+
 def fsync_file(path: str, reader: Any = None) -> None:
     """fsync ``path`` through a descriptor opened for writing: Windows cannot flush a
     file through a read-only handle (EBADF; FAILURE_MODES A7), POSIX can but the same
@@ -102,7 +138,7 @@ def fsync_file(path: str, reader: Any = None) -> None:
     try:
         os.fsync(reader.fileno() if fd is None else fd)
     except OSError as exc:
-        raise map_os_error(exc, "fsync", path) from exc
+        raise write_error(exc, "fsync", path) from exc
     finally:
         if fd is not None:
             os.close(fd)
