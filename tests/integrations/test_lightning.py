@@ -817,6 +817,27 @@ def test_async_save_creates_the_directory_before_it_returns(tmp_path):
     io.teardown()
 
 
+@pytest.mark.parametrize("plugin", [AtomicCheckpointIO, AsyncAtomicCheckpointIO])
+def test_a_full_save_over_a_last_ckpt_link_replaces_the_link(tmp_path, plugin):
+    """A run resumed with ``ModelCheckpoint(save_last="link")``: Lightning forgets the
+    link it made and, at a save that is not a top-k file, writes a full last.ckpt over
+    the link left by the first run. The plugin hashed the link's path to record the
+    version it replaces and died (UnsafeCheckpointError: a symbolic link), ending the
+    resumed job at its first such save; stock Lightning goes on."""
+    io = plugin()
+    target = tmp_path / "epoch=0-step=4.ckpt"
+    io.save_checkpoint(_state(4), target)
+    getattr(io, "wait", lambda: None)()  # the async plugin writes in the background
+    last = tmp_path / "last.ckpt"
+    os.symlink(target.name, last)  # what the first run's ModelCheckpoint left
+    io.save_checkpoint(_state(6), last)
+    getattr(io, "wait", lambda: None)()  # the async plugin writes in the background
+    assert not last.is_symlink() and verify_checkpoint(last).global_step == 6
+    assert verify_checkpoint(target).global_step == 4  # the link's target is untouched
+    assert io.load_checkpoint(last)["global_step"] == 6
+    io.teardown()
+
+
 # ---------------------------------------------------------------------- links and adoption
 @pytest.mark.slow
 @pytest.mark.timeout(300)

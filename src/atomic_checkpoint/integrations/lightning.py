@@ -985,7 +985,10 @@ class _AtomicFileIO:
             versions = None
         if versions is not None:
             return versions
-        if not posix.is_file(final):
+        if posix.is_link(final) or not posix.is_file(final):
+            # A link (``save_last="link"``, from before a resume: Lightning then saves a
+            # full last.ckpt over it) is verified through its target's manifest until
+            # the rename replaces the link itself; hashing it refused the save.
             return []
         digest, size = _hash_file(final, DEFAULT_ALGORITHM)
         return [_Version(size, digest, DEFAULT_ALGORITHM, None, None, 0.0)]
