@@ -110,9 +110,10 @@ reading ROOT prints its document, also when it then exits 1 (a step that is not 
 before it has its document (ROOT missing or unreadable, the run lock held by a live job,
 the storage failing, ``--timeout``) prints ``{"schema_version", "command", "root",
 "error": {"type", "message", "exit_code"}}`` instead (``type``: ``LockHeldError`` for
-exit 3, else the error's class: ``CliError`` for the command's own checks, e.g. a
-missing ROOT, or the library's, e.g. ``StorageError``; ``message``: the error line, as
-printed on stderr).
+exit 3, ``UsageError`` for bad arguments (``root`` is then null, and ``command`` too if
+it is the command that is wrong), else the error's class: ``CliError`` for the command's
+own checks, e.g. a missing ROOT, or the library's, e.g. ``StorageError``; ``message``:
+the error line, as printed on stderr).
 ``list --json``::
 
     {"schema_version": 1, "command": "list", "root": "/ckpt/run1",
@@ -419,21 +420,19 @@ def _failed(args: argparse.Namespace, exc: BaseException, message: str, code: in
     script reads one document whatever happened)."""
     _error_line(message)
     if getattr(args, "json", False) and not _EMITTED["done"]:
-        root = getattr(args, "root", None)
         with contextlib.suppress(OSError, ValueError):
-            _emit_json(
-                {
-                    "schema_version": 1,
-                    "command": getattr(args, "command", None),
-                    "root": root if isinstance(root, str) else None,
-                    "error": {
-                        "type": _error_type(exc, code),
-                        "message": " ".join(message.split()),
-                        "exit_code": code,
-                    },
-                }
-            )
+            _emit_json(_error_doc(args, _error_type(exc, code), message, code))
     return code
+
+
+def _error_doc(args: argparse.Namespace, kind: str, message: str, code: int) -> dict[str, Any]:
+    root = getattr(args, "root", None)
+    return {
+        "schema_version": 1,
+        "command": getattr(args, "command", None),
+        "root": root if isinstance(root, str) else None,
+        "error": {"type": kind, "message": " ".join(message.split()), "exit_code": code},
+    }
 
 
 _OUT_PIECE = 1 << 16
@@ -2934,8 +2933,14 @@ class _Parser(argparse.ArgumentParser):
         # The line starts with "atomic-checkpoint: error:" already; a subcommand's
         # parser adds its name ("list: ...").
         where = self.prog.removeprefix(PROG).strip()
-        _error_line(f"{where + ': ' if where else ''}{message} (see `{self.prog} --help`)")
+        line = f"{where + ': ' if where else ''}{message} (see `{self.prog} --help`)"
+        _error_line(line)
+        _USAGE_ERROR.update(command=where.split(" ")[0] or None, message=line)
         raise SystemExit(EXIT_USAGE)
+
+
+#: The usage error the parser reported, for ``--json`` (``_main``).
+_USAGE_ERROR: dict[str, Any] = {}
 
 
 class _CommandParser(_Parser):
@@ -3385,10 +3390,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    _USAGE_ERROR.clear()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        code = exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        words = sys.argv[1:] if argv is None else list(argv)
+        if _USAGE_ERROR and "--json" in words:
+            # A script asked for JSON: bad arguments are a document too.
+            usage = argparse.Namespace(json=True, command=_USAGE_ERROR["command"], root=None)
+            with contextlib.suppress(OSError, ValueError):
+                _emit_json(_error_doc(usage, "UsageError", _USAGE_ERROR["message"], code))
+        return code
     verbose = int(getattr(args, "verbose", 0) or 0)
     _setup_logging(verbose)
     func: Callable[[argparse.Namespace], int] = args.func
@@ -3397,7 +3410,11 @@ def _main(argv: Sequence[str] | None) -> int:
         limit = getattr(args, "give_up_s", None)
         return func(args) if limit is None else _within(limit, func, args)
     except SystemExit as exc:  # parser.error from inside a command
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        code = exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        if _USAGE_ERROR and getattr(args, "json", False) and not _EMITTED["done"]:
+            with contextlib.suppress(OSError, ValueError):
+                _emit_json(_error_doc(args, "UsageError", _USAGE_ERROR["message"], code))
+        return code
     except CliError as exc:
         return _failed(args, exc, str(exc), exc.code)
     except LockHeldError as exc:

@@ -195,6 +195,18 @@ def test_a_json_command_stopped_by_an_error_still_prints_one_document(root, tmp_
     doc = json.loads(proc.stdout)
     assert doc["error"]["type"] == "LockHeldError" and doc["error"]["exit_code"] == 3
     assert doc["error"]["message"] in " ".join(error_line(proc).split()), (doc, proc.stderr)
+    # Bad arguments too, whether argparse or the command itself refuses them (AE-D1:
+    # `inspect ROOT abc --json` and `prune ROOT --json` printed nothing on stdout).
+    for args, command in (
+        (("inspect", root, "abc"), "inspect"),
+        (("verify", root, "--timeout", "0"), "verify"),
+        (("prune", root), "prune"),
+        (("prune", root, "--keep-last", "0"), "prune"),
+        (("no-such-command",), None),
+    ):
+        doc = run_json(*args, expect_rc=2)
+        assert doc["command"] == command and doc["error"]["type"] == "UsageError", doc
+        assert doc["error"]["exit_code"] == 2 and "--help" in doc["error"]["message"], doc
     # A document the command printed itself is not followed by a second one.
     ok = run_cli("verify", root, "100", "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["command"] == "verify"
