@@ -27,7 +27,8 @@ Where a builtin fits, it is mixed in, so ``except FileNotFoundError`` still work
     ├── CoordinationTimeoutError(CheckpointError, TimeoutError)
     ├── CollectiveMismatchError(CheckpointError)   ranks made different calls
     ├── DistributedCheckpointError(CheckpointError)   carries every rank's failure
-    │   └── DistributedStorageFullError(DistributedCheckpointError, StorageFullError)
+    │   ├── DistributedStorageFullError(DistributedCheckpointError, StorageFullError)
+    │   └── DistributedStateMismatchError(DistributedCheckpointError, StateMismatchError)
     ├── SaveAbandonedError(CheckpointError)   an async save stopped by close() or exit
     ├── LockError(CheckpointError)
     │   ├── LockHeldError                another live job owns ROOT
@@ -55,6 +56,7 @@ __all__ = [
     "CoordinationTimeoutError",
     "CorruptCheckpointError",
     "DistributedCheckpointError",
+    "DistributedStateMismatchError",
     "DistributedStorageFullError",
     "FencedError",
     "LockError",
@@ -221,12 +223,12 @@ class DistributedCheckpointError(CheckpointError):
     """
 
     def __new__(cls, failures: Any = (), *args: Any, **kwargs: Any) -> DistributedCheckpointError:
-        # A rank out of space makes the error a StorageFullError too: `except
-        # StorageFullError:` around a save works with one rank and with many alike.
-        if cls is DistributedCheckpointError and any(
-            getattr(f, "error_type", None) == StorageFullError.__name__ for f in failures
-        ):
-            cls = DistributedStorageFullError
+        # A rank out of space makes the error a StorageFullError too, a target of
+        # restore(into=) that does not match a StateMismatchError: `except
+        # StorageFullError:` (or StateMismatchError) works with one rank and many alike.
+        if cls is DistributedCheckpointError:
+            kinds = {getattr(f, "error_type", None) for f in failures}
+            cls = next((mixed for name, mixed in _MIXED if name in kinds), cls)
         return super().__new__(cls)
 
     def __init__(
@@ -280,6 +282,20 @@ class DistributedStorageFullError(DistributedCheckpointError, StorageFullError):
 
     def __reduce__(self):  # type: ignore[no-untyped-def,unused-ignore]
         return (_rebuild_full, (type(self), self.args, dict(self.__dict__)))
+
+
+class DistributedStateMismatchError(DistributedCheckpointError, StateMismatchError):
+    """A ``DistributedCheckpointError`` in which at least one rank's ``restore(into=)``
+    target did not match the checkpoint: raised on every rank, and caught by ``except
+    StateMismatchError`` (or ``ValueError``) as the one-process error is."""
+
+
+#: The failures that make a distributed error also the one-process error's type, in
+#: order of precedence (``DistributedCheckpointError.__new__``).
+_MIXED: tuple[tuple[str, type[DistributedCheckpointError]], ...] = (
+    ("StorageFullError", DistributedStorageFullError),
+    ("StateMismatchError", DistributedStateMismatchError),
+)
 
 
 def _rebuild_full(cls, args, state):  # type: ignore[no-untyped-def,unused-ignore]

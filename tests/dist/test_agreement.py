@@ -195,9 +195,7 @@ def test_flags_that_differ_by_rank_fail_the_save_on_every_rank_at_once(tmp_path)
     assert [v["restored_1"] for v in values] == [[0, 0, 0, 0], [1, 1, 1, 1]]
 
 
-def test_a_job_restarted_in_place_never_reads_its_last_incarnations_rounds(
-    tmp_path, monkeypatch
-):
+def test_a_job_restarted_in_place_never_reads_its_last_incarnations_rounds(tmp_path, monkeypatch):
     # torchrun --max-restarts restarts the workers in place, and with its c10d
     # rendezvous they connect to the same store again, where the last incarnation's
     # keys still are: the new processes numbered their rounds from 1 again, and one

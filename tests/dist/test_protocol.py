@@ -82,6 +82,15 @@ def test_failure_on_one_rank_raises_same_error_everywhere(tmp_path, bad_rank):
     assert os.listdir(root / PENDING_DIR) == []
 
 
+def test_a_restore_into_a_mismatched_target_on_one_rank_is_a_state_mismatch_everywhere(tmp_path):
+    # `except StateMismatchError:` around restore(into=) worked with one process and
+    # missed the DistributedCheckpointError every rank raised under torchrun.
+    _root, values = _job(tmp_path, workers.w_restore_into_mismatch_on, 2, 1)
+    assert {v["caught"] for v in values} == {"DistributedStateMismatchError"}, values
+    assert all(v["failed_ranks"] == (1,) for v in values)
+    assert len({v["message"] for v in values}) == 1 and "rank 1" in values[0]["message"]
+
+
 @pytest.mark.parametrize(("kind", "strategy"), [("metrics", None), ("metadata", "marker")])
 def test_one_ranks_bad_metrics_or_metadata_fail_the_save_on_every_rank(tmp_path, kind, strategy):
     # Checked on that rank alone, its error left the other ranks in the save while it

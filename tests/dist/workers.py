@@ -168,6 +168,28 @@ def w_bad_state_on(rank: int, world: int, root: str, bad_rank: int, step: int) -
     return {"error_type": None}
 
 
+def w_restore_into_mismatch_on(rank: int, world: int, root: str, bad_rank: int) -> dict[str, Any]:
+    """``restore(into=)`` with a target of another shape on one rank: every rank must
+    raise the same error, which ``except StateMismatchError`` catches (as with one
+    process)."""
+    from atomic_checkpoint import StateMismatchError
+
+    mgr = CheckpointManager(root, timeout_s=20)
+    mgr.save(1, {"w": torch.full((4,), float(rank))})
+    into = {"w": torch.zeros(3 if rank == bad_rank else 4)}
+    try:
+        mgr.restore(into=into)
+    except StateMismatchError as exc:
+        out = {"caught": type(exc).__name__, "message": str(exc)}
+        out["failed_ranks"] = getattr(exc, "failed_ranks", None)
+        return out
+    except Exception as exc:  # not caught as documented for one process
+        return {"caught": None, "missed": f"{type(exc).__name__}: {exc}"}
+    finally:
+        mgr.close()
+    return {"caught": None, "missed": "no error"}
+
+
 def w_bad_input_on(
     rank: int, world: int, root: str, bad_rank: int, kind: str, strategy: str | None = None
 ) -> dict[str, Any]:

@@ -71,7 +71,9 @@ def test_begin_creates_the_pending_location_and_finish_commits_it(tmp_path):
     assert (tmp_path / pending.location).is_dir()
     assert not (tmp_path / "checkpoint-5").exists()  # nothing visible before finish
     done = _finish(ctx, pending, _write(ctx, pending.location, 0))
-    assert done.manifest.step == 5 and [f.path for f in done.manifest.files] == ["rank-00000.safetensors"]
+    assert done.manifest.step == 5 and [f.path for f in done.manifest.files] == [
+        "rank-00000.safetensors"
+    ]
     assert catalog.read_manifest(ctx.storage, "checkpoint-5").commit_seq == 1
     assert _pending_entries(tmp_path) == []
     assert set(done.timings) >= {"prepare", "write", "fsync", "gather", "commit", "total"}

@@ -313,6 +313,16 @@ def test_a_rank_out_of_space_is_caught_as_storage_full_on_every_rank():
         raise coordination_shared([full], 7)
     except errors.StorageFullError as caught:
         assert caught.failed_ranks == (1,)
+    # restore(into=) with a target that does not match on one rank: the same for
+    # StateMismatchError (a ValueError too), which `except StateMismatchError` missed.
+    shape = errors.RankFailure(1, "load", "StateMismatchError", "'w': shape (3,) != (4,)")
+    e2 = errors.DistributedCheckpointError([other, shape], step=7, operation="load")
+    assert isinstance(e2, errors.StateMismatchError) and isinstance(e2, ValueError)
+    assert type(e2) is errors.DistributedStateMismatchError and "loading" in str(e2)
+    back2 = pickle.loads(pickle.dumps(e2))
+    assert type(back2) is type(e2) and str(back2) == str(e2) and back2.operation == "load"
+    # A full disk takes precedence: the save's failure is what the user must act on.
+    assert type(errors.DistributedCheckpointError([shape, full])) is type(e)
 
 
 def coordination_shared(failures, step):

@@ -32,6 +32,7 @@ PUBLIC = {
     "SerializationError", "StorageError", "StorageFullError", "StoragePermissionError",
     "CommitError", "CoordinationTimeoutError", "CollectiveMismatchError", "RankFailure",
     "DistributedCheckpointError", "DistributedStorageFullError",
+    "DistributedStateMismatchError",
     "LockError", "LockHeldError", "FencedError", "ResumeError", "ReadOnlyError",
     "SaveAbandonedError", "StateMismatchError",
     "__version__",
