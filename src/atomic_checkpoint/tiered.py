@@ -464,6 +464,9 @@ class TieredCheckpointManager:
         # (it owns tier 1), and its answer: ("ok", removed steps) or ("error", exc).
         self._rollback_req: int | None = None
         self._rollback_result: tuple[str, Any] | None = None
+        # Counts the requests: the replicator tells one its caller gave up on (the
+        # caller clears the request on timeout) from one still awaited.
+        self._rollback_ticket = 0
         # While a rollback runs: the highest step a reading of tier 0 may queue for
         # replication (the steps above it are being removed from tier 0).
         self._ceiling: int | None = None
@@ -948,6 +951,7 @@ class TieredCheckpointManager:
                 )
             self._rollback_result = None
             self._rollback_req = step
+            self._rollback_ticket += 1
             self._kick = True
             self._cv.notify_all()
             done = self._cv.wait_for(
@@ -1056,7 +1060,7 @@ class TieredCheckpointManager:
             with self._cv:
                 if self._stop.is_set():
                     return
-                rollback = self._rollback_req
+                rollback, ticket = self._rollback_req, self._rollback_ticket
                 if (
                     rollback is None
                     and self._fatal is None
@@ -1071,7 +1075,7 @@ class TieredCheckpointManager:
                 self._opener = None
                 continue
             if rollback is not None:
-                self._serve_rollback(rollback)
+                self._serve_rollback(rollback, ticket)
                 continue
             if self._fatal is not None:
                 self._stop.wait()
@@ -1133,9 +1137,10 @@ class TieredCheckpointManager:
             except Exception as exc:  # unreachable, throttled: retried with a back-off
                 delay = self._back_off(exc, delay)
 
-    def _serve_rollback(self, step: int) -> None:
+    def _serve_rollback(self, step: int, ticket: int) -> None:
         """The replicator's part of ``rollback(step)`` (single process): tier 1 loses
-        this run's checkpoints above ``step``, and nothing above it is replicated again."""
+        this run's checkpoints above ``step``, and nothing above it is replicated again.
+        ``ticket``: the request's number (``_rollback_persistent``)."""
         result: tuple[str, Any]
         try:
             if self._fatal is not None:
@@ -1145,17 +1150,50 @@ class TieredCheckpointManager:
             if self._persistent is None:
                 self._open_persistent()  # queues only steps at or below the ceiling
             assert self._persistent is not None
-            result = ("ok", self._persistent.rollback(step, allow_empty=True))
-            # Only now: if tier 1 failed, tier 0 keeps these steps, still to replicate.
-            self._purge_above(step)
+            removed = self._persistent.rollback(step, allow_empty=True)
+            result = ("ok", removed)
+            with self._cv:
+                gave_up = self._rollback_req is None or self._rollback_ticket != ticket
+            if gave_up:
+                self._replicate_again(step, removed)
+            else:
+                # Only now: if tier 1 failed, tier 0 keeps these steps, to replicate.
+                self._purge_above(step)
         except Exception as exc:
             if isinstance(exc, LockError):
                 self._drop_persistent()
             result = ("error", exc)
         with self._cv:
+            if self._rollback_ticket != ticket:
+                return  # a newer request is waiting: this answer is nobody's, not its
             self._rollback_req = None
             self._rollback_result = result
             self._cv.notify_all()
+
+    def _replicate_again(self, step: int, removed: list[int]) -> None:
+        """A rollback whose caller gave up waiting (tier 1 did not answer in time) was
+        carried out on tier 1 once it answered. The caller raised that nothing was
+        rolled back, and tier 0 still holds the steps: they are valid, so each one
+        goes back to tier 1. (They were forgotten instead, and a step the user then
+        kept, by rolling back to it, stayed on the node-local tier only, with every
+        call saying it was replicated.)"""
+        held = self._still_on_fast() & set(removed)
+        with self._cv:
+            self._replicated -= set(removed)
+            self._todo |= held
+            self._kick = True
+            self._cv.notify_all()
+        if removed:
+            log.warning(
+                "the rollback to step %d that did not finish in time (its call raised) "
+                "was carried out on %s afterwards: steps %s were removed there; tier 0 "
+                "still holds %s, replicated again (call rollback(%d) again to discard them)",
+                step,
+                self._slow_storage.url(""),
+                sorted(removed),
+                sorted(held),
+                step,
+            )
 
     def _purge_above(self, step: int) -> None:
         """Forget every step above ``step`` (rolled back): not replicated, not peer

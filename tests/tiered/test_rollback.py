@@ -19,6 +19,7 @@ import textwrap
 import pytest
 from tests.dist.launcher import ok_values, run_ranks
 from tests.testbed.pytest_fixtures import s3_bucket, s3_server  # noqa: F401
+from tests.testbed.s3proxy import Rule, S3Proxy
 from tests.tiered import workers
 from tests.tiered.test_tiered import (  # noqa: F401
     fast_root,
@@ -127,6 +128,45 @@ def test_rollback_while_the_persistent_tier_is_unreachable_touches_neither_tier(
         # Steps 3 and 4 never reach tier 1, whether or not they were copied before the
         # rollback: the replicator forgot them.
         assert steps_on(reader) == [1, 2]
+
+
+@pytest.mark.netfs
+@pytest.mark.timeout(180)
+def test_a_rollback_that_gave_up_on_a_stalled_tier_1_loses_nothing_when_it_lands_late(
+    s3_server, s3_bucket, fast_root
+):
+    """S3 stalls (requests held, not refused): rollback(1) gives up after timeout_s and
+    raises that nothing was rolled back. Its requests were in flight, and once S3
+    answered the replicator carried the rollback out on tier 1 and forgot steps 2 and
+    3. The user then kept step 2 (rollback(2)): it was left on the node-local tier only,
+    while replication_backlog() was [] and close() returned [] (and rollback(2)
+    returned the late rollback's answer, [3, 2]). Now what the late rollback removed
+    from tier 1 is replicated again from tier 0, where it is still valid."""
+    url = f"s3://{s3_bucket}/run"
+    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+        tiers = [
+            Tier(fast_root, retention=KeepLast(5)),
+            Tier(url, storage_options=proxy.storage_options()),
+        ]
+        mgr = TieredCheckpointManager(tiers, timeout_s=3, retry_max_s=0.2)
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+        assert mgr.wait_replicated(timeout_s=60)
+        stall = proxy.add(Rule("delay", times=None))  # held until released
+        with pytest.raises(
+            CheckpointError, match=r"was not rolled back .* call rollback\(1\) again"
+        ):
+            mgr.rollback(1)
+        assert steps_on(mgr.fast) == [1, 2, 3]
+        proxy.remove(stall)
+        stall.release.set()  # S3 answers: the held rollback lands now
+        assert mgr.rollback(2) == [3]  # the user keeps step 2 instead
+        assert mgr.wait_replicated(timeout_s=60) and mgr.replication_backlog() == []
+        assert mgr.close() == []
+    reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+    assert steps_on(reader) == [1, 2]  # step 2 is on tier 1 again, whole
+    assert same(reader.restore(2), state(2))
+    assert steps_on(CheckpointManager(fast_root, read_only=True)) == [1, 2]
 
 
 @pytest.mark.netfs
