@@ -2921,11 +2921,15 @@ class TieredCheckpointManager:
                 reader.close()
         left = self.replication_backlog()
         if left:
+            with self._cv:
+                reached = self._reconciled
             log.warning(
-                "closed with steps %s not replicated to %s (%s); they stay on %s and "
-                "are replicated when a TieredCheckpointManager opens these tiers again",
+                "closed with steps %s %s %s (%s); they stay on %s and are replicated (if "
+                "missing there) when a TieredCheckpointManager opens these tiers again",
                 left,
-                self._slow_storage.url(""),
+                # Never reached: some of them may well be there from an earlier run.
+                "not replicated to" if reached else "not known to be on",
+                self._slow_storage.url("") + ("" if reached else ", which this run never reached"),
                 self._last_error or self._fatal or "time ran out",
                 self.fast.root,
             )

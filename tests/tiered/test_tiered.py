@@ -449,6 +449,26 @@ def test_close_and_restart_while_s3_is_unreachable_keep_every_step_until_it_answ
         assert same(reader.restore(step=s), state(s))
 
 
+@pytest.mark.netfs
+@pytest.mark.timeout(90)
+def test_close_of_a_run_that_never_reached_s3_does_not_say_its_steps_are_missing(
+    s3_server, s3_bucket, fast_root, caplog
+):
+    # A run that could not reach tier 1 at all reports every step tier 0 holds (it
+    # cannot tell which are there), and said they were "not replicated", also those
+    # an earlier run had replicated (the tiered pass's suggestion S1).
+    with s3_link_cut(s3_server, s3_bucket, fast_root, (2,)) as link:
+        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+            assert link.mgr.close(timeout_s=0) == [2]
+        assert "closed with steps [2] not replicated to" in caplog.text
+        caplog.clear()
+        mgr = TieredCheckpointManager(link.tiers, retry_max_s=0.2)  # S3 still cut
+        with caplog.at_level(logging.WARNING, logger="atomic_checkpoint"):
+            assert mgr.close(timeout_s=0) == [2]
+        assert "closed with steps [2] not known to be on" in caplog.text, caplog.text
+        assert "which this run never reached" in caplog.text
+
+
 @pytest.mark.timeout(60)
 def test_an_async_save_is_replicated_once_it_commits_on_tier_0(fast_root, tmp_path):
     slow_root = tmp_path / "persistent"
