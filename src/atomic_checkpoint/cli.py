@@ -419,20 +419,33 @@ def _failed(args: argparse.Namespace, exc: BaseException, message: str, code: in
     when the command printed no document of its own, the error document on stdout (a
     script reads one document whatever happened)."""
     _error_line(message)
-    if getattr(args, "json", False) and not _EMITTED["done"]:
-        with contextlib.suppress(OSError, ValueError):
-            _emit_json(_error_doc(args, _error_type(exc, code), message, code))
+    if getattr(args, "json", False):
+        _emit_error_doc(args, _error_type(exc, code), message, code)
     return code
 
 
-def _error_doc(args: argparse.Namespace, kind: str, message: str, code: int) -> dict[str, Any]:
+def _usage_failed(args: argparse.Namespace | None, code: int) -> int:
+    """A usage error (``_Parser.error`` printed its line): with ``--json``, its error
+    document too. ``args``: None when the arguments could not be parsed at all."""
+    if _USAGE_ERROR:
+        _emit_error_doc(args, "UsageError", _USAGE_ERROR["message"], code)
+    return code
+
+
+def _emit_error_doc(args: argparse.Namespace | None, kind: str, message: str, code: int) -> None:
+    """The error document, unless the command printed its own document already."""
+    if _EMITTED["done"]:
+        return
     root = getattr(args, "root", None)
-    return {
+    command = getattr(args, "command", None) if args is not None else _USAGE_ERROR["command"]
+    doc = {
         "schema_version": 1,
-        "command": getattr(args, "command", None),
+        "command": command,
         "root": root if isinstance(root, str) else None,
         "error": {"type": kind, "message": " ".join(message.split()), "exit_code": code},
     }
+    with contextlib.suppress(OSError, ValueError):
+        _emit_json(doc)
 
 
 _OUT_PIECE = 1 << 16
@@ -3391,30 +3404,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     _USAGE_ERROR.clear()
+    _EMITTED["done"] = False
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, usage errors
         code = exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        # A script asked for JSON: bad arguments are a document too.
         words = sys.argv[1:] if argv is None else list(argv)
-        if _USAGE_ERROR and "--json" in words:
-            # A script asked for JSON: bad arguments are a document too.
-            usage = argparse.Namespace(json=True, command=_USAGE_ERROR["command"], root=None)
-            with contextlib.suppress(OSError, ValueError):
-                _emit_json(_error_doc(usage, "UsageError", _USAGE_ERROR["message"], code))
-        return code
+        return _usage_failed(None, code) if "--json" in words else code
     verbose = int(getattr(args, "verbose", 0) or 0)
     _setup_logging(verbose)
     func: Callable[[argparse.Namespace], int] = args.func
-    _EMITTED["done"] = False
     try:
         limit = getattr(args, "give_up_s", None)
         return func(args) if limit is None else _within(limit, func, args)
     except SystemExit as exc:  # parser.error from inside a command
         code = exc.code if isinstance(exc.code, int) else EXIT_USAGE
-        if _USAGE_ERROR and getattr(args, "json", False) and not _EMITTED["done"]:
-            with contextlib.suppress(OSError, ValueError):
-                _emit_json(_error_doc(args, "UsageError", _USAGE_ERROR["message"], code))
-        return code
+        return _usage_failed(args, code) if getattr(args, "json", False) else code
     except CliError as exc:
         return _failed(args, exc, str(exc), exc.code)
     except LockHeldError as exc:

@@ -278,7 +278,7 @@ class DistributedStorageFullError(DistributedCheckpointError, StorageFullError):
         operation: str = "save",
     ):
         DistributedCheckpointError.__init__(self, failures, step=step, operation=operation)
-        self.errno = _full_errno(self.failures)
+        self.errno = _first_full_errno(self.failures)
 
     def __reduce__(self):  # type: ignore[no-untyped-def,unused-ignore]
         return (_rebuild_full, (type(self), self.args, dict(self.__dict__)))
@@ -293,18 +293,18 @@ class DistributedStateMismatchError(DistributedCheckpointError, StateMismatchErr
 #: The failures that make a distributed error also the one-process error's type, in
 #: order of precedence (``DistributedCheckpointError.__new__``).
 _MIXED: tuple[tuple[str, type[DistributedCheckpointError]], ...] = (
-    ("StorageFullError", DistributedStorageFullError),
-    ("StateMismatchError", DistributedStateMismatchError),
+    (StorageFullError.__name__, DistributedStorageFullError),
+    (StateMismatchError.__name__, DistributedStateMismatchError),
 )
 
 
 def _rebuild_full(cls, args, state):  # type: ignore[no-untyped-def,unused-ignore]
     obj = _rebuild(cls, args, state)
-    obj.errno = _full_errno(obj.failures)  # a C slot of OSError, not in the instance dict
+    obj.errno = _first_full_errno(obj.failures)  # a C slot of OSError, not in the instance dict
     return obj
 
 
-def _full_errno(failures: tuple[RankFailure, ...]) -> int:
+def _first_full_errno(failures: tuple[RankFailure, ...]) -> int:
     """The errno of the first rank out of space (EDQUOT or ENOSPC), as its message
     names it (``map_os_error``'s "(errno N)"); ENOSPC if it names none."""
     for f in failures:

@@ -2923,13 +2923,18 @@ class TieredCheckpointManager:
         if left:
             with self._cv:
                 reached = self._reconciled
+            url = self._slow_storage.url("")
+            # Never reached: some of them may well be there from an earlier run.
+            where = (
+                f"not replicated to {url}"
+                if reached
+                else f"not known to be on {url}, which this run never reached"
+            )
             log.warning(
-                "closed with steps %s %s %s (%s); they stay on %s and are replicated (if "
+                "closed with steps %s %s (%s); they stay on %s and are replicated (if "
                 "missing there) when a TieredCheckpointManager opens these tiers again",
                 left,
-                # Never reached: some of them may well be there from an earlier run.
-                "not replicated to" if reached else "not known to be on",
-                self._slow_storage.url("") + ("" if reached else ", which this run never reached"),
+                where,
                 self._last_error or self._fatal or "time ran out",
                 self.fast.root,
             )

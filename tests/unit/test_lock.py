@@ -7,6 +7,7 @@ racing contenders are forced with events, not sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -314,6 +315,12 @@ def test_this_process_is_still_itself_when_reading_proc_fails_once(storage, monk
     b.check()
     with pytest.raises(FencedError, match="newer CheckpointManager of this same process"):
         a.check()
+    # Only an unknown start time is let pass: a known other one is an earlier process
+    # that had this pid (reused), never this one.
+    me = lockmod._Me.now()
+    if me.pid_start is not None:
+        reused = dataclasses.replace(b.holder, pid_start=me.pid_start + 1)
+        assert not reused.is_this_process() and b.holder.is_this_process()
 
 
 def test_a_removed_lock_fences_its_holder(storage):

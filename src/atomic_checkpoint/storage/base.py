@@ -275,6 +275,22 @@ _IMPLEMENTS: dict[tuple[type, type], bool] = {}
 NEARLY_FULL_BYTES = 1 << 20
 
 
+def free_bytes(path: str) -> int | None:
+    """Bytes free to this user on the filesystem of ``path`` (its nearest existing
+    parent), or None if that cannot be told."""
+    while True:
+        try:
+            st = os.statvfs(path)
+            return st.f_bavail * st.f_frsize
+        except FileNotFoundError:
+            parent = os.path.dirname(path)
+            if not parent or parent == path:
+                return None
+            path = parent
+        except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
+            return None
+
+
 def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError | None:
     """Where a write into ``storage`` failed because its filesystem is full, the error
     that says so, else None. The frameworks' writers report a full disk in their own
@@ -293,13 +309,8 @@ def full_storage_error(storage: Storage, exc: BaseException) -> StorageFullError
     code = _full_errno(exc)
     local = storage.local_path("")
     if code not in (errno.ENOSPC, errno.EDQUOT):
-        if local is None:
-            return None
-        try:
-            st = os.statvfs(local)
-        except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
-            return None
-        if st.f_bavail * st.f_frsize >= NEARLY_FULL_BYTES:
+        free = None if local is None else free_bytes(local)
+        if free is None or free >= NEARLY_FULL_BYTES:
             return None
         code = errno.ENOSPC
     root = storage.url("")

@@ -30,7 +30,7 @@ from ..errors import (
     map_os_error,
 )
 from ..manifest import Hasher
-from .base import NEARLY_FULL_BYTES
+from .base import NEARLY_FULL_BYTES, free_bytes
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -94,22 +94,6 @@ def write_error(exc: OSError, action: str, path: str) -> StorageError:
                 "does)",
             )
     return map_os_error(exc, action, path)
-
-
-def free_bytes(path: str) -> int | None:
-    """Bytes free to this user on the filesystem of ``path`` (its nearest existing
-    parent), or None if that cannot be told."""
-    while True:
-        try:
-            st = os.statvfs(path)
-            return st.f_bavail * st.f_frsize
-        except FileNotFoundError:
-            parent = os.path.dirname(path)
-            if not parent or parent == path:
-                return None
-            path = parent
-        except (OSError, AttributeError):  # AttributeError: no statvfs (Windows)
-            return None
 
 
 def fsync_file(path: str, reader: Any = None) -> None:
