@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from . import layout
+from ._params import parameters_of
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -438,16 +439,10 @@ def manifest_now(storage: Storage, rel: str) -> Manifest | None:
         return None
 
 
-def validate_consistent(
-    storage: Storage,
-    rel: str,
-    manifest: Manifest,
-    *,
-    full: bool = False,
-    progress: Callable[[int], None] | None = None,
-) -> Manifest:
-    """``validate``, robust to a concurrent overwrite of the step; returns the manifest
-    the files were checked against.
+@parameters_of(validate)
+def validate_consistent(storage, rel, manifest, *, full, progress, sizes) -> Manifest:
+    """``validate`` (with its parameters), robust to a concurrent overwrite of the step;
+    returns the manifest the files were checked against.
 
     A reader that read the manifest of one copy can find the other copy's files under
     the same name: an overwrite swaps the whole directory (``renameat2`` with
@@ -456,8 +451,8 @@ def validate_consistent(
     manifest, the new files read as corrupt (other sizes or checksums) or missing. So a
     failure counts only if the manifest is still the one the files were checked
     against; if it changed, the files are checked again against the new one, at most
-    ``READ_ATTEMPTS`` times. A success needs no second read: the files matched this
-    manifest.
+    ``READ_ATTEMPTS`` times (``sizes``, a listing of the first copy, only the first
+    time). A success needs no second read: the files matched this manifest.
 
     Raises:
         CorruptCheckpointError: the files do not match the manifest, and it did not
@@ -467,7 +462,7 @@ def validate_consistent(
     """
     for _ in range(READ_ATTEMPTS):
         try:
-            validate(storage, rel, manifest, full=full, progress=progress)
+            validate(storage, rel, manifest, full=full, progress=progress, sizes=sizes)
             return manifest
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             error = exc
@@ -480,7 +475,7 @@ def validate_consistent(
         if same_copy(now, manifest):
             raise error
         log.debug("%s was replaced while being read; reading the new copy", storage.url(rel))
-        manifest = now
+        manifest, sizes = now, None
     raise CheckpointError(
         f"{storage.url(rel)} was replaced {READ_ATTEMPTS} times while being read (the step "
         "is being saved again and again with overwrite=True): read it once the writer stops"

@@ -33,6 +33,7 @@ from ._checks import flag as _flag
 from ._checks import positive_seconds as _positive_seconds
 from ._checks import retention_policy
 from ._checks import wait_seconds as _wait_seconds
+from ._params import parameters_of
 from ._version import __version__
 from .async_save import AsyncSaver, SaveHandle, SnapshotPool
 from .commit import SaveContext
@@ -368,12 +369,9 @@ class CheckpointManager:
         try:
             setup, summary = self._on_leaders(
                 "open",
-                self._setup_coordinator,
+                functools.partial(self._setup_coordinator, run_id, agreed, resume),
                 combine=_views_summary,
                 pick=_without_steps,
-                run_id=run_id,
-                agreed_run_id=agreed,
-                resume=resume,
             )
             if not summary["decide"]:
                 setup, summary = self._full_views(setup)
@@ -1221,6 +1219,13 @@ class CheckpointManager:
             "with block): open a new CheckpointManager on the root to go on"
         )
 
+    def _state_file(self, replicated: bool) -> str | None:
+        """The state file this rank writes into the pending location (its path there),
+        or None: with ``replicated=True`` only the coordinator writes."""
+        if not replicated:
+            return rank_state_file(self.rank)
+        return REPLICATED_STATE_FILE if self.is_coordinator else None
+
     def _check_step_order(self, step: int) -> None:
         """Refuse a save below the newest committed step, on every rank alike (the
         newest step is agreed at open and advanced by each commit), before anything is
@@ -1290,10 +1295,10 @@ class CheckpointManager:
         step = validate_step(step)
         self._check_step_order(step)
         metrics_d, metadata_d, problem = _checked_input(metrics, metadata)
-        writes = not replicated or self.is_coordinator
-        rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
+        request = _Request(step, _state_kind(replicated), metrics_d, metadata_d, overwrite)
+        rel = self._state_file(replicated)
         plan: Any = None
-        if writes and problem is None:
+        if rel is not None and problem is None:
             # Planning walks the tree and finds unsupported objects before anything is
             # written; the commit's first step shares its failure with every rank.
             try:
@@ -1302,22 +1307,14 @@ class CheckpointManager:
                 problem = exc
 
         def write(pending: str) -> RankReport:
-            if plan is None:
+            if plan is None or rel is None:
                 return RankReport((), 0.0, 0.0)
             if self._staging is None:
                 self._staging = Staging()
             path = f"{pending}/{rel}"
             return write_plan(self.storage, path, rel, plan, self.rank, step, self._staging)
 
-        return self._save(
-            step,
-            write,
-            "replicated" if replicated else "per_rank",
-            metrics_d,
-            metadata_d,
-            overwrite,
-            problem,
-        )
+        return self._save(self._ctx, request, write, problem=problem)
 
     @contextlib.contextmanager
     def saving(
@@ -1477,18 +1474,11 @@ class CheckpointManager:
         return self._snapshots.reserve(plan)
 
     @_one_at_a_time
-    def save_async(
-        self,
-        step: int,
-        state: Any,
-        *,
-        metrics: Mapping[str, SupportsFloat] | None = None,
-        metadata: Mapping[str, Any] | None = None,
-        replicated: bool = False,
-        overwrite: bool = False,
-    ) -> SaveHandle:
+    @parameters_of(save)
+    def save_async(self, step, state, *, metrics, metadata, replicated, overwrite) -> SaveHandle:
         """Snapshot ``state`` into host memory, then write and commit it in the
-        background; collective (call on every rank, in the same order).
+        background; collective (call on every rank, in the same order). It takes the
+        parameters of :meth:`save`, with their meanings.
 
         Returns as soon as every tensor is copied into the snapshot buffers: from then
         on the state may change in place (``optimizer.step()``) without reaching the
@@ -1525,16 +1515,18 @@ class CheckpointManager:
 
         t0 = time.perf_counter()
         overwrite, replicated = _flag("overwrite", overwrite), _flag("replicated", replicated)
-        step, metrics_d, metadata_d, input_error, ctx = self._start_async(step, metrics, metadata)
+        request, input_error, ctx = self._start_async(
+            step, metrics, metadata, _state_kind(replicated), overwrite
+        )
+        step = request.step
         saver, pool = self._async, self._snapshots
         if saver is None or pool is None:  # pragma: no cover - set by _start_async
             raise CheckpointError("async save state is incomplete")
-        writes = not replicated or self.is_coordinator
-        rel = REPLICATED_STATE_FILE if replicated else rank_state_file(self.rank)
+        rel = self._state_file(replicated)
         cancel = saver.cancel
         snapshot: Any = None
         interrupted: BaseException | None = None
-        if writes and input_error is None:
+        if rel is not None and input_error is None:
             try:
                 with without_gc():  # see serialization.without_gc
                     plan = plan_state(state, allow_pickle=self.allow_pickle)
@@ -1553,7 +1545,7 @@ class CheckpointManager:
                 )
 
         def write(pending: str) -> RankReport:
-            if snapshot is None:
+            if snapshot is None or rel is None:
                 return RankReport((), 0.0, 0.0)
             path = f"{pending}/{rel}"
             return write_image(
@@ -1561,20 +1553,7 @@ class CheckpointManager:
             )
 
         def run() -> CheckpointInfo:
-            self._finish_rotation()  # before ROOT is touched; see _start_async
-            done = self._commit(
-                ctx,
-                step,
-                write,
-                kind="replicated" if replicated else "per_rank",
-                metrics=metrics_d,
-                metadata=metadata_d,
-                overwrite=overwrite,
-                problem=input_error,
-            )
-            if snapshot is not None:
-                done.timings["snapshot"] = snapshot.copy_s
-            return self._after_commit(done.manifest, done.timings, done.domain_views)
+            return self._save(ctx, request, write, problem=input_error, snapshot=snapshot)
 
         # The background save starts before the copy: waiting for the previous rotation
         # and its first phase (agreeing on the pending location) overlap the copy; its
@@ -1646,7 +1625,8 @@ class CheckpointManager:
             raise CheckpointError(
                 "saving_async() needs a mounted filesystem; use save_async() for object stores"
             )
-        step, metrics_d, metadata_d, bad_input, ctx = self._start_async(step, metrics, metadata)
+        request, bad_input, ctx = self._start_async(step, metrics, metadata, "files", overwrite)
+        step = request.step
         failed = failed or bad_input
         saver = self._async
         if saver is None:  # pragma: no cover - set by _start_async
@@ -1658,20 +1638,8 @@ class CheckpointManager:
             return RankReport((), 0.0, 0.0)
 
         def run() -> CheckpointInfo:
-            self._finish_rotation()  # before ROOT is touched; see _start_async
-            done = self._commit(
-                ctx,
-                step,
-                write_files,
-                kind="files",
-                metrics=metrics_d,
-                metadata=metadata_d,
-                overwrite=overwrite,
-                problem=failed,
-                scan=True,  # arbitrary files: checksummed and fsync'd once every rank wrote
-                phase=phase,
-            )
-            return self._after_commit(done.manifest, done.timings, done.domain_views)
+            # scan: arbitrary files, checksummed and fsync'd once every rank wrote them
+            return self._save(ctx, request, write_files, problem=failed, scan=True, phase=phase)
 
         handle = saver.submit(step, run)
         handle.blocked_s = time.perf_counter() - t0
@@ -1682,18 +1650,18 @@ class CheckpointManager:
         step: int,
         metrics: Mapping[str, SupportsFloat] | None,
         metadata: Mapping[str, Any] | None,
-    ) -> tuple[int, dict[str, float], dict[str, Any], Exception | None, SaveContext]:
+        kind: str,
+        overwrite: bool,
+    ) -> tuple[_Request, Exception | None, SaveContext]:
         """What every async save does first, on the calling thread: check the inputs,
         finish the previous save (raising its failure once), check the step order,
         create the background saver on the first call (the previous save's rotation is
         waited for by the background save, before it touches ROOT). Returns the checked
-        step, metrics and metadata, this rank's bad metrics or metadata (shared by the
-        commit's first step, as bad state is), and the context of the background commit: its own
+        request, this rank's bad metrics or metadata (shared by the commit's first step,
+        as bad state is), and the context of the background commit: its own
         store connection, and the saver's ``cancel`` event, which the leader checks with
         the run lock before it creates the pending location and before it commits (an
         abandoned save is never committed)."""
-        from dataclasses import replace
-
         from .async_save import register_exit
 
         self._check_writable()
@@ -1720,8 +1688,8 @@ class CheckpointManager:
             register_exit(self)
         if self._async_coord is None:  # pragma: no cover - set together above
             raise CheckpointError("async save state is incomplete")
-        ctx = replace(self._ctx, coord=self._async_coord, cancel=self._async.cancel)
-        return step, metrics_d, metadata_d, problem, ctx
+        ctx = dataclasses.replace(self._ctx, coord=self._async_coord, cancel=self._async.cancel)
+        return _Request(step, kind, metrics_d, metadata_d, overwrite), problem, ctx
 
     def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Wait until the in-flight async save is committed and durable, and its
@@ -1814,46 +1782,26 @@ class CheckpointManager:
 
     def _save(
         self,
-        step: int,
-        write: Callable[[str], RankReport],
-        kind: str,
-        metrics: dict[str, float],
-        metadata: dict[str, Any],
-        overwrite: bool,
-        problem: Exception | None = None,
-    ) -> CheckpointInfo:
-        self._finish_rotation()
-        done = self._commit(
-            self._ctx,
-            step,
-            write,
-            kind=kind,
-            metrics=metrics,
-            metadata=metadata,
-            overwrite=overwrite,
-            problem=problem,
-        )
-        return self._after_commit(done.manifest, done.timings, done.domain_views)
-
-    def _commit(
-        self,
         ctx: SaveContext,
-        step: int,
+        request: _Request,
         write: Callable[[str], RankReport],
         *,
-        kind: str,
-        metrics: Mapping[str, float],
-        metadata: Mapping[str, Any],
-        overwrite: bool,
         problem: Exception | None = None,
         scan: bool = False,
         phase: str = "write",
-    ) -> commit.Committed:
-        """One save on this rank, as the commit protocol's steps in order: ``begin``
-        (the leader creates the pending location), this rank's ``write`` into it, then
-        ``finish`` (gather, commit, publish). ``problem``: this rank's bad input, shared
-        by ``begin``; ``phase`` names the write in a shared failure. Collective."""
-        overwrite = self._replaces_failed(step, overwrite)
+        snapshot: Any = None,
+    ) -> CheckpointInfo:
+        """One save on this rank (the sync save's caller thread, or an async save's
+        background thread), as the commit protocol's steps in order: the previous
+        rotation finished (before ROOT is touched; see ``_start_async``), ``begin`` (the
+        leader creates the pending location), this rank's ``write`` into it, ``finish``
+        (gather, commit, publish), then this manager's bookkeeping and rotation
+        (``_after_commit``). ``problem``: this rank's bad input, shared by ``begin``;
+        ``phase`` names the write in a shared failure; ``snapshot``: an async save's,
+        whose copy time is reported as ``timings_s["snapshot"]``. Collective."""
+        step = request.step
+        self._finish_rotation()
+        overwrite = self._replaces_failed(step, request.overwrite)
         pending = commit.begin(ctx, step, overwrite=overwrite, problem=problem)
         try:
             written = (
@@ -1872,13 +1820,15 @@ class CheckpointManager:
             pending,
             written,
             commit_seq=self._next_seq(),
-            state_kind=kind,
-            metrics=metrics,
-            metadata=metadata,
+            state_kind=request.kind,
+            metrics=request.metrics,
+            metadata=request.metadata,
             scan=scan,
         )
         self._failed_verification.discard(step)  # replaced by a valid copy
-        return done
+        if snapshot is not None:
+            done.timings["snapshot"] = snapshot.copy_s
+        return self._after_commit(done.manifest, done.timings, done.domain_views)
 
     def _replaces_failed(self, step: int, overwrite: bool) -> bool:
         """``overwrite`` for a save of ``step``: True also when this run's checkpoint of
@@ -2606,14 +2556,10 @@ class CheckpointManager:
             allow_pickle = _flag("allow_pickle", allow_pickle)
         if device is not None:
             device = _torch_device(device)
-        load = functools.partial(
-            self._load_here,
-            into=into,
-            device=device,
-            verify=verify,
-            allow_pickle=allow_pickle,
-            rank=rank,
-        )
+
+        def load(manifest: Manifest) -> Any:
+            return self._load_here(manifest, into, device, verify, allow_pickle, rank)
+
         try:
             return self._restore(step, load, rank)
         except CorruptCheckpointError as exc:
@@ -2838,7 +2784,6 @@ class CheckpointManager:
     def _load_here(
         self,
         manifest: Manifest,
-        *,
         into: Any,
         device: Any,
         verify: bool,
@@ -3380,6 +3325,23 @@ def _calls_and_failures(
     """Each rank's ``(step, kind, overwrite)``, and the failures, of ``_agree_to_save``'s
     round."""
     return [s for s, _ in values], [f for _, f in values if f is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """One save as its caller asked for it, its arguments checked: what ``_save``
+    commits. ``kind`` is the manifest's ``state_kind``: ``per_rank``, ``replicated`` or
+    ``files`` (a ``saving()`` block's)."""
+
+    step: int
+    kind: str
+    metrics: dict[str, float]
+    metadata: dict[str, Any]
+    overwrite: bool
+
+
+def _state_kind(replicated: bool) -> str:
+    return "replicated" if replicated else "per_rank"
 
 
 def _checked_input(

@@ -568,19 +568,18 @@ class TieredCheckpointManager:
         self._run_id_given = declared
 
         def open_fast(mode: str) -> CheckpointManager:
-            return (_DeclaredTier0Manager if declared else _Tier0Manager)(
+            return self._tier_manager(
+                _DeclaredTier0Manager if declared else _Tier0Manager,
                 self._fast_storage,
+                rid,
+                coord,
                 retention=(
                     _HoldUnreplicated(fast.retention, self) if fast.retention is not None else None
                 ),
-                run_id=rid,
-                coordinator=coord,
-                timeout_s=timeout_s,
-                resume=mode,
                 on_commit=self._on_fast_commit,
-                allow_pickle=allow_pickle,
-                takeover=takeover,
                 strategy=fast.strategy,
+                resume=mode,
+                takeover=takeover,
                 storage_domains=fast_domains if self._multi else "shared",
             )
 
@@ -1660,14 +1659,13 @@ class TieredCheckpointManager:
     def _new_persistent(self) -> CheckpointManager:
         """A manager of tier 1 (taking its run lock), driven by this process alone."""
         slow = self.tiers[1]
-        return (CheckpointManager if self._run_id_given else _Tier1Manager)(
+        return self._tier_manager(
+            CheckpointManager if self._run_id_given else _Tier1Manager,
             self._slow_storage,
+            self.run_id,
+            SingleProcessCoordinator(),
             retention=slow.retention,
-            run_id=self.run_id,
-            coordinator=SingleProcessCoordinator(),
-            timeout_s=self.timeout_s,
             on_commit=self._on_slow_commit,
-            allow_pickle=self.allow_pickle,
             strategy=slow.strategy,
             storage_domains="shared",
         )
@@ -2087,14 +2085,32 @@ class TieredCheckpointManager:
     def _read_only(self, storage: Storage) -> CheckpointManager:
         """A read-only manager of one tier, driven by this process alone (no lock, no
         collective): listing and loading."""
-        return CheckpointManager(
+        return self._tier_manager(
+            CheckpointManager,
             storage,
+            self.run_id,
+            SingleProcessCoordinator(),
             read_only=True,
-            run_id=self.run_id,
-            coordinator=SingleProcessCoordinator(),
+            storage_domains="shared",
+        )
+
+    def _tier_manager(
+        self,
+        cls: type[CheckpointManager],
+        storage: Storage,
+        run_id: str | None,
+        coordinator: Coordinator,
+        **settings: Any,
+    ) -> CheckpointManager:
+        """The manager of one tier (tier 0, tier 1, or a read-only view of either): of
+        this job's run, with its ``timeout_s`` and ``allow_pickle``, and ``settings``."""
+        return cls(
+            storage,
+            run_id=run_id,
+            coordinator=coordinator,
             timeout_s=self.timeout_s,
             allow_pickle=self.allow_pickle,
-            storage_domains="shared",
+            **settings,
         )
 
     def _views_multi(self, *, newest: bool = False, want: int | None = None) -> _Views:

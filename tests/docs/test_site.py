@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from typing import Any
 
 import pytest
 
@@ -48,14 +49,19 @@ def test_every_link_between_readme_sections_lands_on_a_page_of_the_site() -> Non
         hooks.repoint_links("see [x](#no-such-section)", "cli.md", S.REPO / "docs")
 
 
-def test_grouped_args_become_one_entry_per_parameter_for_the_api_reference() -> None:
-    spec = importlib.util.spec_from_file_location(
-        "_grouped_args", S.REPO / "docs/_mkdocs/grouped_args.py"
-    )
+def _extension(name: str) -> Any:
+    """The site's griffe extension ``docs/_mkdocs/<name>.py`` (not a package: loaded by
+    path, as mkdocs.yml names it)."""
+    spec = importlib.util.spec_from_file_location(f"_{name}", S.REPO / f"docs/_mkdocs/{name}.py")
     if spec is None or spec.loader is None:
-        raise ImportError("cannot load docs/_mkdocs/grouped_args.py")
+        raise ImportError(f"cannot load docs/_mkdocs/{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_grouped_args_become_one_entry_per_parameter_for_the_api_reference() -> None:
+    module = _extension("grouped_args")
     doc = (
         "Doc.\n\nArgs:\n    a, b: as for x.\n    c: own.\n    d, e:\n        as for y.\n\n"
         "Note:\n    f, g: h"
@@ -75,3 +81,32 @@ def test_grouped_args_become_one_entry_per_parameter_for_the_api_reference() -> 
         "Note:",
         "    f, g: h",
     ]
+
+
+def test_a_parameters_of_twin_shows_its_originals_signature_in_the_api_reference() -> None:
+    griffe = pytest.importorskip("griffe", reason="the site's dependencies (scripts/docs.sh deps)")
+    module = _extension("shared_params")
+
+    def load(*extensions: object) -> object:
+        return griffe.load(
+            "atomic_checkpoint",
+            search_paths=[str(S.REPO / "src")],
+            extensions=griffe.load_extensions(*extensions),
+        )
+
+    def params(fn: object, skip_first: bool = False) -> list[tuple[str, str, str]]:
+        ps = list(fn.parameters)[1 if skip_first else 0 :]  # type: ignore[attr-defined]
+        return [(p.name, str(p.annotation), str(p.default)) for p in ps]
+
+    pkg = load(module.SharedParameters())
+    manager, dcp, hf = pkg["manager"], pkg["integrations.dcp"], pkg["integrations.hf"]
+    mgr = manager["CheckpointManager"]
+    assert params(mgr["save_async"]) == params(mgr["save"])
+    assert ("overwrite", "bool", "False") in params(mgr["save_async"])
+    assert params(dcp["async_save_dcp"]) == params(dcp["save_dcp"])
+    init = hf["AtomicCheckpointCallback"]["__init__"]
+    assert params(init)[0][0] == "self"
+    assert params(init, skip_first=True) == params(hf["make_atomic"], skip_first=True)
+    # Without the extension the reference showed bare names (no types, no defaults).
+    bare = load()["manager"]["CheckpointManager"]["save_async"]
+    assert ("overwrite", "None", "None") in params(bare)

@@ -95,7 +95,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn, SupportsFloat
@@ -108,6 +108,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import catalog
 from .._faults import fault_point
+from .._params import parameters_of
 from .._version import __version__
 from ..adopt import set_aside_unmanifested
 from ..async_save import SaveHandle
@@ -189,31 +190,37 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _write_shards(
-    directory: str,
-    state_dict: Any,
-    *,
-    rank: int,
-    step: int,
-    planner: Any,
-    process_group: Any,
-    thread_count: int,
-    background: bool = False,
-) -> None:
-    """This rank's part of DCP's save into ``directory`` (DCP's collectives inside);
-    raises what DCP raises, ``CheckpointException`` (a ``BaseException``) included.
-    ``background``: on a thread of a background save, which does not filter DCP's
-    single-process warning (``warnings.catch_warnings`` is not thread-safe)."""
-    writer = _PendingWriter(directory, rank=rank, step=step, thread_count=thread_count)
-    quiet = contextlib.nullcontext() if background else _single_process_quiet()
-    with quiet:
-        dcp.save(
-            state_dict,
-            storage_writer=writer,
-            planner=planner,
-            process_group=process_group,
-            no_dist=not _is_distributed(),
-        )
+@dataclass(frozen=True)
+class _DCPArgs:
+    """The DCP arguments of one save, as the caller passed them (``thread_count``
+    checked when made): what :meth:`write` hands to ``dcp.save``."""
+
+    planner: Any
+    process_group: Any
+    thread_count: int
+
+    def __post_init__(self) -> None:
+        n = self.thread_count
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"thread_count must be an int of at least 1, got {n!r}")
+
+    def write(
+        self, directory: str, state_dict: Any, *, rank: int, step: int, background: bool = False
+    ) -> None:
+        """This rank's part of DCP's save into ``directory`` (DCP's collectives inside);
+        raises what DCP raises, ``CheckpointException`` (a ``BaseException``) included.
+        ``background``: on a thread of a background save, which does not filter DCP's
+        single-process warning (``warnings.catch_warnings`` is not thread-safe)."""
+        writer = _PendingWriter(directory, rank=rank, step=step, thread_count=self.thread_count)
+        quiet = contextlib.nullcontext() if background else _single_process_quiet()
+        with quiet:
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=self.planner,
+                process_group=self.process_group,
+                no_dist=not _is_distributed(),
+            )
 
 
 def _dcp_error(rank: int, phase: str, exc: BaseException) -> RankFailure:
@@ -277,11 +284,6 @@ def _state_dicts(state_dict: dict[str, Any]) -> dict[str, Any]:
             f"takes), got {type(state_dict).__name__}"
         )
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-
-
-def _check_thread_count(thread_count: Any) -> None:
-    if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
-        raise ValueError(f"thread_count must be an int of at least 1, got {thread_count!r}")
 
 
 def _one_storage(mgr: CheckpointManager, step: int) -> None:
@@ -364,7 +366,7 @@ def save_dcp(
     """
     _local_root(mgr)
     _one_storage(mgr, step)
-    _check_thread_count(thread_count)
+    args = _DCPArgs(planner, process_group, thread_count)
     meta = _with_dcp_record(metadata, mgr.world_size)
     # A stock run's save torn by a crash (adoption refused it) is where this save
     # lands: the next step after the one resumed from. A complete one is refused.
@@ -380,15 +382,7 @@ def save_dcp(
         failure: RankFailure | None = None
         cause: BaseException | None = None
         try:
-            _write_shards(
-                str(pending),
-                flat,
-                rank=mgr.rank,
-                step=step,
-                planner=planner,
-                process_group=process_group,
-                thread_count=thread_count,
-            )
+            args.write(str(pending), flat, rank=mgr.rank, step=step)
         # CheckpointException derives from BaseException: name it, or it escapes as a
         # non-Exception that `except Exception` in the training loop never sees.
         except (CheckpointException, Exception) as exc:
@@ -474,17 +468,9 @@ def _stage(state_dict: dict[str, Any]) -> dict[str, Any]:
     return staged
 
 
+@parameters_of(save_dcp)
 def async_save_dcp(
-    mgr: CheckpointManager,
-    step: int,
-    state_dict: dict[str, Any],
-    *,
-    metrics: Mapping[str, SupportsFloat] | None = None,
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    planner: Any = None,
-    process_group: Any = None,
-    thread_count: int = 1,
+    mgr, step, state_dict, *, metrics, metadata, overwrite, planner, process_group, thread_count
 ) -> SaveHandle:
     """Stage ``state_dict`` in host memory, then save it with DCP as checkpoint ``step``
     of ``mgr`` in the background: the counterpart of ``dcp.async_save``. Collective.
@@ -497,19 +483,15 @@ def async_save_dcp(
     one (``save_async`` or ``async_save_dcp``) and raises its failure if it was not
     raised yet.
 
+    It takes the parameters of :func:`save_dcp`, with their meanings; two of them
+    differ:
+
     Args:
-        mgr: the manager of ROOT (created on every rank, in the same order).
-        step: the training step.
         state_dict: what ``dcp.async_save`` would get (``Stateful`` values are asked
             for their ``state_dict()`` now).
-        metrics: recorded in the manifest, for ``KeepBest`` retention.
-        metadata: JSON-serialisable user metadata.
-        overwrite: replace a committed ``step`` atomically.
-        planner: a DCP ``SavePlanner`` (default: DCP's).
         process_group: the group DCP's collectives use in the background; default: a
             gloo group over every rank, made by the first call (collective), so they
             never interleave with the training's collectives.
-        thread_count: DCP's writer threads per rank.
 
     Returns:
         A ``SaveHandle``: ``handle.result()`` is the committed ``CheckpointInfo``,
@@ -526,10 +508,10 @@ def async_save_dcp(
     """
     _local_root(mgr)  # a mounted filesystem, checked before anything is staged
     _one_storage(mgr, step)
-    _check_thread_count(thread_count)
+    args = _DCPArgs(planner, process_group, thread_count)
     t0 = time.perf_counter()
     mgr.wait()  # at most one save in flight; raises its failure once
-    group = _background_group(mgr, process_group)
+    args = replace(args, process_group=_background_group(mgr, process_group))
     staged: dict[str, Any] | None = None
     problem: Exception | None = None
     try:
@@ -544,16 +526,7 @@ def async_save_dcp(
 
     def write(directory: Path) -> None:
         try:
-            _write_shards(
-                str(directory),
-                staged,
-                rank=mgr.rank,
-                step=step,
-                planner=planner,
-                process_group=group,
-                thread_count=thread_count,
-                background=True,
-            )
+            args.write(str(directory), staged, rank=mgr.rank, step=step, background=True)
         except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
             said = full_storage_error(mgr.storage, exc) or exc
             if single:
@@ -1013,7 +986,7 @@ def save(
     """
     parent, name = _checkpoint_dir(checkpoint_id)
     step = _path_step(name, step)
-    _check_thread_count(thread_count)
+    args = _DCPArgs(planner, process_group, thread_count)
     user_meta = check_metadata(metadata)
     group = process_group
     rank = _group_rank(group)
@@ -1038,15 +1011,7 @@ def save(
     # 2. every rank writes its shards (DCP's own collectives inside).
     failure, cause = None, None
     try:
-        _write_shards(
-            os.path.join(parent, pending),
-            state_dict,
-            rank=rank,
-            step=step,
-            planner=planner,
-            process_group=group,
-            thread_count=thread_count,
-        )
+        args.write(os.path.join(parent, pending), state_dict, rank=rank, step=step)
     except (CheckpointException, Exception) as exc:  # see save_dcp: BaseException
         cause, failure = exc, _dcp_error(rank, "dcp_write", exc)
     try:

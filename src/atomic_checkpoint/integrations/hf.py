@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import catalog
+from .._params import parameters_of
 from ..coordination import gather_summary
 from ..errors import (
     CheckpointError,
@@ -1028,16 +1029,10 @@ class AtomicCheckpointCallback(_TrainerCallback):  # type: ignore[misc,valid-typ
             as for :func:`make_atomic`.
     """
 
+    @parameters_of(make_atomic, first="self")
     def __init__(
-        self,
-        *,
-        retention: Any = None,
-        verify_on_resume: bool = True,
-        timeout_s: float = 600.0,
-        preemption: bool = False,
-        grace_s: float | None = None,
-        adopt_existing: bool = False,
-    ):
+        self, *, retention, verify_on_resume, timeout_s, preemption, grace_s, adopt_existing
+    ) -> None:
         self.settings = _Settings(
             retention, verify_on_resume, timeout_s, preemption, grace_s, adopt_existing
         )
