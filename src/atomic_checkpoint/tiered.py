@@ -467,6 +467,9 @@ class TieredCheckpointManager:
         # Counts the requests: the replicator tells one its caller gave up on (the
         # caller clears the request on timeout) from one still awaited.
         self._rollback_ticket = 0
+        # Multi-rank: the request whose caller this rank's replicator told the others is
+        # still waiting (_rollback_round); that caller then waits for the round's answer.
+        self._rollback_pinned = 0
         # While a rollback runs: the highest step a reading of tier 0 may queue for
         # replication (the steps above it are being removed from tier 0).
         self._ceiling: int | None = None
@@ -951,12 +954,20 @@ class TieredCheckpointManager:
             self._rollback_result = None
             self._rollback_req = step
             self._rollback_ticket += 1
+            ticket = self._rollback_ticket
             self._kick = True
             self._cv.notify_all()
-            done = self._cv.wait_for(
-                lambda: self._rollback_result is not None or not self._thread.is_alive(),
-                timeout=self.timeout_s,
-            )
+
+            def answered() -> bool:
+                return self._rollback_result is not None or not self._thread.is_alive()
+
+            done = self._cv.wait_for(answered, timeout=self.timeout_s)
+            if not done and self._rollback_pinned == ticket:
+                # Several ranks: this rank's replicator told the others this call still
+                # waits, so the round goes on to roll back tier 0 with it; giving up now
+                # would leave the others in tier 0's rollback alone. The rest of the
+                # round is a few exchanges, each bounded by timeout_s.
+                done = self._cv.wait_for(answered, timeout=3 * self.timeout_s)
             result, self._rollback_result = self._rollback_result, None
             self._rollback_req = None
         if result is None:
@@ -1366,7 +1377,7 @@ class TieredCheckpointManager:
                 reconciled = self._reconciled
                 step = min(self._todo) if self._todo else None
                 peer_step = min(self._peer_todo) if self._peer_todo else None
-                rollback = self._rollback_req
+                rollback, ticket = self._rollback_req, self._rollback_ticket
                 self._kick = False
             try:
                 # Each round starts with one agreed exchange: whether any rank is
@@ -1387,7 +1398,7 @@ class TieredCheckpointManager:
                 if stop:
                     return
                 if back is not None:
-                    self._rollback_round(back)
+                    self._rollback_round(back, ticket)
                     continue
                 if chosen is not None:
                     self._peer_round(chosen)
@@ -1488,10 +1499,19 @@ class TieredCheckpointManager:
             raise value
         return cast(_R, value)
 
-    def _rollback_round(self, asked: list[int]) -> None:
+    def _rollback_round(self, asked: list[int], ticket: int) -> None:
         """The replicators' part of ``rollback`` (every rank, agreed): rank 0 rolls
         tier 1 back, then every rank forgets the steps above it and node leaders drop
-        their peer copies above it; every rank gets the same outcome."""
+        their peer copies above it; every rank gets the same outcome. ``ticket``: this
+        rank's request (``_rollback_persistent``).
+
+        A caller that gave up waiting (tier 1 stalled past ``timeout_s``) raised that
+        nothing was rolled back, and its tier 0 keeps the steps. Once tier 1 answers, the
+        ranks agree whether every caller still waits: if one gave up, what tier 1 lost
+        is replicated again from tier 0, nothing is forgotten, and every caller still
+        waiting raises too, so that no rank rolls tier 0 back alone. (The steps were
+        forgotten instead, and a step the user then kept stayed on the node-local tier
+        only, with every call saying it was replicated.)"""
         step = min(asked)
         removed, problem = self._while_working(
             "rollback",
@@ -1500,8 +1520,28 @@ class TieredCheckpointManager:
         removed, problem = self._rc.broadcast(
             "tiered: rollback", (removed, problem), src=0, timeout_s=self.timeout_s
         )
+        with self._cv:
+            waiting = self._rollback_req is not None and self._rollback_ticket == ticket
+            if waiting:
+                self._rollback_pinned = ticket  # its caller now waits for this answer
+        gave_up = gather_summary(
+            self._rc,
+            "tiered: rollback callers",
+            waiting,
+            lambda found: [r for r, still in enumerate(found) if not still],
+            timeout_s=self.timeout_s,
+        )
         kind, value = "error", problem
-        if problem is None:
+        if gave_up:
+            if problem is None:
+                self._replicate_again(step, removed)
+            late = (
+                "; it was rolled back later, and what it lost there is replicated again from tier 0"
+                if problem is None
+                else f" ({problem})"
+            )
+            value = f"rank(s) {gave_up} stopped waiting for it after {self.timeout_s:g} s{late}"
+        elif problem is None:
             # Tier 1 holds nothing above the step: forget those steps, and drop their
             # peer copies (a failure leaves tier 0 untouched: calling again finishes).
             self._purge_above(step)
@@ -1517,6 +1557,8 @@ class TieredCheckpointManager:
             )
             kind, value = ("error", "; ".join(problems)) if problems else ("ok", removed)
         with self._cv:
+            if self._rollback_req is None or self._rollback_ticket != ticket:
+                return  # its caller gave up (it raised): this answer is nobody's
             self._rollback_req = None
             self._rollback_result = (kind, CheckpointError(value) if kind == "error" else value)
             self._cv.notify_all()

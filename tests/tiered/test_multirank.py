@@ -483,6 +483,15 @@ def test_drain_with_one_process_per_node_finishes_a_multi_node_jobs_replication(
             assert states_equal(reader.restore(step=s, rank=r), make_state(s, r, big_elems=4096))
 
 
+def _persistent_tier_holds_steps_1_and_2(s3_tiers: S3Tiers) -> None:
+    """Steps 1 and 2 of a 2-rank job, and no other, are on the persistent tier, and
+    each rank's state of step 2 restores from it exactly."""
+    reader = CheckpointManager(s3_tiers.url, storage_options=s3_tiers.opts, read_only=True)
+    assert [c.step for c in reader.checkpoints()] == [1, 2]
+    for r in range(2):
+        assert states_equal(reader.restore(step=2, rank=r), make_state(2, r, big_elems=4096))
+
+
 @pytest.mark.netfs
 def test_a_persistent_tier_that_stalls_past_timeout_s_is_a_slow_round_not_a_dead_rank(
     tmp_path, s3_tiers
@@ -500,10 +509,37 @@ def test_a_persistent_tier_that_stalls_past_timeout_s_is_a_slow_round_not_a_dead
     assert all(v["caught_up"] is True for v in values), values
     assert all(v["after"] == "None" and v["backlog"] == [] for v in values), values
     assert all(v["left"] == [] for v in values), values
-    reader = CheckpointManager(s3_tiers.url, storage_options=s3_tiers.opts, read_only=True)
-    assert [c.step for c in reader.checkpoints()] == [1, 2]
-    for r in range(2):
-        assert states_equal(reader.restore(step=2, rank=r), make_state(2, r, big_elems=4096))
+    _persistent_tier_holds_steps_1_and_2(s3_tiers)
+
+
+@pytest.mark.netfs
+def test_a_rollback_every_rank_gave_up_on_loses_nothing_when_the_persistent_tier_answers_late(
+    tmp_path, s3_tiers
+):
+    # S3 stalls during rollback(1): every rank's call gives up after timeout_s and says
+    # nothing was rolled back (tier 0 keeps steps 1-3). The held request lands later,
+    # and rank 0's replicator rolled the persistent tier back then: the round forgot
+    # steps 2 and 3 on every rank, so the step 2 the user then kept (rollback(2)) was
+    # on the node-local tiers only, while wait_replicated() and close() said all was
+    # replicated. Now the ranks agree that their callers gave up, and what the
+    # persistent tier lost is replicated again from tier 0.
+    values = s3_tiers.run_ranks_while_held(
+        workers.w_rollback_late, 2, tmp_path / "held-from-now-on", delay_s=8
+    )
+    for v in values:
+        assert "was not rolled back" in v.pop("first"), values
+    # Every rank alike: the first rollback removed nothing from tier 0, the second only
+    # step 3, and the persistent tier caught up with what tier 0 holds.
+    rank_saw = {
+        "replicated": True,
+        "tier0_after_first": [1, 2, 3],
+        "removed": [3],
+        "caught_up": True,
+        "backlog": [],
+        "left": [],
+    }
+    assert values == [rank_saw, rank_saw], values
+    _persistent_tier_holds_steps_1_and_2(s3_tiers)
 
 
 @pytest.mark.netfs

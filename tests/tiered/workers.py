@@ -651,6 +651,44 @@ def w_close_within_its_timeout(
     return {"replicated": replicated, "took": time.monotonic() - t, "left": left}
 
 
+def w_rollback_late(
+    rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
+) -> dict[str, Any]:
+    """Steps 1-3 replicated and on tier 0; then rank 0 creates ``flag`` (the proxy
+    holds each request to the persistent tier 8 s while it exists, twice the manager's
+    ``timeout_s`` of 4) and every rank calls ``rollback(1)``, which gives up waiting for
+    the persistent tier. Rank 0 removes the flag; once the held rollback has landed on
+    the persistent tier, every rank keeps step 2 with ``rollback(2)``. What each rank
+    saw, and whether the persistent tier caught up."""
+    import torch.distributed as dist
+
+    _fast, mgr = _node_manager(
+        rank, base, slow, opts, keep=5, timeout_s=4, retry_max_s=0.2, fast_keep=5
+    )
+    for s in (1, 2, 3):
+        mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+    out: dict[str, Any] = {"replicated": mgr.wait_replicated(timeout_s=60)}
+    dist.barrier()
+    if rank == 0:
+        with open(flag, "w"):
+            pass
+    dist.barrier()
+    try:
+        out["first"] = f"returned {mgr.rollback(1)}"
+    except CheckpointError as exc:
+        out["first"] = str(exc)
+    out["tier0_after_first"] = [c.step for c in mgr.fast.checkpoints()]
+    dist.barrier()
+    if rank == 0:
+        os.remove(flag)
+    time.sleep(8)  # the held request is answered 8 s after it was made
+    out["removed"] = mgr.rollback(2)
+    out["caught_up"] = mgr.wait_replicated(timeout_s=60)
+    out["backlog"] = mgr.replication_backlog()
+    out["left"] = mgr.close(timeout_s=30)
+    return out
+
+
 def w_tier1_stalls(
     rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
 ) -> dict[str, Any]:
