@@ -218,6 +218,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TextIO
 
 from . import _early, catalog, layout
+from ._process import HOST_ENV, current_host
 from ._version import __version__
 from .adopt import AdoptResult
 from .coordination import gather_summary
@@ -666,10 +667,18 @@ def _check_lock(storage: Storage, what: str, *, force: bool, dry_run: bool) -> A
         )
         return holder
     if not force:
+        here = current_host()
+        elsewhere = (
+            f" It ran on host {holder.host!r}, and this is {here!r}: only there can its "
+            f"process be seen to be gone (run this there, or set {HOST_ENV}={holder.host} if "
+            "this is that node under another name)."
+            if getattr(holder, "host", here) != here
+            else ""
+        )
         raise CliError(
             f"refusing to {what} {storage.url()}: the run lock is held by {who}, which may "
-            "be saving right now. Stop that job first (a dead job's lock frees itself when "
-            "its lease expires), or pass --force once you are sure it is gone",
+            f"be saving right now.{elsewhere} Stop that job first (a dead job's lock frees "
+            "itself when its lease expires), or pass --force once you are sure it is gone",
             EXIT_LOCKED,
         )
     _warn(
@@ -2741,7 +2750,11 @@ def _drain(args: argparse.Namespace, coord: Any) -> int:
         if not args.json:
             print(
                 f"{fast.url()} -> {slow.url()}: "
-                + (f"{len(todo)} step(s) to replicate: {todo}" if todo else "checking"),
+                + (
+                    f"{len(todo)} step(s) to check, copied where missing: {todo}"
+                    if todo
+                    else "checking"
+                ),
                 flush=True,
             )
         if todo:

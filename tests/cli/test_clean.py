@@ -127,6 +127,9 @@ def test_clean_holder_on_another_host_waits_for_its_lease(root):
     crash_dir.mkdir(parents=True)
     proc = run_cli("clean", root)
     assert proc.returncode == 3 and "host 'node-b'" in error_line(proc)
+    # It says why a dead holder is not seen as dead here, and what to do about it.
+    assert "only there can its process be seen to be gone" in error_line(proc)
+    assert "ATOMIC_CHECKPOINT_HOST=node-b" in error_line(proc)
     assert crash_dir.exists()
     expires = run_json("clean", root, "--dry-run")["lock"]["expires_unix"]
     wait_for(lambda: time.time() > expires + 0.2, timeout_s=10, what="lease expiry")
