@@ -40,14 +40,11 @@ def shared_parameters(func: Function) -> Parameters | None:
             continue
         original, first = _find(func, m.group(1)), m.group(2)
         params = [
-            Parameter(
-                first if (i == 0 and first) else p.name,
-                annotation=p.annotation,
-                kind=p.kind,
-                default=p.default,
-            )
-            for i, p in enumerate(original.parameters)
+            Parameter(p.name, annotation=p.annotation, kind=p.kind, default=p.default)
+            for p in original.parameters
         ]
+        if first and params:  # the method's own first parameter, unannotated
+            params[0] = Parameter(first, kind=params[0].kind)
         return Parameters(*params)
     return None
 

@@ -41,7 +41,8 @@ def parameters_of(
     shared = inspect.signature(original)
     if first is not None:
         head, *rest = shared.parameters.values()
-        shared = shared.replace(parameters=[head.replace(name=first), *rest])
+        head = head.replace(name=first, annotation=inspect.Parameter.empty)
+        shared = shared.replace(parameters=[head, *rest])
 
     def declare(twin: Callable[..., R]) -> Callable[P, R]:
         signature = shared.replace(return_annotation=inspect.signature(twin).return_annotation)

@@ -91,5 +91,7 @@ def test_first_renames_the_first_parameter_for_a_method_twin():
 
     assert Twin().level == 3 and Twin(level=5).level == 5
     assert str(inspect.signature(Twin)) == "(*, level: 'int' = 3) -> 'None'"
+    # The renamed parameter drops the original's annotation (self is no 'object').
+    assert str(inspect.signature(Twin.__init__)).startswith("(self, *, level")
     with pytest.raises(TypeError, match=r"Twin.__init__\(\) too many positional"):
         Twin(4)  # type: ignore[misc]
