@@ -2631,6 +2631,12 @@ class CheckpointManager:
     #: one), the same on every rank.
     last_restored: CheckpointInfo | None = None
 
+    #: Asked before each removal of a rollback; once it says True the rollback stops
+    #: there (``_RollbackStopped``). Set by a tiered manager on its persistent tier's
+    #: manager: a rollback whose caller gave up waiting must not go on removing steps
+    #: that tier 0 may no longer hold.
+    _rollback_stop: Callable[[], bool] | None = None
+
     def resumed_from(self, info: CheckpointInfo, *, corrupt: Iterable[int] = ()) -> None:
         """Record a resume that your own loader did, so that the manager goes on as
         after a ``restore()`` that made the same choice: for checkpoints whose files
@@ -3148,6 +3154,14 @@ class CheckpointManager:
         }
         removed: list[int] = []
         for victim in reversed(victims):
+            if self._rollback_stop is not None and self._rollback_stop():
+                left = [v for v in victims if v <= victim]
+                raise _RollbackStopped(
+                    f"rollback to step {step} in {self.root} stopped before step {victim}: "
+                    f"its caller gave up; removed step(s) {removed}, step(s) {left} were not "
+                    "touched",
+                    removed,
+                )
             try:
                 self._delete_checkpoint(victim, why="rollback")
             except BaseException as exc:
@@ -3325,6 +3339,16 @@ def _calls_and_failures(
     """Each rank's ``(step, kind, overwrite)``, and the failures, of ``_agree_to_save``'s
     round."""
     return [s for s, _ in values], [f for _, f in values if f is not None]
+
+
+class _RollbackStopped(CheckpointError):
+    """A rollback that its ``_rollback_stop`` hook stopped between two removals:
+    ``removed`` went (un-committed, then deleted), the others were not touched and are
+    still valid checkpoints."""
+
+    def __init__(self, message: str, removed: list[int]):
+        super().__init__(message)
+        self.removed = removed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,7 +173,13 @@ from .layout import (
     rank_state_file,
     validate_step,
 )
-from .manager import CheckpointManager, CopyAttempt, check_world_size, close_propagating
+from .manager import (
+    CheckpointManager,
+    CopyAttempt,
+    _RollbackStopped,
+    check_world_size,
+    close_propagating,
+)
 from .manifest import CheckpointInfo, FileEntry, Hasher, Manifest
 from .storage import open_storage, posix, storage_for
 from .storage.base import Storage, answer_within, renaming
@@ -319,6 +325,11 @@ def _merge_views(views: list[tuple[Any, ...]]) -> _Views:
         out.leader = [v[3] for v in views]
         out.held = {r: v[4] for r, v in enumerate(views) if r == v[3]}
         out.slow_error = views[0][6]
+    if views[0][1] is None and out.slow_error is None:
+        # Rank 0 could not list tier 1 (its log says why): not an empty tier 1. Taken for
+        # one, a rollback said it would remove "every checkpoint on both tiers" on some
+        # ranks, and a restore found "no checkpoint" where tier 1 holds the run.
+        out.slow_error = "it did not answer rank 0 (see the warning logged there)"
     return out
 
 
@@ -899,7 +910,12 @@ class TieredCheckpointManager:
             # that cannot be listed is not taken for an empty one (the message said its
             # steps did not exist): its rollback below says it did not answer.
             if self._multi:
-                held: list[int] | None = [c.step for c in self.checkpoints()]
+                v = self._views_multi()
+                held: list[int] | None = (
+                    None
+                    if v.slow_error is not None
+                    else [c.step for c in self._checkpoints_multi(v)]
+                )
             else:
                 fast, slow = self._tier_lists()
                 held = None if slow is None else [c.step for c in (*fast, *slow)]
@@ -1160,7 +1176,7 @@ class TieredCheckpointManager:
             if self._persistent is None:
                 self._open_persistent()  # queues only steps at or below the ceiling
             assert self._persistent is not None
-            removed = self._persistent.rollback(step, allow_empty=True)
+            removed = self._stoppable_rollback(step, functools.partial(self._gave_up, ticket))
             result = ("ok", removed)
             with self._cv:
                 gave_up = self._rollback_req is None or self._rollback_ticket != ticket
@@ -1169,6 +1185,12 @@ class TieredCheckpointManager:
             else:
                 # Only now: if tier 1 failed, tier 0 keeps these steps, to replicate.
                 self._purge_above(step)
+        except _RollbackStopped as exc:
+            # Its caller gave up while tier 1 was stalled, before this rollback removed
+            # everything: the rest stays (tier 0 may no longer hold those steps), and
+            # what went is replicated again from tier 0 where it still is.
+            self._replicate_again(step, exc.removed)
+            result = ("error", exc)
         except Exception as exc:
             if isinstance(exc, LockError):
                 self._drop_persistent()
@@ -1179,6 +1201,26 @@ class TieredCheckpointManager:
             self._rollback_req = None
             self._rollback_result = result
             self._cv.notify_all()
+
+    def _gave_up(self, ticket: int) -> bool:
+        """Whether the caller of rollback request ``ticket`` on this rank gave up
+        waiting (it raised that nothing was rolled back)."""
+        with self._cv:
+            return self._rollback_req is None or self._rollback_ticket != ticket
+
+    def _stoppable_rollback(self, step: int, stop: Callable[[], bool]) -> list[int]:
+        """Tier 1's rollback to ``step``, asking ``stop`` before each removal: a rollback
+        whose caller gave up (tier 1 stalled past ``timeout_s``) and that tier 1 answers
+        later removes nothing more (``_RollbackStopped``). It went on: the steps tier 0's
+        retention had already dropped were removed from tier 1 too, and lost from every
+        tier by a call that said nothing was removed."""
+        persistent = self._persistent
+        assert persistent is not None
+        persistent._rollback_stop = stop
+        try:
+            return persistent.rollback(step, allow_empty=True)
+        finally:
+            persistent._rollback_stop = None
 
     def _replicate_again(self, step: int, removed: list[int]) -> None:
         """A rollback whose caller gave up waiting (tier 1 did not answer in time) was
@@ -1429,7 +1471,13 @@ class TieredCheckpointManager:
                 )
                 return
 
-    def _while_working(self, what: str, work: Callable[[], _R] | None) -> _R | None:
+    def _while_working(
+        self,
+        what: str,
+        work: Callable[[], _R] | None,
+        *,
+        abandoned: tuple[int, threading.Event] | None = None,
+    ) -> _R | None:
         """This rank's part of a multi-rank round that works on storage (``work``; None:
         this rank has none), run on a helper thread while every rank's replicator meets
         the others every ``_MEET_EVERY_S`` until every rank's part has ended; returns
@@ -1443,7 +1491,9 @@ class TieredCheckpointManager:
         longer than ``timeout_s``, ``last_replication_error`` says which ranks it waits
         for. A close() on any rank ends the round on every rank (``_RoundFailed``; the
         next round's first exchange stops them); a part stuck in a storage call goes on
-        in its daemon thread and its result is dropped."""
+        in its daemon thread and its result is dropped. ``abandoned``: a rollback
+        round's (this rank's request ticket, an event): each meeting says whether some
+        rank's caller gave up, and sets the event if one did."""
         box: list[tuple[bool, Any]] = []
 
         def run() -> None:
@@ -1465,13 +1515,16 @@ class TieredCheckpointManager:
             worker.join(every)
             with self._cv:
                 peer_step = min(self._peer_todo) if peering and self._peer_todo else None
-            busy, stopping, chosen = gather_summary(
+            gone = abandoned is not None and self._gave_up(abandoned[0])
+            busy, stopping, chosen, given_up = gather_summary(
                 self._rc,
                 f"tiered: {what}, working",
-                (not box, self._stop.is_set(), peer_step),
+                (not box, self._stop.is_set(), peer_step, gone),
                 _busy_ranks,
                 timeout_s=self.timeout_s,
             )
+            if given_up and abandoned is not None:
+                abandoned[1].set()
             if not busy:
                 break
             if stopping:
@@ -1513,9 +1566,17 @@ class TieredCheckpointManager:
         forgotten instead, and a step the user then kept stayed on the node-local tier
         only, with every call saying it was replicated.)"""
         step = min(asked)
+        # Set once a meeting of the round hears that some rank's caller gave up: rank 0
+        # then removes nothing more from tier 1.
+        abandoned = threading.Event()
+
+        def stop() -> bool:
+            return abandoned.is_set() or self._gave_up(ticket)
+
         removed, problem = self._while_working(
             "rollback",
-            functools.partial(self._rollback_slow, asked) if self.rank == 0 else None,
+            functools.partial(self._rollback_slow, asked, stop) if self.rank == 0 else None,
+            abandoned=(ticket, abandoned),
         ) or ([], None)
         removed, problem = self._rc.broadcast(
             "tiered: rollback", (removed, problem), src=0, timeout_s=self.timeout_s
@@ -1533,8 +1594,7 @@ class TieredCheckpointManager:
         )
         kind, value = "error", problem
         if gave_up:
-            if problem is None:
-                self._replicate_again(step, removed)
+            self._replicate_again(step, removed)  # what went, if it stopped part way
             late = (
                 "; it was rolled back later, and what it lost there is replicated again from tier 0"
                 if problem is None
@@ -1563,15 +1623,20 @@ class TieredCheckpointManager:
             self._rollback_result = (kind, CheckpointError(value) if kind == "error" else value)
             self._cv.notify_all()
 
-    def _rollback_slow(self, asked: list[int]) -> tuple[list[int], str | None]:
+    def _rollback_slow(
+        self, asked: list[int], stop: Callable[[], bool]
+    ) -> tuple[list[int], str | None]:
         """Rank 0's part of the rollback round: tier 1 rolled back to the step every
-        rank asked for; the steps removed, or what went wrong."""
+        rank asked for, unless ``stop`` says a caller gave up; the steps removed, and
+        what went wrong."""
         if len(set(asked)) > 1:
             return [], f"the ranks called rollback() with different steps: {sorted(set(asked))}"
         try:
             if self._persistent is None:
                 self._persistent = self._new_persistent()
-            return self._persistent.rollback(asked[0], allow_empty=True), None
+            return self._stoppable_rollback(asked[0], stop), None
+        except _RollbackStopped as exc:
+            return exc.removed, f"{self._slow_storage.url('')}: {exc}"
         except CheckpointError as exc:
             self._drop_persistent()
             return [], f"{self._slow_storage.url('')}: {type(exc).__name__}: {exc}"
@@ -3066,13 +3131,17 @@ def _next_round(
     return stop, back, _oldest(p for _, p, _ in reports)
 
 
-def _busy_ranks(reports: list[tuple[bool, bool, int | None]]) -> tuple[str, bool, int | None]:
+def _busy_ranks(
+    reports: list[tuple[bool, bool, int | None, bool]],
+) -> tuple[str, bool, int | None, bool]:
     """A meeting of ``_while_working``, on rank 0: the ranks still working ("" when
     none; the first 8 named, so the answer stays small at any scale), whether any rank
-    is stopping, and the oldest step any rank has for a peer round (as ``_next_round``)."""
-    busy = [r for r, (working, _, _) in enumerate(reports) if working]
-    peer = _oldest(p for _, _, p in reports)
-    return (ranks_text(busy, 8) if busy else ""), any(stop for _, stop, _ in reports), peer
+    is stopping, the oldest step any rank has for a peer round (as ``_next_round``), and
+    whether any rank's rollback caller gave up."""
+    busy = [r for r, (working, *_) in enumerate(reports) if working]
+    peer = _oldest(p for _, _, p, _ in reports)
+    stopping = any(stop for _, stop, _, _ in reports)
+    return (ranks_text(busy, 8) if busy else ""), stopping, peer, any(g for *_, g in reports)
 
 
 def _oldest(steps: Iterable[int | None]) -> int | None:

@@ -517,12 +517,14 @@ def test_a_rollback_every_rank_gave_up_on_loses_nothing_when_the_persistent_tier
     tmp_path, s3_tiers
 ):
     # S3 stalls during rollback(1): every rank's call gives up after timeout_s and says
-    # nothing was rolled back (tier 0 keeps steps 1-3). The held request lands later,
-    # and rank 0's replicator rolled the persistent tier back then: the round forgot
-    # steps 2 and 3 on every rank, so the step 2 the user then kept (rollback(2)) was
-    # on the node-local tiers only, while wait_replicated() and close() said all was
-    # replicated. Now the ranks agree that their callers gave up, and what the
-    # persistent tier lost is replicated again from tier 0.
+    # nothing was rolled back. Tier 0 keeps the newest step only (3); the persistent
+    # tier holds 1-3. The held request landed later, and rank 0's replicator rolled the
+    # persistent tier back then, removing steps 2 and 3: step 2, which the user then
+    # kept (rollback(2)), was on no tier, while wait_replicated() and close() said all
+    # was replicated (before that, the round also forgot step 3 on every rank, leaving
+    # it on the node-local tiers only). Now a meeting of the round hears that the
+    # callers gave up, rank 0 removes nothing more from the persistent tier, and the
+    # ranks agree to replicate again whatever it had removed.
     values = s3_tiers.run_ranks_while_held(
         workers.w_rollback_late, 2, tmp_path / "held-from-now-on", delay_s=8
     )
@@ -532,7 +534,7 @@ def test_a_rollback_every_rank_gave_up_on_loses_nothing_when_the_persistent_tier
     # step 3, and the persistent tier caught up with what tier 0 holds.
     rank_saw = {
         "replicated": True,
-        "tier0_after_first": [1, 2, 3],
+        "tier0_after_first": [3],
         "removed": [3],
         "caught_up": True,
         "backlog": [],

@@ -169,6 +169,39 @@ def test_a_rollback_that_gave_up_on_a_stalled_tier_1_loses_nothing_when_it_lands
     assert steps_on(CheckpointManager(fast_root, read_only=True)) == [1, 2]
 
 
+@pytest.mark.timeout(60)
+def test_a_rollback_that_gave_up_removes_nothing_that_only_the_persistent_tier_holds(
+    s3_server, s3_bucket, fast_root
+):
+    """Tier 0 keeps the newest step only (the README's own example), so steps 1 and 2
+    are on the persistent tier alone. S3 stalls, rollback(1) gives up and says nothing
+    was rolled back; once S3 answered, the replicator rolled tier 1 back anyway: steps
+    2 and 3 went from tier 1, step 3 came back from tier 0, and step 2 was on no tier.
+    Now a rollback whose caller gave up removes nothing more."""
+    url = f"s3://{s3_bucket}/run"
+    with S3Proxy(s3_server, lifetime_s=150) as proxy:
+        tiers = [
+            Tier(fast_root, retention=KeepLast(1)),
+            Tier(url, storage_options=proxy.storage_options(), retention=KeepLast(5)),
+        ]
+        mgr = TieredCheckpointManager(tiers, timeout_s=3, retry_max_s=0.2)
+        for s in (1, 2, 3):
+            mgr.save(s, state(s))
+            assert mgr.wait_replicated(timeout_s=60)
+        assert steps_on(mgr.fast) == [3]
+        stall = proxy.add(Rule("delay", times=None))  # held until released
+        with pytest.raises(CheckpointError, match=r"was not rolled back .* nothing was removed"):
+            mgr.rollback(1)
+        proxy.remove(stall)
+        stall.release.set()  # S3 answers: the held request of the rollback goes through
+        assert mgr.rollback(3) == []  # served after it: the replicator is done with it
+        assert mgr.close() == []
+    reader = CheckpointManager(url, storage_options=s3_server.storage_options(), read_only=True)
+    assert steps_on(reader) == [1, 2, 3]
+    assert same(reader.restore(2), state(2))
+    assert steps_on(CheckpointManager(fast_root, read_only=True)) == [3]
+
+
 @pytest.mark.netfs
 @pytest.mark.timeout(120)
 def test_rollback_to_a_step_only_the_unreachable_tier_holds_says_it_did_not_answer(

@@ -654,7 +654,8 @@ def w_close_within_its_timeout(
 def w_rollback_late(
     rank: int, world: int, base: str, slow: str, opts: dict[str, Any], flag: str
 ) -> dict[str, Any]:
-    """Steps 1-3 replicated and on tier 0; then rank 0 creates ``flag`` (the proxy
+    """Steps 1-3 replicated (tier 0 keeps the newest only: step 3; the persistent tier
+    keeps 5); then rank 0 creates ``flag`` (the proxy
     holds each request to the persistent tier 8 s while it exists, twice the manager's
     ``timeout_s`` of 4) and every rank calls ``rollback(1)``, which gives up waiting for
     the persistent tier. Rank 0 removes the flag; once the held rollback has landed on
@@ -662,11 +663,10 @@ def w_rollback_late(
     saw, and whether the persistent tier caught up."""
     import torch.distributed as dist
 
-    _fast, mgr = _node_manager(
-        rank, base, slow, opts, keep=5, timeout_s=4, retry_max_s=0.2, fast_keep=5
-    )
+    _fast, mgr = _node_manager(rank, base, slow, opts, keep=5, timeout_s=4, retry_max_s=0.2)
     for s in (1, 2, 3):
         mgr.save(s, make_state(s, rank, big_elems=ELEMS))
+        mgr.wait_replicated(timeout_s=60)  # then tier 0's retention drops the step before
     out: dict[str, Any] = {"replicated": mgr.wait_replicated(timeout_s=60)}
     dist.barrier()
     if rank == 0:
