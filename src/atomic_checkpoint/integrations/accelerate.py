@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any, SupportsFloat
 
 from .. import catalog
+from .._checks import flag, positive_seconds, retention_policy
 from ..adopt import CheckpointFolder, accelerate_is_complete, adopt, set_aside_unmanifested
 from ..catalog import read_manifest
 from ..coordination import Coordinator, gather_summary, rank_failure, shared_failures
@@ -542,6 +543,19 @@ def _project_root(project: str) -> tuple[str, Storage | None]:
     return project, view
 
 
+def _checked(accelerator: Any, retention: Any, timeout_s: Any) -> float:
+    """The checks every entry point makes before it opens or writes anything: an
+    Accelerator, a retention policy (or None) and a positive ``timeout_s`` (returned as
+    a float). A mistake in them was found at the first save, after the root was made."""
+    if not (hasattr(accelerator, "project_configuration") and hasattr(accelerator, "save_state")):
+        raise TypeError(
+            f"expected an accelerate.Accelerator, got {type(accelerator).__name__} "
+            f"{accelerator!r}: pass the job's Accelerator (accelerator = Accelerator(...))"
+        )
+    retention_policy(retention)
+    return positive_seconds("timeout_s", timeout_s)
+
+
 def _root_for(
     accelerator: Any, root: str | os.PathLike[str] | None, retention: Any, timeout_s: float
 ) -> tuple[str, FrameworkRoot]:
@@ -683,6 +697,9 @@ def save_state(
 
     An error releases the root's run lock (the next call opens the root again).
     """
+    timeout_s = _checked(accelerator, retention, timeout_s)
+    if step is not None:
+        step = validate_step(step)  # before the root is opened: nothing written for it
     key, opened = _root_for(accelerator, root, retention, timeout_s)
     try:
         config = accelerator.project_configuration
@@ -758,6 +775,11 @@ def load_state(
 
     An error releases the root's run lock (the next call opens the root again).
     """
+    timeout_s = _checked(accelerator, retention, timeout_s)
+    missing_ok, verify = flag("missing_ok", missing_ok), flag("verify", verify)
+    adopt_existing = flag("adopt_existing", adopt_existing)
+    if step is not None:
+        step = validate_step(step)
     key, opened = _root_for(accelerator, root, retention, timeout_s)
     try:
         if adopt_existing:
@@ -897,6 +919,8 @@ def make_atomic(
     Returns:
         ``accelerator`` (the same object).
     """
+    timeout_s = _checked(accelerator, retention, timeout_s)
+    verify, adopt_existing = flag("verify", verify), flag("adopt_existing", adopt_existing)
     if _STOCK_ATTR in accelerator.__dict__:
         return accelerator
     if root is None and not accelerator.project_dir:

@@ -107,6 +107,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import catalog
+from .._checks import flag
 from .._faults import fault_point
 from .._params import parameters_of
 from .._version import __version__
@@ -719,6 +720,11 @@ def load_dcp(
             raises it).
     """
     _local_root(mgr)
+    verify, missing_ok = flag("verify", verify), flag("missing_ok", missing_ok)
+    adopt_existing = flag("adopt_existing", adopt_existing)
+    allow_pickle = flag("allow_pickle", allow_pickle)
+    if step is not None:
+        step = validate_step(step)
     if adopt_existing:
         _adopt_existing(mgr)
     infos = mgr.checkpoints()

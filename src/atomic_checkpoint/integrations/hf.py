@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import catalog
+from .._checks import flag, positive_seconds, retention_policy
 from .._params import parameters_of
 from ..coordination import gather_summary
 from ..errors import (
@@ -246,6 +247,16 @@ class _Settings:
     preemption: bool
     grace_s: float | None
     adopt_existing: bool
+
+    def __post_init__(self) -> None:
+        # Checked when make_atomic (or the callback) is called, before train() writes
+        # anything: preemption="false" (a truthy string) armed the signal handlers.
+        retention_policy(self.retention)
+        for name in ("verify_on_resume", "preemption", "adopt_existing"):
+            object.__setattr__(self, name, flag(name, getattr(self, name)))
+        object.__setattr__(self, "timeout_s", positive_seconds("timeout_s", self.timeout_s))
+        if self.grace_s is not None:
+            object.__setattr__(self, "grace_s", positive_seconds("grace_s", self.grace_s))
 
 
 class _AtomicTrainer:

@@ -498,6 +498,8 @@ def latest_checkpoint(
     Raises:
         LockHeldError: ``adopt`` and a job holds the run lock of ``dirpath``.
     """
+    full, adopt = flag("full", full), flag("adopt", adopt)
+    include_weights_only = flag("include_weights_only", include_weights_only)
     directory = _local_path(dirpath)
     if adopt and _launch_rank() == 0 and posix.is_dir(directory):
         adopt_checkpoints(directory)
@@ -1128,6 +1130,14 @@ class _AsyncAtomicFileIO:
         require_manifest: bool = False,
     ):
         super().__init__()
+        if checkpoint_io is not None and not isinstance(checkpoint_io, _AtomicFileIO):
+            # Found here, not by the first background save (an AttributeError logged
+            # there, and another from teardown()).
+            raise TypeError(
+                f"checkpoint_io must be an AtomicCheckpointIO (the plugin whose writes go "
+                f"to the background), got {type(checkpoint_io).__name__} {checkpoint_io!r}: "
+                "e.g. AsyncAtomicCheckpointIO(AtomicCheckpointIO(verify=True)), or none"
+            )
         self.checkpoint_io = checkpoint_io or self._sync_cls(
             verify=verify, require_manifest=require_manifest
         )
