@@ -1178,9 +1178,7 @@ class TieredCheckpointManager:
             assert self._persistent is not None
             removed = self._stoppable_rollback(step, functools.partial(self._gave_up, ticket))
             result = ("ok", removed)
-            with self._cv:
-                gave_up = self._rollback_req is None or self._rollback_ticket != ticket
-            if gave_up:
+            if self._gave_up(ticket):
                 self._replicate_again(step, removed)
             else:
                 # Only now: if tier 1 failed, tier 0 keeps these steps, to replicate.
@@ -1582,7 +1580,7 @@ class TieredCheckpointManager:
             "tiered: rollback", (removed, problem), src=0, timeout_s=self.timeout_s
         )
         with self._cv:
-            waiting = self._rollback_req is not None and self._rollback_ticket == ticket
+            waiting = not self._gave_up(ticket)  # _cv is re-entrant
             if waiting:
                 self._rollback_pinned = ticket  # its caller now waits for this answer
         gave_up = gather_summary(
@@ -1617,7 +1615,7 @@ class TieredCheckpointManager:
             )
             kind, value = ("error", "; ".join(problems)) if problems else ("ok", removed)
         with self._cv:
-            if self._rollback_req is None or self._rollback_ticket != ticket:
+            if self._gave_up(ticket):
                 return  # its caller gave up (it raised): this answer is nobody's
             self._rollback_req = None
             self._rollback_result = (kind, CheckpointError(value) if kind == "error" else value)
